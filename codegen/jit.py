@@ -1,0 +1,227 @@
+"""Compile tile programs once per (program, parameters, target, flags) and keep the result.
+
+An in-memory dict sits in front of the disk cache (codegen.cache). The disk key hashes the traced
+IR itself (so any change to a program or to a lowering rule changes it), the target, pass configs,
+the toolchain's version (nvcc / bisheng / the C compiler), TileLang's and Tilecraft's versions.
+Dynamic dimensions are symbolic in the IR, so one kernel serves every batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from codegen import cache, rules, targets
+from tilecraft import __version__, env
+
+log = logging.getLogger("tilecraft.jit")
+_memory: dict[tuple, "Kernel"] = {}
+_lock = threading.Lock()
+_key_locks: dict[tuple, threading.Lock] = {}
+STATS: Counter = Counter()  # memory_hit, disk_hit, compile, corrupt_rebuild
+
+
+def _tilelang():
+    """Import TileLang with our toolchain in place and its own caches off (ours replace them)."""
+    import tilelang
+
+    if not getattr(_tilelang, "done", False):
+        tilelang.disable_cache()
+        level = logging.INFO if env.flag("TILECRAFT_VERBOSE") else logging.WARNING
+        for name in ("TileLang", "tilelang"):
+            logging.getLogger(name).setLevel(level)
+        _tilelang.done = True
+    return tilelang
+
+
+def _execution_backend(t: targets.Target) -> str:
+    return {"cuda": "tvm_ffi", "cpu": "cython", "ascend": "tvm_ffi"}[t.vendor]
+
+
+def toolchain_version(t: targets.Target) -> str:
+    if t.vendor == "cuda":
+        from backends.cuda.toolchain import find_toolchain
+
+        return f"nvcc {find_toolchain().version}"
+    if t.vendor == "ascend":
+        from backends.ascend.toolchain import bisheng_version
+
+        return bisheng_version() or "bisheng absent"
+    cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except OSError:
+        return "cc unknown"
+
+
+def _freeze(v: Any):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+@dataclass
+class Kernel:
+    """A compiled tile program, callable on tensors in the program's argument order."""
+
+    program: str
+    target: targets.Target
+    params: dict
+    key: str
+    compiled: Any                       # TileLang JITKernel
+    source: str                         # device source (CUDA C++ / C)
+    entry: Path | None = None           # its disk-cache directory, if any
+    _bf16_as_u16: tuple = field(default=())
+
+    def __post_init__(self):
+        # On the cpu target bf16 tensors travel as uint16 (see codegen/lowering/cpu.py).
+        if self.target.vendor == "cpu":
+            self._bf16_as_u16 = tuple(i for i, p in enumerate(self.compiled.params) if str(p.dtype) == "uint16")
+
+    def __call__(self, *args):
+        if self._bf16_as_u16:
+            import torch
+
+            args = list(args)
+            for i in self._bf16_as_u16:
+                if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype == torch.bfloat16:
+                    args[i] = args[i].view(torch.uint16)
+        return self.compiled(*args)
+
+
+def _write_entry(tl_kernel, prim, backend: str):
+    def write(d: Path):
+        from tilelang.engine.param import dump_kernel_params
+
+        if backend == "tvm_ffi":
+            tl_kernel.export_library(str(d / "kernel.so"))
+        else:
+            shutil.copyfile(tl_kernel.adapter.libpath, d / "kernel.so")
+        (d / "device.src").write_text(tl_kernel.get_kernel_source() or "")
+        (d / "host.src").write_text(tl_kernel.adapter.get_host_source() or "")
+        (d / "params.json").write_text(dump_kernel_params(tl_kernel.params))
+        (d / "program.tir").write_text(prim.script())
+
+    return write
+
+
+def _load_entry(entry: cache.Entry, prim, t: targets.Target, pass_configs: dict):
+    from tilelang.engine.param import load_kernel_params
+    from tilelang.jit.adapter.base import CachedTextSource
+    from tilelang.jit.kernel import JITKernel
+
+    return JITKernel.from_database(
+        func=prim,
+        host_kernel_source=CachedTextSource(path=str(entry.file("host.src"))),
+        device_kernel_source=CachedTextSource(path=str(entry.file("device.src"))),
+        kernel_lib_path=str(entry.file("kernel.so")),
+        params=load_kernel_params(entry.file("params.json").read_text()),
+        target=t.tvm(),
+        target_host=None,
+        out_idx=None,
+        execution_backend=_execution_backend(t),
+        pass_configs=pass_configs or None,
+        compile_flags=None,
+    )
+
+
+def key_inputs(program, prim, t: targets.Target, pass_configs: dict) -> dict:
+    import tilelang
+
+    ir = prim.script()
+    return {
+        "program": program.name,
+        "ir_sha256": cache.hashlib.sha256(ir.encode()).hexdigest(),
+        "target": t.name,
+        "tvm_target": str(t.tvm()),
+        "pass_configs": {str(k): str(v) for k, v in sorted(pass_configs.items(), key=lambda kv: str(kv[0]))},
+        "toolchain": toolchain_version(t),
+        "tilelang": tilelang.__version__,
+        "tilecraft": __version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def compile(program, target, **params) -> Kernel:
+    """The compiled kernel for `program` on `target` with these parameters (cached)."""
+    t = program.check_target(target)
+    bound = program.bind(params)
+    mkey = (program.name, t.name, _freeze(bound), rules.generation())
+    hit = _memory.get(mkey)
+    if hit is not None:
+        STATS["memory_hit"] += 1
+        return hit
+    with _lock:
+        key_lock = _key_locks.setdefault(mkey, threading.Lock())
+    with key_lock:  # one compile per key inside a process; other threads wait for it
+        hit = _memory.get(mkey)
+        if hit is not None:
+            STATS["memory_hit"] += 1
+            return hit
+        kernel = _compile_uncached(program, t, bound)
+        _memory[mkey] = kernel
+        return kernel
+
+
+def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
+    tilelang = _tilelang()
+    if t.vendor == "ascend":
+        from backends.ascend.toolchain import find_bisheng
+
+        find_bisheng()  # a clear ToolchainError naming bisheng when CANN is absent
+    prim = program.trace(t, **bound)
+    pass_configs = program.configs(t, bound)
+    inputs = key_inputs(program, prim, t, pass_configs)
+    key = cache.digest(inputs)
+    use_disk = not env.flag("TILECRAFT_DISABLE_DISK_CACHE")
+    if use_disk:
+        entry = cache.lookup(key)
+        if entry is not None:
+            try:
+                tlk = _load_entry(entry, prim, t, pass_configs)
+                STATS["disk_hit"] += 1
+                log.info("tilecraft: %s on %s loaded from %s", program.name, t.name, entry.path)
+                return Kernel(program.name, t, bound, key, tlk, tlk.get_kernel_source() or "", entry.path)
+            except Exception as e:  # a library that fails to load is as bad as a corrupt one
+                log.warning("tilecraft: cache entry %s failed to load (%s); rebuilding", entry.path, e)
+                STATS["corrupt_rebuild"] += 1
+                cache._discard(entry.path)
+    t0 = time.perf_counter()
+    backend = _execution_backend(t)
+    tlk = tilelang.compile(prim, target=t.tvm(), execution_backend=backend, pass_configs=pass_configs or None)
+    STATS["compile"] += 1
+    log.info("tilecraft: compiled %s on %s in %.1f s", program.name, t.name, time.perf_counter() - t0)
+    path = None
+    if use_disk:
+        path = cache.publish(key, inputs, _write_entry(tlk, prim, backend)).path
+    return Kernel(program.name, t, bound, key, tlk, tlk.get_kernel_source() or "", path)
+
+
+def lower_source(program, target, **params) -> str:
+    """Generated device source for the target, with no compiler or device needed."""
+    tilelang = _tilelang()
+    t = program.check_target(target)
+    bound = program.bind(params)
+    prim = program.trace(t, **bound)
+    with t.tvm() as tv:
+        from tilelang.transform import PassConfigKey  # noqa: F401  (registers pass-config keys)
+        import tvm
+
+        with tvm.transform.PassContext(config=program.configs(t, bound)):
+            art = tilelang.lower(prim, target=tv)
+    return art.kernel_source
+
+
+def clear_memory() -> None:
+    with _lock:
+        _memory.clear()

@@ -1,0 +1,68 @@
+"""Ascend 950 (dav-3510): a 1-D grid of AI cores; vector work runs inside T.SimtVF regions with
+their own thread count; matrix operands sit in L1 and the Cube accumulates into L0C."""
+
+import tilelang.ascend.language as A
+
+from codegen.rules import register
+from codegen.tile import Accumulator, state
+
+
+@register("grid", "ascend")
+def grid(blocks, threads=128):
+    state()["threads"] = threads  # used by vector(): Ascend sets threads per vector region
+    return A.Kernel(blocks)
+
+
+@register("vector", "ascend")
+def vector():
+    return A.SimtVF(threads=state().get("threads", 128))
+
+
+@register("persistent", "ascend")
+def persistent(total, blocks, bid):
+    return A.Persistent([total], blocks, bid)
+
+
+@register("fragment", "ascend")
+def fragment(shape, dtype="float32"):
+    return A.alloc_fragment(shape, dtype)
+
+
+@register("stage", "ascend")
+def stage(shape, dtype):
+    return A.alloc_shared(shape, dtype)  # Unified Buffer
+
+
+@register("operand", "ascend")
+def operand(shape, dtype):
+    return A.alloc_l1(shape, dtype)
+
+
+@register("accumulator", "ascend")
+def accumulator(shape, dtype="float32"):
+    return Accumulator(A.alloc_l0c(shape, dtype), tuple(shape), dtype)
+
+
+@register("mma", "ascend")
+def mma(a, b, acc, transpose_b=True, clear=False):
+    return A.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=clear)
+
+
+@register("read_accumulator", "ascend")
+def read_accumulator(acc):
+    ub = A.alloc_shared(acc.shape, acc.dtype)
+    A.copy(acc.buf, ub)
+    return ub
+
+
+@register("copy", "ascend")
+def copy(src, dst):
+    return A.copy(src, dst)
+
+
+@register("row_reduce", "ascend")
+def row_reduce(src, dst, op="sum", dim=-1, clear=True):
+    fn = {"sum": A.reduce_sum, "max": A.reduce_max, "min": A.reduce_min, "absmax": A.reduce_absmax}.get(op)
+    if fn is None:
+        raise ValueError(f"row_reduce op must be sum, max, min or absmax, got {op!r}")
+    return fn(src, dst, dim=dim % len(src.shape), clear=clear)

@@ -1,0 +1,57 @@
+"""Rules that emit the same TileLang on every target ("*")."""
+
+import contextlib
+
+import tilelang.language as T
+
+from codegen.rules import register
+
+_REDUCERS = {"sum": "reduce_sum", "max": "reduce_max", "min": "reduce_min", "absmax": "reduce_absmax"}
+
+
+@register("row_reduce", "*")
+def row_reduce(src, dst, op="sum", dim=-1, clear=True):
+    if op not in _REDUCERS:
+        raise ValueError(f"row_reduce op must be one of {sorted(_REDUCERS)}, got {op!r}")
+    dim = dim % len(src.shape)
+    return getattr(T, _REDUCERS[op])(src, dst, dim=dim, clear=clear)
+
+
+@register("vector", "*")
+def vector():
+    return contextlib.nullcontext()
+
+
+@register("storage_dtype", "*")
+def storage_dtype(dtype):
+    return dtype
+
+
+@register("to_f32", "*")
+def to_f32(x, dtype):
+    return T.cast(x, "float32")
+
+
+@register("from_f32", "*")
+def from_f32(x, dtype):
+    return T.cast(x, dtype)
+
+
+@register("copy", "*")
+def copy(src, dst):
+    return T.copy(src, dst)
+
+
+@register("parallel", "*")
+def parallel(*extents):
+    return T.Parallel(*extents)
+
+
+@register("pipelined", "*")
+def pipelined(n, stages=2):
+    return T.Pipelined(n, num_stages=stages)
+
+
+@register("persistent", "*")
+def persistent(total, blocks, bid):
+    return T.serial(bid, total, blocks)

@@ -1,0 +1,27 @@
+"""Rules shared by every CUDA target (sm_90a, sm_100a)."""
+
+import tilelang.language as T
+
+from codegen.rules import register
+from codegen.tile import state
+
+
+@register("grid", "cuda")
+def grid(blocks, threads=128):
+    state()["threads"] = threads
+    return T.Kernel(blocks, threads=threads)
+
+
+@register("fragment", "cuda")
+def fragment(shape, dtype="float32"):
+    return T.alloc_fragment(shape, dtype)
+
+
+@register("stage", "cuda")
+def stage(shape, dtype):
+    return T.alloc_shared(shape, dtype)
+
+
+@register("operand", "cuda")
+def operand(shape, dtype):
+    return T.alloc_shared(shape, dtype)

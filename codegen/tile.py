@@ -1,0 +1,116 @@
+"""The portable tile vocabulary: the only words an op's tile program uses for anything that
+differs between targets.
+
+Write a program once with these words plus target-neutral TileLang (`T.prim_func`, `T.Tensor`,
+arithmetic, `T.cast`, `T.serial`, indexing). Each word is resolved while the program is traced,
+by the lowering rule registered for the target being compiled (see codegen.rules and
+codegen/lowering/). `tile.<name>` also reaches any word a kernel author registered later.
+
+| word | sm_90a | sm_100a | ascend:950 | cpu |
+| --- | --- | --- | --- | --- |
+| grid(blocks, threads) | T.Kernel 1-D | T.Kernel 1-D | T.Kernel (cores) | T.Kernel, 1 thread |
+| vector() | (nothing) | (nothing) | T.SimtVF region | (nothing) |
+| persistent(total, blocks, bid) | stepped serial | stepped serial | T.Persistent | stepped serial |
+| fragment(shape, dtype) | registers | registers | vector registers | alloc_local |
+| stage(shape, dtype) | shared memory | shared memory | UB | alloc_local |
+| operand(shape, dtype) | shared memory | shared memory | L1 | alloc_local |
+| accumulator(shape) | registers (WGMMA) | tensor memory | L0C | alloc_local |
+| mma(a, b, acc) | T.gemm -> WGMMA | tcgen05 + mbarrier | Cube T.gemm | serial loops |
+| read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB | (same buffer) |
+| copy(src, dst) | T.copy (TMA / vector) | T.copy | DMA T.copy | serial loops |
+| parallel(*extents) | T.Parallel | T.Parallel | T.Parallel | T.grid |
+| pipelined(n, stages) | T.Pipelined | T.Pipelined | T.Pipelined | T.serial |
+| row_reduce(src, dst, op, dim) | T.reduce_* | T.reduce_* | T.reduce_* | T.reduce_* on locals |
+| storage_dtype(dtype) | dtype | dtype | dtype | bf16 stored as uint16 |
+| to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from codegen import rules, targets
+
+# Per-trace facts that later words need (the grid's thread count, for Ascend's vector regions).
+_STATE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tilecraft_trace_state", default=None)
+
+
+def state() -> dict:
+    s = _STATE.get()
+    if s is None:
+        raise RuntimeError("tile words are only valid while a tile program is traced")
+    return s
+
+
+def new_state():
+    """Begin a fresh trace (codegen.program does this)."""
+    return _STATE.set({})
+
+
+def end_state(token) -> None:
+    _STATE.reset(token)
+
+
+@dataclass
+class Accumulator:
+    """A matrix accumulator: where it lives depends on the target (registers, TMEM, L0C)."""
+
+    buf: Any
+    shape: tuple
+    dtype: str
+    extra: dict = field(default_factory=dict)
+
+
+def _dispatch(word: str, *args, **kwargs):
+    return rules.lookup(word, targets.current()).fn(*args, **kwargs)
+
+
+def _word(name: str, doc: str):
+    rules.declare(name, doc)
+
+    def call(*args, **kwargs):
+        return _dispatch(name, *args, **kwargs)
+
+    call.__name__ = name
+    call.__qualname__ = name
+    call.__doc__ = doc
+    return call
+
+
+grid = _word("grid", "Launch a 1-D grid of `blocks` blocks of `threads` threads; `with tile.grid(n, threads) as bid:`.")
+vector = _word("vector", "A region of per-thread vector work (a SIMT vector function on Ascend, nothing on CUDA).")
+persistent = _word("persistent", "Iterate tile ids bid, bid+blocks, ... below total: a persistent schedule.")
+fragment = _word("fragment", "A register tile spread over the block's threads, for elementwise and reduction work.")
+stage = _word("stage", "An on-chip staging tile that copies fill from global memory (shared memory / UB).")
+operand = _word("operand", "An on-chip tile that feeds the matrix unit (shared memory / L1).")
+accumulator = _word("accumulator", "A matrix-multiply accumulator (registers / tensor memory / L0C).")
+mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b: the tile multiply-accumulate.")
+read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
+copy = _word("copy", "Copy a tile or region between global memory and on-chip buffers.")
+parallel = _word("parallel", "Elementwise map: a loop nest whose iterations are spread over the threads.")
+pipelined = _word("pipelined", "A loop whose copies are software-pipelined `stages` deep.")
+row_reduce = _word("row_reduce", "Reduce a tile along `dim` (sum, max, min, absmax) into a smaller tile.")
+storage_dtype = _word("storage_dtype", "The dtype a tensor of `dtype` has inside the kernel on this target.")
+to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to float32.")
+from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")
+
+
+def split_index(index, extents: tuple[int, ...]):
+    """Unflatten a 1-D block index into len(extents) indices (row-major); pure arithmetic."""
+    out = []
+    for ext in reversed(extents[1:]):
+        out.append(index % ext)
+        index = index // ext
+    out.append(index)
+    return tuple(reversed(out))
+
+
+def __getattr__(name: str):
+    # Words registered by kernel authors after import: tile.<word>(...) dispatches like the rest.
+    if name.startswith("_"):
+        raise AttributeError(name)
+    if name in rules.words():
+        return lambda *args, **kwargs: _dispatch(name, *args, **kwargs)
+    raise AttributeError(f"codegen.tile has no word {name!r}; known: {', '.join(rules.words())}")

@@ -1,0 +1,6 @@
+"""Tilecraft's public operators. Every op is a torch custom op (tilecraft::name) with a fake
+implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
+
+from ops.rms_norm import rms_norm, rms_norm_reference
+
+__all__ = ["rms_norm", "rms_norm_reference"]

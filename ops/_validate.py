@@ -1,0 +1,54 @@
+"""Argument checks shared by the public ops: every failure names the argument, what came in and
+what was expected (ValueError for values/shapes, TypeError for types)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return _SHORT.get(d, str(d).replace("torch.", ""))
+
+
+def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, ndim: int | tuple[int, ...] | None = None,
+           contiguous: bool = False) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype {' or '.join(dtype_name(d) for d in dtypes)}, got {dtype_name(t.dtype)}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with strides {t.stride()}")
+    return t
+
+
+def same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError("tensors must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    return next(iter(devices.values()))
+
+
+def shape(name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
+    if tuple(t.shape) != tuple(expected):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
+
+
+def number(name: str, v, *, lo=None, hi=None, integer=False):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kinds):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(v).__name__}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
