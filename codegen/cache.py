@@ -88,8 +88,9 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def lookup(key: str) -> Entry | None:
-    """The verified entry for `key`, or None (a corrupt entry is removed and reported)."""
+def lookup(key: str, on_corrupt=None) -> Entry | None:
+    """The verified entry for `key`, or None. A corrupt entry is logged, removed, and reported to
+    `on_corrupt(problem)`; the caller then rebuilds it."""
     path = entry_dir(key)
     if not path.exists():
         return None
@@ -97,6 +98,8 @@ def lookup(key: str) -> Entry | None:
     if problem is None:
         return Entry(key, path)
     log.warning("tilecraft: cache entry %s is corrupt (%s); rebuilding it", path, problem)
+    if on_corrupt is not None:
+        on_corrupt(problem)
     _discard(path)
     return None
 

@@ -185,7 +185,7 @@ def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
     key = cache.digest(inputs)
     use_disk = not env.flag("TILECRAFT_DISABLE_DISK_CACHE")
     if use_disk:
-        entry = cache.lookup(key)
+        entry = cache.lookup(key, on_corrupt=lambda problem: STATS.update(["corrupt_rebuild"]))
         if entry is not None:
             try:
                 tlk = _load_entry(entry, prim, t, pass_configs)

@@ -107,6 +107,8 @@ def unregister(word: str, target: str) -> None:
         if pattern not in _rules.get(word, {}):
             raise KeyError(f"no rule for {word!r} on {pattern}")
         del _rules[word][pattern]
+        if not _rules[word]:
+            del _rules[word]
         _generation += 1
 
 

@@ -1,0 +1,239 @@
+"""Benchmark one op family against its peers, side by side in one run.
+
+    python -m bench.op rms_norm --shape model
+    python -m bench.op mla --shape decode --plot
+    python -m bench.op OP --shape PRESET --providers tilecraft,flash_mla --out bench/results
+
+On a GPU: median of CUDA-event-timed runs (L2 flushed before each), TFLOP/s, GB/s, % of the card's
+ceiling, the floor and what sets it, and each provider's speed relative to the reference provider;
+CSV + JSON with GPU name, versions and time. Without a GPU: builds the kernels for --target, prints
+their static stats (registers, shared memory, tensor-core and memory instructions) and each
+shape's roofline floor on the reference GPU, and says that timing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import platform
+import re
+import sys
+from pathlib import Path
+
+from bench import roofline
+from bench import suites as suite_registry
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    try:
+        import tilelang
+
+        out["tilelang"] = tilelang.__version__
+    except ImportError:
+        out["tilelang"] = None
+    from tilecraft import __version__
+
+    out["tilecraft"] = __version__
+    return out
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def print_table(rows: list[dict], ref: str) -> None:
+    head = f"{'case':44s} {'provider':12s} {'ms':>9s} {'TFLOP/s':>8s} {'GB/s':>8s} {'%ceil':>6s} {'floor%':>7s} {'vs ' + ref:>9s}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['case'][:44]:44s} {r['provider']:12s} {_fmt(r.get('median_ms'), '9.4f')} {_fmt(r.get('tflops'), '8.1f')} "
+              f"{_fmt(r.get('gbps'), '8.0f')} {_fmt(r.get('pct_ceiling'), '6.1f')} {_fmt(r.get('pct_of_floor'), '7.1f')} "
+              f"{_fmt(r.get('speedup_vs_ref'), '9.2f')}")
+
+
+def run_gpu(suite, cases, providers, args) -> list[dict]:
+    import torch
+
+    from bench.timing import bench_cuda, measure_copy_gbps
+
+    name = gpu_name()
+    ceil = roofline.ceilings_for(name)
+    if args.measure_ceilings or name not in roofline.KNOWN:
+        copy = measure_copy_gbps()
+        print(f"measured copy bandwidth: {copy:.0f} GB/s (table: {ceil.copy_gbps:.0f})")
+        ceil = roofline.Ceilings(name, copy, ceil.bf16_tflops, ceil.fp8_tflops, "measured in this run (copy)")
+    rows = []
+    for case in cases:
+        inputs = suite.make_inputs(case, torch.device("cuda"))
+        nbytes, flops = suite.nbytes(case), suite.flops(case)
+        floor, bound = roofline.floor_ms(nbytes, flops, ceil, suite.rate)
+        case_rows = {}
+        for p in providers:
+            row = {"case": suite.label(case), **{f"p_{k}": v for k, v in case.items()}, "provider": p.name,
+                   "bytes": nbytes, "flops": flops, "floor_ms": floor, "bound": bound}
+            try:
+                fn = p.make(case, inputs)
+                t = bench_cuda(fn)
+            except Exception as e:  # a provider that cannot run this shape says why, the rest go on
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)
+                rows.append(row)
+                continue
+            ms = t["median_ms"]
+            row.update(t)
+            row["tflops"] = flops / (ms * 1e-3) / 1e12
+            row["gbps"] = nbytes / (ms * 1e-3) / 1e9
+            row["pct_ceiling"] = 100 * (row["gbps"] / ceil.copy_gbps if bound == "memory" else
+                                        row["tflops"] / (ceil.fp8_tflops if suite.rate == "fp8" else ceil.bf16_tflops))
+            row["pct_of_floor"] = 100 * floor / ms
+            case_rows[p.name] = row
+            rows.append(row)
+        ref = case_rows.get(suite.reference)
+        for r in case_rows.values():
+            if ref is not None:
+                r["speedup_vs_ref"] = ref["median_ms"] / r["median_ms"]
+        del inputs
+        torch.cuda.empty_cache()
+    meta = {"gpu": name, "ceilings": ceil.__dict__, **versions()}
+    return rows, meta
+
+
+def run_static(suite, cases, args) -> None:
+    from codegen import targets
+
+    target = targets.get(args.target or "sm_90a")
+    ceil = roofline.ceilings_for(None)
+    print(f"No CUDA GPU here ({_why_no_gpu()}): building the kernels for {target.name} and printing their "
+          f"static stats and each shape's floor on the {ceil.gpu} ({ceil.source}).\n")
+    seen = set()
+    for case in cases:
+        nbytes, flops = suite.nbytes(case), suite.flops(case)
+        floor, bound = roofline.floor_ms(nbytes, flops, ceil, suite.rate)
+        print(f"{suite.label(case)}: {nbytes / 1e6:.3g} MB, {flops / 1e9:.3g} GFLOP -> floor {floor * 1e3:.3g} us ({bound}-bound)")
+        for prog, params in suite.kernels(case):
+            key = (prog.name, tuple(sorted(params.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            print(f"  kernel {prog.name} {params} on {target.name}:")
+            try:
+                if target.vendor == "cuda":
+                    from codegen.show import sass_report
+
+                    print("    " + sass_report(prog, target, params).replace("\n", "\n    "))
+                else:
+                    src = prog.source(target, **params)
+                    print(f"    generated {len(src.splitlines())} lines of source")
+            except Exception as e:
+                print(f"    could not build: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    print("\nTiming needs a CUDA GPU; run this again on one to measure against the peers.")
+
+
+def _why_no_gpu() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    return f"torch {torch.__version__} sees no CUDA device"
+
+
+def write_results(rows, meta, suite, preset, out_dir: Path, plot: bool) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"] or "nogpu").strip("-").lower()
+    base = out_dir / f"{suite.name}-{preset}-{slug}-{stamp}"
+    meta = {**meta, "op": suite.name, "preset": preset, "time_utc": stamp}
+    Path(f"{base}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("case", "provider"), k))
+    with open(f"{base}.csv", "w", newline="") as f:
+        f.write("".join(f"# {k}: {v}\n" for k, v in meta.items()))
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    if plot:
+        plot_rows(rows, f"{base}.png", f"{suite.name} {preset} on {meta['gpu']}")
+    return base
+
+
+def plot_rows(rows, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, len(cases) * 0.9), 4))
+    width = 0.8 / max(1, len(provs))
+    for i, p in enumerate(provs):
+        vals = [next((r.get("pct_ceiling") or 0 for r in rows if r["case"] == c and r["provider"] == p), 0) for c in cases]
+        ax.bar([x + i * width for x in range(len(cases))], vals, width, label=p)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("% of the card's ceiling")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.op", description=__doc__.split("\n")[0])
+    ap.add_argument("op", help=f"one of: {', '.join(sorted(suite_registry.SUITE_MODULES))}")
+    ap.add_argument("--shape", required=True, help="a preset of the op's suite")
+    ap.add_argument("--providers", default=None, help="comma-separated subset (default: every available one)")
+    ap.add_argument("--target", default=None, help="no-GPU mode: which target to build for (default sm_90a)")
+    ap.add_argument("--out", default=str(RESULTS), help="where CSV/JSON go (default bench/results)")
+    ap.add_argument("--plot", action="store_true", help="also write a PNG of %% of ceiling per case")
+    ap.add_argument("--measure-ceilings", action="store_true", help="measure the copy bandwidth in this run")
+    args = ap.parse_args(argv)
+    try:
+        suite = suite_registry.get(args.op)
+        if args.shape not in suite.presets:
+            raise ValueError(f"{suite.name} has no preset {args.shape!r}; presets: {', '.join(suite.presets)}")
+        cases = suite.presets[args.shape]
+        wanted = args.providers.split(",") if args.providers else None
+        providers = []
+        for p in suite.providers:
+            if wanted and p.name not in wanted:
+                continue
+            why = p.available()
+            if why:
+                print(f"provider {p.name} skipped: {why}")
+                continue
+            providers.append(p)
+        if wanted:
+            unknown = set(wanted) - {p.name for p in suite.providers}
+            if unknown:
+                raise ValueError(f"unknown providers {sorted(unknown)}; {suite.name} has {[p.name for p in suite.providers]}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if gpu_name() is None:
+        run_static(suite, cases, args)
+        return 0
+    rows, meta = run_gpu(suite, cases, providers, args)
+    print(f"\n{suite.name} --shape {args.shape} on {meta['gpu']} (torch {meta['torch']}, tilelang {meta['tilelang']})")
+    print_table(rows, suite.reference)
+    base = write_results(rows, meta, suite, args.shape, Path(args.out), args.plot)
+    print(f"\nwrote {base}.csv and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

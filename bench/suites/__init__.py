@@ -1,0 +1,39 @@
+"""One benchmark suite per op family: presets of shapes, providers, byte and flop formulas."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm"}
+ALIASES = {"rmsnorm": "rms_norm"}
+
+
+@dataclass
+class Provider:
+    name: str
+    make: Callable[[dict, dict], Callable[[], Any]]  # (case, inputs) -> thunk to time
+    available: Callable[[], str | None] = lambda: None  # None when usable, else why not
+    peer: bool = False                                  # an external library (FlashMLA, DeepGEMM)
+
+
+@dataclass
+class Suite:
+    name: str
+    presets: dict[str, list[dict]]
+    make_inputs: Callable[[dict, Any], dict]
+    nbytes: Callable[[dict], float]
+    flops: Callable[[dict], float]
+    providers: list[Provider]
+    kernels: Callable[[dict], list[tuple[Any, dict]]]  # case -> [(TileProgram, params)] for static stats
+    rate: str = "bf16"
+    label: Callable[[dict], str] = field(default=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
+    reference: str = "torch"                            # the provider ratios are quoted against
+
+
+def get(name: str) -> Suite:
+    key = ALIASES.get(name, name)
+    if key not in SUITE_MODULES:
+        raise ValueError(f"no benchmark for op {name!r}; known: {', '.join(sorted(SUITE_MODULES))}")
+    return importlib.import_module(SUITE_MODULES[key]).SUITE

@@ -1,0 +1,39 @@
+import os
+import tempfile
+
+import pytest
+
+# Every test session gets its own kernel cache, so runs never depend on ~/.cache state.
+os.environ.setdefault("TILECRAFT_CACHE_DIR", tempfile.mkdtemp(prefix="tilecraft-test-cache-"))
+
+
+def _gpu_missing_reason():
+    import torch
+
+    if torch.version.cuda is None:
+        return f"no CUDA GPU: torch {torch.__version__} is a CPU build"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_missing_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty disk cache and an empty in-memory cache for one test."""
+    from codegen import jit
+
+    monkeypatch.setenv("TILECRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    jit.clear_memory()
+    jit.STATS.clear()
+    yield tmp_path / "cache"
+    jit.clear_memory()

@@ -1,0 +1,136 @@
+"""JIT cache: memory hits, disk hits, keys, corruption, and two processes at once."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from codegen import cache, jit
+from ops.rms_norm import rmsnorm_program
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def entries(root: Path):
+    return sorted(p for p in (root / "v1").glob("??/*") if p.is_dir())
+
+
+def test_miss_then_memory_hit(fresh_cache):
+    k1 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert jit.STATS["compile"] == 1
+    k2 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert k2 is k1 and jit.STATS["memory_hit"] == 1 and jit.STATS["compile"] == 1
+    assert len(entries(fresh_cache)) == 1
+
+
+def test_disk_hit_after_memory_is_cleared(fresh_cache):
+    k1 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    jit.clear_memory()
+    k2 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert jit.STATS["disk_hit"] == 1 and jit.STATS["compile"] == 1
+    assert k2.key == k1.key and k2.entry == k1.entry
+    x, w = torch.randn(3, 64), torch.randn(64)
+    y = torch.empty_like(x)
+    k2(x, w, y)
+    torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+
+
+def test_one_kernel_serves_every_row_count(fresh_cache):
+    k = rmsnorm_program.compile("cpu", hidden=32, dtype="float32")
+    for rows in (1, 5, 130):
+        x, w = torch.randn(rows, 32), torch.randn(32)
+        y = torch.empty_like(x)
+        k(x, w, y)
+        torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+    assert jit.STATS["compile"] == 1
+
+
+def test_key_covers_parameters_target_and_versions(fresh_cache, monkeypatch):
+    base = rmsnorm_program.compile("cpu", hidden=64, dtype="float32").key
+    assert rmsnorm_program.compile("cpu", hidden=64, dtype="float32", eps=1e-5).key != base
+    assert rmsnorm_program.compile("cpu", hidden=128, dtype="float32").key != base
+    assert rmsnorm_program.compile("cpu", hidden=64, dtype="float16").key != base
+    prim = rmsnorm_program.trace("cpu", hidden=64, dtype="float32")
+    from codegen import targets
+
+    inputs = jit.key_inputs(rmsnorm_program, prim, targets.get("cpu"), {})
+    assert cache.digest(inputs) == base
+    for field, value in (("tilelang", "0.0.0"), ("tilecraft", "9.9"), ("toolchain", "nvcc 13.9.1"),
+                         ("target", "cuda:sm_100a"), ("pass_configs", {"tl.disable_tma_lower": "True"})):
+        assert cache.digest({**inputs, field: value}) != base, field
+
+
+def test_corrupt_entry_is_detected_and_rebuilt(fresh_cache, caplog):
+    k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    lib = k.entry / "kernel.so"
+    lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2])  # a truncated write
+    jit.clear_memory()
+    with caplog.at_level("WARNING"):
+        k2 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert "corrupt" in caplog.text and "kernel.so" in caplog.text
+    assert jit.STATS["corrupt_rebuild"] == 1 and jit.STATS["compile"] == 2
+    assert cache.verify(k2.entry, k2.key) is None
+    x, w = torch.randn(2, 64), torch.randn(64)
+    y = torch.empty_like(x)
+    k2(x, w, y)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("damage", ["delete_manifest", "garbage_manifest", "flip_byte"])
+def test_other_damage_is_also_rebuilt(fresh_cache, damage):
+    k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    if damage == "delete_manifest":
+        (k.entry / "manifest.json").unlink()
+    elif damage == "garbage_manifest":
+        (k.entry / "manifest.json").write_text("{not json")
+    else:
+        data = bytearray((k.entry / "device.src").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (k.entry / "device.src").write_bytes(bytes(data))
+    jit.clear_memory()
+    k2 = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert jit.STATS["compile"] == 2 and cache.verify(k2.entry, k2.key) is None
+
+
+def test_manifest_records_key_inputs(fresh_cache):
+    k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    manifest = json.loads((k.entry / "manifest.json").read_text())
+    assert manifest["key"] == k.key
+    assert manifest["inputs"]["target"] == "cpu" and manifest["inputs"]["program"] == "rmsnorm"
+    assert set(manifest["files"]) == set(cache.FILES)
+
+
+def test_disabled_disk_cache_writes_nothing(fresh_cache, monkeypatch):
+    monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
+    k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
+    assert k.entry is None and not entries(fresh_cache)
+
+
+def test_two_processes_compiling_the_same_kernel_both_succeed(tmp_path):
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        from ops.rms_norm import rmsnorm_program
+        from codegen import jit
+        k = rmsnorm_program.compile("cpu", hidden=96, dtype="float32")
+        x, w = torch.randn(3, 96), torch.randn(96)
+        y = torch.empty_like(x)
+        k(x, w, y)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        assert torch.allclose(y, ref, atol=1e-5), (y - ref).abs().max()
+        print(dict(jit.STATS))
+    """ % str(REPO))
+    env = {**os.environ, "TILECRAFT_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    found = entries(tmp_path / "cache")
+    assert len(found) == 1 and cache.verify(found[0], found[0].name) is None
+    assert not any((tmp_path / "cache" / "v1" / ".staging").glob("*"))

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from backends import ToolchainError
+from codegen import targets
+
+
+def test_canonical_names_and_aliases():
+    assert targets.get("sm_90a").name == "cuda:sm_90a"
+    assert targets.get("Hopper").name == "cuda:sm_90a"
+    assert targets.get("sm_100a").name == "cuda:sm_100a"
+    assert targets.get("ascend").name == "ascend:950"
+    assert targets.get("dav-3510").arch == "dav-3510"
+    assert targets.get("cpu").vendor == "cpu"
+    assert set(targets.TARGETS) == {"cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"}
+
+
+def test_unknown_target_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown target 'sm_75'.*cuda:sm_90a"):
+        targets.get("sm_75")
+    with pytest.raises(TypeError, match="target must be a str"):
+        targets.get(90)
+
+
+def test_detected_from_tensor_device(monkeypatch):
+    monkeypatch.delenv("TILECRAFT_TARGET", raising=False)
+    assert targets.resolve(torch.zeros(2)).name == "cpu"
+
+
+def test_env_var_overrides_detection_and_is_checked(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_TARGET", "cpu")
+    assert targets.resolve(torch.zeros(2)).name == "cpu"
+    monkeypatch.setenv("TILECRAFT_TARGET", "sm_90a")
+    with pytest.raises(ValueError, match=r"TILECRAFT_TARGET=cuda:sm_90a runs on 'cuda' devices, but the tensors are on 'cpu'"):
+        targets.resolve(torch.zeros(2))
+    monkeypatch.setenv("TILECRAFT_TARGET", "riscv")
+    with pytest.raises(ValueError, match="unknown target 'riscv'"):
+        targets.resolve(torch.zeros(2))
+
+
+def test_explicit_target_beats_env(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_TARGET", "sm_90a")
+    assert targets.resolve(torch.zeros(2), target="cpu").name == "cpu"
+    with pytest.raises(ValueError, match=r"target=ascend:950 runs on 'npu' devices"):
+        targets.resolve(torch.zeros(2), target="ascend")
+
+
+def test_tensors_on_two_devices_rejected():
+    a = torch.zeros(2)
+    b = torch.zeros(2, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        targets.resolve(a, b)
+
+
+def test_unavailable_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ToolchainError, match="CUDA GPU is needed"):
+        targets.for_device("cuda")
+
+
+def test_current_target_only_inside_a_trace():
+    with pytest.raises(RuntimeError, match="no target is active"):
+        targets.current()
+    with targets.using("sm_100a") as t:
+        assert targets.current() is t
+    with pytest.raises(RuntimeError):
+        targets.current()
