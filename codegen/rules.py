@@ -159,5 +159,7 @@ def table() -> dict[str, dict[str, str]]:
 
 
 def generation() -> int:
+    """A counter bumped by every registry change (built-in rules are loaded first)."""
+    _load_builtins()
     return _generation
 

@@ -15,8 +15,9 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | stage(shape, dtype) | shared memory | shared memory | UB | alloc_local |
 | operand(shape, dtype) | shared memory | shared memory | L1 | alloc_local |
 | accumulator(shape) | registers (WGMMA) | tensor memory | L0C | alloc_local |
-| mma(a, b, acc) | T.gemm -> WGMMA | tcgen05 + mbarrier | Cube T.gemm | serial loops |
-| read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB | (same buffer) |
+| mma(a, b, acc, step=) | T.gemm -> WGMMA | tcgen05, wait parity step % 2 | Cube T.gemm | T.gemm / serial loops |
+| read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
+| store(tile, dst) | T.copy | T.copy | dual copy for split tiles | T.copy |
 | copy(src, dst) | T.copy (TMA / vector) | T.copy | DMA T.copy | serial loops |
 | parallel(*extents) | T.Parallel | T.Parallel | T.Parallel | T.grid |
 | pipelined(n, stages) | T.Pipelined | T.Pipelined | T.Pipelined | T.serial |
@@ -86,8 +87,9 @@ fragment = _word("fragment", "A register tile spread over the block's threads, f
 stage = _word("stage", "An on-chip staging tile that copies fill from global memory (shared memory / UB).")
 operand = _word("operand", "An on-chip tile that feeds the matrix unit (shared memory / L1).")
 accumulator = _word("accumulator", "A matrix-multiply accumulator (registers / tensor memory / L0C).")
-mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b: the tile multiply-accumulate.")
+mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs into acc before this one.")
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
+store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")
 copy = _word("copy", "Copy a tile or region between global memory and on-chip buffers.")
 parallel = _word("parallel", "Elementwise map: a loop nest whose iterations are spread over the threads.")
 pipelined = _word("pipelined", "A loop whose copies are software-pipelined `stages` deep.")
@@ -95,6 +97,22 @@ row_reduce = _word("row_reduce", "Reduce a tile along `dim` (sum, max, min, absm
 storage_dtype = _word("storage_dtype", "The dtype a tensor of `dtype` has inside the kernel on this target.")
 to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to float32.")
 from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")
+
+
+def emit(*stmts) -> None:
+    """Emit TileLang statements from a rule written as a plain Python function.
+
+    Inside a T.prim_func body, a bare call such as `T.copy(a, b)` becomes a statement because the
+    DSL evaluates it; inside a rule function it is just a returned value. A rule that produces one
+    statement may return it; a rule that produces several passes each to emit().
+    """
+    from tilelang.language.eager.builder import Builder
+
+    builder = Builder.current()
+    if builder is None:
+        raise RuntimeError("tile.emit is only valid while a tile program is traced")
+    for stmt in stmts:
+        builder.eval(stmt)
 
 
 def split_index(index, extents: tuple[int, ...]):

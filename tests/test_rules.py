@@ -19,7 +19,7 @@ def test_lookup_prefers_exact_then_vendor_then_any():
 
 def test_every_word_lowers_on_every_target():
     for word in ("grid", "vector", "persistent", "fragment", "stage", "operand", "accumulator", "mma",
-                 "read_accumulator", "copy", "parallel", "pipelined", "row_reduce", "storage_dtype", "to_f32", "from_f32"):
+                 "read_accumulator", "store", "copy", "parallel", "pipelined", "row_reduce", "storage_dtype", "to_f32", "from_f32"):
         for t in ("sm_90a", "sm_100a", "ascend", "cpu"):
             assert callable(rules.lookup(word, t).fn)
 

@@ -4,7 +4,7 @@ their own thread count; matrix operands sit in L1 and the Cube accumulates into 
 import tilelang.ascend.language as A
 
 from codegen.rules import register
-from codegen.tile import Accumulator, state
+from codegen.tile import Accumulator, emit, state
 
 
 @register("grid", "ascend")
@@ -44,15 +44,28 @@ def accumulator(shape, dtype="float32"):
 
 
 @register("mma", "ascend")
-def mma(a, b, acc, transpose_b=True, clear=False):
+def mma(a, b, acc, transpose_b=True, clear=False, step=0):
     return A.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=clear)
 
 
 @register("read_accumulator", "ascend")
 def read_accumulator(acc):
-    ub = A.alloc_shared(acc.shape, acc.dtype)
-    A.copy(acc.buf, ub)
+    # L0C -> UB goes through the FixPipe to both vector cores of the AI core: each gets half the
+    # rows. Vector code sees a (rows/2, cols) tile; `store` puts the halves back together.
+    rows = acc.shape[0]
+    if rows % 2:
+        raise ValueError(f"on Ascend an accumulator read by vector code needs an even row count, got {rows}")
+    ub = A.alloc_shared((rows // 2, *acc.shape[1:]), acc.dtype)
+    emit(A.dual_copy(acc.buf, ub))
+    state().setdefault("split_tiles", set()).add(ub.name)
     return ub
+
+
+@register("store", "ascend")
+def store(src, dst):
+    if src.name in state().get("split_tiles", ()):
+        return A.dual_copy(src, dst)
+    return A.copy(src, dst)
 
 
 @register("copy", "ascend")

@@ -42,6 +42,11 @@ def copy(src, dst):
     return T.copy(src, dst)
 
 
+@register("store", "*")
+def store(src, dst):
+    return T.copy(src, dst)
+
+
 @register("parallel", "*")
 def parallel(*extents):
     return T.Parallel(*extents)

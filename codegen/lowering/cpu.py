@@ -46,7 +46,7 @@ def _mma_serial(a, b, c, transpose_b, clear, dtype):
 
 
 @register("mma", "cpu")
-def mma(a, b, acc, transpose_b=True, clear=False):
+def mma(a, b, acc, transpose_b=True, clear=False, step=0):
     if str(a.dtype) in ("float32", "float16") and str(a.dtype) == str(b.dtype):
         return T.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=clear)
     return _mma_serial(a, b, acc.buf, transpose_b, clear, "bfloat16" if str(a.dtype) == "uint16" else str(a.dtype))

@@ -13,7 +13,7 @@ def accumulator(shape, dtype="float32"):
 
 
 @register("mma", "cuda:sm_90a")
-def mma(a, b, acc, transpose_b=True, clear=False):
+def mma(a, b, acc, transpose_b=True, clear=False, step=0):
     return T.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=clear)
 
 

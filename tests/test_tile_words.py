@@ -1,0 +1,82 @@
+"""The matrix words (operand, accumulator, mma, read_accumulator, pipelined) on every target,
+through a small GEMM tile program written once."""
+
+import pytest
+import tilelang.language as T
+import torch
+
+from codegen import tile
+from codegen.program import TileProgram
+
+
+def _gemm_builder(m: int, n: int, k: int, dtype: str = "bfloat16", bm: int = 64, bn: int = 64, bk: int = 32):
+    """C = A @ B^T with A (m, k), B (n, k): the tile words' matrix path."""
+    sdt = tile.storage_dtype(dtype)
+    tiles_n = n // bn
+
+    @T.prim_func
+    def gemm_nt(A: T.Tensor((m, k), sdt), B: T.Tensor((n, k), sdt), C: T.Tensor((m, n), "float32")):
+        with tile.grid((m // bm) * tiles_n, 128) as bid:
+            tm, tn = tile.split_index(bid, (m // bm, tiles_n))
+            a = tile.operand((bm, bk), sdt)
+            b = tile.operand((bn, bk), sdt)
+            acc = tile.accumulator((bm, bn))
+            for kk in tile.pipelined(k // bk, stages=2):
+                tile.copy(A[tm * bm, kk * bk], a)
+                tile.copy(B[tn * bn, kk * bk], b)
+                tile.mma(a, b, acc, transpose_b=True, clear=(kk == 0), step=kk)
+            out = tile.read_accumulator(acc)
+            tile.store(out, C[tm * bm, tn * bn])
+
+    return gemm_nt
+
+
+GEMM = TileProgram("test_gemm_nt", _gemm_builder)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gemm_words_run_on_cpu(dtype):
+    torch.manual_seed(0)
+    tdt = getattr(torch, dtype)
+    a, b = torch.randn(128, 64, dtype=tdt), torch.randn(64, 64, dtype=tdt)
+    c = torch.full((128, 64), float("nan"))
+    GEMM.compile("cpu", m=128, n=64, k=64, dtype=dtype)(a, b, c)
+    torch.testing.assert_close(c, a.float() @ b.float().T, atol=1e-3, rtol=1e-3)
+
+
+def _sass(target, **params):
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        return sass_stats(build_cubin(GEMM.source(target, **params), target.split(":")[-1]), target).histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+
+
+def test_gemm_words_use_wgmma_on_sm_90a():
+    hist = _sass("sm_90a", m=256, n=256, k=256)
+    assert hist.get("HGMMA", 0) > 0 and hist.get("HMMA", 0) == 0
+
+
+def test_gemm_words_use_tcgen05_on_sm_100a():
+    hist = _sass("sm_100a", m=256, n=256, k=256)
+    assert hist.get("UTCHMMA", 0) > 0 and hist.get("HMMA", 0) == 0
+
+
+def test_gemm_words_use_the_cube_on_ascend():
+    src = GEMM.source("ascend", m=256, n=256, k=256)
+    assert "ascend_gemm_l1" in src and "ASC_IS_AIC" in src  # the Cube core runs the MMA
+    assert "asc_copy_ub2gm" in src  # the vector cores write their halves of C
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemm_words_run_on_gpu(dtype):
+    torch.manual_seed(0)
+    tdt = getattr(torch, dtype)
+    a = torch.randn(256, 512, dtype=tdt, device="cuda")
+    b = torch.randn(192, 512, dtype=tdt, device="cuda")
+    c = torch.full((256, 192), float("nan"), device="cuda")
+    GEMM.compile("sm_90a", m=256, n=192, k=512, dtype=dtype)(a, b, c)
+    torch.testing.assert_close(c, a.float() @ b.float().T, atol=2e-2, rtol=2e-3)
