@@ -77,8 +77,20 @@ def get(name: str | Target) -> Target:
     return TARGETS[key]
 
 
+_by_device: dict = {}
+
+
 def for_device(device) -> Target:
-    """The target whose kernels run on this torch device."""
+    """The target whose kernels run on this torch device (cached per device)."""
+    hit = _by_device.get(device)
+    if hit is not None:
+        return hit
+    t = _for_device(device)
+    _by_device[device] = t
+    return t
+
+
+def _for_device(device) -> Target:
     import torch
 
     device = torch.device(device)

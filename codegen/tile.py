@@ -16,6 +16,8 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | operand(shape, dtype) | shared memory | shared memory | L1 | alloc_local |
 | accumulator(shape) | registers (WGMMA) | tensor memory | L0C | alloc_local |
 | mma(a, b, acc, step=) | T.gemm -> WGMMA | tcgen05, wait parity step % 2 | Cube T.gemm | T.gemm / serial loops |
+| mma_rescaled(a, b, acc, scale, step=) | scale registers, WGMMA | TMEM -> regs -> TMEM, tcgen05 | Cube into L0C scratch, vector update in UB | loops |
+| limits() | 227 KB smem | 227 KB smem, 512 TMEM columns | UB / L1 / L0C sizes | no limits |
 | read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
 | store(tile, dst) | T.copy | T.copy | dual copy for split tiles | T.copy |
 | copy(src, dst) | T.copy (TMA / vector) | T.copy | DMA T.copy | serial loops |
@@ -89,6 +91,8 @@ operand = _word("operand", "An on-chip tile that feeds the matrix unit (shared m
 accumulator = _word("accumulator", "A matrix-multiply accumulator (registers / tensor memory / L0C).")
 mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs into acc before this one.")
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
+mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
+limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}.")
 store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")
 copy = _word("copy", "Copy a tile or region between global memory and on-chip buffers.")
 parallel = _word("parallel", "Elementwise map: a loop nest whose iterations are spread over the threads.")

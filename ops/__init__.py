@@ -1,6 +1,7 @@
 """Tilecraft's public operators. Every op is a torch custom op (tilecraft::name) with a fake
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
+from ops.mla_decode import MlaSchedule, get_mla_schedule, mla_decode, mla_decode_reference
 from ops.rms_norm import rms_norm, rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference", "get_mla_schedule", "MlaSchedule"]

@@ -12,6 +12,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
+from ops import _dispatch
 from ops import _validate as check
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -75,8 +76,7 @@ def _validate(x, weight, eps):
         raise ValueError(f"x's hidden size {hidden} exceeds the GPU kernel's limit of {MAX_HIDDEN_GPU}")
 
 
-@torch.library.custom_op("tilecraft::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     hidden = x.shape[-1]
     out = torch.empty_like(x)
     rows = x.numel() // hidden
@@ -84,8 +84,13 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return out
     target = targets.resolve(x, weight)
     kernel = rmsnorm_program.compile(target, hidden=hidden, dtype=DTYPES[x.dtype], eps=float(eps))
-    kernel(x.view(rows, hidden), weight, out.view(rows, hidden))
+    kernel.launcher()(x.view(rows, hidden), weight, out.view(rows, hidden))
     return out
+
+
+@torch.library.custom_op("tilecraft::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_impl(x, weight, eps)
 
 
 @_rms_norm_op.register_fake
@@ -100,4 +105,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     sm_100a, Ascend 950, or the CPU through TileLang's C target).
     """
     _validate(x, weight, eps)
-    return _rms_norm_op(x, weight, float(eps))
+    return _dispatch.call(_rms_norm_op, _rms_norm_impl, x, weight, float(eps))

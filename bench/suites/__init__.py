@@ -6,8 +6,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm"}
-ALIASES = {"rmsnorm": "rms_norm"}
+SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm", "mla": "bench.suites.mla"}
+ALIASES = {"rmsnorm": "rms_norm", "mla_decode": "mla"}
 
 
 @dataclass

@@ -48,8 +48,36 @@ def mma(a, b, acc, transpose_b=True, clear=False, step=0):
     return A.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=clear)
 
 
+@register("limits", "ascend")
+def limits():
+    return {"smem_bytes": 248 * 1024, "accumulator_columns": None, "sms": 32, "l0c_bytes": 256 * 1024}
+
+
+@register("mma_rescaled", "ascend")
+def mma_rescaled(a, b, acc, row_scale, transpose_b=False, step=0):
+    # The Cube cannot rescale L0C, so the running sum lives in the vector cores' UB (half the rows
+    # each); every step's product lands in L0C and is folded in by vector code.
+    rows = acc.shape[0]
+    if "ub" not in acc.extra:
+        acc.extra["ub"] = A.alloc_shared((rows // 2, *acc.shape[1:]), acc.dtype)
+        acc.extra["tmp"] = A.alloc_shared((rows // 2, *acc.shape[1:]), acc.dtype)
+    ub, tmp = acc.extra["ub"], acc.extra["tmp"]
+    emit(A.gemm(a, b, acc.buf, transpose_B=transpose_b, clear_accum=True), A.dual_copy(acc.buf, tmp))
+    _fold(ub, tmp, row_scale, step, state().get("threads", 128))
+
+
+@A.macro
+def _fold(ub, tmp, row_scale, step, threads):
+    with A.SimtVF(threads=threads):
+        for i, j in A.Parallel(ub.shape[0], ub.shape[1]):
+            ub[i, j] = A.if_then_else(step == 0, tmp[i, j], ub[i, j] * row_scale[i] + tmp[i, j])
+
+
 @register("read_accumulator", "ascend")
 def read_accumulator(acc):
+    if "ub" in acc.extra:  # a rescaled accumulator already lives in UB
+        state().setdefault("split_tiles", set()).add(acc.extra["ub"].name)
+        return acc.extra["ub"]
     # L0C -> UB goes through the FixPipe to both vector cores of the AI core: each gets half the
     # rows. Vector code sees a (rows/2, cols) tile; `store` puts the halves back together.
     rows = acc.shape[0]

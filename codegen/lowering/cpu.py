@@ -52,6 +52,26 @@ def mma(a, b, acc, transpose_b=True, clear=False, step=0):
     return _mma_serial(a, b, acc.buf, transpose_b, clear, "bfloat16" if str(a.dtype) == "uint16" else str(a.dtype))
 
 
+@register("limits", "cpu")
+def limits():
+    return {"smem_bytes": None, "accumulator_columns": None, "sms": 1}
+
+
+@T.macro
+def _scale_rows(c, row_scale, step):
+    if step > 0:
+        for i, j in T.grid(c.shape[0], c.shape[1]):
+            c[i, j] *= row_scale[i]
+    else:
+        T.clear(c)
+
+
+@register("mma_rescaled", "cpu")
+def mma_rescaled(a, b, acc, row_scale, transpose_b=False, step=0):
+    _scale_rows(acc.buf, row_scale, step)
+    return mma(a, b, acc, transpose_b=transpose_b, clear=False)
+
+
 @register("read_accumulator", "cpu")
 def read_accumulator(acc):
     return acc.buf

@@ -21,6 +21,31 @@ def mma(a, b, acc, transpose_b=True, clear=False, step=0):
          T.mbarrier_wait_parity(acc.extra["bar"], step % 2))
 
 
+@register("limits", "cuda:sm_100a")
+def limits():
+    return {"smem_bytes": 227 * 1024, "accumulator_columns": 512, "sms": 148}
+
+
+@T.macro
+def _rescale_tmem(tmem, regs, row_scale, step):
+    if step > 0:
+        T.copy(tmem, regs)
+        for i, j in T.Parallel(regs.shape[0], regs.shape[1]):
+            regs[i, j] *= row_scale[i]
+        T.copy(regs, tmem)
+
+
+@register("mma_rescaled", "cuda:sm_100a")
+def mma_rescaled(a, b, acc, row_scale, transpose_b=False, step=0):
+    # the accumulator lives in TMEM: bring it through registers to scale it (FA4-style correction)
+    regs = acc.extra.get("regs")
+    if regs is None:
+        regs = acc.extra["regs"] = T.alloc_fragment(acc.shape, acc.dtype)
+    _rescale_tmem(acc.buf, regs, row_scale, step)
+    emit(T.tcgen05_gemm(a, b, acc.buf, False, transpose_b, mbar=acc.extra["bar"], clear_accum=(step == 0)),
+         T.mbarrier_wait_parity(acc.extra["bar"], step % 2))
+
+
 @register("read_accumulator", "cuda:sm_100a")
 def read_accumulator(acc):
     regs = T.alloc_fragment(acc.shape, acc.dtype)

@@ -1,0 +1,99 @@
+"""MLA decode (FlashMLA's shapes): the ANCHORS.md grid, varlen seqlen + 2*i, page 64, causal.
+
+bytes = (sum(seqlen) * 576 + b*s_q*h_q*576 + b*s_q*h_q*512) * 2   (cache + q + out, bf16)
+flops = 2 * s_q * sum(seqlen) * h_q * (576 + 512)
+"""
+
+import math
+
+import torch
+
+import ops
+from bench.suites import Provider, Suite
+from ops.mla_decode import _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program
+
+PAGE = 64
+D = 576
+
+
+def _cases(rows):
+    return [dict(b=b, h_q=h, s_q=s, seqlen=n) for b, h, s, n in rows]
+
+
+PRESETS = {
+    "decode": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192), (64, 32, 1, 8192), (128, 64, 1, 4096),
+                      (128, 128, 1, 4096), (128, 128, 2, 4096), (32, 128, 1, 16384)]),
+    "sweep": _cases([(128, 128, 1, n) for n in (1024, 2048, 4096, 8192, 16384, 32768)]),
+    "small": _cases([(2, 16, 1, 1024), (2, 128, 2, 300)]),
+}
+
+
+def seqlens(case):
+    return [case["seqlen"] + 2 * i for i in range(case["b"])]
+
+
+def make_inputs(case, device):
+    b, h_q, s_q = case["b"], case["h_q"], case["s_q"]
+    lens = seqlens(case)
+    max_blocks = math.ceil(max(lens) / PAGE)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    table = torch.randperm(b * max_blocks, generator=g).view(b, max_blocks).to(torch.int32)
+    kv = torch.randn(b * max_blocks, PAGE, 1, D, dtype=torch.bfloat16, device=device)
+    q = torch.randn(b, s_q, h_q, D, dtype=torch.bfloat16, device=device) / 4
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return {"q": q, "kv": kv, "table": table.to(device), "lens": lens_t, "scale": D ** -0.5}
+
+
+def nbytes(case):
+    rows = case["b"] * case["s_q"] * case["h_q"]
+    return (sum(seqlens(case)) * 576 + rows * 576 + rows * 512) * 2
+
+
+def flops(case):
+    return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
+
+
+def tilecraft(case, i):
+    # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
+    return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched)
+
+
+def torch_reference(case, i):
+    return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
+
+
+def _flash_mla_missing():
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        return "flash_mla is not importable (build FlashMLA beside Tilecraft to compare in the same run)"
+    return None
+
+
+def flash_mla(case, i):
+    import flash_mla as fm
+
+    s_q, h_q = case["s_q"], case["h_q"]
+    meta, splits = fm.get_mla_metadata(i["lens"], s_q * h_q, 1)
+    return lambda: fm.flash_mla_with_kvcache(i["q"], i["kv"], i["table"], i["lens"], 512, meta, splits,
+                                             softmax_scale=i["scale"], causal=True)
+
+
+SUITE = Suite(
+    name="mla",
+    presets=PRESETS,
+    make_inputs=make_inputs,
+    nbytes=nbytes,
+    flops=flops,
+    providers=[
+        Provider("tilecraft", tilecraft),
+        Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
+        Provider("torch", torch_reference),
+    ],
+    kernels=lambda c: [(mla_decode_program, dict(h_q=c["h_q"], s_q=c["s_q"], page=PAGE)),
+                       (mla_combine_program, dict(h_q=c["h_q"], s_q=c["s_q"]))],
+    label=lambda c: f"b={c['b']} h_q={c['h_q']} s_q={c['s_q']} seqlen={c['seqlen']}",
+    reference="torch",
+)

@@ -1,0 +1,411 @@
+"""Multi-head latent attention decode over a paged latent KV cache (FlashMLA's interface).
+
+Each query row (s_q * h_q rows per sequence, packed as row = s * h_q + h) attends over its
+sequence's cache of 576-wide latent vectors (512 latent + 64 rope); V is the first 512 columns
+of the same cache rows. One CTA owns 64 query rows of one sequence and one split of its KV
+blocks; splits are combined by a second kernel. Written once with codegen.tile words.
+
+Cost per sequence (bf16): bytes ~ seqlen * 576 * 2 (the cache, read once per 64-row tile),
+flops = 2 * s_q * h_q * seqlen * (576 + 512).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from codegen import targets, tile
+from codegen.program import tile_program
+from ops import _dispatch
+from ops import _validate as check
+from tilecraft import env
+
+D_QK, D_V, D_ROPE = 576, 512, 64
+BLOCK_M = 64       # query rows per CTA: WGMMA's M
+BLOCK_N = 64       # cache tokens per step
+MAX_HEADS = 128
+MAX_S_Q = 8
+PAGE_SIZES = (16, 32, 64, 128, 256)
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
+
+
+@T.macro
+def _copy_kv_tile(KV, BlockTable, bi, blk, page, kv_s, kpe_s, num_pages):
+    """Stage cache tokens [blk*64, blk*64+64) of sequence bi: latent part and rope part."""
+    if page >= BLOCK_N:
+        pidx = T.min(T.max(BlockTable[bi, (blk * BLOCK_N) // page], 0), num_pages - 1)
+        off = (blk * BLOCK_N) % page
+        tile.copy(KV[pidx, off:off + BLOCK_N, 0:D_V], kv_s)
+        tile.copy(KV[pidx, off:off + BLOCK_N, D_V:D_QK], kpe_s)
+    else:
+        for sub in T.unroll(BLOCK_N // page):
+            pidx = T.min(T.max(BlockTable[bi, blk * (BLOCK_N // page) + sub], 0), num_pages - 1)
+            tile.copy(KV[pidx, 0:page, 0:D_V], kv_s[sub * page:(sub + 1) * page, :])
+            tile.copy(KV[pidx, 0:page, D_V:D_QK], kpe_s[sub * page:(sub + 1) * page, :])
+
+
+@tile_program(
+    "mla_decode",
+    targets=GPU_TARGETS,
+    examples={
+        "h16": dict(h_q=16, s_q=1, page=64),
+        "h128": dict(h_q=128, s_q=1, page=64),
+        "h128-mtp": dict(h_q=128, s_q=2, page=64),
+    },
+    pass_configs=lambda t, p: ({"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True}
+                               if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
+)
+def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
+                       threads: int = 256, stages: int = 2):
+    """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit."""
+    rows = s_q * h_q
+    m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    rows_pad = m_tiles * BLOCK_M
+    sdt = tile.storage_dtype(dtype)
+    batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def mla_decode(
+        Q: T.Tensor((batch, rows, D_QK), sdt),
+        KV: T.Tensor((num_pages, page, D_QK), sdt),
+        BlockTable: T.Tensor((batch, max_blocks), "int32"),
+        SeqLens: T.Tensor((batch,), "int32"),
+        Splits: T.Tensor((batch,), "int32"),
+        Out: T.Tensor((batch, rows, D_V), sdt),
+        Lse: T.Tensor((batch, h_q, s_q), "float32"),
+        OPart: T.Tensor((slots, rows_pad, D_V), "float32"),
+        LsePart: T.Tensor((slots, rows_pad), "float32"),
+        max_splits: T.int32,
+        scale_log2: T.float32,
+    ):
+        with tile.grid(batch * max_splits * m_tiles, threads) as bid:
+            bi, si, mt = tile.split_index(bid, (batch, max_splits, m_tiles))
+            q_s = tile.operand((BLOCK_M, D_V), sdt)
+            qpe_s = tile.operand((BLOCK_M, D_ROPE), sdt)
+            kv_s = tile.operand((BLOCK_N, D_V), sdt)
+            kpe_s = tile.operand((BLOCK_N, D_ROPE), sdt)
+            p_s = tile.operand((BLOCK_M, BLOCK_N), sdt)
+            acc_s = tile.accumulator((BLOCK_M, BLOCK_N))
+            acc_o = tile.accumulator((BLOCK_M, D_V))
+
+            splits = Splits[bi]
+            seqlen = SeqLens[bi]
+            nblk = T.ceildiv(seqlen, BLOCK_N)
+            chunk = T.ceildiv(nblk, T.max(splits, 1))
+            blk0 = si * chunk
+            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, blk0 + chunk) - blk0, 0), 0)
+
+            for i, j in tile.parallel(BLOCK_M, D_V):
+                r = mt * BLOCK_M + i
+                q_s[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
+            for i, j in tile.parallel(BLOCK_M, D_ROPE):
+                r = mt * BLOCK_M + i
+                qpe_s[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), D_V + j], T.cast(0, sdt))
+
+            m_i = tile.fragment((BLOCK_M,))
+            m_prev = tile.fragment((BLOCK_M,))
+            l_i = tile.fragment((BLOCK_M,))
+            alpha = tile.fragment((BLOCK_M,))
+            row_sum = tile.fragment((BLOCK_M,))
+            T.fill(m_i, neg_inf)
+            T.fill(l_i, 0.0)
+            T.fill(alpha, 0.0)
+
+            for k in tile.pipelined(n_iter, stages=stages):
+                blk = blk0 + k
+                _copy_kv_tile(KV, BlockTable, bi, blk, page, kv_s, kpe_s, num_pages)
+                tile.mma(q_s, kv_s, acc_s, transpose_b=True, clear=True, step=2 * k)
+                tile.mma(qpe_s, kpe_s, acc_s, transpose_b=True, clear=False, step=2 * k + 1)
+                s = tile.read_accumulator(acc_s)
+                for i, j in tile.parallel(BLOCK_M, BLOCK_N):
+                    # causal: query token q sees the cache up to seqlen - s_q + q + 1
+                    limit = seqlen - s_q + (mt * BLOCK_M + i) // h_q + 1 if causal else seqlen
+                    s[i, j] = T.if_then_else(blk * BLOCK_N + j < limit, s[i, j] * scale_log2, neg_inf)
+                T.copy(m_i, m_prev)
+                tile.row_reduce(s, m_i, "max", dim=1, clear=False)
+                for i in tile.parallel(BLOCK_M):
+                    alpha[i] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(m_prev[i] - m_i[i]))
+                for i, j in tile.parallel(BLOCK_M, BLOCK_N):
+                    s[i, j] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_i[i]))
+                tile.row_reduce(s, row_sum, "sum", dim=1)
+                for i in tile.parallel(BLOCK_M):
+                    l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+                tile.copy(s, p_s)
+                tile.mma_rescaled(p_s, kv_s, acc_o, alpha, transpose_b=False, step=k)
+
+            o = tile.read_accumulator(acc_o)
+            for i, j in tile.parallel(BLOCK_M, D_V):
+                o[i, j] = T.if_then_else(l_i[i] > 0.0, o[i, j] / l_i[i], 0.0)
+            for i in tile.parallel(BLOCK_M):
+                m_prev[i] = T.if_then_else(l_i[i] > 0.0, m_i[i] + T.log2(l_i[i]), neg_inf)  # lse, base 2
+            if si < splits:
+                if splits == 1:
+                    for i, j in tile.parallel(BLOCK_M, D_V):
+                        r = mt * BLOCK_M + i
+                        if r < rows:
+                            Out[bi, r, j] = T.cast(o[i, j], sdt)
+                    for i in tile.parallel(BLOCK_M):
+                        r = mt * BLOCK_M + i
+                        if r < rows:
+                            Lse[bi, r % h_q, r // h_q] = m_prev[i] * LN2
+                else:
+                    slot = bi * max_splits + si
+                    for i, j in tile.parallel(BLOCK_M, D_V):
+                        OPart[slot, mt * BLOCK_M + i, j] = o[i, j]
+                    for i in tile.parallel(BLOCK_M):
+                        LsePart[slot, mt * BLOCK_M + i] = m_prev[i]
+
+    return mla_decode
+
+
+@tile_program(
+    "mla_combine",
+    targets=GPU_TARGETS,
+    examples={"h16": dict(h_q=16, s_q=1), "h128": dict(h_q=128, s_q=1)},
+)
+def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128):
+    """Merge the splits of each sequence that was split: weights exp2(lse_split - lse)."""
+    rows = s_q * h_q
+    rows_pad = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    sdt = tile.storage_dtype(dtype)
+    batch, slots = T.dynamic("batch, slots")
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def mla_combine(
+        Splits: T.Tensor((batch,), "int32"),
+        OPart: T.Tensor((slots, rows_pad, D_V), "float32"),
+        LsePart: T.Tensor((slots, rows_pad), "float32"),
+        Out: T.Tensor((batch, rows, D_V), sdt),
+        Lse: T.Tensor((batch, h_q, s_q), "float32"),
+        max_splits: T.int32,
+    ):
+        with tile.grid(batch * rows, threads) as bid:
+            bi, r = tile.split_index(bid, (batch, rows))
+            with tile.vector():
+                acc = tile.fragment((D_V,))
+                lse_max = T.alloc_var("float32")
+                total = T.alloc_var("float32")
+                lse = T.alloc_var("float32")
+                splits = Splits[bi]
+                if splits > 1:
+                    lse_max = neg_inf
+                    total = 0.0
+                    for s in T.serial(splits):
+                        lse_max = T.max(lse_max, LsePart[bi * max_splits + s, r])
+                    for s in T.serial(splits):
+                        total += T.if_then_else(lse_max == neg_inf, 0.0, T.exp2(LsePart[bi * max_splits + s, r] - lse_max))
+                    lse = T.if_then_else(total > 0.0, lse_max + T.log2(total), neg_inf)
+                    for j in tile.parallel(D_V):
+                        acc[j] = 0.0
+                    for s in T.serial(splits):
+                        for j in tile.parallel(D_V):
+                            acc[j] += T.if_then_else(lse == neg_inf, 0.0,
+                                                     T.exp2(LsePart[bi * max_splits + s, r] - lse)
+                                                     * OPart[bi * max_splits + s, r, j])
+                    for j in tile.parallel(D_V):
+                        Out[bi, r, j] = T.cast(acc[j], sdt)
+                    Lse[bi, r % h_q, r // h_q] = lse * LN2
+
+    return mla_combine
+
+
+# ---- the schedule: computed once per decode step, reused by every layer ----------------------------
+
+@dataclass
+class MlaSchedule:
+    """How each sequence's KV blocks are split across CTAs (FlashMLA's 'metadata').
+
+    Built on the device from cache_seqlens with no host sync, so it can live inside a CUDA graph.
+    Reuse it for every layer of a step: it depends only on the lengths and the shapes.
+    """
+
+    splits: torch.Tensor        # (b,) int32: splits per sequence
+    max_splits: int
+    rows: int
+    batch_invariant: bool
+
+    def check(self, b: int, rows: int) -> None:
+        if self.splits.shape != (b,) or self.rows != rows:
+            raise ValueError(f"sched was made for batch {tuple(self.splits.shape)} and {self.rows} query rows, "
+                             f"but this call has batch ({b},) and {rows} rows (s_q * h_q)")
+
+
+def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks: int, *,
+                     num_sms: int | None = None, batch_invariant: bool | None = None) -> MlaSchedule:
+    """Split each sequence so that b * m_tiles * splits CTAs fill the GPU.
+
+    Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into fixed 16-block
+    chunks instead, so a sequence's result never depends on what else is in the batch.
+    """
+    check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+    if batch_invariant is None:
+        batch_invariant = env.flag("TILECRAFT_BATCH_INVARIANT")
+    b = cache_seqlens.shape[0]
+    rows = s_q * h_q
+    m_tiles = -(-rows // BLOCK_M)
+    max_blocks = max(1, int(max_blocks))
+    nblk = (cache_seqlens + (BLOCK_N - 1)) // BLOCK_N
+    if batch_invariant:
+        chunk = 16
+        max_splits = -(-max_blocks // chunk)
+        splits = ((nblk + chunk - 1) // chunk).clamp_(min=1)
+    else:
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count
+                       if cache_seqlens.is_cuda else 132)
+        ctas = max(1, b * m_tiles)
+        max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // 4, 32))
+        # shorter sequences get fewer splits: at least 4 blocks per split
+        splits = ((nblk + 3) // 4).clamp_(min=1, max=max_splits)
+    return MlaSchedule(splits.to(torch.int32).contiguous(), int(max_splits), rows, bool(batch_invariant))
+
+
+# ---- reference ---------------------------------------------------------------------------------------
+
+def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softmax_scale, causal=True):
+    """fp32 torch reference (float64 where asked by passing float64 inputs). Returns (out, lse)."""
+    b, s_q, h_q, d = q.shape
+    page = kv_cache.shape[1]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=acc_dtype, device=q.device)
+    lse = torch.full((b, h_q, s_q), float("-inf"), dtype=acc_dtype, device=q.device)
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    for i in range(b):
+        n = int(cache_seqlens[i])
+        if n == 0:
+            continue
+        nblk = -(-n // page)
+        pages = block_table[i, :nblk].long()
+        idx = (pages[:, None] * page + torch.arange(page, device=q.device)[None, :]).reshape(-1)[:n]
+        kv = flat[idx].to(acc_dtype)                                     # [n, 576]
+        qi = q[i].to(acc_dtype).reshape(s_q * h_q, d)                    # [s_q*h_q, 576]
+        scores = (qi @ kv.T) * softmax_scale                             # [s_q*h_q, n]
+        if causal:
+            qpos = torch.arange(s_q, device=q.device).repeat_interleave(h_q)
+            limit = n - s_q + qpos + 1
+            scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= limit[:, None], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)                        # -inf for fully masked rows
+        p = torch.exp(scores - row_lse[:, None]).nan_to_num(0.0)
+        out[i] = (p @ kv[:, :head_dim_v]).reshape(s_q, h_q, head_dim_v)
+        lse[i] = row_lse.reshape(s_q, h_q).T
+    return out, lse
+
+
+# ---- the public op -------------------------------------------------------------------------------------
+
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_format):
+    check.tensor("q", q, dtypes=DTYPES, ndim=4, contiguous=True)
+    b, s_q, h_q, d = q.shape
+    if d != D_QK:
+        raise ValueError(f"q's last dimension must be {D_QK} (512 latent + 64 rope), got {d}")
+    if not 1 <= h_q <= MAX_HEADS:
+        raise ValueError(f"q's head count h_q must be in [1, {MAX_HEADS}], got {h_q}")
+    if not 1 <= s_q <= MAX_S_Q:
+        raise ValueError(f"q's s_q must be in [1, {MAX_S_Q}], got {s_q}")
+    if kv_format != "bf16":
+        raise ValueError(f"kv_format must be 'bf16' (the FP8 cache is not implemented yet), got {kv_format!r}")
+    check.tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=4, contiguous=True)
+    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != D_QK:
+        raise ValueError(f"kv_cache must have shape (num_blocks, page_size, 1, {D_QK}), got {tuple(kv_cache.shape)}")
+    if kv_cache.shape[1] not in PAGE_SIZES:
+        raise ValueError(f"kv_cache's page size must be one of {PAGE_SIZES}, got {kv_cache.shape[1]}")
+    check.tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table must have {b} rows (q's batch), got shape {tuple(block_table.shape)}")
+    check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    check.shape("cache_seqlens", cache_seqlens, (b,), "(batch,)")
+    check.same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+    if head_dim_v != D_V:
+        raise ValueError(f"head_dim_v must be {D_V}, got {head_dim_v}")
+    check.number("softmax_scale", softmax_scale, lo=1e-12)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+def _validate_values(kv_cache, block_table, cache_seqlens):
+    """Checks that read tensor values (one device sync). Skipped while a CUDA graph is captured."""
+    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if not env.flag("TILECRAFT_CHECK_INDICES"):
+        return
+    page, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    capacity = block_table.shape[1] * page
+    lens = cache_seqlens.long()
+    needed = (lens + page - 1) // page                                          # [b]
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < needed[:, None]
+    bad_len = ((lens < 0) | (lens > capacity)).any()
+    bad_idx = (used & ((block_table < 0) | (block_table >= num_blocks))).any()
+    bad_len, bad_idx = bool(bad_len), bool(bad_idx)
+    if bad_len:
+        raise ValueError(f"cache_seqlens must be in [0, {capacity}] (block_table's {block_table.shape[1]} blocks "
+                         f"x page {page}), got values {cache_seqlens.min().item()}..{cache_seqlens.max().item()}")
+    if bad_idx:
+        raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)")
+
+
+def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched):
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out, lse
+    target = targets.resolve(q, kv_cache)
+    page = kv_cache.shape[1]
+    if sched is None:
+        sched = get_mla_schedule(cache_seqlens, s_q, h_q, block_table.shape[1] * page // BLOCK_N)
+    sched.check(b, rows)
+    rows_pad = -(-rows // BLOCK_M) * BLOCK_M
+    slots = b * sched.max_splits if sched.max_splits > 1 else 1
+    o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
+    dtype = DTYPES[q.dtype]
+    main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal)
+    main.launcher()(q.view(b, rows, D_QK), kv_cache.view(kv_cache.shape[0], page, D_QK), block_table, cache_seqlens,
+                    sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, sched.max_splits,
+                    float(softmax_scale * LOG2E))
+    if sched.max_splits > 1:
+        combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype)
+        combine.launcher()(sched.splits, o_part, lse_part, out.view(b, rows, D_V), lse, sched.max_splits)
+    return out, lse
+
+
+@torch.library.custom_op("tilecraft::mla_decode", mutates_args=())
+def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, None)
+
+
+@_mla_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(b, s_q, h_q, D_V), q.new_empty(b, h_q, s_q, dtype=torch.float32)
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softmax_scale, causal=True,
+               kv_format="bf16", sched=None):
+    """MLA decode attention over a paged latent cache. Returns (out, lse).
+
+    q (b, s_q, h_q, 576) bf16/fp16; kv_cache (num_blocks, page, 1, 576) in q's dtype, page in
+    {16, 32, 64, 128, 256}; block_table (b, max_blocks) int32; cache_seqlens (b,) int32 (0 allowed).
+    With causal, query token i sees the cache up to cache_seqlens - s_q + i + 1.
+    out (b, s_q, h_q, 512) in q's dtype; lse (b, h_q, s_q) fp32 (natural log; -inf for rows that
+    see nothing, whose output is 0). `sched` = get_mla_schedule(...) computed once per step.
+    On CPU tensors this runs the fp32 torch reference (slow, for running models anywhere).
+    """
+    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_format)
+    _validate_values(kv_cache, block_table, cache_seqlens)
+    if q.device.type == "cpu":
+        out, lse = mla_decode_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v,
+                                        softmax_scale=softmax_scale, causal=causal)
+        return out.to(q.dtype), lse.float()
+    if sched is not None:
+        return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, float(softmax_scale), causal, sched)
+    return _dispatch.call(_mla_decode_op, lambda *a: _mla_decode_impl(*a, None), q, kv_cache, block_table,
+                          cache_seqlens, float(softmax_scale), causal)

@@ -1,0 +1,246 @@
+"""ops.mla_decode: FlashMLA's interface and thresholds, one tile program for every GPU target."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ops
+from ops.mla_decode import get_mla_schedule, mla_combine_program, mla_decode_program, mla_decode_reference
+
+D, DV = 576, 512
+
+
+def make_inputs(b, s_q, h_q, seqlens, page=64, dtype=torch.bfloat16, device="cpu", seed=0, extra_blocks=2):
+    """A paged cache whose unused tails, unused pages and unused table slots are all NaN-poisoned."""
+    g = torch.Generator().manual_seed(seed)
+    seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    max_blocks = max(1, int(math.ceil(max(int(seqlens.max()), 1) / page))) + extra_blocks
+    used = [int(math.ceil(int(n) / page)) for n in seqlens]
+    total_pages = sum(used) + 3
+    nan_page = total_pages - 1
+    kv = torch.randn(total_pages, page, 1, D, generator=g).to(dtype)
+    perm = torch.randperm(total_pages - 3, generator=g)
+    table = torch.full((b, max_blocks), nan_page, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(used):
+        table[i, :n] = perm[at:at + n].to(torch.int32)
+        # poison the tail of the last page beyond the sequence
+        if n:
+            tail = int(seqlens[i]) - (n - 1) * page
+            kv[table[i, n - 1], tail:] = float("nan")
+        at += n
+    kv[total_pages - 3:] = float("nan")
+    q = (torch.randn(b, s_q, h_q, D, generator=g) / 4).to(dtype)
+    return q.to(device), kv.to(device), table.to(device), seqlens.to(device)
+
+
+def naive64(q, kv, table, seqlens, scale, causal):
+    """Row by row in float64: an independent check of the reference."""
+    b, s_q, h_q, _ = q.shape
+    page = kv.shape[1]
+    out = torch.zeros(b, s_q, h_q, DV, dtype=torch.float64)
+    lse = torch.full((b, h_q, s_q), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        n = int(seqlens[i])
+        toks = torch.stack([kv[table[i, t // page], t % page, 0] for t in range(n)]).double() if n else None
+        for s in range(s_q):
+            visible = n - s_q + s + 1 if causal else n
+            visible = max(0, min(n, visible))
+            if visible == 0:
+                continue
+            for h in range(h_q):
+                sc = toks[:visible] @ q[i, s, h].double() * scale
+                lse[i, h, s] = torch.logsumexp(sc, 0)
+                out[i, s, h] = torch.softmax(sc, 0) @ toks[:visible, :DV]
+    return out, lse
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_naive_float64(causal):
+    q, kv, table, lens = make_inputs(3, 2, 4, [70, 0, 1], page=16, dtype=torch.float32)
+    out, lse = mla_decode_reference(q.double(), kv.double(), table, lens, softmax_scale=D ** -0.5, causal=causal)
+    n_out, n_lse = naive64(q, kv, table, lens, D ** -0.5, causal)
+    torch.testing.assert_close(out, n_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, n_lse, atol=1e-10, rtol=1e-10)
+
+
+def test_cpu_op_runs_the_reference():
+    q, kv, table, lens = make_inputs(2, 1, 16, [130, 5])
+    out, lse = ops.mla_decode(q, kv, table, lens, 512, softmax_scale=D ** -0.5, causal=True)
+    ref, ref_lse = mla_decode_reference(q, kv, table, lens, softmax_scale=D ** -0.5, causal=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float())
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_zero_length_sequences_give_zeros_and_minus_inf():
+    q, kv, table, lens = make_inputs(2, 1, 8, [0, 3])
+    out, lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.1)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    assert not out.isnan().any()
+
+
+def test_invalid_inputs_name_the_argument():
+    q, kv, table, lens = make_inputs(2, 1, 16, [10, 20])
+    kw = dict(softmax_scale=0.1)
+    cases = [
+        ((q[..., :512].contiguous(), kv, table, lens), ValueError, "q's last dimension must be 576"),
+        ((torch.zeros(2, 1, 129, D, dtype=torch.bfloat16), kv, table, lens), ValueError, r"h_q must be in \[1, 128\]"),
+        ((torch.zeros(2, 9, 16, D, dtype=torch.bfloat16), kv, table, lens), ValueError, r"s_q must be in \[1, 8\]"),
+        ((q.float(), kv, table, lens), TypeError, "q must have dtype bf16 or fp16, got fp32"),
+        ((q, kv.half(), table, lens), TypeError, "kv_cache must have dtype bf16, got fp16"),
+        ((q, kv[:, :48].contiguous(), table, lens), ValueError, "page size must be one of"),
+        ((q, kv, table[:1], lens), ValueError, "block_table must have 2 rows"),
+        ((q, kv, table.long(), lens), TypeError, "block_table must have dtype int32"),
+        ((q, kv, table, lens[:1]), ValueError, r"cache_seqlens must have shape \(2,\)"),
+        ((q, kv, table, lens.long()), TypeError, "cache_seqlens must have dtype int32"),
+        ((torch.cat([q, q], -1)[..., :D], kv, table, lens), ValueError, "q must be contiguous"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            ops.mla_decode(*args, **kw)
+    with pytest.raises(ValueError, match="head_dim_v must be 512"):
+        ops.mla_decode(q, kv, table, lens, 256, **kw)
+    with pytest.raises(ValueError, match="softmax_scale must be in"):
+        ops.mla_decode(q, kv, table, lens, softmax_scale=0.0)
+    with pytest.raises(ValueError, match="kv_format must be"):
+        ops.mla_decode(q, kv, table, lens, softmax_scale=0.1, kv_format="int4")
+
+
+def test_out_of_range_values_are_caught():
+    q, kv, table, lens = make_inputs(2, 1, 16, [10, 20])
+    bad = table.clone()
+    bad[1, 0] = kv.shape[0]
+    with pytest.raises(ValueError, match=r"block_table entries used by cache_seqlens must be in \[0, "):
+        ops.mla_decode(q, kv, bad, lens, softmax_scale=0.1)
+    too_long = torch.tensor([10, table.shape[1] * 64 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens must be in"):
+        ops.mla_decode(q, kv, table, too_long, softmax_scale=0.1)
+
+
+def test_schedule_shapes_and_batch_invariance():
+    lens = torch.tensor([0, 64, 4096, 100000], dtype=torch.int32)
+    s = get_mla_schedule(lens, 1, 16, max_blocks=2000, num_sms=132)
+    assert s.splits.dtype == torch.int32 and s.splits.shape == (4,)
+    assert int(s.splits.min()) >= 1 and int(s.splits.max()) <= s.max_splits
+    inv_a = get_mla_schedule(lens, 1, 16, max_blocks=2000, batch_invariant=True)
+    inv_b = get_mla_schedule(lens[2:], 1, 16, max_blocks=2000, batch_invariant=True)
+    assert torch.equal(inv_a.splits[2:], inv_b.splits) and inv_a.max_splits == inv_b.max_splits
+    with pytest.raises(ValueError, match="sched was made for batch"):
+        s.check(3, 16)
+
+
+def test_lowers_to_wgmma_and_tma_on_sm_90a():
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        hist = sass_stats(build_cubin(mla_decode_program.source("sm_90a", h_q=16, s_q=1), "sm_90a"), "sm_90a").histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) == 0
+
+
+def test_lowers_to_tcgen05_on_sm_100a():
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        hist = sass_stats(build_cubin(mla_decode_program.source("sm_100a", h_q=16, s_q=1), "sm_100a"), "sm_100a").histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get("UTCHMMA", 0) > 0 and hist.get("HMMA", 0) == 0
+
+
+def test_combine_lowers_on_both_cuda_arches():
+    for t in ("sm_90a", "sm_100a"):
+        assert "__global__" in mla_combine_program.source(t, h_q=128, s_q=2)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+def run_gpu_case(b, s_q, h_q, lens, page=64, causal=True, dtype=torch.bfloat16, seed=0):
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, dtype=dtype, device="cuda", seed=seed)
+    scale = D ** -0.5
+    out, lse = ops.mla_decode(q, kv, table, seqlens, 512, softmax_scale=scale, causal=causal)
+    ref, ref_lse = mla_decode_reference(q, kv, table, seqlens, softmax_scale=scale, causal=causal)
+    assert not out.isnan().any(), "NaN leaked from poisoned cache pages"
+    torch.testing.assert_close(out.float(), ref, atol=8e-4, rtol=2.01 / 128)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens", [
+    (2, 1, 16, [1000, 64]),
+    (3, 1, 128, [4096, 1, 0]),
+    (2, 2, 128, [300, 2049]),
+    (4, 4, 32, [7, 128, 129, 5000]),
+    (1, 1, 1, [65]),
+    (2, 3, 7, [200, 3]),
+    (2, 1, 64, [16384, 8000]),  # few sequences, long contexts: splits + combine
+])
+def test_gpu_matches_reference(b, s_q, h_q, lens):
+    run_gpu_case(b, s_q, h_q, lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 32, 128, 256])
+def test_gpu_page_sizes(page):
+    run_gpu_case(3, 1, 16, [page * 3 + 5, 1, 700], page=page)
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_and_non_causal():
+    run_gpu_case(2, 2, 16, [300, 77], dtype=torch.float16)
+    run_gpu_case(2, 2, 16, [300, 77], causal=False)
+
+
+@pytest.mark.gpu
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 5), s_q=st.integers(1, 4), h_q=st.sampled_from([1, 8, 16, 32, 64, 128]),
+       page=st.sampled_from([16, 64, 256]), data=st.data())
+def test_gpu_hypothesis(b, s_q, h_q, page, data):
+    lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
+    run_gpu_case(b, s_q, h_q, lens, page=page, seed=data.draw(st.integers(0, 1000)))
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    q, kv, table, lens = make_inputs(2, 1, 64, [9000, 3000], device="cuda")
+    a = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05)
+    b = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant_mode(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
+    q, kv, table, lens = make_inputs(4, 1, 16, [5000, 300, 9000, 64], device="cuda")
+    full, full_lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05)
+    for i in range(4):
+        one, one_lse = ops.mla_decode(q[i:i + 1], kv, table[i:i + 1], lens[i:i + 1], softmax_scale=0.05)
+        assert torch.equal(one[0], full[i]) and torch.equal(one_lse[0], full_lse[i]), i
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_with_schedule():
+    q, kv, table, lens = make_inputs(4, 1, 16, [5000, 300, 9000, 64], device="cuda")
+    sched = get_mla_schedule(lens, 1, 16, max_blocks=table.shape[1])
+    ops.mla_decode(q, kv, table, lens, softmax_scale=0.05, sched=sched)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05, sched=sched)
+    q.copy_(torch.randn_like(q) / 4)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_decode_reference(q, kv, table, lens, softmax_scale=0.05)
+    torch.testing.assert_close(out.float(), ref, atol=8e-4, rtol=2.01 / 128)
