@@ -23,7 +23,7 @@ from tilecraft import env
 
 D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
-BLOCK_N = 64       # cache tokens per step
+BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
 MAX_S_Q = 8
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -34,18 +34,24 @@ GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
 
 
 @T.macro
-def _copy_kv_tile(KV, BlockTable, bi, blk, page, kv_s, kpe_s, num_pages):
-    """Stage cache tokens [blk*64, blk*64+64) of sequence bi: latent part and rope part."""
-    if page >= BLOCK_N:
-        pidx = T.min(T.max(BlockTable[bi, (blk * BLOCK_N) // page], 0), num_pages - 1)
-        off = (blk * BLOCK_N) % page
-        tile.copy(KV[pidx, off:off + BLOCK_N, 0:D_V], kv_s)
-        tile.copy(KV[pidx, off:off + BLOCK_N, D_V:D_QK], kpe_s)
+def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages, seqlen):
+    """Stage cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi (latent and rope parts) and
+    zero the rows past the sequence's end: masked scores give P = 0, but 0 * NaN garbage is NaN."""
+    if page >= block_n:
+        pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
+        off = (blk * block_n) % page
+        tile.copy(KV[pidx, off:off + block_n, 0:D_V], kv_s)
+        tile.copy(KV[pidx, off:off + block_n, D_V:D_QK], kpe_s)
     else:
-        for sub in T.unroll(BLOCK_N // page):
-            pidx = T.min(T.max(BlockTable[bi, blk * (BLOCK_N // page) + sub], 0), num_pages - 1)
+        for sub in T.unroll(block_n // page):
+            pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
             tile.copy(KV[pidx, 0:page, 0:D_V], kv_s[sub * page:(sub + 1) * page, :])
             tile.copy(KV[pidx, 0:page, D_V:D_QK], kpe_s[sub * page:(sub + 1) * page, :])
+    if (blk + 1) * block_n > seqlen:
+        for i in T.serial(block_n):  # row by row: a 2-D loop here would cost registers in every step
+            if blk * block_n + i >= seqlen:
+                for j in tile.parallel(D_V):
+                    kv_s[i, j] = T.cast(0, kv_s.dtype)
 
 
 @tile_program(
@@ -60,8 +66,12 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, kv_s, kpe_s, num_pages):
                                if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                       threads: int = 256, stages: int = 2):
-    """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit."""
+                       block_n: int = 64, stages: int = 2, threads: int = 256):
+    """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
+
+    Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens, `stages`
+    deep (block_n=32 x 4 stages keeps more cache bytes in flight than 64 x 2 in the same smem)."""
+    assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     rows = s_q * h_q
     m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
     rows_pad = m_tiles * BLOCK_M
@@ -87,18 +97,21 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             bi, si, mt = tile.split_index(bid, (batch, max_splits, m_tiles))
             q_s = tile.operand((BLOCK_M, D_V), sdt)
             qpe_s = tile.operand((BLOCK_M, D_ROPE), sdt)
-            kv_s = tile.operand((BLOCK_N, D_V), sdt)
-            kpe_s = tile.operand((BLOCK_N, D_ROPE), sdt)
-            p_s = tile.operand((BLOCK_M, BLOCK_N), sdt)
-            acc_s = tile.accumulator((BLOCK_M, BLOCK_N))
+            kv_s = tile.operand((block_n, D_V), sdt)
+            kpe_s = tile.operand((block_n, D_ROPE), sdt)
+            p_s = tile.operand((BLOCK_M, block_n), sdt)
+            acc_s = tile.accumulator((BLOCK_M, block_n))
             acc_o = tile.accumulator((BLOCK_M, D_V))
 
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             nblk = T.ceildiv(seqlen, BLOCK_N)
             chunk = T.ceildiv(nblk, T.max(splits, 1))
+            steps = BLOCK_N // block_n
             blk0 = si * chunk
-            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, blk0 + chunk) - blk0, 0), 0)
+            # steps of block_n tokens, stopping at the sequence's end
+            n_iter = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, block_n), (blk0 + chunk) * steps)
+                                                        - blk0 * steps, 0), 0)
 
             for i, j in tile.parallel(BLOCK_M, D_V):
                 r = mt * BLOCK_M + i
@@ -117,20 +130,20 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             T.fill(alpha, 0.0)
 
             for k in tile.pipelined(n_iter, stages=stages):
-                blk = blk0 + k
-                _copy_kv_tile(KV, BlockTable, bi, blk, page, kv_s, kpe_s, num_pages)
+                blk = blk0 * steps + k  # in units of block_n tokens
+                _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages, seqlen)
                 tile.mma(q_s, kv_s, acc_s, transpose_b=True, clear=True, step=2 * k)
                 tile.mma(qpe_s, kpe_s, acc_s, transpose_b=True, clear=False, step=2 * k + 1)
                 s = tile.read_accumulator(acc_s)
-                for i, j in tile.parallel(BLOCK_M, BLOCK_N):
+                for i, j in tile.parallel(BLOCK_M, block_n):
                     # causal: query token q sees the cache up to seqlen - s_q + q + 1
                     limit = seqlen - s_q + (mt * BLOCK_M + i) // h_q + 1 if causal else seqlen
-                    s[i, j] = T.if_then_else(blk * BLOCK_N + j < limit, s[i, j] * scale_log2, neg_inf)
+                    s[i, j] = T.if_then_else(blk * block_n + j < limit, s[i, j] * scale_log2, neg_inf)
                 T.copy(m_i, m_prev)
                 tile.row_reduce(s, m_i, "max", dim=1, clear=False)
                 for i in tile.parallel(BLOCK_M):
                     alpha[i] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(m_prev[i] - m_i[i]))
-                for i, j in tile.parallel(BLOCK_M, BLOCK_N):
+                for i, j in tile.parallel(BLOCK_M, block_n):
                     s[i, j] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_i[i]))
                 tile.row_reduce(s, row_sum, "sum", dim=1)
                 for i in tile.parallel(BLOCK_M):
@@ -349,7 +362,13 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
         raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)")
 
 
-def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched):
+def pick_tiling(rows: int) -> dict:
+    """Per-step tokens and pipeline depth: small row counts are bound by cache bytes, so they take
+    32-token steps 4 deep (more loads in flight); large ones 64-token steps for wider WGMMAs."""
+    return dict(block_n=32, stages=4) if rows <= BLOCK_M else dict(block_n=64, stages=2)
+
+
+def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None):
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
@@ -366,7 +385,8 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
-    main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal)
+    tiling = tiling or pick_tiling(rows)
+    main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     main.launcher()(q.view(b, rows, D_QK), kv_cache.view(kv_cache.shape[0], page, D_QK), block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, sched.max_splits,
                     float(softmax_scale * LOG2E))
