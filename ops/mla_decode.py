@@ -34,9 +34,8 @@ GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
 
 
 @T.macro
-def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages, seqlen):
-    """Stage cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi (latent and rope parts) and
-    zero the rows past the sequence's end: masked scores give P = 0, but 0 * NaN garbage is NaN."""
+def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages):
+    """Stage the full step of cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi."""
     if page >= block_n:
         pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
         off = (blk * block_n) % page
@@ -47,11 +46,17 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages
             pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
             tile.copy(KV[pidx, 0:page, 0:D_V], kv_s[sub * page:(sub + 1) * page, :])
             tile.copy(KV[pidx, 0:page, D_V:D_QK], kpe_s[sub * page:(sub + 1) * page, :])
+
+
+@T.macro
+def _zero_tail_rows(kv_s, blk, block_n, seqlen):
+    """Zero staged rows past the sequence's end: their scores are masked, but 0 * NaN garbage in V
+    would still poison the output. A select that reads kv_s (not a blind store) so that it runs
+    after the copy has landed, in the compute warps."""
     if (blk + 1) * block_n > seqlen:
-        for i in T.serial(block_n):  # row by row: a 2-D loop here would cost registers in every step
-            if blk * block_n + i >= seqlen:
-                for j in tile.parallel(D_V):
-                    kv_s[i, j] = T.cast(0, kv_s.dtype)
+        for i in T.serial(block_n):
+            for j in tile.parallel(D_V):
+                kv_s[i, j] = T.if_then_else(blk * block_n + i < seqlen, kv_s[i, j], T.cast(0, kv_s.dtype))
 
 
 @tile_program(
@@ -62,11 +67,12 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages
         "h128": dict(h_q=128, s_q=1, page=64),
         "h128-mtp": dict(h_q=128, s_q=2, page=64),
     },
-    pass_configs=lambda t, p: ({"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True}
+    pass_configs=lambda t, p: ({"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True,
+                                **({} if p["warp_specialized"] else {"tl.disable_warp_specialized": True})}
                                if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                       block_n: int = 64, stages: int = 2, threads: int = 256):
+                       block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens, `stages`
@@ -78,6 +84,28 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     sdt = tile.storage_dtype(dtype)
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
     neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def attend(blk, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
+               m_i, m_prev, l_i, alpha, row_sum):
+        """One step of online softmax over the staged tokens [blk*block_n, (blk+1)*block_n)."""
+        tile.mma(q_s, kv_s, acc_s, transpose_b=True, clear=True, step=2 * k)
+        tile.mma(qpe_s, kpe_s, acc_s, transpose_b=True, clear=False, step=2 * k + 1)
+        s = tile.read_accumulator(acc_s)
+        for i, j in tile.parallel(BLOCK_M, block_n):
+            limit = causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
+            s[i, j] = T.if_then_else(blk * block_n + j < limit, s[i, j] * scale_log2, neg_inf)
+        T.copy(m_i, m_prev)
+        tile.row_reduce(s, m_i, "max", dim=1, clear=False)
+        for i in tile.parallel(BLOCK_M):
+            alpha[i] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(m_prev[i] - m_i[i]))
+        for i, j in tile.parallel(BLOCK_M, block_n):
+            s[i, j] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_i[i]))
+        tile.row_reduce(s, row_sum, "sum", dim=1)
+        for i in tile.parallel(BLOCK_M):
+            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+        tile.copy(s, p_s)
+        tile.mma_rescaled(p_s, kv_s, acc_o, alpha, transpose_b=False, step=k)
 
     @T.prim_func
     def mla_decode(
@@ -94,7 +122,13 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         scale_log2: T.float32,
     ):
         with tile.grid(batch * max_splits * m_tiles, threads) as bid:
-            bi, si, mt = tile.split_index(bid, (batch, max_splits, m_tiles))
+            # scalars live in registers (T.alloc_var), computed once rather than at every use
+            mt = T.alloc_var("int32")
+            si = T.alloc_var("int32")
+            bi = T.alloc_var("int32")
+            mt = bid % m_tiles
+            si = (bid // m_tiles) % max_splits
+            bi = bid // (m_tiles * max_splits)
             q_s = tile.operand((BLOCK_M, D_V), sdt)
             qpe_s = tile.operand((BLOCK_M, D_ROPE), sdt)
             kv_s = tile.operand((block_n, D_V), sdt)
@@ -103,15 +137,19 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             acc_s = tile.accumulator((BLOCK_M, block_n))
             acc_o = tile.accumulator((BLOCK_M, D_V))
 
+            splits = T.alloc_var("int32")
+            seqlen = T.alloc_var("int32")
+            chunk = T.alloc_var("int32")
+            first = T.alloc_var("int32")        # this split's first step (of block_n tokens)
+            n_iter = T.alloc_var("int32")       # and its number of steps
+            causal_base = T.alloc_var("int32")
             splits = Splits[bi]
             seqlen = SeqLens[bi]
-            nblk = T.ceildiv(seqlen, BLOCK_N)
-            chunk = T.ceildiv(nblk, T.max(splits, 1))
-            steps = BLOCK_N // block_n
-            blk0 = si * chunk
-            # steps of block_n tokens, stopping at the sequence's end
-            n_iter = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, block_n), (blk0 + chunk) * steps)
-                                                        - blk0 * steps, 0), 0)
+            chunk = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1)) * (BLOCK_N // block_n)
+            first = si * chunk
+            n_iter = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0)
+            # causal: query token q sees the cache up to seqlen - s_q + q + 1
+            causal_base = seqlen - s_q + 1 if causal else seqlen
 
             for i, j in tile.parallel(BLOCK_M, D_V):
                 r = mt * BLOCK_M + i
@@ -130,26 +168,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             T.fill(alpha, 0.0)
 
             for k in tile.pipelined(n_iter, stages=stages):
-                blk = blk0 * steps + k  # in units of block_n tokens
-                _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages, seqlen)
-                tile.mma(q_s, kv_s, acc_s, transpose_b=True, clear=True, step=2 * k)
-                tile.mma(qpe_s, kpe_s, acc_s, transpose_b=True, clear=False, step=2 * k + 1)
-                s = tile.read_accumulator(acc_s)
-                for i, j in tile.parallel(BLOCK_M, block_n):
-                    # causal: query token q sees the cache up to seqlen - s_q + q + 1
-                    limit = seqlen - s_q + (mt * BLOCK_M + i) // h_q + 1 if causal else seqlen
-                    s[i, j] = T.if_then_else(blk * block_n + j < limit, s[i, j] * scale_log2, neg_inf)
-                T.copy(m_i, m_prev)
-                tile.row_reduce(s, m_i, "max", dim=1, clear=False)
-                for i in tile.parallel(BLOCK_M):
-                    alpha[i] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(m_prev[i] - m_i[i]))
-                for i, j in tile.parallel(BLOCK_M, block_n):
-                    s[i, j] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_i[i]))
-                tile.row_reduce(s, row_sum, "sum", dim=1)
-                for i in tile.parallel(BLOCK_M):
-                    l_i[i] = l_i[i] * alpha[i] + row_sum[i]
-                tile.copy(s, p_s)
-                tile.mma_rescaled(p_s, kv_s, acc_o, alpha, transpose_b=False, step=k)
+                _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
+                _zero_tail_rows(kv_s, first + k, block_n, seqlen)
+                attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
+                       m_i, m_prev, l_i, alpha, row_sum)
 
             o = tile.read_accumulator(acc_o)
             for i, j in tile.parallel(BLOCK_M, D_V):
@@ -365,7 +387,7 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
 def pick_tiling(rows: int) -> dict:
     """Per-step tokens and pipeline depth: small row counts are bound by cache bytes, so they take
     32-token steps 4 deep (more loads in flight); large ones 64-token steps for wider WGMMAs."""
-    return dict(block_n=32, stages=4) if rows <= BLOCK_M else dict(block_n=64, stages=2)
+    return dict(block_n=32, stages=4)
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None):

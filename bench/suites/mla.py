@@ -60,15 +60,6 @@ def tilecraft(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched)
 
 
-def tilecraft_n32(case, i):
-    """Experiment: 32-token steps 4 deep also for the compute-bound shapes (default picks 64 x 2)."""
-    if case["s_q"] * case["h_q"] <= 64:
-        raise ValueError("same kernel as the default for <= 64 rows")
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
-    tiling = dict(block_n=32, stages=4)
-    return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched, tiling)
-
-
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -98,7 +89,6 @@ SUITE = Suite(
     flops=flops,
     providers=[
         Provider("tilecraft", tilecraft),
-        Provider("tc-n32s4", tilecraft_n32),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
