@@ -49,14 +49,15 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages
 
 
 @T.macro
-def _zero_tail_rows(kv_s, blk, block_n, seqlen):
+def _zero_tail_rows(kv_s, blk, block_n, seq_s):
     """Zero staged rows past the sequence's end: their scores are masked, but 0 * NaN garbage in V
-    would still poison the output. A select that reads kv_s (not a blind store) so that it runs
-    after the copy has landed, in the compute warps."""
-    if (blk + 1) * block_n > seqlen:
+    would still poison the output. It must run in the compute warps after the copy has landed:
+    hence a select that reads kv_s (a blind store is scheduled with the copies) and a length read
+    from shared memory (a global read would be given to the producer warps)."""
+    if (blk + 1) * block_n > seq_s[0]:
         for i in T.serial(block_n):
             for j in tile.parallel(D_V):
-                kv_s[i, j] = T.if_then_else(blk * block_n + i < seqlen, kv_s[i, j], T.cast(0, kv_s.dtype))
+                kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
 
 
 @tile_program(
@@ -122,10 +123,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         scale_log2: T.float32,
     ):
         with tile.grid(batch * max_splits * m_tiles, threads) as bid:
-            # scalars live in registers (T.alloc_var), computed once rather than at every use
-            mt = T.alloc_var("int32")
-            si = T.alloc_var("int32")
-            bi = T.alloc_var("int32")
+            # no T.alloc_var scalars here: a local defined before the producer/consumer split stops
+            # TileLang from rebalancing registers (setmaxnreg), and the consumers then spill
             mt = bid % m_tiles
             si = (bid // m_tiles) % max_splits
             bi = bid // (m_tiles * max_splits)
@@ -136,13 +135,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             p_s = tile.operand((BLOCK_M, block_n), sdt)
             acc_s = tile.accumulator((BLOCK_M, block_n))
             acc_o = tile.accumulator((BLOCK_M, D_V))
+            seq_s = tile.stage((1,), "int32")  # the length, on chip: read by the compute warps only
 
-            splits = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            chunk = T.alloc_var("int32")
-            first = T.alloc_var("int32")        # this split's first step (of block_n tokens)
-            n_iter = T.alloc_var("int32")       # and its number of steps
-            causal_base = T.alloc_var("int32")
+
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             chunk = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1)) * (BLOCK_N // block_n)
@@ -151,6 +146,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             # causal: query token q sees the cache up to seqlen - s_q + q + 1
             causal_base = seqlen - s_q + 1 if causal else seqlen
 
+            seq_s[0] = seqlen
             for i, j in tile.parallel(BLOCK_M, D_V):
                 r = mt * BLOCK_M + i
                 q_s[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
@@ -169,7 +165,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
             for k in tile.pipelined(n_iter, stages=stages):
                 _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
-                _zero_tail_rows(kv_s, first + k, block_n, seqlen)
+                _zero_tail_rows(kv_s, first + k, block_n, seq_s)
                 attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
                        m_i, m_prev, l_i, alpha, row_sum)
 
@@ -385,9 +381,10 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
 
 
 def pick_tiling(rows: int) -> dict:
-    """Per-step tokens and pipeline depth: small row counts are bound by cache bytes, so they take
-    32-token steps 4 deep (more loads in flight); large ones 64-token steps for wider WGMMAs."""
-    return dict(block_n=32, stages=4)
+    """Per-step tokens and pipeline depth. 64-token steps, 2 deep, measured best on H200 for every
+    row count (32 x 4 kept more loads in flight but paid twice the per-step softmax overhead and
+    narrower WGMMAs: 2197 vs 2901 GB/s at h_q=16; see bench/NOTES.md)."""
+    return dict(block_n=64, stages=2)
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None):
