@@ -49,15 +49,22 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages
 
 
 @T.macro
-def _zero_tail_rows(kv_s, blk, block_n, seq_s):
+def _zero_tail_rows(kv_s, blk, block_n, seq_s, every_step):
     """Zero staged rows past the sequence's end: their scores are masked, but 0 * NaN garbage in V
     would still poison the output. It must run in the compute warps after the copy has landed:
     hence a select that reads kv_s (a blind store is scheduled with the copies) and a length read
-    from shared memory (a global read would be given to the producer warps)."""
-    if (blk + 1) * block_n > seq_s[0]:
+    from registers (a global read would be given to the producer warps)."""
+    if every_step:
+        # TileLang 0.1.15 cannot place the barriers of the guarded form below when a CTA owns one
+        # of several 64-row tiles ([ThreadSync] divergent region): pay for the select every step
         for i in T.serial(block_n):
             for j in tile.parallel(D_V):
                 kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
+    else:
+        if (blk + 1) * block_n > seq_s[0]:
+            for i in T.serial(block_n):
+                for j in tile.parallel(D_V):
+                    kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
 
 
 @tile_program(
@@ -135,7 +142,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             p_s = tile.operand((BLOCK_M, block_n), sdt)
             acc_s = tile.accumulator((BLOCK_M, block_n))
             acc_o = tile.accumulator((BLOCK_M, D_V))
-            seq_s = tile.stage((1,), "int32")  # the length, on chip: read by the compute warps only
+            seq_s = tile.fragment((1,), "int32")  # the length in registers: read by the compute warps only
 
 
             splits = Splits[bi]
@@ -165,7 +172,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
             for k in tile.pipelined(n_iter, stages=stages):
                 _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
-                _zero_tail_rows(kv_s, first + k, block_n, seq_s)
+                _zero_tail_rows(kv_s, first + k, block_n, seq_s, m_tiles > 1)
                 attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
                        m_i, m_prev, l_i, alpha, row_sum)
 
