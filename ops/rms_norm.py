@@ -20,7 +20,7 @@ MAX_HIDDEN_GPU = 16384  # the row must fit in registers: hidden / threads fp32 v
 
 
 def pick_threads(hidden: int) -> int:
-    """The widest block whose threads each get a whole number of 8-element vectors, else 32s."""
+    """The widest block whose threads each get a whole number of 8-element vectors, else 128."""
     for threads in (256, 128, 64, 32):
         if hidden % (threads * 8) == 0 and hidden // threads <= 64:
             return threads
@@ -32,8 +32,12 @@ def pick_threads(hidden: int) -> int:
     examples={"v3-hidden": dict(hidden=7168), "q-lora": dict(hidden=1536), "kv-lora": dict(hidden=512)},
 )
 def rmsnorm_program(hidden: int, dtype: str = "bfloat16", eps: float = 1e-6, threads: int = 0):
-    """RMSNorm over rows of length `hidden`; the row count is symbolic (one kernel for every batch)."""
+    """RMSNorm over rows of length `hidden`; the row count is symbolic (one kernel for every batch).
+
+    The row tile is padded to a multiple of the thread count (zeros past `hidden`), so any hidden
+    size gets a register layout."""
     threads = threads or pick_threads(hidden)
+    padded = -(-hidden // threads) * threads
     rows = T.dynamic("rows")
     sdt = tile.storage_dtype(dtype)
 
@@ -41,16 +45,17 @@ def rmsnorm_program(hidden: int, dtype: str = "bfloat16", eps: float = 1e-6, thr
     def rmsnorm(X: T.Tensor((rows, hidden), sdt), W: T.Tensor((hidden,), sdt), Y: T.Tensor((rows, hidden), sdt)):
         with tile.grid(rows, threads) as r:
             with tile.vector():
-                x = tile.fragment((hidden,), "float32")
-                sq = tile.fragment((hidden,), "float32")
+                x = tile.fragment((padded,), "float32")
+                sq = tile.fragment((padded,), "float32")
                 total = tile.fragment((1,), "float32")
-                for j in tile.parallel(hidden):
-                    x[j] = tile.to_f32(X[r, j], dtype)
-                for j in tile.parallel(hidden):
+                for j in tile.parallel(padded):
+                    x[j] = T.if_then_else(j < hidden, tile.to_f32(X[r, T.min(j, hidden - 1)], dtype), 0.0)
+                for j in tile.parallel(padded):
                     sq[j] = x[j] * x[j]
                 tile.row_reduce(sq, total, "sum", dim=0)
-                for j in tile.parallel(hidden):
-                    Y[r, j] = tile.from_f32(x[j] * T.rsqrt(total[0] / hidden + eps) * tile.to_f32(W[j], dtype), dtype)
+                for j in tile.parallel(padded):
+                    if j < hidden:
+                        Y[r, j] = tile.from_f32(x[j] * T.rsqrt(total[0] / hidden + eps) * tile.to_f32(W[j], dtype), dtype)
 
     return rmsnorm
 
