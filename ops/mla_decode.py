@@ -17,7 +17,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
-from ops import _dispatch
+from ops import _dispatch, _values
 from ops import _validate as check
 from tilecraft import env
 
@@ -367,10 +367,8 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
 
 
 def _validate_values(kv_cache, block_table, cache_seqlens):
-    """Checks that read tensor values (one device sync). Skipped while a CUDA graph is captured."""
-    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    if not env.flag("TILECRAFT_CHECK_INDICES"):
+    """Checks that read tensor values (one device sync; see ops/_values.py)."""
+    if not _values.enabled(block_table):
         return
     page, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
     capacity = block_table.shape[1] * page

@@ -26,7 +26,7 @@ VARS: dict[str, EnvVar] = {
         EnvVar("TILECRAFT_NVCC", "", "path of the nvcc to use; default: CUDA_HOME, then PATH, then the nvidia-cuda-nvcc wheel"),
         EnvVar("TILECRAFT_BISHENG", "", "path of CANN's bisheng compiler; default: BISHENG_HOME/bin, ASCEND_HOME_PATH, then PATH"),
         EnvVar("TILECRAFT_BATCH_INVARIANT", "0", "1: MLA decode splits each sequence the same way whatever the batch (bitwise batch-invariant)"),
-        EnvVar("TILECRAFT_CHECK_INDICES", "1", "0: skip the value checks of block_table / cache_seqlens (one device sync per call; never run during CUDA graph capture)"),
+        EnvVar("TILECRAFT_CHECK_VALUES", "1", "0: skip checks that read tensor values (index ranges, finite router logits): one device sync per call, never during CUDA graph capture"),
         EnvVar("TILECRAFT_VERBOSE", "0", "1: log every compile and cache decision to stderr"),
     )
 }

@@ -1,0 +1,14 @@
+"""Checks that read tensor values. Each costs a device sync, so they are skipped while a CUDA graph
+is being captured and when TILECRAFT_CHECK_VALUES=0; kernels still clamp what they index."""
+
+import torch
+
+from tilecraft import env
+
+
+def enabled(*tensors) -> bool:
+    if not env.flag("TILECRAFT_CHECK_VALUES"):
+        return False
+    if any(t is not None and t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True

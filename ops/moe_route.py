@@ -1,0 +1,276 @@
+"""MoE routing: DeepSeek's gate (scores, optional bias, grouped selection, top-k, renormalize,
+scale) in one kernel launch, and hash routing for DeepSeek-V4's first layers.
+
+Semantics (DeepSeek-V3 inference): scores = f(logits) with f in {sigmoid, softmax, sqrtsoftplus};
+choice = scores + bias (the bias only steers the choice); with n_group > 1 a group's score is the
+sum of its two best choice scores and only the topk_group best groups stay eligible (the rest are
+-inf); the top_k eligible experts by choice score are picked, ties toward the lower expert id;
+weights are the unbiased scores of the picked experts, renormalized (if asked) and multiplied by
+routed_scaling_factor.
+
+Kernel: a block routes a few tokens; a token's experts are a (groups, experts per group) register
+tile, and every "best of" is two row reductions (value, then lowest index holding it).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import torch
+import tilelang.language as T
+
+from codegen import targets, tile
+from codegen.program import tile_program
+from ops import _dispatch, _values
+from ops import _validate as check
+
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
+LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+MAX_EXPERTS = 1024
+
+
+@tile_program(
+    "moe_route",
+    examples={
+        "v3": dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", has_bias=True),
+        "softmax-64": dict(num_experts=64, top_k=6, scoring="softmax", has_bias=False),
+    },
+)
+def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1, scoring: str = "sigmoid",
+                       has_bias: bool = True, renormalize: bool = True, scaling: float = 1.0,
+                       dtype: str = "float32", threads: int = 128):
+    """One token per block: scores, grouped masking, top-k by repeated (max, lowest index) reductions."""
+    E, G = num_experts, n_group
+    GS = E // G
+    sdt = tile.storage_dtype(dtype)
+    tokens = T.dynamic("tokens")
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def best_of(vals, g_best, best, cand, g_cand, where):
+        """best[0] = max of vals; where[0] = the lowest flat index g * GS + e holding it."""
+        tile.row_reduce(vals, g_best, "max", dim=1)
+        tile.row_reduce(g_best, best, "max", dim=0)
+        for g, e in tile.parallel(G, GS):
+            cand[g, e] = T.if_then_else(vals[g, e] == best[0], g * GS + e, E)
+        tile.row_reduce(cand, g_cand, "min", dim=1)
+        tile.row_reduce(g_cand, where, "min", dim=0)
+
+    @T.prim_func
+    def moe_route(
+        Logits: T.Tensor((tokens, E), sdt),
+        Bias: T.Tensor((E,), "float32"),
+        Weights: T.Tensor((tokens, top_k), "float32"),
+        Ids: T.Tensor((tokens, top_k), "int32"),
+    ):
+        with tile.grid(tokens, threads) as tok:
+            with tile.vector():
+                score = tile.fragment((G, GS))      # unbiased scores
+                choice = tile.fragment((G, GS))     # what experts are picked by: score + bias, masked
+                cand = tile.fragment((G, GS), "int32")
+                g_best = tile.fragment((G,))
+                g_cand = tile.fragment((G,), "int32")
+                best = tile.fragment((1,))
+                where = tile.fragment((1,), "int32")
+                total = tile.fragment((1,))
+                picked_id = T.alloc_local((top_k,), "int32")
+                picked_w = T.alloc_local((top_k,), "float32")
+
+                for g, e in tile.parallel(G, GS):
+                    score[g, e] = tile.to_f32(Logits[tok, g * GS + e], dtype)
+                if scoring == "softmax":
+                    tile.row_reduce(score, g_best, "max", dim=1)
+                    tile.row_reduce(g_best, best, "max", dim=0)
+                    for g, e in tile.parallel(G, GS):
+                        score[g, e] = T.exp(score[g, e] - best[0])
+                    tile.row_reduce(score, g_best, "sum", dim=1)
+                    tile.row_reduce(g_best, total, "sum", dim=0)
+                    for g, e in tile.parallel(G, GS):
+                        score[g, e] = score[g, e] / total[0]
+                elif scoring == "sigmoid":
+                    for g, e in tile.parallel(G, GS):
+                        score[g, e] = 1.0 / (1.0 + T.exp(-score[g, e]))
+                else:  # sqrtsoftplus, in the form that does not overflow for large logits
+                    for g, e in tile.parallel(G, GS):
+                        x = score[g, e]
+                        score[g, e] = T.sqrt(T.max(x, 0.0) + T.log(1.0 + T.exp(-T.max(x, -x))))
+                for g, e in tile.parallel(G, GS):
+                    choice[g, e] = score[g, e] + (Bias[g * GS + e] if has_bias else 0.0)
+
+                if G > 1:
+                    # a group's score: its best plus its second best choice score (the second best is
+                    # the max without the group's lowest-index best, so a tie counts twice)
+                    g_first_at = tile.fragment((G,), "int32")
+                    g_second = tile.fragment((G,))
+                    others = tile.fragment((G, GS))
+                    group_score = tile.fragment((G,))
+                    alive = tile.fragment((G,))
+                    tile.row_reduce(choice, g_best, "max", dim=1)
+                    for g, e in tile.parallel(G, GS):
+                        cand[g, e] = T.if_then_else(choice[g, e] == g_best[g], e, GS)
+                    tile.row_reduce(cand, g_first_at, "min", dim=1)
+                    for g, e in tile.parallel(G, GS):
+                        others[g, e] = T.if_then_else(e == g_first_at[g], neg_inf, choice[g, e])
+                    tile.row_reduce(others, g_second, "max", dim=1)
+                    for g in tile.parallel(G):
+                        group_score[g] = g_best[g] + g_second[g]
+                        alive[g] = 0.0
+                    for _ in tuple(range(topk_group)):  # unrolled while tracing
+                        tile.row_reduce(group_score, best, "max", dim=0)
+                        for g in tile.parallel(G):
+                            g_cand[g] = T.if_then_else(group_score[g] == best[0], g, G)
+                        tile.row_reduce(g_cand, where, "min", dim=0)
+                        for g in tile.parallel(G):
+                            alive[g] = T.if_then_else(g == where[0], 1.0, alive[g])
+                            group_score[g] = T.if_then_else(g == where[0], neg_inf, group_score[g])
+                    for g, e in tile.parallel(G, GS):
+                        choice[g, e] = T.if_then_else(alive[g] > 0.5, choice[g, e], neg_inf)
+
+                gathered = tile.fragment((G, GS))
+                for r in tuple(range(top_k)):  # unrolled while tracing
+                    best_of(choice, g_best, best, cand, g_cand, where)
+                    for g, e in tile.parallel(G, GS):
+                        hit = g * GS + e == where[0]
+                        gathered[g, e] = T.if_then_else(hit, score[g, e], 0.0)
+                        choice[g, e] = T.if_then_else(hit, neg_inf, choice[g, e])
+                    tile.row_reduce(gathered, g_best, "sum", dim=1)
+                    tile.row_reduce(g_best, best, "sum", dim=0)
+                    picked_id[r] = where[0]
+                    picked_w[r] = best[0]
+                total_w = T.alloc_local((1,), "float32")
+                total_w[0] = 0.0
+                for r in tuple(range(top_k)):
+                    total_w[0] = total_w[0] + picked_w[r]
+                for r in tuple(range(top_k)):
+                    Ids[tok, r] = picked_id[r]
+                    if renormalize:
+                        Weights[tok, r] = picked_w[r] / (total_w[0] + 1e-20) * scaling
+                    else:
+                        Weights[tok, r] = picked_w[r] * scaling
+
+    return moe_route
+
+
+# ---- reference -------------------------------------------------------------------------------------
+
+def _scores_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    x = logits.float()
+    if scoring == "sigmoid":
+        return torch.sigmoid(x)
+    if scoring == "softmax":
+        return torch.softmax(x, dim=-1)
+    return torch.sqrt(torch.nn.functional.softplus(x))
+
+
+def moe_route_reference(logits, top_k, *, bias=None, scoring="sigmoid", n_group=1, topk_group=1, renormalize=True,
+                        routed_scaling_factor=1.0):
+    """fp32 torch reference with the same tie rule (lower expert id, lower group id wins)."""
+    T_, E = logits.shape
+    scores = _scores_reference(logits, scoring)                          # [T, E]
+    choice = scores + (bias.float() if bias is not None else 0.0)
+    ids_order = torch.arange(E, device=logits.device)
+    if n_group > 1:
+        grouped = choice.view(T_, n_group, E // n_group)
+        # stable descending sort: among equal values the lower index comes first
+        top2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2].sum(-1)   # [T, G]
+        order = torch.sort(top2, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        alive = torch.zeros(T_, n_group, dtype=torch.bool, device=logits.device).scatter_(1, order, True)
+        choice = choice.masked_fill(~alive.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    del ids_order
+    return (weights * routed_scaling_factor).float(), ids.to(torch.int32)
+
+
+# ---- the public ops --------------------------------------------------------------------------------
+
+def _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_factor):
+    check.tensor("logits", logits, dtypes=LOGIT_DTYPES, ndim=2, contiguous=True)
+    E = logits.shape[1]
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"logits must have 1 to {MAX_EXPERTS} experts (columns), got {E}")
+    check.number("top_k", top_k, lo=1, hi=E, integer=True)
+    check.number("n_group", n_group, lo=1, hi=E, integer=True)
+    if E % n_group:
+        raise ValueError(f"the expert count {E} must be divisible by n_group={n_group}")
+    check.number("topk_group", topk_group, lo=1, hi=n_group, integer=True)
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the experts of the topk_group={topk_group} groups that stay eligible "
+                         f"({topk_group} x {E // n_group})")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    check.number("routed_scaling_factor", routed_scaling_factor)
+    if bias is not None:
+        check.tensor("bias", bias, dtypes=(torch.float32, torch.bfloat16), ndim=1, contiguous=True)
+        check.shape("bias", bias, (E,), "(num_experts,)")
+        check.same_device(logits=logits, bias=bias)
+    if _values.enabled(logits) and logits.numel() and not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
+        raise ValueError(f"logits must be finite; found {logits[bad[0], bad[1]].item()} at [{bad[0]}, {bad[1]}]")
+
+
+def _moe_route_impl(logits, bias, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    T_, E = logits.shape
+    weights = torch.empty(T_, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T_, top_k, dtype=torch.int32, device=logits.device)
+    if T_ == 0:
+        return weights, ids
+    target = targets.resolve(logits)
+    kernel = moe_route_program.compile(
+        target, num_experts=E, top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
+        has_bias=bias is not None, renormalize=renormalize, scaling=float(routed_scaling_factor),
+        dtype=LOGIT_DTYPES[logits.dtype])
+    b = bias.float().contiguous() if bias is not None else torch.zeros(E, dtype=torch.float32, device=logits.device)
+    kernel.launcher()(logits, b, weights, ids)
+    return weights, ids
+
+
+@torch.library.custom_op("tilecraft::moe_route", mutates_args=())
+def _moe_route_op(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str, n_group: int,
+                  topk_group: int, renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _moe_route_impl(logits, bias, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor)
+
+
+@_moe_route_op.register_fake
+def _(logits, bias, top_k, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    T_ = logits.shape[0]
+    return logits.new_empty(T_, top_k, dtype=torch.float32), logits.new_empty(T_, top_k, dtype=torch.int32)
+
+
+def moe_route(logits, top_k, *, bias=None, scoring="sigmoid", n_group=1, topk_group=1, renormalize=True,
+              routed_scaling_factor=1.0):
+    """Choose each token's experts. logits (T, E) fp32/bf16; bias (E,) or None.
+
+    Returns weights (T, top_k) fp32 and ids (T, top_k) int32, best first. One kernel launch.
+    NaN or inf logits raise ValueError (the check reads the values; see TILECRAFT_CHECK_VALUES).
+    """
+    _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_factor)
+    return _dispatch.call(_moe_route_op, _moe_route_impl, logits, bias, int(top_k), scoring, int(n_group),
+                          int(topk_group), bool(renormalize), float(routed_scaling_factor))
+
+
+def moe_hash_route(logits, input_ids, tid2eid, *, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.0):
+    """DeepSeek-V4 hash routing: ids = tid2eid[input_ids] (a frozen table), weights from the scores.
+
+    logits (T, E); input_ids (T,) int32/int64; tid2eid (vocab, k) int32 with ids in [0, E).
+    Returns weights (T, k) fp32 and ids (T, k) int32.
+    """
+    check.tensor("logits", logits, dtypes=LOGIT_DTYPES, ndim=2, contiguous=True)
+    check.tensor("input_ids", input_ids, dtypes=(torch.int32, torch.int64), ndim=1)
+    check.tensor("tid2eid", tid2eid, dtypes=(torch.int32, torch.int64), ndim=2)
+    check.shape("input_ids", input_ids, (logits.shape[0],), "(T,) matching logits")
+    check.same_device(logits=logits, input_ids=input_ids, tid2eid=tid2eid)
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    E = logits.shape[1]
+    if _values.enabled(logits) and input_ids.numel():
+        if bool(((input_ids < 0) | (input_ids >= tid2eid.shape[0])).any()):
+            raise ValueError(f"input_ids must be in [0, {tid2eid.shape[0]}) (tid2eid's rows)")
+        if bool(((tid2eid < 0) | (tid2eid >= E)).any()):
+            raise ValueError(f"tid2eid entries must be expert ids in [0, {E})")
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("logits must be finite")
+    ids = tid2eid[input_ids.long()].to(torch.int32)                       # [T, k]
+    weights = _scores_reference(logits, scoring).gather(1, ids.long())
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return (weights * routed_scaling_factor).float(), ids

@@ -1,0 +1,145 @@
+"""ops.moe_route / ops.moe_hash_route: DeepSeek's gate, exact ids, one kernel written once."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ops
+from ops.moe_route import moe_route_program, moe_route_reference
+
+V3 = dict(n_group=8, topk_group=4, scoring="sigmoid", routed_scaling_factor=2.5)
+
+
+def choice_scores(logits, bias, scoring, n_group, topk_group):
+    """The reference's eligible choice scores (-inf for experts of dropped groups)."""
+    x = logits.float()
+    s = {"sigmoid": torch.sigmoid, "softmax": lambda v: torch.softmax(v, -1),
+         "sqrtsoftplus": lambda v: torch.nn.functional.softplus(v).sqrt()}[scoring](x)
+    return s + (bias.float() if bias is not None else 0)
+
+
+def assert_same_routing(w, ids, rw, rids, logits, bias, top_k, scoring="sigmoid", n_group=1, topk_group=1, **_):
+    """ids equal except where the reference itself sees a tie within 1e-6; weights to 1e-6 relative."""
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == rids.shape
+    same = (ids == rids).all(1)
+    if not bool(same.all()):
+        choice = choice_scores(logits, bias, scoring, n_group, topk_group)
+        for t in (~same).nonzero().flatten().tolist():
+            mine = choice[t, ids[t].long()].sort(descending=True).values
+            ref = choice[t, rids[t].long()].sort(descending=True).values
+            torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-6, msg=f"token {t}: not a tie")
+    torch.testing.assert_close(w[same], rw[same], atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(V3, top_k=8),
+    dict(scoring="softmax", top_k=6),
+    dict(scoring="sqrtsoftplus", top_k=4, n_group=4, topk_group=2),
+    dict(scoring="sigmoid", top_k=2, renormalize=False),
+])
+def test_matches_reference_on_cpu(kw):
+    torch.manual_seed(0)
+    E = 256 if kw.get("n_group", 1) == 8 else 64
+    logits = torch.randn(33, E)
+    bias = torch.randn(E) * 0.05 if kw["scoring"] != "softmax" else None
+    w, ids = ops.moe_route(logits, bias=bias, **kw)
+    rw, rids = moe_route_reference(logits, bias=bias, **kw)
+    assert_same_routing(w, ids, rw, rids, logits, bias, **kw)
+
+
+def test_bias_steers_choice_but_not_weights():
+    logits = torch.zeros(1, 8)
+    logits[0, 0] = 3.0
+    bias = torch.zeros(8)
+    bias[5] = 10.0
+    w, ids = ops.moe_route(logits, 2, bias=bias, renormalize=False)
+    assert ids.tolist() == [[5, 0]]
+    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[0.0, 3.0]])))
+
+
+def test_ties_go_to_the_lower_expert_and_group():
+    logits = torch.zeros(2, 16)                 # every score ties
+    w, ids = ops.moe_route(logits, 4, n_group=4, topk_group=2)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 2   # groups 0 and 1 win the group tie, then experts 0..3
+    torch.testing.assert_close(w, torch.full((2, 4), 0.25))
+
+
+def test_bf16_logits_and_zero_tokens():
+    logits = torch.randn(7, 64).bfloat16()
+    w, ids = ops.moe_route(logits, 6, scoring="softmax")
+    rw, rids = moe_route_reference(logits, 6, scoring="softmax")
+    assert_same_routing(w, ids, rw, rids, logits, None, 6, "softmax")
+    w0, i0 = ops.moe_route(torch.empty(0, 64), 6)
+    assert w0.shape == (0, 6) and i0.shape == (0, 6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.integers(0, 20), groups=st.sampled_from([(1, 1), (4, 2), (8, 4), (8, 8)]),
+       E=st.sampled_from([32, 64]), k=st.integers(1, 8), scoring=st.sampled_from(["sigmoid", "softmax", "sqrtsoftplus"]),
+       with_bias=st.booleans(), seed=st.integers(0, 10_000))
+def test_hypothesis(tokens, groups, E, k, scoring, with_bias, seed):
+    n_group, topk_group = groups
+    k = min(k, topk_group * E // n_group)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=g) * 3
+    bias = torch.randn(E, generator=g) * 0.1 if with_bias else None
+    kw = dict(top_k=k, scoring=scoring, n_group=n_group, topk_group=topk_group)
+    w, ids = ops.moe_route(logits, bias=bias, **kw)
+    rw, rids = moe_route_reference(logits, bias=bias, **kw)
+    assert_same_routing(w, ids, rw, rids, logits, bias, **kw)
+
+
+def test_invalid_inputs():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="divisible by n_group=5"):
+        ops.moe_route(x, 4, n_group=5)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 64\]"):
+        ops.moe_route(x, 65)
+    with pytest.raises(ValueError, match=r"topk_group must be in \[1, 4\]"):
+        ops.moe_route(x, 4, n_group=4, topk_group=5)
+    with pytest.raises(ValueError, match="exceeds the experts"):
+        ops.moe_route(x, 20, n_group=4, topk_group=1)
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        ops.moe_route(x, 4, scoring="relu")
+    with pytest.raises(TypeError, match="logits must have dtype fp32 or bf16, got fp16"):
+        ops.moe_route(x.half(), 4)
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+        ops.moe_route(x, 4, bias=torch.zeros(63))
+    bad = x.clone()
+    bad[2, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"logits must be finite; found nan at \[2, 7\]"):
+        ops.moe_route(bad, 4)
+    bad[2, 7] = float("inf")
+    with pytest.raises(ValueError, match="logits must be finite"):
+        ops.moe_route(bad, 4)
+
+
+def test_hash_route():
+    logits = torch.randn(5, 16)
+    tid2eid = torch.randint(0, 16, (100, 3), dtype=torch.int32)
+    input_ids = torch.tensor([3, 99, 0, 3, 50])
+    w, ids = ops.moe_hash_route(logits, input_ids, tid2eid, scoring="sigmoid", routed_scaling_factor=1.5)
+    assert torch.equal(ids, tid2eid[input_ids])
+    s = torch.sigmoid(logits).gather(1, ids.long())
+    torch.testing.assert_close(w, s / s.sum(-1, keepdim=True) * 1.5)
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, 100\)"):
+        ops.moe_hash_route(logits, torch.tensor([0, 1, 2, 3, 100]), tid2eid)
+    with pytest.raises(ValueError, match=r"tid2eid entries must be expert ids in \[0, 16\)"):
+        ops.moe_hash_route(logits, input_ids, tid2eid + 16)
+
+
+@pytest.mark.parametrize("target,marker", [("sm_90a", "__global__"), ("ascend", "__simt_vf__")])
+def test_lowers_for_gpu_targets(target, marker):
+    assert marker in moe_route_program.source(target, num_experts=64, top_k=6, n_group=8, topk_group=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+def test_gpu_matches_reference(tokens):
+    torch.manual_seed(0)
+    logits = torch.randn(tokens, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.05
+    w, ids = ops.moe_route(logits, 8, bias=bias, **V3)
+    rw, rids = moe_route_reference(logits, 8, bias=bias, **V3)
+    assert_same_routing(w.cpu(), ids.cpu(), rw.cpu(), rids.cpu(), logits.cpu(), bias.cpu(), 8, **V3)
