@@ -1,0 +1,220 @@
+"""MoE dispatch and combine on one device: move each token to its experts, bring results back.
+
+dispatch: rows grouped by expert, in token order within an expert (stable, deterministic), either
+  "contiguous": (M, H) with each expert's segment padded to `align` rows and m_indices (M,) giving
+              each row's expert, -1 for padding rows (DeepGEMM's m-grouped contiguous layout), or
+  "masked":     (E, max_m, H) with masked_m (E,) valid rows per expert (DeepGEMM's masked layout).
+  Padding rows are zeros. The row bookkeeping is a stable sort by expert (torch); the data moves in
+  one tile program that gathers each output row from its source token (raw bits: bf16 or fp8 alike).
+combine: out[t] = sum_j weights[t, j] * y[row of (t, j)], j in order, accumulated in fp32: the
+  same summation order whatever else is in the batch (batch-invariant, deterministic).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from codegen import targets, tile
+from codegen.program import tile_program
+from ops import _dispatch, _values
+from ops import _validate as check
+
+LAYOUTS = ("contiguous", "masked")
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+BITS_NAME = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
+Y_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class MoeMapping:
+    """What the grouped GEMMs and moe_combine need to know about a dispatch."""
+
+    layout: str
+    num_experts: int
+    top_k: int
+    positions: torch.Tensor          # (T, k) int32: output row of each (token, choice)
+    counts: torch.Tensor             # (E,) int32: tokens routed to each expert
+    m_indices: torch.Tensor | None   # contiguous: (M,) int32 expert of each row, -1 for padding
+    masked_m: torch.Tensor | None    # masked: (E,) int32 valid rows per expert (= counts)
+    max_m: int | None                # masked: rows per expert in the output
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+@tile_program("moe_gather_rows", examples={"h7168-bf16": dict(hidden=7168, bits="int16")})
+def gather_rows_program(hidden: int, bits: str = "int16", threads: int = 128):
+    """Y[r, :] = X[src[r], :] (zeros where src[r] < 0): a row gather on raw bits."""
+    rows, tokens = T.dynamic("rows, tokens")
+
+    @T.prim_func
+    def gather_rows(X: T.Tensor((tokens, hidden), bits), Src: T.Tensor((rows,), "int32"),
+                    Y: T.Tensor((rows, hidden), bits)):
+        with tile.grid(rows, threads) as r:
+            with tile.vector():
+                for j in tile.parallel(hidden):
+                    src = Src[r]
+                    Y[r, j] = T.if_then_else(src >= 0, X[T.max(src, 0), j], T.cast(0, bits))
+
+    return gather_rows
+
+
+@tile_program("moe_combine", examples={"h7168-k8": dict(hidden=7168, top_k=8)})
+def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128):
+    """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32."""
+    rows, tokens = T.dynamic("rows, tokens")
+    sdt = tile.storage_dtype(dtype)
+
+    @T.prim_func
+    def combine(Y: T.Tensor((rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
+                W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt)):
+        with tile.grid(tokens, threads) as t:
+            with tile.vector():
+                acc = tile.fragment((hidden,))
+                for c in tile.parallel(hidden):
+                    acc[c] = 0.0
+                for j in T.serial(top_k):
+                    for c in tile.parallel(hidden):
+                        acc[c] += W[t, j] * tile.to_f32(Y[T.max(Pos[t, j], 0), c], dtype)
+                for c in tile.parallel(hidden):
+                    Out[t, c] = tile.from_f32(acc[c], dtype)
+
+    return combine
+
+
+def _gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, H) copy of x's rows picked by src (-1: zeros), through the tile program, on raw bits."""
+    out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    bits = BITS[x.element_size()]
+    xb, ob = x.view(bits), out.view(bits)
+    kernel = gather_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits])
+    if x.shape[0] == 0:  # nothing to read: every row is padding
+        return out.zero_()
+    kernel.launcher()(xb, src, ob)
+    return out
+
+
+def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
+    """Row of every (token, choice) and the source token of every output row (torch, no kernels)."""
+    T_, k = ids.shape
+    device = ids.device
+    flat = ids.reshape(-1).long()                                          # [T*k], token-major
+    counts = torch.bincount(flat, minlength=num_experts)                  # [E]
+    order = torch.sort(flat, stable=True).indices                          # assignments grouped by expert
+    first = torch.cumsum(counts, 0) - counts                               # start of each expert in `order`
+    rank = torch.arange(flat.numel(), device=device) - first[flat[order]]  # position within its expert
+    if layout == "contiguous":
+        padded = (counts + align - 1) // align * align
+        seg = torch.cumsum(padded, 0) - padded
+        rows = int(padded.sum())                                           # one sync: the output's size
+        row_of = seg[flat[order]] + rank
+        m_indices = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        m_indices[row_of] = flat[order].to(torch.int32)
+        extra = dict(m_indices=m_indices, masked_m=None, max_m=None)
+    else:
+        need = int(counts.max()) if flat.numel() else 0                    # one sync
+        if max_m is None:
+            max_m = max(align, (need + align - 1) // align * align)
+        elif need > max_m:
+            raise ValueError(f"max_m={max_m} is smaller than the busiest expert's {need} tokens")
+        rows = num_experts * max_m
+        row_of = flat[order] * max_m + rank
+        extra = dict(m_indices=None, masked_m=counts.to(torch.int32), max_m=int(max_m))
+    positions = torch.empty(flat.numel(), dtype=torch.long, device=device)
+    positions[order] = row_of
+    src = torch.full((rows,), -1, dtype=torch.int32, device=device)
+    src[row_of] = (order // k).to(torch.int32)
+    mapping = MoeMapping(layout, num_experts, k, positions.view(T_, k).to(torch.int32), counts.to(torch.int32), **extra)
+    return mapping, src, rows
+
+
+def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", align=128, max_m=None):
+    """Send each token's hidden state to each of its experts.
+
+    x (T, H) bf16/fp16/fp32, or fp8 e4m3 with x_scales (T, S) fp32 (per-128 scales; S = ceil(H/128));
+    ids (T, k) int32 expert ids in [0, num_experts). Returns (x_dispatched, scales_dispatched or None,
+    mapping): contiguous (M, H) with mapping.m_indices, or masked (E, max_m, H) with mapping.masked_m.
+    Sizing the output reads the expert counts on the host (one sync); pass max_m for a fixed masked
+    shape (CUDA graphs).
+    """
+    check.tensor("x", x, dtypes=X_DTYPES, ndim=2, contiguous=True)
+    check.tensor("ids", ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    if ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids must have one row per token of x ({x.shape[0]}), got shape {tuple(ids.shape)}")
+    check.number("num_experts", num_experts, lo=1, integer=True)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check.number("align", align, lo=1, integer=True)
+    if max_m is not None:
+        check.number("max_m", max_m, lo=1, integer=True)
+    if x.dtype == torch.float8_e4m3fn:
+        if x_scales is None:
+            raise ValueError("x is fp8: x_scales (T, ceil(H/128)) fp32 must be given")
+        check.tensor("x_scales", x_scales, dtypes=(torch.float32,), ndim=2, contiguous=True)
+        check.shape("x_scales", x_scales, (x.shape[0], -(-x.shape[1] // 128)), "(T, ceil(H/128))")
+    elif x_scales is not None:
+        raise ValueError(f"x_scales is only for fp8 x; x is {x.dtype}")
+    check.same_device(x=x, ids=ids, x_scales=x_scales)
+    if _values.enabled(ids) and ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
+        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
+    mapping, src, rows = _plan(ids, num_experts, layout, align, max_m)
+    xd = _gather_rows(x, src, rows)
+    sd = _gather_rows(x_scales, src, rows) if x_scales is not None else None
+    if layout == "masked":
+        xd = xd.view(num_experts, mapping.max_m, x.shape[1])
+        sd = sd.view(num_experts, mapping.max_m, -1) if sd is not None else None
+    return xd, sd, mapping
+
+
+def _combine_impl(y, positions, weights):
+    T_, k = positions.shape
+    out = torch.empty(T_, y.shape[-1], dtype=y.dtype, device=y.device)
+    if T_ == 0:
+        return out
+    y2 = y.reshape(-1, y.shape[-1])
+    kernel = combine_program.compile(targets.resolve(y), hidden=y.shape[-1], top_k=k, dtype=Y_DTYPES[y.dtype])
+    kernel.launcher()(y2, positions, weights, out)
+    return out
+
+
+@torch.library.custom_op("tilecraft::moe_combine", mutates_args=())
+def _combine_op(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return _combine_impl(y, positions, weights)
+
+
+@_combine_op.register_fake
+def _(y, positions, weights):
+    return y.new_empty(positions.shape[0], y.shape[-1])
+
+
+def moe_combine(y, mapping, weights):
+    """Weighted sum of each token's expert outputs: (T, H) in y's dtype, fp32 accumulation.
+
+    y: the experts' outputs in the dispatch layout ((M, H) or (E, max_m, H)); mapping from
+    moe_dispatch; weights (T, k) fp32 (from moe_route).
+    """
+    if not isinstance(mapping, MoeMapping):
+        raise TypeError(f"mapping must be the MoeMapping returned by moe_dispatch, got {type(mapping).__name__}")
+    check.tensor("y", y, dtypes=Y_DTYPES, ndim=(2, 3), contiguous=True)
+    rows = mapping.m_indices.shape[0] if mapping.layout == "contiguous" else mapping.num_experts * mapping.max_m
+    expected = (rows, y.shape[-1]) if mapping.layout == "contiguous" else (mapping.num_experts, mapping.max_m, y.shape[-1])
+    check.shape("y", y, expected, f"the {mapping.layout} dispatch layout")
+    check.tensor("weights", weights, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check.shape("weights", weights, tuple(mapping.positions.shape), "(T, k) like the routing")
+    check.same_device(y=y, weights=weights, positions=mapping.positions)
+    return _dispatch.call(_combine_op, _combine_impl, y, mapping.positions, weights)
+
+
+def moe_reference(x, ids, weights, expert_fn):
+    """out[t] = sum_j weights[t, j] * expert_fn(ids[t, j], x[t]) in fp32: the dispatch+combine contract."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            out[t] += weights[t, j] * expert_fn(int(ids[t, j]), x[t:t + 1].float())[0]
+    return out
