@@ -24,6 +24,8 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | parallel(*extents) | T.Parallel | T.Parallel | T.Parallel | T.grid |
 | pipelined(n, stages) | T.Pipelined | T.Pipelined | T.Pipelined | T.serial |
 | row_reduce(src, dst, op, dim) | T.reduce_* | T.reduce_* | T.reduce_* | T.reduce_* on locals |
+| atomic_add(dst, value) | T.atomic_add | T.atomic_add | T.atomic_add | T.atomic_add (serial) |
+| cumsum(src, dst, dim) | T.cumsum | T.cumsum | T.cumsum | T.cumsum |
 | storage_dtype(dtype) | dtype | dtype | dtype | bf16 stored as uint16 |
 | to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
 """
@@ -98,6 +100,8 @@ copy = _word("copy", "Copy a tile or region between global memory and on-chip bu
 parallel = _word("parallel", "Elementwise map: a loop nest whose iterations are spread over the threads.")
 pipelined = _word("pipelined", "A loop whose copies are software-pipelined `stages` deep.")
 row_reduce = _word("row_reduce", "Reduce a tile along `dim` (sum, max, min, absmax) into a smaller tile.")
+atomic_add = _word("atomic_add", "Atomically add `value` to one element of an on-chip or global buffer.")
+cumsum = _word("cumsum", "Inclusive prefix sum of a tile along `dim` (into `dst`, or in place).")
 storage_dtype = _word("storage_dtype", "The dtype a tensor of `dtype` has inside the kernel on this target.")
 to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to float32.")
 from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")

@@ -5,6 +5,8 @@ from ops.mla_decode import MlaSchedule, get_mla_schedule, mla_decode, mla_decode
 from ops.moe_dispatch import MoeMapping, moe_combine, moe_dispatch
 from ops.moe_route import moe_hash_route, moe_route, moe_route_reference
 from ops.rms_norm import rms_norm, rms_norm_reference
+from ops.topk_select import topk_select, topk_select_reference
 
 __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference", "get_mla_schedule", "MlaSchedule",
-           "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping"]
+           "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping",
+           "topk_select", "topk_select_reference"]

@@ -17,6 +17,16 @@ def row_reduce(src, dst, op="sum", dim=-1, clear=True):
     return getattr(T, _REDUCERS[op])(src, dst, dim=dim, clear=clear)
 
 
+@register("atomic_add", "*")
+def atomic_add(dst, value):
+    return T.atomic_add(dst, value)
+
+
+@register("cumsum", "*")
+def cumsum(src, dst=None, dim=0):
+    return T.cumsum(src, dst, dim=dim)
+
+
 @register("vector", "*")
 def vector():
     return contextlib.nullcontext()

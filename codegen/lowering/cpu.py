@@ -87,6 +87,21 @@ def pipelined(n, stages=2):
     return T.serial(n)
 
 
+@T.macro
+def _cumsum_1d(src, dst, n):
+    dst[0] = src[0]
+    for i in T.serial(1, n):
+        dst[i] = dst[i - 1] + src[i]
+
+
+@register("cumsum", "cpu")
+def cumsum(src, dst=None, dim=0):
+    # TileLang's C target has no tl.cumsum: a serial loop (1-D tiles)
+    if len(src.shape) != 1 or dim != 0:
+        raise ValueError(f"cumsum on the cpu target handles 1-D tiles only, got shape {tuple(src.shape)}, dim={dim}")
+    return _cumsum_1d(src, src if dst is None else dst, src.shape[0])
+
+
 @register("storage_dtype", "cpu")
 def storage_dtype(dtype):
     return "uint16" if str(dtype) == "bfloat16" else dtype

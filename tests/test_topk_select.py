@@ -1,0 +1,85 @@
+"""ops.topk_select: exact row-wise top-k, ties toward the lower index, lengths, padding."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ops
+from ops.topk_select import topk_select_program, topk_select_reference
+
+
+def test_matches_torch_topk_sets():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3000, generator=g)
+    out = ops.topk_select(x, 64)
+    ref = torch.topk(x, 64).indices.sort(-1).values.to(torch.int32)
+    assert torch.equal(out, ref)
+
+
+def test_ties_lengths_and_padding():
+    x = torch.zeros(4, 300)
+    x[1, 200:] = 1.0                       # 100 equal maxima: take the 8 lowest indices
+    x[2] = torch.arange(300.0)
+    lengths = torch.tensor([300, 300, 50, 5], dtype=torch.int32)
+    out = ops.topk_select(x, 8, lengths=lengths)
+    assert out[0].tolist() == list(range(8))              # all tie: lowest indices
+    assert out[1].tolist() == list(range(200, 208))
+    assert out[2].tolist() == list(range(42, 50))         # the length cuts the row
+    assert out[3].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]  # shorter than k: -1 padding
+    assert torch.equal(out, topk_select_reference(x, 8, lengths=lengths))
+
+
+def test_negative_values_signed_zero_and_extremes():
+    x = torch.tensor([[-1.0, -0.5, -3.0, float("-inf"), 2.0, float("inf"), -0.0, 0.0]])
+    assert ops.topk_select(x, 4).tolist() == [[4, 5, 6, 7]]    # inf, 2, and the two zeros
+    assert ops.topk_select(x, 3).tolist() == [[4, 5, 6]]       # -0.0 == +0.0: the lower index wins
+    assert ops.topk_select(x, 8).tolist() == [list(range(8))]
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(0, 4), n=st.integers(0, 3000), k=st.sampled_from([1, 7, 64, 300]),
+       dup=st.booleans(), use_len=st.booleans(), seed=st.integers(0, 9999))
+def test_hypothesis(rows, n, k, dup, use_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if dup:
+        x = (x * 4).round() / 4                            # many exact ties
+    lengths = torch.randint(0, n + 1, (rows,), generator=g, dtype=torch.int32) if use_len else None
+    assert torch.equal(ops.topk_select(x, k, lengths=lengths), topk_select_reference(x, k, lengths=lengths))
+
+
+def test_bf16_is_upcast():
+    x = torch.randn(2, 500).bfloat16()
+    assert torch.equal(ops.topk_select(x, 10), topk_select_reference(x.float(), 10))
+
+
+def test_invalid_inputs():
+    x = torch.randn(2, 100)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 4096\]"):
+        ops.topk_select(x, 0)
+    with pytest.raises(ValueError, match=r"lengths must have shape \(2,\)"):
+        ops.topk_select(x, 4, lengths=torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="lengths must have dtype int32"):
+        ops.topk_select(x, 4, lengths=torch.ones(2, dtype=torch.int64))
+    x[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="must not contain NaN"):
+        ops.topk_select(x, 4)
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_lowers_for_gpu_targets(target):
+    assert "__global__" in topk_select_program.source(target, k=512)
+
+
+def test_ascend_is_refused_clearly():
+    with pytest.raises(ValueError, match="has no lowering for ascend:950"):
+        topk_select_program.source("ascend", k=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,k", [(64, 131072, 2048), (128, 65536, 512), (3, 1000, 2048)])
+def test_gpu_matches_reference(rows, n, k):
+    x = torch.randn(rows, n, device="cuda")
+    lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
+    assert torch.equal(ops.topk_select(x, k, lengths=lengths).cpu(), topk_select_reference(x.cpu(), k, lengths=lengths.cpu()))
