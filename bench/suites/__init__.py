@@ -6,8 +6,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm", "mla": "bench.suites.mla"}
-ALIASES = {"rmsnorm": "rms_norm", "mla_decode": "mla"}
+SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm", "mla": "bench.suites.mla", "moe": "bench.suites.moe",
+                 "topk": "bench.suites.topk"}
+ALIASES = {"rmsnorm": "rms_norm", "mla_decode": "mla", "topk_select": "topk"}
 
 
 @dataclass
