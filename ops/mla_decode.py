@@ -55,8 +55,9 @@ def _zero_tail_rows(kv_s, blk, block_n, seq_s, every_step):
     hence a select that reads kv_s (a blind store is scheduled with the copies) and a length read
     from registers (a global read would be given to the producer warps)."""
     if every_step:
-        # TileLang 0.1.15 cannot place the barriers of the guarded form below when a CTA owns one
-        # of several 64-row tiles ([ThreadSync] divergent region): pay for the select every step
+        # TileLang 0.1.15 cannot place the barriers of the guarded form below when a CTA owns one of
+        # several 64-row tiles of a causal multi-token query ([ThreadSync] divergent region): pay for
+        # the select every step there
         for i in T.serial(block_n):
             for j in tile.parallel(D_V):
                 kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
@@ -86,6 +87,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens, `stages`
     deep (block_n=32 x 4 stages keeps more cache bytes in flight than 64 x 2 in the same smem)."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
+    causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
     rows = s_q * h_q
     m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
     rows_pad = m_tiles * BLOCK_M
@@ -172,7 +174,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
             for k in tile.pipelined(n_iter, stages=stages):
                 _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
-                _zero_tail_rows(kv_s, first + k, block_n, seq_s, m_tiles > 1)
+                _zero_tail_rows(kv_s, first + k, block_n, seq_s, causal and m_tiles > 1)
                 attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
                        m_i, m_prev, l_i, alpha, row_sum)
 
