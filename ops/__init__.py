@@ -1,12 +1,14 @@
 """Tilecraft's public operators. Every op is a torch custom op (tilecraft::name) with a fake
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
-from ops.mla_decode import MlaSchedule, get_mla_schedule, mla_decode, mla_decode_reference
+from ops.mla_decode import (MlaSchedule, dequantize_mla_kv_fp8, get_mla_schedule, mla_decode, mla_decode_reference,
+                            quantize_mla_kv_fp8)
 from ops.moe_dispatch import MoeMapping, moe_combine, moe_dispatch
 from ops.moe_route import moe_hash_route, moe_route, moe_route_reference
 from ops.rms_norm import rms_norm, rms_norm_reference
 from ops.topk_select import topk_select, topk_select_reference
 
 __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference", "get_mla_schedule", "MlaSchedule",
+           "quantize_mla_kv_fp8", "dequantize_mla_kv_fp8",
            "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping",
            "topk_select", "topk_select_reference"]

@@ -27,7 +27,13 @@ BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may 
 MAX_HEADS = 128
 MAX_S_Q = 8
 PAGE_SIZES = (16, 32, 64, 128, 256)
+# FP8 cache, FlashMLA's 656-byte token: 512 e4m3 latent | 4 fp32 scales (one per 128) | 64 bf16 rope
+FP8_TOKEN_BYTES = 656
+FP8_TOKEN_WORDS = FP8_TOKEN_BYTES // 4   # staged as 32-bit words: a 164-wide TMA box (656 bytes is not)
+FP8_SCALE_WORD, FP8_ROPE_WORD = 128, 132
+FP8_MAX = 448.0
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+KV_FORMATS = ("bf16", "fp8")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
@@ -46,6 +52,34 @@ def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages
             pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
             tile.copy(KV[pidx, 0:page, 0:D_V], kv_s[sub * page:(sub + 1) * page, :])
             tile.copy(KV[pidx, 0:page, D_V:D_QK], kpe_s[sub * page:(sub + 1) * page, :])
+
+
+@T.macro
+def _copy_raw_tile(KV, BlockTable, bi, blk, page, block_n, raw, num_pages):
+    """FP8 cache: stage the step's 656-byte tokens (as 164 32-bit words each)."""
+    if page >= block_n:
+        pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
+        off = (blk * block_n) % page
+        tile.copy(KV[pidx, off:off + block_n, :], raw)
+    else:
+        for sub in T.unroll(block_n // page):
+            pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
+            tile.copy(KV[pidx, 0:page, :], raw[sub * page:(sub + 1) * page, :])
+
+
+@T.macro
+def _dequant_tile(raw, kv_s, kpe_s, blk, block_n, seq_s):
+    """FP8 cache: 32-bit words -> the bf16 operand tiles (latent * its 128-block scale, rope as is).
+    Rows past the sequence's end become zeros here, so no separate zeroing is needed."""
+    for i, j in tile.parallel(block_n, D_V):
+        byte = (raw[i, j // 4] >> T.cast(8 * (j % 4), "uint32")) & T.uint32(0xFF)
+        scale = T.reinterpret(raw[i, FP8_SCALE_WORD + j // 128], "float32")
+        value = T.cast(T.reinterpret(T.cast(byte, "uint8"), "float8_e4m3fn"), "float32") * scale
+        kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], T.cast(value, kv_s.dtype), T.cast(0, kv_s.dtype))
+    for i, j in tile.parallel(block_n, D_ROPE):
+        half = (raw[i, FP8_ROPE_WORD + j // 2] >> T.cast(16 * (j % 2), "uint32")) & T.uint32(0xFFFF)
+        rope = T.reinterpret(T.cast(half, "uint16"), "bfloat16")
+        kpe_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], rope, T.cast(0, kpe_s.dtype))
 
 
 @T.macro
@@ -81,13 +115,16 @@ def _zero_tail_rows(kv_s, blk, block_n, seq_s, every_step):
                                if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                       block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True):
+                       block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
+                       kv_format: str = "bf16"):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens, `stages`
     deep (block_n=32 x 4 stages keeps more cache bytes in flight than 64 x 2 in the same smem)."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
+    fp8 = kv_format == "fp8"
+    kv_dt, kv_width = ("uint32", FP8_TOKEN_WORDS) if fp8 else (None, D_QK)
     rows = s_q * h_q
     m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
     rows_pad = m_tiles * BLOCK_M
@@ -120,7 +157,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     @T.prim_func
     def mla_decode(
         Q: T.Tensor((batch, rows, D_QK), sdt),
-        KV: T.Tensor((num_pages, page, D_QK), sdt),
+        KV: T.Tensor((num_pages, page, kv_width), kv_dt or sdt),
         BlockTable: T.Tensor((batch, max_blocks), "int32"),
         SeqLens: T.Tensor((batch,), "int32"),
         Splits: T.Tensor((batch,), "int32"),
@@ -144,6 +181,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             p_s = tile.operand((BLOCK_M, block_n), sdt)
             acc_s = tile.accumulator((BLOCK_M, block_n))
             acc_o = tile.accumulator((BLOCK_M, D_V))
+            if fp8:
+                raw = tile.stage((block_n, FP8_TOKEN_WORDS), "uint32")
             seq_s = tile.fragment((1,), "int32")  # the length in registers: read by the compute warps only
 
 
@@ -173,8 +212,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             T.fill(alpha, 0.0)
 
             for k in tile.pipelined(n_iter, stages=stages):
-                _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
-                _zero_tail_rows(kv_s, first + k, block_n, seq_s, causal and m_tiles > 1)
+                if fp8:
+                    _copy_raw_tile(KV, BlockTable, bi, first + k, page, block_n, raw, num_pages)
+                    _dequant_tile(raw, kv_s, kpe_s, first + k, block_n, seq_s)
+                else:
+                    _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
+                    _zero_tail_rows(kv_s, first + k, block_n, seq_s, causal and m_tiles > 1)
                 attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
                        m_i, m_prev, l_i, alpha, row_sum)
 
@@ -348,11 +391,19 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         raise ValueError(f"q's head count h_q must be in [1, {MAX_HEADS}], got {h_q}")
     if not 1 <= s_q <= MAX_S_Q:
         raise ValueError(f"q's s_q must be in [1, {MAX_S_Q}], got {s_q}")
-    if kv_format != "bf16":
-        raise ValueError(f"kv_format must be 'bf16' (the FP8 cache is not implemented yet), got {kv_format!r}")
-    check.tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=4, contiguous=True)
-    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != D_QK:
-        raise ValueError(f"kv_cache must have shape (num_blocks, page_size, 1, {D_QK}), got {tuple(kv_cache.shape)}")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    if kv_format == "fp8":
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"with kv_format='fp8', q must be bf16 (the cache's rope part is bf16), got {q.dtype}")
+        check.tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), ndim=4, contiguous=True)
+        width = FP8_TOKEN_BYTES
+    else:
+        check.tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=4, contiguous=True)
+        width = D_QK
+    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != width:
+        raise ValueError(f"kv_cache ({kv_format}) must have shape (num_blocks, page_size, 1, {width}), "
+                         f"got {tuple(kv_cache.shape)}")
     if kv_cache.shape[1] not in PAGE_SIZES:
         raise ValueError(f"kv_cache's page size must be one of {PAGE_SIZES}, got {kv_cache.shape[1]}")
     check.tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=True)
@@ -387,14 +438,16 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
         raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)")
 
 
-def pick_tiling(rows: int) -> dict:
-    """Per-step tokens and pipeline depth. 64-token steps, 2 deep, measured best on H200 for every
-    row count (32 x 4 kept more loads in flight but paid twice the per-step softmax overhead and
-    narrower WGMMAs: 2197 vs 2901 GB/s at h_q=16; see bench/NOTES.md)."""
-    return dict(block_n=64, stages=2)
+def pick_tiling(rows: int, kv_format: str = "bf16") -> dict:
+    """Per-step tokens and pipeline depth. bf16: 64-token steps, 2 deep, measured best on H200 for
+    every row count (32 x 4 kept more loads in flight but paid twice the per-step softmax overhead
+    and narrower WGMMAs: 2197 vs 2901 GB/s at h_q=16; see bench/NOTES.md). fp8: the byte staging
+    and the bf16 operand tiles must both fit: 32-token steps, 4 deep (about 200 KB of smem)."""
+    return dict(block_n=32, stages=4, kv_format="fp8") if kv_format == "fp8" else dict(block_n=64, stages=2)
 
 
-def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None):
+def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
+                     kv_format="bf16"):
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
@@ -411,9 +464,11 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
-    tiling = tiling or pick_tiling(rows)
+    tiling = tiling or pick_tiling(rows, kv_format)
     main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
-    main.launcher()(q.view(b, rows, D_QK), kv_cache.view(kv_cache.shape[0], page, D_QK), block_table, cache_seqlens,
+    kv = (kv_cache.view(torch.uint32).view(kv_cache.shape[0], page, FP8_TOKEN_WORDS) if kv_format == "fp8"
+          else kv_cache.view(kv_cache.shape[0], page, D_QK))
+    main.launcher()(q.view(b, rows, D_QK), kv, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, sched.max_splits,
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:
@@ -424,12 +479,12 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 @torch.library.custom_op("tilecraft::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-                   softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, None)
+                   softmax_scale: float, causal: bool, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, None, kv_format=kv_format)
 
 
 @_mla_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal):
+def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format):
     b, s_q, h_q, _ = q.shape
     return q.new_empty(b, s_q, h_q, D_V), q.new_empty(b, h_q, s_q, dtype=torch.float32)
 
@@ -439,7 +494,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     """MLA decode attention over a paged latent cache. Returns (out, lse).
 
     q (b, s_q, h_q, 576) bf16/fp16; kv_cache (num_blocks, page, 1, 576) in q's dtype, page in
-    {16, 32, 64, 128, 256}; block_table (b, max_blocks) int32; cache_seqlens (b,) int32 (0 allowed).
+    {16, 32, 64, 128, 256}; or with kv_format="fp8" (bf16 q) (num_blocks, page, 1, 656) uint8 written
+    by quantize_mla_kv_fp8 and dequantized inside the kernel (to bf16, before the MMAs);
+    block_table (b, max_blocks) int32; cache_seqlens (b,) int32 (0 allowed).
     With causal, query token i sees the cache up to cache_seqlens - s_q + i + 1.
     out (b, s_q, h_q, 512) in q's dtype; lse (b, h_q, s_q) fp32 (natural log; -inf for rows that
     see nothing, whose output is 0). `sched` = get_mla_schedule(...) computed once per step.
@@ -448,10 +505,47 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_format)
     _validate_values(kv_cache, block_table, cache_seqlens)
     if q.device.type == "cpu":
-        out, lse = mla_decode_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v,
+        cache = dequantize_mla_kv_fp8(kv_cache) if kv_format == "fp8" else kv_cache
+        out, lse = mla_decode_reference(q, cache, block_table, cache_seqlens, head_dim_v,
                                         softmax_scale=softmax_scale, causal=causal)
         return out.to(q.dtype), lse.float()
     if sched is not None:
-        return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, float(softmax_scale), causal, sched)
-    return _dispatch.call(_mla_decode_op, lambda *a: _mla_decode_impl(*a, None), q, kv_cache, block_table,
-                          cache_seqlens, float(softmax_scale), causal)
+        return _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, float(softmax_scale), causal, sched,
+                                kv_format=kv_format)
+    return _dispatch.call(_mla_decode_op, lambda *a: _mla_decode_impl(*a[:6], None, kv_format=a[6]), q, kv_cache,
+                          block_table, cache_seqlens, float(softmax_scale), causal, kv_format)
+
+
+# ---- the FP8 cache ------------------------------------------------------------------------------------
+
+def quantize_mla_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
+    """bf16 latent cache (..., 576) -> FlashMLA's FP8 token layout (..., 656) uint8.
+
+    Per token: 512 e4m3 latent values | 4 fp32 scales, one per 128 values (amax / 448) | the 64
+    rope values kept in bf16. Works on any device (torch ops); write new tokens with it.
+    """
+    check.tensor("kv", kv, dtypes=(torch.bfloat16,), contiguous=True)
+    if kv.shape[-1] != D_QK:
+        raise ValueError(f"kv's last dimension must be {D_QK}, got {tuple(kv.shape)}")
+    lead = kv.shape[:-1]
+    latent = kv[..., :D_V].float().reshape(*lead, 4, 128)
+    scale = latent.abs().amax(-1, keepdim=True) / FP8_MAX                        # [..., 4, 1]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q8 = (latent / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(*lead, D_V)
+    out = torch.empty(*lead, FP8_TOKEN_BYTES, dtype=torch.uint8, device=kv.device)
+    out[..., :D_V] = q8.view(torch.uint8)
+    out[..., D_V:D_V + 16] = scale.reshape(*lead, 4).contiguous().view(torch.uint8)
+    out[..., D_V + 16:] = kv[..., D_V:].contiguous().view(torch.uint8)
+    return out
+
+
+def dequantize_mla_kv_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """FP8 token layout (..., 656) uint8 -> (..., 576) float32, exactly (fp8 * scale, rope as is)."""
+    check.tensor("cache", cache, dtypes=(torch.uint8,), contiguous=True)
+    if cache.shape[-1] != FP8_TOKEN_BYTES:
+        raise ValueError(f"cache's last dimension must be {FP8_TOKEN_BYTES}, got {tuple(cache.shape)}")
+    lead = cache.shape[:-1]
+    q8 = cache[..., :D_V].contiguous().view(torch.float8_e4m3fn).float().reshape(*lead, 4, 128)
+    scale = cache[..., D_V:D_V + 16].contiguous().view(torch.float32).reshape(*lead, 4, 1)
+    rope = cache[..., D_V + 16:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(q8 * scale).reshape(*lead, D_V), rope], dim=-1)

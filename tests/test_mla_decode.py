@@ -277,3 +277,75 @@ def test_gpu_cuda_graph_with_schedule():
     torch.cuda.synchronize()
     ref, _ = mla_decode_reference(q, kv, table, lens, softmax_scale=0.05)
     torch.testing.assert_close(out.float(), ref, atol=8e-4, rtol=2.01 / 128)  # long rows: FlashMLA's bound
+
+
+# ---- FP8 cache -------------------------------------------------------------------------------------
+
+def test_fp8_layout_and_round_trip():
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(3, 64, 1, D, generator=g) * 2).bfloat16()
+    kv[0, 0, 0, :128] = 0                                  # an all-zero block keeps a usable scale
+    cache = ops.quantize_mla_kv_fp8(kv)
+    assert cache.dtype == torch.uint8 and cache.shape == (3, 64, 1, 656)
+    # bytes 528.. are the rope values, bit for bit
+    assert torch.equal(cache[..., 528:].contiguous().view(torch.bfloat16), kv[..., 512:])
+    back = ops.dequantize_mla_kv_fp8(cache)
+    assert back.shape == (3, 64, 1, D) and back.dtype == torch.float32
+    latent, ref = back[..., :512].reshape(-1, 4, 128), kv[..., :512].float().reshape(-1, 4, 128)
+    amax = ref.abs().amax(-1, keepdim=True)
+    # e4m3 keeps 3 mantissa bits: error <= 2^-4 of the value, or the subnormal step of the block
+    assert ((latent - ref).abs() <= ref.abs() * 2 ** -4 + amax / 448 * 2 ** -9 + 1e-12).all()
+    assert torch.equal(back[0, 0, 0, :128], torch.zeros(128))
+
+
+def test_fp8_cpu_op_uses_the_dequantized_cache():
+    q, kv, table, lens = make_inputs(2, 1, 16, [100, 7])
+    kv = kv.nan_to_num(0.0)
+    cache = ops.quantize_mla_kv_fp8(kv)
+    out, lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.1, kv_format="fp8")
+    ref, ref_lse = mla_decode_reference(q, ops.dequantize_mla_kv_fp8(cache), table, lens, softmax_scale=0.1)
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float())
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_fp8_invalid_inputs():
+    q, kv, table, lens = make_inputs(2, 1, 16, [10, 20])
+    cache = ops.quantize_mla_kv_fp8(kv.nan_to_num(0.0))
+    with pytest.raises(TypeError, match="kv_cache must have dtype uint8"):
+        ops.mla_decode(q, kv, table, lens, softmax_scale=0.1, kv_format="fp8")
+    with pytest.raises(TypeError, match="with kv_format='fp8', q must be bf16"):
+        ops.mla_decode(q.half(), cache, table, lens, softmax_scale=0.1, kv_format="fp8")
+    with pytest.raises(ValueError, match=r"must have shape \(num_blocks, page_size, 1, 656\)"):
+        ops.mla_decode(q, cache[..., :600].contiguous(), table, lens, softmax_scale=0.1, kv_format="fp8")
+    with pytest.raises(TypeError, match="kv must have dtype bf16"):
+        ops.quantize_mla_kv_fp8(kv.float())
+
+
+def test_fp8_lowers_to_wgmma_and_tma_on_sm_90a():
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, block_n=32, stages=4, kv_format="fp8")
+        hist = sass_stats(build_cubin(src, "sm_90a"), "sm_90a").histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 2, 128, [4096, 1, 0], 64),
+                                                  (2, 1, 64, [16384, 8000], 64), (3, 1, 16, [53, 1, 700], 16)])
+def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)                     # NaN tails stay NaN bytes: must not leak
+    scale = D ** -0.5
+    out, lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=scale, kv_format="fp8")
+    assert not out.isnan().any()
+    # the kernel multiplies the dequantized cache rounded to bf16: compare with exactly that
+    deq = ops.dequantize_mla_kv_fp8(cache).to(torch.bfloat16)
+    ref, ref_lse = mla_decode_reference(q, deq, table, seqlens, softmax_scale=scale)
+    bound = 8e-4 + (2.01 / 128) * ref.abs() + 6 * 2.0 ** -8 / 3 ** 0.5 * p_rounding_term(q, deq, table, seqlens, scale, True)
+    assert ((out.float() - ref).abs() <= bound).all()
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
