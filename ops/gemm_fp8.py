@@ -1,0 +1,212 @@
+"""Block-scaled FP8 GEMMs in DeepGEMM's layouts (NT: both operands K-major).
+
+C = (A * sfa) @ (B * sfb)^T with A (m, k) e4m3 scaled per (row, 128 columns) and B (n, k) e4m3
+scaled per 128 x 128 block. One tile program serves three layouts:
+  dense                       A (m, k), B (1, n, k)
+  m-grouped contiguous        A (M, k) in 128-aligned expert segments, m_indices (M,) -> B (g, n, k);
+                              rows whose m_indices is -1 (padding) come out as zeros
+  m-grouped masked            A (g, max_m, k), only the first masked_m[g] rows of group g computed;
+                              the other rows come out as zeros
+The MMA of each 128-wide K block goes into a fresh accumulator and is promoted into fp32 registers
+with its two scales (DeepGEMM's two-level accumulation), so fp8 products never sum across scales.
+On CPU tensors every op runs the exact-dequant fp32 reference.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import math
+
+import tilelang.language as T
+import torch
+
+from codegen import targets, tile
+from codegen.program import tile_program
+from ops import _dispatch, _values
+from ops import _validate as check
+from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
+
+GROUP = 128
+MODES = ("dense", "contiguous", "masked")
+OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+ALIGN_N, ALIGN_K = 64, 128
+
+
+@tile_program(
+    "fp8_gemm_nt",
+    # Ascend: not lowered yet (the promotion needs vector regions over half-row accumulator reads)
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    examples={"prefill-7168x16384": dict(n=7168, k=16384), "decode-2112x7168": dict(n=2112, k=7168, block_m=64, block_n=64),
+              "grouped-4096x7168": dict(n=4096, k=7168, mode="contiguous")},
+)
+def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
+                     block_n: int = 128, stages: int = 4, threads: int = 256):
+    """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block]."""
+    assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128)
+    kb, nb = k // GROUP, -(-n // GROUP)
+    n_tiles = n // block_n
+    rows, groups, max_m = T.dynamic("rows, groups, max_m")
+    a_rows = groups * max_m if mode == "masked" else rows
+
+    @T.prim_func
+    def fp8_gemm_nt(
+        A: T.Tensor((a_rows, k), "float8_e4m3fn"),
+        SFA: T.Tensor((a_rows, kb), "float32"),
+        B: T.Tensor((groups, n, k), "float8_e4m3fn"),
+        SFB: T.Tensor((groups, nb, kb), "float32"),
+        MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row; dense: unused
+        MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
+        C: T.Tensor((a_rows, n), out_dtype),
+    ):
+        m_tiles = T.ceildiv(max_m, block_m) * groups if mode == "masked" else T.ceildiv(a_rows, block_m)
+        with tile.grid(m_tiles * n_tiles, threads) as bid:
+            tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
+            a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
+            b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
+            part = tile.accumulator((block_m, block_n))
+            acc = tile.fragment((block_m, block_n))
+            if mode == "masked":
+                g = tm // T.ceildiv(max_m, block_m)
+                row0 = g * max_m + (tm % T.ceildiv(max_m, block_m)) * block_m
+                limit = g * max_m + MaskedM[g]          # rows at or past this are not computed
+            elif mode == "contiguous":
+                row0 = tm * block_m
+                g = T.max(MIdx[T.min(row0, a_rows - 1)], 0)
+                limit = a_rows
+            else:
+                row0 = tm * block_m
+                g = 0
+                limit = a_rows
+            for i, j in tile.parallel(block_m, block_n):
+                acc[i, j] = 0.0
+            for kk in tile.pipelined(T.if_then_else(row0 < limit, kb, 0), stages=stages):
+                tile.copy(A[row0, kk * GROUP], a_s)
+                tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
+                tile.mma(a_s, b_s, part, transpose_b=True, clear=True, step=kk)
+                p = tile.read_accumulator(part)
+                for i, j in tile.parallel(block_m, block_n):
+                    acc[i, j] += p[i, j] * SFA[T.min(row0 + i, a_rows - 1), kk] * SFB[g, (tn * block_n + j) // GROUP, kk]
+            for i, j in tile.parallel(block_m, block_n):
+                r = row0 + i
+                if r < a_rows:
+                    keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                    C[r, tn * block_n + j] = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+
+    return fp8_gemm_nt
+
+
+# ---- references ------------------------------------------------------------------------------------
+
+def fp8_gemm_nt_reference(a, sfa, b, sfb, out_dtype=torch.bfloat16):
+    """Exact dequant, fp32 product."""
+    return (dequant_fp8_token_groups(a, sfa) @ dequant_fp8_blocks(b, sfb).T).to(out_dtype)
+
+
+def m_grouped_contiguous_reference(a, sfa, b, sfb, m_indices, out_dtype=torch.bfloat16):
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    deq_a = dequant_fp8_token_groups(a, sfa)
+    for g in range(b.shape[0]):
+        rows = (m_indices == g).nonzero().flatten()
+        if rows.numel():
+            out[rows] = deq_a[rows] @ dequant_fp8_blocks(b[g], sfb[g]).T
+    return out.to(out_dtype)
+
+
+def m_grouped_masked_reference(a, sfa, b, sfb, masked_m, out_dtype=torch.bfloat16):
+    G, max_m, _ = a.shape
+    out = torch.zeros(G, max_m, b.shape[1], dtype=torch.float32, device=a.device)
+    for g in range(G):
+        m = int(masked_m[g])
+        if m:
+            out[g, :m] = dequant_fp8_token_groups(a[g, :m], sfa[g, :m]) @ dequant_fp8_blocks(b[g], sfb[g]).T
+    return out.to(out_dtype)
+
+
+# ---- validation and launch ----------------------------------------------------------------------
+
+def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=3 if masked else 2, contiguous=True)
+    check.tensor("b", b, dtypes=(torch.float8_e4m3fn,), ndim=3 if grouped else 2, contiguous=True)
+    k = a.shape[-1]
+    n = b.shape[-2]
+    if b.shape[-1] != k:
+        raise ValueError(f"a and b must share k (both K-major): a has k={k}, b has shape {tuple(b.shape)}")
+    if k % ALIGN_K:
+        raise ValueError(f"k must be a multiple of {ALIGN_K}, got {k}")
+    if n % ALIGN_N:
+        raise ValueError(f"n must be a multiple of {ALIGN_N}, got {n} (b's shape {tuple(b.shape)})")
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), contiguous=True)
+    check.shape("sfa", sfa, (*a.shape[:-1], math.ceil(k / GROUP)), "per (row, 128 columns) of a")
+    check.tensor("sfb", sfb, dtypes=(torch.float32,), contiguous=True)
+    check.shape("sfb", sfb, (*b.shape[:-2], math.ceil(n / GROUP), math.ceil(k / GROUP)), "per 128x128 block of b")
+    check.same_device(a=a, sfa=sfa, b=b, sfb=sfb)
+    return n, k
+
+
+def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128):
+    target = targets.resolve(a2)
+    kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype],
+                                      block_m=block_m, block_n=128 if n % 128 == 0 else 64)
+    kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2)
+
+
+def _dummy(device, size=1):
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def fp8_gemm_nt(a, sfa, b, sfb, out=None, out_dtype=torch.bfloat16):
+    """C (m, n) = dequant(a) @ dequant(b)^T. a (m, k) e4m3, sfa (m, ceil(k/128)) fp32 (UE8M0 powers
+    of two welcome); b (n, k) e4m3, sfb (ceil(n/128), ceil(k/128)) fp32. k % 128 == 0, n % 64 == 0,
+    any m >= 0. `out` (m, n) bf16/fp32 is written in place when given."""
+    n, k = _check_operands(a, sfa, b, sfb, grouped=False, masked=False)
+    m = a.shape[0]
+    if out is None:
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    else:
+        check.tensor("out", out, dtypes=OUT_DTYPES, ndim=2, contiguous=True)
+        check.shape("out", out, (m, n), "(m, n)")
+        check.same_device(a=a, out=out)
+    if a.device.type == "cpu":
+        return out.copy_(fp8_gemm_nt_reference(a, sfa, b, sfb, torch.float32))
+    if m:
+        _launch("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), _dummy(a.device, m), _dummy(a.device), out, n, k,
+                block_m=64 if m <= 64 else 128)
+    return out
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dtype=torch.bfloat16):
+    """Expert-grouped rows: a (M, k) in 128-aligned segments per expert, m_indices (M,) int32 giving
+    each row's expert (-1: padding rows, whose output is zeros); b (g, n, k), sfb (g, n/128, k/128)."""
+    n, k = _check_operands(a, sfa, b, sfb, grouped=True, masked=False)
+    check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    check.shape("m_indices", m_indices, (a.shape[0],), "(M,) one per row of a")
+    M = a.shape[0]
+    if M % GROUP:
+        raise ValueError(f"a's row count must be a multiple of {GROUP} (the segment alignment), got {M}")
+    if _values.enabled(m_indices) and M and bool(((m_indices < -1) | (m_indices >= b.shape[0])).any()):
+        raise ValueError(f"m_indices must be in [-1, {b.shape[0]})")
+    out = torch.empty(M, n, dtype=out_dtype, device=a.device) if out is None else out
+    if a.device.type == "cpu":
+        return out.copy_(m_grouped_contiguous_reference(a, sfa, b, sfb, m_indices, torch.float32))
+    if M:
+        _launch("contiguous", a, sfa, b, sfb, m_indices, _dummy(a.device), out, n, k)
+    return out
+
+
+def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=None, out_dtype=torch.bfloat16):
+    """Decode-time grouped GEMM: a (g, max_m, k), sfa (g, max_m, k/128); only the first masked_m[i]
+    rows of group i are computed (the rest are zeros). expected_m is a tiling hint (unused so far)."""
+    n, k = _check_operands(a, sfa, b, sfb, grouped=True, masked=True)
+    G, max_m, _ = a.shape
+    if b.shape[0] != G:
+        raise ValueError(f"b must have one matrix per group of a ({G}), got shape {tuple(b.shape)}")
+    check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    check.shape("masked_m", masked_m, (G,), "(groups,)")
+    if _values.enabled(masked_m) and bool(((masked_m < 0) | (masked_m > max_m)).any()):
+        raise ValueError(f"masked_m must be in [0, {max_m}]")
+    out = torch.empty(G, max_m, n, dtype=out_dtype, device=a.device) if out is None else out
+    if a.device.type == "cpu":
+        return out.copy_(m_grouped_masked_reference(a, sfa, b, sfb, masked_m, torch.float32))
+    _launch("masked", a.view(G * max_m, k), sfa.view(G * max_m, -1), b, sfb, _dummy(a.device), masked_m,
+            out.view(G * max_m, n), n, k, block_m=64 if (expected_m or max_m) <= 64 else 128)
+    return out

@@ -1,0 +1,108 @@
+"""Quantizers for the block-scaled GEMMs, and their exact dequantizers.
+
+FP8 (e4m3): scale = amax / 448 per group (or the next power of two, UE8M0, when asked), so that
+x / scale fits e4m3; the dequantized value is e4m3(x / scale) * scale exactly.
+  per_token_group_quant_fp8: activations, one scale per (row, 128 columns)   -> sf (m, ceil(k/128))
+  per_block_quant_fp8:       weights, one scale per 128 x 128 block           -> sf (ceil(n/128), ceil(k/128))
+MXFP4 (OCP MX, e2m1 with E8M0 scales): one power-of-two scale per 32 values, 2^(floor(log2 amax) - 2)
+(e2m1's largest exponent is 2, its largest value 6), values rounded to nearest even e2m1 and
+packed two per byte (low nibble first).
+
+These run as torch ops on any device: they are not on the hot path of inference (weights are
+quantized once; activations are quantized inside the GEMM kernels' producers).
+"""
+
+import math
+
+import torch
+
+from ops import _validate as check
+
+FP8_MAX = 448.0
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # e2m1 magnitudes by code 0..7
+E8M0_BIAS = 127
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def _fp8_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+    scale = amax.float() / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _pow2_ceil(scale) if ue8m0 else scale
+
+
+def per_token_group_quant_fp8(x, group_size=128, ue8m0=False):
+    """x (m, k) bf16/fp16/fp32 -> (x_fp8 (m, k) e4m3, sf (m, ceil(k/group_size)) fp32)."""
+    check.tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    check.number("group_size", group_size, lo=1, integer=True)
+    m, k = x.shape
+    groups = math.ceil(k / group_size)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
+    sf = _fp8_scale(padded.abs().amax(-1), ue8m0)                                   # [m, groups]
+    q = (padded / sf[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * group_size)[:, :k].contiguous(), sf
+
+
+def per_block_quant_fp8(w, block=128, ue8m0=False):
+    """w (n, k) -> (w_fp8 (n, k) e4m3, sf (ceil(n/block), ceil(k/block)) fp32)."""
+    check.tensor("w", w, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    check.number("block", block, lo=1, integer=True)
+    n, k = w.shape
+    bn, bk = math.ceil(n / block), math.ceil(k / block)
+    padded = torch.nn.functional.pad(w.float(), (0, bk * block - k, 0, bn * block - n))
+    blocks = padded.view(bn, block, bk, block)
+    sf = _fp8_scale(blocks.abs().amax(dim=(1, 3)), ue8m0)                          # [bn, bk]
+    q = (blocks / sf[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(bn * block, bk * block)[:n, :k].contiguous(), sf
+
+
+def dequant_fp8_token_groups(x_fp8, sf, group_size=128):
+    """Exact fp32 value of per_token_group_quant_fp8's output."""
+    m, k = x_fp8.shape
+    return x_fp8.float() * sf.repeat_interleave(group_size, dim=1)[:, :k]
+
+
+def dequant_fp8_blocks(w_fp8, sf, block=128):
+    """Exact fp32 value of per_block_quant_fp8's output."""
+    n, k = w_fp8.shape
+    return w_fp8.float() * sf.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+
+
+def quant_mxfp4(w):
+    """w (n, k) with k % 32 == 0 -> (packed (n, k/2) uint8, scales (n, k/32) uint8 E8M0)."""
+    check.tensor("w", w, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"w's k ({k}) must be a multiple of 32 (the MX block)")
+    blocks = w.float().view(n, k // 32, 32)
+    amax = blocks.abs().amax(-1)                                                    # [n, k/32]
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exp)[..., None]
+    table = FP4_VALUES.to(w.device)
+    mag = scaled.abs().clamp(max=6.0)
+    # nearest e2m1 magnitude, ties to the even code
+    dist = (mag[..., None] - table).abs()
+    best = dist.min(-1, keepdim=True).values
+    candidates = torch.where(dist == best, torch.arange(8, device=w.device), 99)
+    even = torch.where(candidates % 2 == 0, candidates, 99).min(-1).values
+    code = torch.where(even < 99, even, candidates.min(-1).values)
+    code = code | torch.where((scaled < 0) & (code != 0), 8, 0)                     # sign bit; zero is +0
+    code = code.to(torch.uint8).view(n, k)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous()
+    scales = (exp + E8M0_BIAS).to(torch.uint8)
+    return packed, scales
+
+
+def dequant_mxfp4(packed, scales):
+    """Exact fp32 value of quant_mxfp4's output: (n, k)."""
+    check.tensor("packed", packed, dtypes=(torch.uint8,), ndim=2)
+    check.tensor("scales", scales, dtypes=(torch.uint8,), ndim=2)
+    n, half = packed.shape
+    k = half * 2
+    check.shape("scales", scales, (n, k // 32), "(n, k/32)")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, k).long()
+    table = FP4_VALUES.to(packed.device)
+    values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return values * torch.exp2(scales.float() - E8M0_BIAS).repeat_interleave(32, dim=1)

@@ -1,0 +1,172 @@
+"""Quantizers and the block-scaled FP8 GEMM family (DeepGEMM layouts)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ops
+from ops.gemm_fp8 import fp8_gemm_program
+
+
+def calc_diff(x, y):
+    """DeepGEMM's similarity: 1 - 2<x,y> / (|x|^2 + |y|^2)."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+# ---- quantizers (CPU) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_token_group_quant_is_exact_and_bounded(ue8m0):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 300, generator=g) * 5
+    q, sf = ops.per_token_group_quant_fp8(x, ue8m0=ue8m0)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and sf.shape == (7, 3)
+    if ue8m0:
+        assert torch.equal(torch.exp2(torch.log2(sf).round()), sf)        # powers of two
+    back = ops.dequant_fp8_token_groups(q, sf)
+    amax = x.abs().view(7, -1)
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + sf.repeat_interleave(128, 1)[:, :300] * 2 ** -9).all()
+    if not ue8m0:  # amax / 448 scales: the block's max maps to 448 exactly, so requantizing is the identity
+        q2, sf2 = ops.per_token_group_quant_fp8(back)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sf2, sf)
+    del amax
+
+
+def test_block_quant_shapes_and_error():
+    w = torch.randn(200, 300)
+    q, sf = ops.per_block_quant_fp8(w)
+    assert sf.shape == (2, 3)
+    back = ops.dequant_fp8_blocks(q, sf)
+    assert calc_diff(back, w) < 1e-3
+
+
+def test_mxfp4_round_trip_and_format():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 64, generator=g)
+    packed, scales = ops.quant_mxfp4(w)
+    assert packed.shape == (16, 32) and packed.dtype == torch.uint8 and scales.shape == (16, 2)
+    back = ops.dequant_mxfp4(packed, scales)
+    assert torch.equal(torch.stack(ops.quant_mxfp4(back)[0:1])[0], packed)          # exact codes
+    # every value is an e2m1 value times its block's power of two
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6.0])
+    unit = torch.exp2(scales.float() - 127).repeat_interleave(32, 1)
+    assert torch.isin((back / unit).abs(), grid).all()
+    assert calc_diff(back, w) < 2e-2
+    one = torch.zeros(1, 32)
+    one[0, 3] = -6.0
+    p, s = ops.quant_mxfp4(one)
+    assert int(s[0, 0]) == 127 and int(p[0, 1] >> 4) == 0xF                     # -6 = sign | code 7
+
+
+def test_quantizer_errors():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.quant_mxfp4(torch.randn(4, 48))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        ops.per_token_group_quant_fp8(torch.zeros(2, 128, dtype=torch.int32))
+
+
+# ---- GEMMs on CPU tensors: the exact-dequant reference ---------------------------------------------
+
+def quantized(m, n, k, g):
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    qa, sfa = ops.per_token_group_quant_fp8(a)
+    qb, sfb = ops.per_block_quant_fp8(b)
+    return a, b, qa, sfa, qb, sfb
+
+
+def test_dense_cpu_matches_the_real_product():
+    a, b, qa, sfa, qb, sfb = quantized(33, 256, 384, torch.Generator().manual_seed(2))
+    out = ops.fp8_gemm_nt(qa, sfa, qb, sfb)
+    assert out.dtype == torch.bfloat16 and out.shape == (33, 256)
+    assert calc_diff(out, a @ b.T) < 1e-3
+
+
+def test_grouped_equals_per_group_dense_on_cpu():
+    g = torch.Generator().manual_seed(3)
+    G, n, k = 3, 128, 256
+    m_indices = torch.tensor([0] * 128 + [2] * 100 + [-1] * 28 + [1] * 128, dtype=torch.int32)
+    a = torch.randn(384, k, generator=g)
+    qa, sfa = ops.per_token_group_quant_fp8(a)
+    bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
+    qb = torch.stack([q for q, _ in bs])
+    sfb = torch.stack([s for _, s in bs])
+    out = ops.m_grouped_fp8_gemm_nt_contiguous(qa, sfa, qb, sfb, m_indices)
+    for e in range(G):
+        rows = (m_indices == e).nonzero().flatten()
+        torch.testing.assert_close(out[rows], ops.fp8_gemm_nt(qa[rows], sfa[rows], qb[e], sfb[e]))
+    assert (out[m_indices == -1] == 0).all()
+    masked_m = torch.tensor([5, 0, 64], dtype=torch.int32)
+    am = qa[:3 * 64].view(3, 64, k).contiguous()
+    sm = sfa[:3 * 64].view(3, 64, -1).contiguous()
+    outm = ops.m_grouped_fp8_gemm_nt_masked(am, sm, qb, sfb, masked_m, expected_m=32)
+    for e in range(G):
+        mm = int(masked_m[e])
+        torch.testing.assert_close(outm[e, :mm], ops.fp8_gemm_nt(am[e, :mm], sm[e, :mm], qb[e], sfb[e]))
+        assert (outm[e, mm:] == 0).all()
+
+
+def test_gemm_errors():
+    g = torch.Generator().manual_seed(4)
+    a, b, qa, sfa, qb, sfb = quantized(4, 128, 256, g)
+    with pytest.raises(TypeError, match="a must have dtype float8_e4m3fn"):
+        ops.fp8_gemm_nt(a, sfa, qb, sfb)
+    with pytest.raises(ValueError, match="must share k"):
+        ops.fp8_gemm_nt(qa, sfa, qb[:, :128].contiguous(), sfb[:, :1].contiguous())
+    with pytest.raises(ValueError, match=r"sfa must have shape \(4, 2\)"):
+        ops.fp8_gemm_nt(qa, sfa[:, :1].contiguous(), qb, sfb)
+    with pytest.raises(ValueError, match="n must be a multiple of 64"):
+        ops.fp8_gemm_nt(qa, sfa, qb[:100].contiguous(), sfb)
+    with pytest.raises(ValueError, match=r"m_indices must be in \[-1, 1\)"):
+        ops.m_grouped_fp8_gemm_nt_contiguous(torch.cat([qa] * 32), torch.cat([sfa] * 32), qb[None], sfb[None],
+                                             torch.full((128,), 3, dtype=torch.int32))
+
+
+# ---- lowering ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target,instr", [("sm_90a", "QGMMA"), ("sm_100a", "UTCQMMA")])
+def test_lowers_to_fp8_tensor_cores(target, instr):
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        src = fp8_gemm_program.source(target, n=256, k=512)
+        hist = sass_stats(build_cubin(src, target.split(":")[-1]), target).histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get(instr, 0) > 0
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@settings(max_examples=8, deadline=None)
+@given(m=st.sampled_from([0, 1, 17, 64, 129, 1000]), nk=st.sampled_from([(2112, 7168), (256, 512), (7168, 2048)]))
+def test_gpu_dense(m, nk):
+    n, k = nk
+    g = torch.Generator().manual_seed(m)
+    a, b, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    out = ops.fp8_gemm_nt(qa.cuda(), sfa.cuda(), qb.cuda(), sfb.cuda())
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb)                 # CPU: exact dequant reference
+    if m:
+        assert calc_diff(out.cpu(), ref) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_layouts():
+    g = torch.Generator().manual_seed(5)
+    G, n, k = 4, 512, 1024
+    m_indices = torch.tensor(sum(([e] * 200 + [-1] * 56 for e in range(G)), []), dtype=torch.int32)
+    a = torch.randn(m_indices.numel(), k, generator=g)
+    qa, sfa = ops.per_token_group_quant_fp8(a)
+    bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
+    qb, sfb = torch.stack([q for q, _ in bs]), torch.stack([s for _, s in bs])
+    out = ops.m_grouped_fp8_gemm_nt_contiguous(qa.cuda(), sfa.cuda(), qb.cuda(), sfb.cuda(), m_indices.cuda())
+    ref = ops.m_grouped_fp8_gemm_nt_contiguous(qa, sfa, qb, sfb, m_indices)
+    assert calc_diff(out.cpu(), ref) < 1e-3 and (out.cpu()[m_indices == -1] == 0).all()
+    masked_m = torch.tensor([200, 0, 37, 256], dtype=torch.int32)
+    am, sm = qa.view(G, 256, k).contiguous(), sfa.view(G, 256, -1).contiguous()
+    outm = ops.m_grouped_fp8_gemm_nt_masked(am.cuda(), sm.cuda(), qb.cuda(), sfb.cuda(), masked_m.cuda())
+    refm = ops.m_grouped_fp8_gemm_nt_masked(am, sm, qb, sfb, masked_m)
+    assert calc_diff(outm.cpu(), refm) < 1e-3 and (outm.cpu()[1] == 0).all()
