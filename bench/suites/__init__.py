@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 SUITE_MODULES = {"rms_norm": "bench.suites.rms_norm", "mla": "bench.suites.mla", "moe": "bench.suites.moe",
-                 "topk": "bench.suites.topk"}
+                 "topk": "bench.suites.topk", "gemm": "bench.suites.gemm"}
 ALIASES = {"rmsnorm": "rms_norm", "mla_decode": "mla", "topk_select": "topk"}
 
 

@@ -1,0 +1,105 @@
+"""Block-scaled FP8 GEMMs (DeepGEMM layouts, NT).
+
+dense/grouped: flops = 2*m*n*k; bytes = m*k + n*k (fp8) + m*n*2 (bf16 out) + scales
+"""
+
+import torch
+
+import ops
+from bench.suites import Provider, Suite
+from ops.gemm_fp8 import fp8_gemm_program
+
+DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
+PRESETS = {
+    "prefill": [dict(kind="dense", m=4096, n=7168, k=16384)],
+    "decode": [dict(kind="dense", m=m, n=n, k=k) for m in (64, 128) for n, k in DECODE_NK],
+    "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
+                dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
+}
+
+
+def make_inputs(case, device):
+    g = torch.Generator().manual_seed(0)
+    G = case.get("groups", 1)
+    m, n, k = case["m"], case["n"], case["k"]
+    rows = m * G
+    a = torch.randn(rows, k, generator=g).to(device)
+    qa, sfa = ops.per_token_group_quant_fp8(a)
+    bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g).to(device)) for _ in range(G)]
+    qb, sfb = torch.stack([q for q, _ in bs]), torch.stack([s for _, s in bs])
+    out = {"qa": qa, "sfa": sfa, "qb": qb, "sfb": sfb}
+    if case["kind"] == "contiguous":
+        out["m_indices"] = torch.arange(G, device=device, dtype=torch.int32).repeat_interleave(m)
+    if case["kind"] == "masked":
+        out["qa"], out["sfa"] = qa.view(G, m, k), sfa.view(G, m, -1)
+        out["masked_m"] = torch.full((G,), m, dtype=torch.int32, device=device)
+    return out
+
+
+def flops(case):
+    return 2 * case.get("groups", 1) * case["m"] * case["n"] * case["k"]
+
+
+def nbytes(case):
+    G = case.get("groups", 1)
+    return G * (case["m"] * case["k"] + case["n"] * case["k"] + case["m"] * case["n"] * 2)
+
+
+def tilecraft(case, i):
+    if case["kind"] == "dense":
+        return lambda: ops.fp8_gemm_nt(i["qa"], i["sfa"], i["qb"][0], i["sfb"][0])
+    if case["kind"] == "contiguous":
+        return lambda: ops.m_grouped_fp8_gemm_nt_contiguous(i["qa"], i["sfa"], i["qb"], i["sfb"], i["m_indices"])
+    return lambda: ops.m_grouped_fp8_gemm_nt_masked(i["qa"], i["sfa"], i["qb"], i["sfb"], i["masked_m"], case["m"])
+
+
+def torch_scaled_mm(case, i):
+    """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b)."""
+    if case["kind"] != "dense":
+        raise ValueError("torch has no grouped block-scaled GEMM")
+    F = torch.nn.functional
+    a, b, sfa, sfb = i["qa"], i["qb"][0], i["sfa"], i["sfb"][0]
+    attempts = [(sfa, sfb), (sfa.t().contiguous().t(), sfb), (sfa.t().contiguous().t(), sfb.t().contiguous().t())]
+    last = None
+    for sa, sb in attempts:  # cuBLAS wants particular scale layouts; take the first that runs
+        try:
+            F.scaled_mm(a, b.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                        output_dtype=torch.bfloat16)
+            return lambda sa=sa, sb=sb: F.scaled_mm(a, b.t(), sa, F.ScalingType.BlockWise1x128, sb,
+                                                    F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        except Exception as e:  # noqa: BLE001
+            last = e
+    raise RuntimeError(f"scaled_mm refused every scale layout: {last}")
+
+
+def _deep_gemm_missing():
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        return "deep_gemm is not importable"
+    return None
+
+
+def deep_gemm(case, i):
+    import deep_gemm as dg
+
+    if case["kind"] != "dense":
+        raise ValueError("only the dense shape is wired for deep_gemm")
+    out = torch.empty(case["m"], case["n"], dtype=torch.bfloat16, device=i["qa"].device)
+    return lambda: dg.fp8_gemm_nt((i["qa"], i["sfa"]), (i["qb"][0], i["sfb"][0]), out)
+
+
+SUITE = Suite(
+    name="gemm",
+    presets=PRESETS,
+    make_inputs=make_inputs,
+    nbytes=nbytes,
+    flops=flops,
+    providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
+               Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
+    kernels=lambda c: [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"],
+                                               block_m=64 if c["m"] <= 64 else 128,
+                                               block_n=128 if c["n"] % 128 == 0 else 64))],
+    rate="fp8",
+    label=lambda c: f"{c['kind']} {'%dx' % c['groups'] if 'groups' in c else ''}{c['m']}x{c['n']}x{c['k']}",
+)
