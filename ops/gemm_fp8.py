@@ -56,7 +56,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
         C: T.Tensor((a_rows, n), out_dtype),
     ):
-        m_tiles = T.ceildiv(max_m, block_m) * groups if mode == "masked" else T.ceildiv(a_rows, block_m)
+        per_group = T.max(T.ceildiv(max_m, block_m), 1)  # masked: m tiles per group (never 0: it divides)
+        m_tiles = per_group * groups if mode == "masked" else T.ceildiv(a_rows, block_m)
         with tile.grid(m_tiles * n_tiles, threads) as bid:
             tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
             a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
@@ -64,8 +65,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             part = tile.accumulator((block_m, block_n))
             acc = tile.fragment((block_m, block_n))
             if mode == "masked":
-                g = tm // T.ceildiv(max_m, block_m)
-                row0 = g * max_m + (tm % T.ceildiv(max_m, block_m)) * block_m
+                g = tm // per_group
+                row0 = g * max_m + (tm % per_group) * block_m
                 limit = g * max_m + MaskedM[g]          # rows at or past this are not computed
             elif mode == "contiguous":
                 row0 = tm * block_m
