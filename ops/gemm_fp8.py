@@ -44,52 +44,66 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     kb, nb = k // GROUP, -(-n // GROUP)
     n_tiles = n // block_n
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
-    a_rows = groups * max_m if mode == "masked" else rows
+    masked = mode == "masked"
+    # masked: A, SFA and C are (groups, max_m, .); otherwise (rows, .) and the group comes from MIdx
+    a_shape = (groups, max_m, k) if masked else (rows, k)
+    sfa_shape = (groups, max_m, kb) if masked else (rows, kb)
+    c_shape = (groups, max_m, n) if masked else (rows, n)
 
     @T.prim_func
     def fp8_gemm_nt(
-        A: T.Tensor((a_rows, k), "float8_e4m3fn"),
-        SFA: T.Tensor((a_rows, kb), "float32"),
+        A: T.Tensor(a_shape, "float8_e4m3fn"),
+        SFA: T.Tensor(sfa_shape, "float32"),
         B: T.Tensor((groups, n, k), "float8_e4m3fn"),
         SFB: T.Tensor((groups, nb, kb), "float32"),
-        MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row; dense: unused
+        MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row; otherwise unused
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
-        C: T.Tensor((a_rows, n), out_dtype),
+        C: T.Tensor(c_shape, out_dtype),
     ):
-        per_group = T.max(T.ceildiv(max_m, block_m), 1)  # masked: m tiles per group (never 0: it divides)
-        m_tiles = per_group * groups if mode == "masked" else T.ceildiv(a_rows, block_m)
+        height = max_m if masked else rows                     # rows a group's tiles walk over
+        per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
+        m_tiles = per_group * groups if masked else per_group
         with tile.grid(m_tiles * n_tiles, threads) as bid:
             tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
             a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
             b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
             part = tile.accumulator((block_m, block_n))
             acc = tile.fragment((block_m, block_n))
-            if mode == "masked":
+            if masked:
                 g = tm // per_group
-                row0 = g * max_m + (tm % per_group) * block_m
-                limit = g * max_m + MaskedM[g]          # rows at or past this are not computed
+                row0 = (tm % per_group) * block_m                  # within the group
+                limit = MaskedM[g]                                 # rows at or past this are not computed
             elif mode == "contiguous":
                 row0 = tm * block_m
-                g = T.max(MIdx[T.min(row0, a_rows - 1)], 0)
-                limit = a_rows
+                g = T.max(MIdx[T.min(row0, rows - 1)], 0)
+                limit = rows
             else:
                 row0 = tm * block_m
                 g = 0
-                limit = a_rows
+                limit = rows
             for i, j in tile.parallel(block_m, block_n):
                 acc[i, j] = 0.0
             for kk in tile.pipelined(T.if_then_else(row0 < limit, kb, 0), stages=stages):
-                tile.copy(A[row0, kk * GROUP], a_s)
+                if masked:
+                    tile.copy(A[g, row0, kk * GROUP], a_s)
+                else:
+                    tile.copy(A[row0, kk * GROUP], a_s)
                 tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
                 tile.mma(a_s, b_s, part, transpose_b=True, clear=True, step=kk)
                 p = tile.read_accumulator(part)
                 for i, j in tile.parallel(block_m, block_n):
-                    acc[i, j] += p[i, j] * SFA[T.min(row0 + i, a_rows - 1), kk] * SFB[g, (tn * block_n + j) // GROUP, kk]
+                    r = T.min(row0 + i, height - 1)
+                    sa = SFA[g, r, kk] if masked else SFA[r, kk]
+                    acc[i, j] += p[i, j] * sa * SFB[g, (tn * block_n + j) // GROUP, kk]
             for i, j in tile.parallel(block_m, block_n):
                 r = row0 + i
-                if r < a_rows:
+                if r < height:
                     keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                    C[r, tn * block_n + j] = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                    value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                    if masked:
+                        C[g, r, tn * block_n + j] = value
+                    else:
+                        C[r, tn * block_n + j] = value
 
     return fp8_gemm_nt
 
@@ -190,7 +204,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dt
     if a.device.type == "cpu":
         return out.copy_(m_grouped_contiguous_reference(a, sfa, b, sfb, m_indices, torch.float32))
     if M:
-        _launch("contiguous", a, sfa, b, sfb, m_indices, _dummy(a.device), out, n, k)
+        _launch("contiguous", a, sfa, b, sfb, m_indices, _dummy(a.device, b.shape[0]), out, n, k)
     return out
 
 
@@ -208,6 +222,6 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=
     out = torch.empty(G, max_m, n, dtype=out_dtype, device=a.device) if out is None else out
     if a.device.type == "cpu":
         return out.copy_(m_grouped_masked_reference(a, sfa, b, sfb, masked_m, torch.float32))
-    _launch("masked", a.view(G * max_m, k), sfa.view(G * max_m, -1), b, sfb, _dummy(a.device), masked_m,
-            out.view(G * max_m, n), n, k, block_m=64 if (expected_m or max_m) <= 64 else 128)
+    _launch("masked", a, sfa, b, sfb, _dummy(a.device), masked_m, out, n, k,
+            block_m=64 if (expected_m or max_m) <= 64 else 128)
     return out
