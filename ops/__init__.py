@@ -1,6 +1,7 @@
 """Tilecraft's public operators. Every op is a torch custom op (tilecraft::name) with a fake
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
+from ops.gemm_mxfp4 import mxfp4_gemm_nt
 from ops.gemm_fp8 import fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
 from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mxfp4, per_block_quant_fp8,
                        per_token_group_quant_fp8, quant_mxfp4)
@@ -15,6 +16,6 @@ __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference
            "quantize_mla_kv_fp8", "dequantize_mla_kv_fp8",
            "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping",
            "topk_select", "topk_select_reference",
-           "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+           "fp8_gemm_nt", "mxfp4_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "per_token_group_quant_fp8", "per_block_quant_fp8", "quant_mxfp4",
            "dequant_fp8_token_groups", "dequant_fp8_blocks", "dequant_mxfp4"]

@@ -170,3 +170,43 @@ def test_gpu_grouped_layouts():
     outm = ops.m_grouped_fp8_gemm_nt_masked(am.cuda(), sm.cuda(), qb.cuda(), sfb.cuda(), masked_m.cuda())
     refm = ops.m_grouped_fp8_gemm_nt_masked(am, sm, qb, sfb, masked_m)
     assert calc_diff(outm.cpu(), refm) < 1e-3 and (outm.cpu()[1] == 0).all()
+
+
+# ---- MXFP4 weights -------------------------------------------------------------------------------
+
+def test_mxfp4_cpu_is_the_exact_dequant_product():
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(5, 256, generator=g).bfloat16()
+    w = torch.randn(128, 256, generator=g)
+    packed, scales = ops.quant_mxfp4(w)
+    out = ops.mxfp4_gemm_nt(a, packed, scales)
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    assert out.dtype == torch.bfloat16 and calc_diff(out, ref) < 1e-5
+    assert calc_diff(out, a.float() @ w.T) < 1e-2            # the FP4 weight error, DeepGEMM's bound
+    with pytest.raises(ValueError, match=r"b must have shape \(128, 128\)"):
+        ops.mxfp4_gemm_nt(a, packed[:, :64].contiguous(), scales)
+    with pytest.raises(ValueError, match="sfa .* not supported yet"):
+        ops.mxfp4_gemm_nt(a, packed, scales, sfa=torch.ones(1))
+
+
+def test_mxfp4_lowers_to_wgmma_on_sm_90a():
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import mxfp4_gemm_program
+
+    try:
+        hist = sass_stats(build_cubin(mxfp4_gemm_program.source("sm_90a", n=256, k=256, block_m=64), "sm_90a"),
+                          "sm_90a").histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get("HGMMA", 0) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (64, 4096, 7168), (200, 256, 512)])
+def test_gpu_mxfp4(m, n, k):
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed, scales = ops.quant_mxfp4(torch.randn(n, k, generator=g))
+    out = ops.mxfp4_gemm_nt(a.cuda(), packed.cuda(), scales.cuda())
+    assert calc_diff(out.cpu(), ops.mxfp4_gemm_nt(a, packed, scales)) < 1e-5

@@ -8,6 +8,7 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.gemm_fp8 import fp8_gemm_program
+from ops.gemm_mxfp4 import mxfp4_gemm_program
 
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
 PRESETS = {
@@ -15,11 +16,17 @@ PRESETS = {
     "decode": [dict(kind="dense", m=m, n=n, k=k) for m in (64, 128) for n, k in DECODE_NK],
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
+    "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
 }
 
 
 def make_inputs(case, device):
     g = torch.Generator().manual_seed(0)
+    if case["kind"] == "mxfp4":
+        a = torch.randn(case["m"], case["k"], generator=g).bfloat16().to(device)
+        w = torch.randn(case["n"], case["k"], generator=g).bfloat16().to(device)
+        packed, scales = ops.quant_mxfp4(w)
+        return {"a": a, "w": w, "packed": packed, "scales": scales}
     G = case.get("groups", 1)
     m, n, k = case["m"], case["n"], case["k"]
     rows = m * G
@@ -41,11 +48,15 @@ def flops(case):
 
 
 def nbytes(case):
+    if case["kind"] == "mxfp4":  # bf16 a, 4-bit weights + one scale byte per 32, bf16 out
+        return case["m"] * case["k"] * 2 + case["n"] * case["k"] // 2 + case["n"] * case["k"] // 32 + case["m"] * case["n"] * 2
     G = case.get("groups", 1)
     return G * (case["m"] * case["k"] + case["n"] * case["k"] + case["m"] * case["n"] * 2)
 
 
 def tilecraft(case, i):
+    if case["kind"] == "mxfp4":
+        return lambda: ops.mxfp4_gemm_nt(i["a"], i["packed"], i["scales"])
     if case["kind"] == "dense":
         return lambda: ops.fp8_gemm_nt(i["qa"], i["sfa"], i["qb"][0], i["sfb"][0])
     if case["kind"] == "contiguous":
@@ -54,7 +65,10 @@ def tilecraft(case, i):
 
 
 def torch_scaled_mm(case, i):
-    """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b)."""
+    """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
+    rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
+    if case["kind"] == "mxfp4":
+        return lambda: i["a"] @ i["w"].T
     if case["kind"] != "dense":
         raise ValueError("torch has no grouped block-scaled GEMM")
     F = torch.nn.functional
@@ -97,9 +111,10 @@ SUITE = Suite(
     flops=flops,
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
-    kernels=lambda c: [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"],
-                                               block_m=64 if c["m"] <= 64 else 128,
-                                               block_n=128 if c["n"] % 128 == 0 else 64))],
+    kernels=lambda c: ([(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], block_m=64 if c["m"] <= 64 else 128))]
+                       if c["kind"] == "mxfp4" else
+                       [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"], block_m=64 if c["m"] <= 64 else 128,
+                                                block_n=128 if c["n"] % 128 == 0 else 64))]),
     rate="fp8",
     label=lambda c: f"{c['kind']} {'%dx' % c['groups'] if 'groups' in c else ''}{c['m']}x{c['n']}x{c['k']}",
 )
