@@ -1,0 +1,291 @@
+"""runtime/: greedy generation against transformers' generate, absorbed decode against naive prefill,
+the paged cache, chunked prefill and batching, sampling, input checks, and the make_tiny /
+bench.model command lines. GPU tests: our kernels against the CPU reference, CUDA-graph decode."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.make_tiny import YARN, dequantize_checkpoint, make_tiny
+from runtime import LLM, BlockAllocator, OutOfBlocks, PagedLatentCache, SamplingParams
+from runtime.cuda_graph import bucket_sizes
+from runtime.llm import _Seq
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "moe-q-lora": dict(),                                                  # dense layer 0, MoE layers 1-2
+    "fp8-yarn-no-q-lora": dict(fp8=True, q_lora_rank=None, rope_scaling=dict(YARN)),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(case) -> (checkpoint dir, dir transformers loads: a dequantized copy for FP8)."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            kw = dict(CASES[case])
+            fp8 = kw.pop("fp8", False)
+            d = make_tiny(tmp_path_factory.mktemp(case), fp8=fp8, seed=10 + len(made), **kw)
+            made[case] = (d, dequantize_checkpoint(d, tmp_path_factory.mktemp(case + "-deq")) if fp8 else d)
+        return made[case]
+
+    return get
+
+
+def prompts_of(lengths, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(llm, prompt, forced):
+    """Logits after the prompt (prefill), then after each forced token (one absorbed decode step each)."""
+    s = _Seq(0, list(prompt), SamplingParams(max_tokens=len(forced) + 1), None)
+    s.blocks = llm.cache.allocator.allocate(llm.cache.blocks_for(len(prompt) + len(forced) + 1))
+    try:
+        out = [llm._prefill([s], all_logits=False)[0]]
+        for t in forced:
+            s.output.append(t)
+            out.append(llm._decode([s]))
+        return torch.cat(out).float().cpu()
+    finally:
+        llm.cache.allocator.free(s.blocks)
+
+
+# ---- against transformers -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_generation_matches_transformers(tiny, case):
+    transformers = pytest.importorskip("transformers")
+    ckpt, hf_dir = tiny(case)
+    prompts = prompts_of([5, 70, 33], seed=1)
+    llm = LLM(ckpt, max_num_seqs=2, max_model_len=256)                     # the third prompt waits for a slot
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for p, got in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+        assert got == want
+    assert max(len(o) for o in outs) == 16
+    assert llm.cache.allocator.num_free == llm.cache.num_blocks - 1     # every block came back
+
+
+def test_absorbed_decode_matches_naive_prefill(tiny):
+    ckpt, _ = tiny("moe-q-lora")
+    llm = LLM(ckpt, max_num_seqs=1, max_model_len=128)
+    prompt, forced = prompts_of([60, 8], seed=2)                           # decode crosses the 64-token page
+    decoded = teacher_forced_logits(llm, prompt, forced)
+    full = llm.score(prompt + forced)[len(prompt) - 1:]
+    torch.testing.assert_close(decoded, full, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_and_batch_size_do_not_change_results(tiny):
+    ckpt, _ = tiny("moe-q-lora")
+    prompts = prompts_of([100, 7, 40], seed=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    wide = LLM(ckpt, max_num_seqs=3, max_model_len=128)
+    narrow = LLM(ckpt, max_num_seqs=1, max_model_len=128, max_num_batched_tokens=16)
+    assert wide.generate(prompts, params) == narrow.generate(prompts, params)
+    torch.testing.assert_close(wide.score(prompts[0]), narrow.score(prompts[0]), rtol=1e-4, atol=1e-4)
+    # stats are those of the last generate(): one batch of 3 vs the 3 sequences one after the other
+    assert wide.stats.decode_steps == 5 and narrow.stats.decode_steps == 15
+    assert wide.stats.prefill_tokens == narrow.stats.prefill_tokens == 147
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+
+def test_seeded_sampling_is_deterministic(tiny):
+    ckpt, _ = tiny("moe-q-lora")
+    llm = LLM(ckpt, max_num_seqs=4, max_model_len=64)
+    prompts = prompts_of([9, 17, 4], seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
+    first = llm.generate(prompts, params)
+    assert llm.generate(prompts, params) == first
+    assert llm.generate(prompts[:1], params) == first[:1]                  # independent of the batch
+    other = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=7,
+                                                 ignore_eos=True))
+    assert other != first
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert first != greedy
+    assert llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=0, ignore_eos=True)) == greedy
+    assert llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=0, ignore_eos=True)) == greedy
+    per_prompt = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 3, 2)]
+    assert [len(o) for o in llm.generate(prompts, per_prompt)] == [1, 3, 2]
+
+
+def test_generation_stops_at_eos_unless_ignored(tiny, tmp_path):
+    ckpt, _ = tiny("moe-q-lora")
+    prompt = prompts_of([12], seed=5)[0]
+    first = LLM(ckpt, max_model_len=64).generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0][0]
+    eos_ckpt = tmp_path / "eos"
+    eos_ckpt.mkdir()
+    for f in ckpt.iterdir():
+        (eos_ckpt / f.name).symlink_to(f)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (eos_ckpt / "config.json").unlink()
+    (eos_ckpt / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [999, first]}))
+    llm = LLM(eos_ckpt, max_model_len=64)
+    assert llm.generate([prompt], SamplingParams(max_tokens=4)) == [[first]]
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]) == 4
+
+
+@pytest.mark.parametrize("kw, exc, msg", [
+    (dict(max_tokens=0), ValueError, r"SamplingParams.max_tokens must be in \[1, inf\)"),
+    (dict(max_tokens=2.0), TypeError, "SamplingParams.max_tokens must be an int"),
+    (dict(temperature=-1), ValueError, "SamplingParams.temperature must be in"),
+    (dict(top_k=-1), ValueError, "SamplingParams.top_k must be in"),
+    (dict(top_p=0.0), ValueError, r"SamplingParams.top_p must be in \(0.0, 1.0\]"),
+    (dict(top_p=1.5), ValueError, "SamplingParams.top_p must be in"),
+    (dict(seed=-3), ValueError, "SamplingParams.seed must be in"),
+    (dict(seed="1"), TypeError, "SamplingParams.seed must be an int"),
+    (dict(ignore_eos=1), TypeError, "SamplingParams.ignore_eos must be a bool"),
+])
+def test_sampling_params_are_checked(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        SamplingParams(**kw)
+
+
+def test_generate_and_llm_inputs_are_checked(tiny):
+    ckpt, _ = tiny("moe-q-lora")
+    llm = LLM(ckpt, max_num_seqs=2, max_model_len=32)
+    sp = SamplingParams(max_tokens=4)
+    cases = [
+        ((5, sp), TypeError, "prompt_token_ids must be a list of token-id lists, got int"),
+        (([[]], sp), ValueError, r"prompt_token_ids\[0\] is empty"),
+        (([[1, 2], "ab"], sp), TypeError, r"prompt_token_ids\[1\] must be a list of ints, got str"),
+        (([[1, 2.0]], sp), TypeError, r"prompt_token_ids\[0\] must contain ints, got float"),
+        (([[1, 512]], sp), ValueError, r"prompt_token_ids\[0\] has token id 512, outside the vocabulary \[0, 512\)"),
+        (([[1] * 30], sp), ValueError, r"prompt_token_ids\[0\] has 30 tokens; with max_tokens=4 that exceeds max_model_len=32"),
+        (([[1]], [sp, sp]), ValueError, "sampling_params has 2 entries for 1 prompts"),
+        (([[1]], {"max_tokens": 3}), TypeError, "sampling_params must be a SamplingParams"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            llm.generate(*args)
+    with pytest.raises(ValueError, match="token_ids has 33 tokens, more than max_model_len=32"):
+        llm.score([1] * 33)
+    assert llm.cache.allocator.num_free == llm.cache.num_blocks - 1
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got 0"):
+        LLM(ckpt, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_model_len must be an int >= 2, got 1"):
+        LLM(ckpt, max_model_len=1)
+
+
+# ---- cache -------------------------------------------------------------------------------------------
+
+def test_block_allocator_and_paged_cache():
+    a = BlockAllocator(5)
+    got = a.allocate(3)
+    assert got == [1, 2, 3] and a.num_free == 1                           # block 0 is the scratch block
+    with pytest.raises(OutOfBlocks, match="asked for 2 cache blocks, 1 free of 5"):
+        a.allocate(2)
+    a.free([2])
+    assert a.allocate(2) == [2, 4]
+    cache = PagedLatentCache(num_layers=2, num_blocks=6, width=576, dtype=torch.float32, device="cpu")
+    assert cache.layers[1].shape == (6, 64, 1, 576) and cache.layers[1].is_contiguous()
+    assert cache.blocks_for(64) == 1 and cache.blocks_for(65) == 2
+    assert cache.slots([4, 2], 62, 66) == [4 * 64 + 62, 4 * 64 + 63, 2 * 64, 2 * 64 + 1]
+    table = cache.block_table([[4, 2], [5]], 3)
+    assert table.dtype == torch.int32 and table.tolist() == [[4, 2, 0], [5, 0, 0]]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20] and bucket_sizes(3) == [1, 2, 3]
+
+
+# ---- command lines ------------------------------------------------------------------------------------
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_make_tiny_command_line(tmp_path):
+    out = tmp_path / "tiny-fp8"
+    r = run("model.make_tiny", str(out), "--arch", "deepseek_v3", "--fp8", "--layers", "2", "--q-lora-rank", "0",
+            "--yarn")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and (out / "model.safetensors.index.json").is_file()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128] and cfg["q_lora_rank"] is None
+    assert cfg["rope_scaling"]["type"] == "yarn" and cfg["num_hidden_layers"] == 2
+    llm = LLM(out, max_model_len=32)
+    assert len(llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
+    r = run("model.make_tiny", str(tmp_path / "x"), "--arch", "llama")
+    assert r.returncode == 2 and "invalid choice: 'llama'" in r.stderr
+    r = run("model.make_tiny", str(tmp_path / "x"), "--experts", "6")
+    assert r.returncode == 2 and "'n_group' must be a divisor of n_routed_experts (6)" in r.stderr
+
+
+def test_bench_model_command_line(tiny, tmp_path):
+    ckpt, _ = tiny("moe-q-lora")
+    out = tmp_path / "bench.json"
+    r = run("bench.model", str(ckpt), "--batch", "2", "--input-len", "16", "--output-len", "4", "--repeat", "1",
+            "--compare", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    for text in ("prefill tok/s", "decode steps/s", "decode tok/s", "tilecraft", "transformers", "speed ratio",
+                 "share of decode time by op family", "mla_decode", "moe_gemm", "rms_norm", "other"):
+        assert text in r.stdout, (text, r.stdout)
+    res = json.loads(out.read_text())
+    ours = res["tilecraft"]
+    assert ours["decode_steps"] == 3 and ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0
+    assert abs(sum(ours["decode_op_shares"].values()) - 1) < 1e-6
+    r = run("bench.model", str(tmp_path / "nothing"), "--batch", "1", "--input-len", "4", "--output-len", "2")
+    assert r.returncode == 2 and "has no config.json" in r.stderr
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_the_cpu_reference(tiny):
+    """bf16 on the GPU (ops.rms_norm and ops.mla_decode kernels) against fp32 on the CPU (references):
+    prefill logits and teacher-forced absorbed decode logits, within bf16's error on this model
+    (mean error under 5% of the mean |logit|, argmax agreeing at >= 90% of positions)."""
+    ckpt, _ = tiny("fp8-yarn-no-q-lora")
+    prompt, forced = prompts_of([150, 12], seed=6)
+    cpu = LLM(ckpt, device="cpu", max_model_len=256)
+    gpu = LLM(ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=256, enforce_eager=True)
+    for want, got in ((cpu.score(prompt), gpu.score(prompt)),
+                      (teacher_forced_logits(cpu, prompt, forced), teacher_forced_logits(gpu, prompt, forced))):
+        assert (got - want).abs().mean() < 0.05 * want.abs().mean()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemm_kernels_match_dequantized_weights(tiny):
+    """keep_fp8 on the GPU runs ops.fp8_gemm_nt / m_grouped_fp8_gemm_nt_contiguous (activations quantized
+    per 128 columns) where shapes fit; against weights dequantized at load: within fp8 activation rounding."""
+    ckpt, _ = tiny("fp8-yarn-no-q-lora")
+    prompt, forced = prompts_of([100, 6], seed=9)
+    deq = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True)
+    kept = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True, keep_fp8=True)
+    for want, got in ((deq.score(prompt), kept.score(prompt)),
+                      (teacher_forced_logits(deq, prompt, forced), teacher_forced_logits(kept, prompt, forced))):
+        assert (got - want).abs().mean() < 0.05 * want.abs().mean()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    graphed = LLM(ckpt, device="cuda", max_model_len=256, keep_fp8=True)   # FP8 GEMMs inside the captured graphs
+    torch.testing.assert_close(teacher_forced_logits(graphed, prompt, forced),
+                               teacher_forced_logits(kept, prompt, forced), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_matches_eager(tiny):
+    ckpt, _ = tiny("moe-q-lora")
+    llm = LLM(ckpt, device="cuda", max_num_seqs=4, max_model_len=256)
+    assert llm.use_cuda_graphs
+    prompt, forced = prompts_of([70, 10], seed=7)
+    graphed = teacher_forced_logits(llm, prompt, forced)
+    assert llm._graphs.graphs, "decode did not capture CUDA graphs"
+    llm.use_cuda_graphs = False
+    eager = teacher_forced_logits(llm, prompt, forced)
+    torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
+    llm.use_cuda_graphs = True
+    prompts = prompts_of([5, 70, 33], seed=8)                              # 3 rows: a padded bucket of 4
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    with_graphs = llm.generate(prompts, greedy)
+    llm.use_cuda_graphs = False
+    assert llm.generate(prompts, greedy) == with_graphs
