@@ -120,13 +120,15 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
         m_indices[row_of] = flat[order].to(torch.int32)
         extra = dict(m_indices=m_indices, masked_m=None, max_m=None)
     else:
-        need = int(counts.max()) if flat.numel() else 0                    # one sync
         if max_m is None:
+            need = int(counts.max()) if flat.numel() else 0                # one sync: the output's size
             max_m = max(align, (need + align - 1) // align * align)
-        elif need > max_m:
-            raise ValueError(f"max_m={max_m} is smaller than the busiest expert's {need} tokens")
+        elif _values.enabled(ids) and flat.numel() and int(counts.max()) > max_m:
+            raise ValueError(f"max_m={max_m} is smaller than the busiest expert's {int(counts.max())} tokens")
         rows = num_experts * max_m
-        row_of = flat[order] * max_m + rank
+        # rank is clamped so that an unchecked overflow (value checks off) can never write out of
+        # bounds: the overflowing tokens would then share the expert's last row
+        row_of = flat[order] * max_m + rank.clamp(max=max_m - 1)
         extra = dict(m_indices=None, masked_m=counts.to(torch.int32), max_m=int(max_m))
     positions = torch.empty(flat.numel(), dtype=torch.long, device=device)
     positions[order] = row_of
@@ -142,8 +144,11 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
     x (T, H) bf16/fp16/fp32, or fp8 e4m3 with x_scales (T, S) fp32 (per-128 scales; S = ceil(H/128));
     ids (T, k) int32 expert ids in [0, num_experts). Returns (x_dispatched, scales_dispatched or None,
     mapping): contiguous (M, H) with mapping.m_indices, or masked (E, max_m, H) with mapping.masked_m.
-    Sizing the output reads the expert counts on the host (one sync); pass max_m for a fixed masked
-    shape (CUDA graphs).
+    Sizing the output reads the expert counts on the host (one sync); with layout="masked" and a
+    fixed max_m nothing syncs (the capacity check is a value check, skipped during CUDA-graph
+    capture), so the dispatch can be captured. With the check off, an expert given more than max_m
+    tokens would have its extra tokens share its last row (never an out-of-bounds write): keep
+    max_m >= T when each token's experts are distinct (as moe_route's are).
     """
     check.tensor("x", x, dtypes=X_DTYPES, ndim=2, contiguous=True)
     check.tensor("ids", ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
