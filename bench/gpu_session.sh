@@ -14,3 +14,5 @@ for job in "mla decode" "rms_norm model" "moe route" "moe dispatch" "moe combine
   set -- $job
   timeout 240 python3 -m bench.op "$1" --shape "$2" --out "$out" 2>&1 | tee "$out/bench-$1-$2.log" | tail -12
 done
+python3 -m model.make_tiny /tmp/tiny-v3 > /dev/null && \
+  timeout 240 python3 -m bench.model /tmp/tiny-v3 --batch 8 --input-len 128 --output-len 32 2>&1 | tee "$out/bench-model.log" | tail -15
