@@ -20,7 +20,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
-from ops import _dispatch, _values
+from ops import _values
 from ops import _validate as check
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 

@@ -37,3 +37,20 @@ def fresh_cache(tmp_path, monkeypatch):
     jit.STATS.clear()
     yield tmp_path / "cache"
     jit.clear_memory()
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory):
+    """make_checkpoint(name, seed, fp8=False, **config) -> (checkpoint dir, the dir transformers loads:
+    a dequantized copy for FP8 checkpoints). Each name is written once per test session."""
+    from model.make_tiny import dequantize_checkpoint, make_tiny
+
+    made = {}
+
+    def get(name, seed, fp8=False, **config):
+        if name not in made:
+            d = make_tiny(tmp_path_factory.mktemp(name), fp8=fp8, seed=seed, **config)
+            made[name] = (d, dequantize_checkpoint(d, tmp_path_factory.mktemp(name + "-deq")) if fp8 else d)
+        return made[name]
+
+    return get

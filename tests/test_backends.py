@@ -1,6 +1,5 @@
 """Toolchain discovery: found where expected, and clear errors where not."""
 
-import os
 import stat
 
 import pytest

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from model import AttentionBatch, CheckpointError, DeepseekV3, config_from_dict, load_config
 from model import reference as ref
 from model.layers import Experts
-from model.make_tiny import YARN, dequantize_checkpoint, make_tiny
+from model.make_tiny import YARN, make_tiny
 from model.rope import inv_freq_and_attention_factor
 
 transformers = pytest.importorskip("transformers")
@@ -52,19 +52,9 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
+def tiny(make_checkpoint):
     """tiny(case) -> (checkpoint dir, dir transformers loads: a dequantized copy for FP8)."""
-    made = {}
-
-    def get(case):
-        if case not in made:
-            kw = dict(CASES[case])
-            fp8 = kw.pop("fp8", False)
-            d = make_tiny(tmp_path_factory.mktemp(case), fp8=fp8, seed=len(made), **kw)
-            made[case] = (d, dequantize_checkpoint(d, tmp_path_factory.mktemp(case + "-deq")) if fp8 else d)
-        return made[case]
-
-    return get
+    return lambda case: make_checkpoint(f"model-{case}", seed=0 + list(CASES).index(case), **CASES[case])
 
 
 def load_hf(path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.make_tiny import YARN, dequantize_checkpoint, make_tiny
+from model.make_tiny import YARN
 from runtime import LLM, BlockAllocator, OutOfBlocks, PagedLatentCache, SamplingParams
 from runtime.cuda_graph import bucket_sizes
 from runtime.llm import _Seq
@@ -24,19 +24,9 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
+def tiny(make_checkpoint):
     """tiny(case) -> (checkpoint dir, dir transformers loads: a dequantized copy for FP8)."""
-    made = {}
-
-    def get(case):
-        if case not in made:
-            kw = dict(CASES[case])
-            fp8 = kw.pop("fp8", False)
-            d = make_tiny(tmp_path_factory.mktemp(case), fp8=fp8, seed=10 + len(made), **kw)
-            made[case] = (d, dequantize_checkpoint(d, tmp_path_factory.mktemp(case + "-deq")) if fp8 else d)
-        return made[case]
-
-    return get
+    return lambda case: make_checkpoint(f"runtime-{case}", seed=10 + list(CASES).index(case), **CASES[case])
 
 
 def prompts_of(lengths, vocab=512, seed=0):
