@@ -20,7 +20,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
-from ops import _values
+from ops import _dispatch, _values
 from ops import _validate as check
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
@@ -167,32 +167,73 @@ def _dummy(device, size=1):
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+def _check_out(out, shape, device):
+    check.tensor("out", out, dtypes=OUT_DTYPES, ndim=len(shape), contiguous=True)
+    check.shape("out", out, shape)
+    if out.device != device:
+        raise ValueError(f"out must be on {device} like a, got {out.device}")
+    return out
+
+
+def _run(mode, a, sfa, b, sfb, aux, out, block_m):
+    """Compute into `out`: the exact-dequant reference on CPU tensors, the tile program elsewhere."""
+    n, k = b.shape[-2], b.shape[-1]
+    if a.device.type == "cpu":
+        if mode == "dense":
+            ref = fp8_gemm_nt_reference(a, sfa, b[0], sfb[0], torch.float32)
+        elif mode == "contiguous":
+            ref = m_grouped_contiguous_reference(a, sfa, b, sfb, aux, torch.float32)
+        else:
+            ref = m_grouped_masked_reference(a, sfa, b, sfb, aux, torch.float32)
+        return out.copy_(ref)
+    if a.shape[0] == 0:
+        return out
+    # MIdx is (rows,) in the kernel: dense binds rows to a's rows, masked leaves it free
+    m_idx = aux if mode == "contiguous" else _dummy(a.device, a.shape[0] if mode == "dense" else 1)
+    masked_m = aux if mode == "masked" else _dummy(a.device, b.shape[0])
+    _launch(mode, a, sfa, b, sfb, m_idx, masked_m, out, n, k, block_m=block_m)
+    return out
+
+
+def _fp8_gemm_impl(mode, a, sfa, b, sfb, aux, out_dtype, block_m):
+    out = torch.empty(*a.shape[:-1], b.shape[-2], dtype=out_dtype, device=a.device)
+    return _run(mode, a, sfa, b, sfb, aux, out, block_m)
+
+
+@torch.library.custom_op("tilecraft::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(mode: str, a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
+                 aux: torch.Tensor, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
+    return _fp8_gemm_impl(mode, a, sfa, b, sfb, aux, out_dtype, block_m)
+
+
+@_fp8_gemm_op.register_fake
+def _(mode, a, sfa, b, sfb, aux, out_dtype, block_m):
+    return a.new_empty(*a.shape[:-1], b.shape[-2], dtype=out_dtype)
+
+
+def _call(mode, a, sfa, b, sfb, aux, out, out_dtype, block_m):
+    """Into the caller's `out` (eager), or a new tensor through the custom op (traceable)."""
+    if out is not None:
+        return _run(mode, a, sfa, b, sfb, aux, _check_out(out, (*a.shape[:-1], b.shape[-2]), a.device), block_m)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    return _dispatch.call(_fp8_gemm_op, _fp8_gemm_impl, mode, a, sfa, b, sfb, aux, out_dtype, block_m)
+
+
 def fp8_gemm_nt(a, sfa, b, sfb, out=None, out_dtype=torch.bfloat16):
     """C (m, n) = dequant(a) @ dequant(b)^T. a (m, k) e4m3, sfa (m, ceil(k/128)) fp32 (UE8M0 powers
     of two welcome); b (n, k) e4m3, sfb (ceil(n/128), ceil(k/128)) fp32. k % 128 == 0, n % 64 == 0,
     any m >= 0. `out` (m, n) bf16/fp32 is written in place when given."""
-    n, k = _check_operands(a, sfa, b, sfb, grouped=False, masked=False)
+    _check_operands(a, sfa, b, sfb, grouped=False, masked=False)
     m = a.shape[0]
-    if out is None:
-        if out_dtype not in OUT_DTYPES:
-            raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    else:
-        check.tensor("out", out, dtypes=OUT_DTYPES, ndim=2, contiguous=True)
-        check.shape("out", out, (m, n), "(m, n)")
-        check.same_device(a=a, out=out)
-    if a.device.type == "cpu":
-        return out.copy_(fp8_gemm_nt_reference(a, sfa, b, sfb, torch.float32))
-    if m:
-        _launch("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), _dummy(a.device, m), _dummy(a.device), out, n, k,
-                block_m=64 if m <= 64 else 128)
-    return out
+    return _call("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), _dummy(a.device), out, out_dtype,
+                 64 if m <= 64 else 128)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dtype=torch.bfloat16):
     """Expert-grouped rows: a (M, k) in 128-aligned segments per expert, m_indices (M,) int32 giving
     each row's expert (-1: padding rows, whose output is zeros); b (g, n, k), sfb (g, n/128, k/128)."""
-    n, k = _check_operands(a, sfa, b, sfb, grouped=True, masked=False)
+    _check_operands(a, sfa, b, sfb, grouped=True, masked=False)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
     check.shape("m_indices", m_indices, (a.shape[0],), "(M,) one per row of a")
     M = a.shape[0]
@@ -200,18 +241,14 @@ def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dt
         raise ValueError(f"a's row count must be a multiple of {GROUP} (the segment alignment), got {M}")
     if _values.enabled(m_indices) and M and bool(((m_indices < -1) | (m_indices >= b.shape[0])).any()):
         raise ValueError(f"m_indices must be in [-1, {b.shape[0]})")
-    out = torch.empty(M, n, dtype=out_dtype, device=a.device) if out is None else out
-    if a.device.type == "cpu":
-        return out.copy_(m_grouped_contiguous_reference(a, sfa, b, sfb, m_indices, torch.float32))
-    if M:
-        _launch("contiguous", a, sfa, b, sfb, m_indices, _dummy(a.device, b.shape[0]), out, n, k)
-    return out
+    return _call("contiguous", a, sfa, b, sfb, m_indices, out, out_dtype, 128)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=None, out_dtype=torch.bfloat16):
     """Decode-time grouped GEMM: a (g, max_m, k), sfa (g, max_m, k/128); only the first masked_m[i]
-    rows of group i are computed (the rest are zeros). expected_m is a tiling hint (unused so far)."""
-    n, k = _check_operands(a, sfa, b, sfb, grouped=True, masked=True)
+    rows of group i are computed (the rest are zeros). expected_m is a tiling hint: <= 64 picks
+    64-row tiles."""
+    _check_operands(a, sfa, b, sfb, grouped=True, masked=True)
     G, max_m, _ = a.shape
     if b.shape[0] != G:
         raise ValueError(f"b must have one matrix per group of a ({G}), got shape {tuple(b.shape)}")
@@ -219,9 +256,5 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=
     check.shape("masked_m", masked_m, (G,), "(groups,)")
     if _values.enabled(masked_m) and bool(((masked_m < 0) | (masked_m > max_m)).any()):
         raise ValueError(f"masked_m must be in [0, {max_m}]")
-    out = torch.empty(G, max_m, n, dtype=out_dtype, device=a.device) if out is None else out
-    if a.device.type == "cpu":
-        return out.copy_(m_grouped_masked_reference(a, sfa, b, sfb, masked_m, torch.float32))
-    _launch("masked", a, sfa, b, sfb, _dummy(a.device), masked_m, out, n, k,
-            block_m=64 if (expected_m or max_m) <= 64 else 128)
-    return out
+    block_m = 64 if (expected_m or max_m) <= 64 else 128
+    return _call("masked", a, sfa, b, sfb, masked_m, out, out_dtype, block_m)

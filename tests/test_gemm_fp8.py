@@ -107,6 +107,18 @@ def test_grouped_equals_per_group_dense_on_cpu():
         assert (outm[e, mm:] == 0).all()
 
 
+def test_custom_op_and_out_buffer():
+    a, b, qa, sfa, qb, sfb = quantized(4, 128, 256, torch.Generator().manual_seed(7))
+    compiled = torch.compile(lambda *x: ops.fp8_gemm_nt(*x), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(qa, sfa, qb, sfb), ops.fp8_gemm_nt(qa, sfa, qb, sfb))
+    out = torch.full((4, 128), float("nan"))
+    assert ops.fp8_gemm_nt(qa, sfa, qb, sfb, out=out) is out and not out.isnan().any()
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 128\)"):
+        ops.fp8_gemm_nt(qa, sfa, qb, sfb, out=torch.empty(4, 127))
+    with pytest.raises(TypeError, match="out_dtype must be bf16 or fp32"):
+        ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float16)
+
+
 def test_gemm_errors():
     g = torch.Generator().manual_seed(4)
     a, b, qa, sfa, qb, sfb = quantized(4, 128, 256, g)
