@@ -12,6 +12,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
+from ops import _dispatch
 from ops import _validate as check
 from ops.quant import dequant_mxfp4
 
@@ -84,10 +85,26 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     if k % 128 or n % 128:
         raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
     check.same_device(a=a, b=b, sfb=sfb)
+    return _dispatch.call(_mxfp4_op, _mxfp4_impl, a, b, sfb)
+
+
+def _mxfp4_impl(a, b, sfb):
     if a.device.type == "cpu":
         return mxfp4_gemm_nt_reference(a, b, sfb)
+    m, k = a.shape
+    n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
         kernel = mxfp4_gemm_program.compile(targets.resolve(a), n=n, k=k, block_m=64 if m <= 64 else 128)
         kernel.launcher()(a, b, sfb, out)
     return out
+
+
+@torch.library.custom_op("tilecraft::mxfp4_gemm_nt", mutates_args=())
+def _mxfp4_op(a: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor) -> torch.Tensor:
+    return _mxfp4_impl(a, b, sfb)
+
+
+@_mxfp4_op.register_fake
+def _(a, b, sfb):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
