@@ -165,7 +165,6 @@ def moe_route_reference(logits, top_k, *, bias=None, scoring="sigmoid", n_group=
     T_, E = logits.shape
     scores = _scores_reference(logits, scoring)                          # [T, E]
     choice = scores + (bias.float() if bias is not None else 0.0)
-    ids_order = torch.arange(E, device=logits.device)
     if n_group > 1:
         grouped = choice.view(T_, n_group, E // n_group)
         # stable descending sort: among equal values the lower index comes first
@@ -177,7 +176,6 @@ def moe_route_reference(logits, top_k, *, bias=None, scoring="sigmoid", n_group=
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    del ids_order
     return (weights * routed_scaling_factor).float(), ids.to(torch.int32)
 
 

@@ -68,8 +68,7 @@ def torch_provider(case, i):
     if case["kind"] == "route":
         return lambda: torch_router(i["logits"], i["bias"], case["top_k"], case["n_group"], case["topk_group"])
     if case["kind"] == "dispatch":
-        rows = i["mapping"].positions.flatten().long()
-        src = torch.arange(case["T"], device=rows.device).repeat_interleave(case["top_k"])
+        src = torch.arange(case["T"], device=i["x"].device).repeat_interleave(case["top_k"])
         return lambda: i["x"].index_select(0, src)           # the permutation alone (ANCHORS' torch row)
     pos = i["mapping"].positions.long()
     return lambda: (i["y"][pos].float() * i["weights"][..., None]).sum(1).to(i["y"].dtype)
