@@ -28,6 +28,13 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | cumsum(src, dst, dim) | T.cumsum | T.cumsum | T.cumsum | T.cumsum |
 | storage_dtype(dtype) | dtype | dtype | dtype | bf16 stored as uint16 |
 | to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
+| lane_shuffle(value, src, xor=) | __shfl_sync / __shfl_xor_sync | same | not lowered | not lowered |
+| lane_first(pred) | __ffs(__ballot_sync) - 1 | same | not lowered | not lowered |
+
+The lane words are for warp-per-item programs (one warp = 32 lanes owns an item, no shared memory):
+every lane of the warp must reach them together. They have no rule on the cpu target (one thread
+per block) or on Ascend, so programs that use them list only CUDA targets and keep a block-wide
+program for the rest (ops/moe_route.py).
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ cumsum = _word("cumsum", "Inclusive prefix sum of a tile along `dim` (into `dst`
 storage_dtype = _word("storage_dtype", "The dtype a tensor of `dtype` has inside the kernel on this target.")
 to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to float32.")
 from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")
+lane_shuffle = _word("lane_shuffle", "`value` as held by lane `src` of this warp (lane ^ src with xor=True); all lanes take part.")
+lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` holds, -1 if none; all lanes take part.")
 
 
 def emit(*stmts) -> None:

@@ -38,10 +38,17 @@ ALIGN_N, ALIGN_K = 64, 128
               "grouped-4096x7168": dict(n=4096, k=7168, mode="contiguous")},
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
-                     block_n: int = 128, stages: int = 4, threads: int = 256):
-    """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block]."""
-    assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128)
+                     block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1):
+    """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
+
+    splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
+    sums K blocks [s * per, (s + 1) * per) into fp32 partials Part[s]; fp8_gemm_reduce_program adds
+    them in the order s = 0, 1, ... (deterministic) and casts.
+    """
+    assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
+    assert splits == 1 or mode == "dense", "split-K is for the dense layout"
     kb, nb = k // GROUP, -(-n // GROUP)
+    per = -(-kb // splits)                                      # K blocks per split
     n_tiles = n // block_n
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
@@ -49,6 +56,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     a_shape = (groups, max_m, k) if masked else (rows, k)
     sfa_shape = (groups, max_m, kb) if masked else (rows, kb)
     c_shape = (groups, max_m, n) if masked else (rows, n)
+    part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
 
     @T.prim_func
     def fp8_gemm_nt(
@@ -59,14 +67,18 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row; otherwise unused
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
         C: T.Tensor(c_shape, out_dtype),
+        Part: T.Tensor(part_shape, "float32"),  # split-K partials; unused when splits == 1
     ):
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
         m_tiles = per_group * groups if masked else per_group
-        with tile.grid(m_tiles * n_tiles, threads) as bid:
-            tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
+        with tile.grid(m_tiles * n_tiles * splits, threads) as bid:
+            tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
             b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
+            sfa_s = tile.stage((block_m, per), "float32")        # the block's row scales for its K range
+            scale = tile.fragment((block_m,))                   # sfa[row] * sfb[block], in registers
+            sfb_s = tile.stage((kb,), "float32")                 # the tile's 128-row block of sfb
             part = tile.accumulator((block_m, block_n))
             acc = tile.fragment((block_m, block_n))
             if masked:
@@ -81,31 +93,67 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 row0 = tm * block_m
                 g = 0
                 limit = rows
+            k0 = ts * per
+            steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
+            # scales are loaded once, before the pipeline: a global load per K step would sit on the
+            # MMA warps' critical path (they cannot be prefetched by the TMA warps from this layout)
+            for kk in tile.parallel(kb):
+                sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+            for i, t in tile.parallel(block_m, per):
+                r = T.min(row0 + i, height - 1)
+                kk = T.min(k0 + t, kb - 1)
+                sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
             for i, j in tile.parallel(block_m, block_n):
                 acc[i, j] = 0.0
-            for kk in tile.pipelined(T.if_then_else(row0 < limit, kb, 0), stages=stages):
+            for s in tile.pipelined(steps, stages=stages):
+                kk = k0 + s
                 if masked:
                     tile.copy(A[g, row0, kk * GROUP], a_s)
                 else:
                     tile.copy(A[row0, kk * GROUP], a_s)
                 tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
-                tile.mma(a_s, b_s, part, transpose_b=True, clear=True, step=kk)
+                for i in tile.parallel(block_m):
+                    scale[i] = sfa_s[i, s] * sfb_s[kk]
+                tile.mma(a_s, b_s, part, transpose_b=True, clear=True, step=s)
                 p = tile.read_accumulator(part)
                 for i, j in tile.parallel(block_m, block_n):
-                    r = T.min(row0 + i, height - 1)
-                    sa = SFA[g, r, kk] if masked else SFA[r, kk]
-                    acc[i, j] += p[i, j] * sa * SFB[g, (tn * block_n + j) // GROUP, kk]
+                    acc[i, j] += p[i, j] * scale[i]
             for i, j in tile.parallel(block_m, block_n):
                 r = row0 + i
                 if r < height:
-                    keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                    value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
-                    if masked:
-                        C[g, r, tn * block_n + j] = value
+                    if splits > 1:
+                        Part[ts, r, tn * block_n + j] = acc[i, j]
                     else:
-                        C[r, tn * block_n + j] = value
+                        keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                        value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                        if masked:
+                            C[g, r, tn * block_n + j] = value
+                        else:
+                            C[r, tn * block_n + j] = value
 
     return fp8_gemm_nt
+
+
+@tile_program("fp8_gemm_reduce", targets=("cuda:sm_90a", "cuda:sm_100a"),
+              examples={"decode-4096": dict(n=4096, splits=4)})
+def fp8_gemm_reduce_program(n: int, splits: int, out_dtype: str = "bfloat16", block: int = 1024, threads: int = 128):
+    """C = cast(sum over s in order of Part[s]): the second half of split-K (fixed order, deterministic)."""
+    rows = T.dynamic("rows")
+
+    @T.prim_func
+    def fp8_gemm_reduce(Part: T.Tensor((splits, rows, n), "float32"), C: T.Tensor((rows, n), out_dtype)):
+        with tile.grid(T.ceildiv(rows * n, block), threads) as bid:
+            for e in tile.parallel(block):
+                flat = bid * block + e
+                if flat < rows * n:
+                    r = flat // n
+                    c = flat % n
+                    total = Part[0, r, c]
+                    for s in T.serial(1, splits):
+                        total = total + Part[s, r, c]
+                    C[r, c] = T.cast(total, out_dtype)
+
+    return fp8_gemm_reduce
 
 
 # ---- references ------------------------------------------------------------------------------------
@@ -156,15 +204,51 @@ def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
     return n, k
 
 
-def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128):
+SMEM_BUDGET = 220 * 1024
+
+
+def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> dict:
+    """Tile sizes, pipeline depth and split-K for one call (a pure function of the shapes, so the
+    same shapes always take the same path: deterministic and batch-invariant per shape).
+
+    Split-K only where the (m, n) tiles leave most SMs idle (decode): every split re-reads nothing
+    but writes rows * n fp32 partials that the reduce pass reads back, so it is used when the
+    tiles cover less than half the GPU and each split keeps at least 8 K blocks.
+    """
+    block_n = 128 if n % 128 == 0 else 64
+    kb = k // GROUP
+    splits = 1
+    if mode == "dense":
+        tiles = -(-rows // block_m) * (n // block_n)
+        while tiles * splits * 2 <= sms and kb // (splits * 2) >= 8:
+            splits *= 2
+    per = -(-kb // splits)
+    fixed = kb * 4 + block_m * per * 4
+    stage_bytes = (block_m + block_n) * GROUP
+    stages = max(2, min(4, (SMEM_BUDGET - fixed) // stage_bytes))
+    if fixed + stages * stage_bytes > SMEM_BUDGET:
+        raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
+                         f"({fixed} bytes of scales); split the GEMM along k")
+    return dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
+
+
+def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, **override):
     target = targets.resolve(a2)
-    kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype],
-                                      block_m=block_m, block_n=128 if n % 128 == 0 else 64)
-    kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2)
+    rows = a2.shape[0] if mode != "masked" else a2.shape[1]
+    p = {**plan(mode, rows, n, k, block_m), **override}
+    kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype], **p)
+    if p["splits"] == 1:
+        kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, _dummy(a2.device, n, torch.float32).view(1, 1, n))
+        return
+    part = torch.empty(p["splits"], a2.shape[0], n, dtype=torch.float32, device=a2.device)
+    kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, part)
+    reduce = fp8_gemm_reduce_program.compile(target, n=n, splits=p["splits"], out_dtype=OUT_DTYPES[out2.dtype])
+    reduce.launcher()(part, out2)
 
 
-def _dummy(device, size=1):
-    return torch.zeros(size, dtype=torch.int32, device=device)
+def _dummy(device, size=1, dtype=torch.int32):
+    """A tensor the kernel binds but never reads in this mode (empty: no fill kernel launched)."""
+    return torch.empty(size, dtype=dtype, device=device)
 
 
 def _check_out(out, shape, device):

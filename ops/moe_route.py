@@ -148,6 +148,180 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
     return moe_route
 
 
+WARP = 32
+
+
+def _halvings(lanes: int) -> tuple:
+    """Butterfly offsets over `lanes` lanes: lanes/2, lanes/4, ..., 1."""
+    return tuple(1 << i for i in reversed(range(lanes.bit_length() - 1)))
+
+
+def warp_path_fits(num_experts: int, top_k: int, n_group: int) -> bool:
+    """Whether the warp-per-token program covers this shape: E a multiple of 32 with at most 16
+    experts per lane, every group made of whole lanes (a power-of-two count of them), k <= 32."""
+    E, G = num_experts, n_group
+    if E % WARP or E // WARP > 16 or top_k > WARP or G > WARP:
+        return False
+    V, GS = E // WARP, E // G
+    lanes_per_group = GS // V if GS % V == 0 else 0
+    return lanes_per_group > 0 and lanes_per_group & (lanes_per_group - 1) == 0
+
+
+@tile_program(
+    "moe_route_warp",
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    examples={
+        "v3": dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", has_bias=True, scaling=2.5),
+        "ungrouped-256": dict(num_experts=256, top_k=8, scoring="softmax", has_bias=False),
+    },
+)
+def moe_route_warp_program(num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                            scoring: str = "sigmoid", has_bias: bool = True, renormalize: bool = True,
+                            scaling: float = 1.0, dtype: str = "float32", warps: int = 4):
+    """One token per warp, `warps` tokens per block. Lane l holds experts [l*V, l*V + V) in registers
+    (V = E/32), so a group is LPG = 32/G neighbouring lanes; every "best of" is a few register
+    compares and a butterfly of lane shuffles, with no shared memory and no block barrier."""
+    E, G, K = num_experts, n_group, top_k
+    assert warp_path_fits(E, K, G), (E, K, G)
+    V = E // WARP
+    LPG = WARP // G                       # lanes per group
+    sdt = tile.storage_dtype(dtype)
+    tokens = T.dynamic("tokens")
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def butterfly(x, op, lanes):
+        """x[0] = op over `lanes` neighbouring lanes (an aligned power-of-two span), on every one of them."""
+        for off in _halvings(lanes):       # unrolled while tracing
+            if op == "max":
+                x[0] = T.max(x[0], tile.lane_shuffle(x[0], off, xor=True))
+            else:
+                x[0] = x[0] + tile.lane_shuffle(x[0], off, xor=True)
+
+    @T.macro
+    def lane_best(c, s, best, best_j, best_s):
+        """This lane's best choice score, its lowest local index and its unbiased score."""
+        best[0] = c[0]
+        best_j[0] = 0
+        best_s[0] = s[0]
+        for j in tuple(range(1, V)):
+            take = c[j] > best[0]          # strict: a tie keeps the lower index
+            best_s[0] = T.if_then_else(take, s[j], best_s[0])
+            best_j[0] = T.if_then_else(take, j, best_j[0])
+            best[0] = T.if_then_else(take, c[j], best[0])
+
+    @T.prim_func
+    def moe_route_warp(
+        Logits: T.Tensor((tokens, E), sdt),
+        Bias: T.Tensor((E,), "float32"),
+        Weights: T.Tensor((tokens, K), "float32"),
+        Ids: T.Tensor((tokens, K), "int32"),
+    ):
+        with tile.grid(T.ceildiv(tokens, warps), WARP * warps) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % WARP
+            tok = bx * warps + tx // WARP
+            raw = T.alloc_local((V,), sdt)
+            b = T.alloc_local((V,), "float32")
+            s = T.alloc_local((V,), "float32")     # unbiased scores
+            c = T.alloc_local((V,), "float32")     # choice scores: s + bias, -inf once dropped or picked
+            x = T.alloc_local((1,), "float32")
+            y = T.alloc_local((1,), "float32")
+            o1 = T.alloc_local((1,), "float32")
+            o2 = T.alloc_local((1,), "float32")
+            rank = T.alloc_local((1,), "int32")
+            best = T.alloc_local((1,), "float32")
+            best_j = T.alloc_local((1,), "int32")
+            best_s = T.alloc_local((1,), "float32")
+            win = T.alloc_local((1,), "int32")
+            pick_id = T.alloc_local((1,), "int32")
+            pick_w = T.alloc_local((1,), "float32")
+            my_id = T.alloc_local((1,), "int32")
+            my_w = T.alloc_local((1,), "float32")
+            total = T.alloc_local((1,), "float32")
+            if tok < tokens:                 # uniform across the warp: shuffles see all 32 lanes
+                for j in T.vectorized(V):
+                    raw[j] = Logits[tok, lane * V + j]
+                if has_bias:
+                    for j in T.vectorized(V):
+                        b[j] = Bias[lane * V + j]
+                for j in tuple(range(V)):
+                    s[j] = tile.to_f32(raw[j], dtype)
+                if scoring == "softmax":
+                    x[0] = s[0]
+                    for j in tuple(range(1, V)):
+                        x[0] = T.max(x[0], s[j])
+                    butterfly(x, "max", WARP)
+                    y[0] = 0.0
+                    for j in tuple(range(V)):
+                        s[j] = T.exp(s[j] - x[0])
+                        y[0] = y[0] + s[j]
+                    butterfly(y, "sum", WARP)
+                    for j in tuple(range(V)):
+                        s[j] = s[j] / y[0]
+                elif scoring == "sigmoid":
+                    for j in tuple(range(V)):
+                        s[j] = 1.0 / (1.0 + T.exp(-s[j]))
+                else:  # sqrtsoftplus, in the form that does not overflow for large logits
+                    for j in tuple(range(V)):
+                        s[j] = T.sqrt(T.max(s[j], 0.0) + T.log(1.0 + T.exp(-T.max(s[j], -s[j]))))
+                for j in tuple(range(V)):
+                    c[j] = s[j] + b[j] if has_bias else s[j]
+
+                if G > 1:
+                    # group score = best + second best choice score of the group (a tie counts
+                    # twice): a running top-2 over this lane's values, then merged across the
+                    # group's LPG lanes
+                    x[0] = c[0]
+                    y[0] = neg_inf
+                    for j in tuple(range(1, V)):
+                        y[0] = T.max(y[0], T.min(x[0], c[j]))
+                        x[0] = T.max(x[0], c[j])
+                    for off in _halvings(LPG):
+                        o1[0] = tile.lane_shuffle(x[0], off, xor=True)
+                        o2[0] = tile.lane_shuffle(y[0], off, xor=True)
+                        y[0] = T.max(T.min(x[0], o1[0]), T.max(y[0], o2[0]))
+                        x[0] = T.max(x[0], o1[0])
+                    x[0] = x[0] + y[0] if E // G > 1 else x[0]
+                    # a group stays eligible if fewer than topk_group groups beat it (higher score,
+                    # or equal score and lower group id)
+                    rank[0] = 0
+                    for h in tuple(range(G)):
+                        o1[0] = tile.lane_shuffle(x[0], h * LPG)
+                        rank[0] = rank[0] + T.if_then_else(
+                            (o1[0] > x[0]) | ((o1[0] == x[0]) & (h < lane // LPG)), 1, 0)
+                    for j in tuple(range(V)):
+                        c[j] = T.if_then_else(rank[0] < topk_group, c[j], neg_inf)
+
+                lane_best(c, s, best, best_j, best_s)
+                total[0] = 0.0
+                my_id[0] = 0
+                my_w[0] = 0.0
+                for r in tuple(range(K)):  # unrolled while tracing
+                    x[0] = best[0]
+                    butterfly(x, "max", WARP)
+                    # lanes hold ascending expert ranges: the lowest lane holding the max has the
+                    # lowest expert id among the ties
+                    win[0] = tile.lane_first(best[0] == x[0])
+                    pick_id[0] = tile.lane_shuffle(lane * V + best_j[0], win[0])
+                    pick_w[0] = tile.lane_shuffle(best_s[0], win[0])
+                    total[0] = total[0] + pick_w[0]
+                    my_id[0] = T.if_then_else(lane == r, pick_id[0], my_id[0])
+                    my_w[0] = T.if_then_else(lane == r, pick_w[0], my_w[0])
+                    if r + 1 < K:
+                        for j in tuple(range(V)):
+                            c[j] = T.if_then_else((lane == win[0]) & (best_j[0] == j), neg_inf, c[j])
+                        lane_best(c, s, best, best_j, best_s)
+                if lane < K:
+                    Ids[tok, lane] = my_id[0]
+                    if renormalize:
+                        Weights[tok, lane] = my_w[0] / (total[0] + 1e-20) * scaling
+                    else:
+                        Weights[tok, lane] = my_w[0] * scaling
+
+    return moe_route_warp
+
+
 # ---- reference -------------------------------------------------------------------------------------
 
 def _scores_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -201,7 +375,12 @@ def _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_
         check.tensor("bias", bias, dtypes=(torch.float32, torch.bfloat16), ndim=1, contiguous=True)
         check.shape("bias", bias, (E,), "(num_experts,)")
         check.same_device(logits=logits, bias=bias)
-    if _values.enabled(logits) and logits.numel() and not bool(torch.isfinite(logits).all()):
+
+
+def _check_finite(logits, finite):
+    """Raise for NaN/inf logits. `finite` was queued before the kernel: the one device sync then
+    waits for both, so the kernel launch is not held behind the host's round trip."""
+    if finite is not None and not bool(finite):
         bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
         raise ValueError(f"logits must be finite; found {logits[bad[0], bad[1]].item()} at [{bad[0]}, {bad[1]}]")
 
@@ -213,7 +392,10 @@ def _moe_route_impl(logits, bias, top_k, scoring, n_group, topk_group, renormali
     if T_ == 0:
         return weights, ids
     target = targets.resolve(logits)
-    kernel = moe_route_program.compile(
+    program = moe_route_program
+    if target.name in moe_route_warp_program.targets and warp_path_fits(E, top_k, n_group):
+        program = moe_route_warp_program
+    kernel = program.compile(
         target, num_experts=E, top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
         has_bias=bias is not None, renormalize=renormalize, scaling=float(routed_scaling_factor),
         dtype=LOGIT_DTYPES[logits.dtype])
@@ -242,8 +424,11 @@ def moe_route(logits, top_k, *, bias=None, scoring="sigmoid", n_group=1, topk_gr
     NaN or inf logits raise ValueError (the check reads the values; see TILECRAFT_CHECK_VALUES).
     """
     _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_factor)
-    return _dispatch.call(_moe_route_op, _moe_route_impl, logits, bias, int(top_k), scoring, int(n_group),
-                          int(topk_group), bool(renormalize), float(routed_scaling_factor))
+    finite = torch.isfinite(logits).all() if _values.enabled(logits) and logits.numel() else None
+    out = _dispatch.call(_moe_route_op, _moe_route_impl, logits, bias, int(top_k), scoring, int(n_group),
+                         int(topk_group), bool(renormalize), float(routed_scaling_factor))
+    _check_finite(logits, finite)
+    return out
 
 
 def moe_hash_route(logits, input_ids, tid2eid, *, scoring="sqrtsoftplus", renormalize=True, routed_scaling_factor=1.0):

@@ -19,6 +19,8 @@ from ops import _dispatch, _values
 from ops import _validate as check
 
 MAX_K = 4096
+RADIX_BITS = 12          # first digit: the top 12 key bits (sign, exponent, 3 mantissa bits)
+NB = 1 << RADIX_BITS
 
 
 def _key(x):
@@ -28,78 +30,147 @@ def _key(x):
     return T.if_then_else(x == 0, T.uint32(0x80000000), key)
 
 
-# Ascend: TileLang 0.1.15 has no cumsum lowering there yet (needs a rule for codegen.tile.cumsum)
+def _configs(t, p):
+    # One 256-thread group walks every pass: TileLang's warp specialization would hand the
+    # copies to extra producer warps and shift threadIdx, which the block scan (tl::CumSum1D) reads.
+    return {"tl.disable_warp_specialized": True} if t.name.startswith("cuda") else {}
+
+
 @tile_program("topk_select", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
-              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)})
-def topk_select_program(k: int, chunk: int = 1024, threads: int = 256):
-    """Exact top-k per row by radix select; ascending indices, -1 padding for short rows."""
+              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_configs)
+def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
+    """Exact top-k per row: 12-bit histogram, candidate gather, 12 + 8-bit digits, ordered write."""
     rows, cols = T.dynamic("rows, cols")
-    RADIX = 256
+    SEG = 32                    # contiguous columns per lane in the ordered write (one bit mask)
+    chunk = lanes * SEG         # columns staged per step
+
+    @T.macro
+    def find_digit(hist, nbins, want, res, part, scan, acc):
+        # res[0] = the digit d with count(digit > d) < want <= count(digit >= d); res[1] = want - count(digit > d)
+        per = nbins // lanes
+        for t in tile.parallel(lanes):
+            part[t] = 0
+            for j in T.serial(per):
+                part[t] = part[t] + hist[nbins - 1 - t * per - j]
+        tile.cumsum(part, scan, dim=0)
+        for t in tile.parallel(lanes):
+            acc[t] = scan[t] - part[t]
+            if acc[t] < want and scan[t] >= want:
+                for j in T.serial(per):
+                    d = nbins - 1 - t * per - j
+                    if acc[t] < want and acc[t] + hist[d] >= want:
+                        res[0] = d
+                        res[1] = want - acc[t]
+                    acc[t] = acc[t] + hist[d]
 
     @T.prim_func
     def topk_select(Scores: T.Tensor((rows, cols), "float32"), Lengths: T.Tensor((rows,), "int32"),
-                    Out: T.Tensor((rows, k), "int32")):
-        with tile.grid(rows, threads) as r:
+                    Cand: T.Tensor((rows, cols), "int32"), Out: T.Tensor((rows, k), "int32")):
+        with tile.grid(rows, lanes) as r:
             with tile.vector():
-                hist = tile.stage((RADIX,), "int32")
-                flag_gt = tile.fragment((chunk,), "int32")
-                flag_eq = tile.fragment((chunk,), "int32")
-                scan = tile.fragment((chunk,), "int32")
-                total = tile.fragment((1,), "int32")
+                stage = tile.stage((chunk,), "float32")
+                hist = tile.stage((NB,), "int32")
+                part = tile.stage((lanes,), "int32")
+                scan = tile.stage((lanes,), "int32")
+                res = tile.stage((4,), "int32")
+                acc = tile.fragment((lanes,), "int32")
+                mask_gt = tile.fragment((lanes,), "uint32")
+                mask_eq = tile.fragment((lanes,), "uint32")
+                pos = tile.fragment((lanes,), "int32")
+                eqc = tile.fragment((lanes,), "int32")
                 n = T.alloc_var("int32")
-                want = T.alloc_var("int32")        # how many of the remaining candidates we still need
-                prefix = T.alloc_var("uint32")     # the k-th largest key, built 8 bits at a time
-                cum = T.alloc_var("int32")
-                found = T.alloc_var("int32")
-                base = T.alloc_var("int32")
+                want = T.alloc_var("int32")
+                m = T.alloc_var("int32")
+                thr = T.alloc_var("uint32")      # the k-th largest key
+                want_eq = T.alloc_var("int32")   # how many keys equal to thr are taken (lowest indices)
+                b1 = T.alloc_var("int32")
+                b2 = T.alloc_var("int32")
+                gt_base = T.alloc_var("int32")
                 eq_base = T.alloc_var("int32")
                 n = T.min(T.max(Lengths[r], 0), cols)
                 want = T.min(k, n)
-                prefix = T.uint32(0)
-                for p in tuple(range(4)):  # unrolled while tracing: digits from the top
-                    shift = 24 - 8 * p
-                    for b in tile.parallel(RADIX):
+                thr = T.uint32(0)                # no key is 0 (NaN excluded): n <= k takes every column
+                want_eq = 0
+                if n > k:
+                    # digit 1 over the whole row: histogram of the top 12 key bits
+                    for b in tile.parallel(NB):
                         hist[b] = 0
-                    for c in T.serial(T.ceildiv(n, chunk)):
+                    for c in tile.pipelined(T.ceildiv(n, chunk), stages):
+                        tile.copy(Scores[r, c * chunk:(c + 1) * chunk], stage)
                         for i in tile.parallel(chunk):
-                            idx = c * chunk + i
-                            key = _key(Scores[r, T.min(idx, cols - 1)])
-                            same_prefix = (key >> T.uint32(shift + 8)) == (prefix >> T.uint32(shift + 8)) if p > 0 else True
-                            if idx < n and same_prefix:
-                                tile.atomic_add(hist[T.cast((key >> T.uint32(shift)) & T.uint32(255), "int32")], 1)
-                    # the digit where the count of larger-or-equal candidates reaches `want`
-                    cum = 0
-                    found = -1
-                    for j in T.serial(RADIX):
-                        b = RADIX - 1 - j
-                        if found < 0 and want > 0:
-                            if cum + hist[b] >= want:
-                                found = b
-                                want = want - cum
-                            cum = cum + hist[b]
-                    prefix = prefix | (T.cast(T.max(found, 0), "uint32") << T.uint32(shift))
-                # write: every key above the threshold, then the first `want` keys equal to it
-                base = 0
+                            if c * chunk + i < n:
+                                tile.atomic_add(hist[T.cast(_key(stage[i]) >> T.uint32(20), "int32")], 1)
+                    find_digit(hist, NB, want, res, part, scan, acc)
+                    b1 = res[0]
+                    want = res[1]
+                    # the keys in that bucket go to this row of Cand (usually a few thousand)
+                    res[2] = 0
+                    for c in tile.pipelined(T.ceildiv(n, chunk), stages):
+                        tile.copy(Scores[r, c * chunk:(c + 1) * chunk], stage)
+                        for i in tile.parallel(chunk):
+                            key = _key(stage[i])
+                            if c * chunk + i < n and T.cast(key >> T.uint32(20), "int32") == b1:
+                                slot = tile.atomic_add(res[2], 1, return_prev=True)
+                                Cand[r, slot] = T.reinterpret(key, "int32")
+                    m = res[2]
+                    # digit 2 (key bits 8..19) and digit 3 (bits 0..7) among the candidates
+                    for b in tile.parallel(NB):
+                        hist[b] = 0
+                    for c in T.serial(T.ceildiv(m, chunk)):
+                        for i in tile.parallel(chunk):
+                            if c * chunk + i < m:
+                                key = T.reinterpret(Cand[r, c * chunk + i], "uint32")
+                                tile.atomic_add(hist[T.cast((key >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
+                    find_digit(hist, NB, want, res, part, scan, acc)
+                    b2 = res[0]
+                    want = res[1]
+                    for b in tile.parallel(NB):
+                        hist[b] = 0
+                    for c in T.serial(T.ceildiv(m, chunk)):
+                        for i in tile.parallel(chunk):
+                            if c * chunk + i < m:
+                                key = T.reinterpret(Cand[r, c * chunk + i], "uint32")
+                                if T.cast((key >> T.uint32(8)) & T.uint32(0xFFF), "int32") == b2:
+                                    tile.atomic_add(hist[T.cast(key & T.uint32(0xFF), "int32")], 1)
+                    find_digit(hist, 256, want, res, part, scan, acc)
+                    thr = (T.cast(b1, "uint32") << T.uint32(20)) | (T.cast(b2, "uint32") << T.uint32(8)) | T.cast(res[0], "uint32")
+                    want_eq = res[1]
+                # ordered write: each lane owns 32 contiguous columns of a chunk; one block scan of
+                # (above, equal) counts per chunk places them; equal keys are taken lowest index first
+                gt_base = 0
                 eq_base = 0
-                for c in T.serial(T.ceildiv(n, chunk)):
-                    for i in tile.parallel(chunk):
-                        idx = c * chunk + i
-                        key = _key(Scores[r, T.min(idx, cols - 1)])
-                        flag_gt[i] = T.if_then_else(idx < n and key > prefix, 1, 0)
-                        flag_eq[i] = T.if_then_else(idx < n and key == prefix, 1, 0)
-                    tile.cumsum(flag_eq, scan, dim=0)
-                    for i in tile.parallel(chunk):
-                        flag_eq[i] = T.if_then_else(flag_eq[i] == 1 and eq_base + scan[i] <= want, 1, 0)
-                    tile.row_reduce(flag_eq, total, "sum", dim=0)
-                    eq_base = eq_base + total[0]
-                    for i in tile.parallel(chunk):
-                        flag_gt[i] = flag_gt[i] + flag_eq[i]
-                    tile.cumsum(flag_gt, scan, dim=0)
-                    for i in tile.parallel(chunk):
-                        if flag_gt[i] == 1:
-                            Out[r, T.min(base + scan[i] - 1, k - 1)] = c * chunk + i
-                    tile.row_reduce(flag_gt, total, "sum", dim=0)
-                    base = base + total[0]
+                for c in tile.pipelined(T.ceildiv(n, chunk), stages):
+                    tile.copy(Scores[r, c * chunk:(c + 1) * chunk], stage)
+                    for t in tile.parallel(lanes):
+                        mask_gt[t] = T.uint32(0)
+                        mask_eq[t] = T.uint32(0)
+                        for j in T.serial(SEG):
+                            jj = (j + t) % SEG       # rotated: the 32 lanes of a warp hit 32 banks
+                            key = _key(stage[t * SEG + jj])
+                            live = c * chunk + t * SEG + jj < n
+                            mask_gt[t] = mask_gt[t] | T.if_then_else(live and key > thr, T.uint32(1) << T.cast(jj, "uint32"), T.uint32(0))
+                            mask_eq[t] = mask_eq[t] | T.if_then_else(live and key == thr, T.uint32(1) << T.cast(jj, "uint32"), T.uint32(0))
+                        pos[t] = 0
+                        eqc[t] = 0
+                        for j in T.serial(SEG):
+                            pos[t] = pos[t] + T.cast((mask_gt[t] >> T.cast(j, "uint32")) & T.uint32(1), "int32")
+                            eqc[t] = eqc[t] + T.cast((mask_eq[t] >> T.cast(j, "uint32")) & T.uint32(1), "int32")
+                        part[t] = pos[t] + eqc[t] * 65536
+                    tile.cumsum(part, scan, dim=0)
+                    for t in tile.parallel(lanes):
+                        eqc[t] = eq_base + ((scan[t] - part[t]) >> 16)
+                        pos[t] = gt_base + ((scan[t] - part[t]) & 65535) + T.min(want_eq, eqc[t])
+                        for j in T.serial(SEG):
+                            if (mask_gt[t] >> T.cast(j, "uint32")) & T.uint32(1) == T.uint32(1):
+                                Out[r, T.min(pos[t], k - 1)] = c * chunk + t * SEG + j
+                                pos[t] = pos[t] + 1
+                            elif (mask_eq[t] >> T.cast(j, "uint32")) & T.uint32(1) == T.uint32(1):
+                                if eqc[t] < want_eq:
+                                    Out[r, T.min(pos[t], k - 1)] = c * chunk + t * SEG + j
+                                    pos[t] = pos[t] + 1
+                                eqc[t] = eqc[t] + 1
+                    gt_base = gt_base + (scan[lanes - 1] & 65535)
+                    eq_base = eq_base + (scan[lanes - 1] >> 16)
                 for i in tile.parallel(k):
                     if i >= T.min(k, n):
                         Out[r, i] = -1

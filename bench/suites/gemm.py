@@ -73,7 +73,9 @@ def torch_scaled_mm(case, i):
         raise ValueError("torch has no grouped block-scaled GEMM")
     F = torch.nn.functional
     a, b, sfa, sfb = i["qa"], i["qb"][0], i["sfa"], i["sfb"][0]
-    attempts = [(sfa, sfb), (sfa.t().contiguous().t(), sfb), (sfa.t().contiguous().t(), sfb.t().contiguous().t())]
+    # cuBLAS (torch 2.11) takes scale_b as (k/128, n/128): b's block scales seen through b.t()
+    sfa_mn = sfa.t().contiguous().t()
+    attempts = [(sa, sb) for sa in (sfa, sfa_mn) for sb in (sfb.t(), sfb.t().contiguous(), sfb)]
     last = None
     for sa, sb in attempts:  # cuBLAS wants particular scale layouts; take the first that runs
         try:

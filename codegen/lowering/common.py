@@ -18,8 +18,8 @@ def row_reduce(src, dst, op="sum", dim=-1, clear=True):
 
 
 @register("atomic_add", "*")
-def atomic_add(dst, value):
-    return T.atomic_add(dst, value)
+def atomic_add(dst, value, return_prev=False):
+    return T.atomic_add(dst, value, return_prev=return_prev)
 
 
 @register("cumsum", "*")

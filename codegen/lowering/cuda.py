@@ -25,3 +25,14 @@ def stage(shape, dtype):
 @register("operand", "cuda")
 def operand(shape, dtype):
     return T.alloc_shared(shape, dtype)
+
+
+@register("lane_shuffle", "cuda")
+def lane_shuffle(value, src, xor=False):
+    return T.shfl_xor(value, src) if xor else T.shfl_sync(value, src)
+
+
+@register("lane_first", "cuda")
+def lane_first(pred):
+    votes = T.cast(T.ballot_sync(pred), "int32")  # CUDA's 32-lane ballot, zero-extended by TileLang
+    return T.call_extern("int32", "__ffs", votes) - 1
