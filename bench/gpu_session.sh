@@ -15,16 +15,16 @@ export TILECRAFT_CACHE_DIR=${TILECRAFT_CACHE_DIR:-/tmp/tc-cache}
 start=$(date +%s)
 deadline=$((start + ${DEADLINE:-540}))
 left() { echo $((deadline - $(date +%s))); }
-# Test groups, one process each: "file" or "file:pytest -k expression".
+# Test groups, one process each: "file" or "file:pytest -k expression" ('+' for a space).
 TESTS=${TESTS:-"tests/test_rms_norm.py tests/test_gemm_fp8.py tests/test_moe_route.py tests/test_moe_dispatch.py
   tests/test_topk_select.py tests/test_tile_words.py tests/test_runtime.py
-  tests/test_mla_decode.py:not_(hypothesis_or_fp8) tests/test_mla_decode.py:hypothesis_or_fp8"}
+  tests/test_mla_decode.py:not+(hypothesis+or+fp8) tests/test_mla_decode.py:hypothesis+or+fp8"}
 
 if [[ "${1:-tests}" == tests ]]; then
   budget=${TEST_BUDGET:-$(( $(left) * 2 / 3 ))}
   i=0
   for t in $TESTS; do
-    f=${t%%:*}; k=${t#"$f"}; k=${k#:}; k=${k//_/ }; i=$((i + 1))
+    f=${t%%:*}; k=${t#"$f"}; k=${k#:}; k=${k//+/ }; i=$((i + 1))
     n=$(basename "$f" .py)-$i
     timeout "$budget" python3 -m pytest -v -m gpu -p no:cacheprovider "$f" ${k:+-k "$k"} > "$out/$n.log" 2>&1 &
   done

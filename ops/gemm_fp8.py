@@ -13,7 +13,9 @@ On CPU tensors every op runs the exact-dequant fp32 reference.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import functools
 import math
+import operator
 
 import tilelang.language as T
 import torch
@@ -148,10 +150,8 @@ def fp8_gemm_reduce_program(n: int, splits: int, out_dtype: str = "bfloat16", bl
                 if flat < rows * n:
                     r = flat // n
                     c = flat % n
-                    total = Part[0, r, c]
-                    for s in T.serial(1, splits):
-                        total = total + Part[s, r, c]
-                    C[r, c] = T.cast(total, out_dtype)
+                    # one expression, built while tracing: ((P0 + P1) + P2) + ..., always in this order
+                    C[r, c] = T.cast(functools.reduce(operator.add, [Part[s, r, c] for s in range(splits)]), out_dtype)
 
     return fp8_gemm_reduce
 

@@ -139,7 +139,7 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
                 # (above, equal) counts per chunk places them; equal keys are taken lowest index first
                 gt_base = 0
                 eq_base = 0
-                for c in tile.pipelined(T.ceildiv(n, chunk), stages):
+                for c in T.serial(T.ceildiv(n, chunk)):  # (TileLang 0.1.15 cannot pipeline a loop holding cumsum)
                     tile.copy(Scores[r, c * chunk:(c + 1) * chunk], stage)
                     for t in tile.parallel(lanes):
                         mask_gt[t] = T.uint32(0)
@@ -200,8 +200,13 @@ def _impl(scores, k, lengths):
         return out.fill_(-1)
     if lengths is None:
         lengths = torch.full((R,), N, dtype=torch.int32, device=scores.device)
+    if N % 4:
+        # rows are staged with 16-byte-aligned bulk copies: pad them (the padding is past every length)
+        lengths = lengths.clamp(max=N)
+        scores = torch.nn.functional.pad(scores, (0, 4 - N % 4))
+    cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
     kernel = topk_select_program.compile(targets.resolve(scores), k=k)
-    kernel.launcher()(scores, lengths, out)
+    kernel.launcher()(scores, lengths, cand, out)
     return out
 
 

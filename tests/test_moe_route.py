@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ops
-from ops.moe_route import moe_route_program, moe_route_reference
+from ops.moe_route import moe_route_program, moe_route_reference, moe_route_warp_program, warp_path_fits
 
 V3 = dict(n_group=8, topk_group=4, scoring="sigmoid", routed_scaling_factor=2.5)
 
@@ -134,12 +134,97 @@ def test_lowers_for_gpu_targets(target, marker):
     assert marker in moe_route_program.source(target, num_experts=64, top_k=6, n_group=8, topk_group=4)
 
 
+def test_deepseek_shapes_take_the_warp_path():
+    assert warp_path_fits(256, 8, 8) and warp_path_fits(256, 8, 1)      # V3 grouping, ungrouped
+    assert warp_path_fits(64, 6, 1) and warp_path_fits(512, 16, 16) and warp_path_fits(32, 3, 8)
+    assert not warp_path_fits(16, 4, 4)        # fewer experts than lanes: block program
+    assert not warp_path_fits(256, 8, 64)      # a group smaller than a lane's 8 experts
+    assert not warp_path_fits(96, 4, 3)        # 32-expert groups over 3-expert lanes
+    assert not warp_path_fits(1024, 8, 1)      # 32 experts a lane: block program
+
+
+@pytest.mark.parametrize("params", [
+    dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", has_bias=True, scaling=2.5),
+    dict(num_experts=256, top_k=8, n_group=1, scoring="softmax", has_bias=False, dtype="bfloat16"),
+    dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sqrtsoftplus"),
+])
+def test_warp_path_compiles_for_sm_90a_without_smem_or_spills(params):
+    """The fast path: one warp per token, lane shuffles only (no shared memory, no barrier), no spills."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = moe_route_warp_program.source("sm_90a", **params)
+    assert "__shfl_xor_sync" in src and "__ballot_sync" in src and "__syncthreads" not in src
+    try:
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert stats.histogram.get("SHFL", 0) >= 60 and not stats.histogram.get("BAR")
+    assert stats.shared_bytes == 0 and stats.spill_stores == 0 and stats.spill_loads == 0
+    assert stats.registers <= 64
+
+
+def test_warp_path_has_no_cpu_rule():
+    """The cpu target runs the block program (test_matches_reference_on_cpu); the warp program is CUDA only."""
+    assert "cpu" not in moe_route_warp_program.targets
+    with pytest.raises(ValueError, match="no lowering for cpu"):
+        moe_route_warp_program.source("cpu", num_experts=256, top_k=8)
+
+
+def _gpu_check(tokens, E, k, *, dtype=torch.float32, ties=False, seed=0, with_bias=True, **kw):
+    g = torch.Generator().manual_seed(seed)
+    if ties:      # few distinct logits: many exact ties among experts and among groups
+        logits = torch.randint(-2, 3, (tokens, E), generator=g).float()
+    else:
+        logits = torch.randn(tokens, E, generator=g) * 2
+    logits = logits.to(dtype).cuda()
+    bias = (torch.randn(E, generator=g) * 0.05).cuda() if with_bias and not ties else None
+    if with_bias and ties:
+        bias = torch.zeros(E, device="cuda")
+    w, ids = ops.moe_route(logits, k, bias=bias, **kw)
+    rw, rids = moe_route_reference(logits, k, bias=bias, **kw)
+    if ties:      # exact: the reference's stable sorts and the kernel's tie rule agree bit for bit
+        assert torch.equal(ids.cpu(), rids.cpu())
+        torch.testing.assert_close(w.cpu(), rw.cpu(), atol=1e-7, rtol=1e-6)
+    else:
+        assert_same_routing(w.cpu(), ids.cpu(), rw.cpu(), rids.cpu(), logits.cpu(), None if bias is None else bias.cpu(),
+                            k, **kw)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 128, 4096])
+@pytest.mark.parametrize("tokens", [1, 5, 128, 4096, 16387])
 def test_gpu_matches_reference(tokens):
-    torch.manual_seed(0)
-    logits = torch.randn(tokens, 256, device="cuda")
-    bias = torch.randn(256, device="cuda") * 0.05
-    w, ids = ops.moe_route(logits, 8, bias=bias, **V3)
-    rw, rids = moe_route_reference(logits, 8, bias=bias, **V3)
-    assert_same_routing(w.cpu(), ids.cpu(), rw.cpu(), rids.cpu(), logits.cpu(), bias.cpu(), 8, **V3)
+    assert warp_path_fits(256, 8, 8)
+    _gpu_check(tokens, 256, 8, **V3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [
+    dict(V3),                                                             # DeepSeek-V3 grouping
+    dict(n_group=1, topk_group=1, scoring="sigmoid", routed_scaling_factor=2.5),
+    dict(n_group=1, topk_group=1, scoring="softmax", with_bias=False),
+    dict(n_group=8, topk_group=4, scoring="sqrtsoftplus", routed_scaling_factor=1.5),
+    dict(n_group=8, topk_group=4, scoring="sigmoid", renormalize=False),
+])
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+def test_gpu_warp_path_scorings_and_ties(kw, tokens):
+    _gpu_check(tokens, 256, 8, **kw)
+    _gpu_check(tokens, 256, 8, ties=True, seed=1, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_and_other_expert_counts():
+    _gpu_check(77, 256, 8, dtype=torch.bfloat16, **V3)
+    _gpu_check(77, 64, 6, n_group=1, topk_group=1, scoring="softmax", with_bias=False)     # warp path, 2 a lane
+    _gpu_check(77, 512, 16, n_group=16, topk_group=8, scoring="sigmoid")                # warp path, 16 a lane
+    _gpu_check(77, 16, 4, n_group=4, topk_group=2, scoring="sigmoid")                   # block program
+    _gpu_check(77, 256, 8, n_group=64, topk_group=8, scoring="sigmoid")                 # block program
+    _gpu_check(9, 16, 4, n_group=4, topk_group=2, scoring="sigmoid", ties=True)
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_logits_raise():
+    x = torch.randn(4, 256, device="cuda")
+    x[3, 200] = float("nan")
+    with pytest.raises(ValueError, match=r"logits must be finite; found nan at \[3, 200\]"):
+        ops.moe_route(x, 8, n_group=8, topk_group=4)
