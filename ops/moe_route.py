@@ -8,8 +8,12 @@ sum of its two best choice scores and only the topk_group best groups stay eligi
 weights are the unbiased scores of the picked experts, renormalized (if asked) and multiplied by
 routed_scaling_factor.
 
-Kernel: a block routes a few tokens; a token's experts are a (groups, experts per group) register
-tile, and every "best of" is two row reductions (value, then lowest index holding it).
+Kernels: on CUDA, shapes that fit warp_path_fits (DeepSeek's E=256 with n_group 8 or 1 among them)
+take moe_route_warp: one warp per token, the token's experts in registers (E/32 a lane), every
+"best of" a butterfly of lane shuffles, no shared memory and no block barrier. Other shapes, the
+cpu target and Ascend take moe_route: one token per block, a (groups, experts per group) tile, every
+"best of" two block-wide row reductions (value, then lowest index holding it). Both pick the same
+experts, ties toward the lower id.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself

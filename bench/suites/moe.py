@@ -10,7 +10,7 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.moe_dispatch import combine_program, gather_rows_program
-from ops.moe_route import moe_route_program
+from ops.moe_route import _moe_route_impl, moe_route_warp_program
 
 V3 = dict(num_experts=256, top_k=8, n_group=8, topk_group=4)
 
@@ -64,6 +64,14 @@ def tilecraft(case, i):
     return lambda: ops.moe_combine(i["y"], i["mapping"], i["weights"])
 
 
+def tilecraft_unchecked(case, i):
+    """The route kernel without the NaN/inf check's device sync: what a CUDA-graph replay runs."""
+    if case["kind"] != "route":
+        raise ValueError("only the router has a value check to skip")
+    return lambda: _moe_route_impl(i["logits"], i["bias"], case["top_k"], "sigmoid", case["n_group"],
+                                   case["topk_group"], True, 2.5)
+
+
 def torch_provider(case, i):
     if case["kind"] == "route":
         return lambda: torch_router(i["logits"], i["bias"], case["top_k"], case["n_group"], case["topk_group"])
@@ -76,7 +84,7 @@ def torch_provider(case, i):
 
 def kernels(case):
     if case["kind"] == "route":
-        return [(moe_route_program, dict(V3, scoring="sigmoid", has_bias=True, scaling=2.5))]
+        return [(moe_route_warp_program, dict(V3, scoring="sigmoid", has_bias=True, scaling=2.5))]
     if case["kind"] == "dispatch":
         return [(gather_rows_program, dict(hidden=case["H"], bits="int16"))]
     return [(combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
@@ -88,7 +96,8 @@ SUITE = Suite(
     make_inputs=make_inputs,
     nbytes=nbytes,
     flops=lambda c: 0,
-    providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_provider)],
+    providers=[Provider("tilecraft", tilecraft), Provider("tilecraft-unchecked", tilecraft_unchecked),
+               Provider("torch", torch_provider)],
     kernels=kernels,
     label=lambda c: f"{c['kind']} T={c['T']}" + (f" H={c['H']}" if "H" in c else "") + f" E={c['num_experts']} k={c['top_k']}",
 )
