@@ -213,14 +213,15 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> 
 
     Split-K only where the (m, n) tiles leave most SMs idle (decode): every split re-reads nothing
     but writes rows * n fp32 partials that the reduce pass reads back, so it is used when the
-    tiles cover less than half the GPU and each split keeps at least 8 K blocks.
+    tiles cover less than half the GPU and each split keeps at least 12 K blocks (measured on the
+    H200, bench/NOTES.md: 8-block splits lost to no split on 64x7168x2048).
     """
     block_n = 128 if n % 128 == 0 else 64
     kb = k // GROUP
     splits = 1
     if mode == "dense":
         tiles = -(-rows // block_m) * (n // block_n)
-        while tiles * splits * 2 <= sms and kb // (splits * 2) >= 8:
+        while tiles * splits * 2 <= sms and kb // (splits * 2) >= 12:
             splits *= 2
     per = -(-kb // splits)
     fixed = kb * 4 + block_m * per * 4

@@ -19,49 +19,81 @@ from ops.quant import dequant_mxfp4
 MX = 32
 
 
-def _e2m1(code):
-    """4-bit e2m1 code -> float32: sign | exponent (2 bits) | mantissa (1 bit), bias 1."""
-    e = (code >> T.uint32(1)) & T.uint32(3)
-    m = T.cast(code & T.uint32(1), "float32")
-    mag = T.if_then_else(e == T.uint32(0), m * 0.5, (1.0 + m * 0.5) * T.cast(T.shift_left(T.uint32(1), e - T.uint32(1)), "float32"))
-    return T.if_then_else((code & T.uint32(8)) != T.uint32(0), -mag, mag)
+def _e2m1_times_2_pow_minus_126(code):
+    """4-bit e2m1 code -> float32 whose value is e2m1(code) * 2^-126, by placing the code's bits:
+    sign -> bit 31, exponent (2 bits) and mantissa (1 bit) -> bits 24..22. Code e=0, m=1 lands on
+    a subnormal (0.5 * 2^-126) and e > 0 on 2^(e-127) * (1 + m/2): both exact. No branches."""
+    bits = ((code & T.uint32(8)) << T.uint32(28)) | ((code & T.uint32(7)) << T.uint32(22))
+    return T.reinterpret(bits, "float32")
+
+
+def _e8m0_times_2_pow_126(e8):
+    """E8M0 byte -> 2^(e8 - 127) * 2^126 = 2^(e8 - 1) as float32, split in two exact factors so no
+    byte value overflows: 2^(e8 - 127) (subnormal 2^-127 for e8 = 0) times 2^126."""
+    e = T.cast(e8, "uint32")
+    small = T.reinterpret(T.if_then_else(e == T.uint32(0), T.uint32(0x00400000), e << T.uint32(23)), "float32")
+    return small, T.float32(2.0 ** 126)
 
 
 @tile_program(
     "mxfp4_gemm_nt",
     targets=("cuda:sm_90a", "cuda:sm_100a"),
-    examples={"decode-7168x2048": dict(n=7168, k=2048, block_m=64), "prefill-4096x7168": dict(n=4096, k=7168)},
+    examples={"decode-7168x2048": dict(n=7168, k=2048, block_m=64, splits=2),
+              "prefill-4096x7168": dict(n=4096, k=7168)},
 )
 def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, block_k: int = 128, stages: int = 3,
-                       threads: int = 256):
-    """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA."""
+                       threads: int = 256, splits: int = 1):
+    """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA.
+
+    The block's E8M0 scales (block_n rows x its K range) become fp32 factors in shared memory once,
+    before the pipeline. splits > 1: split-K into fp32 partials, summed in order by
+    ops.gemm_fp8.fp8_gemm_reduce_program (decode grids are too small to fill the GPU otherwise).
+    """
     assert k % block_k == 0 and n % block_n == 0 and block_k % MX == 0
     m = T.dynamic("m")
     n_tiles = n // block_n
+    kb = k // block_k
+    per = -(-kb // splits)                       # K steps per split
+    groups = per * (block_k // MX)               # scale groups per row in one split's K range
+    part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
     def mxfp4_gemm_nt(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 2), "uint8"),
-                      SFB: T.Tensor((n, k // MX), "uint8"), C: T.Tensor((m, n), "bfloat16")):
-        with tile.grid(T.ceildiv(m, block_m) * n_tiles, threads) as bid:
-            tm, tn = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles))
+                      SFB: T.Tensor((n, k // MX), "uint8"), C: T.Tensor((m, n), "bfloat16"),
+                      Part: T.Tensor(part_shape, "float32")):
+        with tile.grid(T.ceildiv(m, block_m) * n_tiles * splits, threads) as bid:
+            tm, tn, ts = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles, splits))
             a_s = tile.operand((block_m, block_k), "bfloat16")
             raw = tile.stage((block_n, block_k // 2), "uint8")
             b_s = tile.operand((block_n, block_k), "bfloat16")
+            sc_s = tile.stage((block_n, groups), "float32")
             acc = tile.accumulator((block_m, block_n))
-            for kk in tile.pipelined(k // block_k, stages=stages):
+            k0 = ts * per
+            steps = T.max(T.min(per, kb - k0), 0)
+            for i, gi in tile.parallel(block_n, groups):
+                e8 = SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)]
+                small, big = _e8m0_times_2_pow_126(e8)
+                sc_s[i, gi] = small * big
+            for i, j in tile.parallel(block_m, block_n):
+                acc.buf[i, j] = 0.0
+            for s in tile.pipelined(steps, stages=stages):
+                kk = k0 + s
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
                 tile.copy(B[tn * block_n, kk * (block_k // 2)], raw)
                 for i, j in tile.parallel(block_n, block_k):
                     byte = T.cast(raw[i, j // 2], "uint32")
                     code = (byte >> T.cast(4 * (j % 2), "uint32")) & T.uint32(0xF)
-                    e8 = T.cast(SFB[tn * block_n + i, (kk * block_k + j) // MX], "int32")
-                    b_s[i, j] = T.cast(_e2m1(code) * T.exp2(T.cast(e8 - 127, "float32")), "bfloat16")
-                tile.mma(a_s, b_s, acc, transpose_b=True, clear=(kk == 0), step=kk)
+                    b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * sc_s[i, s * (block_k // MX) + j // MX],
+                                       "bfloat16")
+                tile.mma(a_s, b_s, acc, transpose_b=True, step=s)
             out = tile.read_accumulator(acc)
             for i, j in tile.parallel(block_m, block_n):
                 r = tm * block_m + i
                 if r < m:
-                    C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
+                    if splits > 1:
+                        Part[ts, r, tn * block_n + j] = out[i, j]
+                    else:
+                        C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
 
     return mxfp4_gemm_nt
 
@@ -95,9 +127,35 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        kernel = mxfp4_gemm_program.compile(targets.resolve(a), n=n, k=k, block_m=64 if m <= 64 else 128)
-        kernel.launcher()(a, b, sfb, out)
+        _launch(a, b, sfb, out)
     return out
+
+
+def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Tile and split-K choice (a pure function of the shapes). Split-K when the (m, n) tiles
+    cover under half the GPU and every split keeps at least 12 K steps (as ops.gemm_fp8.plan)."""
+    block_m = 64 if m <= 64 else 128
+    tiles = -(-m // block_m) * (n // 128)
+    splits, kb = 1, k // 128
+    while tiles * splits * 2 <= sms and kb // (splits * 2) >= 12:
+        splits *= 2
+    return dict(block_m=block_m, splits=splits)
+
+
+def _launch(a, b, sfb, out, **override):
+    from ops.gemm_fp8 import fp8_gemm_reduce_program
+
+    m, k = a.shape
+    n = b.shape[0]
+    target = targets.resolve(a)
+    p = {**plan(m, n, k), **override}
+    kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
+    if p["splits"] == 1:
+        kernel.launcher()(a, b, sfb, out, torch.empty(1, 1, n, dtype=torch.float32, device=a.device))
+        return
+    part = torch.empty(p["splits"], m, n, dtype=torch.float32, device=a.device)
+    kernel.launcher()(a, b, sfb, out, part)
+    fp8_gemm_reduce_program.compile(target, n=n, splits=p["splits"], out_dtype="bfloat16").launcher()(part, out)
 
 
 @torch.library.custom_op("tilecraft::mxfp4_gemm_nt", mutates_args=())

@@ -253,7 +253,33 @@ def test_gpu_mxfp4(m, n, k):
     a = torch.randn(m, k, generator=g).bfloat16()
     packed, scales = ops.quant_mxfp4(torch.randn(n, k, generator=g))
     out = ops.mxfp4_gemm_nt(a.cuda(), packed.cuda(), scales.cuda())
-    assert calc_diff(out.cpu(), ops.mxfp4_gemm_nt(a, packed, scales)) < 1e-5
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    assert calc_diff(out.cpu(), ref) < 1e-5
+    assert_elementwise(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_mxfp4_split_k_and_extreme_scales(splits):
+    """Split-K plans agree bitwise run to run; every e2m1 code (random bytes) and scales from the
+    subnormal 2^-127 up decode exactly."""
+    from ops.gemm_mxfp4 import _launch
+
+    g = torch.Generator().manual_seed(splits)
+    m, n, k = 5, 128, 1536
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 254 - 100], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126, 2^27
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    runs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _launch(a.cuda(), packed.cuda(), scales.cuda(), out, splits=splits)
+        runs.append(out.cpu())
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
 
 
 def test_plan_splits_k_only_for_small_grids():
@@ -265,3 +291,11 @@ def test_plan_splits_k_only_for_small_grids():
     assert plan("masked", 64, 4096, 7168, 64)["splits"] == 1          # grouped layouts never split
     with pytest.raises(ValueError, match="too long"):
         plan("dense", 4096, 4096, 65536, 128)
+
+
+def test_mxfp4_plan():
+    from ops.gemm_mxfp4 import plan
+
+    assert plan(1, 4096, 7168) == dict(block_m=64, splits=4)
+    assert plan(64, 7168, 2048) == dict(block_m=64, splits=1)
+    assert plan(4096, 4096, 7168)["splits"] == 1

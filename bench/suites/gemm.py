@@ -9,6 +9,7 @@ import ops
 from bench.suites import Provider, Suite
 from ops.gemm_fp8 import fp8_gemm_program
 from ops.gemm_mxfp4 import mxfp4_gemm_program
+from ops.gemm_mxfp4 import plan as mxfp4_plan
 
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
 PRESETS = {
@@ -113,7 +114,7 @@ SUITE = Suite(
     flops=flops,
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
-    kernels=lambda c: ([(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], block_m=64 if c["m"] <= 64 else 128))]
+    kernels=lambda c: ([(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], **mxfp4_plan(c["m"], c["n"], c["k"])))]
                        if c["kind"] == "mxfp4" else
                        [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"], block_m=64 if c["m"] <= 64 else 128,
                                                 block_n=128 if c["n"] % 128 == 0 else 64))]),
