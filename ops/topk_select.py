@@ -68,7 +68,8 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
                     Cand: T.Tensor((rows, cols), "int32"), Out: T.Tensor((rows, k), "int32")):
         with tile.grid(rows, lanes) as r:
             with tile.vector():
-                stage = tile.stage((chunk,), "float32")
+                stage = tile.stage((chunk,), "float32")     # double-buffered by the pipelined passes
+                row = tile.stage((chunk,), "float32")       # the ordered write's own (one buffer per loop)
                 hist = tile.stage((NB,), "int32")
                 part = tile.stage((lanes,), "int32")
                 scan = tile.stage((lanes,), "int32")
@@ -140,13 +141,13 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
                 gt_base = 0
                 eq_base = 0
                 for c in T.serial(T.ceildiv(n, chunk)):  # (TileLang 0.1.15 cannot pipeline a loop holding cumsum)
-                    tile.copy(Scores[r, c * chunk:(c + 1) * chunk], stage)
+                    tile.copy(Scores[r, c * chunk:(c + 1) * chunk], row)
                     for t in tile.parallel(lanes):
                         mask_gt[t] = T.uint32(0)
                         mask_eq[t] = T.uint32(0)
                         for j in T.serial(SEG):
                             jj = (j + t) % SEG       # rotated: the 32 lanes of a warp hit 32 banks
-                            key = _key(stage[t * SEG + jj])
+                            key = _key(row[t * SEG + jj])
                             live = c * chunk + t * SEG + jj < n
                             mask_gt[t] = mask_gt[t] | T.if_then_else(live and key > thr, T.uint32(1) << T.cast(jj, "uint32"), T.uint32(0))
                             mask_eq[t] = mask_eq[t] | T.if_then_else(live and key == thr, T.uint32(1) << T.cast(jj, "uint32"), T.uint32(0))

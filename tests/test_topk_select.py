@@ -37,6 +37,35 @@ def test_negative_values_signed_zero_and_extremes():
     assert ops.topk_select(x, 8).tolist() == [list(range(8))]
 
 
+def test_all_equal_rows_and_ties_at_the_threshold():
+    # every key lands in one bucket (candidate set = the whole row); ties go to the lowest indices
+    x = torch.full((3, 5000), 0.5)
+    x[1, ::7] = 0.75                      # 715 above, then ties at 0.5
+    x[2, 4000:] = float("inf")
+    x[2, :10] = float("-inf")
+    lengths = torch.tensor([5000, 4999, 5000], dtype=torch.int32)
+    for k in (1, 100, 714, 715, 716, 2048, 4096):
+        assert torch.equal(ops.topk_select(x, k, lengths=lengths), topk_select_reference(x, k, lengths=lengths)), k
+
+
+def test_short_rows_and_k_equal_n():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1001, generator=g)           # 1001: not a multiple of the 4-column vector width
+    lengths = torch.tensor([0, 1, 7, 1001, 500], dtype=torch.int32)
+    assert torch.equal(ops.topk_select(x, 1001, lengths=lengths), topk_select_reference(x, 1001, lengths=lengths))
+    assert torch.equal(ops.topk_select(x, 600, lengths=lengths), topk_select_reference(x, 600, lengths=lengths))
+    assert torch.equal(ops.topk_select(x, 1000), topk_select_reference(x, 1000))
+
+
+def test_many_candidates_in_the_threshold_bucket():
+    # values that share their top 12 key bits: the k-th largest is found on the low 20 bits
+    g = torch.Generator().manual_seed(4)
+    x = 1.0 + torch.rand(2, 20000, generator=g) * 0.1     # [1, 1.1): one 12-bit bucket
+    x[1] = (x[1] * 64).round() / 64                      # and many exact ties
+    for k in (1, 333, 4096):
+        assert torch.equal(ops.topk_select(x, k), topk_select_reference(x, k)), k
+
+
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(0, 4), n=st.integers(0, 3000), k=st.sampled_from([1, 7, 64, 300]),
        dup=st.booleans(), use_len=st.booleans(), seed=st.integers(0, 9999))
@@ -83,3 +112,17 @@ def test_gpu_matches_reference(rows, n, k):
     x = torch.randn(rows, n, device="cuda")
     lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
     assert torch.equal(ops.topk_select(x, k, lengths=lengths).cpu(), topk_select_reference(x.cpu(), k, lengths=lengths.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,k", [(4, 131072, 2048), (3, 65537, 512), (2, 1001, 1001)])
+def test_gpu_ties_and_crowded_buckets(rows, n, k):
+    # row 0 all equal, row 1 one crowded 12-bit bucket with ties, the rest random with ties
+    x = torch.randn(rows, n, device="cuda")
+    x[0] = 0.25
+    x[1] = ((1.0 + torch.rand(n, device="cuda") * 0.1) * 256).round() / 256
+    x[2:] = (x[2:] * 8).round() / 8
+    lengths = torch.tensor([n, n - 3, n // 2, 1][:rows], dtype=torch.int32, device="cuda")
+    for ln in (None, lengths):
+        got = ops.topk_select(x, k, lengths=ln).cpu()
+        assert torch.equal(got, topk_select_reference(x.cpu(), k, lengths=None if ln is None else ln.cpu()))
