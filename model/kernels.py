@@ -23,6 +23,8 @@ from model.rope import apply_rope
 
 _profile: dict | None = None     # family -> [seconds, calls] while profiling
 _sync = None
+_simulated_capture = 0           # > 0 inside simulated_capture()
+_fp8_ops_on_cpu = 0              # > 0 inside fp8_ops_on_cpu()
 
 
 def _family(name: str, fn):
@@ -58,6 +60,23 @@ def profile(device: torch.device):
         _profile, _sync = None, None
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether work on x's device is being recorded into a graph (no host syncs, routing-independent
+    shapes): a CUDA graph capture on the current stream, or simulated_capture() (tests, any device)."""
+    return _simulated_capture > 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+@contextmanager
+def simulated_capture():
+    """Make capturing() true (runtime.cuda_graph.ReplayRecorder: the graph path on a CPU)."""
+    global _simulated_capture
+    _simulated_capture += 1
+    try:
+        yield
+    finally:
+        _simulated_capture -= 1
+
+
 def _kernel_layout(dtype, latent_dim, rope_dim, h_q) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and (latent_dim, rope_dim) == (512, 64) and h_q <= 128
 
@@ -83,10 +102,28 @@ def mla_schedule(cache_seqlens, s_q, h_q, max_blocks, q_dtype, latent_dim, rope_
     return None
 
 
+@contextmanager
+def fp8_ops_on_cpu():
+    """Run keep_fp8 models' GEMMs through the FP8 ops on CPU tensors too (tests): activations are
+    quantized per (row, 128 columns) and ops.fp8_gemm_nt / m_grouped_fp8_gemm_nt_contiguous run their
+    exact-dequant CPU references, so the CPU computes what the GPU kernels compute (W8A8), wiring included."""
+    global _fp8_ops_on_cpu
+    _fp8_ops_on_cpu += 1
+    try:
+        yield
+    finally:
+        _fp8_ops_on_cpu -= 1
+
+
+def _fp8_ops_device(x) -> bool:
+    return x.is_cuda or (_fp8_ops_on_cpu > 0 and x.device.type == "cpu")
+
+
 def _fp8_gemm_fits(x, weight, block_size) -> bool:
-    """Where Tilecraft's FP8 GEMMs apply: a GPU, 128x128 weight blocks, K % 128 == 0, N % 64 == 0."""
+    """Where Tilecraft's FP8 GEMMs apply: a GPU (or the CPU inside fp8_ops_on_cpu()), 128x128 weight
+    blocks, K % 128 == 0, N % 64 == 0."""
     n, k = weight.shape[-2:]
-    return (x.is_cuda and tuple(block_size) == (128, 128) and k % 128 == 0 and n % 64 == 0
+    return (_fp8_ops_device(x) and tuple(block_size) == (128, 128) and k % 128 == 0 and n % 64 == 0
             and x.dtype in (torch.bfloat16, torch.float32))
 
 
@@ -113,7 +150,7 @@ def _grouped_linear(x, m_indices, weight, weight_scale_inv=None, block_size=(128
 
 def grouped_gemm_align(x, fp8: bool) -> int:
     """Rows per expert segment that moe_dispatch must pad to: 128 for the FP8 grouped GEMM, else 1."""
-    return 128 if fp8 and x.is_cuda else 1
+    return 128 if fp8 and _fp8_ops_device(x) else 1
 
 
 def _silu_mul(gate, up):

@@ -94,7 +94,7 @@ class Experts:
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights (T, k) fp32, ids (T, k) int32 -> (T, H): dispatch, grouped GEMMs, combine."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if kernels.capturing(x):
             # dispatch sizes its output from the routing (a host sync); graphs get the static form
             return kernels.moe_experts_static(x, weights, ids, self.num_experts, self.expert)
         align = kernels.grouped_gemm_align(x, fp8=self.s1 is not None)

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import ops
+from model import kernels
+from model import reference as ref
 from model.make_tiny import YARN
 from runtime import LLM, BlockAllocator, OutOfBlocks, PagedLatentCache, SamplingParams
-from runtime.cuda_graph import bucket_sizes
+from runtime.cuda_graph import DecodeGraphs, ReplayRecorder, bucket_sizes
 from runtime.llm import _Seq
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +91,100 @@ def test_chunked_prefill_and_batch_size_do_not_change_results(tiny):
     # stats are those of the last generate(): one batch of 3 vs the 3 sequences one after the other
     assert wide.stats.decode_steps == 5 and narrow.stats.decode_steps == 15
     assert wide.stats.prefill_tokens == narrow.stats.prefill_tokens == 147
+
+
+# ---- decode graphs, replayed on the CPU ----------------------------------------------------------------
+
+def replay_graphs(llm):
+    """Decode through DecodeGraphs with ReplayRecorder: the CUDA-graph runtime path (static buffers,
+    bucket padding, input refresh, the model's capture-time MoE path) on any device."""
+    llm._graphs = DecodeGraphs(llm.model, llm.cache, llm.max_num_seqs, llm.blocks_per_seq, recorder=ReplayRecorder())
+    llm.use_cuda_graphs = True
+    return llm
+
+
+def test_replayed_graph_decode_matches_eager(tiny, monkeypatch):
+    """test_gpu_cuda_graph_decode_matches_eager on the CPU. Replays rewrite the static logits in place,
+    so each step's logits must come back as the caller's own tensor (teacher forcing keeps them all)."""
+    ckpt, _ = tiny("moe-q-lora")
+    llm = replay_graphs(LLM(ckpt, max_num_seqs=4, max_model_len=256))
+    static_path = []
+    monkeypatch.setattr(kernels, "moe_experts_static", lambda *a: static_path.append(1) or ref.moe_experts_static(*a))
+    prompt, forced = prompts_of([70, 10], seed=7)
+    graphed = teacher_forced_logits(llm, prompt, forced)
+    assert sorted(llm._graphs.graphs) == [1, 2, 4] and static_path     # captured; MoE took the graph path
+    llm.use_cuda_graphs = False
+    eager = teacher_forced_logits(llm, prompt, forced)
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    llm.use_cuda_graphs = True
+    prompts = prompts_of([5, 70, 33], seed=8)                              # 3 rows: a padded bucket of 4
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    with_graphs = llm.generate(prompts, greedy)
+    llm.use_cuda_graphs = False
+    assert llm.generate(prompts, greedy) == with_graphs
+    assert llm.cache.allocator.num_free == llm.cache.num_blocks - 1
+
+
+# ---- FP8 weights through the FP8 ops, on the CPU --------------------------------------------------------
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+
+
+def check_fp8_gemms(monkeypatch):
+    """Wrap the model's FP8 GEMM entry points: every call on the W8A8 path must give the exact fp32 product
+    of its quantized activations (to the output dtype's rounding), within e4m3's rounding (< 4%) of the
+    unquantized product; padding rows of the grouped GEMM stay zero. Returns (op call counts, errors)."""
+    calls, errors = {"dense": 0, "grouped": 0}, []
+    dense, grouped = ops.fp8_gemm_nt, ops.m_grouped_fp8_gemm_nt_contiguous
+    monkeypatch.setattr(ops, "fp8_gemm_nt", lambda *a, **k: calls.__setitem__("dense", calls["dense"] + 1) or dense(*a, **k))
+    monkeypatch.setattr(ops, "m_grouped_fp8_gemm_nt_contiguous",
+                        lambda *a, **k: calls.__setitem__("grouped", calls["grouped"] + 1) or grouped(*a, **k))
+    linear, grouped_linear = kernels.fp8_linear, kernels.grouped_linear
+    tol = lambda t: 1e-5 if t.dtype == torch.float32 else 1e-2                      # noqa: E731
+
+    def checked_linear(x, w, s, block=(128, 128)):
+        y = linear(x, w, s, block)
+        if kernels._fp8_gemm_fits(x, w, block):
+            xq = ops.dequant_fp8_token_groups(*ops.per_token_group_quant_fp8(x.reshape(-1, x.shape[-1])))
+            assert rel_err(y, ref.fp8_linear(xq.view(x.shape), w, s, block)) < tol(y)
+            errors.append(rel_err(y, ref.fp8_linear(x.float(), w, s, block)))
+        return y
+
+    def checked_grouped(x, m_indices, w, s=None, block=(128, 128)):
+        y = grouped_linear(x, m_indices, w, s, block)
+        if s is not None and kernels._fp8_gemm_fits(x, w, block):
+            assert x.shape[0] % 128 == 0                                   # dispatch aligned the segments
+            assert (y[m_indices < 0] == 0).all()                            # padding rows stay zero
+            xq = ops.dequant_fp8_token_groups(*ops.per_token_group_quant_fp8(x))
+            assert rel_err(y, ref.grouped_linear(xq, m_indices, w, s, block)) < tol(y)
+            errors.append(rel_err(y, ref.grouped_linear(x.float(), m_indices, w, s, block)))
+        return y
+
+    monkeypatch.setattr(kernels, "fp8_linear", checked_linear)
+    monkeypatch.setattr(kernels, "grouped_linear", checked_grouped)
+    return calls, errors
+
+
+def test_kept_fp8_runs_the_fp8_ops_on_cpu(tiny, monkeypatch):
+    """keep_fp8 inside kernels.fp8_ops_on_cpu(): the GPU's W8A8 path (activations quantized per 128
+    columns, ops.fp8_gemm_nt / m_grouped_fp8_gemm_nt_contiguous) through the ops' CPU references, for a
+    prefill and for decode steps, eager and graph-replayed (which must agree)."""
+    ckpt, _ = tiny("fp8-yarn-no-q-lora")
+    calls, errors = check_fp8_gemms(monkeypatch)
+    prompt, forced = prompts_of([100, 6], seed=9)
+    with kernels.fp8_ops_on_cpu():
+        kept = LLM(ckpt, max_model_len=256, keep_fp8=True)
+        assert kept.model.layers[0].attn.kv_a.weight.dtype == torch.float8_e4m3fn
+        kept.score(prompt)
+        assert calls["dense"] > 0 and calls["grouped"] > 0
+        eager = teacher_forced_logits(kept, prompt, forced)
+        graphed = teacher_forced_logits(replay_graphs(kept), prompt, forced)
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert errors and 0.005 < max(errors) < 0.04                           # really quantized; e4m3: ~2.5% rms
+    dense_calls = calls["dense"]
+    kept.score(prompt)                                                     # outside: the exact-dequant reference
+    assert calls["dense"] == dense_calls
 
 
 # ---- sampling ---------------------------------------------------------------------------------------
@@ -279,3 +376,18 @@ def test_gpu_cuda_graph_decode_matches_eager(tiny):
     with_graphs = llm.generate(prompts, greedy)
     llm.use_cuda_graphs = False
     assert llm.generate(prompts, greedy) == with_graphs
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference(tiny, monkeypatch):
+    """Every FP8 GEMM of a keep_fp8 prefill and decode on the GPU (bf16) against the fp32 product of its
+    own quantized activations: the wiring (scales, layouts, segment padding) call by call, which the
+    logit-level comparison cannot isolate (this model amplifies e4m3's ~2.5% per GEMM several-fold)."""
+    ckpt, _ = tiny("fp8-yarn-no-q-lora")
+    calls, errors = check_fp8_gemms(monkeypatch)
+    prompt, forced = prompts_of([100, 6], seed=9)
+    kept = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True, keep_fp8=True)
+    kept.score(prompt)
+    teacher_forced_logits(kept, prompt, forced)
+    assert calls["dense"] > 0 and calls["grouped"] > 0
+    assert errors and max(errors) < 0.04
