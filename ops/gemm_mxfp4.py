@@ -27,12 +27,13 @@ def _e2m1_times_2_pow_minus_126(code):
     return T.reinterpret(bits, "float32")
 
 
-def _e8m0_times_2_pow_126(e8):
-    """E8M0 byte -> 2^(e8 - 127) * 2^126 = 2^(e8 - 1) as float32, split in two exact factors so no
-    byte value overflows: 2^(e8 - 127) (subnormal 2^-127 for e8 = 0) times 2^126."""
+def _e8m0(e8):
+    """E8M0 byte -> 2^(e8 - 127) as float32 by placing the byte in the exponent field: e8 = 0 is the
+    subnormal 2^-127, e8 = 255 is NaN (OCP MX)."""
     e = T.cast(e8, "uint32")
-    small = T.reinterpret(T.if_then_else(e == T.uint32(0), T.uint32(0x00400000), e << T.uint32(23)), "float32")
-    return small, T.float32(2.0 ** 126)
+    bits = T.if_then_else(e == T.uint32(0), T.uint32(0x00400000),
+                          T.if_then_else(e == T.uint32(255), T.uint32(0x7FC00000), e << T.uint32(23)))
+    return T.reinterpret(bits, "float32")
 
 
 @tile_program(
@@ -45,7 +46,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                        threads: int = 256, splits: int = 1):
     """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA.
 
-    The block's E8M0 scales (block_n rows x its K range) become fp32 factors in shared memory once,
+    The block's E8M0 scales (block_n rows x its K range) become fp32 2^(e8-127) in shared memory once,
     before the pipeline. splits > 1: split-K into fp32 partials, summed in order by
     ops.gemm_fp8.fp8_gemm_reduce_program (decode grids are too small to fill the GPU otherwise).
     """
@@ -71,9 +72,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
             for i, gi in tile.parallel(block_n, groups):
-                e8 = SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)]
-                small, big = _e8m0_times_2_pow_126(e8)
-                sc_s[i, gi] = small * big
+                sc_s[i, gi] = _e8m0(SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)])
             for i, j in tile.parallel(block_m, block_n):
                 acc.buf[i, j] = 0.0
             for s in tile.pipelined(steps, stages=stages):
@@ -83,8 +82,10 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                 for i, j in tile.parallel(block_n, block_k):
                     byte = T.cast(raw[i, j // 2], "uint32")
                     code = (byte >> T.cast(4 * (j % 2), "uint32")) & T.uint32(0xF)
-                    b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * sc_s[i, s * (block_k // MX) + j // MX],
-                                       "bfloat16")
+                    # (e2m1 * 2^-126) * 2^126 is exact; the E8M0 factor is a second multiply so that
+                    # no scale byte overflows a folded factor (2^(e8 - 1) would for e8 > 128)
+                    b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * T.float32(2.0 ** 126)
+                                       * sc_s[i, s * (block_k // MX) + j // MX], "bfloat16")
                 tile.mma(a_s, b_s, acc, transpose_b=True, step=s)
             out = tile.read_accumulator(acc)
             for i, j in tile.parallel(block_m, block_n):

@@ -105,4 +105,5 @@ def dequant_mxfp4(packed, scales):
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, k).long()
     table = FP4_VALUES.to(packed.device)
     values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    return values * torch.exp2(scales.float() - E8M0_BIAS).repeat_interleave(32, dim=1)
+    factor = torch.where(scales == 255, float("nan"), torch.exp2(scales.float() - E8M0_BIAS))   # 0xFF: NaN (OCP MX)
+    return values * factor.repeat_interleave(32, dim=1)

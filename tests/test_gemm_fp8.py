@@ -293,6 +293,13 @@ def test_plan_splits_k_only_for_small_grids():
         plan("dense", 4096, 4096, 65536, 128)
 
 
+def test_mxfp4_dequant_reads_e8m0_255_as_nan():
+    packed = torch.full((1, 16), 0x22, dtype=torch.uint8)            # every code 2: 1.0
+    out = ops.dequant_mxfp4(packed, torch.tensor([[255]], dtype=torch.uint8))
+    assert torch.isnan(out).all()
+    assert (ops.dequant_mxfp4(packed, torch.tensor([[0]], dtype=torch.uint8)) == 2.0 ** -127).all()
+
+
 def test_mxfp4_plan():
     from ops.gemm_mxfp4 import plan
 

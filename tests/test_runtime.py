@@ -346,22 +346,28 @@ def test_gpu_kernels_match_the_cpu_reference(tiny):
 def test_gpu_fp8_gemm_kernels_match_dequantized_weights(tiny):
     """keep_fp8 on the GPU (bf16 activations quantized per 128 columns, ops.fp8_gemm_nt and the grouped
     GEMM) against the same W8A8 computation on the CPU in fp32 (kernels.fp8_ops_on_cpu: the ops' exact
-    references): the bounds of test_gpu_kernels_match_the_cpu_reference. (Against weights dequantized
-    at load the logits differ by ~13% on this random tiny model: FP8 activation rounding, 2.5% per
-    GEMM, amplified through the layers; measured on CPU with exact references, see
-    test_kept_fp8_runs_the_fp8_ops_on_cpu.)"""
+    references). On this random tiny model FP8 activation rounding amplifies any perturbation through
+    the layers (bf16 instead of fp32 alone moves the CPU reference's logits by ~13%), so the bound is
+    relative to that control, computed in the test: the kernel path may differ from the fp32 reference
+    by at most 1.5x as much as the bf16 reference does, and its argmax agreement may be at most 0.1
+    lower. Each GEMM on its own is checked tightly in test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference."""
     ckpt, _ = tiny("fp8-yarn-no-q-lora")
     prompt, forced = prompts_of([100, 6], seed=9)
+
+    def logits(llm):
+        return [llm.score(prompt).float().cpu(), teacher_forced_logits(llm, prompt, forced).float().cpu()]
+
     with kernels.fp8_ops_on_cpu():
-        cpu = LLM(ckpt, device="cpu", max_model_len=256, enforce_eager=True, keep_fp8=True)
-        pairs = [(cpu.score(prompt), None), (teacher_forced_logits(cpu, prompt, forced), None)]
+        ref32 = logits(LLM(ckpt, device="cpu", max_model_len=256, enforce_eager=True, keep_fp8=True))
+        ref16 = logits(LLM(ckpt, device="cpu", dtype=torch.bfloat16, max_model_len=256, enforce_eager=True,
+                           keep_fp8=True))
     kept = LLM(ckpt, device="cuda", dtype=torch.bfloat16, max_model_len=256, enforce_eager=True, keep_fp8=True)
-    pairs = [(pairs[0][0], kept.score(prompt)), (pairs[1][0], teacher_forced_logits(kept, prompt, forced))]
-    for want, got in pairs:
-        got = got.float().cpu()
-        err, scale = (got - want).abs().mean(), want.abs().mean()
+    for want, control, got in zip(ref32, ref16, logits(kept)):
+        err, ctrl = (got - want).abs().mean(), (control - want).abs().mean()
         agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
-        assert err < 0.05 * scale and agree >= 0.9, f"mean |err| {err:.4f} vs mean |ref| {scale:.4f}, argmax {agree:.2f}"
+        ctrl_agree = (control.argmax(-1) == want.argmax(-1)).float().mean()
+        assert err <= 1.5 * ctrl and agree >= ctrl_agree - 0.1, (
+            f"kernel path: mean |err| {err:.4f}, argmax {agree:.2f}; bf16 reference: {ctrl:.4f}, {ctrl_agree:.2f}")
     graphed = LLM(ckpt, device="cuda", max_model_len=256, keep_fp8=True)   # FP8 GEMMs inside the captured graphs
     torch.testing.assert_close(teacher_forced_logits(graphed, prompt, forced),
                                teacher_forced_logits(kept, prompt, forced), rtol=2e-2, atol=2e-2)
