@@ -7,14 +7,16 @@ from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mxf
                        per_token_group_quant_fp8, quant_mxfp4)
 from ops.mla_decode import (MlaSchedule, dequantize_mla_kv_fp8, get_mla_schedule, mla_decode, mla_decode_reference,
                             quantize_mla_kv_fp8)
-from ops.moe_dispatch import MoeMapping, moe_combine, moe_dispatch
+from ops.eplb import EplbPlan, eplb_plan
+from ops.moe_dispatch import EpMapping, MoeMapping, moe_combine, moe_dispatch
 from ops.moe_route import moe_hash_route, moe_route, moe_route_reference
 from ops.rms_norm import rms_norm, rms_norm_reference
 from ops.topk_select import topk_select, topk_select_reference
 
 __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference", "get_mla_schedule", "MlaSchedule",
            "quantize_mla_kv_fp8", "dequantize_mla_kv_fp8",
-           "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping",
+           "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping", "EpMapping",
+           "eplb_plan", "EplbPlan",
            "topk_select", "topk_select_reference",
            "fp8_gemm_nt", "mxfp4_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "per_token_group_quant_fp8", "per_block_quant_fp8", "quant_mxfp4",

@@ -8,6 +8,23 @@ dispatch: rows grouped by expert, in token order within an expert (stable, deter
   one tile program that gathers each output row from its source token (raw bits: bf16 or fp8 alike).
 combine: out[t] = sum_j weights[t, j] * y[row of (t, j)], j in order, accumulated in fp32: the
   same summation order whatever else is in the batch (batch-invariant, deterministic).
+
+Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, (r+1)*E/W).
+  dispatch: every (token, choice) is sent once to the rank owning its expert (one row per choice, not
+    one per destination rank: k rows per token cross the fabric, but each returns as its own row, so
+    combine can sum in the single-device order). Rows are grouped by destination rank with a stable
+    sort (token-major inside), a (W, 4) int64 header goes first with all_to_all_single (row counts,
+    an error flag, row sizes), then local expert ids, rows and fp8 scales with all_to_all_single on
+    raw bytes (uint8 views: any dtype, NCCL or gloo). The receiver runs the single-device plan and
+    gather over its E/W local experts, so its layout is exactly the slice of the single-device layout
+    for those experts (rows in global token order inside each expert, the same padding).
+  combine: each expert row goes back to its token's rank (all_to_all_single), and the owner runs the
+    single-device combine kernel on the returned rows: same values, same order, same fp32
+    accumulation, so the output is bitwise the single-device result on the concatenated tokens.
+  The EP path reads the header on the host (split sizes), so it is eager only: no CUDA-graph capture,
+  no torch.compile. This module sets no NCCL environment; launchers should keep NCCL_NVLS_ENABLE=0.
+  Future work: send a token once per destination rank (DeepEP-style) and return per-choice rows;
+  dispatch to EPLB replicas (ops.eplb_plan) by choosing a physical slot per (token, choice).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
@@ -15,6 +32,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 import torch
+import torch.distributed as dist
 
 from codegen import targets, tile
 from codegen.program import tile_program
@@ -40,10 +58,31 @@ class MoeMapping:
     m_indices: torch.Tensor | None   # contiguous: (M,) int32 expert of each row, -1 for padding
     masked_m: torch.Tensor | None    # masked: (E,) int32 valid rows per expert (= counts)
     max_m: int | None                # masked: rows per expert in the output
+    ep: "EpMapping | None" = None    # expert parallel: the fields above describe the rows this rank
+                                     # received, over its local experts (top_k 1, positions (N_recv, 1))
 
     @property
     def num_tokens(self) -> int:
-        return self.positions.shape[0]
+        """Tokens of this rank: the rows moe_combine returns."""
+        return (self.ep.send_positions if self.ep is not None else self.positions).shape[0]
+
+
+@dataclass
+class EpMapping:
+    """Where this rank's (token, choice) rows went in an expert-parallel dispatch, for moe_combine."""
+
+    group: object                    # the torch.distributed ProcessGroup
+    world_size: int
+    rank: int
+    num_experts: int                 # global E; this rank owns [rank * E/W, (rank + 1) * E/W)
+    send_splits: list                # rows sent to each rank (combine receives as many back)
+    recv_splits: list                # rows received from each rank (combine sends them back)
+    send_positions: torch.Tensor     # (T, k) int32: row of each (token, choice) in the send buffer
+
+    @property
+    def local_experts(self) -> range:
+        n = self.num_experts // self.world_size
+        return range(self.rank * n, (self.rank + 1) * n)
 
 
 # Ascend: not lowered yet (its SIMT vector code has no int16x4 type for the raw-bit row copy)
@@ -138,18 +177,7 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     return mapping, src, rows
 
 
-def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", align=128, max_m=None):
-    """Send each token's hidden state to each of its experts.
-
-    x (T, H) bf16/fp16/fp32, or fp8 e4m3 with x_scales (T, S) fp32 (per-128 scales; S = ceil(H/128));
-    ids (T, k) int32 expert ids in [0, num_experts). Returns (x_dispatched, scales_dispatched or None,
-    mapping): contiguous (M, H) with mapping.m_indices, or masked (E, max_m, H) with mapping.masked_m.
-    Sizing the output reads the expert counts on the host (one sync); with layout="masked" and a
-    fixed max_m nothing syncs (the capacity check is a value check, skipped during CUDA-graph
-    capture), so the dispatch can be captured. With the check off, an expert given more than max_m
-    tokens would have its extra tokens share its last row (never an out-of-bounds write): keep
-    max_m >= T when each token's experts are distinct (as moe_route's are).
-    """
+def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
     check.tensor("x", x, dtypes=X_DTYPES, ndim=2, contiguous=True)
     check.tensor("ids", ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
     if ids.shape[0] != x.shape[0]:
@@ -170,12 +198,115 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
     check.same_device(x=x, ids=ids, x_scales=x_scales)
     if _values.enabled(ids) and ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
         raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
+
+
+def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", align=128, max_m=None, group=None):
+    """Send each token's hidden state to each of its experts.
+
+    x (T, H) bf16/fp16/fp32, or fp8 e4m3 with x_scales (T, S) fp32 (per-128 scales; S = ceil(H/128));
+    ids (T, k) int32 expert ids in [0, num_experts). Returns (x_dispatched, scales_dispatched or None,
+    mapping): contiguous (M, H) with mapping.m_indices, or masked (E, max_m, H) with mapping.masked_m.
+    Sizing the output reads the expert counts on the host (one sync); with layout="masked" and a
+    fixed max_m nothing syncs (the capacity check is a value check, skipped during CUDA-graph
+    capture), so the dispatch can be captured. With the check off, an expert given more than max_m
+    tokens would have its extra tokens share its last row (never an out-of-bounds write): keep
+    max_m >= T when each token's experts are distinct (as moe_route's are).
+
+    group: a torch.distributed ProcessGroup of W ranks for expert parallelism (None: one device).
+    Every rank calls with its own tokens and the same num_experts (a multiple of W), layout, align.
+    The result is this rank's E/W local experts' rows from every rank, in the same layout over local
+    expert ids 0..E/W-1 ((M, H) + m_indices, or (E/W, max_m, H) + masked_m; max_m, when not given,
+    is sized per rank); mapping.ep holds what moe_combine needs to send results back. Eager only.
+    """
+    if group is not None:
+        return _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group)
+    _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
+    return _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
+
+
+def _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
     mapping, src, rows = _plan(ids, num_experts, layout, align, max_m)
     xd = _gather_rows(x, src, rows)
     sd = _gather_rows(x_scales, src, rows) if x_scales is not None else None
     if layout == "masked":
         xd = xd.view(num_experts, mapping.max_m, x.shape[1])
         sd = sd.view(num_experts, mapping.max_m, -1) if sd is not None else None
+    return xd, sd, mapping
+
+
+def _group_size_rank(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group was given but torch.distributed is not initialized: call "
+                         "torch.distributed.init_process_group first, or pass group=None for one device")
+    try:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    except (TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__} ({e})") from e
+    if rank < 0:
+        raise ValueError("this process is not a member of group")
+    return world, rank
+
+
+def _a2a_rows(t, send_splits, recv_splits, group):
+    """all_to_all_single of t's rows (dim 0) as raw bytes, so any dtype crosses any backend (gloo has no fp8)."""
+    tb = t.contiguous().view(torch.uint8)                          # (N, row bytes)
+    out = torch.empty(sum(recv_splits), tb.shape[1], dtype=torch.uint8, device=t.device)
+    dist.all_to_all_single(out, tb, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
+                           group=group)
+    return out.view(t.dtype)
+
+
+def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
+    world, me = _group_size_rank(group)
+    check.number("num_experts", num_experts, lo=1, integer=True)
+    if num_experts % world:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of the group's world size {world} "
+                         "(experts are placed contiguously, E/W per rank)")
+    e_local = num_experts // world
+    # A rank whose arguments fail the checks still joins the header exchange with an error flag, so
+    # the other ranks raise too instead of waiting in the next collective.
+    try:
+        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
+        bad = None
+    except (TypeError, ValueError) as e:
+        bad = e
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    header = torch.zeros(world, 4, dtype=torch.int64, device=device)   # [rows, error, row bytes, scale bytes]
+    header[:, 1] = int(bad is not None)
+    if bad is None:
+        T_, k = ids.shape
+        flat = ids.reshape(-1).long()                                  # [T*k], token-major
+        dest = flat // e_local                                         # owner rank of each (token, choice)
+        order = torch.sort(dest, stable=True).indices                  # grouped by rank, token-major inside
+        send_positions = torch.empty_like(order)
+        send_positions[order] = torch.arange(order.numel(), device=device)
+        header[:, 0] = torch.bincount(dest, minlength=world)[:world]
+        header[:, 2] = x.shape[1] * x.element_size()
+        header[:, 3] = 0 if x_scales is None else x_scales.shape[1] * 4
+    peers = torch.empty_like(header)
+    dist.all_to_all_single(peers, header, group=group)
+    h_send, h_recv = header.tolist(), peers.tolist()                  # the one host sync: split sizes
+    if bad is not None:
+        raise bad
+    failed = [r for r in range(world) if h_recv[r][1]]
+    if failed:
+        raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
+                         "no rows were exchanged")
+    sizes = {(h[2], h[3]) for h in h_recv}
+    if len(sizes) > 1:
+        raise ValueError(f"every rank must send rows of one size: got (x bytes, x_scales bytes) per row "
+                         f"{sorted(sizes)} across the group (same H and dtype everywhere)")
+    send_splits, recv_splits = [h[0] for h in h_send], [h[0] for h in h_recv]
+    src = (order // k).to(torch.int32)
+    local_ids = (flat[order] - dest[order] * e_local).to(torch.int32).view(-1, 1)
+    recv_ids = _a2a_rows(local_ids, send_splits, recv_splits, group)   # (N_recv, 1) local expert ids
+    recv_x = _a2a_rows(_gather_rows(x, src, order.numel()), send_splits, recv_splits, group)
+    recv_s = None
+    if x_scales is not None:
+        recv_s = _a2a_rows(_gather_rows(x_scales, src, order.numel()), send_splits, recv_splits, group)
+    xd, sd, mapping = _local_dispatch(recv_x, recv_ids, e_local, recv_s, layout, align, max_m)
+    mapping.ep = EpMapping(group, world, me, num_experts, send_splits, recv_splits,
+                           send_positions.view(T_, k).to(torch.int32))
     return xd, sd, mapping
 
 
@@ -204,7 +335,10 @@ def moe_combine(y, mapping, weights):
     """Weighted sum of each token's expert outputs: (T, H) in y's dtype, fp32 accumulation.
 
     y: the experts' outputs in the dispatch layout ((M, H) or (E, max_m, H)); mapping from
-    moe_dispatch; weights (T, k) fp32 (from moe_route).
+    moe_dispatch; weights (T, k) fp32 (from moe_route). With an expert-parallel mapping (dispatched
+    with group=), y is this rank's local layout, weights are for this rank's T tokens, and every
+    rank of the group must call: rows go back to their tokens' ranks, and the sum is bitwise the
+    single-device one.
     """
     if not isinstance(mapping, MoeMapping):
         raise TypeError(f"mapping must be the MoeMapping returned by moe_dispatch, got {type(mapping).__name__}")
@@ -213,9 +347,15 @@ def moe_combine(y, mapping, weights):
     expected = (rows, y.shape[-1]) if mapping.layout == "contiguous" else (mapping.num_experts, mapping.max_m, y.shape[-1])
     check.shape("y", y, expected, f"the {mapping.layout} dispatch layout")
     check.tensor("weights", weights, dtypes=(torch.float32,), ndim=2, contiguous=True)
-    check.shape("weights", weights, tuple(mapping.positions.shape), "(T, k) like the routing")
-    check.same_device(y=y, weights=weights, positions=mapping.positions)
-    return _dispatch.call(_combine_op, _combine_impl, y, mapping.positions, weights)
+    ep = mapping.ep
+    pos = mapping.positions if ep is None else ep.send_positions
+    check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
+    check.same_device(y=y, weights=weights, positions=pos)
+    if ep is not None:
+        # this rank's expert rows, in the order they arrived, go back to where they came from
+        back = _gather_rows(y.reshape(-1, y.shape[-1]), mapping.positions.reshape(-1), mapping.positions.shape[0])
+        y = _a2a_rows(back, ep.recv_splits, ep.send_splits, ep.group)   # (T*k, H) in send order
+    return _dispatch.call(_combine_op, _combine_impl, y, pos, weights)
 
 
 def moe_reference(x, ids, weights, expert_fn):

@@ -3,7 +3,27 @@
 route:    bytes = T*E*4 (logits) + T*k*8 (weights + ids); flops ~ 0 (latency-bound at small T)
 dispatch: bytes = 2 * T*k*H*2 (each chosen row read and written, bf16)
 combine:  bytes = T*k*H*2 + T*H*2 (expert rows read, token rows written)
+
+ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun and >= 2 GPUs, e.g.
+
+    torchrun --standalone --nproc-per-node 8 -m bench.op moe --shape ep
+
+  Each rank routes T=4096 tokens (H=7168 bf16, k=8, E=256 placed E/W per rank). The ranks time in
+  lockstep (the same number of calls each, a barrier before each timed call; bench.timing's adaptive
+  rep count differs per rank, which would deadlock the collectives): dispatch, combine, and a raw
+  all_to_all_single of the same bytes with the same splits (uint8 rows, both directions). GB/s per
+  GPU = bytes this GPU sends to the other GPUs / time (dispatch: its (token, choice) rows owned by
+  other ranks; combine: the rows it returns), the same bytes for the raw all-to-all, so the ratio
+  op / raw is the fraction of the fabric's all-to-all speed the op reaches. Rank 0 prints every
+  rank's numbers and writes bench/results/moe-ep-*.json/.csv, then the run ends (the generic
+  per-provider table is not used for this preset). NCCL_NVLS_ENABLE is forced to 0 before NCCL starts.
+  Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
 """
+
+import os
+import statistics
+import sys
+import time
 
 import torch
 
@@ -18,10 +38,133 @@ PRESETS = {
     "route": [dict(kind="route", T=t, **V3) for t in (1, 128, 4096, 16384)],
     "dispatch": [dict(kind="dispatch", T=4096, H=7168, **V3)],
     "combine": [dict(kind="combine", T=4096, H=7168, **V3)],
+    "ep": [dict(kind="ep", T=4096, H=7168, num_experts=256, top_k=8)],
 }
+EP_NEEDS = ("moe --shape ep needs torch.distributed with >= 2 GPUs: launch it with "
+            "torchrun --standalone --nproc-per-node N -m bench.op moe --shape ep (N >= 2)")
+
+
+def ep_traffic(send_splits, recv_splits, rank, row_bytes):
+    """Bytes one rank moves in an EP dispatch (combine is the reverse): all rows, and the remote ones."""
+    if len(send_splits) != len(recv_splits) or not 0 <= rank < len(send_splits):
+        raise ValueError(f"splits of one length and a rank inside them, got {len(send_splits)}, "
+                         f"{len(recv_splits)}, rank {rank}")
+    sent, recv = sum(send_splits) * row_bytes, sum(recv_splits) * row_bytes
+    return dict(dispatch_sent=sent, dispatch_recv=recv,
+                dispatch_remote=sent - send_splits[rank] * row_bytes,      # what crosses the fabric
+                combine_sent=recv, combine_recv=sent,
+                combine_remote=recv - recv_splits[rank] * row_bytes)
+
+
+def lockstep_ms(fn, group, device, warmup=3, reps=20):
+    """Median ms of fn() on this rank, every rank making the same calls (fn runs collectives)."""
+    import torch.distributed as dist
+
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=group)                   # start together: the op waits for its slowest peer
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:                                       # CPU dry runs (gloo): wall time
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_ep(case, group, device, warmup=3, reps=20):
+    """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows)."""
+    import torch.distributed as dist
+
+    W, me = dist.get_world_size(group), dist.get_rank(group)
+    T_, H, E, k = case["T"], case["H"], case["num_experts"], case["top_k"]
+    g = torch.Generator(device="cpu").manual_seed(me)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)]).to(torch.int32).to(device)
+    x = torch.randn(T_, H, generator=g).to(torch.bfloat16).to(device)
+    w = torch.rand(T_, k, generator=g).to(device)
+    xd, _, m = ops.moe_dispatch(x, ids, E, group=group)
+    send, recv = m.ep.send_splits, m.ep.recv_splits
+    row = H * x.element_size()
+    traffic = ep_traffic(send, recv, me, row)
+    a = torch.empty(sum(send), row, dtype=torch.uint8, device=device)
+    b = torch.empty(sum(recv), row, dtype=torch.uint8, device=device)
+    timed = {
+        "dispatch": (lambda: ops.moe_dispatch(x, ids, E, group=group), "dispatch_remote"),
+        "combine": (lambda: ops.moe_combine(xd, m, w), "combine_remote"),
+        "a2a-dispatch": (lambda: dist.all_to_all_single(b, a, recv, send, group=group), "dispatch_remote"),
+        "a2a-combine": (lambda: dist.all_to_all_single(a, b, send, recv, group=group), "combine_remote"),
+    }
+    mine = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
+    for i, (fn, _) in enumerate(timed.values()):
+        mine[i, me] = lockstep_ms(fn, group, device, warmup, reps)
+    nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
+    for i, (_, key) in enumerate(timed.values()):
+        nbytes[i, me] = traffic[key]
+    dist.all_reduce(mine, group=group)               # every rank's numbers everywhere (zeros elsewhere)
+    dist.all_reduce(nbytes, group=group)
+    rows = []
+    for i, name in enumerate(timed):
+        for r in range(W):
+            ms, nb = float(mine[i, r]), float(nbytes[i, r])
+            rows.append(dict(case=f"ep T={T_}/rank H={H} E={E} k={k} W={W}", provider=name, rank=r, median_ms=ms,
+                             bytes=nb, gbps=nb / (ms * 1e-3) / 1e9 if ms > 0 else None))
+    for rw in rows:                                  # op / raw all-to-all of the same bytes, same rank
+        raw = "a2a-" + rw["provider"] if rw["provider"] in ("dispatch", "combine") else None
+        if raw is not None:
+            ref = next(q for q in rows if q["provider"] == raw and q["rank"] == rw["rank"])
+            rw["ratio_vs_a2a"] = ref["median_ms"] / rw["median_ms"]
+    return rows
+
+
+def print_ep(rows):
+    print(f"{'case':34s} {'provider':13s} {'rank':>4s} {'ms':>9s} {'GB/s/GPU':>9s} {'vs a2a':>7s}")
+    for r in rows:
+        ratio = r.get("ratio_vs_a2a")
+        print(f"{r['case'][:34]:34s} {r['provider']:13s} {r['rank']:4d} {r['median_ms']:9.4f} "
+              f"{r['gbps'] or 0:9.1f} {'' if ratio is None else format(ratio, '7.2f')}")
+
+
+def run_ep(case, device):
+    """The ep preset under torchrun: time, print and write on rank 0, then end the run."""
+    import torch.distributed as dist
+
+    if torch.device(device).type != "cuda":
+        raise SystemExit(EP_NEEDS)
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise SystemExit(EP_NEEDS)
+        os.environ["NCCL_NVLS_ENABLE"] = "0"          # never NVLink multicast (NVLS)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    if dist.get_world_size() < 2:
+        raise SystemExit(EP_NEEDS)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = time_ep(case, dist.group.WORLD, device)
+    if dist.get_rank() == 0:
+        from bench import op as bench_op
+
+        print_ep(rows)
+        meta = {"gpu": torch.cuda.get_device_name(), "world_size": dist.get_world_size(), **bench_op.versions()}
+        base = bench_op.write_results(rows, meta, SUITE, f"ep-w{dist.get_world_size()}", bench_op.RESULTS, False)
+        print(f"\nwrote {base}.csv and .json", file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(0)                               # the generic per-provider loop would deadlock on collectives
 
 
 def make_inputs(case, device):
+    if case["kind"] == "ep":
+        run_ep(case, device)                          # does not return
     g = torch.Generator(device="cpu").manual_seed(0)
     T_, E, k = case["T"], case["num_experts"], case["top_k"]
     out = {"logits": torch.randn(T_, E, generator=g).to(device), "bias": (torch.randn(E, generator=g) * 0.05).to(device)}
@@ -39,6 +182,8 @@ def nbytes(case):
         return T_ * case["num_experts"] * 4 + T_ * k * 8
     if case["kind"] == "dispatch":
         return 2 * T_ * k * case["H"] * 2
+    if case["kind"] == "ep":                          # nominal: every (token, choice) row sent once (bf16)
+        return T_ * k * case["H"] * 2
     return T_ * k * case["H"] * 2 + T_ * case["H"] * 2
 
 
@@ -87,6 +232,9 @@ def kernels(case):
         return [(moe_route_warp_program, dict(V3, scoring="sigmoid", has_bias=True, scaling=2.5))]
     if case["kind"] == "dispatch":
         return [(gather_rows_program, dict(hidden=case["H"], bits="int16"))]
+    if case["kind"] == "ep":
+        return [(gather_rows_program, dict(hidden=case["H"], bits="int16")),
+                (combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
     return [(combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
 
 
@@ -99,5 +247,6 @@ SUITE = Suite(
     providers=[Provider("tilecraft", tilecraft), Provider("tilecraft-unchecked", tilecraft_unchecked),
                Provider("torch", torch_provider)],
     kernels=kernels,
-    label=lambda c: f"{c['kind']} T={c['T']}" + (f" H={c['H']}" if "H" in c else "") + f" E={c['num_experts']} k={c['top_k']}",
+    label=lambda c: f"{c['kind']} T={c['T']}" + (f" H={c['H']}" if "H" in c else "") + f" E={c['num_experts']} k={c['top_k']}"
+    + (" (per rank; needs torchrun, >= 2 GPUs)" if c["kind"] == "ep" else ""),
 )

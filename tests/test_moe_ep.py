@@ -1,0 +1,222 @@
+"""ops.moe_dispatch / ops.moe_combine with group= (expert parallelism), on gloo in 2 and 4 processes.
+
+Each process group runs every scenario below and checks, bitwise, that the EP path equals the
+single-device path on the concatenation of all ranks' tokens: the combined output of this rank's
+tokens, and the local layout (the slice of the single-device layout for the rank's experts).
+The expert function is elementwise in fp32 (y = x * a[e] + b[e]), so it gives the same bits for a
+row whatever rows share its batch. The parent compiles the kernels first into the session's cache
+directory (conftest), which the children load. One spawn of 4 processes covers both world sizes
+(the whole group, then two groups of 2 at once).
+"""
+
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ops
+
+# name: (E, k, H, dtype, tokens of rank r given W, routing)
+SCENARIOS = {
+    "random": (16, 4, 128, "bf16", lambda r, W: 5 + 3 * r, "random"),
+    "hot_rank0": (16, 2, 128, "bf16", lambda r, W: 6, "rank0"),      # other ranks' experts get nothing
+    "empty_rank": (16, 8, 128, "bf16", lambda r, W: 0 if r == 1 else 9, "random"),
+    "fp8_scales": (8, 2, 128, "fp8", lambda r, W: 4 + r, "random"),
+    "k1_e64": (64, 1, 128, "bf16", lambda r, W: 7, "random"),
+    "k8_e64": (64, 8, 128, "bf16", lambda r, W: 5 + r, "random"),
+}
+LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("masked", dict(align=4)),
+           ("masked", dict(align=4, max_m=64))]
+
+
+def make_case(name, W):
+    E, k, H, dtype, tokens, routing = SCENARIOS[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)) + W)
+    sizes = [tokens(r, W) for r in range(W)]
+    T_ = sum(sizes)
+    span = E // W if routing == "rank0" else E
+    ids = torch.stack([torch.randperm(span, generator=g)[:k] for _ in range(T_)]).to(torch.int32) if T_ else \
+        torch.empty(0, k, dtype=torch.int32)
+    x = torch.randn(T_, H, generator=g) * 4
+    scales = None
+    if dtype == "fp8":
+        x, scales = x.to(torch.float8_e4m3fn), torch.rand(T_, H // 128, generator=g) + 0.5
+    else:
+        x = x.bfloat16()
+    w = torch.rand(T_, k, generator=g)
+    a, b = torch.randn(E, generator=g), torch.randn(E, generator=g)
+    return dict(E=E, sizes=sizes, x=x, scales=scales, ids=ids, w=w, a=a, b=b)
+
+
+def experts(xd, sd, m, offset, a, b):
+    """y = x * a[e] + b[e] per row in fp32 (elementwise: batch-independent bits); unused rows NaN."""
+    xf = xd.float()
+    if sd is not None:
+        xf = xf * sd.repeat_interleave(128, -1)
+    if m.layout == "contiguous":
+        valid = m.m_indices >= 0
+        e = torch.where(valid, m.m_indices.long() + offset, 0)
+        y = xf * a[e][:, None] + b[e][:, None]
+        y[~valid] = float("nan")
+    else:
+        e = torch.arange(m.num_experts) + offset
+        y = xf * a[e][:, None, None] + b[e][:, None, None]
+        y[torch.arange(m.max_m)[None, :] >= m.masked_m[:, None].long()] = float("nan")
+    return y.bfloat16()
+
+
+def single_device(case, layout, kw):
+    xd, sd, m = ops.moe_dispatch(case["x"], case["ids"], case["E"], x_scales=case["scales"], layout=layout, **kw)
+    out = ops.moe_combine(experts(xd, sd, m, 0, case["a"], case["b"]), m, case["w"])
+    return xd, sd, m, out
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def check_scenario(name, rank, W, group):
+    case = make_case(name, W)
+    E, sizes = case["E"], case["sizes"]
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    n_loc, e0 = E // W, rank * (E // W)
+    mine = {key: None if case[key] is None else case[key][lo:hi].contiguous() for key in ("x", "scales", "ids", "w")}
+    for layout, kw in LAYOUTS:
+        where = f"{name} W={W} rank={rank} {layout} {kw}"
+        xd_g, sd_g, m_g, out_g = single_device(case, layout, kw)
+        xd, sd, m = ops.moe_dispatch(mine["x"], mine["ids"], E, x_scales=mine["scales"], layout=layout, group=group,
+                                     **kw)
+        assert m.ep is not None and m.num_experts == n_loc and m.num_tokens == hi - lo, where
+        assert m.counts.tolist() == m_g.counts[e0:e0 + n_loc].tolist(), where
+        if layout == "contiguous":                 # the slice of the single-device layout for my experts
+            padded = (m_g.counts.long() + kw["align"] - 1) // kw["align"] * kw["align"]
+            start, stop = int(padded[:e0].sum()), int(padded[:e0 + n_loc].sum())
+            assert torch.equal(bits(xd), bits(xd_g[start:stop])), where
+            ref_idx = m_g.m_indices[start:stop]
+            assert torch.equal(m.m_indices, torch.where(ref_idx >= 0, ref_idx - e0, -1)), where
+            if sd is not None:
+                assert torch.equal(sd, sd_g[start:stop]), where
+        else:
+            assert m.masked_m.tolist() == m_g.masked_m[e0:e0 + n_loc].tolist(), where
+            rows = min(m.max_m, m_g.max_m)
+            assert torch.equal(bits(xd[:, :rows]), bits(xd_g[e0:e0 + n_loc, :rows])), where
+            assert not bits(xd[:, rows:]).any(), where
+            if sd is not None:
+                assert torch.equal(sd[:, :rows], sd_g[e0:e0 + n_loc, :rows]), where
+        y = experts(xd, sd, m, e0, case["a"], case["b"])
+        out = ops.moe_combine(y, m, mine["w"])
+        assert out.shape == (hi - lo, xd.shape[-1]) and torch.equal(bits(out), bits(out_g[lo:hi])), where
+
+
+def check_errors(rank, W, group):
+    x, ids = torch.randn(3, 128).bfloat16(), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"num_experts={2 * W + 1} must be a multiple of the group's world size {W}"):
+        ops.moe_dispatch(x, ids, 2 * W + 1, group=group)
+    # one rank's bad ids: it raises its own error, the others learn it in the header exchange (no hang)
+    bad = ids + (4 * W if rank == 0 else 0)
+    match = r"ids must be expert ids in \[0, " if rank == 0 else r"rank\(s\) \[0\] of the group got invalid arguments"
+    with pytest.raises(ValueError, match=match):
+        ops.moe_dispatch(x, bad, 4 * W, group=group)
+    xd, _, m = ops.moe_dispatch(x, ids, 4 * W, group=group)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        ops.moe_combine(torch.zeros_like(xd), m, torch.ones(3, 3))
+
+
+def check_bench_dry_run(W, group):
+    """bench.suites.moe's ep timing on gloo with a tiny case: every rank's rows, consistent bytes."""
+    from bench.suites.moe import time_ep
+
+    rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2)
+    assert len(rows) == 4 * W and all(r["median_ms"] > 0 for r in rows)
+    by = {(r["provider"], r["rank"]): r for r in rows}
+    for r in range(W):
+        assert by["dispatch", r]["bytes"] == by["a2a-dispatch", r]["bytes"]
+        assert by["combine", r]["bytes"] == by["a2a-combine", r]["bytes"]
+        assert by["dispatch", r]["ratio_vs_a2a"] > 0
+    remote = [sum(by[p, r]["bytes"] for r in range(W)) for p in ("dispatch", "combine")]
+    assert remote[0] == remote[1] > 0                # what leaves the ranks in dispatch comes back in combine
+
+
+def worker(rank, store, cache_dir):
+    """4 processes: every check over the whole group (W=4), then over two groups of 2 at once ([0, 1]
+    and [2, 3]: in the second, group ranks differ from global ranks)."""
+    import torch.distributed as dist
+
+    os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
+    os.environ["TILECRAFT_DISABLE_DISK_CACHE"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4,
+                            timeout=timedelta(seconds=90))
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for group in (dist.group.WORLD, pairs[rank // 2]):
+            W, me = dist.get_world_size(group), dist.get_rank(group)
+            for name in SCENARIOS:
+                check_scenario(name, me, W, group)
+            check_errors(me, W, group)
+        check_bench_dry_run(4, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(deadline_s=150):
+    from tilecraft import env
+
+    store = tempfile.NamedTemporaryFile(prefix="tilecraft-ep-", delete=False)
+    store.close()
+    os.unlink(store.name)                       # the file store must not exist yet
+    ctx = mp.start_processes(worker, args=(store.name, str(env.cache_dir())), nprocs=4, join=False,
+                             start_method="spawn")
+    t0 = time.monotonic()
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() - t0 > deadline_s:
+                pytest.fail(f"EP workers still running after {deadline_s} s: a collective is hanging")
+    finally:
+        for p in ctx.processes:                 # only the workers this test started
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(store.name):
+            os.unlink(store.name)
+
+
+def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():
+    for name in SCENARIOS:                      # compile every kernel once, here, into the shared cache
+        for layout, kw in LAYOUTS:
+            single_device(make_case(name, 2), layout, kw)
+    spawn()
+
+
+def test_group_without_distributed_is_a_clear_error():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    x, ids = torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        ops.moe_dispatch(x, ids, 8, group=object())
+
+
+def test_bench_ep_bookkeeping_and_no_torchrun_message():
+    from bench.suites import moe
+
+    t = moe.ep_traffic([3, 5], [4, 2], 0, 10)
+    assert t == dict(dispatch_sent=80, dispatch_recv=60, dispatch_remote=50, combine_sent=60, combine_recv=80,
+                     combine_remote=20)
+    with pytest.raises(ValueError, match="splits of one length"):
+        moe.ep_traffic([1], [1, 2], 0, 4)
+    case = moe.PRESETS["ep"][0]
+    assert (case["T"], case["H"], case["num_experts"], case["top_k"]) == (4096, 7168, 256, 8)
+    assert moe.SUITE.nbytes(case) == 4096 * 8 * 7168 * 2 and "torchrun" in moe.SUITE.label(case)
+    with pytest.raises(SystemExit, match="needs torch.distributed with >= 2 GPUs"):
+        moe.make_inputs(case, torch.device("cpu"))
+
+
+def test_single_device_mapping_has_no_ep():
+    x, ids = torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32)
+    _, _, m = ops.moe_dispatch(x, ids, 8)
+    assert m.ep is None and m.num_tokens == 2
