@@ -11,21 +11,23 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | grid(blocks, threads) | T.Kernel 1-D | T.Kernel 1-D | T.Kernel (cores) | T.Kernel, 1 thread |
 | vector() | (nothing) | (nothing) | T.SimtVF region | (nothing) |
 | persistent(total, blocks, bid) | stepped serial | stepped serial | T.Persistent | stepped serial |
-| fragment(shape, dtype) | registers | registers | vector registers | alloc_local |
+| fragment(shape, dtype) | registers | registers | vector registers (UB when made outside a vector region) | alloc_local |
 | stage(shape, dtype) | shared memory | shared memory | UB | alloc_local |
 | operand(shape, dtype) | shared memory | shared memory | L1 | alloc_local |
 | accumulator(shape) | registers (WGMMA) | tensor memory | L0C | alloc_local |
 | mma(a, b, acc, step=) | T.gemm -> WGMMA | tcgen05, wait parity step % 2 | Cube T.gemm | T.gemm / serial loops |
 | mma_rescaled(a, b, acc, scale, step=) | scale registers, WGMMA | TMEM -> regs -> TMEM, tcgen05 | Cube into L0C scratch, vector update in UB | loops |
+| mma_promoted(a, b, part, acc, scale, step=) | mma into part, read, fold in registers | tcgen05 into TMEM, TMEM -> regs, fold | Cube into L0C, L0C -> UB half rows, vector fold | mma + loops |
+| split_rows(rows) | (rows, 0) | (rows, 0) | (rows/2, sub-block id * rows/2) | (rows, 0) |
 | limits() | 227 KB smem | 227 KB smem, 512 TMEM columns | UB / L1 / L0C sizes | no limits |
 | read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
 | store(tile, dst) | T.copy | T.copy | dual copy for split tiles | T.copy |
-| copy(src, dst) | T.copy (TMA / vector) | T.copy | DMA T.copy | serial loops |
+| copy(src, dst) | T.copy (TMA / vector) | T.copy | DMA T.copy; guarded per-thread loop in a vector region | serial loops |
 | parallel(*extents) | T.Parallel | T.Parallel | T.Parallel | T.grid |
 | pipelined(n, stages) | T.Pipelined | T.Pipelined | T.Pipelined | T.serial |
 | row_reduce(src, dst, op, dim) | T.reduce_* | T.reduce_* | T.reduce_* | T.reduce_* on locals |
-| atomic_add(dst, value) | T.atomic_add | T.atomic_add | T.atomic_add | T.atomic_add (serial) |
-| cumsum(src, dst, dim) | T.cumsum | T.cumsum | T.cumsum | T.cumsum |
+| atomic_add(dst, value) | T.atomic_add | T.atomic_add | T.atomic_add (index computed first) | T.atomic_add (serial) |
+| cumsum(src, dst, dim) | T.cumsum | T.cumsum | Hillis-Steele scan in the vector region (1-D) | serial loop (1-D) |
 | storage_dtype(dtype) | dtype | dtype | dtype | bf16 stored as uint16 |
 | to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
 | lane_shuffle(value, src, xor=) | __shfl_sync / __shfl_xor_sync | same | not lowered | not lowered |
@@ -101,6 +103,8 @@ accumulator = _word("accumulator", "A matrix-multiply accumulator (registers / t
 mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs into acc before this one.")
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
 mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
+mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
+split_rows = _word("split_rows", "(count, first): the rows of a `rows`-row tile that this core's vector code holds (all of them, or half on Ascend).")
 limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}.")
 store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")
 copy = _word("copy", "Copy a tile or region between global memory and on-chip buffers.")

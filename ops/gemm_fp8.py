@@ -8,7 +8,9 @@ scaled per 128 x 128 block. One tile program serves three layouts:
   m-grouped masked            A (g, max_m, k), only the first masked_m[g] rows of group g computed;
                               the other rows come out as zeros
 The MMA of each 128-wide K block goes into a fresh accumulator and is promoted into fp32 registers
-with its two scales (DeepGEMM's two-level accumulation), so fp8 products never sum across scales.
+with its two scales (DeepGEMM's two-level accumulation, tile.mma_promoted), so fp8 products never
+sum across scales. On Ascend the promotion runs on the vector cores, each over half the tile's rows
+(tile.split_rows), with the running sum in UB.
 On CPU tensors every op runs the exact-dequant fp32 reference.
 """
 
@@ -34,8 +36,9 @@ ALIGN_N, ALIGN_K = 64, 128
 
 @tile_program(
     "fp8_gemm_nt",
-    # Ascend: not lowered yet (the promotion needs vector regions over half-row accumulator reads)
-    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    # Ascend: the Cube multiplies fp8 into L0C, each vector core folds in its half of the rows
+    # (tile.split_rows, tile.mma_promoted); generated Ascend C only, no device has run it
+    targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
     examples={"prefill-7168x16384": dict(n=7168, k=16384), "decode-2112x7168": dict(n=2112, k=7168, block_m=64, block_n=64),
               "grouped-4096x7168": dict(n=4096, k=7168, mode="contiguous")},
 )
@@ -76,13 +79,16 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         m_tiles = per_group * groups if masked else per_group
         with tile.grid(m_tiles * n_tiles * splits, threads) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+            # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
+            # where each vector core gets half of every accumulator read)
+            mine, first = tile.split_rows(block_m)
             a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
             b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
-            sfa_s = tile.stage((block_m, per), "float32")        # the block's row scales for its K range
-            scale = tile.fragment((block_m,))                   # sfa[row] * sfb[block], in registers
+            sfa_s = tile.stage((mine, per), "float32")           # the block's row scales for its K range
+            scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
             sfb_s = tile.stage((kb,), "float32")                 # the tile's 128-row block of sfb
             part = tile.accumulator((block_m, block_n))
-            acc = tile.fragment((block_m, block_n))
+            acc = tile.fragment((mine, block_n))
             if masked:
                 g = tm // per_group
                 row0 = (tm % per_group) * block_m                  # within the group
@@ -99,14 +105,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
             # scales are loaded once, before the pipeline: a global load per K step would sit on the
             # MMA warps' critical path (they cannot be prefetched by the TMA warps from this layout)
-            for kk in tile.parallel(kb):
-                sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-            for i, t in tile.parallel(block_m, per):
-                r = T.min(row0 + i, height - 1)
-                kk = T.min(k0 + t, kb - 1)
-                sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
-            for i, j in tile.parallel(block_m, block_n):
-                acc[i, j] = 0.0
+            with tile.vector():
+                for kk in tile.parallel(kb):
+                    sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+                for i, t in tile.parallel(mine, per):
+                    r = T.min(row0 + first + i, height - 1)
+                    kk = T.min(k0 + t, kb - 1)
+                    sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+                for i, j in tile.parallel(mine, block_n):
+                    acc[i, j] = 0.0
             for s in tile.pipelined(steps, stages=stages):
                 kk = k0 + s
                 if masked:
@@ -114,29 +121,28 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 else:
                     tile.copy(A[row0, kk * GROUP], a_s)
                 tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
-                for i in tile.parallel(block_m):
-                    scale[i] = sfa_s[i, s] * sfb_s[kk]
-                tile.mma(a_s, b_s, part, transpose_b=True, clear=True, step=s)
-                p = tile.read_accumulator(part)
-                for i, j in tile.parallel(block_m, block_n):
-                    acc[i, j] += p[i, j] * scale[i]
-            for i, j in tile.parallel(block_m, block_n):
-                r = row0 + i
-                if r < height:
-                    if splits > 1:
-                        Part[ts, r, tn * block_n + j] = acc[i, j]
-                    else:
-                        keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                        value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
-                        if masked:
-                            C[g, r, tn * block_n + j] = value
+                with tile.vector():
+                    for i in tile.parallel(mine):
+                        scale[i] = sfa_s[i, s] * sfb_s[kk]
+                tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
+            with tile.vector():
+                for i, j in tile.parallel(mine, block_n):
+                    r = row0 + first + i
+                    if r < height:
+                        if splits > 1:
+                            Part[ts, r, tn * block_n + j] = acc[i, j]
                         else:
-                            C[r, tn * block_n + j] = value
+                            keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                            value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                            if masked:
+                                C[g, r, tn * block_n + j] = value
+                            else:
+                                C[r, tn * block_n + j] = value
 
     return fp8_gemm_nt
 
 
-@tile_program("fp8_gemm_reduce", targets=("cuda:sm_90a", "cuda:sm_100a"),
+@tile_program("fp8_gemm_reduce", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
               examples={"decode-4096": dict(n=4096, splits=4)})
 def fp8_gemm_reduce_program(n: int, splits: int, out_dtype: str = "bfloat16", block: int = 1024, threads: int = 128):
     """C = cast(sum over s in order of Part[s]): the second half of split-K (fixed order, deterministic)."""
@@ -144,7 +150,7 @@ def fp8_gemm_reduce_program(n: int, splits: int, out_dtype: str = "bfloat16", bl
 
     @T.prim_func
     def fp8_gemm_reduce(Part: T.Tensor((splits, rows, n), "float32"), C: T.Tensor((rows, n), out_dtype)):
-        with tile.grid(T.ceildiv(rows * n, block), threads) as bid:
+        with tile.grid(T.ceildiv(rows * n, block), threads) as bid, tile.vector():
             for e in tile.parallel(block):
                 flat = bid * block + e
                 if flat < rows * n:

@@ -36,7 +36,10 @@ def _configs(t, p):
     return {"tl.disable_warp_specialized": True} if t.name.startswith("cuda") else {}
 
 
-@tile_program("topk_select", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+# Ascend: the whole row runs in one SIMT vector region; tile.cumsum is a Hillis-Steele scan there
+# and the staged copies are guarded per-thread loads (codegen/lowering/ascend.py). Generated Ascend
+# C only, no device has run it.
+@tile_program("topk_select", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_configs)
 def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
     """Exact top-k per row: 12-bit histogram, candidate gather, 12 + 8-bit digits, ordered write."""

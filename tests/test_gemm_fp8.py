@@ -150,6 +150,33 @@ def test_lowers_to_fp8_tensor_cores(target, instr):
     assert hist.get(instr, 0) > 0
 
 
+@pytest.mark.parametrize("params", [dict(n=2112, k=7168, block_m=64, block_n=64), dict(n=4096, k=7168, mode="contiguous"),
+                                    dict(n=4096, k=7168, mode="masked", block_m=64), dict(n=256, k=1024, block_m=64, splits=2)])
+def test_ascend_source_has_the_fp8_cube_mma_and_the_vector_fold(params):
+    import re
+
+    src = fp8_gemm_program.source("ascend", **params)
+    bm, bn = params.get("block_m", 128), params.get("block_n", 128)
+    # the Cube multiplies the fp8 tiles straight from L1 into L0C, one 128-wide K block at a time
+    assert f"ascend_gemm_l1<{bm}, 128, {bn}, 128, true, float8_e4m3_t>" in src and "ASC_IS_AIC" in src
+    assert "asc_copy_l0c2ub" in src and "asc_dual_dst_mode>(1)" in src   # L0C -> both vector cores' UB
+    assert f"asc_get_sub_block_id() * {bm // 2}" in src                 # each vector core: half the rows
+    # per K block the vector cores wait for the product, then fold it in with its scales
+    aiv = src[src.index("if ASC_IS_AIV"):]
+    loop = aiv[aiv.index("for ("):]
+    calls = re.findall(r"asc_vf_call<(\w+)>", loop[loop.index("asc_sync_intra_wait(PIPE_V"):])
+    assert calls, "no vector function after the L0C -> UB handoff"
+    fold = src[src.index(f"void {calls[0]}("):]
+    fold = fold[:fold.index("\n}\n")]
+    assert "__ubuf__ float2" in fold and " + " in fold and " * " in fold  # acc += p * scale, in UB
+
+
+def test_reduce_lowers_for_ascend():
+    from ops.gemm_fp8 import fp8_gemm_reduce_program
+
+    assert "__simt_vf__" in fp8_gemm_reduce_program.source("ascend", n=4096, splits=4)
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -70,6 +70,62 @@ def test_gemm_words_use_the_cube_on_ascend():
     assert "asc_copy_ub2gm" in src  # the vector cores write their halves of C
 
 
+def _promoted_builder(m: int, n: int, k: int, bm: int = 64, bn: int = 64, bk: int = 32):
+    """C = sum over K blocks kb of (A_kb @ B_kb^T) * S[:, kb]: two-level accumulation with row scales,
+    through split_rows (the rows this core's vector code holds) and mma_promoted."""
+    kb = k // bk
+    tiles_n = n // bn
+
+    @T.prim_func
+    def promoted(A: T.Tensor((m, k), "float32"), B: T.Tensor((n, k), "float32"), S: T.Tensor((m, kb), "float32"),
+                 C: T.Tensor((m, n), "float32")):
+        with tile.grid((m // bm) * tiles_n, 128) as bid:
+            tm, tn = tile.split_index(bid, (m // bm, tiles_n))
+            mine, first = tile.split_rows(bm)
+            a = tile.operand((bm, bk), "float32")
+            b = tile.operand((bn, bk), "float32")
+            part = tile.accumulator((bm, bn))
+            scale = tile.fragment((mine,))
+            acc = tile.fragment((mine, bn))
+            with tile.vector():
+                for i, j in tile.parallel(mine, bn):
+                    acc[i, j] = 0.0
+            for kk in tile.pipelined(kb, stages=2):
+                tile.copy(A[tm * bm, kk * bk], a)
+                tile.copy(B[tn * bn, kk * bk], b)
+                with tile.vector():
+                    for i in tile.parallel(mine):
+                        scale[i] = S[tm * bm + first + i, kk]
+                tile.mma_promoted(a, b, part, acc, scale, step=kk)
+            with tile.vector():
+                for i, j in tile.parallel(mine, bn):
+                    C[tm * bm + first + i, tn * bn + j] = acc[i, j]
+
+    return promoted
+
+
+PROMOTED = TileProgram("test_mma_promoted", _promoted_builder)
+
+
+def test_mma_promoted_runs_on_cpu():
+    torch.manual_seed(0)
+    a, b, s = torch.randn(128, 64), torch.randn(64, 64), torch.rand(128, 2) + 0.5
+    c = torch.full((128, 64), float("nan"))
+    PROMOTED.compile("cpu", m=128, n=64, k=64)(a, b, s, c)
+    ref = sum((a[:, i * 32:(i + 1) * 32] @ b[:, i * 32:(i + 1) * 32].T) * s[:, i:i + 1] for i in range(2))
+    torch.testing.assert_close(c, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mma_promoted_folds_half_rows_on_ascend():
+    src = PROMOTED.source("ascend", m=256, n=256, k=256)
+    assert "ascend_gemm_l1" in src and "ASC_IS_AIC" in src               # the Cube computes each product
+    assert "asc_copy_l0c2ub" in src and "asc_dual_dst_mode>(1)" in src   # L0C -> both vector cores' UB
+    assert "asc_get_sub_block_id() * 32" in src                          # each folds its 32 of 64 rows
+    aiv = src[src.index("if ASC_IS_AIV"):]
+    loop = aiv[aiv.index("for ("):]
+    assert "asc_sync_intra_wait(PIPE_V" in loop and "asc_vf_call<" in loop  # a fold per product
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gemm_words_run_on_gpu(dtype):

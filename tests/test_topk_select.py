@@ -101,9 +101,14 @@ def test_lowers_for_gpu_targets(target):
     assert "__global__" in topk_select_program.source(target, k=512)
 
 
-def test_ascend_is_refused_clearly():
-    with pytest.raises(ValueError, match="has no lowering for ascend:950"):
-        topk_select_program.source("ascend", k=512)
+def test_lowers_for_ascend_as_one_vector_function():
+    src = topk_select_program.source("ascend", k=512)
+    assert src.count("__simt_vf__") == 1 and "asc_vf_call" in src  # the whole row in one SIMT region
+    assert "asc_atomic_add" in src                                  # the histograms
+    # tile.cumsum over the 256 lanes: a Hillis-Steele scan, one round per power of two below 256
+    for off in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert f"if (({off} <= ((int32_t)threadIdx.x)))" in src
+    assert "asc_atomic_add(  " not in src  # the histogram index is computed before the call (valid C)
 
 
 @pytest.mark.gpu

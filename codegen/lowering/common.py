@@ -4,6 +4,7 @@ import contextlib
 
 import tilelang.language as T
 
+from codegen import tile
 from codegen.rules import register
 
 _REDUCERS = {"sum": "reduce_sum", "max": "reduce_max", "min": "reduce_min", "absmax": "reduce_absmax"}
@@ -70,3 +71,27 @@ def pipelined(n, stages=2):
 @register("persistent", "*")
 def persistent(total, blocks, bid):
     return T.serial(bid, total, blocks)
+
+
+@register("split_rows", "*")
+def split_rows(rows):
+    return rows, 0  # one set of threads holds every row of a tile
+
+
+@T.macro
+def _promote(acc, part, scale):
+    p = tile.read_accumulator(part)
+    with tile.vector():
+        for i, j in tile.parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] += p[i, j] * scale[i]
+
+
+@register("mma_promoted", "*")
+def mma_promoted(a, b, part, acc, scale, transpose_b=True, step=0):
+    # DeepGEMM's two-level accumulation: each product lands in a fresh accumulator and is folded
+    # into `acc` (a fragment of split_rows rows) with its per-row scale, so low-precision products
+    # never sum across scales
+    stmt = tile.mma(a, b, part, transpose_b=transpose_b, clear=True, step=step)
+    if stmt is not None:
+        tile.emit(stmt)
+    _promote(acc, part, scale)
