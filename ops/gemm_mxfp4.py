@@ -73,8 +73,6 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             steps = T.max(T.min(per, kb - k0), 0)
             for i, gi in tile.parallel(block_n, groups):
                 sc_s[i, gi] = _e8m0(SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)])
-            for i, j in tile.parallel(block_m, block_n):
-                acc.buf[i, j] = 0.0
             for s in tile.pipelined(steps, stages=stages):
                 kk = k0 + s
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
@@ -86,13 +84,14 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                     # no scale byte overflows a folded factor (2^(e8 - 1) would for e8 > 128)
                     b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * T.float32(2.0 ** 126)
                                        * sc_s[i, s * (block_k // MX) + j // MX], "bfloat16")
-                tile.mma(a_s, b_s, acc, transpose_b=True, step=s)
+                # clear at the first step (a TMEM accumulator on sm_100a cannot be zero-filled by stores)
+                tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
             out = tile.read_accumulator(acc)
             for i, j in tile.parallel(block_m, block_n):
                 r = tm * block_m + i
                 if r < m:
-                    if splits > 1:
-                        Part[ts, r, tn * block_n + j] = out[i, j]
+                    if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
+                        Part[ts, r, tn * block_n + j] = T.if_then_else(steps > 0, out[i, j], 0.0)
                     else:
                         C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
 

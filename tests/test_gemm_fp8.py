@@ -260,17 +260,19 @@ def test_mxfp4_cpu_is_the_exact_dequant_product():
         ops.mxfp4_gemm_nt(a, packed, scales, sfa=torch.ones(1))
 
 
-def test_mxfp4_lowers_to_wgmma_on_sm_90a():
+@pytest.mark.parametrize("target,instr,splits", [("sm_90a", "HGMMA", 1), ("sm_90a", "HGMMA", 2),
+                                                  ("sm_100a", "UTCHMMA", 1), ("sm_100a", "UTCHMMA", 2)])
+def test_mxfp4_lowers_to_bf16_tensor_cores(target, instr, splits):
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import mxfp4_gemm_program
 
     try:
-        hist = sass_stats(build_cubin(mxfp4_gemm_program.source("sm_90a", n=256, k=256, block_m=64), "sm_90a"),
-                          "sm_90a").histogram
+        src = mxfp4_gemm_program.source(target, n=256, k=512, block_m=64, splits=splits)
+        hist = sass_stats(build_cubin(src, target), target).histogram
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert hist.get("HGMMA", 0) > 0
+    assert hist.get(instr, 0) > 0
 
 
 @pytest.mark.gpu
