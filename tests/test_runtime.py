@@ -405,3 +405,58 @@ def test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference(tiny, monkeyp
     teacher_forced_logits(kept, prompt, forced)
     assert calls["dense"] > 0 and calls["grouped"] > 0
     assert errors and max(errors) < 0.04
+
+
+# ---- real-width (v3 preset) checkpoints through the streaming writer ------------------------------------
+
+V3_SMALL = dict(hidden_size=256, q_lora_rank=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=512,
+                moe_intermediate_size=128, n_routed_experts=16, vocab_size=1024, num_hidden_layers=3)
+
+
+def test_make_tiny_v3_preset_streams_an_fp8_checkpoint_that_llm_runs(tmp_path):
+    from model.make_tiny import V3_DEEPSEEK_V3, make_tiny, plan_bytes, tiny_config
+    from model.weights import Checkpoint
+
+    full = tiny_config(preset="v3")
+    assert (full["hidden_size"], full["n_routed_experts"], full["num_experts_per_tok"], full["vocab_size"]) == \
+        (7168, 256, 8, 129280) and full["rope_scaling"]["factor"] == 40
+    assert 35e9 < plan_bytes(full, fp8=True) < 42e9                    # 4 layers at V3 widths, FP8
+    out = make_tiny(tmp_path / "v3", preset="v3", fp8=True, shard_bytes=1 << 20, **V3_SMALL)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+    assert cfg["kv_lora_rank"] == 512 and cfg["n_group"] == V3_DEEPSEEK_V3["n_group"]
+    ckpt = Checkpoint(out)
+    assert len(ckpt.files) > 2                                          # several shards, all readable
+    w = ckpt.get("model.layers.1.mlp.experts.3.up_proj.weight")
+    s = ckpt.get("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv")
+    assert w.dtype == torch.float8_e4m3fn and w.shape == (128, 256) and s.dtype == torch.float32 and s.shape == (1, 2)
+    assert not w.float().isnan().any()
+    assert ckpt.get("lm_head.weight").dtype == torch.bfloat16                     # DeepSeek ships it in bf16
+    assert ckpt.get("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    assert ckpt.get("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    llm = LLM(out, max_num_seqs=2, max_model_len=200, keep_fp8=True, max_num_batched_tokens=64)
+    assert llm.model.layers[1].mlp.experts.w1.dtype == torch.float8_e4m3fn
+    ids = list(range(5, 155))
+    logits = llm.score(ids)                                             # 150 tokens: 3 prefill chunks of 64
+    assert torch.isfinite(logits).all()
+    assert logits.std(dim=-1).min() > 0.5 and logits.argmax(-1).unique().numel() > 100   # not degenerate
+    outs = llm.generate([ids[:70], ids[:9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o) for o in outs] == [4, 4]
+
+
+def test_make_tiny_v3_command_line_and_disk_check(tmp_path, monkeypatch):
+    import shutil
+
+    from model import make_tiny as mt
+
+    sets = [a for k, v in V3_SMALL.items() if k not in ("num_hidden_layers", "n_routed_experts") for a in ("--set", f"{k}={v}")]
+    r = run("model.make_tiny", str(tmp_path / "v3"), "--preset", "v3", "--fp8", "--layers", "2", "--experts", "8",
+            "--shard-gb", "0.002", "--threads", "2", "--set", "n_group=4", *sets)
+    assert r.returncode == 0, r.stderr
+    assert "GB in" in r.stdout and "wrote" in r.stdout
+    cfg = json.loads((tmp_path / "v3" / "config.json").read_text())
+    assert cfg["n_routed_experts"] == 8 and cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 256
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    with pytest.raises(ValueError, match="not enough disk space"):
+        mt.make_tiny(tmp_path / "full", preset="v3", fp8=True, progress=False)
