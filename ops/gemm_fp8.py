@@ -239,10 +239,20 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> 
     return dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device the kernel runs on (plans size split-K by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_count(t: torch.Tensor) -> int:
+    return _sm_count(t.device) if t.is_cuda else 132
+
+
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, **override):
     target = targets.resolve(a2)
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
-    p = {**plan(mode, rows, n, k, block_m), **override}
+    p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2)), **override}
     kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype], **p)
     if p["splits"] == 1:
         kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, _dummy(a2.device, n, torch.float32).view(1, 1, n))

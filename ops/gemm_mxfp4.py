@@ -143,12 +143,12 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _launch(a, b, sfb, out, **override):
-    from ops.gemm_fp8 import fp8_gemm_reduce_program
+    from ops.gemm_fp8 import fp8_gemm_reduce_program, sm_count
 
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
-    p = {**plan(m, n, k), **override}
+    p = {**plan(m, n, k, sms=sm_count(a)), **override}
     kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
     if p["splits"] == 1:
         kernel.launcher()(a, b, sfb, out, torch.empty(1, 1, n, dtype=torch.float32, device=a.device))
