@@ -2,13 +2,15 @@
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
 from ops.gemm_mxfp4 import mxfp4_gemm_nt
-from ops.gemm_fp8 import fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
+from ops.gemm_fp8 import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
+                          m_grouped_fp8_gemm_nt_sorted)
 from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mxfp4, per_block_quant_fp8,
                        per_token_group_quant_fp8, quant_mxfp4)
 from ops.mla_decode import (MlaSchedule, dequantize_mla_kv_fp8, get_mla_schedule, mla_decode, mla_decode_reference,
                             quantize_mla_kv_fp8)
 from ops.eplb import EplbPlan, eplb_plan
 from ops.moe_dispatch import EpMapping, MoeMapping, moe_combine, moe_dispatch
+from ops.moe_tiles import moe_tile_items
 from ops.moe_route import moe_hash_route, moe_route, moe_route_reference
 from ops.rms_norm import rms_norm, rms_norm_reference
 from ops.topk_select import topk_select, topk_select_reference
@@ -16,8 +18,10 @@ from ops.topk_select import topk_select, topk_select_reference
 __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference", "get_mla_schedule", "MlaSchedule",
            "quantize_mla_kv_fp8", "dequantize_mla_kv_fp8",
            "moe_route", "moe_route_reference", "moe_hash_route", "moe_dispatch", "moe_combine", "MoeMapping", "EpMapping",
+           "moe_tile_items",
            "eplb_plan", "EplbPlan",
            "topk_select", "topk_select_reference",
            "fp8_gemm_nt", "mxfp4_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+           "m_grouped_fp8_gemm_nt_sorted",
            "per_token_group_quant_fp8", "per_block_quant_fp8", "quant_mxfp4",
            "dequant_fp8_token_groups", "dequant_fp8_blocks", "dequant_mxfp4"]

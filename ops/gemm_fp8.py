@@ -1,12 +1,16 @@
 """Block-scaled FP8 GEMMs in DeepGEMM's layouts (NT: both operands K-major).
 
 C = (A * sfa) @ (B * sfb)^T with A (m, k) e4m3 scaled per (row, 128 columns) and B (n, k) e4m3
-scaled per 128 x 128 block. One tile program serves three layouts:
+scaled per 128 x 128 block. One tile program serves four layouts:
   dense                       A (m, k), B (1, n, k)
   m-grouped contiguous        A (M, k) in 128-aligned expert segments, m_indices (M,) -> B (g, n, k);
                               rows whose m_indices is -1 (padding) come out as zeros
   m-grouped masked            A (g, max_m, k), only the first masked_m[g] rows of group g computed;
                               the other rows come out as zeros
+  m-grouped sorted            A (rows, k) sorted by expert with no padding (moe_dispatch align=1),
+                              Items (max_items, 3) work items (expert, first row, row count) from
+                              ops.moe_tile_items: one block per (item, n tile), only the item's
+                              rows are stored (rows no item lists are left as they were)
 The MMA of each 128-wide K block goes into a fresh accumulator and is promoted into fp32 registers
 with its two scales (DeepGEMM's two-level accumulation, tile.mma_promoted), so fp8 products never
 sum across scales. On Ascend the promotion runs on the vector cores, each over half the tile's rows
@@ -29,7 +33,8 @@ from ops import _validate as check
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
 GROUP = 128
-MODES = ("dense", "contiguous", "masked")
+MODES = ("dense", "contiguous", "masked", "sorted")
+SORTED_BLOCK_M = 64   # rows per work item of the sorted layout (moe_tile_items' block_m)
 OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 ALIGN_N, ALIGN_K = 64, 128
 
@@ -40,7 +45,8 @@ ALIGN_N, ALIGN_K = 64, 128
     # (tile.split_rows, tile.mma_promoted); generated Ascend C only, no device has run it
     targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
     examples={"prefill-7168x16384": dict(n=7168, k=16384), "decode-2112x7168": dict(n=2112, k=7168, block_m=64, block_n=64),
-              "grouped-4096x7168": dict(n=4096, k=7168, mode="contiguous")},
+              "grouped-4096x7168": dict(n=4096, k=7168, mode="contiguous"),
+              "sorted-4096x7168": dict(n=4096, k=7168, mode="sorted", block_m=64)},
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1):
@@ -49,7 +55,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
     sums K blocks [s * per, (s + 1) * per) into fp32 partials Part[s]; fp8_gemm_reduce_program adds
     them in the order s = 0, 1, ... (deterministic) and casts.
+
+    mode "sorted": MIdx is the (items, 3) work list; block (item, tn) computes the block_m rows from
+    the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
+    past the end: computed, never stored) and stores only the item's rows. Items with a negative
+    expert or no rows run no K steps and store nothing.
     """
+    assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
     kb, nb = k // GROUP, -(-n // GROUP)
@@ -57,6 +69,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     n_tiles = n // block_n
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
+    by_items = mode == "sorted"
+    items = T.dynamic("items") if by_items else None
+    midx_shape = (items, 3) if by_items else (rows,)
     # masked: A, SFA and C are (groups, max_m, .); otherwise (rows, .) and the group comes from MIdx
     a_shape = (groups, max_m, k) if masked else (rows, k)
     sfa_shape = (groups, max_m, kb) if masked else (rows, kb)
@@ -69,14 +84,14 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         SFA: T.Tensor(sfa_shape, "float32"),
         B: T.Tensor((groups, n, k), "float8_e4m3fn"),
         SFB: T.Tensor((groups, nb, kb), "float32"),
-        MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row; otherwise unused
+        MIdx: T.Tensor(midx_shape, "int32"),    # contiguous: expert of each row; sorted: work items
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
         C: T.Tensor(c_shape, out_dtype),
         Part: T.Tensor(part_shape, "float32"),  # split-K partials; unused when splits == 1
     ):
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
-        m_tiles = per_group * groups if masked else per_group
+        m_tiles = per_group * groups if masked else (items if by_items else per_group)
         with tile.grid(m_tiles * n_tiles * splits, threads) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
@@ -97,6 +112,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 row0 = tm * block_m
                 g = T.max(MIdx[T.min(row0, rows - 1)], 0)
                 limit = rows
+            elif by_items:
+                g = T.max(MIdx[tm, 0], 0)
+                row0 = T.max(MIdx[tm, 1], 0)
+                # rows at or past this are not stored (the item's rows, at most block_m; none for padding)
+                limit = T.if_then_else(MIdx[tm, 0] >= 0, T.min(row0 + T.min(MIdx[tm, 2], block_m), rows), 0)
             else:
                 row0 = tm * block_m
                 g = 0
@@ -128,9 +148,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             with tile.vector():
                 for i, j in tile.parallel(mine, block_n):
                     r = row0 + first + i
-                    if r < height:
+                    # sorted: one condition (limit <= rows), not an if nested in this one: TileLang
+                    # would move the nested if's global store out of it
+                    if r < (limit if by_items else height):
                         if splits > 1:
                             Part[ts, r, tn * block_n + j] = acc[i, j]
+                        elif by_items:                             # other experts' rows stay untouched
+                            C[r, tn * block_n + j] = T.cast(acc[i, j], out_dtype)
                         else:
                             keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
                             value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
@@ -187,6 +211,22 @@ def m_grouped_masked_reference(a, sfa, b, sfb, masked_m, out_dtype=torch.bfloat1
         if m:
             out[g, :m] = dequant_fp8_token_groups(a[g, :m], sfa[g, :m]) @ dequant_fp8_blocks(b[g], sfb[g]).T
     return out.to(out_dtype)
+
+
+def m_grouped_sorted_reference(a, sfa, b, sfb, items, out, block_m=SORTED_BLOCK_M):
+    """Into `out` (rows, n): for each item (g, row0, nrows) with g >= 0, the rows
+    [row0, min(row0 + min(nrows, block_m), rows)) get dequant(a) @ dequant(b[g])^T (fp32 product,
+    cast to out's dtype); rows no item lists are left as they were. A loop over the items (host)."""
+    deq_a = dequant_fp8_token_groups(a, sfa)
+    deq_b = {}
+    for g, row0, nrows in items.tolist():
+        end = min(row0 + min(nrows, block_m), a.shape[0])
+        if g < 0 or row0 < 0 or row0 >= end:
+            continue
+        if g not in deq_b:
+            deq_b[g] = dequant_fp8_blocks(b[g], sfb[g])
+        out[row0:end] = (deq_a[row0:end] @ deq_b[g].T).to(out.dtype)
+    return out
 
 
 # ---- validation and launch ----------------------------------------------------------------------
@@ -280,6 +320,8 @@ def _run(mode, a, sfa, b, sfb, aux, out, block_m):
     """Compute into `out`: the exact-dequant reference on CPU tensors, the tile program elsewhere."""
     n, k = b.shape[-2], b.shape[-1]
     if a.device.type == "cpu":
+        if mode == "sorted":
+            return m_grouped_sorted_reference(a, sfa, b, sfb, aux, out, block_m)
         if mode == "dense":
             ref = fp8_gemm_nt_reference(a, sfa, b[0], sfb[0], torch.float32)
         elif mode == "contiguous":
@@ -287,10 +329,11 @@ def _run(mode, a, sfa, b, sfb, aux, out, block_m):
         else:
             ref = m_grouped_masked_reference(a, sfa, b, sfb, aux, torch.float32)
         return out.copy_(ref)
-    if a.shape[0] == 0:
+    if a.shape[0] == 0 or (mode == "sorted" and aux.shape[0] == 0):
         return out
-    # MIdx is (rows,) in the kernel: dense binds rows to a's rows, masked leaves it free
-    m_idx = aux if mode == "contiguous" else _dummy(a.device, a.shape[0] if mode == "dense" else 1)
+    # MIdx is (rows,) in the kernel (sorted: the (items, 3) work list): dense binds rows to a's rows,
+    # masked leaves it free
+    m_idx = aux if mode in ("contiguous", "sorted") else _dummy(a.device, a.shape[0] if mode == "dense" else 1)
     masked_m = aux if mode == "masked" else _dummy(a.device, b.shape[0])
     _launch(mode, a, sfa, b, sfb, m_idx, masked_m, out, n, k, block_m=block_m)
     return out
@@ -359,3 +402,32 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=
         raise ValueError(f"masked_m must be in [0, {max_m}]")
     block_m = 64 if (expected_m or max_m) <= 64 else 128
     return _call("masked", a, sfa, b, sfb, masked_m, out, out_dtype, block_m)
+
+
+def m_grouped_fp8_gemm_nt_sorted(a, sfa, b, sfb, items, out=None, out_dtype=torch.bfloat16):
+    """MoE decode's grouped GEMM over compact rows: a (rows, k) e4m3 sorted by expert with no padding
+    (moe_dispatch(layout="contiguous", align=1)), sfa (rows, k/128); b (g, n, k), sfb (g, n/128, k/128);
+    items (max_items, 3) int32 work items (expert, first row, row count) from
+    ops.moe_tile_items(..., block_m=64): each item's rows [row0, row0 + count) (count <= 64) get
+    dequant(a) @ dequant(b[expert])^T; items with expert -1 or no rows do nothing. Returns (rows, n).
+
+    Rows no item lists are not written: they keep what `out` held, or are uninitialized memory when
+    out is None. One GPU block per (item, n tile): the grid is fixed by max_items, not by the
+    routing, so the call can be captured in a CUDA graph. Value checks on items (experts in range,
+    rows inside a, counts <= 64) run when value checks are on and not capturing.
+    """
+    _check_operands(a, sfa, b, sfb, grouped=True, masked=False)
+    check.tensor("items", items, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    if items.shape[1] != 3:
+        raise ValueError(f"items must have shape (max_items, 3) (expert, first row, row count), got {tuple(items.shape)}")
+    check.same_device(a=a, items=items)
+    rows, G = a.shape[0], b.shape[0]
+    if _values.enabled(items) and items.numel():
+        g, row0, nrows = items.long().unbind(1)
+        live = (g >= 0) & (nrows != 0)
+        bad = live & ((g >= G) | (row0 < 0) | (nrows < 0) | (nrows > SORTED_BLOCK_M) | (row0 + nrows > rows))
+        if bool(bad.any()):
+            i = int(bad.long().argmax())
+            raise ValueError(f"items[{i}] = {items[i].tolist()} is not a work item of this call: need expert in "
+                             f"[0, {G}), 0 <= first row, 0 <= count <= {SORTED_BLOCK_M}, first row + count <= {rows}")
+    return _call("sorted", a, sfa, b, sfb, items, out, out_dtype, SORTED_BLOCK_M)

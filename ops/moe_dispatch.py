@@ -142,21 +142,36 @@ def _gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
-    """Row of every (token, choice) and the source token of every output row (torch, no kernels)."""
+    """Row of every (token, choice) and the source token of every output row (torch, no kernels).
+
+    Contiguous with align=1 reads nothing on the host (the output has exactly T*k rows), so it can
+    be captured in a CUDA graph; the other layouts size their output from the counts (one sync).
+    """
     T_, k = ids.shape
     device = ids.device
     flat = ids.reshape(-1).long()                                          # [T*k], token-major
-    counts = torch.bincount(flat, minlength=num_experts)                  # [E]
-    order = torch.sort(flat, stable=True).indices                          # assignments grouped by expert
-    first = torch.cumsum(counts, 0) - counts                               # start of each expert in `order`
-    rank = torch.arange(flat.numel(), device=device) - first[flat[order]]  # position within its expert
+    expert, order = torch.sort(flat, stable=True)                          # assignments grouped by expert
+    # counts from the sorted ids (torch.bincount reads its max on the host on CUDA)
+    bounds = torch.searchsorted(expert, torch.arange(num_experts + 1, device=device))
+    counts = bounds.diff()                                                 # [E]
+    first = bounds[:-1]                                                    # start of each expert in `order`
+    if layout == "contiguous" and align == 1:
+        # no padding: the sorted order is the row order (row of order[i] is i)
+        rows = flat.numel()
+        row_of = torch.arange(rows, device=device)
+        positions = torch.empty(rows, dtype=torch.long, device=device).scatter_(0, order, row_of)
+        src = (order // k).to(torch.int32)
+        mapping = MoeMapping(layout, num_experts, k, positions.view(T_, k).to(torch.int32), counts.to(torch.int32),
+                             m_indices=expert.to(torch.int32), masked_m=None, max_m=None)
+        return mapping, src, rows
+    rank = torch.arange(flat.numel(), device=device) - first[expert]       # position within its expert
     if layout == "contiguous":
         padded = (counts + align - 1) // align * align
         seg = torch.cumsum(padded, 0) - padded
         rows = int(padded.sum())                                           # one sync: the output's size
-        row_of = seg[flat[order]] + rank
+        row_of = seg[expert] + rank
         m_indices = torch.full((rows,), -1, dtype=torch.int32, device=device)
-        m_indices[row_of] = flat[order].to(torch.int32)
+        m_indices[row_of] = expert.to(torch.int32)
         extra = dict(m_indices=m_indices, masked_m=None, max_m=None)
     else:
         if max_m is None:
@@ -167,7 +182,7 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
         rows = num_experts * max_m
         # rank is clamped so that an unchecked overflow (value checks off) can never write out of
         # bounds: the overflowing tokens would then share the expert's last row
-        row_of = flat[order] * max_m + rank.clamp(max=max_m - 1)
+        row_of = expert * max_m + rank.clamp(max=max_m - 1)
         extra = dict(m_indices=None, masked_m=counts.to(torch.int32), max_m=int(max_m))
     positions = torch.empty(flat.numel(), dtype=torch.long, device=device)
     positions[order] = row_of
@@ -206,9 +221,11 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
     x (T, H) bf16/fp16/fp32, or fp8 e4m3 with x_scales (T, S) fp32 (per-128 scales; S = ceil(H/128));
     ids (T, k) int32 expert ids in [0, num_experts). Returns (x_dispatched, scales_dispatched or None,
     mapping): contiguous (M, H) with mapping.m_indices, or masked (E, max_m, H) with mapping.masked_m.
-    Sizing the output reads the expert counts on the host (one sync); with layout="masked" and a
-    fixed max_m nothing syncs (the capacity check is a value check, skipped during CUDA-graph
-    capture), so the dispatch can be captured. With the check off, an expert given more than max_m
+    Sizing the output reads the expert counts on the host (one sync), except where the size is
+    known: layout="contiguous" with align=1 (exactly T*k rows, sorted by expert, m_indices has no
+    -1 rows; ops.moe_tile_items turns it into the work list of m_grouped_fp8_gemm_nt_sorted) and
+    layout="masked" with a fixed max_m (the capacity check is a value check, skipped during
+    CUDA-graph capture). Those two read nothing on the host, so the dispatch can be captured. With the check off, an expert given more than max_m
     tokens would have its extra tokens share its last row (never an out-of-bounds write): keep
     max_m >= T when each token's experts are distinct (as moe_route's are).
 

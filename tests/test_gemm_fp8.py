@@ -335,3 +335,137 @@ def test_mxfp4_plan():
     assert plan(1, 4096, 7168) == dict(block_m=64, splits=4)
     assert plan(64, 7168, 2048) == dict(block_m=64, splits=1)
     assert plan(4096, 4096, 7168)["splits"] == 1
+
+
+# ---- sorted rows + work items (MoE decode) ---------------------------------------------------------
+
+def moe_case(T_, k, E, n, kd, seed, skew=True):
+    """Routed rows as the MoE decode step makes them: moe_dispatch(align=1) of fp8 tokens, items from
+    moe_tile_items, B per expert. skew: expert 0 takes every token (> 64 rows) and the last 4
+    experts none."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 4, generator=g)[:k] for _ in range(T_)]).to(torch.int32)
+    if skew:
+        ids[:, 0] = 0
+        ids[:, 1:] = torch.where(ids[:, 1:] == 0, torch.full_like(ids[:, 1:], E - 5), ids[:, 1:])
+    x = torch.randn(T_, kd, generator=g)
+    qx, sx = ops.per_token_group_quant_fp8(x)
+    a, sfa, m = ops.moe_dispatch(qx, ids, E, x_scales=sx, align=1)
+    items = ops.moe_tile_items(m, E)
+    bs = [ops.per_block_quant_fp8(torch.randn(n, kd, generator=g)) for _ in range(E)]
+    qb, sfb = torch.stack([q for q, _ in bs]), torch.stack([s for _, s in bs])
+    return a, sfa, qb, sfb, m, items
+
+
+def test_sorted_cpu_is_the_contiguous_reference_on_listed_rows():
+    from ops.gemm_fp8 import m_grouped_contiguous_reference
+
+    a, sfa, qb, sfb, m, items = moe_case(16, 4, 12, 128, 256, seed=9)
+    assert (m.counts[-4:] == 0).all() and int(m.counts[0]) == 16
+    out = ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items, out=torch.full((64, 128), float("nan")))
+    ref = m_grouped_contiguous_reference(a, sfa, qb, sfb, m.m_indices, out_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)  # every row is listed: no NaN left
+    # the default output is bf16 of the same values
+    torch.testing.assert_close(ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items), ref.bfloat16(), rtol=0, atol=0)
+    # rows no item lists are left as they were: drop expert 0's items
+    keep = items[:, 0] != 0
+    part = torch.cat([items[keep], items[~keep].fill_(-1)])
+    out = ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, part, out=torch.full((64, 128), float("nan")))
+    mine = m.m_indices == 0
+    assert out[mine].isnan().all() and torch.equal(out[~mine], ref[~mine])
+
+
+def test_sorted_through_the_custom_op(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "0")           # value checks read items: not traceable
+    a, sfa, qb, sfb, m, items = moe_case(4, 2, 8, 128, 128, seed=10, skew=False)
+    compiled = torch.compile(lambda *x: ops.m_grouped_fp8_gemm_nt_sorted(*x), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(a, sfa, qb, sfb, items), ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items))
+
+
+def test_sorted_errors():
+    a, sfa, qb, sfb, m, items = moe_case(4, 2, 8, 128, 128, seed=11, skew=False)
+    with pytest.raises(TypeError, match="items must have dtype int32"):
+        ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items.long())
+    with pytest.raises(ValueError, match=r"items must have shape \(max_items, 3\)"):
+        ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items[:, :2].contiguous())
+    with pytest.raises(ValueError, match="items must have 2 dimensions"):
+        ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items.flatten())
+    with pytest.raises(ValueError, match="items must be contiguous"):
+        ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items.t().contiguous().t())
+    for bad in ([8, 0, 1], [0, 5, 4], [0, 0, 65], [0, -1, 1]):
+        wrong = items.clone()
+        wrong[0] = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"items\[0\] = .* is not a work item"):
+            ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, wrong)
+    with pytest.raises(ValueError, match="b must have 3 dimensions"):
+        ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb[0], sfb[0], items)
+
+
+def test_sorted_mode_compiles_to_qgmma_without_spills():
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        src = fp8_gemm_program.source("sm_90a", n=512, k=1024, mode="sorted", block_m=64)
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert stats.histogram.get("QGMMA", 0) > 0 and stats.histogram.get("UTMALDG", 0) > 0
+    assert stats.spill_stores == 0 and stats.spill_loads == 0
+    # the only stores of C are under `row < limit` (the item's end): no zero fill of other rows
+    body = src[src.index("int limit"):]
+    assert "< limit" in body and "C_local_cast" in body
+
+
+def test_sorted_mode_lowers_for_ascend():
+    src = fp8_gemm_program.source("ascend", n=4096, k=7168, mode="sorted", block_m=64)
+    assert "ascend_gemm_l1<64, 128, 128, 128, true, float8_e4m3_t>" in src and "asc_get_sub_block_id() * 32" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sorted_matches_the_reference(out_dtype):
+    """MoE decode shape: T=64 tokens, k=8 of E=32 experts (expert 0 > 64 rows, 4 experts empty),
+    n=512, k_dim=1024. Listed rows match the CPU reference; unlisted rows of a NaN-filled out stay NaN."""
+    a, sfa, qb, sfb, m, items = moe_case(64, 8, 32, 512, 1024, seed=12)
+    assert int(m.counts.max()) > 64 and int((m.counts == 0).sum()) >= 4
+    ref = ops.m_grouped_fp8_gemm_nt_sorted(a, sfa, qb, sfb, items, out=torch.full((512, 512), float("nan")))
+    dev = [t.cuda() for t in (a, sfa, qb, sfb)]
+    out = ops.m_grouped_fp8_gemm_nt_sorted(*dev, items.cuda(), out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert calc_diff(out.cpu(), ref) < 1e-3
+    assert_elementwise(out.cpu(), ref)
+    # half the items: the other experts' rows of a NaN out are never written
+    keep = (items[:, 0] >= 0) & (items[:, 0] % 2 == 0)
+    half = torch.where(keep[:, None], items, torch.tensor([-1, 0, 0], dtype=torch.int32))
+    out = torch.full((512, 512), float("nan"), dtype=out_dtype, device="cuda")
+    ops.m_grouped_fp8_gemm_nt_sorted(*dev, half.cuda(), out=out)
+    listed = (m.m_indices % 2 == 0)
+    out = out.cpu()
+    assert out[~listed].isnan().all()
+    assert_elementwise(out[listed], ref[listed])
+    # a fixed grid: more padding items change nothing
+    more = torch.cat([items, torch.tensor([[-1, 0, 0]] * 40, dtype=torch.int32)])
+    assert torch.equal(ops.m_grouped_fp8_gemm_nt_sorted(*dev, more.cuda(), out_dtype=out_dtype).cpu(),
+                       ops.m_grouped_fp8_gemm_nt_sorted(*dev, items.cuda(), out_dtype=out_dtype).cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_sorted_in_a_cuda_graph():
+    """dispatch(align=1) + items + sorted GEMM captured once, replayed with a new routing."""
+    a, sfa, qb, sfb, m, items = moe_case(64, 8, 32, 512, 1024, seed=13)
+    dev = [t.cuda() for t in (a, sfa, qb, sfb)]
+    items_d = items.cuda()
+    out = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.m_grouped_fp8_gemm_nt_sorted(*dev, items_d, out=out)     # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.m_grouped_fp8_gemm_nt_sorted(*dev, items_d, out=out)
+    a2, sfa2, _, _, m2, items2 = moe_case(64, 8, 32, 512, 1024, seed=14)
+    for d, s in zip((dev[0], dev[1], items_d), (a2, sfa2, items2)):
+        d.copy_(s)
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = ops.m_grouped_fp8_gemm_nt_sorted(a2, sfa2, qb, sfb, items2, out=torch.full((512, 512), float("nan")))
+    assert_elementwise(out.cpu(), ref)

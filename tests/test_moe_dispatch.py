@@ -155,3 +155,240 @@ def test_gpu_round_trip(layout):
     xd, _, m = ops.moe_dispatch(x, ids, 256, layout=layout)
     out = ops.moe_combine(xd, m, torch.full((4096, 8), 0.125, device="cuda"))
     torch.testing.assert_close(out, x, atol=0, rtol=0)
+
+
+# ---- compact sorted rows (align=1) and the GEMM work items ----------------------------------------
+
+def _padded_plan(ids, E, align):
+    """The contiguous plan as moe_dispatch built it before align=1 skipped the host: bincount,
+    padded segments sized on the host, rows scattered into them."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=E)
+    order = torch.sort(flat, stable=True).indices
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel()) - first[flat[order]]
+    padded = (counts + align - 1) // align * align
+    seg = torch.cumsum(padded, 0) - padded
+    rows = int(padded.sum())
+    row_of = seg[flat[order]] + rank
+    m_indices = torch.full((rows,), -1, dtype=torch.int32)
+    m_indices[row_of] = flat[order].to(torch.int32)
+    positions = torch.empty(flat.numel(), dtype=torch.long)
+    positions[order] = row_of
+    src = torch.full((rows,), -1, dtype=torch.int32)
+    src[row_of] = (order // k).to(torch.int32)
+    return positions.view(ids.shape).to(torch.int32), counts.to(torch.int32), m_indices, src
+
+
+def skewed_ids(T_, E, k):
+    """Every token picks experts 0..k-1: expert 0 gets all T rows, experts >= k none."""
+    return torch.arange(k, dtype=torch.int32).repeat(T_, 1) % E
+
+
+@pytest.mark.parametrize("T_,E,k,skew", [(0, 8, 2, False), (1, 8, 8, False), (37, 16, 4, False), (64, 32, 8, False),
+                                         (5, 64, 3, False), (100, 16, 4, True)])
+def test_align_1_is_the_padded_plan_without_padding(T_, E, k, skew):
+    g = torch.Generator().manual_seed(T_ + E)
+    ids = skewed_ids(T_, E, k) if skew else random_ids(T_, E, k, g)
+    x = torch.randn(T_, 64, generator=g).bfloat16()
+    xd, _, m = ops.moe_dispatch(x, ids, E, align=1)
+    positions, counts, m_indices, src = _padded_plan(ids, E, 1)
+    assert xd.shape == (T_ * k, 64) and m.m_indices.shape == (T_ * k,)
+    assert torch.equal(m.positions, positions) and torch.equal(m.counts, counts)
+    assert torch.equal(m.m_indices, m_indices) and (m.m_indices >= 0).all()
+    assert torch.equal(m.m_indices, m.m_indices.sort().values)             # rows sorted by expert
+    assert torch.equal(xd, x[src.long()])
+    # the padded layouts are unchanged by the new counting
+    for align in (8, 128):
+        xp, _, mp = ops.moe_dispatch(x, ids, E, align=align)
+        positions, counts, m_indices, src = _padded_plan(ids, E, align)
+        assert torch.equal(mp.positions, positions) and torch.equal(mp.m_indices, m_indices)
+        assert torch.equal(xp[m_indices >= 0], x[src[src >= 0].long()])
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every aten op that reads device data on the host or sizes its output from values."""
+
+    aten = torch.ops.aten
+    DENY = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal, aten.nonzero, aten.bincount,
+            aten.masked_select, aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+            aten.allclose, aten._assert_async}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pkt = func.overloadpacket
+        bad = pkt in self.DENY
+        bad |= pkt is self.aten.repeat_interleave and kwargs.get("output_size") is None
+        bad |= pkt in (self.aten.index, self.aten.index_put, self.aten.index_put_) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+        bad |= pkt is self.aten._to_copy and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
+        if bad:
+            raise AssertionError(f"host sync: {func}")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """A context in which host reads of tensor data raise: the dispatch mode above, plus tolist /
+    numpy, which read CPU tensors without going through the dispatcher."""
+    import contextlib
+
+    monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "0")           # value checks are the one allowed sync
+
+    @contextlib.contextmanager
+    def guard():
+        def refuse(*a, **kw):
+            raise AssertionError("host sync: tolist/numpy")
+        with monkeypatch.context() as mp:
+            for name in ("tolist", "numpy", "__array__"):
+                mp.setattr(torch.Tensor, name, refuse)
+            with _NoHostSync():
+                yield
+
+    return guard
+
+
+def test_the_guard_catches_syncs(no_host_sync):
+    t = torch.arange(4)
+    for fn in (lambda: int(t.sum()), lambda: t.tolist(), lambda: t.nonzero(), lambda: bool(t.any()),
+               lambda: torch.bincount(t), lambda: t[t > 1], lambda: t.repeat_interleave(t)):
+        with pytest.raises(AssertionError, match="host sync"), no_host_sync():
+            fn()
+
+
+def test_align_1_dispatch_and_tile_items_read_nothing_on_the_host(no_host_sync):
+    g = torch.Generator().manual_seed(7)
+    T_, E, k = 24, 16, 4
+    x = torch.randn(T_, 128, generator=g).bfloat16()
+    ids = random_ids(T_, E, k, g)
+    ref_xd, _, ref_m = ops.moe_dispatch(x, ids, E, align=1)
+    with no_host_sync():
+        xd, _, m = ops.moe_dispatch(x, ids, E, align=1)
+        items = ops.moe_tile_items(m, E)
+        items_c = ops.moe_tile_items(m.counts, E, max_items=items.shape[0])
+    assert torch.equal(xd, ref_xd) and torch.equal(m.m_indices, ref_m.m_indices)
+    assert torch.equal(items, items_c)
+    with pytest.raises(AssertionError, match="host sync"), no_host_sync():
+        ops.moe_dispatch(x, ids, E, align=8)                     # padded: sized on the host
+
+
+def test_align_1_plan_and_tile_items_trace_with_fake_tensors():
+    """Under FakeTensorMode (no data, static shapes) any data-dependent op raises: the plan's and the
+    items' shapes follow from the input shapes alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ops.moe_dispatch import _plan
+    from ops.moe_tiles import _items
+
+    with FakeTensorMode() as mode:
+        ids = mode.from_tensor(torch.zeros(64, 8, dtype=torch.int32))
+        mapping, src, rows = _plan(ids, 32, "contiguous", 1, None)
+        items = _items(mapping.counts, 64 * 8 // 64 + 32, 64)
+    assert rows == 512 and src.shape == (512,) and mapping.m_indices.shape == (512,)
+    assert items.shape == (40, 3) and items.dtype == torch.int32
+    with FakeTensorMode() as mode, pytest.raises(Exception):
+        _plan(mode.from_tensor(torch.zeros(4, 2, dtype=torch.int32)), 8, "contiguous", 8, None)
+
+
+@pytest.mark.parametrize("counts,block_m", [([0, 0, 0], 64), ([5, 0, 130, 64, 0, 1], 64), ([0, 200, 0], 64),
+                                            ([64, 64, 0, 63], 64), ([3, 1, 2], 2), ([0], 16), ([7], 16)])
+def test_tile_items_match_the_python_loop(counts, block_m):
+    from ops.moe_tiles import moe_tile_items_reference
+
+    c = torch.tensor(counts, dtype=torch.int32)
+    R = sum(counts)
+    items = ops.moe_tile_items(c, len(counts), block_m=block_m, rows=R)
+    max_items = -(-R // block_m) + len(counts)
+    assert items.shape == (max_items, 3) and items.dtype == torch.int32 and items.is_contiguous()
+    assert torch.equal(items, moe_tile_items_reference(counts, block_m, max_items))
+    live = items[items[:, 0] >= 0]
+    assert int(live[:, 2].sum()) == R and (live[:, 2] > 0).all() and (live[:, 2] <= block_m).all()
+    covered = torch.cat([torch.arange(r0, r0 + n) for _, r0, n in live.tolist()]) if R else torch.empty(0)
+    assert torch.equal(covered, torch.arange(R))                # every row once, in order
+    assert (items[items[:, 0] < 0] == torch.tensor([-1, 0, 0], dtype=torch.int32)).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(T_=st.integers(0, 70), E=st.sampled_from([1, 4, 32]), k=st.integers(1, 4), block_m=st.sampled_from([1, 8, 64]),
+       seed=st.integers(0, 9999))
+def test_tile_items_from_a_dispatch(T_, E, k, block_m, seed):
+    from ops.moe_tiles import moe_tile_items_reference
+
+    k = min(k, E)
+    g = torch.Generator().manual_seed(seed)
+    ids = random_ids(T_, E, k, g)
+    _, _, m = ops.moe_dispatch(torch.zeros(T_, 64), ids, E, align=1)
+    items = ops.moe_tile_items(m, E, block_m=block_m)
+    max_items = -(-(T_ * k) // block_m) + E
+    assert torch.equal(items, moe_tile_items_reference(m.counts.tolist(), block_m, max_items))
+    for e, r0, n in items.tolist():                              # each item's rows are its expert's
+        if e >= 0:
+            assert (m.m_indices[r0:r0 + n] == e).all()
+
+
+def test_tile_items_errors():
+    c = torch.tensor([100, 0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="give rows="):
+        ops.moe_tile_items(c, 3)
+    with pytest.raises(ValueError, match="max_items=2 is smaller than the 3 items"):
+        ops.moe_tile_items(c, 3, max_items=2)
+    with pytest.raises(ValueError, match=r"counts must have shape \(4,\)"):
+        ops.moe_tile_items(c, 4, max_items=8)
+    with pytest.raises(TypeError, match="counts must have dtype"):
+        ops.moe_tile_items(c.float(), 3, max_items=8)
+    with pytest.raises(ValueError, match="more than rows=50"):
+        ops.moe_tile_items(c, 3, rows=50, max_items=8)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    ids[:, 1] = 1
+    _, _, m = ops.moe_dispatch(torch.zeros(4, 64), ids, 4, align=8)
+    with pytest.raises(ValueError, match="use align=1"):
+        ops.moe_tile_items(m, 4)
+    _, _, m = ops.moe_dispatch(torch.zeros(4, 64), ids, 4, layout="masked")
+    with pytest.raises(ValueError, match="layout='contiguous', align=1"):
+        ops.moe_tile_items(m, 4)
+    _, _, m = ops.moe_dispatch(torch.zeros(4, 64), ids, 4, align=1)
+    with pytest.raises(ValueError, match="does not match the mapping's 4"):
+        ops.moe_tile_items(m, 8)
+    # with value checks off, a too short list just stops (no error, no out-of-bounds write)
+    import os
+    os.environ["TILECRAFT_CHECK_VALUES"] = "0"
+    try:
+        assert ops.moe_tile_items(c, 3, max_items=2).tolist() == [[0, 0, 64], [0, 64, 36]]
+    finally:
+        del os.environ["TILECRAFT_CHECK_VALUES"]
+
+
+@pytest.mark.gpu
+def test_gpu_align_1_dispatch_and_items_do_not_sync():
+    """On the GPU: no host sync (torch's sync debug mode set to error), the same rows as the CPU,
+    and the whole dispatch + items capturable in a CUDA graph."""
+    g = torch.Generator().manual_seed(8)
+    T_, E, k = 64, 256, 8
+    x = torch.randn(T_, 7168, generator=g).bfloat16()
+    ids = random_ids(T_, E, k, g)
+    xd_ref, _, m_ref = ops.moe_dispatch(x, ids, E, align=1)
+    items_ref = ops.moe_tile_items(m_ref, E)
+    xc, ic = x.cuda(), ids.cuda()
+    ops.moe_dispatch(xc, ic, E, align=1)                         # compile the gather kernel first
+    torch.cuda.synchronize()
+    import os
+    os.environ["TILECRAFT_CHECK_VALUES"] = "0"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        xd, _, m = ops.moe_dispatch(xc, ic, E, align=1)
+        items = ops.moe_tile_items(m, E)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        del os.environ["TILECRAFT_CHECK_VALUES"]
+    assert torch.equal(xd.cpu(), xd_ref) and torch.equal(m.positions.cpu(), m_ref.positions)
+    assert torch.equal(m.m_indices.cpu(), m_ref.m_indices) and torch.equal(items.cpu(), items_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        xd_g, _, m_g = ops.moe_dispatch(xc, ic, E, align=1)
+        items_g = ops.moe_tile_items(m_g, E)
+    ic.copy_(ic.roll(1, 0))                                      # new routing, same shapes
+    graph.replay()
+    xd2, _, m2 = ops.moe_dispatch(x, ids.roll(1, 0), E, align=1)
+    assert torch.equal(xd_g.cpu(), xd2) and torch.equal(m_g.positions.cpu(), m2.positions)
+    assert torch.equal(m_g.m_indices.cpu(), m2.m_indices) and torch.equal(items_g.cpu(), ops.moe_tile_items(m2, E))
