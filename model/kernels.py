@@ -5,6 +5,19 @@ FP8 GEMMs); the rest are model/reference.py functions with the signature their k
 so that when it lands its line changes to ops.X. Where an op's layout does not fit (fp32 MLA,
 odd GEMM shapes, the CPU for the FP8 GEMMs) the wrapper falls back to the reference. Each entry
 is tagged with its op family, so `profile()` can attribute time (bench.model's decode breakdown).
+
+MOE_PATH picks how the routed experts of keep_fp8 models run (model.layers.Experts; opt-in):
+  "default" (today's behaviour): eager runs moe_dispatch(align=128) + grouped_linear
+             (ops.m_grouped_fp8_gemm_nt_contiguous) + moe_combine; CUDA-graph capture runs
+             moe_experts_static (every expert on every token, ops.fp8_gemm_nt).
+  "sorted":  eager and capture alike run moe_dispatch(layout="contiguous", align=1) -> moe_tile_items
+             (block_m=64) -> quantize the rows per 128 once -> gate and up through
+             ops.m_grouped_fp8_gemm_nt_sorted on the stacked w1 / w3 (no w13 copy) -> silu_mul ->
+             quantize -> down (w2) the same way -> moe_combine. No host syncs once value checks are
+             off or a graph is being captured. A GEMM whose shape the FP8 op does not take
+             (K % 128, N % 64) runs sorted_grouped_linear's sync-free exact-dequant fallback.
+             Experts without FP8 scales, or outside a GPU / fp8_ops_on_cpu(), keep the default path.
+Set it with `kernels.MOE_PATH = "sorted"`, or for a block with `with kernels.moe_path("sorted"):`.
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ _profile: dict | None = None     # family -> [seconds, calls] while profiling
 _sync = None
 _simulated_capture = 0           # > 0 inside simulated_capture()
 _fp8_ops_on_cpu = 0              # > 0 inside fp8_ops_on_cpu()
+MOE_PATHS = ("default", "sorted")
+MOE_PATH = "default"             # the routed experts' path for FP8-kept weights (see the docstring)
 
 
 def _family(name: str, fn):
@@ -153,6 +168,54 @@ def grouped_gemm_align(x, fp8: bool) -> int:
     return 128 if fp8 and _fp8_ops_device(x) else 1
 
 
+@contextmanager
+def moe_path(path: str):
+    """Run the block with MOE_PATH = path ("default" or "sorted"), restoring it after."""
+    global MOE_PATH
+    if path not in MOE_PATHS:
+        raise ValueError(f"moe path must be one of {MOE_PATHS}, got {path!r}")
+    saved, MOE_PATH = MOE_PATH, path
+    try:
+        yield
+    finally:
+        MOE_PATH = saved
+
+
+def moe_sorted_on(x, fp8: bool) -> bool:
+    """Whether the routed experts take the sorted path: MOE_PATH == "sorted", FP8 experts, and the FP8
+    ops' device (a GPU, or the CPU inside fp8_ops_on_cpu())."""
+    if MOE_PATH not in MOE_PATHS:
+        raise ValueError(f"kernels.MOE_PATH must be one of {MOE_PATHS}, got {MOE_PATH!r}")
+    return MOE_PATH == "sorted" and fp8 and _fp8_ops_device(x) and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def _moe_dispatch_sorted(x, ids, num_experts):
+    """moe_dispatch(layout="contiguous", align=1) (exactly T*k rows sorted by expert, no host sync) and
+    the (expert, first row, count) work items of its 64-row chunks: (rows, mapping, items)."""
+    rows, _, mapping = ops.moe_dispatch(x, ids, num_experts, layout="contiguous", align=1)
+    items = ops.moe_tile_items(mapping, num_experts, block_m=ops.gemm_fp8.SORTED_BLOCK_M)
+    return rows, mapping, items
+
+
+def _quant_rows(x):
+    """(x, (e4m3, per-128 scales)) for the sorted GEMMs (one quantization shared by gate and up)."""
+    return (x, ops.per_token_group_quant_fp8(x, 128)) if x.shape[-1] % 128 == 0 else (x, None)
+
+
+def _sorted_grouped_linear(xq, m_indices, items, weight, weight_scale_inv, block_size=(128, 128)):
+    """The grouped GEMM over moe_dispatch(align=1)'s sorted rows, xq = quant_rows(rows): the FP8 sorted
+    op (ops.m_grouped_fp8_gemm_nt_sorted over `items`) where it fits, else the exact-dequant product
+    per expert masked to its rows (every expert on every row: shape-static, no host sync). (M, N)."""
+    x, q = xq
+    if q is not None and _fp8_gemm_fits(x, weight, block_size):
+        return ops.m_grouped_fp8_gemm_nt_sorted(q[0], q[1], weight, weight_scale_inv, items, out_dtype=x.dtype)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for e in range(weight.shape[0]):
+        w = ref.fp8_dequantize(weight[e], weight_scale_inv[e], block_size, x.dtype)
+        out = torch.where((m_indices == e)[:, None], F.linear(x, w), out)
+    return out
+
+
 def _silu_mul(gate, up):
     return F.silu(gate) * up
 
@@ -169,5 +232,8 @@ moe_route = _family("moe_route", ops.moe_route)               # reference: model
 moe_dispatch = _family("moe_dispatch", ops.moe_dispatch)
 grouped_linear = _family("moe_gemm", _grouped_linear)         # ops.m_grouped_fp8_gemm_nt_contiguous for FP8
 moe_combine = _family("moe_combine", ops.moe_combine)
+moe_dispatch_sorted = _family("moe_dispatch", _moe_dispatch_sorted)  # MOE_PATH "sorted": align=1 + items
+quant_rows = _family("moe_gemm", _quant_rows)                 # MOE_PATH "sorted": per-128 row quantization
+sorted_grouped_linear = _family("moe_gemm", _sorted_grouped_linear)  # ops.m_grouped_fp8_gemm_nt_sorted
 moe_experts_static = ref.moe_experts_static                  # CUDA-graph capture only (never profiled)
 silu_mul = _family("act", _silu_mul)

@@ -92,8 +92,21 @@ class Experts:
         up = kernels.grouped_linear(rows, m_indices, self.w3, self.s3, self.block)
         return kernels.grouped_linear(kernels.silu_mul(gate, up), m_indices, self.w2, self.s2, self.block)
 
+    def _sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """kernels.MOE_PATH == "sorted": rows sorted by expert without padding, the sorted FP8 grouped GEMM
+        over 64-row work items, combine. No host sync (eager and graph capture alike)."""
+        rows, mapping, items = kernels.moe_dispatch_sorted(x, ids, self.num_experts)
+        m_idx, q = mapping.m_indices, kernels.quant_rows(rows)            # one quantization for gate and up
+        gate = kernels.sorted_grouped_linear(q, m_idx, items, self.w1, self.s1, self.block)
+        up = kernels.sorted_grouped_linear(q, m_idx, items, self.w3, self.s3, self.block)
+        h = kernels.quant_rows(kernels.silu_mul(gate, up))
+        return kernels.moe_combine(kernels.sorted_grouped_linear(h, m_idx, items, self.w2, self.s2, self.block),
+                                   mapping, weights)
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights (T, k) fp32, ids (T, k) int32 -> (T, H): dispatch, grouped GEMMs, combine."""
+        if kernels.moe_sorted_on(x, fp8=self.s1 is not None):
+            return self._sorted(x, weights, ids)
         if kernels.capturing(x):
             # dispatch sizes its output from the routing (a host sync); graphs get the static form
             return kernels.moe_experts_static(x, weights, ids, self.num_experts, self.expert)

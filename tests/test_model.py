@@ -237,6 +237,48 @@ def test_moe_experts_match_a_dense_loop():
     torch.testing.assert_close(kept, deq, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("inter", [128, 64])                    # 64: down_proj's K takes the fallback
+def test_sorted_experts_match_the_default_path_and_read_nothing_on_the_host(inter, monkeypatch):
+    """Experts under kernels.moe_path("sorted") (fp8_ops_on_cpu): the default path's output, and with value
+    checks off no host read of tensor data in the model's wiring (dispatch align=1, items, quantization,
+    fallback, SiLU, combine). The sorted op's CPU reference loops over the items on the host, so inside
+    the guard it is replaced by a sync-free stand-in of the same math (the GPU kernel reads nothing)."""
+    from test_moe_dispatch import _NoHostSync
+
+    from model import kernels
+
+    g = torch.Generator().manual_seed(3)
+    t, h, e, k = 37, 128, 8, 3
+    x = torch.randn(t, h, generator=g)
+    quantized = [[ref.fp8_quantize(torch.randn(n, kk, generator=g) / kk ** 0.5) for _ in range(e)]
+                 for n, kk in ((inter, h), (inter, h), (h, inter))]
+    experts = Experts(*(torch.stack([p[0] for p in per]) for per in quantized),
+                      *(torch.stack([p[1] for p in per]) for per in quantized))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    weights = torch.rand(t, k, generator=g)
+    with kernels.fp8_ops_on_cpu():
+        default = experts(x, weights, ids)
+        with kernels.moe_path("sorted"):
+            got = experts(x, weights, ids)
+            torch.testing.assert_close(got, default, rtol=1e-5, atol=1e-5)
+
+            def stand_in(a, sfa, b, sfb, items, out=None, out_dtype=torch.bfloat16):
+                deq = ops.dequant_fp8_token_groups(a, sfa)
+                row = torch.arange(a.shape[0])
+                y = torch.zeros(a.shape[0], b.shape[1])
+                for i in range(items.shape[0]):                        # items read as tensors, never on the host
+                    ex, r0, n = items[i].long().unbind()
+                    wb = ref.fp8_dequantize(b, sfb).index_select(0, ex.clamp(min=0).view(1))[0]
+                    y = torch.where(((row >= r0) & (row < r0 + n) & (ex >= 0))[:, None], deq @ wb.T, y)
+                return y.to(out_dtype)
+
+            monkeypatch.setattr(ops, "m_grouped_fp8_gemm_nt_sorted", stand_in)
+            monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "0")
+            with _NoHostSync():
+                guarded = experts(x, weights, ids)
+    torch.testing.assert_close(guarded, got, rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_gemm_op_plumbing(monkeypatch):
     """The GPU branch of kernels.fp8_linear / grouped_linear (ops' FP8 GEMMs, activations quantized per
     128 columns), run here through the ops' CPU references: shapes, layouts and scales line up."""

@@ -187,6 +187,70 @@ def test_kept_fp8_runs_the_fp8_ops_on_cpu(tiny, monkeypatch):
     assert calls["dense"] == dense_calls
 
 
+# ---- MOE_PATH "sorted": the expert-sorted grouped GEMM (opt-in) ----------------------------------------
+
+SORTED_CASES = {   # the keep_fp8 tests' model (down_proj's K=64 takes the fallback), and one where all 3 GEMMs fit
+    "fp8-yarn-no-q-lora": None,
+    "fp8-moe-inter-128": dict(fp8=True, q_lora_rank=None, rope_scaling=dict(YARN), moe_intermediate_size=128),
+}
+
+
+def sorted_ckpt(tiny, make_checkpoint, case):
+    if SORTED_CASES[case] is None:
+        return tiny(case)[0]
+    return make_checkpoint(f"runtime-{case}", seed=31, **SORTED_CASES[case])[0]
+
+
+def count_moe_paths(monkeypatch):
+    """Count the calls of the sorted op, the contiguous op and the capture-time static experts."""
+    calls = {"sorted": 0, "contiguous": 0, "static": 0}
+
+    def counted(key, fn):
+        return lambda *a, **k: calls.__setitem__(key, calls[key] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(ops, "m_grouped_fp8_gemm_nt_sorted", counted("sorted", ops.m_grouped_fp8_gemm_nt_sorted))
+    monkeypatch.setattr(ops, "m_grouped_fp8_gemm_nt_contiguous",
+                        counted("contiguous", ops.m_grouped_fp8_gemm_nt_contiguous))
+    monkeypatch.setattr(kernels, "moe_experts_static", counted("static", kernels.moe_experts_static))
+    return calls
+
+
+@pytest.mark.parametrize("case", list(SORTED_CASES))
+def test_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
+    """kernels.moe_path("sorted") inside fp8_ops_on_cpu(): dispatch with align=1, 64-row work items,
+    ops.m_grouped_fp8_gemm_nt_sorted (its CPU reference) gives the default path's logits for a prefill
+    and teacher-forced decode steps, eager and graph-replayed (where it replaces moe_experts_static)."""
+    ckpt = sorted_ckpt(tiny, make_checkpoint, case)
+    calls = count_moe_paths(monkeypatch)
+    prompt, forced = prompts_of([100, 6], seed=9)
+    assert kernels.MOE_PATH == "default"
+    with kernels.fp8_ops_on_cpu():
+        llm = LLM(ckpt, max_model_len=256, keep_fp8=True)
+        default = [llm.score(prompt), teacher_forced_logits(llm, prompt, forced)]
+        default_graphed = teacher_forced_logits(replay_graphs(llm), prompt, forced)
+        assert calls["sorted"] == 0 and calls["contiguous"] > 0 and calls["static"] > 0
+        llm.use_cuda_graphs = False
+        calls.update(contiguous=0, static=0)
+        with kernels.moe_path("sorted"):
+            assert kernels.MOE_PATH == "sorted"
+            got = [llm.score(prompt), teacher_forced_logits(llm, prompt, forced)]
+            assert calls["sorted"] > 0 and calls["contiguous"] == 0
+            eager_calls = calls["sorted"]
+            llm.use_cuda_graphs = True
+            got_graphed = teacher_forced_logits(llm, prompt, forced)
+            assert calls["sorted"] > eager_calls and calls["contiguous"] == calls["static"] == 0
+        assert kernels.MOE_PATH == "default"
+    per_layer = 2 if case == "fp8-yarn-no-q-lora" else 3                   # down_proj K=64: the fallback
+    assert calls["sorted"] % per_layer == 0
+    for want, have in zip(default, got):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_graphed, default_graphed, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_graphed, default[1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="moe path must be one of"):
+        with kernels.moe_path("fast"):
+            pass
+
+
 # ---- sampling ---------------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_deterministic(tiny):
@@ -405,6 +469,29 @@ def test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference(tiny, monkeyp
     teacher_forced_logits(kept, prompt, forced)
     assert calls["dense"] > 0 and calls["grouped"] > 0
     assert errors and max(errors) < 0.04
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(SORTED_CASES))
+def test_gpu_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
+    """test_sorted_moe_path_matches_the_default_keep_fp8_path on the GPU (bf16): the sorted FP8 kernel
+    against the default path (ops.m_grouped_fp8_gemm_nt_contiguous eager, moe_experts_static in graphs),
+    eager and inside real CUDA graphs (which would fail on a host sync in the sorted path)."""
+    ckpt = sorted_ckpt(tiny, make_checkpoint, case)
+    calls = count_moe_paths(monkeypatch)
+    prompt, forced = prompts_of([100, 6], seed=9)
+    eager = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True, keep_fp8=True)
+    default = [eager.score(prompt), teacher_forced_logits(eager, prompt, forced)]
+    with kernels.moe_path("sorted"):
+        got = [eager.score(prompt), teacher_forced_logits(eager, prompt, forced)]
+        assert calls["sorted"] > 0
+        graphed = LLM(ckpt, device="cuda", max_model_len=256, keep_fp8=True)
+        got_graphed = teacher_forced_logits(graphed, prompt, forced)
+        assert graphed._graphs.graphs, "decode did not capture CUDA graphs"
+    for want, have in zip(default, got):
+        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2)
+        assert (have.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    torch.testing.assert_close(got_graphed, got[1], rtol=2e-2, atol=2e-2)
 
 
 # ---- real-width (v3 preset) checkpoints through the streaming writer ------------------------------------
