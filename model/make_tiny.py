@@ -55,21 +55,17 @@ TINY_DEEPSEEK_V3 = dict(
     attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     initializer_range=0.02, dtype="bfloat16",
 )
-# DeepSeek-V3's real widths (its config.json), except first_k_dense_replace (3 there): 1 here, so that
-# a few-layer checkpoint is mostly MoE layers. No multi-token-prediction layer is written.
+# DeepSeek-V3's real widths (its config.json; the rest as in the tiny preset), except
+# first_k_dense_replace (3 there): 1 here, so that a few-layer checkpoint is mostly MoE layers.
+# No multi-token-prediction layer is written.
 V3_DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    TINY_DEEPSEEK_V3,
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, num_experts_per_tok=8,
-    n_group=8, topk_group=4, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=True,
-    scoring_func="sigmoid", topk_method="noaux_tc",
-    kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-    hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+    num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+    num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128,
+    max_position_embeddings=163840,
     rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                       mscale=1.0, mscale_all_dim=1.0),
-    rope_interleave=True, attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-    initializer_range=0.02, dtype="bfloat16",
 )
 PRESETS = {"tiny": TINY_DEEPSEEK_V3, "v3": V3_DEEPSEEK_V3}
 YARN = dict(type="yarn", factor=32.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,

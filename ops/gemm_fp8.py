@@ -264,11 +264,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> 
     """
     block_n = 128 if n % 128 == 0 else 64
     kb = k // GROUP
-    splits = 1
-    if mode == "dense":
-        tiles = -(-rows // block_m) * (n // block_n)
-        while tiles * splits * 2 <= sms and kb // (splits * 2) >= 12:
-            splits *= 2
+    splits = split_k_count(-(-rows // block_m) * (n // block_n), kb, sms) if mode == "dense" else 1
     per = -(-kb // splits)
     fixed = kb * 4 + block_m * per * 4
     stage_bytes = (block_m + block_n) * GROUP
@@ -277,6 +273,28 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> 
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
     return dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
+
+
+def split_k_count(tiles: int, k_steps: int, sms: int) -> int:
+    """Splits of K (a power of two) for a grid of `tiles` (m, n) tiles: doubled while the blocks
+    still cover at most the SMs and every split keeps at least 12 K steps."""
+    splits = 1
+    while tiles * splits * 2 <= sms and k_steps // (splits * 2) >= 12:
+        splits *= 2
+    return splits
+
+
+def launch_split_k(kernel, args, out, splits: int, out_dtype: str):
+    """Run a GEMM kernel whose last argument is its fp32 partials buffer (splits, rows, n), then,
+    for splits > 1 (2-D outputs only), the fixed-order reduce into `out` (rows, n)."""
+    n = out.shape[-1]
+    if splits == 1:
+        kernel.launcher()(*args, out, _dummy(out.device, n, torch.float32).view(1, 1, n))
+        return
+    part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
+    kernel.launcher()(*args, out, part)
+    target = targets.resolve(out)
+    fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()(part, out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,13 +312,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
     p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2)), **override}
     kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype], **p)
-    if p["splits"] == 1:
-        kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, _dummy(a2.device, n, torch.float32).view(1, 1, n))
-        return
-    part = torch.empty(p["splits"], a2.shape[0], n, dtype=torch.float32, device=a2.device)
-    kernel.launcher()(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, part)
-    reduce = fp8_gemm_reduce_program.compile(target, n=n, splits=p["splits"], out_dtype=OUT_DTYPES[out2.dtype])
-    reduce.launcher()(part, out2)
+    launch_split_k(kernel, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, p["splits"], OUT_DTYPES[out2.dtype])
 
 
 def _dummy(device, size=1, dtype=torch.int32):

@@ -134,28 +134,21 @@ def _mxfp4_impl(a, b, sfb):
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Tile and split-K choice (a pure function of the shapes). Split-K when the (m, n) tiles
     cover under half the GPU and every split keeps at least 12 K steps (as ops.gemm_fp8.plan)."""
+    from ops.gemm_fp8 import split_k_count
+
     block_m = 64 if m <= 64 else 128
-    tiles = -(-m // block_m) * (n // 128)
-    splits, kb = 1, k // 128
-    while tiles * splits * 2 <= sms and kb // (splits * 2) >= 12:
-        splits *= 2
-    return dict(block_m=block_m, splits=splits)
+    return dict(block_m=block_m, splits=split_k_count(-(-m // block_m) * (n // 128), k // 128, sms))
 
 
 def _launch(a, b, sfb, out, **override):
-    from ops.gemm_fp8 import fp8_gemm_reduce_program, sm_count
+    from ops.gemm_fp8 import launch_split_k, sm_count
 
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
     p = {**plan(m, n, k, sms=sm_count(a)), **override}
     kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
-    if p["splits"] == 1:
-        kernel.launcher()(a, b, sfb, out, torch.empty(1, 1, n, dtype=torch.float32, device=a.device))
-        return
-    part = torch.empty(p["splits"], m, n, dtype=torch.float32, device=a.device)
-    kernel.launcher()(a, b, sfb, out, part)
-    fp8_gemm_reduce_program.compile(target, n=n, splits=p["splits"], out_dtype="bfloat16").launcher()(part, out)
+    launch_split_k(kernel, (a, b, sfb), out, p["splits"], "bfloat16")
 
 
 @torch.library.custom_op("tilecraft::mxfp4_gemm_nt", mutates_args=())

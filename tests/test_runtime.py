@@ -103,6 +103,23 @@ def replay_graphs(llm):
     return llm
 
 
+def check_graph_decode_matches_eager(llm, tol):
+    """Teacher-forced decode logits with graphs == without (within tol), and greedy generation of a
+    3-row batch (a padded bucket of 4) gives the same tokens both ways. Leaves graphs on."""
+    prompt, forced = prompts_of([70, 10], seed=7)
+    graphed = teacher_forced_logits(llm, prompt, forced)
+    llm.use_cuda_graphs = False
+    eager = teacher_forced_logits(llm, prompt, forced)
+    torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
+    llm.use_cuda_graphs = True
+    prompts = prompts_of([5, 70, 33], seed=8)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    with_graphs = llm.generate(prompts, greedy)
+    llm.use_cuda_graphs = False
+    assert llm.generate(prompts, greedy) == with_graphs
+    llm.use_cuda_graphs = True
+
+
 def test_replayed_graph_decode_matches_eager(tiny, monkeypatch):
     """test_gpu_cuda_graph_decode_matches_eager on the CPU. Replays rewrite the static logits in place,
     so each step's logits must come back as the caller's own tensor (teacher forcing keeps them all)."""
@@ -110,18 +127,8 @@ def test_replayed_graph_decode_matches_eager(tiny, monkeypatch):
     llm = replay_graphs(LLM(ckpt, max_num_seqs=4, max_model_len=256))
     static_path = []
     monkeypatch.setattr(kernels, "moe_experts_static", lambda *a: static_path.append(1) or ref.moe_experts_static(*a))
-    prompt, forced = prompts_of([70, 10], seed=7)
-    graphed = teacher_forced_logits(llm, prompt, forced)
+    check_graph_decode_matches_eager(llm, tol=1e-4)
     assert sorted(llm._graphs.graphs) == [1, 2, 4] and static_path     # captured; MoE took the graph path
-    llm.use_cuda_graphs = False
-    eager = teacher_forced_logits(llm, prompt, forced)
-    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-    llm.use_cuda_graphs = True
-    prompts = prompts_of([5, 70, 33], seed=8)                              # 3 rows: a padded bucket of 4
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    with_graphs = llm.generate(prompts, greedy)
-    llm.use_cuda_graphs = False
-    assert llm.generate(prompts, greedy) == with_graphs
     assert llm.cache.allocator.num_free == llm.cache.num_blocks - 1
 
 
@@ -442,18 +449,8 @@ def test_gpu_cuda_graph_decode_matches_eager(tiny):
     ckpt, _ = tiny("moe-q-lora")
     llm = LLM(ckpt, device="cuda", max_num_seqs=4, max_model_len=256)
     assert llm.use_cuda_graphs
-    prompt, forced = prompts_of([70, 10], seed=7)
-    graphed = teacher_forced_logits(llm, prompt, forced)
+    check_graph_decode_matches_eager(llm, tol=2e-2)
     assert llm._graphs.graphs, "decode did not capture CUDA graphs"
-    llm.use_cuda_graphs = False
-    eager = teacher_forced_logits(llm, prompt, forced)
-    torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)
-    llm.use_cuda_graphs = True
-    prompts = prompts_of([5, 70, 33], seed=8)                              # 3 rows: a padded bucket of 4
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    with_graphs = llm.generate(prompts, greedy)
-    llm.use_cuda_graphs = False
-    assert llm.generate(prompts, greedy) == with_graphs
 
 
 @pytest.mark.gpu
