@@ -26,6 +26,7 @@ import operator
 import tilelang.language as T
 import torch
 
+from backends.cuda.device import sm_count
 from codegen import targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
@@ -295,16 +296,6 @@ def launch_split_k(kernel, args, out, splits: int, out_dtype: str):
     kernel.launcher()(*args, out, part)
     target = targets.resolve(out)
     fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()(part, out)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device the kernel runs on (plans size split-K by it)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def sm_count(t: torch.Tensor) -> int:
-    return _sm_count(t.device) if t.is_cuda else 132
 
 
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, **override):

@@ -141,7 +141,8 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _launch(a, b, sfb, out, **override):
-    from ops.gemm_fp8 import launch_split_k, sm_count
+    from backends.cuda.device import sm_count
+    from ops.gemm_fp8 import launch_split_k
 
     m, k = a.shape
     n = b.shape[0]

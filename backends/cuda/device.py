@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from backends import ToolchainError
 
 # compute capability -> Tilecraft's CUDA arch; anything else has no lowering rules yet
@@ -29,3 +31,16 @@ def arch_of_device(device) -> str:
         supported = ", ".join(f"sm_{a}{b}" for a, b in ARCH_BY_CAPABILITY)
         raise ValueError(f"GPU '{name}' is sm_{cap[0]}{cap[1]}; Tilecraft has lowering rules for {supported} only")
     return arch
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(tensor, default: int = 132) -> int:
+    """Streaming multiprocessors of the GPU `tensor` lives on (kernels size their grids by it);
+    `default` (the H200's count) for tensors elsewhere."""
+    return _sm_count(tensor.device.index) if tensor.is_cuda else default
