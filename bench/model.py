@@ -494,6 +494,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                     help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--keep-fp8", action="store_true", help="keep FP8 weights as e4m3 + scales (FP8 GEMMs)")
+    ap.add_argument("--moe-path", default=None, choices=("default", "sorted"),
+                    help="routed experts' path with --keep-fp8 (model.kernels.MOE_PATH; default: its current value)")
     ap.add_argument("--repeat", type=int, default=1, help="timed generates; the fastest decode is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -520,9 +522,13 @@ def main(argv=None) -> int:
     import torch
 
     from bench.op import gpu_name, versions
+    from model import kernels
+
+    if args.moe_path is not None:
+        kernels.MOE_PATH = args.moe_path
 
     res = {"meta": {"model_dir": str(args.model_dir), "batch": args.batch, "input_len": args.input_len,
-                    "output_len": args.output_len, "keep_fp8": args.keep_fp8, "gpu": gpu_name(), **versions(),
+                    "output_len": args.output_len, "keep_fp8": args.keep_fp8, "moe_path": kernels.MOE_PATH, "gpu": gpu_name(), **versions(),
                     "config": json.loads((Path(args.model_dir) / "config.json").read_text())}}
     lock = threading.Lock()
     if args.time_budget is not None:

@@ -54,6 +54,7 @@ def make_case(name, W):
 
 def experts(xd, sd, m, offset, a, b):
     """y = x * a[e] + b[e] per row in fp32 (elementwise: batch-independent bits); unused rows NaN."""
+    a, b = a.to(xd.device), b.to(xd.device)
     xf = xd.float()
     if sd is not None:
         xf = xf * sd.repeat_interleave(128, -1)
@@ -63,9 +64,9 @@ def experts(xd, sd, m, offset, a, b):
         y = xf * a[e][:, None] + b[e][:, None]
         y[~valid] = float("nan")
     else:
-        e = torch.arange(m.num_experts) + offset
+        e = torch.arange(m.num_experts, device=xd.device) + offset
         y = xf * a[e][:, None, None] + b[e][:, None, None]
-        y[torch.arange(m.max_m)[None, :] >= m.masked_m[:, None].long()] = float("nan")
+        y[torch.arange(m.max_m, device=xd.device)[None, :] >= m.masked_m[:, None].long()] = float("nan")
     return y.bfloat16()
 
 
@@ -79,8 +80,12 @@ def bits(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t
 
 
-def check_scenario(name, rank, W, group):
-    case = make_case(name, W)
+def on(case, device):
+    return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in case.items()}
+
+
+def check_scenario(name, rank, W, group, device="cpu"):
+    case = on(make_case(name, W), device)
     E, sizes = case["E"], case["sizes"]
     lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
     n_loc, e0 = E // W, rank * (E // W)
@@ -112,8 +117,8 @@ def check_scenario(name, rank, W, group):
         assert out.shape == (hi - lo, xd.shape[-1]) and torch.equal(bits(out), bits(out_g[lo:hi])), where
 
 
-def check_errors(rank, W, group):
-    x, ids = torch.randn(3, 128).bfloat16(), torch.zeros(3, 2, dtype=torch.int32)
+def check_errors(rank, W, group, device="cpu"):
+    x, ids = torch.randn(3, 128).bfloat16().to(device), torch.zeros(3, 2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=f"num_experts={2 * W + 1} must be a multiple of the group's world size {W}"):
         ops.moe_dispatch(x, ids, 2 * W + 1, group=group)
     # one rank's bad ids: it raises its own error, the others learn it in the header exchange (no hang)
@@ -123,7 +128,7 @@ def check_errors(rank, W, group):
         ops.moe_dispatch(x, bad, 4 * W, group=group)
     xd, _, m = ops.moe_dispatch(x, ids, 4 * W, group=group)
     with pytest.raises(ValueError, match="weights must have shape"):
-        ops.moe_combine(torch.zeros_like(xd), m, torch.ones(3, 3))
+        ops.moe_combine(torch.zeros_like(xd), m, torch.ones(3, 3, device=device))
 
 
 def check_bench_dry_run(W, group):
@@ -163,13 +168,30 @@ def worker(rank, store, cache_dir):
         dist.destroy_process_group()
 
 
-def spawn(deadline_s=150):
+def nccl_worker(rank, store, cache_dir, world):
+    """One process per GPU over NCCL: every scenario and the error paths on the whole group."""
+    import torch.distributed as dist
+
+    os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
+    os.environ["NCCL_NVLS_ENABLE"] = "0"        # never NVLink multicast
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=90), device_id=torch.device("cuda", rank))
+    try:
+        for name in SCENARIOS:
+            check_scenario(name, rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+        check_errors(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn=worker, nprocs=4, extra=(), deadline_s=150):
     from tilecraft import env
 
     store = tempfile.NamedTemporaryFile(prefix="tilecraft-ep-", delete=False)
     store.close()
     os.unlink(store.name)                       # the file store must not exist yet
-    ctx = mp.start_processes(worker, args=(store.name, str(env.cache_dir())), nprocs=4, join=False,
+    ctx = mp.start_processes(fn, args=(store.name, str(env.cache_dir()), *extra), nprocs=nprocs, join=False,
                              start_method="spawn")
     t0 = time.monotonic()
     try:
@@ -189,6 +211,19 @@ def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():
         for layout, kw in LAYOUTS:
             single_device(make_case(name, 2), layout, kw)
     spawn()
+
+
+@pytest.mark.gpu
+def test_ep_over_nccl_matches_single_gpu_bitwise():
+    """The same checks on real GPUs, one process each over NCCL: the EP layouts and combined outputs
+    equal the single-GPU kernels' results bitwise (W = every visible GPU)."""
+    world = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world < 2:
+        pytest.skip(f"needs >= 2 CUDA GPUs for NCCL, found {world}")
+    for name in SCENARIOS:                      # compile the kernels once, here, into the shared cache
+        for layout, kw in LAYOUTS:
+            single_device(on(make_case(name, world), "cuda"), layout, kw)
+    spawn(nccl_worker, world, (world,), deadline_s=300)
 
 
 def test_group_without_distributed_is_a_clear_error():
