@@ -97,11 +97,11 @@ def _experts_as_moe_gemm():
 
 
 class _Steps:
-    """Wraps LLM._decode: marks each step's start (device synchronized), switches the profiler on for
+    """Wraps LLM._decode_step: marks each step's start (device synchronized), switches the profiler on for
     the 'prof' steps and the op-family timing (eager, graph-capture code path) for the 'eager' steps."""
 
     def __init__(self, llm, plan: list[str]):
-        self.llm, self.plan, self.orig = llm, plan, llm._decode
+        self.llm, self.plan, self.orig = llm, plan, llm._decode_step
         self.marks: list[tuple[str, float]] = []
         self.prof = None
         self.prof_window = None
@@ -150,6 +150,22 @@ class _Steps:
     def durations(self) -> list[tuple[str, float]]:
         ends = [t for _, t in self.marks[1:]] + [self.end]
         return [(m, e - t) for (m, t), e in zip(self.marks, ends)]
+
+    def top_kernels(self, n: int = 15) -> list[dict]:
+        """The profiled steps' kernels by total time: name, calls and microseconds per step."""
+        if self.prof_window is None:
+            return []
+        from torch.autograd import DeviceType
+
+        steps = max(sum(1 for m, _ in self.marks if m == "prof"), 1)
+        acc: dict[str, list[float]] = {}
+        for e in self.prof_events:
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+                a = acc.setdefault(e.name, [0.0, 0])
+                a[0] += e.time_range.end - e.time_range.start
+                a[1] += 1
+        top = sorted(acc.items(), key=lambda kv: -kv[1][0])[:n]
+        return [{"kernel": k[:120], "us_per_step": t / steps, "calls_per_step": c / steps} for k, (t, c) in top]
 
     def kernel_share(self):
         """(share, kernels per step, busy seconds) from the profiled steps, or None."""
@@ -203,12 +219,12 @@ def run_ours(args, res: dict) -> list[list[int]]:
         if r and _left(args) < 120:
             break
         steps = _Steps(llm, plan)
-        llm._decode = steps
+        llm._decode_step = steps
         try:
             llm.generate(prompts, params)
             steps.finish()
         finally:
-            del llm._decode
+            del llm._decode_step
         s = llm.stats
         timed = [d for m, d in steps.durations() if m == "time"]
         step_s = sum(timed) / len(timed) if timed else None
@@ -231,6 +247,9 @@ def run_ours(args, res: dict) -> list[list[int]]:
         n_prof = plan.count("prof")
         ours["profiled_step_ms"] = 1e3 * steps.prof_window / n_prof
         ours["kernel_busy_ms_per_step"] = 1e3 * busy / n_prof
+        if ours.get("decode_step_ms"):    # the same kernel time over the unprofiled (timed) step
+            ours["kernel_share_of_timed_step"] = ours["kernel_busy_ms_per_step"] / ours["decode_step_ms"]
+        ours["top_kernels"] = steps.top_kernels()
         if ours["kernels_per_step"] < 10:
             ours["kernel_share_note"] = ("the profiler recorded almost no kernels: CUPTI may not report kernels "
                                          "inside CUDA-graph replays here; rerun with --enforce-eager for a bound")
@@ -465,8 +484,15 @@ def report(res: dict, args) -> None:
         print(f"\nkernel share of decode step time: {100 * ours['kernel_share']:.1f}% "
               f"({ours['kernel_busy_ms_per_step']:.2f} ms of kernels in {ours['profiled_step_ms']:.2f} ms per step, "
               f"{ours['kernels_per_step']:.0f} kernels/step)\n  = {KERNEL_SHARE_DEF}")
+        if ours.get("kernel_share_of_timed_step"):
+            print(f"  the same kernel time over the timed (unprofiled) step of {ours['decode_step_ms']:.2f} ms: "
+                  f"{100 * ours['kernel_share_of_timed_step']:.1f}%")
         if ours.get("kernel_share_note"):
             print("  note: " + ours["kernel_share_note"])
+        if ours.get("top_kernels"):
+            print("  top kernels per profiled step:")
+            for t in ours["top_kernels"]:
+                print(f"    {t['us_per_step']:8.1f} us  {t['calls_per_step']:5.1f} x  {t['kernel'][:90]}")
     shares = ours.get("decode_op_shares")
     if shares:
         print(f"\nshare of decode time by op family (eager steps on the graph-capture code path, device synchronized "

@@ -5,6 +5,13 @@ the first b rows, pads up to the bucket with rows that read and write only the s
 replays, and returns a copy of the first b rows of the bucket's static logits (the static tensor
 itself is overwritten by the next replay).
 
+Each graph also ends with the greedy choice and the next step's inputs, computed on the device:
+next_ids = argmax(logits), and for the real rows (active = 1) ids = next_ids, positions + 1,
+lengths + 1; the cache slot of each row is computed inside the graph from its block table and
+position. So consecutive greedy steps of the same batch (run_greedy) copy nothing to the device
+and read back only the b token ids; a step that does not continue the last one (new batch, other
+sampling, run()) rewrites the inputs from the host first.
+
 Capture and replay go through a recorder: CudaGraphRecorder (torch.cuda.CUDAGraph) on the GPU;
 ReplayRecorder, for tests on a machine without one, records the step's callable and the tensor it
 returned, and a replay calls it again and writes the result into that same tensor, so the static
@@ -91,15 +98,28 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.full((max_batch,), SCRATCH_BLOCK * cache.page, dtype=torch.long, device=dev)
+        self.active = torch.zeros(max_batch, dtype=torch.long, device=dev)     # 1: a real row, 0: padding
+        self.next_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.block_table = torch.full((max_batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=dev)
         self.seqlens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.graphs: dict[int, object] = {}
+        self._expect = None          # the key of the step the graph inputs are advanced to, or None
+        self._size = None
+        self.writes = 0              # host writes of the inputs (steps that did not continue the last)
         self.logits: dict[int, torch.Tensor] = {}
 
     def _step(self, b: int) -> torch.Tensor:
-        batch = AttentionBatch(self.positions[:b], self.slots[:b], self.block_table[:b], self.seqlens[:b], decode=True)
-        return self.model.forward(self.input_ids[:b], batch, self.cache.layers)
+        page, pos, table = self.cache.page, self.positions[:b], self.block_table[:b]
+        slots = table.gather(1, (pos // page)[:, None]).squeeze(1).long() * page + pos % page
+        batch = AttentionBatch(pos, slots, table, self.seqlens[:b], decode=True)
+        logits = self.model.forward(self.input_ids[:b], batch, self.cache.layers)
+        # the greedy choice and the next step's inputs (padding rows keep theirs: scratch block only)
+        nxt, act = torch.argmax(logits, dim=-1), self.active[:b]
+        self.next_ids[:b].copy_(nxt)
+        self.input_ids[:b].copy_(torch.where(act.bool(), nxt, self.input_ids[:b]))
+        self.positions[:b].add_(act)
+        self.seqlens[:b].add_(act.to(torch.int32))
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,23 +131,45 @@ class DecodeGraphs:
                 rec.warmed_up()
                 self.graphs[b], self.logits[b] = rec.capture(lambda b=b: self._step(b))
 
-    def run(self, input_ids, positions, slots, block_table, seqlens) -> torch.Tensor:
-        """The same tensors as an eager decode step (b rows, on the device); returns logits (b, vocab),
-        a tensor of the caller's (not a view of the static logits, which the next replay overwrites)."""
+    def _write(self, input_ids, positions, block_table, seqlens) -> int:
+        """Copy a step's inputs into the static buffers, pad to the bucket; returns the bucket size.
+        (No slots: the graph computes each row's block_table[pos // page] * page + pos % page.)"""
         if not self.graphs:
             self.capture()
         b = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= b)
+        self.writes += 1
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
-        self.slots[:b].copy_(slots)
         self.block_table[:b].copy_(block_table)
         self.seqlens[:b].copy_(seqlens)
+        self.active[:b].fill_(1)
         if size > b:  # padding rows: scratch block only
             self.input_ids[b:size].zero_()
             self.positions[b:size].zero_()
-            self.slots[b:size].fill_(SCRATCH_BLOCK * self.cache.page)
             self.block_table[b:size].fill_(SCRATCH_BLOCK)
             self.seqlens[b:size].fill_(1)
+            self.active[b:size].zero_()
+        return size
+
+    def run(self, input_ids, positions, block_table, seqlens) -> torch.Tensor:
+        """An eager decode step's tensors (b rows, on the device; the cache slots follow from
+        block_table and positions); returns logits (b, vocab), a tensor of the caller's (not a view
+        of the static logits, which the next replay overwrites)."""
+        b = input_ids.shape[0]
+        size = self._write(input_ids, positions, block_table, seqlens)
+        self._expect = None
         self.recorder.replay(self.graphs[size])
         return self.logits[size][:b].clone()
+
+    def run_greedy(self, key, inputs) -> list[int]:
+        """A greedy step; returns the b next token ids. key identifies the step (batch, positions):
+        when it is the step that follows the last replay, the graph's own advanced inputs are used
+        as they are; otherwise inputs() gives (ids, positions, block_table, seqlens) to write."""
+        if key != self._expect:
+            self._size = self._write(*inputs())
+        b = len(key[1])
+        self.recorder.replay(self.graphs[self._size])
+        tokens = self.next_ids[:b].tolist()
+        self._expect = (key[0], key[1], tuple(p + 1 for p in key[2]))
+        return tokens

@@ -89,6 +89,7 @@ class LLM:
             if self.use_cuda_graphs else None
         self.stats = Stats()
         self._op_profile: dict | None = None
+        self._generation = 0
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -106,6 +107,7 @@ class LLM:
                 raise ValueError(f"prompt_token_ids[{i}] has {len(p)} tokens; with max_tokens={sp.max_tokens} that "
                                  f"exceeds max_model_len={self.max_model_len}")
         seqs = [_Seq(i, p, sp, make_generator(sp, i, self.device)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._generation += 1                   # graph-held decode state never carries over between calls
         self.stats = Stats()
         bar = _progress(progress, sum(sp.max_tokens for sp in params), "generate")
         waiting, running = deque(seqs), []
@@ -119,14 +121,14 @@ class LLM:
                 if admitted:
                     t0 = time.perf_counter()
                     logits = self._prefill(admitted, all_logits=False, progress=progress)
-                    self._append(admitted, torch.cat(logits), bar)
+                    self._append(admitted, self._sample(admitted, torch.cat(logits)), bar)
                     self.stats.prefill_s += self._elapsed(t0)
                     self.stats.prefill_tokens += sum(len(s.prompt) for s in admitted)
                     running += admitted
                 running = self._retire(running)
                 if running:
                     t0 = time.perf_counter()
-                    self._append(running, self._decode(running), bar)
+                    self._append(running, self._decode_step(running), bar)
                     self.stats.decode_s += self._elapsed(t0)
                     self.stats.decode_steps += 1
                     self.stats.decode_tokens += len(running)
@@ -202,15 +204,24 @@ class LLM:
         bar.close()
         return [torch.cat(o) for o in out]
 
-    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
-        """One token for each running sequence; returns logits (B, vocab) fp32."""
+    def _decode_inputs(self, seqs: list[_Seq], positions: list[int]):
+        """(ids, positions, slots, block_table, seqlens) of a decode step, on the device."""
         dev = self.device
-        positions = [s.num_cached for s in seqs]
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         pos = torch.tensor(positions, device=dev)
         slots = torch.tensor([self.cache.slots(s.blocks, p, p + 1)[0] for s, p in zip(seqs, positions)], device=dev)
         table = self.cache.block_table([s.blocks for s in seqs], self.blocks_per_seq)
         seqlens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)
+        return ids, pos, slots, table, seqlens
+
+    def _graph_inputs(self, seqs: list[_Seq], positions: list[int]):
+        ids, pos, _, table, seqlens = self._decode_inputs(seqs, positions)
+        return ids, pos, table, seqlens
+
+    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
+        """One token for each running sequence; returns logits (B, vocab) fp32."""
+        dev = self.device
+        ids, pos, slots, table, seqlens = self._decode_inputs(seqs, [s.num_cached for s in seqs])
         for s in seqs:
             s.num_cached += 1
         if self._op_profile is not None:  # eager, every op timed by family
@@ -222,11 +233,30 @@ class LLM:
                 acc[1] += calls
             return logits
         if self.use_cuda_graphs:
-            return self._graphs.run(ids, pos, slots, table, seqlens)
+            return self._graphs.run(ids, pos, table, seqlens)
         return self.model.forward(ids, AttentionBatch(pos, slots, table, seqlens, decode=True), self.cache.layers)
 
-    def _append(self, seqs: list[_Seq], logits: torch.Tensor, bar) -> None:
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def _decode_step(self, seqs: list[_Seq]) -> list[int]:
+        """One decode step: the next token of each running sequence.
+
+        With CUDA graphs, greedy sampling and no op profiling, the graph itself picks the tokens
+        (argmax) and advances its own inputs (ids, positions, slots, lengths) for the next step, so
+        a step that continues the previous one's batch copies nothing to the device and reads back
+        only the B token ids. Any other step takes the general path: inputs from the host, logits
+        back, sampling on the host."""
+        if self.use_cuda_graphs and self._op_profile is None and all(s.params.greedy for s in seqs):
+            positions = [s.num_cached for s in seqs]
+            key = (self._generation, tuple(s.index for s in seqs), tuple(positions))
+            tokens = self._graphs.run_greedy(key, lambda: self._graph_inputs(seqs, positions))
+            for s in seqs:
+                s.num_cached += 1
+            return tokens
+        return self._sample(seqs, self._decode(seqs))
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    def _append(self, seqs: list[_Seq], tokens: list[int], bar) -> None:
         eos = set(self.config.eos_token_ids)
         for s, t in zip(seqs, tokens):
             s.output.append(t)

@@ -114,10 +114,24 @@ def check_graph_decode_matches_eager(llm, tol):
     llm.use_cuda_graphs = True
     prompts = prompts_of([5, 70, 33], seed=8)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    writes = llm._graphs.writes
     with_graphs = llm.generate(prompts, greedy)
+    # greedy steps that continue the last one take the graph's own advanced inputs: one host write
+    assert llm._graphs.writes - writes == 1, "consecutive greedy steps rewrote the graph inputs"
     llm.use_cuda_graphs = False
     assert llm.generate(prompts, greedy) == with_graphs
     llm.use_cuda_graphs = True
+    # sequences that end at different steps, one that waits for a slot, one seeded sampler: the
+    # batch changes (rewrite) and the general path runs where a row samples; same tokens as eager
+    prompts = prompts_of([5, 70, 33, 12, 9], seed=9)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 3, 9, 4)] + \
+        [SamplingParams(max_tokens=5, temperature=0.8, top_k=20, seed=3, ignore_eos=True)]
+    for batch in (params[:4], params):
+        with_graphs = llm.generate(prompts[:len(batch)], batch)
+        llm.use_cuda_graphs = False
+        assert llm.generate(prompts[:len(batch)], batch) == with_graphs
+        llm.use_cuda_graphs = True
+        assert [len(o) for o in with_graphs] == [p.max_tokens for p in batch]
 
 
 def test_replayed_graph_decode_matches_eager(tiny, monkeypatch):
