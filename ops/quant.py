@@ -8,14 +8,22 @@ MXFP4 (OCP MX, e2m1 with E8M0 scales): one power-of-two scale per 32 values, 2^(
 (e2m1's largest exponent is 2, its largest value 6), values rounded to nearest even e2m1 and
 packed two per byte (low nibble first).
 
-These run as torch ops on any device: they are not on the hot path of inference (weights are
-quantized once; activations are quantized inside the GEMM kernels' producers).
+Weights are quantized once, as torch ops on any device. Activations are quantized before every
+FP8 GEMM of a forward pass, so per_token_group_quant_fp8 on a CUDA tensor (group 128, k % 128 == 0,
+no UE8M0) runs one tile program, token_group_quant_program, instead of ~10 torch kernels; its
+output is the torch path's, bit for bit (IEEE division, round-to-nearest-even e4m3, clamp to
++-448), except that a NaN does not spread to its whole group (the kernel's absmax skips it: the NaN
+stays in its own element).
 """
 
+# no `from __future__ import annotations` here: TileLang evaluates T.Tensor annotations
 import math
 
+import tilelang.language as T
 import torch
 
+from codegen import targets, tile
+from codegen.program import tile_program
 from ops import _validate as check
 
 FP8_MAX = 448.0
@@ -33,10 +41,70 @@ def _fp8_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     return _pow2_ceil(scale) if ue8m0 else scale
 
 
+QUANT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@tile_program("token_group_quant_fp8", targets=("cuda:sm_90a", "cuda:sm_100a"),
+              examples={"h7168-bf16": dict(k=7168), "h1536-bf16": dict(k=1536)})
+def token_group_quant_program(k: int, dtype: str = "bfloat16", groups_per_block: int = 4, threads: int = 128):
+    """Q[r, g*128 + j] = e4m3(clamp(X[r, g*128 + j] / S[r, g])), S[r, g] = absmax(group) / 448 (1 if 0).
+    A block takes groups_per_block groups of one row; rows are symbolic (one kernel for every batch)."""
+    group = 128
+    groups = k // group
+    per = groups_per_block
+    blocks_per_row = -(-groups // per)
+    rows = T.dynamic("rows")
+    sdt = tile.storage_dtype(dtype)
+
+    @T.prim_func
+    def token_group_quant(X: T.Tensor((rows, k), sdt), Q: T.Tensor((rows, k), "float8_e4m3fn"),
+                          S: T.Tensor((rows, groups), "float32")):
+        with tile.grid(rows * blocks_per_row, threads) as bid:
+            with tile.vector():
+                r = bid // blocks_per_row
+                g0 = bid % blocks_per_row * per
+                x = tile.fragment((per, group), "float32")
+                amax = tile.fragment((per,), "float32")
+                for i, j in tile.parallel(per, group):
+                    x[i, j] = T.if_then_else(g0 + i < groups,
+                                             tile.to_f32(X[r, T.min(g0 + i, groups - 1) * group + j], dtype), 0.0)
+                tile.row_reduce(x, amax, "absmax", dim=1)
+                for i, j in tile.parallel(per, group):
+                    if g0 + i < groups:
+                        v = x[i, j] / T.if_then_else(amax[i] > 0, amax[i] / FP8_MAX, 1.0)
+                        # comparisons, not min/max: a NaN stays NaN
+                        Q[r, (g0 + i) * group + j] = T.cast(
+                            T.if_then_else(v > FP8_MAX, FP8_MAX, T.if_then_else(v < -FP8_MAX, -FP8_MAX, v)),
+                            "float8_e4m3fn")
+                for i in tile.parallel(per):
+                    if g0 + i < groups:
+                        S[r, g0 + i] = T.if_then_else(amax[i] > 0, amax[i] / FP8_MAX, 1.0)
+
+    return token_group_quant
+
+
+def _quant_kernel_fits(x, group_size, ue8m0) -> bool:
+    return (x.device.type == "cuda" and group_size == 128 and not ue8m0 and x.shape[1] % 128 == 0
+            and x.shape[1] > 0 and x.is_contiguous())
+
+
 def per_token_group_quant_fp8(x, group_size=128, ue8m0=False):
     """x (m, k) bf16/fp16/fp32 -> (x_fp8 (m, k) e4m3, sf (m, ceil(k/group_size)) fp32)."""
     check.tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check.number("group_size", group_size, lo=1, integer=True)
+    if _quant_kernel_fits(x, group_size, ue8m0):
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        sf = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)
+        if m:
+            kernel = token_group_quant_program.compile(targets.resolve(x), k=k, dtype=QUANT_DTYPES[x.dtype])
+            kernel.launcher()(x, q, sf)
+        return q, sf
+    return token_group_quant_reference(x, group_size, ue8m0)
+
+
+def token_group_quant_reference(x, group_size=128, ue8m0=False):
+    """per_token_group_quant_fp8 as torch ops (any device; the CPU path)."""
     m, k = x.shape
     groups = math.ceil(k / group_size)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).view(m, groups, group_size)
