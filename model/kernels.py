@@ -6,18 +6,18 @@ so that when it lands its line changes to ops.X. Where an op's layout does not f
 odd GEMM shapes, the CPU for the FP8 GEMMs) the wrapper falls back to the reference. Each entry
 is tagged with its op family, so `profile()` can attribute time (bench.model's decode breakdown).
 
-MOE_PATH picks how the routed experts of keep_fp8 models run (model.layers.Experts; opt-in):
-  "default" (today's behaviour): eager runs moe_dispatch(align=128) + grouped_linear
-             (ops.m_grouped_fp8_gemm_nt_contiguous) + moe_combine; CUDA-graph capture runs
-             moe_experts_static (every expert on every token, ops.fp8_gemm_nt).
-  "sorted":  eager and capture alike run moe_dispatch(layout="contiguous", align=1) -> moe_tile_items
+MOE_PATH picks how the routed experts of keep_fp8 models run (model.layers.Experts):
+  "sorted" (the default; measured on the H200 at V3 widths, bench/NOTES.md "model decode"):  eager and capture alike run moe_dispatch(layout="contiguous", align=1) -> moe_tile_items
              (block_m=64) -> quantize the rows per 128 once -> gate and up through
              ops.m_grouped_fp8_gemm_nt_sorted on the stacked w1 / w3 (no w13 copy) -> silu_mul ->
              quantize -> down (w2) the same way -> moe_combine. No host syncs once value checks are
              off or a graph is being captured. A GEMM whose shape the FP8 op does not take
              (K % 128, N % 64) runs sorted_grouped_linear's sync-free exact-dequant fallback.
-             Experts without FP8 scales, or outside a GPU / fp8_ops_on_cpu(), keep the default path.
-Set it with `kernels.MOE_PATH = "sorted"`, or for a block with `with kernels.moe_path("sorted"):`.
+             Experts without FP8 scales, or outside a GPU / fp8_ops_on_cpu(), take the padded path.
+  "padded":  eager runs moe_dispatch(align=128) + grouped_linear (ops.m_grouped_fp8_gemm_nt_contiguous)
+             + moe_combine; CUDA-graph capture runs moe_experts_static (every expert on every token,
+             ops.fp8_gemm_nt): the first path, kept as the sorted one's check.
+Set it with `kernels.MOE_PATH = "padded"`, or for a block with `with kernels.moe_path("padded"):`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ _profile: dict | None = None     # family -> [seconds, calls] while profiling
 _sync = None
 _simulated_capture = 0           # > 0 inside simulated_capture()
 _fp8_ops_on_cpu = 0              # > 0 inside fp8_ops_on_cpu()
-MOE_PATHS = ("default", "sorted")
-MOE_PATH = "default"             # the routed experts' path for FP8-kept weights (see the docstring)
+MOE_PATHS = ("sorted", "padded")
+MOE_PATH = "sorted"              # the routed experts' path for FP8-kept weights (see the docstring)
 
 
 def _family(name: str, fn):
@@ -170,7 +170,7 @@ def grouped_gemm_align(x, fp8: bool) -> int:
 
 @contextmanager
 def moe_path(path: str):
-    """Run the block with MOE_PATH = path ("default" or "sorted"), restoring it after."""
+    """Run the block with MOE_PATH = path ("sorted" or "padded"), restoring it after."""
     global MOE_PATH
     if path not in MOE_PATHS:
         raise ValueError(f"moe path must be one of {MOE_PATHS}, got {path!r}")

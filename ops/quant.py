@@ -36,7 +36,9 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    scale = amax.float() / FP8_MAX
+    # a true division (tensor by tensor): CUDA torch turns a division by a Python scalar into a
+    # product with its reciprocal (an ulp off at times), which would make devices (and the kernel) differ
+    scale = amax.float() / torch.full_like(amax, FP8_MAX, dtype=torch.float32)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return _pow2_ceil(scale) if ue8m0 else scale
 
@@ -95,7 +97,7 @@ def per_token_group_quant_fp8(x, group_size=128, ue8m0=False):
     if _quant_kernel_fits(x, group_size, ue8m0):
         m, k = x.shape
         q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-        sf = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)
+        sf = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)   # amax * fp32(1/448), or 1
         if m:
             kernel = token_group_quant_program.compile(targets.resolve(x), k=k, dtype=QUANT_DTYPES[x.dtype])
             kernel.launcher()(x, q, sf)

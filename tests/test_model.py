@@ -239,7 +239,7 @@ def test_moe_experts_match_a_dense_loop():
 
 @pytest.mark.parametrize("inter", [128, 64])                    # 64: down_proj's K takes the fallback
 def test_sorted_experts_match_the_default_path_and_read_nothing_on_the_host(inter, monkeypatch):
-    """Experts under kernels.moe_path("sorted") (fp8_ops_on_cpu): the default path's output, and with value
+    """Experts under kernels.moe_path("sorted") (fp8_ops_on_cpu): the padded path's output, and with value
     checks off no host read of tensor data in the model's wiring (dispatch align=1, items, quantization,
     fallback, SiLU, combine). The sorted op's CPU reference loops over the items on the host, so inside
     the guard it is replaced by a sync-free stand-in of the same math (the GPU kernel reads nothing)."""
@@ -257,7 +257,8 @@ def test_sorted_experts_match_the_default_path_and_read_nothing_on_the_host(inte
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     weights = torch.rand(t, k, generator=g)
     with kernels.fp8_ops_on_cpu():
-        default = experts(x, weights, ids)
+        with kernels.moe_path("padded"):
+            default = experts(x, weights, ids)
         with kernels.moe_path("sorted"):
             got = experts(x, weights, ids)
             torch.testing.assert_close(got, default, rtol=1e-5, atol=1e-5)

@@ -208,7 +208,7 @@ def test_kept_fp8_runs_the_fp8_ops_on_cpu(tiny, monkeypatch):
     assert calls["dense"] == dense_calls
 
 
-# ---- MOE_PATH "sorted": the expert-sorted grouped GEMM (opt-in) ----------------------------------------
+# ---- MOE_PATH "sorted" (the default) against "padded": the expert-sorted grouped GEMM -----------------------
 
 SORTED_CASES = {   # the keep_fp8 tests' model (down_proj's K=64 takes the fallback), and one where all 3 GEMMs fit
     "fp8-yarn-no-q-lora": None,
@@ -237,18 +237,19 @@ def count_moe_paths(monkeypatch):
 
 
 @pytest.mark.parametrize("case", list(SORTED_CASES))
-def test_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
+def test_sorted_moe_path_matches_the_padded_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
     """kernels.moe_path("sorted") inside fp8_ops_on_cpu(): dispatch with align=1, 64-row work items,
-    ops.m_grouped_fp8_gemm_nt_sorted (its CPU reference) gives the default path's logits for a prefill
+    ops.m_grouped_fp8_gemm_nt_sorted (its CPU reference) gives the padded path's logits for a prefill
     and teacher-forced decode steps, eager and graph-replayed (where it replaces moe_experts_static)."""
     ckpt = sorted_ckpt(tiny, make_checkpoint, case)
     calls = count_moe_paths(monkeypatch)
     prompt, forced = prompts_of([100, 6], seed=9)
-    assert kernels.MOE_PATH == "default"
+    assert kernels.MOE_PATH == "sorted"
     with kernels.fp8_ops_on_cpu():
         llm = LLM(ckpt, max_model_len=256, keep_fp8=True)
-        default = [llm.score(prompt), teacher_forced_logits(llm, prompt, forced)]
-        default_graphed = teacher_forced_logits(replay_graphs(llm), prompt, forced)
+        with kernels.moe_path("padded"):
+            default = [llm.score(prompt), teacher_forced_logits(llm, prompt, forced)]
+            default_graphed = teacher_forced_logits(replay_graphs(llm), prompt, forced)
         assert calls["sorted"] == 0 and calls["contiguous"] > 0 and calls["static"] > 0
         llm.use_cuda_graphs = False
         calls.update(contiguous=0, static=0)
@@ -260,7 +261,7 @@ def test_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint
             llm.use_cuda_graphs = True
             got_graphed = teacher_forced_logits(llm, prompt, forced)
             assert calls["sorted"] > eager_calls and calls["contiguous"] == calls["static"] == 0
-        assert kernels.MOE_PATH == "default"
+        assert kernels.MOE_PATH == "sorted"
     per_layer = 2 if case == "fp8-yarn-no-q-lora" else 3                   # down_proj K=64: the fallback
     assert calls["sorted"] % per_layer == 0
     for want, have in zip(default, got):
@@ -485,14 +486,15 @@ def test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference(tiny, monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SORTED_CASES))
 def test_gpu_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
-    """test_sorted_moe_path_matches_the_default_keep_fp8_path on the GPU (bf16): the sorted FP8 kernel
-    against the default path (ops.m_grouped_fp8_gemm_nt_contiguous eager, moe_experts_static in graphs),
+    """test_sorted_moe_path_matches_the_padded_keep_fp8_path on the GPU (bf16): the sorted FP8 kernel
+    against the padded path (ops.m_grouped_fp8_gemm_nt_contiguous eager, moe_experts_static in graphs),
     eager and inside real CUDA graphs (which would fail on a host sync in the sorted path)."""
     ckpt = sorted_ckpt(tiny, make_checkpoint, case)
     calls = count_moe_paths(monkeypatch)
     prompt, forced = prompts_of([100, 6], seed=9)
     eager = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True, keep_fp8=True)
-    default = [eager.score(prompt), teacher_forced_logits(eager, prompt, forced)]
+    with kernels.moe_path("padded"):
+        default = [eager.score(prompt), teacher_forced_logits(eager, prompt, forced)]
     with kernels.moe_path("sorted"):
         got = [eager.score(prompt), teacher_forced_logits(eager, prompt, forced)]
         assert calls["sorted"] > 0
