@@ -4,8 +4,11 @@ dispatch: rows grouped by expert, in token order within an expert (stable, deter
   "contiguous": (M, H) with each expert's segment padded to `align` rows and m_indices (M,) giving
               each row's expert, -1 for padding rows (DeepGEMM's m-grouped contiguous layout), or
   "masked":     (E, max_m, H) with masked_m (E,) valid rows per expert (DeepGEMM's masked layout).
-  Padding rows are zeros. The row bookkeeping is a stable sort by expert (torch); the data moves in
-  one tile program that gathers each output row from its source token (raw bits: bf16 or fp8 alike).
+  Padding rows are zeros. The row bookkeeping is two tile programs (moe_plan_count: one block
+  counts each expert and its aligned offset; moe_plan_place: one block per expert compacts its
+  assignments in token order), bitwise _plan_reference (the torch sort it replaced); the data moves
+  in moe_scatter_rows: one block per token reads its row once and writes it to its k rows, extra
+  blocks zero the padding rows (raw bits: bf16 or fp8 alike). EP sends still use the row gather.
 combine: out[t] = sum_j weights[t, j] * y[row of (t, j)], j in order, accumulated in fp32: the
   same summation order whatever else is in the batch (batch-invariant, deterministic).
 
@@ -104,6 +107,199 @@ def gather_rows_program(hidden: int, bits: str = "int16", threads: int = 128):
     return gather_rows
 
 
+def _plan_configs(t, p):
+    # the block scans (tl::CumSum1D) read threadIdx: no producer warps may shift it (see topk_select)
+    return {"tl.disable_warp_specialized": True} if t.name.startswith("cuda") else {}
+
+
+@tile_program("moe_plan_count", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+              examples={"e256": dict(num_experts=256)}, pass_configs=_plan_configs)
+def plan_count_program(num_experts: int, threads: int = 1024, per_thread: int = 8):
+    """One block: Counts[e] = assignments to e, Offsets[e] = sum of align-padded counts below e,
+    Stats = (padded total, busiest expert's count, out-of-range ids, 0). Out-of-range ids count
+    toward the clamped expert, so the place kernel (which clamps too) never writes out of bounds."""
+    n = T.dynamic("n")
+    E = num_experts
+    EP = -(-E // threads) * threads
+    CH = threads * per_thread
+
+    @T.prim_func
+    def plan_count(Ids: T.Tensor((n,), "int32"), Counts: T.Tensor((E,), "int32"),
+                   Offsets: T.Tensor((E + 1,), "int32"), Stats: T.Tensor((4,), "int32"), align: T.int32):
+        with tile.grid(1, threads) as _b:
+            with tile.vector():
+                hist = tile.stage((EP,), "int32")
+                padc = tile.stage((EP,), "int32")
+                scan = tile.stage((EP,), "int32")
+                res = tile.stage((4,), "int32")
+                cnt = tile.fragment((EP,), "int32")
+                mx = tile.fragment((1,), "int32")
+                for e in tile.parallel(EP):
+                    hist[e] = 0
+                res[0] = 0
+                for c in T.serial(T.ceildiv(n, CH)):
+                    for i in tile.parallel(CH):
+                        if c * CH + i < n:
+                            v = Ids[c * CH + i]
+                            if v < 0 or v >= E:
+                                tile.atomic_add(res[0], 1)
+                            tile.atomic_add(hist[T.min(T.max(v, 0), E - 1)], 1)
+                for e in tile.parallel(EP):
+                    cnt[e] = hist[e]
+                    padc[e] = (hist[e] + align - 1) // align * align
+                tile.cumsum(padc, scan, dim=0)
+                tile.row_reduce(cnt, mx, "max", dim=0)
+                for e in tile.parallel(EP):
+                    if e < E:
+                        Counts[e] = hist[e]
+                        Offsets[e + 1] = scan[e]
+                    if e == 0:
+                        Offsets[0] = 0
+                        Stats[0] = scan[EP - 1]
+                        Stats[1] = mx[0]
+                        Stats[2] = res[0]
+                        Stats[3] = 0
+
+    return plan_count
+
+
+@tile_program("moe_plan_place", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+              examples={"contiguous": dict(layout="contiguous"), "masked": dict(layout="masked")},
+              pass_configs=_plan_configs)
+def plan_place_program(layout: str, lanes: int = 512, seg: int = 16):
+    """One block per expert e: its (token, choice) assignments in token order, compacted by one
+    block scan per chunk of lanes*seg ids (each lane owns seg contiguous ids as a bit mask; 512 x 16:
+    63 registers on sm_90a, two blocks an SM, so E=256 experts run in one wave).
+    contiguous: rows Offsets[e] + rank, Src/MIdx -1 on the padding rows up to Offsets[e + 1];
+    masked: rows e*max_m + min(rank, max_m - 1) (the last overflowing assignment owns the last row,
+    as torch's sequential index_put gives), Src -1 past the expert's rows."""
+    n, experts, offs, rows, max_m = T.dynamic("n, experts, offs, rows, max_m")
+    chunk = lanes * seg
+
+    @T.macro
+    def match_chunk(Ids, c, e, row, part, scan, mask, pos):
+        # mask[t]: which of lane t's seg ids in chunk c are expert e; scan: inclusive counts by lane
+        for i in tile.parallel(chunk):
+            g = c * chunk + i
+            row[i] = T.if_then_else(g < n, T.min(T.max(Ids[T.min(g, n - 1)], 0), experts - 1), -1)
+        for t in tile.parallel(lanes):
+            mask[t] = T.uint32(0)
+            pos[t] = 0
+            for j in T.serial(seg):
+                jj = (j + t) % seg      # rotated: the lanes of a warp read different banks
+                hit = row[t * seg + jj] == e
+                mask[t] = mask[t] | T.if_then_else(hit, T.uint32(1) << T.cast(jj, "uint32"), T.uint32(0))
+                pos[t] = pos[t] + T.if_then_else(hit, 1, 0)
+            part[t] = pos[t]
+        tile.cumsum(part, scan, dim=0)
+
+    if layout == "contiguous":
+        @T.prim_func
+        def plan_place(Ids: T.Tensor((n,), "int32"), Counts: T.Tensor((experts,), "int32"),
+                       Offsets: T.Tensor((offs,), "int32"), Pos: T.Tensor((n,), "int32"),
+                       Src: T.Tensor((rows,), "int32"), MIdx: T.Tensor((rows,), "int32"), k: T.int32):
+            with tile.grid(experts, lanes) as e:
+                with tile.vector():
+                    row = tile.stage((chunk,), "int32")
+                    part = tile.stage((lanes,), "int32")
+                    scan = tile.stage((lanes,), "int32")
+                    mask = tile.fragment((lanes,), "uint32")
+                    pos = tile.fragment((lanes,), "int32")
+                    base = T.alloc_var("int32")
+                    start = T.alloc_var("int32")
+                    first = T.alloc_var("int32")
+                    end = T.alloc_var("int32")
+                    base = 0
+                    start = Offsets[e]
+                    for c in T.serial(T.ceildiv(n, chunk)):
+                        match_chunk(Ids, c, e, row, part, scan, mask, pos)
+                        for t in tile.parallel(lanes):
+                            if mask[t] != T.uint32(0):
+                                pos[t] = start + base + scan[t] - part[t]
+                                for j in T.serial(seg):
+                                    if (mask[t] >> T.cast(j, "uint32")) & T.uint32(1) == T.uint32(1):
+                                        Pos[c * chunk + t * seg + j] = pos[t]
+                                        Src[pos[t]] = (c * chunk + t * seg + j) // k
+                                        MIdx[pos[t]] = e
+                                        pos[t] = pos[t] + 1
+                        base = base + scan[lanes - 1]
+                    first = start + base
+                    end = Offsets[e + 1]
+                    for p in T.serial(T.ceildiv(end - first, lanes)):
+                        for t in tile.parallel(lanes):
+                            if first + p * lanes + t < end:
+                                Src[first + p * lanes + t] = -1
+                                MIdx[first + p * lanes + t] = -1
+    elif layout == "masked":
+        @T.prim_func
+        def plan_place(Ids: T.Tensor((n,), "int32"), Counts: T.Tensor((experts,), "int32"),
+                       Pos: T.Tensor((n,), "int32"), Src: T.Tensor((experts, max_m), "int32"), k: T.int32):
+            with tile.grid(experts, lanes) as e:
+                with tile.vector():
+                    row = tile.stage((chunk,), "int32")
+                    part = tile.stage((lanes,), "int32")
+                    scan = tile.stage((lanes,), "int32")
+                    mask = tile.fragment((lanes,), "uint32")
+                    pos = tile.fragment((lanes,), "int32")
+                    base = T.alloc_var("int32")
+                    last = T.alloc_var("int32")
+                    first = T.alloc_var("int32")
+                    base = 0
+                    last = Counts[e] - 1
+                    for c in T.serial(T.ceildiv(n, chunk)):
+                        match_chunk(Ids, c, e, row, part, scan, mask, pos)
+                        for t in tile.parallel(lanes):
+                            if mask[t] != T.uint32(0):
+                                pos[t] = base + scan[t] - part[t]
+                                for j in T.serial(seg):
+                                    if (mask[t] >> T.cast(j, "uint32")) & T.uint32(1) == T.uint32(1):
+                                        Pos[c * chunk + t * seg + j] = e * max_m + T.min(pos[t], max_m - 1)
+                                        if pos[t] < max_m - 1 or pos[t] == last:
+                                            Src[e, T.min(pos[t], max_m - 1)] = (c * chunk + t * seg + j) // k
+                                        pos[t] = pos[t] + 1
+                        base = base + scan[lanes - 1]
+                    first = T.min(base, max_m)
+                    for p in T.serial(T.ceildiv(max_m - first, lanes)):
+                        for t in tile.parallel(lanes):
+                            if first + p * lanes + t < max_m:
+                                Src[e, first + p * lanes + t] = -1
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return plan_place
+
+
+@tile_program("moe_scatter_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+              examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
+                        "h7168-bf16-sorted": dict(hidden=7168, bits="int16", pad=False)})
+def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, threads: int = 128,
+                         zero_rows: int = 8):
+    """Y[Pos[t, j], :] = X[t, :] for every choice j (each token's row read once), and with pad,
+    Y[r, :] = 0 where Src[r] < 0 (blocks past the tokens, zero_rows rows each)."""
+    tokens, k, rows = T.dynamic("tokens, k, rows")
+    extra = T.ceildiv(rows, zero_rows) if pad else 0
+
+    @T.prim_func
+    def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
+                     Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
+        with tile.grid(tokens + extra, threads) as b:
+            with tile.vector():
+                buf = tile.fragment((hidden,), bits)
+                if b < tokens:
+                    for c in tile.parallel(hidden):
+                        buf[c] = X[b, c]
+                    for j in T.serial(k):
+                        for c in tile.parallel(hidden):
+                            Y[Pos[b, j], c] = buf[c]
+                else:
+                    for i in T.serial(zero_rows):
+                        if (b - tokens) * zero_rows + i < rows:
+                            if Src[(b - tokens) * zero_rows + i] < 0:
+                                for c in tile.parallel(hidden):
+                                    Y[(b - tokens) * zero_rows + i, c] = T.cast(0, bits)
+
+    return scatter_rows
+
+
 @tile_program("moe_combine", examples={"h7168-k8": dict(hidden=7168, top_k=8)})
 def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128):
     """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32."""
@@ -141,8 +337,80 @@ def _gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, rows: int, pad: bool) -> torch.Tensor:
+    """(rows, H): x[t] to rows positions[t, :] (each token read once); with pad, zeros where src < 0."""
+    out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    if x.shape[0] == 0 or type(x) is not torch.Tensor:  # nothing to read: every row is padding
+        return out.zero_()
+    bits = BITS[x.element_size()]
+    kernel = scatter_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits], pad=pad)
+    kernel.launcher()(x.view(bits), positions, src, out.view(bits))
+    return out
+
+
 def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
-    """Row of every (token, choice) and the source token of every output row (torch, no kernels).
+    """Row of every (token, choice) and the source token of every output row: two tile programs.
+
+    moe_plan_count (one block) counts each expert's assignments and its aligned offset, and folds
+    the value checks in (out-of-range ids, the busiest expert); moe_plan_place (one block per
+    expert) writes the rows in token order. Same tensors as _plan_reference, bit for bit.
+    Host reads: contiguous align>1 and masked without max_m read Stats once (the output's size and
+    the value checks together); align=1 and masked with max_m read it only for the value checks
+    (skipped with TILECRAFT_CHECK_VALUES=0 and during CUDA-graph capture), so they can be captured.
+    """
+    T_, k = ids.shape
+    n = T_ * k
+    if n == 0 or type(ids) is not torch.Tensor or ids.device.type == "meta":
+        return _plan_reference(ids, num_experts, layout, align, max_m)
+    E = num_experts
+    device = ids.device
+    target = targets.resolve(ids)
+    flat = ids.view(-1)
+    counts = torch.empty(E, dtype=torch.int32, device=device)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
+    stats = torch.empty(4, dtype=torch.int32, device=device)   # padded rows, busiest expert, bad ids, 0
+    positions = torch.empty(T_, k, dtype=torch.int32, device=device)
+    plan_count_program.compile(target, num_experts=E).launcher()(
+        flat, counts, offsets, stats, align if layout == "contiguous" else 1)
+    place = plan_place_program.compile(target, layout=layout).launcher()
+    checking = _values.enabled(ids)
+    if layout == "contiguous":
+        # sized by the bound T*k + E*(align-1), so the place kernel runs before the host reads
+        bound = n + E * (align - 1)
+        src = torch.empty(bound, dtype=torch.int32, device=device)
+        m_indices = torch.empty(bound, dtype=torch.int32, device=device)
+        place(flat, counts, offsets, positions.view(-1), src, m_indices, k)
+        rows = n
+        if align > 1 or checking:
+            rows = _read_stats(stats, ids, E, checking, None)[0]     # = n for align=1
+        if rows != bound:
+            src, m_indices = src[:rows], m_indices[:rows]
+        mapping = MoeMapping(layout, E, k, positions, counts, m_indices=m_indices, masked_m=None, max_m=None)
+        return mapping, src, rows
+    if max_m is None or checking:
+        need = _read_stats(stats, ids, E, checking, max_m)[1]
+        if max_m is None:
+            max_m = max(align, (need + align - 1) // align * align)
+    src = torch.empty(E, max_m, dtype=torch.int32, device=device)
+    place(flat, counts, positions.view(-1), src, k)
+    mapping = MoeMapping(layout, E, k, positions, counts, m_indices=None, masked_m=counts, max_m=int(max_m))
+    return mapping, src.view(-1), E * max_m
+
+
+def _read_stats(stats, ids, num_experts, checking, max_m):
+    """The plan's one host read: (padded rows, busiest expert's count), raising on bad values."""
+    rows, busiest, bad, _ = stats.tolist()
+    if checking and bad:
+        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
+    if checking and max_m is not None and busiest > max_m:
+        raise ValueError(f"max_m={max_m} is smaller than the busiest expert's {busiest} tokens")
+    return rows, busiest
+
+
+def _plan_reference(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
+    """The plan as a chain of torch ops (the kernels' reference; also what fake tensors and T=0 take).
 
     Contiguous with align=1 reads nothing on the host (the output has exactly T*k rows), so it can
     be captured in a CUDA graph; the other layouts size their output from the counts (one sync).
@@ -192,7 +460,9 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     return mapping, src, rows
 
 
-def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
+def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, values=False):
+    """Argument checks; values=True also checks the ids' range here (one sync; the EP path needs it
+    before its header exchange; the local path reads it with the plan's Stats instead)."""
     check.tensor("x", x, dtypes=X_DTYPES, ndim=2, contiguous=True)
     check.tensor("ids", ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
     if ids.shape[0] != x.shape[0]:
@@ -211,7 +481,7 @@ def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
     elif x_scales is not None:
         raise ValueError(f"x_scales is only for fp8 x; x is {x.dtype}")
     check.same_device(x=x, ids=ids, x_scales=x_scales)
-    if _values.enabled(ids) and ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
+    if values and _values.enabled(ids) and ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
         raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
 
 
@@ -243,8 +513,9 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
 
 def _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
     mapping, src, rows = _plan(ids, num_experts, layout, align, max_m)
-    xd = _gather_rows(x, src, rows)
-    sd = _gather_rows(x_scales, src, rows) if x_scales is not None else None
+    pad = rows != mapping.positions.numel()          # padding rows (src -1) to zero
+    xd = _scatter_rows(x, mapping.positions, src, rows, pad)
+    sd = _scatter_rows(x_scales, mapping.positions, src, rows, pad) if x_scales is not None else None
     if layout == "masked":
         xd = xd.view(num_experts, mapping.max_m, x.shape[1])
         sd = sd.view(num_experts, mapping.max_m, -1) if sd is not None else None
@@ -283,7 +554,7 @@ def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
     # A rank whose arguments fail the checks still joins the header exchange with an error flag, so
     # the other ranks raise too instead of waiting in the next collective.
     try:
-        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
+        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, values=True)
         bad = None
     except (TypeError, ValueError) as e:
         bad = e

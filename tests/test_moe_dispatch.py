@@ -392,3 +392,171 @@ def test_gpu_align_1_dispatch_and_items_do_not_sync():
     xd2, _, m2 = ops.moe_dispatch(x, ids.roll(1, 0), E, align=1)
     assert torch.equal(xd_g.cpu(), xd2) and torch.equal(m_g.positions.cpu(), m2.positions)
     assert torch.equal(m_g.m_indices.cpu(), m2.m_indices) and torch.equal(items_g.cpu(), ops.moe_tile_items(m2, E))
+
+
+# ---- dispatch v2: the plan and scatter kernels against the torch plan -----------------------------
+
+def _same_plan(ids, E, layout, align, max_m):
+    """The kernel plan and _plan_reference agree bit for bit (sizes, positions, src, counts, rows)."""
+    from ops.moe_dispatch import _plan, _plan_reference
+
+    (m, src, rows), (mr, srcr, rowsr) = _plan(ids, E, layout, align, max_m), _plan_reference(ids, E, layout, align, max_m)
+    assert rows == rowsr and m.max_m == mr.max_m
+    assert torch.equal(m.positions, mr.positions) and m.positions.dtype == torch.int32
+    assert torch.equal(m.counts, mr.counts) and torch.equal(src, srcr)
+    if layout == "contiguous":
+        assert torch.equal(m.m_indices, mr.m_indices) and m.m_indices.shape == (rows,)
+    else:
+        assert torch.equal(m.masked_m, mr.masked_m)
+    return m, src, rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(T_=st.integers(0, 300), E=st.sampled_from([1, 3, 8, 64, 256]), k=st.integers(1, 8),
+       layout=st.sampled_from(["contiguous", "masked"]), align=st.sampled_from([1, 4, 128]),
+       fixed_max_m=st.booleans(), skew=st.booleans(), seed=st.integers(0, 9999))
+def test_hypothesis_plan_kernels_equal_the_torch_plan(T_, E, k, layout, align, fixed_max_m, skew, seed):
+    k = min(k, E)
+    g = torch.Generator().manual_seed(seed)
+    ids = skewed_ids(T_, E, k) if skew else random_ids(T_, E, k, g)
+    max_m = max(T_, 1) if layout == "masked" and fixed_max_m else None
+    _same_plan(ids, E, layout, align, max_m)
+
+
+@pytest.mark.parametrize("T_,E,k", [(4096, 256, 8), (1100, 256, 8), (8193, 7, 1)])   # several 8192-id chunks
+@pytest.mark.parametrize("layout,align,max_m", [("contiguous", 128, None), ("contiguous", 1, None),
+                                                ("masked", 64, None), ("masked", 1, 9000)])
+def test_plan_kernels_equal_the_torch_plan_at_v3_size(T_, E, k, layout, align, max_m):
+    g = torch.Generator().manual_seed(T_)
+    _same_plan(random_ids(T_, E, k, g), E, layout, align, max_m)
+
+
+def _reference_dispatch(x, ids, E, layout, align, max_m):
+    from ops.moe_dispatch import _plan_reference
+
+    m, src, rows = _plan_reference(ids, E, layout, align, max_m)
+    out = torch.zeros(rows, *x.shape[1:], dtype=x.dtype)
+    live = src >= 0
+    out.view(torch.uint8 if x.element_size() == 1 else x.dtype)[live] = \
+        x.view(torch.uint8 if x.element_size() == 1 else x.dtype)[src[live].long()]
+    return out, m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("layout,align,max_m", [("contiguous", 16, None), ("contiguous", 1, None), ("masked", 8, None),
+                                                ("masked", 1, 40)])
+def test_scatter_is_the_gather_of_the_torch_plan(dtype, layout, align, max_m):
+    """Every output row bitwise: chosen rows from their token, padding rows zero (fp8 with scales)."""
+    g = torch.Generator().manual_seed(11)
+    T_, E, k, H = 40, 16, 4, 136
+    x = (torch.randn(T_, H, generator=g) * 4).to(dtype)
+    scales = torch.rand(T_, 2, generator=g) if dtype == torch.float8_e4m3fn else None
+    ids = random_ids(T_, E, k, g)
+    xd, sd, m = ops.moe_dispatch(x, ids, E, x_scales=scales, layout=layout, align=align, max_m=max_m)
+    ref, mr = _reference_dispatch(x, ids, E, layout, align, max_m)
+    u8 = lambda t: t.reshape(-1, t.shape[-1]).view(torch.uint8)
+    assert torch.equal(u8(xd), u8(ref)) and torch.equal(m.positions, mr.positions)
+    if scales is not None:
+        sref, _ = _reference_dispatch(scales, ids, E, layout, align, max_m)
+        assert torch.equal(sd.reshape(-1, 2), sref)
+
+
+@pytest.mark.parametrize("layout,align,max_m", [("contiguous", 128, None), ("contiguous", 1, None),
+                                                ("masked", 4, None), ("masked", 4, 64)])
+def test_out_of_range_ids_raise_in_every_layout(layout, align, max_m, monkeypatch):
+    x = torch.randn(6, 64)
+    ids = torch.zeros(6, 2, dtype=torch.int32)
+    ids[:, 1] = 1
+    for bad in (8, -1):
+        ids2 = ids.clone()
+        ids2[3, 0] = bad
+        with pytest.raises(ValueError, match=r"ids must be expert ids in \[0, 8\)"):
+            ops.moe_dispatch(x, ids2, 8, layout=layout, align=align, max_m=max_m)
+    # checks off: no error and nothing out of bounds (the kernels clamp: a bad id counts as 0 or E-1)
+    monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "0")
+    ids2 = ids.clone()
+    ids2[3, 0] = 99
+    xd, _, m = ops.moe_dispatch(x, ids2, 8, layout=layout, align=align, max_m=max_m)
+    assert int(m.counts.sum()) == 12 and int(m.counts[7]) == 1
+
+
+def test_masked_with_max_m_reads_nothing_on_the_host(no_host_sync):
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(24, 128, generator=g).bfloat16()
+    ids = random_ids(24, 16, 4, g)
+    ref, _, mref = ops.moe_dispatch(x, ids, 16, layout="masked", max_m=24)
+    with no_host_sync():
+        xd, _, m = ops.moe_dispatch(x, ids, 16, layout="masked", max_m=24)
+    assert torch.equal(xd, ref) and torch.equal(m.positions, mref.positions)
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_dispatch_kernels_build_for_cuda(target):
+    """The plan and scatter programs compile to cubins; the scatter moves 16-byte vectors and the
+    place kernel fits two blocks an SM (E=256 experts in one wave on 132 SMs)."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.moe_dispatch import plan_count_program, plan_place_program, scatter_rows_program
+
+    try:
+        stats = {name: sass_stats(build_cubin(prog.source(target, **p), target), target) for name, prog, p in [
+            ("count", plan_count_program, dict(num_experts=256)),
+            ("contiguous", plan_place_program, dict(layout="contiguous")),
+            ("masked", plan_place_program, dict(layout="masked")),
+            ("scatter", scatter_rows_program, dict(hidden=7168, bits="int16"))]}
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert stats["count"].histogram.get("ATOMS", 0) > 0                  # the histogram is in shared memory
+    if target == "sm_90a":                     # masked: 66 on sm_90a (one block an SM); sm_100a: 80
+        assert stats["contiguous"].registers <= 64
+    assert all(s.spill_stores == 0 for s in stats.values())
+    assert "int4" in scatter_rows_program.source(target, hidden=7168, bits="int16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,align,max_m", [("contiguous", 128, None), ("contiguous", 1, None), ("masked", 1, None),
+                                                ("masked", 64, 4096)])
+def test_gpu_v2_dispatch_equals_the_cpu(layout, align, max_m):
+    """T=4096, H=7168, k=8, E=256 on the GPU: mapping and rows bitwise the CPU's."""
+    g = torch.Generator().manual_seed(13)
+    T_, E, k = 4096, 256, 8
+    x = torch.randn(T_, 7168, generator=g).bfloat16()
+    ids = random_ids(T_, E, k, g)
+    from ops.moe_dispatch import _plan_reference
+
+    mr, srcr, rowsr = _plan_reference(ids, E, layout, align, max_m)
+    xd, _, m = ops.moe_dispatch(x.cuda(), ids.cuda(), E, layout=layout, align=align, max_m=max_m)
+    assert torch.equal(m.positions.cpu(), mr.positions) and torch.equal(m.counts.cpu(), mr.counts)
+    if layout == "contiguous":
+        assert torch.equal(m.m_indices.cpu(), mr.m_indices)
+    xd = xd.reshape(-1, 7168).cpu()
+    live = srcr >= 0
+    assert xd.shape[0] == rowsr and torch.equal(xd[live], x[srcr[live].long()]) and (xd[~live] == 0).all()
+    with pytest.raises(ValueError, match="ids must be expert ids"):
+        ops.moe_dispatch(x.cuda(), (ids + 1).cuda(), E, layout=layout, align=align, max_m=max_m)
+
+
+@pytest.mark.gpu
+def test_gpu_v2_masked_max_m_is_capturable():
+    g = torch.Generator().manual_seed(14)
+    T_, E, k = 64, 256, 8
+    x, ids = torch.randn(T_, 7168, generator=g).bfloat16().cuda(), random_ids(T_, E, k, g).cuda()
+    ops.moe_dispatch(x, ids, E, layout="masked", max_m=64)
+    torch.cuda.synchronize()
+    import os
+    os.environ["TILECRAFT_CHECK_VALUES"] = "0"
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ops.moe_dispatch(x, ids, E, layout="masked", max_m=64)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            xd_g, _, m_g = ops.moe_dispatch(x, ids, E, layout="masked", max_m=64)
+    finally:
+        del os.environ["TILECRAFT_CHECK_VALUES"]
+    ids.copy_(ids.roll(1, 0))
+    graph.replay()
+    xd, _, m = ops.moe_dispatch(x, ids, E, layout="masked", max_m=64)
+    assert torch.equal(xd_g, xd) and torch.equal(m_g.positions, m.positions) and torch.equal(m_g.masked_m, m.masked_m)

@@ -29,7 +29,8 @@ import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.moe_dispatch import combine_program, gather_rows_program
+from ops.moe_dispatch import (combine_program, gather_rows_program, plan_count_program, plan_place_program,
+                               scatter_rows_program)
 from ops.moe_route import _moe_route_impl, moe_route_warp_program
 
 V3 = dict(num_experts=256, top_k=8, n_group=8, topk_group=4)
@@ -231,7 +232,9 @@ def kernels(case):
     if case["kind"] == "route":
         return [(moe_route_warp_program, dict(V3, scoring="sigmoid", has_bias=True, scaling=2.5))]
     if case["kind"] == "dispatch":
-        return [(gather_rows_program, dict(hidden=case["H"], bits="int16"))]
+        return [(plan_count_program, dict(num_experts=case["num_experts"])),
+                (plan_place_program, dict(layout="contiguous")),
+                (scatter_rows_program, dict(hidden=case["H"], bits="int16"))]
     if case["kind"] == "ep":
         return [(gather_rows_program, dict(hidden=case["H"], bits="int16")),
                 (combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
