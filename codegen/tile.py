@@ -18,6 +18,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | mma(a, b, acc, step=) | T.gemm -> WGMMA | tcgen05, wait parity step % 2 | Cube T.gemm | T.gemm / serial loops |
 | mma_rescaled(a, b, acc, scale, step=) | scale registers, WGMMA | TMEM -> regs -> TMEM, tcgen05 | Cube into L0C scratch, vector update in UB | loops |
 | mma_promoted(a, b, part, acc, scale, step=) | mma into part, read, fold in registers | tcgen05 into TMEM, TMEM -> regs, fold | Cube into L0C, L0C -> UB half rows, vector fold | mma + loops |
+| mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=, epilogue=) | producer warpgroup (TMA, mbarriers) + consumers: WGMMA of step s in flight while s-1 is promoted (wgmma wait 1) | pipelined copies + mma_promoted | same as sm_100a | same |
 | split_rows(rows) | (rows, 0) | (rows, 0) | (rows/2, sub-block id * rows/2) | (rows, 0) |
 | limits() | 227 KB smem | 227 KB smem, 512 TMEM columns | UB / L1 / L0C sizes | no limits |
 | read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
@@ -32,6 +33,9 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
 | lane_shuffle(value, src, xor=) | __shfl_sync / __shfl_xor_sync | same | not lowered | not lowered |
 | lane_first(pred) | __ffs(__ballot_sync) - 1 | same | not lowered | not lowered |
+| lane_shuffle_up(value, delta) | __shfl_up_sync | same | not lowered | not lowered |
+| lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
+| barrier() | __syncthreads | same | not lowered | nothing (one thread) |
 
 The lane words are for warp-per-item programs (one warp = 32 lanes owns an item, no shared memory):
 every lane of the warp must reach them together. They have no rule on the cpu target (one thread
@@ -104,6 +108,8 @@ mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs 
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
 mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
 mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
+mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * scale_of(row, s), then epilogue(); threads: see producer_threads.")
+producer_threads = _word("producer_threads", "Extra threads mma_promoted_loop needs in the grid beyond the MMA threads (0 but on sm_90a).")
 split_rows = _word("split_rows", "(count, first): the rows of a `rows`-row tile that this core's vector code holds (all of them, or half on Ascend).")
 limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}.")
 store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")
@@ -118,6 +124,9 @@ to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to 
 from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")
 lane_shuffle = _word("lane_shuffle", "`value` as held by lane `src` of this warp (lane ^ src with xor=True); all lanes take part.")
 lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` holds, -1 if none; all lanes take part.")
+lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of this warp (its own below delta); all lanes take part.")
+lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")
+barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off.")
 
 
 def emit(*stmts) -> None:

@@ -50,7 +50,7 @@ ALIGN_N, ALIGN_K = 64, 128
               "sorted-4096x7168": dict(n=4096, k=7168, mode="sorted", block_m=64)},
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
-                     block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1):
+                     block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -61,6 +61,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
     past the end: computed, never stored) and stores only the item's rows. Items with a negative
     expert or no rows run no K steps and store nothing.
+
+    overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
+    block s in flight while block s-1 is promoted; same products, same order of folding, so the
+    same bits as overlap=False); otherwise the pipelined loop with one tile.mma_promoted per step.
     """
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
@@ -93,13 +97,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
         m_tiles = per_group * groups if masked else (items if by_items else per_group)
-        with tile.grid(m_tiles * n_tiles * splits, threads) as bid:
+        extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
+        with tile.grid(m_tiles * n_tiles * splits, threads + extra) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
             mine, first = tile.split_rows(block_m)
-            a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
-            b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
+            if not overlap:                                     # mma_promoted_loop makes its own
+                a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
+                b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
             sfa_s = tile.stage((mine, per), "float32")           # the block's row scales for its K range
             scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
             sfb_s = tile.stage((kb,), "float32")                 # the tile's 128-row block of sfb
@@ -133,38 +139,74 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     r = T.min(row0 + first + i, height - 1)
                     kk = T.min(k0 + t, kb - 1)
                     sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
-                for i, j in tile.parallel(mine, block_n):
-                    acc[i, j] = 0.0
-            for s in tile.pipelined(steps, stages=stages):
-                kk = k0 + s
-                if masked:
-                    tile.copy(A[g, row0, kk * GROUP], a_s)
-                else:
-                    tile.copy(A[row0, kk * GROUP], a_s)
-                tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
-                with tile.vector():
-                    for i in tile.parallel(mine):
-                        scale[i] = sfa_s[i, s] * sfb_s[kk]
-                tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
-            with tile.vector():
-                for i, j in tile.parallel(mine, block_n):
-                    r = row0 + first + i
-                    # sorted: one condition (limit <= rows), not an if nested in this one: TileLang
-                    # would move the nested if's global store out of it
-                    if r < (limit if by_items else height):
-                        if splits > 1:
-                            Part[ts, r, tn * block_n + j] = acc[i, j]
-                        elif by_items:                             # other experts' rows stay untouched
-                            C[r, tn * block_n + j] = T.cast(acc[i, j], out_dtype)
-                        else:
-                            keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                            value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
-                            if masked:
-                                C[g, r, tn * block_n + j] = value
+                if not overlap:                                  # mma_promoted_loop clears it
+                    for i, j in tile.parallel(mine, block_n):
+                        acc[i, j] = 0.0
+
+            if overlap:
+                where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
+                # one step's tiles of A and B (TMA zero-fills rows past the end)
+                # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+                loads = lambda blk: (  # noqa: E731
+                    A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
+                    else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
+                    B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
+                tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
+                                       part, acc, scale, lambda row, blk: sfa_s[row, blk] * sfb_s[k0 + blk], stages=stages,
+                                       epilogue=lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n))
+            else:
+                for s in tile.pipelined(steps, stages=stages):
+                    kk = k0 + s
+                    if masked:
+                        tile.copy(A[g, row0, kk * GROUP], a_s)
+                    else:
+                        tile.copy(A[row0, kk * GROUP], a_s)
+                    tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
+                    with tile.vector():
+                        for i in tile.parallel(mine):
+                            scale[i] = sfa_s[i, s] * sfb_s[kk]
+                    tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
+                with tile.vector():   # as _store (kept inline: the default path's source is unchanged)
+                    for i, j in tile.parallel(mine, block_n):
+                        r = row0 + first + i
+                        if r < (limit if by_items else height):
+                            if splits > 1:
+                                Part[ts, r, tn * block_n + j] = acc[i, j]
+                            elif by_items:
+                                C[r, tn * block_n + j] = T.cast(acc[i, j], out_dtype)
                             else:
-                                C[r, tn * block_n + j] = value
+                                keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                                value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                                if masked:
+                                    C[g, r, tn * block_n + j] = value
+                                else:
+                                    C[r, tn * block_n + j] = value
 
     return fp8_gemm_nt
+
+
+@T.macro
+def _store(acc, where, mine, mode, splits, out_dtype, block_n):
+    """The tile's rows of acc into C (or Part[ts] for split-K), as each layout wants them."""
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    by_items = mode == "sorted"
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            # sorted: one condition (limit <= rows), not an if nested in this one: TileLang
+            # would move the nested if's global store out of it
+            if r < (limit if by_items else height):
+                if splits > 1:
+                    Part[ts, r, tn * block_n + j] = acc[i, j]
+                elif by_items:                             # other experts' rows stay untouched
+                    C[r, tn * block_n + j] = T.cast(acc[i, j], out_dtype)
+                else:
+                    keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                    value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+                    if mode == "masked":
+                        C[g, r, tn * block_n + j] = value
+                    else:
+                        C[r, tn * block_n + j] = value
 
 
 @tile_program("fp8_gemm_reduce", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
@@ -254,7 +296,11 @@ def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
 SMEM_BUDGET = 220 * 1024
 
 
-def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> dict:
+OVERLAP = False        # default K loop: False = v2 (wait 0 per step), True = mma_promoted_loop (v3)
+OVERLAP_STAGES = 6     # v3 releases a stage one step later: up to this many stages where they fit
+
+
+def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None) -> dict:
     """Tile sizes, pipeline depth and split-K for one call (a pure function of the shapes, so the
     same shapes always take the same path: deterministic and batch-invariant per shape).
 
@@ -262,18 +308,24 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132) -> 
     but writes rows * n fp32 partials that the reduce pass reads back, so it is used when the
     tiles cover less than half the GPU and each split keeps at least 12 K blocks (measured on the
     H200, bench/NOTES.md: 8-block splits lost to no split on 64x7168x2048).
+
+    overlap (default OVERLAP): the v3 K loop (tile.mma_promoted_loop, bench/NOTES.md "GEMM v3"),
+    with up to OVERLAP_STAGES stages; the key is returned only when it is on, so v2 plans are the
+    same dicts as before.
     """
+    overlap = OVERLAP if overlap is None else overlap
     block_n = 128 if n % 128 == 0 else 64
     kb = k // GROUP
     splits = split_k_count(-(-rows // block_m) * (n // block_n), kb, sms) if mode == "dense" else 1
     per = -(-kb // splits)
     fixed = kb * 4 + block_m * per * 4
     stage_bytes = (block_m + block_n) * GROUP
-    stages = max(2, min(4, (SMEM_BUDGET - fixed) // stage_bytes))
+    stages = max(2, min(OVERLAP_STAGES if overlap else 4, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
-    return dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
+    p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
+    return {**p, "overlap": True} if overlap else p
 
 
 def split_k_count(tiles: int, k_steps: int, sms: int) -> int:
@@ -298,10 +350,10 @@ def launch_split_k(kernel, args, out, splits: int, out_dtype: str):
     fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()(part, out)
 
 
-def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, **override):
+def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, overlap=None, **override):
     target = targets.resolve(a2)
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
-    p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2)), **override}
+    p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
     kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype], **p)
     launch_split_k(kernel, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, p["splits"], OUT_DTYPES[out2.dtype])
 

@@ -3,10 +3,13 @@
 indices[r] = the k largest of scores[r, :lengths[r]], ties toward the lower index, returned in
 ascending index order; rows shorter than k are padded with -1.
 
-Kernel: one block per row, radix select on order-preserving 32-bit keys (4 passes of 8-bit
-digits: a shared-memory histogram per pass narrows the k-th largest key), then one pass that
-writes the chosen indices in order with two block-wide prefix sums per chunk (values above the
-threshold, and the first `needed` of those equal to it).
+Kernels (one block per row, radix select on order-preserving 32-bit keys):
+- CUDA (`topk_select_v3`): a 12-bit histogram of the row in shared memory, a gather of the keys in
+  the k-th's bucket (warp-aggregated slots), 12- and 8-bit digits over those candidates, then an
+  ordered write of the chosen indices. Every pass loads float4 straight into registers, one chunk
+  ahead; barriers are placed by hand (TileLang's thread-sync pass is off for this program).
+- Ascend and cpu (`topk_select`, v2): the same digits with staged copies, tl.cumsum block scans and
+  TileLang's own barriers.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
@@ -182,6 +185,225 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
     return topk_select
 
 
+def _v3_configs(t, p):
+    # barriers are written by hand (tile.barrier): TileLang's sync pass would put one before every
+    # shared atomic of the histogram loops
+    # shared atomics of the histogram loops; bounds are the program's own (every index is checked)
+    return {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True,
+            "tl.disable_safe_memory_legalize": True}
+
+
+# CUDA only (lane shuffles, per-thread code). The v2 program above stays for Ascend and cpu.
+@tile_program("topk_select_v3", targets=("cuda:sm_90a", "cuda:sm_100a"),
+              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_v3_configs)
+def topk_select_v3_program(k: int, threads: int = 256, unroll: int = 16):
+    """Exact top-k per row, one block per row: register-staged passes, hand-placed barriers."""
+    rows, quads, ccols = T.dynamic("rows, quads, ccols")   # Scores viewed as (rows, cols / 4, 4): float4 loads
+    W = threads // 32                # warps
+    WCH = unroll * 128               # contiguous columns a warp owns in a chunk (unroll float4 per lane)
+    CH = W * WCH                     # columns per chunk
+    V = unroll * 4                   # values per lane per chunk
+    assert CH < 32768                # packed (above, equal) counts of a chunk: 16 bits each
+
+    @T.macro
+    def load(Scores, x, r, c, n, w, lane):
+        # rows are padded to a multiple of 4 columns: a float4 that starts before n is in bounds
+        for u in T.unroll(unroll):
+            if c * CH + w * WCH + u * 128 + lane * 4 < n:
+                for v in T.vectorized(4):
+                    x[u * 4 + v] = Scores[r, (c * CH + w * WCH + u * 128) // 4 + lane, v]
+
+    @T.macro
+    def next_chunk(Scores, x, y, r, c, n, nch, w, lane):
+        # y = chunk c (loaded one step ahead), then issue the loads of chunk c + 1
+        for i in T.unroll(V):
+            y[i] = x[i]
+        if c + 1 < nch:
+            load(Scores, x, r, c + 1, n, w, lane)
+
+    @T.macro
+    def warp_scan(sc, lane):
+        # sc[0] = inclusive prefix over the warp's lanes of sc[0]
+        for i in T.unroll(5):
+            sc[1] = tile.lane_shuffle_up(sc[0], 1 << i)
+            if lane >= (1 << i):
+                sc[0] = sc[0] + sc[1]
+
+    @T.macro
+    def find_digit(hist, wtot, res, sc, nbins, want, tx, w, lane):
+        # res[0] = digit d with count(> d) < want <= count(>= d); res[1] = want - count(> d)
+        per = (nbins + threads - 1) // threads
+        sc[2] = 0
+        for j in T.serial(per):
+            if nbins - 1 - tx * per - j >= 0:
+                sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
+        sc[0] = sc[2]
+        warp_scan(sc, lane)
+        if lane == 31:
+            wtot[w] = sc[0]
+        tile.barrier()
+        sc[3] = 0
+        for i in T.serial(W):
+            if i < w:
+                sc[3] = sc[3] + wtot[i]
+        sc[2] = sc[3] + sc[0] - sc[2]        # count of the bins above this lane's first bin
+        if sc[2] < want and sc[3] + sc[0] >= want:
+            for j in T.serial(per):
+                if nbins - 1 - tx * per - j >= 0:
+                    if sc[2] < want and sc[2] + hist[nbins - 1 - tx * per - j] >= want:
+                        res[0] = nbins - 1 - tx * per - j
+                        res[1] = want - sc[2]
+                    sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
+        tile.barrier()
+
+
+    @T.prim_func
+    def topk_select_v3(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
+                       Cand: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
+        with tile.grid(rows, threads) as r:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            wtot = T.alloc_shared((2 * W,), "int32")
+            res = T.alloc_shared((4,), "int32")
+            x = T.alloc_local((V,), "float32")       # the chunk being loaded
+            y = T.alloc_local((V,), "float32")       # the chunk being used
+            lp = T.alloc_local((unroll,), "int32")
+            sc = T.alloc_local((4,), "int32")       # scan scratch
+            slot = T.alloc_var("int32")
+            mk = T.alloc_var("uint32")
+            n = T.alloc_var("int32")
+            nch = T.alloc_var("int32")
+            want = T.alloc_var("int32")
+            m = T.alloc_var("int32")
+            thr = T.alloc_var("uint32")
+            want_eq = T.alloc_var("int32")
+            b1 = T.alloc_var("int32")
+            b2 = T.alloc_var("int32")
+            pre = T.alloc_var("int32")
+            tot = T.alloc_var("int32")
+            wrun = T.alloc_var("int32")
+            gtb = T.alloc_var("int32")
+            eqb = T.alloc_var("int32")
+            gt_base = T.alloc_var("int32")
+            eq_base = T.alloc_var("int32")
+            lane = tx % 32
+            w = tx // 32
+
+            n = T.min(T.max(Lengths[r], 0), quads * 4)
+            nch = T.ceildiv(n, CH)
+            want = T.min(k, n)
+            thr = T.uint32(0)                # no key is 0 (NaN excluded): n <= k takes every column
+            want_eq = 0
+            if n > k:
+                for i in T.serial(NB // threads):
+                    hist[i * threads + tx] = 0
+                tile.barrier()
+                # digit 1: histogram of the top 12 key bits over the row
+                load(Scores, x, r, 0, n, w, lane)
+                for c in T.serial(nch):
+                    next_chunk(Scores, x, y, r, c, n, nch, w, lane)
+                    for u in T.unroll(unroll):
+                        for v in T.unroll(4):
+                            if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
+                                T.atomic_add(hist[T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
+                b1 = res[0]
+                want = res[1]
+                if tx == 0:
+                    res[2] = 0
+                tile.barrier()
+                # the keys of that bucket go to this row of Cand
+                load(Scores, x, r, 0, n, w, lane)
+                for c in T.serial(nch):
+                    next_chunk(Scores, x, y, r, c, n, nch, w, lane)
+                    for u in T.unroll(unroll):
+                        for v in T.unroll(4):
+                            # warp-aggregated: one shared atomic per warp and value slot, so a
+                            # crowded bucket (an all-equal row) does not serialize on res[2]
+                            mk = tile.lane_ballot(c * CH + w * WCH + u * 128 + lane * 4 + v < n and
+                                                  T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32") == b1)
+                            if mk != T.uint32(0):
+                                if lane == T.call_extern("int32", "__ffs", mk) - 1:
+                                    slot = T.atomic_add(res[2], T.call_extern("int32", "__popc", mk), return_prev=True)
+                                slot = tile.lane_shuffle(slot, T.call_extern("int32", "__ffs", mk) - 1)
+                                if (mk >> T.cast(lane, "uint32")) & T.uint32(1) == T.uint32(1):
+                                    Cand[r, slot + T.call_extern("int32", "__popc", mk & ((T.uint32(1) << T.cast(lane, "uint32")) - T.uint32(1)))] = \
+                                        T.reinterpret(_key(y[u * 4 + v]), "int32")
+                for i in T.serial(NB // threads):
+                    hist[i * threads + tx] = 0
+                tile.barrier()                # Cand's writes are visible to the block after this
+                m = res[2]
+                # digit 2 (key bits 8..19), then digit 3 (bits 0..7) among the candidates
+                for i in T.serial(T.ceildiv(m, threads)):
+                    if i * threads + tx < m:
+                        T.atomic_add(hist[T.cast((T.reinterpret(Cand[r, i * threads + tx], "uint32") >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
+                b2 = res[0]
+                want = res[1]
+                for i in T.serial(T.ceildiv(256, threads)):
+                    if i * threads + tx < 256:
+                        hist[i * threads + tx] = 0
+                tile.barrier()
+                for i in T.serial(T.ceildiv(m, threads)):
+                    if i * threads + tx < m:
+                        if T.cast((T.reinterpret(Cand[r, i * threads + tx], "uint32") >> T.uint32(8)) & T.uint32(0xFFF), "int32") == b2:
+                            T.atomic_add(hist[T.cast(T.reinterpret(Cand[r, i * threads + tx], "uint32") & T.uint32(0xFF), "int32")], 1)
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, 256, want, tx, w, lane)
+                thr = (T.cast(b1, "uint32") << T.uint32(20)) | (T.cast(b2, "uint32") << T.uint32(8)) | T.cast(res[0], "uint32")
+                want_eq = res[1]
+            # ordered write: packed (above, equal) counts per float4, warp scans, per-warp totals
+            # of each chunk double-buffered in wtot (one barrier per chunk)
+            gt_base = 0
+            eq_base = 0
+            load(Scores, x, r, 0, n, w, lane)
+            for c in T.serial(nch):
+                next_chunk(Scores, x, y, r, c, n, nch, w, lane)
+                wrun = 0
+                for u in T.unroll(unroll):
+                    sc[0] = 0
+                    for v in T.unroll(4):
+                        if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
+                            if _key(y[u * 4 + v]) > thr:
+                                sc[0] = sc[0] + 1
+                            elif _key(y[u * 4 + v]) == thr:
+                                sc[0] = sc[0] + 65536
+                    sc[2] = sc[0]
+                    warp_scan(sc, lane)
+                    lp[u] = wrun + sc[0] - sc[2]
+                    wrun = wrun + tile.lane_shuffle(sc[0], 31)
+                if lane == 0:
+                    wtot[(c % 2) * W + w] = wrun
+                tile.barrier()
+                pre = 0
+                tot = 0
+                for i in T.serial(W):
+                    tot = tot + wtot[(c % 2) * W + i]
+                    if i < w:
+                        pre = pre + wtot[(c % 2) * W + i]
+                for u in T.unroll(unroll):
+                    gtb = gt_base + ((pre + lp[u]) & 65535)
+                    eqb = eq_base + ((pre + lp[u]) >> 16)
+                    for v in T.unroll(4):
+                        if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
+                            if _key(y[u * 4 + v]) > thr:
+                                Out[r, T.min(gtb + T.min(want_eq, eqb), k - 1)] = c * CH + w * WCH + u * 128 + lane * 4 + v
+                                gtb = gtb + 1
+                            elif _key(y[u * 4 + v]) == thr:
+                                if eqb < want_eq:
+                                    Out[r, T.min(gtb + eqb, k - 1)] = c * CH + w * WCH + u * 128 + lane * 4 + v
+                                eqb = eqb + 1
+                gt_base = gt_base + (tot & 65535)
+                eq_base = eq_base + (tot >> 16)
+            for i in T.serial(T.ceildiv(k, threads)):
+                if i * threads + tx < k and i * threads + tx >= T.min(k, n):
+                    Out[r, i * threads + tx] = -1
+
+    return topk_select_v3
+
+
 def topk_select_reference(scores, k, *, lengths=None):
     """torch reference: same ordering and padding, ties toward the lower index (stable sort)."""
     R, N = scores.shape
@@ -195,7 +417,10 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-def _impl(scores, k, lengths):
+def _impl(scores, k, lengths, v2=False, **v3_params):
+    """The launch behind the op (no argument checks). v3_params (threads=, unroll=) pick another
+    configuration of the CUDA kernel, v2=True the previous CUDA kernel: the benchmark times them
+    side by side."""
     R, N = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     if R == 0:
@@ -209,8 +434,13 @@ def _impl(scores, k, lengths):
         lengths = lengths.clamp(max=N)
         scores = torch.nn.functional.pad(scores, (0, 4 - N % 4))
     cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
-    kernel = topk_select_program.compile(targets.resolve(scores), k=k)
-    kernel.launcher()(scores, lengths, cand, out)
+    target = targets.resolve(scores)
+    if target.name in topk_select_v3_program.targets and not v2:
+        kernel = topk_select_v3_program.compile(target, k=k, **v3_params)
+        kernel.launcher()(scores.view(R, -1, 4), lengths, cand, out)
+    else:
+        kernel = topk_select_program.compile(target, k=k)
+        kernel.launcher()(scores, lengths, cand, out)
     return out
 
 

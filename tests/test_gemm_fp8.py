@@ -224,6 +224,103 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
     assert_elementwise(runs[0], ref)
 
 
+# ---- v3 K loop (overlap: tile.mma_promoted_loop) ------------------------------------------------
+
+OVERLAP_CASES = [dict(n=2112, k=7168, block_m=128, block_n=64, splits=4, stages=6),
+                 dict(n=7168, k=2048, block_m=64, block_n=128, stages=6),
+                 dict(n=512, k=1024, mode="masked", block_m=64, stages=4)]
+
+
+@pytest.mark.parametrize("params", OVERLAP_CASES)
+def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
+    """The v3 loop builds: QGMMA, TMA loads, no spills, a 384-thread block (2 MMA warpgroups + the
+    TMA warpgroup), two partials in flight (wgmma wait 1 in the source)."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = fp8_gemm_program.source("sm_90a", overlap=True, **params)
+    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
+    assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
+    try:
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert stats.histogram.get("QGMMA", 0) > 0 and stats.histogram.get("UTMALDG", 0) > 0
+    assert stats.spill_stores == 0 and stats.spill_loads == 0
+
+
+@pytest.mark.parametrize("target", ["sm_100a", "ascend"])
+def test_overlap_falls_back_to_the_plain_loop_elsewhere(target):
+    """Other targets lower mma_promoted_loop as the pipelined loop: the same kernel as overlap=False
+    up to names (no producer threads added)."""
+    params = dict(n=2112, k=7168, block_m=64, block_n=64, splits=2)
+    src = fp8_gemm_program.source(target, overlap=True, **params)
+    if target == "ascend":
+        assert "ascend_gemm_l1<64, 128, 64, 128, true, float8_e4m3_t>" in src and "asc_get_sub_block_id() * 32" in src
+    else:
+        assert "tcgen05" in src or "utcqmma" in src.lower() or "UTCQMMA" in src or "tcgen05_mma" in src
+
+
+@pytest.mark.gpu
+@settings(max_examples=8, deadline=None)
+@given(m=st.sampled_from([0, 1, 17, 64, 129, 1000]), nk=st.sampled_from([(2112, 7168), (256, 512), (7168, 2048), (256, 128)]))
+def test_gpu_dense_overlap(m, nk):
+    """v3 K loop: same bounds as v2, and bitwise the v2 result (same products, same fold order)."""
+    from ops.gemm_fp8 import _launch
+
+    n, k = nk
+    g = torch.Generator().manual_seed(m)
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
+    outs = []
+    for overlap in (False, True):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _launch("dense", *dev, torch.empty(m, dtype=torch.int32, device="cuda"),
+                torch.empty(1, dtype=torch.int32, device="cuda"), out, n, k,
+                block_m=64 if m <= 64 else 128, overlap=overlap)
+        outs.append(out.cpu())
+    if m:
+        assert calc_diff(outs[1], ref) < 1e-3
+        assert_elementwise(outs[1], ref)
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 6])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("m,n,k,out_dtype", [(1, 2112, 2048, torch.bfloat16), (77, 256, 2048, torch.float32),
+                                             (128, 512, 1536, torch.bfloat16), (200, 256, 1280, torch.bfloat16)])
+def test_gpu_split_k_plans_overlap(stages, splits, m, n, k, out_dtype):
+    """v3 K loop under every split-K plan (odd, even, 1 and 0 K blocks per split) and stage count
+    (stage reuse wraps the barrier phases): bounds, bitwise run to run, bitwise equal to v2."""
+    from ops.gemm_fp8 import _launch
+
+    g = torch.Generator().manual_seed(m + splits)
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
+    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+    runs = []
+    for overlap in (True, True, False):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, splits=splits, stages=stages,
+                overlap=overlap)
+        runs.append(out.cpu())
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert calc_diff(runs[0], ref) < 1e-3
+    assert_elementwise(runs[0], ref)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_layouts_overlap(monkeypatch):
+    """The grouped layouts through the public ops with v3 as the default K loop."""
+    import ops.gemm_fp8 as gemm
+
+    monkeypatch.setattr(gemm, "OVERLAP", True)
+    test_gpu_grouped_layouts()
+
+
 @pytest.mark.gpu
 def test_gpu_grouped_layouts():
     g = torch.Generator().manual_seed(5)
@@ -316,7 +413,11 @@ def test_plan_splits_k_only_for_small_grids():
 
     assert plan("dense", 128, 2112, 7168, 128)["splits"] == 4         # 33 tiles: 4 x 33 = 132 blocks
     assert plan("dense", 128, 24576, 1536, 128)["splits"] == 1        # 192 tiles already fill the GPU
-    assert plan("dense", 4096, 7168, 16384, 128) == dict(block_m=128, block_n=128, splits=1, stages=4)
+    assert plan("dense", 4096, 7168, 16384, 128, overlap=False) == dict(block_m=128, block_n=128, splits=1, stages=4)
+    # v3 (overlap): one stage is held one step longer, so up to 6 where shared memory allows
+    assert plan("dense", 128, 2112, 7168, 128, overlap=True) == dict(block_m=128, block_n=64, splits=4, stages=6,
+                                                                       overlap=True)
+    assert plan("dense", 4096, 7168, 16384, 128, overlap=True)["stages"] == 4     # 66 KB of sfa staging
     assert plan("masked", 64, 4096, 7168, 64)["splits"] == 1          # grouped layouts never split
     with pytest.raises(ValueError, match="too long"):
         plan("dense", 4096, 4096, 65536, 128)

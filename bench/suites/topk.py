@@ -1,13 +1,18 @@
 """Row-wise top-k: the sparse-attention indexer (k = 2048) and sampling (k = 512).
 
 bytes = rows * N * 4 (each score read once; the kernel's extra passes hit L2)
+
+"tilecraft" is the public op (its NaN check reads the scores again and syncs the host unless
+TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone; "kernel-512x6" and "kernel-256x8" are
+other (threads, float4 per lane) configurations of the same CUDA kernel (default 256 x 16);
+"kernel-v2" is the previous CUDA kernel.
 """
 
 import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.topk_select import topk_select_program
+from ops.topk_select import _impl, topk_select_v3_program
 
 PRESETS = {
     "indexer": [dict(T=64, N=131072, k=2048)],
@@ -26,7 +31,11 @@ SUITE = Suite(
     nbytes=lambda c: c["T"] * c["N"] * 4,
     flops=lambda c: 0,
     providers=[Provider("tilecraft", lambda c, i: (lambda: ops.topk_select(i["x"], c["k"]))),
+               Provider("kernel", lambda c, i: (lambda: _impl(i["x"], c["k"], None))),
+               Provider("kernel-512x6", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=512, unroll=6))),
+               Provider("kernel-256x8", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, unroll=8))),
+               Provider("kernel-v2", lambda c, i: (lambda: _impl(i["x"], c["k"], None, v2=True))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
-    kernels=lambda c: [(topk_select_program, dict(k=c["k"]))],
+    kernels=lambda c: [(topk_select_v3_program, dict(k=c["k"]))],
     label=lambda c: f"T={c['T']} N={c['N']} k={c['k']}",
 )

@@ -95,3 +95,30 @@ def mma_promoted(a, b, part, acc, scale, transpose_b=True, step=0):
     if stmt is not None:
         tile.emit(stmt)
     _promote(acc, part, scale)
+
+
+@register("producer_threads", "*")
+def producer_threads():
+    return 0  # the compiler's own pipelining adds any producer threads it wants
+
+
+@T.macro
+def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue):
+    with tile.vector():
+        for i, j in tile.parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] = 0.0
+    for s in tile.pipelined(steps, stages=stages):
+        for src, dst in zip(loads(s), tiles):
+            tile.copy(src, dst)
+        with tile.vector():
+            for i in tile.parallel(scale.shape[0]):
+                scale[i] = scale_of(i, s)
+        tile.mma_promoted(tiles[0], tiles[1], part, acc, scale, step=s)
+    epilogue()
+
+
+@register("mma_promoted_loop", "*")
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None):
+    # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0
+    tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
+    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))

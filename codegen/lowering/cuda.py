@@ -36,3 +36,18 @@ def lane_shuffle(value, src, xor=False):
 def lane_first(pred):
     votes = T.cast(T.ballot_sync(pred), "int32")  # CUDA's 32-lane ballot, zero-extended by TileLang
     return T.call_extern("int32", "__ffs", votes) - 1
+
+
+@register("lane_shuffle_up", "cuda")
+def lane_shuffle_up(value, delta):
+    return T.shfl_up(value, delta)
+
+
+@register("lane_ballot", "cuda")
+def lane_ballot(pred):
+    return T.cast(T.ballot_sync(pred), "uint32")  # zero-extended by TileLang: the low 32 bits are the warp
+
+
+@register("barrier", "cuda")
+def barrier():
+    return T.sync_threads()

@@ -4,7 +4,7 @@
 import tilelang.language as T
 
 from codegen.rules import register
-from codegen.tile import Accumulator, emit
+from codegen.tile import Accumulator, emit, state
 
 
 def _policy(acc):
@@ -42,3 +42,94 @@ def mma_rescaled(a, b, acc, row_scale, transpose_b=False, step=0):
 @register("read_accumulator", "cuda:sm_90a")
 def read_accumulator(acc):
     return acc.buf
+
+
+# ---- mma_promoted_loop: one WGMMA group in flight while the previous K step is promoted ----------
+# A hand-written producer/consumer pipeline, because TileLang's automatic one releases a stage right
+# after the MMA that reads it is issued: with the wait lagging one step (wgmma wait 1), stage s may
+# only be released once step s+1 has waited for MMA s.
+
+PRODUCER = 128      # one warpgroup issues the TMA loads
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+
+
+@register("producer_threads", "cuda:sm_90a")
+def producer_threads():
+    return PRODUCER
+
+
+@T.macro
+def _fold(acc, p, scale):
+    for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+        acc[i, j] += p[i, j] * scale[i]
+
+
+@T.macro
+def _issue(a_s, b_s, full, part, blk, stages, policy):
+    # block blk's MMA into its own cleared partial, left in flight
+    T.mbarrier_wait_parity(full[blk % stages], (blk // stages) % 2)
+    T.wgmma_gemm(a_s[blk % stages, :, :], b_s[blk % stages, :, :], part, transpose_B=True, clear_accum=True,
+                 policy=policy)
+
+
+@T.macro
+def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending):
+    # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in
+    for i in T.Parallel(scale.shape[0]):
+        scale[i] = scale_of(i, blk)
+    T.wait_wgmma(pending)
+    if pending > 0:
+        T.mbarrier_arrive(empty[blk % stages])   # the last block's stage is never refilled
+    T.warpgroup_fence_operand(part, 0, num_regs=regs)
+    _fold(acc, part, scale)
+
+
+@T.macro
+def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
+                regs, policy, epilogue):
+    if T.get_thread_binding() >= consumers:
+        T.set_max_nreg(PRODUCER_REGS, 0)
+        for s in T.serial(steps):
+            slot = s % stages
+            T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # MMA s - stages has finished
+            src_a, src_b = loads(s)
+            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
+            T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
+            T.mbarrier_arrive(full[slot])
+    else:
+        T.set_max_nreg(CONSUMER_REGS, 1)
+        T.clear(acc)
+        # Block b goes into ping for even b, pong for odd b. The loop body handles two blocks with
+        # no branch, so ptxas can see which partial each wait retires (with a branch on b % 2, or
+        # with conditional issues inside the loop, it serializes every WGMMA).
+        # (one branch around all of it: partials in flight must not meet at a join, ptxas would
+        # copy them there)
+        if steps > 0:
+            _issue(a_s, b_s, full, ping, 0, stages, policy)
+            for h in T.serial((steps - 1) // 2):                           # blocks 2h+1, 2h+2
+                _issue(a_s, b_s, full, pong, 2 * h + 1, stages, policy)
+                _retire_fold(empty, acc, ping, scale, scale_of, 2 * h, stages, regs, 1)
+                _issue(a_s, b_s, full, ping, 2 * h + 2, stages, policy)
+                _retire_fold(empty, acc, pong, scale, scale_of, 2 * h + 1, stages, regs, 1)
+            if steps % 2 == 0:                                             # the last one or two blocks
+                _issue(a_s, b_s, full, pong, steps - 1, stages, policy)
+                _retire_fold(empty, acc, ping, scale, scale_of, steps - 2, stages, regs, 1)
+                _retire_fold(empty, acc, pong, scale, scale_of, steps - 1, stages, regs, 0)
+            else:
+                _retire_fold(empty, acc, ping, scale, scale_of, steps - 1, stages, regs, 0)
+        epilogue()
+
+
+@register("mma_promoted_loop", "cuda:sm_90a")
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None):
+    # the grid was opened with producer_threads() more threads than the MMA warpgroups
+    consumers = state()["threads"] - PRODUCER
+    (a_shape, a_dtype), (b_shape, b_dtype) = operands
+    a_s = T.alloc_shared((stages, *a_shape), a_dtype)
+    b_s = T.alloc_shared((stages, *b_shape), b_dtype)
+    full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
+    empty = T.alloc_barrier([consumers] * stages)
+    pong = T.alloc_fragment(part.shape, part.dtype)
+    regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
+    _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
+                regs, _policy(part), epilogue or (lambda: None))
