@@ -27,6 +27,7 @@ def main(argv=None):
     p.add_argument("--ms", default="64,128")
     p.add_argument("--overlap", default="0,1", help="K loops to time: 0 = v2, 1 = v3")
     p.add_argument("--stages", type=int, default=0, help="force this many stages (0: the planner's)")
+    p.add_argument("--block-n", default="0", help="block_n values to time, e.g. 64,128 (0: the planner's)")
     p.add_argument("--prefill", action="store_true", help="time 4096x7168x16384 (splits 1) instead")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -44,17 +45,21 @@ def main(argv=None):
         chosen = plan("dense", m, n, k, block_m)
         nbytes = m * k + n * k + m * n * 2
         line = []
-        for ov in map(int, args.overlap.split(",")):
-            for s in splits:
-                force = {"stages": args.stages} if args.stages else {}
-                fn = lambda s=s, ov=ov, force=force: _launch("dense", qa, sfa, qb[None], sfb[None], *aux, out, n, k,
-                                                            block_m=block_m, splits=s, overlap=bool(ov), **force)
-                us = bench_cuda(fn)["median_ms"] * 1e3
-                stages = args.stages or plan("dense", m, n, k, block_m, overlap=bool(ov))["stages"]
-                rows.append(dict(m=m, n=n, k=k, splits=s, overlap=ov, stages=stages, us=us,
-                                 gbps=nbytes / us / 1e3, tflops=2 * m * n * k / us / 1e6, chosen=chosen["splits"]))
-                rate = f"{2 * m * n * k / us / 1e6:5.0f}TF/s" if args.prefill else f"{nbytes / us / 1e3:5.0f}GB/s"
-                line.append(f"{'v3' if ov else 'v2'}/st{stages}/s{s}={us:7.1f}us/{rate}")
+        for ov, bn, s in [(o, b, s) for o in map(int, args.overlap.split(",")) for b in map(int, args.block_n.split(","))
+                          for s in splits]:
+            if bn and n % bn:
+                continue
+            force = {"stages": args.stages} if args.stages else {}
+            if bn:
+                force["block_n"] = bn
+            fn = lambda s=s, ov=ov, force=force: _launch("dense", qa, sfa, qb[None], sfb[None], *aux, out, n, k,
+                                                        block_m=block_m, splits=s, overlap=bool(ov), **force)
+            us = bench_cuda(fn)["median_ms"] * 1e3
+            stages = args.stages or plan("dense", m, n, k, block_m, overlap=bool(ov))["stages"]
+            rows.append(dict(m=m, n=n, k=k, splits=s, overlap=ov, block_n=bn or chosen["block_n"], stages=stages, us=us,
+                             gbps=nbytes / us / 1e3, tflops=2 * m * n * k / us / 1e6, chosen=chosen["splits"]))
+            rate = f"{2 * m * n * k / us / 1e6:5.0f}TF/s" if args.prefill else f"{nbytes / us / 1e3:5.0f}GB/s"
+            line.append(f"{'v3' if ov else 'v2'}/n{bn or chosen['block_n']}/st{stages}/s{s}={us:7.1f}us/{rate}")
         print(f"{m:4d}x{n:5d}x{k:5d} plan s{chosen['splits']}: " + "  ".join(line), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

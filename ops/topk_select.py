@@ -196,7 +196,7 @@ def _v3_configs(t, p):
 # CUDA only (lane shuffles, per-thread code). The v2 program above stays for Ascend and cpu.
 @tile_program("topk_select_v3", targets=("cuda:sm_90a", "cuda:sm_100a"),
               examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_v3_configs)
-def topk_select_v3_program(k: int, threads: int = 256, unroll: int = 16):
+def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
     """Exact top-k per row, one block per row: register-staged passes, hand-placed barriers."""
     rows, quads, ccols = T.dynamic("rows, quads, ccols")   # Scores viewed as (rows, cols / 4, 4): float4 loads
     W = threads // 32                # warps
