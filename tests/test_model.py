@@ -238,7 +238,7 @@ def test_moe_experts_match_a_dense_loop():
 
 
 @pytest.mark.parametrize("inter", [128, 64])                    # 64: down_proj's K takes the fallback
-def test_sorted_experts_match_the_default_path_and_read_nothing_on_the_host(inter, monkeypatch):
+def test_sorted_experts_match_the_padded_path_and_read_nothing_on_the_host(inter, monkeypatch):
     """Experts under kernels.moe_path("sorted") (fp8_ops_on_cpu): the padded path's output, and with value
     checks off no host read of tensor data in the model's wiring (dispatch align=1, items, quantization,
     fallback, SiLU, combine). The sorted op's CPU reference loops over the items on the host, so inside
