@@ -188,13 +188,13 @@ def check_fp8_gemms(monkeypatch):
 
 
 def test_kept_fp8_runs_the_fp8_ops_on_cpu(tiny, monkeypatch):
-    """keep_fp8 inside kernels.fp8_ops_on_cpu(): the GPU's W8A8 path (activations quantized per 128
-    columns, ops.fp8_gemm_nt / m_grouped_fp8_gemm_nt_contiguous) through the ops' CPU references, for a
+    """keep_fp8 inside kernels.fp8_ops_on_cpu() on the padded MoE path: the GPU's W8A8 path (activations
+    quantized per 128 columns, ops.fp8_gemm_nt / m_grouped_fp8_gemm_nt_contiguous) through the ops' CPU references, for a
     prefill and for decode steps, eager and graph-replayed (which must agree)."""
     ckpt, _ = tiny("fp8-yarn-no-q-lora")
     calls, errors = check_fp8_gemms(monkeypatch)
     prompt, forced = prompts_of([100, 6], seed=9)
-    with kernels.fp8_ops_on_cpu():
+    with kernels.fp8_ops_on_cpu(), kernels.moe_path("padded"):      # the sorted path: tests below
         kept = LLM(ckpt, max_model_len=256, keep_fp8=True)
         assert kept.model.layers[0].attn.kv_a.weight.dtype == torch.float8_e4m3fn
         kept.score(prompt)
@@ -477,15 +477,16 @@ def test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference(tiny, monkeyp
     calls, errors = check_fp8_gemms(monkeypatch)
     prompt, forced = prompts_of([100, 6], seed=9)
     kept = LLM(ckpt, device="cuda", max_model_len=256, enforce_eager=True, keep_fp8=True)
-    kept.score(prompt)
-    teacher_forced_logits(kept, prompt, forced)
+    with kernels.moe_path("padded"):                     # its grouped GEMM is checked call by call here
+        kept.score(prompt)
+        teacher_forced_logits(kept, prompt, forced)
     assert calls["dense"] > 0 and calls["grouped"] > 0
     assert errors and max(errors) < 0.04
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SORTED_CASES))
-def test_gpu_sorted_moe_path_matches_the_default_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
+def test_gpu_sorted_moe_path_matches_the_padded_keep_fp8_path(tiny, make_checkpoint, case, monkeypatch):
     """test_sorted_moe_path_matches_the_padded_keep_fp8_path on the GPU (bf16): the sorted FP8 kernel
     against the padded path (ops.m_grouped_fp8_gemm_nt_contiguous eager, moe_experts_static in graphs),
     eager and inside real CUDA graphs (which would fail on a host sync in the sorted path)."""
