@@ -8,22 +8,32 @@ dispatch: rows grouped by expert, in token order within an expert (stable, deter
   counts each expert and its aligned offset; moe_plan_place: one block per expert compacts its
   assignments in token order), bitwise _plan_reference (the torch sort it replaced); the data moves
   in moe_scatter_rows: one block per token reads its row once and writes it to its k rows, extra
-  blocks zero the padding rows (raw bits: bf16 or fp8 alike). EP sends still use the row gather.
+  blocks zero the padding rows (raw bits: bf16 or fp8 alike).
 combine: out[t] = sum_j weights[t, j] * y[row of (t, j)], j in order, accumulated in fp32: the
   same summation order whatever else is in the batch (batch-invariant, deterministic).
 
 Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, (r+1)*E/W).
   dispatch: every (token, choice) is sent once to the rank owning its expert (one row per choice, not
     one per destination rank: k rows per token cross the fabric, but each returns as its own row, so
-    combine can sum in the single-device order). Rows are grouped by destination rank with a stable
-    sort (token-major inside), a (W, 4) int64 header goes first with all_to_all_single (row counts,
-    an error flag, row sizes), then local expert ids, rows and fp8 scales with all_to_all_single on
-    raw bytes (uint8 views: any dtype, NCCL or gloo). The receiver runs the single-device plan and
-    gather over its E/W local experts, so its layout is exactly the slice of the single-device layout
-    for those experts (rows in global token order inside each expert, the same padding).
-  combine: each expert row goes back to its token's rank (all_to_all_single), and the owner runs the
-    single-device combine kernel on the returned rows: same values, same order, same fp32
-    accumulation, so the output is bitwise the single-device result on the concatenated tokens.
+    combine can sum in the single-device order). A rank's tokens are cut into C = EP_CHUNKS token
+    ranges; its send order is (chunk, global expert, token): the single-device plan kernels on the key
+    chunk*E + expert, so each chunk is grouped by destination rank and, inside, by local expert. One
+    (W, 4 + C*E/W) int64 header goes first with all_to_all_single (rows, an error flag, row sizes, and
+    the rows of every (chunk, local expert) for that peer) and is read on the host (the one sync).
+    From it each receiver knows its whole layout before any row arrives: expert e's rows are, in the
+    single-device order, rank 0's chunks 0..C-1, then rank 1's...; so every received row's output row
+    is computed on the device with no ids exchange. Then, per chunk, the send rows are scattered from
+    x (token-major: each token read once), exchanged with all_to_all_single on raw bytes (uint8 views:
+    any dtype, NCCL or gloo; fp8 scales as a second exchange), issued async on CUDA (the process
+    group's stream), and placed into the final layout as soon as they arrive, while the next chunk
+    transfers. The result is exactly the slice of the single-device layout for the local experts
+    (rows in global token order inside each expert, the same padding, zeros included).
+  combine: per chunk, this rank's expert rows are gathered in their arrival order and go back to their
+    tokens' ranks (all_to_all_single, async on CUDA); as chunk c returns, its tokens (exactly the rows
+    of chunk c) run the single-device combine kernel: same values, same order, same fp32 accumulation,
+    so the output is bitwise the single-device result on the concatenated tokens.
+  Every rank runs the same collectives in the same order (C chunk exchanges even when they are
+  empty), so uneven loads, empty ranks and empty experts cannot deadlock.
   The EP path reads the header on the host (split sizes), so it is eager only: no CUDA-graph capture,
   no torch.compile. This module sets no NCCL environment; launchers should keep NCCL_NVLS_ENABLE=0.
   Future work: send a token once per destination rank (DeepEP-style) and return per-choice rows;
@@ -31,6 +41,7 @@ Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, 
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import time
 from dataclasses import dataclass
 
 import tilelang.language as T
@@ -43,6 +54,8 @@ from ops import _dispatch, _values
 from ops import _validate as check
 
 LAYOUTS = ("contiguous", "masked")
+EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges); must be the same on every rank
+_EP_TRACE = None     # bench hook (bench/suites/moe.py): a list collecting (phase, CUDA event or wall time)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 BITS_NAME = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
@@ -81,6 +94,11 @@ class EpMapping:
     send_splits: list                # rows sent to each rank (combine receives as many back)
     recv_splits: list                # rows received from each rank (combine sends them back)
     send_positions: torch.Tensor     # (T, k) int32: row of each (token, choice) in the send buffer
+    chunks: int = 1                  # row exchanges per dispatch/combine (EP_CHUNKS when dispatched)
+    token_bounds: list | None = None         # (C+1,): chunk c is this rank's tokens [b[c], b[c+1])
+    send_chunk_splits: list | None = None    # [C][W] rows sent to each rank in chunk c
+    recv_chunk_splits: list | None = None    # [C][W] rows received from each rank in chunk c
+    recv_bounds: list | None = None          # (C+1,): chunk c's rows in the receive order
 
     @property
     def local_experts(self) -> range:
@@ -323,20 +341,6 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
     return combine
 
 
-def _gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows, H) copy of x's rows picked by src (-1: zeros), through the tile program, on raw bits."""
-    out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    bits = BITS[x.element_size()]
-    xb, ob = x.view(bits), out.view(bits)
-    kernel = gather_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits])
-    if x.shape[0] == 0:  # nothing to read: every row is padding
-        return out.zero_()
-    kernel.launcher()(xb, src, ob)
-    return out
-
-
 def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, rows: int, pad: bool) -> torch.Tensor:
     """(rows, H): x[t] to rows positions[t, :] (each token read once); with pad, zeros where src < 0."""
     out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
@@ -535,67 +539,329 @@ def _group_size_rank(group):
     return world, rank
 
 
-def _a2a_rows(t, send_splits, recv_splits, group):
-    """all_to_all_single of t's rows (dim 0) as raw bytes, so any dtype crosses any backend (gloo has no fp8)."""
-    tb = t.contiguous().view(torch.uint8)                          # (N, row bytes)
-    out = torch.empty(sum(recv_splits), tb.shape[1], dtype=torch.uint8, device=t.device)
-    dist.all_to_all_single(out, tb, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
-                           group=group)
-    return out.view(t.dtype)
+def _a2a(out, inp, out_splits, in_splits, group):
+    """all_to_all_single of rows as raw bytes (uint8 views: any dtype crosses any backend; gloo has no
+    fp8). On CUDA it is issued async on the process group's stream and the handle is returned (wait()
+    makes the current stream wait); on CPU it runs now and None is returned."""
+    o, i = out.view(torch.uint8), inp.view(torch.uint8)               # 2-D (rows, row bytes)
+    cuda = out.device.type == "cuda"
+    work = dist.all_to_all_single(o, i, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                                  group=group, async_op=cuda)
+    return work if cuda else None
+
+
+def _mark(name, device):
+    """Bench hook: with _EP_TRACE a list, record a phase boundary (a CUDA event on the current stream,
+    or the wall time on CPU). Costs nothing when off."""
+    if _EP_TRACE is None:
+        return
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        _EP_TRACE.append((name, ev))
+    else:
+        _EP_TRACE.append((name, time.perf_counter()))
+
+
+def _ep_chunks():
+    c = EP_CHUNKS
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"ops.moe_dispatch.EP_CHUNKS must be an int >= 1 (the same on every rank), got {c!r}")
+    return c
+
+
+def _token_bounds(tokens, chunks):
+    """Chunk c of a rank's tokens is [c*T//C, (c+1)*T//C): some chunks are empty when T < C."""
+    return [c * tokens // chunks for c in range(chunks + 1)]
+
+
+def _scatter_into(y, x, positions, src, pad):
+    """y[positions[t, j]] = x[t] for the rows of x (raw bits), and with pad zeros where src < 0 (src
+    covers y's rows). x, positions may be row slices: the kernel reads whole rows, so a slice keeps
+    the alignment of its base."""
+    bits = BITS[x.element_size()]
+    kernel = scatter_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits], pad=pad)
+    kernel.launcher()(x.view(bits), positions, src, y.view(bits))
+
+
+def _gather_into(y, x, src):
+    """y[r] = x[src[r]] for every row of y (a row slice of a larger buffer), on raw bits."""
+    bits = BITS[x.element_size()]
+    kernel = gather_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits])
+    kernel.launcher()(x.view(bits), src, y.view(bits))
+
+
+_CHUNK_BASES = {}
+
+
+def _chunk_base(tokens, chunks, num_experts, device):
+    """(T, 1) int32: chunk(t) * E, chunk(t) = ((t + 1) * C - 1) // T (the chunk of _token_bounds
+    holding token t); kept for the last few shapes (five small ops fewer per call)."""
+    key = (tokens, chunks, num_experts, device)
+    base = _CHUNK_BASES.get(key)
+    if base is None:
+        t = torch.arange(1, tokens + 1, device=device, dtype=torch.int32)
+        base = ((t * chunks - 1) // tokens * num_experts).view(tokens, 1)
+        if len(_CHUNK_BASES) >= 16:
+            _CHUNK_BASES.clear()
+        _CHUNK_BASES[key] = base
+    return base
+
+
+def _ep_send_plan(ids, num_experts, chunks):
+    """Send order of an EP dispatch: every (token, choice) sorted by (chunk, global expert), token order
+    inside, i.e. by (chunk, destination rank, local expert, token). It is the single-device plan
+    (contiguous, align=1) on the key chunk(t)*E + ids[t, j] over C*E keys: chunk c's rows are exactly
+    rows [c0*k, c1*k) of the send buffer. Returns (counts (C*E,) int32 and a launcher of the place
+    step that gives positions (T, k) int32); the count runs now (the header needs it), the place
+    later (it can overlap the header exchange)."""
+    T_, k = ids.shape
+    E, device = num_experts * chunks, ids.device
+    # [T, k] chunk(t)*E + expert; ids clamped like the single-device kernels (the range check, when
+    # on, reads the raw ids): a chunk's rows then always fill exactly its own rows of the send buffer
+    key = ids.clamp(0, num_experts - 1) + _chunk_base(T_, chunks, num_experts, device)
+    flat = key.view(-1)
+    counts = torch.empty(E, dtype=torch.int32, device=device)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
+    stats = torch.empty(4, dtype=torch.int32, device=device)
+    target = targets.resolve(ids)
+    plan_count_program.compile(target, num_experts=E).launcher()(flat, counts, offsets, stats, 1)
+
+    def place():
+        positions = torch.empty(T_, k, dtype=torch.int32, device=device)
+        src = torch.empty(T_ * k, dtype=torch.int32, device=device)      # source token of each send row
+        m_idx = torch.empty(T_ * k, dtype=torch.int32, device=device)    # (the key of each row: unused)
+        plan_place_program.compile(target, layout="contiguous").launcher()(flat, counts, offsets, positions.view(-1),
+                                                                             src, m_idx, k)
+        return positions, src
+
+    return counts, place
+
+
+def _recv_layout(cnt, cnt_h, layout, align, max_m):
+    """This rank's dispatch layout from the header alone (no received ids, no extra host read).
+
+    cnt (W, C, El) int64 on the device and cnt_h the same on the host: rows each source rank sends
+    from each of its chunks to each local expert. In the single-device layout on the concatenated
+    tokens, expert e's rows are in global token order: source rank 0's chunks 0..C-1, then rank 1's...;
+    the receive buffer holds chunk-major segments (c, s, e). So a received row's index in its expert is
+    (rows of e from earlier (s, c)) + its index in its segment. Returns the mapping's fields plus
+    positions (N, 1) (the output row of every received row, receive order), src_rows (the rows the
+    placement must zero where < 0), rows, pad_rows and busiest."""
+    W, C, El = cnt.shape
+    device = cnt.device
+    tot_h = cnt_h.sum((0, 1))
+    n = int(tot_h.sum())
+    busiest = int(tot_h.max()) if n else 0
+    tot = cnt.sum((0, 1))                                                # [El] rows per local expert
+    before = cnt.reshape(W * C, El)
+    before = (before.cumsum(0) - before).view(W, C, El)                  # rows of e in earlier (s, c)
+    seg_len = cnt.permute(1, 0, 2).reshape(-1)                           # receive order: (c, s, e)
+    seg_rank = before.permute(1, 0, 2).reshape(-1)
+    seg_start = seg_len.cumsum(0) - seg_len
+    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), seg_len, output_size=n)
+    rank = torch.arange(n, device=device) - seg_start[seg] + seg_rank[seg]   # index within its expert
+    expert = seg % El
+    if layout == "contiguous":
+        padded_h = (tot_h + align - 1) // align * align
+        rows = int(padded_h.sum())
+        padded = (tot + align - 1) // align * align
+        first = padded.cumsum(0) - padded                                # [El] expert segment starts
+        pos = first[expert] + rank
+        row_expert = torch.repeat_interleave(torch.arange(El, device=device), padded, output_size=rows)
+        m_indices = torch.where(torch.arange(rows, device=device) - first[row_expert] < tot[row_expert],
+                                row_expert, -1).to(torch.int32)
+        extra = dict(m_indices=m_indices, masked_m=None, max_m=None)
+        src_rows, pad_rows = m_indices, rows - n
+    else:
+        if max_m is None:
+            max_m = max(align, (busiest + align - 1) // align * align)
+        rows = El * max_m
+        # clamped like the single-device plan: an unchecked overflow never writes out of bounds
+        pos = expert * max_m + rank.clamp(max=max_m - 1)
+        src_rows = torch.where(torch.arange(max_m, device=device)[None, :] < tot[:, None], 0, -1)
+        src_rows = src_rows.to(torch.int32).view(-1)
+        pad_rows = int((max_m - tot_h.clamp(max=max_m)).sum())
+        extra = dict(m_indices=None, masked_m=None, max_m=int(max_m))
+    counts = tot.to(torch.int32)
+    if layout == "masked":
+        extra["masked_m"] = counts
+    return dict(counts=counts, positions=pos.to(torch.int32).view(n, 1), src_rows=src_rows, rows=rows,
+                pad_rows=pad_rows, busiest=busiest, **extra)
 
 
 def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
+    """Expert-parallel dispatch: one header exchange (with its host sync), then C row chunks whose
+    send scatter, all-to-all and placement overlap (see the module docstring and bench/NOTES.md)."""
     world, me = _group_size_rank(group)
     check.number("num_experts", num_experts, lo=1, integer=True)
     if num_experts % world:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the group's world size {world} "
                          "(experts are placed contiguously, E/W per rank)")
     e_local = num_experts // world
+    chunks = _ep_chunks()
     # A rank whose arguments fail the checks still joins the header exchange with an error flag, so
     # the other ranks raise too instead of waiting in the next collective.
     try:
-        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, values=True)
+        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
         bad = None
     except (TypeError, ValueError) as e:
         bad = e
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    header = torch.zeros(world, 4, dtype=torch.int64, device=device)   # [rows, error, row bytes, scale bytes]
-    header[:, 1] = int(bad is not None)
+    cuda = device.type == "cuda"
+    _mark("start", device)
+    # header row for each peer: [rows, error, row bytes, scale bytes, rows per (chunk, its local expert)]
+    header = torch.zeros(world, 4 + chunks * e_local, dtype=torch.int64, device=device)
+    checking = False
     if bad is None:
         T_, k = ids.shape
-        flat = ids.reshape(-1).long()                                  # [T*k], token-major
-        dest = flat // e_local                                         # owner rank of each (token, choice)
-        order = torch.sort(dest, stable=True).indices                  # grouped by rank, token-major inside
-        send_positions = torch.empty_like(order)
-        send_positions[order] = torch.arange(order.numel(), device=device)
-        header[:, 0] = torch.bincount(dest, minlength=world)[:world]
+        bounds = _token_bounds(T_, chunks)
+        checking = _values.enabled(ids)
+        if T_:
+            counts, place = _ep_send_plan(ids, num_experts, chunks)
+            per_peer = counts.view(chunks, world, e_local).permute(1, 0, 2).reshape(world, chunks * e_local)
+            header[:, 4:] = per_peer
+            header[:, 0] = per_peer.sum(1)
+            if checking:                                                # read with the header: no extra sync
+                header[:, 1] = ((ids < 0) | (ids >= num_experts)).any().to(torch.int64)
         header[:, 2] = x.shape[1] * x.element_size()
         header[:, 3] = 0 if x_scales is None else x_scales.shape[1] * 4
+    else:
+        header[:, 1] = 1
     peers = torch.empty_like(header)
     dist.all_to_all_single(peers, header, group=group)
-    h_send, h_recv = header.tolist(), peers.tolist()                  # the one host sync: split sizes
+    if cuda:                                                            # read back without waiting for what follows
+        host = torch.empty(2, *header.shape, dtype=torch.int64, pin_memory=True)
+        host[0].copy_(header, non_blocking=True)
+        host[1].copy_(peers, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    _mark("header", device)
+    send_x = send_s = None
+    if bad is None:
+        # work that needs no header: the send order and chunk 0's send rows (under the header's round trip)
+        positions, src = place() if T_ else (torch.empty(0, k, dtype=torch.int32, device=device), None)
+        send_x = torch.empty(T_ * k, x.shape[1], dtype=x.dtype, device=device)
+        send_s = None if x_scales is None else torch.empty(T_ * k, x_scales.shape[1], dtype=torch.float32,
+                                                           device=device)
+
+        def send_rows(c):
+            a, b = bounds[c], bounds[c + 1]
+            if b > a:
+                _scatter_into(send_x, x[a:b], positions[a:b], src, pad=False)
+                if send_s is not None:
+                    _scatter_into(send_s, x_scales[a:b], positions[a:b], src, pad=False)
+
+        send_rows(0)
+    _mark("prep", device)
+    if cuda:
+        ready.synchronize()                                             # the one host sync: split sizes
+    else:
+        host = torch.stack([header, peers])
     if bad is not None:
         raise bad
-    failed = [r for r in range(world) if h_recv[r][1]]
+    h_send, h_recv = host[0], host[1]
+    if checking and int(h_send[0, 1]):
+        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
+    failed = [r for r in range(world) if int(h_recv[r, 1])]
     if failed:
         raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
                          "no rows were exchanged")
-    sizes = {(h[2], h[3]) for h in h_recv}
+    sizes = sorted({(int(h[2]), int(h[3])) for h in h_recv})
     if len(sizes) > 1:
         raise ValueError(f"every rank must send rows of one size: got (x bytes, x_scales bytes) per row "
-                         f"{sorted(sizes)} across the group (same H and dtype everywhere)")
-    send_splits, recv_splits = [h[0] for h in h_send], [h[0] for h in h_recv]
-    src = (order // k).to(torch.int32)
-    local_ids = (flat[order] - dest[order] * e_local).to(torch.int32).view(-1, 1)
-    recv_ids = _a2a_rows(local_ids, send_splits, recv_splits, group)   # (N_recv, 1) local expert ids
-    recv_x = _a2a_rows(_gather_rows(x, src, order.numel()), send_splits, recv_splits, group)
-    recv_s = None
-    if x_scales is not None:
-        recv_s = _a2a_rows(_gather_rows(x_scales, src, order.numel()), send_splits, recv_splits, group)
-    xd, sd, mapping = _local_dispatch(recv_x, recv_ids, e_local, recv_s, layout, align, max_m)
-    mapping.ep = EpMapping(group, world, me, num_experts, send_splits, recv_splits,
-                           send_positions.view(T_, k).to(torch.int32))
+                         f"{sizes} across the group (same H and dtype everywhere)")
+    cnt_send = h_send[:, 4:].view(world, chunks, e_local)
+    cnt_h = h_recv[:, 4:].view(world, chunks, e_local)
+    send_chunks = cnt_send.sum(2).t().tolist()                          # [C][W] rows to each rank per chunk
+    recv_chunks = cnt_h.sum(2).t().tolist()                             # [C][W] rows from each rank per chunk
+    recv_bounds = [0]
+    for c in range(chunks):
+        recv_bounds.append(recv_bounds[-1] + sum(recv_chunks[c]))
+    recv_x = torch.empty(recv_bounds[-1], x.shape[1], dtype=x.dtype, device=device)
+    recv_s = None if x_scales is None else torch.empty(recv_bounds[-1], x_scales.shape[1], dtype=torch.float32,
+                                                       device=device)
+    works = []
+    for c in range(chunks):                                             # same collectives, same order, every rank
+        if c:
+            send_rows(c)
+        a, b, ra, rb = bounds[c] * k, bounds[c + 1] * k, recv_bounds[c], recv_bounds[c + 1]
+        works.append(_a2a(recv_x[ra:rb], send_x[a:b], recv_chunks[c], send_chunks[c], group))
+        if recv_s is not None:
+            works.append(_a2a(recv_s[ra:rb], send_s[a:b], recv_chunks[c], send_chunks[c], group))
+    lay = _recv_layout(peers[:, 4:].view(world, chunks, e_local), cnt_h, layout, align, max_m)
+    overflow = None
+    if layout == "masked" and max_m is not None and checking and lay["busiest"] > max_m:
+        overflow = ValueError(f"max_m={max_m} is smaller than the busiest expert's {lay['busiest']} tokens")
+    rows, pos = lay["rows"], lay["positions"]
+    xd = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
+    sd = None if x_scales is None else torch.empty(rows, x_scales.shape[1], dtype=torch.float32, device=device)
+    if recv_bounds[-1] == 0 and rows:                                   # nothing arrives: every row is padding
+        xd.zero_()
+        if sd is not None:
+            sd.zero_()
+    _mark("layout", device)
+    zero_pending = lay["pad_rows"] > 0
+    per_chunk = 1 if recv_s is None else 2
+    for c in range(chunks):
+        for w in works[c * per_chunk:(c + 1) * per_chunk]:
+            if w is not None:
+                w.wait()
+        _mark(f"chunk{c}", device)
+        ra, rb = recv_bounds[c], recv_bounds[c + 1]
+        if rb > ra:                                  # placed while chunk c+1 transfers
+            _scatter_into(xd, recv_x[ra:rb], pos[ra:rb], lay["src_rows"], pad=zero_pending)
+            if sd is not None:
+                _scatter_into(sd, recv_s[ra:rb], pos[ra:rb], lay["src_rows"], pad=zero_pending)
+            zero_pending = False
+    _mark("end", device)
+    if overflow is not None:                         # after every collective: the peers are not left waiting
+        raise overflow
+    mapping = MoeMapping(layout, e_local, 1, pos, lay["counts"], m_indices=lay["m_indices"],
+                         masked_m=lay["masked_m"], max_m=lay["max_m"])
+    mapping.ep = EpMapping(group, world, me, num_experts, [int(v) for v in h_send[:, 0]],
+                           [int(v) for v in h_recv[:, 0]], positions, chunks, bounds, send_chunks, recv_chunks,
+                           recv_bounds)
+    if layout == "masked":
+        xd = xd.view(e_local, mapping.max_m, x.shape[1])
+        sd = sd.view(e_local, mapping.max_m, -1) if sd is not None else None
     return xd, sd, mapping
+
+
+def _ep_combine(y, mapping, weights):
+    """Each expert row back to its token's rank, chunk by chunk (the chunks of the dispatch), and the
+    combine kernel on a chunk's tokens as soon as their rows are back: the same kernel over the same
+    rows in the same order as one device, so the same bits."""
+    ep = mapping.ep
+    device = y.device
+    _mark("start", device)
+    H = y.shape[-1]
+    y2 = y.reshape(-1, H)
+    T_, k = ep.send_positions.shape
+    back = torch.empty(ep.recv_bounds[-1], H, dtype=y.dtype, device=device)   # rows in the order they came
+    ret = torch.empty(T_ * k, H, dtype=y.dtype, device=device)                 # this rank's rows, send order
+    out = torch.empty(T_, H, dtype=y.dtype, device=device)
+    src = mapping.positions.view(-1)
+    works = []
+    for c in range(ep.chunks):
+        ra, rb = ep.recv_bounds[c], ep.recv_bounds[c + 1]
+        if rb > ra:
+            _gather_into(back[ra:rb], y2, src[ra:rb])
+        a, b = ep.token_bounds[c] * k, ep.token_bounds[c + 1] * k
+        works.append(_a2a(ret[a:b], back[ra:rb], ep.send_chunk_splits[c], ep.recv_chunk_splits[c], ep.group))
+    _mark("gather", device)
+    kernel = None
+    for c in range(ep.chunks):
+        if works[c] is not None:
+            works[c].wait()
+        _mark(f"chunk{c}", device)
+        a, b = ep.token_bounds[c], ep.token_bounds[c + 1]
+        if b > a:                                    # summed while chunk c+1 returns
+            if kernel is None:
+                kernel = combine_program.compile(targets.resolve(y), hidden=H, top_k=k, dtype=Y_DTYPES[y.dtype])
+            kernel.launcher()(ret, ep.send_positions[a:b], weights[a:b], out[a:b])
+    _mark("end", device)
+    return out
 
 
 def _combine_impl(y, positions, weights):
@@ -640,9 +906,7 @@ def moe_combine(y, mapping, weights):
     check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
     check.same_device(y=y, weights=weights, positions=pos)
     if ep is not None:
-        # this rank's expert rows, in the order they arrived, go back to where they came from
-        back = _gather_rows(y.reshape(-1, y.shape[-1]), mapping.positions.reshape(-1), mapping.positions.shape[0])
-        y = _a2a_rows(back, ep.recv_splits, ep.send_splits, ep.group)   # (T*k, H) in send order
+        return _ep_combine(y, mapping, weights)
     return _dispatch.call(_combine_op, _combine_impl, y, pos, weights)
 
 

@@ -9,6 +9,7 @@ directory (conftest), which the children load. One spawn of 4 processes covers b
 (the whole group, then two groups of 2 at once).
 """
 
+import importlib
 import os
 import tempfile
 import time
@@ -28,13 +29,20 @@ SCENARIOS = {
     "fp8_scales": (8, 2, 128, "fp8", lambda r, W: 4 + r, "random"),
     "k1_e64": (64, 1, 128, "bf16", lambda r, W: 7, "random"),
     "k8_e64": (64, 8, 128, "bf16", lambda r, W: 5 + r, "random"),
+    "one_token": (16, 8, 128, "bf16", lambda r, W: 1 + (r == 1), "random"),   # fewer tokens than chunks
 }
+# extra scenarios for the chunk-boundary test only (EP_CHUNKS 1, 3 and 16 on 2 ranks)
+CHUNK_SCENARIOS = {
+    "all_empty": (16, 4, 128, "bf16", lambda r, W: 0, "random"),               # every chunk of every rank empty
+    "hot_rank0_fp8": (16, 4, 128, "fp8", lambda r, W: 7 + r, "rank0"),       # rank 1's experts get nothing
+}
+CHUNKS = (1, 3, 16)
 LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("masked", dict(align=4)),
            ("masked", dict(align=4, max_m=64))]
 
 
 def make_case(name, W):
-    E, k, H, dtype, tokens, routing = SCENARIOS[name]
+    E, k, H, dtype, tokens, routing = {**SCENARIOS, **CHUNK_SCENARIOS}[name]
     g = torch.Generator().manual_seed(sum(map(ord, name)) + W)
     sizes = [tokens(r, W) for r in range(W)]
     T_ = sum(sizes)
@@ -117,10 +125,48 @@ def check_scenario(name, rank, W, group, device="cpu"):
         assert out.shape == (hi - lo, xd.shape[-1]) and torch.equal(bits(out), bits(out_g[lo:hi])), where
 
 
+def check_chunks(rank, W, group, chunks):
+    """With EP_CHUNKS = chunks: the chunk bookkeeping of a mapping (token ranges cover the tokens, a
+    chunk's rows are all its tokens' choices, empty chunks included) and the phase marks."""
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
+    case = make_case("random", W)
+    lo, hi = sum(case["sizes"][:rank]), sum(case["sizes"][:rank + 1])
+    x, ids = case["x"][lo:hi].contiguous(), case["ids"][lo:hi].contiguous()
+    md._EP_TRACE = []
+    try:
+        xd, _, m = ops.moe_dispatch(x, ids, case["E"], group=group, align=8)
+        ops.moe_combine(xd, m, case["w"][lo:hi].contiguous())
+        marks = [name for name, _ in md._EP_TRACE]
+    finally:
+        md._EP_TRACE = None
+    ep, T_, k = m.ep, hi - lo, ids.shape[1]
+    assert ep.chunks == chunks and ep.token_bounds[0] == 0 and ep.token_bounds[-1] == T_
+    assert all(a <= b for a, b in zip(ep.token_bounds, ep.token_bounds[1:]))
+    for c in range(chunks):
+        assert sum(ep.send_chunk_splits[c]) == (ep.token_bounds[c + 1] - ep.token_bounds[c]) * k
+        assert sum(ep.recv_chunk_splits[c]) == ep.recv_bounds[c + 1] - ep.recv_bounds[c]
+    assert sum(map(sum, ep.send_chunk_splits)) == sum(ep.send_splits) == T_ * k
+    chunk_marks = [f"chunk{c}" for c in range(chunks)]
+    assert marks == ["start", "header", "prep", "layout", *chunk_marks, "end", "start", "gather", *chunk_marks, "end"]
+
+
 def check_errors(rank, W, group, device="cpu"):
     x, ids = torch.randn(3, 128).bfloat16().to(device), torch.zeros(3, 2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=f"num_experts={2 * W + 1} must be a multiple of the group's world size {W}"):
         ops.moe_dispatch(x, ids, 2 * W + 1, group=group)
+    # one rank's bad arguments (not fp8 but scales given): every rank raises after the header, no hang
+    scales = torch.ones(3, 1, device=device) if rank == W - 1 else None
+    match = "x_scales is only for fp8 x" if rank == W - 1 else rf"rank\(s\) \[{W - 1}\] of the group"
+    with pytest.raises(ValueError, match=match):
+        ops.moe_dispatch(x, ids, 4 * W, x_scales=scales, group=group)
+    # masked max_m too small on the receiving rank: it raises after every exchange, the others return
+    hot = torch.zeros(3, 1, dtype=torch.int32, device=device)           # all to expert 0, on rank 0
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"max_m=2 is smaller than the busiest expert's \d+ tokens"):
+            ops.moe_dispatch(x, hot, 4 * W, layout="masked", max_m=2, group=group)
+    else:
+        ops.moe_dispatch(x, hot, 4 * W, layout="masked", max_m=2, group=group)
     # one rank's bad ids: it raises its own error, the others learn it in the header exchange (no hang)
     bad = ids + (4 * W if rank == 0 else 0)
     match = r"ids must be expert ids in \[0, " if rank == 0 else r"rank\(s\) \[0\] of the group got invalid arguments"
@@ -135,13 +181,18 @@ def check_bench_dry_run(W, group):
     """bench.suites.moe's ep timing on gloo with a tiny case: every rank's rows, consistent bytes."""
     from bench.suites.moe import time_ep
 
-    rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2)
-    assert len(rows) == 4 * W and all(r["median_ms"] > 0 for r in rows)
+    rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2, sweep=(1, 3),
+                   phase_reps=2)
+    assert len(rows) == 8 * W and all(r["median_ms"] > 0 for r in rows)
     by = {(r["provider"], r["rank"]): r for r in rows}
     for r in range(W):
         assert by["dispatch", r]["bytes"] == by["a2a-dispatch", r]["bytes"]
         assert by["combine", r]["bytes"] == by["a2a-combine", r]["bytes"]
-        assert by["dispatch", r]["ratio_vs_a2a"] > 0
+        assert by["dispatch", r]["ratio_vs_a2a"] > 0 and by["combine-c3", r]["ratio_vs_a2a"] > 0
+        assert by["dispatch-c1", r]["chunks"] == 1 and by["combine-c3", r]["bytes"] == by["combine", r]["bytes"]
+        phases = by["dispatch", r]["phases_ms"].split()[::2]
+        assert phases == ["header", "prep", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
+        assert by["combine", r]["phases_ms"].split()[::2][0] == "gather"
     remote = [sum(by[p, r]["bytes"] for r in range(W)) for p in ("dispatch", "combine")]
     assert remote[0] == remote[1] > 0                # what leaves the ranks in dispatch comes back in combine
 
@@ -164,6 +215,28 @@ def worker(rank, store, cache_dir):
                 check_scenario(name, me, W, group)
             check_errors(me, W, group)
         check_bench_dry_run(4, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def chunk_worker(rank, store, cache_dir):
+    """2 processes: scenarios and bookkeeping with EP_CHUNKS 1, 3 and 16 (16 > every rank's tokens:
+    empty chunks everywhere; all_empty: no rows at all)."""
+    import torch.distributed as dist
+
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
+    os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
+    os.environ["TILECRAFT_DISABLE_DISK_CACHE"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=90))
+    try:
+        for chunks in CHUNKS:
+            md.EP_CHUNKS = chunks
+            for name in ("one_token", "empty_rank", *CHUNK_SCENARIOS):
+                check_scenario(name, rank, 2, dist.group.WORLD)
+            check_chunks(rank, 2, dist.group.WORLD, chunks)
     finally:
         dist.destroy_process_group()
 
@@ -206,11 +279,65 @@ def spawn(fn=worker, nprocs=4, extra=(), deadline_s=150):
             os.unlink(store.name)
 
 
+def compile_ep_kernels(chunk_counts, names=SCENARIOS):
+    """Compile, here, the kernels the EP path adds to the single-device ones (the send plan's count over
+    C*E keys, the unpadded scatter, the return gather), so the workers load them from the cache."""
+    from ops.moe_dispatch import gather_rows_program, plan_count_program, scatter_rows_program
+
+    scenarios = {**SCENARIOS, **CHUNK_SCENARIOS}
+    for E in sorted({scenarios[n][0] for n in names}):
+        for chunks in chunk_counts:
+            plan_count_program.compile("cpu", num_experts=E * chunks)
+    for bits, hidden in (("int16", 128), ("uint8", 128), ("int32", 1)):    # bf16 rows, fp8 rows, their scales
+        for pad in (False, True):
+            scatter_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
+    gather_rows_program.compile("cpu", hidden=128, bits="int16")
+
+
 def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
     for name in SCENARIOS:                      # compile every kernel once, here, into the shared cache
         for layout, kw in LAYOUTS:
             single_device(make_case(name, 2), layout, kw)
+    compile_ep_kernels((md.EP_CHUNKS,))
     spawn()
+
+
+def test_ep_chunk_boundaries_bitwise():
+    """Chunk counts 1, 3 and 16 (more chunks than tokens), a rank with no tokens, no rows at all, a rank
+    receiving nothing, fp8 rows: bitwise the single-device path, and the chunk bookkeeping adds up."""
+    names = ("one_token", "empty_rank", *CHUNK_SCENARIOS)
+    for name in names:
+        for layout, kw in LAYOUTS:
+            single_device(make_case(name, 2), layout, kw)
+    compile_ep_kernels(CHUNKS, names)
+    spawn(chunk_worker, 2)
+
+
+def test_token_bounds_cover_every_token():
+    from ops.moe_dispatch import _token_bounds
+
+    assert _token_bounds(0, 4) == [0, 0, 0, 0, 0]
+    assert _token_bounds(2, 4) == [0, 0, 1, 1, 2]
+    assert _token_bounds(10, 3) == [0, 3, 6, 10]
+    for T_ in range(0, 40):
+        for C in (1, 2, 3, 4, 7, 16):
+            b = _token_bounds(T_, C)
+            assert b[0] == 0 and b[-1] == T_ and all(x <= y for x, y in zip(b, b[1:]))
+            # the send plan's key uses chunk(t) = ((t + 1) * C - 1) // T: the same ranges
+            for t in range(T_):
+                c = ((t + 1) * C - 1) // T_
+                assert b[c] <= t < b[c + 1]
+
+
+def test_ep_chunks_must_be_a_positive_int(monkeypatch):
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
+    for bad in (0, -1, 2.0, True):
+        monkeypatch.setattr(md, "EP_CHUNKS", bad)
+        with pytest.raises(ValueError, match="EP_CHUNKS must be an int >= 1"):
+            md._ep_chunks()
 
 
 @pytest.mark.gpu

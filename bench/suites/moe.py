@@ -18,8 +18,19 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   rank's numbers and writes bench/results/moe-ep-*.json/.csv, then the run ends (the generic
   per-provider table is not used for this preset). NCCL_NVLS_ENABLE is forced to 0 before NCCL starts.
   Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
+  Also per rank: dispatch-cN / combine-cN, the same ops with ops.moe_dispatch.EP_CHUNKS = N row
+  chunks (the default rows use the module's default), and phases_ms on the dispatch/combine rows:
+  median ms between the phase marks the EP path records (CUDA events on the compute stream, in a
+  few extra traced calls after the timing), each named by where it ends:
+    dispatch: header (send count kernel + header all-to-all), prep (send plan + chunk 0's send rows),
+      layout (the host sync, later chunks' send rows, the receive layout), chunk<c> (until chunk c's
+      rows have arrived and chunk c-1 is placed), end (placement of the last chunk);
+    combine: gather (every chunk's return rows gathered, exchanges issued), chunk<c> (until chunk c
+      is back and chunk c-1 combined), end (the last chunk's combine).
+  A phase that grows when the transfer does not is local work the exchange fails to hide.
 """
 
+import importlib
 import os
 import statistics
 import sys
@@ -41,6 +52,7 @@ PRESETS = {
     "combine": [dict(kind="combine", T=4096, H=7168, **V3)],
     "ep": [dict(kind="ep", T=4096, H=7168, num_experts=256, top_k=8)],
 }
+EP_SWEEP = (1, 2, 8)       # EP_CHUNKS values also timed under torchrun (the default, 4, is the main row)
 EP_NEEDS = ("moe --shape ep needs torch.distributed with >= 2 GPUs: launch it with "
             "torchrun --standalone --nproc-per-node N -m bench.op moe --shape ep (N >= 2)")
 
@@ -83,11 +95,40 @@ def lockstep_ms(fn, group, device, warmup=3, reps=20):
     return statistics.median(times)
 
 
-def time_ep(case, group, device, warmup=3, reps=20):
-    """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows)."""
+def ep_phases(fn, group, device, reps=5):
+    """Median ms of each phase of fn (one EP dispatch or combine), from the marks the EP path records
+    while ops.moe_dispatch._EP_TRACE is a list; every rank makes the same calls."""
     import torch.distributed as dist
 
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
+    cuda = torch.device(device).type == "cuda"
+    per = {}
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=group)
+        md._EP_TRACE = []
+        try:
+            fn()
+        finally:
+            marks, md._EP_TRACE = md._EP_TRACE, None
+        if cuda:
+            torch.cuda.synchronize()
+        for (_, t0), (name, t1) in zip(marks, marks[1:]):
+            per.setdefault(name, []).append(t0.elapsed_time(t1) if cuda else (t1 - t0) * 1e3)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5):
+    """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows); sweep:
+    also dispatch-cN / combine-cN with N row chunks (ops.moe_dispatch.EP_CHUNKS) for N in sweep."""
+    import torch.distributed as dist
+
+    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+
     W, me = dist.get_world_size(group), dist.get_rank(group)
+    sweep = tuple(dict.fromkeys(sweep))
     T_, H, E, k = case["T"], case["H"], case["num_experts"], case["top_k"]
     g = torch.Generator(device="cpu").manual_seed(me)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)]).to(torch.int32).to(device)
@@ -105,10 +146,24 @@ def time_ep(case, group, device, warmup=3, reps=20):
         "a2a-dispatch": (lambda: dist.all_to_all_single(b, a, recv, send, group=group), "dispatch_remote"),
         "a2a-combine": (lambda: dist.all_to_all_single(a, b, send, recv, group=group), "combine_remote"),
     }
-    mine = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
+    default = md.EP_CHUNKS
+    mine = torch.zeros(len(timed) + 2 * len(sweep), W, dtype=torch.float64, device=device)
     for i, (fn, _) in enumerate(timed.values()):
         mine[i, me] = lockstep_ms(fn, group, device, warmup, reps)
-    nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
+    phases = {name: ep_phases(timed[name][0], group, device, phase_reps) for name in ("dispatch", "combine")}
+    try:
+        for j, chunks in enumerate(sweep):                  # the same module value on every rank, in lockstep
+            md.EP_CHUNKS = chunks
+            xd_c, _, m_c = ops.moe_dispatch(x, ids, E, group=group)
+            timed[f"dispatch-c{chunks}"] = timed["dispatch"]
+            timed[f"combine-c{chunks}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
+            mine[4 + 2 * j, me] = lockstep_ms(timed[f"dispatch-c{chunks}"][0], group, device, warmup, reps)
+            mine[5 + 2 * j, me] = lockstep_ms(timed[f"combine-c{chunks}"][0], group, device, warmup, reps)
+    finally:
+        md.EP_CHUNKS = default
+    every = [None] * W
+    dist.all_gather_object(every, phases, group=group)
+    nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)   # timed now includes the sweep
     for i, (_, key) in enumerate(timed.values()):
         nbytes[i, me] = traffic[key]
     dist.all_reduce(mine, group=group)               # every rank's numbers everywhere (zeros elsewhere)
@@ -119,8 +174,14 @@ def time_ep(case, group, device, warmup=3, reps=20):
             ms, nb = float(mine[i, r]), float(nbytes[i, r])
             rows.append(dict(case=f"ep T={T_}/rank H={H} E={E} k={k} W={W}", provider=name, rank=r, median_ms=ms,
                              bytes=nb, gbps=nb / (ms * 1e-3) / 1e9 if ms > 0 else None))
+            if name in phases:
+                rows[-1]["chunks"] = default
+                rows[-1]["phases_ms"] = " ".join(f"{p} {v:.4f}" for p, v in every[r][name].items())
+            elif name.startswith(("dispatch-c", "combine-c")):
+                rows[-1]["chunks"] = int(name.rsplit("-c", 1)[1])
     for rw in rows:                                  # op / raw all-to-all of the same bytes, same rank
-        raw = "a2a-" + rw["provider"] if rw["provider"] in ("dispatch", "combine") else None
+        op_name = rw["provider"].split("-c")[0]
+        raw = "a2a-" + op_name if op_name in ("dispatch", "combine") else None
         if raw is not None:
             ref = next(q for q in rows if q["provider"] == raw and q["rank"] == rw["rank"])
             rw["ratio_vs_a2a"] = ref["median_ms"] / rw["median_ms"]
@@ -133,6 +194,9 @@ def print_ep(rows):
         ratio = r.get("ratio_vs_a2a")
         print(f"{r['case'][:34]:34s} {r['provider']:13s} {r['rank']:4d} {r['median_ms']:9.4f} "
               f"{r['gbps'] or 0:9.1f} {'' if ratio is None else format(ratio, '7.2f')}")
+    for r in rows:
+        if r.get("phases_ms"):
+            print(f"phases (ms) {r['provider']} rank {r['rank']}, {r['chunks']} chunks: {r['phases_ms']}")
 
 
 def run_ep(case, device):
@@ -150,7 +214,7 @@ def run_ep(case, device):
     if dist.get_world_size() < 2:
         raise SystemExit(EP_NEEDS)
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = time_ep(case, dist.group.WORLD, device)
+    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP)
     if dist.get_rank() == 0:
         from bench import op as bench_op
 
@@ -236,7 +300,13 @@ def kernels(case):
                 (plan_place_program, dict(layout="contiguous")),
                 (scatter_rows_program, dict(hidden=case["H"], bits="int16"))]
     if case["kind"] == "ep":
-        return [(gather_rows_program, dict(hidden=case["H"], bits="int16")),
+        from ops.moe_dispatch import EP_CHUNKS
+
+        return [(plan_count_program, dict(num_experts=case["num_experts"] * EP_CHUNKS)),
+                (plan_place_program, dict(layout="contiguous")),
+                (scatter_rows_program, dict(hidden=case["H"], bits="int16", pad=False)),
+                (scatter_rows_program, dict(hidden=case["H"], bits="int16")),
+                (gather_rows_program, dict(hidden=case["H"], bits="int16")),
                 (combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
     return [(combine_program, dict(hidden=case["H"], top_k=case["top_k"]))]
 
