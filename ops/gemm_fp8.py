@@ -63,8 +63,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     expert or no rows run no K steps and store nothing.
 
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
-    block s in flight while block s-1 is promoted; same products, same order of folding, so the
-    same bits as overlap=False); otherwise the pipelined loop with one tile.mma_promoted per step.
+    block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
+    same products, same order of folding, so the same bits as overlap=False); otherwise the
+    pipelined loop with one tile.mma_promoted per step.
     """
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0

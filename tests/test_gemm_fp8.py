@@ -228,25 +228,80 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
 
 OVERLAP_CASES = [dict(n=2112, k=7168, block_m=128, block_n=64, splits=4, stages=6),
                  dict(n=7168, k=2048, block_m=64, block_n=128, stages=6),
-                 dict(n=512, k=1024, mode="masked", block_m=64, stages=4)]
+                 dict(n=512, k=1024, mode="masked", block_m=64, stages=4),
+                 dict(n=256, k=1280, block_m=128, block_n=128, splits=3, stages=3),   # steps known only at run time
+                 dict(n=7168, k=16384, block_m=128, block_n=128, stages=4)]          # prefill: 3 x 64 fp32 per thread
+
+
+def _build_with_ptxas_log(src: str, arch: str = "sm_90a"):
+    """(cubin, ptxas -v output): build_cubin's nvcc command plus -Xptxas -v, keeping what it prints
+    (ptxas reports WGMMA serialization, C7514 / C7517, only there)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from tilelang import env as tl_env
+
+    from backends import ToolchainError
+    from backends.cuda.toolchain import find_toolchain
+
+    tc = find_toolchain()
+    with tempfile.TemporaryDirectory(prefix="tilecraft-ptxas-") as tmp:
+        cu, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+        cu.write_text(src)
+        cmd = [str(tc.nvcc), "--cubin", "-O3", "-lineinfo", "-std=c++20", "-gencode", f"arch=compute_{arch[3:]},code={arch}",
+               f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", f"-I{tc.cuda_home / 'include'}",
+               "-Xptxas", "-v", "-o", str(out), str(cu)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ToolchainError(f"nvcc failed:\n{proc.stdout}{proc.stderr}")
+        return out.read_bytes(), proc.stdout + proc.stderr
+
+
+def _innermost_mma_loop(sass: str) -> list[str]:
+    """The instructions of the smallest backward-branch range that holds a QGMMA: the MMA
+    warpgroups' K loop (mbarrier retry trampolines jump back over more code)."""
+    import re
+
+    ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any(t.startswith("QGMMA") for t in body) and (best is None or len(body) < len(best)):
+                best = body
+    assert best is not None, "no loop with a QGMMA in the SASS"
+    return best
 
 
 @pytest.mark.parametrize("params", OVERLAP_CASES)
 def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     """The v3 loop builds: QGMMA, TMA loads, no spills, a 384-thread block (2 MMA warpgroups + the
-    TMA warpgroup), two partials in flight (wgmma wait 1 in the source)."""
+    TMA warpgroup), two partials in flight (wgmma wait 1 in the source). And ptxas keeps them in
+    flight: no C7514 / C7517 (WGMMAs serialized, a wait injected), and the K loop waits with
+    `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's QGMMAs, with one
+    `0x0` drain per burst, instead of a DEPBAR 0x0 after every QGMMA."""
     from backends import ToolchainError
-    from backends.cuda.sass import build_cubin, sass_stats
+    from backends.cuda.sass import disassemble, histogram
+    from codegen.lowering.sm90 import BURST
 
     src = fp8_gemm_program.source("sm_90a", overlap=True, **params)
     assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
     try:
-        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        cubin, log = _build_with_ptxas_log(src)
+        sass = disassemble(cubin)
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert stats.histogram.get("QGMMA", 0) > 0 and stats.histogram.get("UTMALDG", 0) > 0
-    assert stats.spill_stores == 0 and stats.spill_loads == 0
+    hist = histogram(sass)
+    assert hist.get("QGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
+    assert hist.get("STL", 0) == 0 and hist.get("LDL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
+    assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    loop = _innermost_mma_loop(sass)
+    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
+    assert waits == ["0x1"] * (BURST - 1) + ["0x0"], waits          # BURST blocks: BURST - 1 waits 1, a drain
+    assert sum(t.startswith("QGMMA") for t in loop) >= 2 * BURST
 
 
 @pytest.mark.parametrize("target", ["sm_100a", "ascend"])

@@ -51,6 +51,7 @@ def read_accumulator(acc):
 
 PRODUCER = 128      # one warpgroup issues the TMA loads
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+BURST = 4           # K blocks per iteration of the MMA warpgroups' loop (>= 2): one drain per BURST
 
 
 @register("producer_threads", "cuda:sm_90a")
@@ -78,10 +79,35 @@ def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending):
     for i in T.Parallel(scale.shape[0]):
         scale[i] = scale_of(i, blk)
     T.wait_wgmma(pending)
-    if pending > 0:
-        T.mbarrier_arrive(empty[blk % stages])   # the last block's stage is never refilled
+    T.mbarrier_arrive(empty[blk % stages])       # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
+
+
+def _burst(first, count, io):
+    """Blocks first .. first + count - 1 (count >= 1, a Python int), leaving no MMA in flight.
+    Block first + j goes into ping (even j) or pong (odd j) and is issued before block
+    first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
+    next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy = io
+    parts = (ping, pong)
+    _issue(a_s, b_s, full, ping, first, stages, policy)
+    for j in range(1, count):
+        _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1)
+    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0)
+
+
+@T.macro
+def _tail(steps, rest, io):
+    if steps % BURST == rest:
+        _burst(steps - rest, rest, io)
+
+
+def _tails(steps, io):
+    # the last 1 .. BURST - 1 blocks as one burst (a Python loop: a T.macro would make it a T.serial)
+    for rest in range(1, BURST):
+        _tail(steps, rest, io)
 
 
 @T.macro
@@ -99,24 +125,16 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
     else:
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
-        # Block b goes into ping for even b, pong for odd b. The loop body handles two blocks with
-        # no branch, so ptxas can see which partial each wait retires (with a branch on b % 2, or
-        # with conditional issues inside the loop, it serializes every WGMMA).
-        # (one branch around all of it: partials in flight must not meet at a join, ptxas would
-        # copy them there)
-        if steps > 0:
-            _issue(a_s, b_s, full, ping, 0, stages, policy)
-            for h in T.serial((steps - 1) // 2):                           # blocks 2h+1, 2h+2
-                _issue(a_s, b_s, full, pong, 2 * h + 1, stages, policy)
-                _retire_fold(empty, acc, ping, scale, scale_of, 2 * h, stages, regs, 1)
-                _issue(a_s, b_s, full, ping, 2 * h + 2, stages, policy)
-                _retire_fold(empty, acc, pong, scale, scale_of, 2 * h + 1, stages, regs, 1)
-            if steps % 2 == 0:                                             # the last one or two blocks
-                _issue(a_s, b_s, full, pong, steps - 1, stages, policy)
-                _retire_fold(empty, acc, ping, scale, scale_of, steps - 2, stages, regs, 1)
-                _retire_fold(empty, acc, pong, scale, scale_of, steps - 1, stages, regs, 0)
-            else:
-                _retire_fold(empty, acc, ping, scale, scale_of, steps - 1, stages, regs, 0)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy)
+        # ptxas (13.x) does not follow a WGMMA group across a loop back edge: a partial still in
+        # flight at the back edge and folded in the next iteration after a wait 1 makes it
+        # serialize every WGMMA of the kernel (C7514, a DEPBAR 0 after each QGMMA; checked: the
+        # same loop fully unrolled keeps wait 1). So each iteration is a burst of BURST blocks
+        # that drains (wait 0) at its end, with wait 1 inside; nothing is in flight at the back
+        # edge or at any join. Fold order and products are those of the v2 loop.
+        for q in T.serial(steps // BURST):
+            _burst(q * BURST, BURST, io)
+        _tails(steps, io)
         epilogue()
 
 
