@@ -18,7 +18,8 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | mma(a, b, acc, step=) | T.gemm -> WGMMA | tcgen05, wait parity step % 2 | Cube T.gemm | T.gemm / serial loops |
 | mma_rescaled(a, b, acc, scale, step=) | scale registers, WGMMA | TMEM -> regs -> TMEM, tcgen05 | Cube into L0C scratch, vector update in UB | loops |
 | mma_promoted(a, b, part, acc, scale, step=) | mma into part, read, fold in registers | tcgen05 into TMEM, TMEM -> regs, fold | Cube into L0C, L0C -> UB half rows, vector fold | mma + loops |
-| mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=, epilogue=) | producer warpgroup (TMA, mbarriers) + consumers: WGMMA of step s in flight while s-1 is promoted (wgmma wait 1) | pipelined copies + mma_promoted | same as sm_100a | same |
+| mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=, epilogue=) | producer warpgroup (TMA, mbarriers) + consumers: bursts of 4 K blocks, WGMMA of step s in flight while s-1 is promoted (wgmma wait 1) | pipelined copies + mma_promoted | same as sm_100a | same |
+| producer_threads() | 128 (mma_promoted_loop's TMA warpgroup, added to the grid) | 0 | 0 | 0 |
 | split_rows(rows) | (rows, 0) | (rows, 0) | (rows/2, sub-block id * rows/2) | (rows, 0) |
 | limits() | 227 KB smem | 227 KB smem, 512 TMEM columns | UB / L1 / L0C sizes | no limits |
 | read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
