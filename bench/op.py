@@ -4,8 +4,9 @@
     python -m bench.op mla --shape decode --plot
     python -m bench.op OP --shape PRESET --providers tilecraft,flash_mla --out bench/results
 
-On a GPU: median of CUDA-event-timed runs (L2 flushed before each), TFLOP/s, GB/s, % of the card's
-ceiling, the floor and what sets it, and each provider's speed relative to the reference provider;
+On a GPU: median and min of CUDA-event-timed runs (L2 flushed before each; a wide gap between the
+two usually means host work inside the timed region), TFLOP/s, GB/s, % of the card's ceiling, the
+floor and what sets it, and each provider's speed relative to the reference provider;
 CSV + JSON with GPU name, versions and time. Without a GPU: builds the kernels for --target, prints
 their static stats (registers, shared memory, tensor-core and memory instructions) and each
 shape's roofline floor on the reference GPU, and says that timing needs a GPU.
@@ -55,11 +56,13 @@ def _fmt(v, spec):
 
 
 def print_table(rows: list[dict], ref: str) -> None:
-    head = f"{'case':44s} {'provider':12s} {'ms':>9s} {'TFLOP/s':>8s} {'GB/s':>8s} {'%ceil':>6s} {'floor%':>7s} {'vs ' + ref:>9s}"
+    head = (f"{'case':44s} {'provider':12s} {'ms':>9s} {'min ms':>9s} {'TFLOP/s':>8s} {'GB/s':>8s} {'%ceil':>6s} "
+            f"{'floor%':>7s} {'vs ' + ref:>9s}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['case'][:44]:44s} {r['provider']:12s} {_fmt(r.get('median_ms'), '9.4f')} {_fmt(r.get('tflops'), '8.1f')} "
+        print(f"{r['case'][:44]:44s} {r['provider']:12s} {_fmt(r.get('median_ms'), '9.4f')} {_fmt(r.get('min_ms'), '9.4f')} "
+              f"{_fmt(r.get('tflops'), '8.1f')} "
               f"{_fmt(r.get('gbps'), '8.0f')} {_fmt(r.get('pct_ceiling'), '6.1f')} {_fmt(r.get('pct_of_floor'), '7.1f')} "
               f"{_fmt(r.get('speedup_vs_ref'), '9.2f')}")
 
