@@ -196,14 +196,22 @@ def _v3_configs(t, p):
 # CUDA only (lane shuffles, per-thread code). The v2 program above stays for Ascend and cpu.
 @tile_program("topk_select_v3", targets=("cuda:sm_90a", "cuda:sm_100a"),
               examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_v3_configs)
-def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
-    """Exact top-k per row, one block per row: register-staged passes, hand-placed barriers."""
+def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_copies: int = 1):
+    """Exact top-k per row, one block per row: register-staged passes, hand-placed barriers.
+
+    hist_copies > 1 gives pass 1 (the 12-bit histogram of the whole row) that many copies of the
+    histogram in shared memory (16 KB each), warp w adding into copy w % hist_copies, summed into
+    copy 0 before the bucket search: the shared atomics on the hot bins spread over the copies.
+    The candidate digits keep one copy (they see ~1e3 keys on random rows)."""
     rows, quads, ccols = T.dynamic("rows, quads, ccols")   # Scores viewed as (rows, cols / 4, 4): float4 loads
     W = threads // 32                # warps
     WCH = unroll * 128               # contiguous columns a warp owns in a chunk (unroll float4 per lane)
     CH = W * WCH                     # columns per chunk
     V = unroll * 4                   # values per lane per chunk
     assert CH < 32768                # packed (above, equal) counts of a chunk: 16 bits each
+    HC = hist_copies
+    assert HC >= 1 and W % HC == 0, "hist_copies must divide the warp count"
+    assert HC * NB * 4 <= 160 * 1024, "hist_copies: the copies must fit in shared memory"
 
     @T.macro
     def load(Scores, x, r, c, n, w, lane):
@@ -262,7 +270,7 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
                        Cand: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
         with tile.grid(rows, threads) as r:
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((NB,), "int32")
+            hist = T.alloc_shared((HC * NB,), "int32")   # HC copies for pass 1, copy 0 after it
             wtot = T.alloc_shared((2 * W,), "int32")
             res = T.alloc_shared((4,), "int32")
             x = T.alloc_local((V,), "float32")       # the chunk being loaded
@@ -295,7 +303,7 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
             thr = T.uint32(0)                # no key is 0 (NaN excluded): n <= k takes every column
             want_eq = 0
             if n > k:
-                for i in T.serial(NB // threads):
+                for i in T.serial(HC * NB // threads):
                     hist[i * threads + tx] = 0
                 tile.barrier()
                 # digit 1: histogram of the top 12 key bits over the row
@@ -305,8 +313,17 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
                     for u in T.unroll(unroll):
                         for v in T.unroll(4):
                             if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
-                                T.atomic_add(hist[T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                                if HC == 1:
+                                    T.atomic_add(hist[T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                                else:
+                                    T.atomic_add(hist[(w % HC) * NB + T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
                 tile.barrier()
+                if HC > 1:
+                    # fold the copies into copy 0 (each thread owns its bins in every copy)
+                    for i in T.serial(NB // threads):
+                        for h in T.unroll(HC - 1):
+                            hist[i * threads + tx] = hist[i * threads + tx] + hist[(h + 1) * NB + i * threads + tx]
+                    tile.barrier()
                 find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
                 b1 = res[0]
                 want = res[1]
@@ -418,8 +435,8 @@ def topk_select_reference(scores, k, *, lengths=None):
 
 
 def _impl(scores, k, lengths, v2=False, **v3_params):
-    """The launch behind the op (no argument checks). v3_params (threads=, unroll=) pick another
-    configuration of the CUDA kernel, v2=True the previous CUDA kernel: the benchmark times them
+    """The launch behind the op (no argument checks). v3_params (threads=, unroll=, hist_copies=)
+    pick another configuration of the CUDA kernel, v2=True the previous CUDA kernel: the benchmark times them
     side by side."""
     R, N = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)

@@ -118,6 +118,31 @@ def test_v3_builds_without_spills_and_with_few_barriers(target):
     assert st.histogram.get("LDGSTS", 0) == 0                     # no shared staging of the scores
 
 
+@pytest.mark.parametrize("copies,smem_top", [(4, 65536), (8, 131072)])
+def test_v3_hist_copies_builds_without_spills(copies, smem_top):
+    # opt-in: pass 1 adds into `copies` histograms (16 KB each), folded into copy 0 before the
+    # bucket search; the shared scratch after the histograms starts at copies * 16 KB
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = topk_select_v3_program.source("sm_90a", k=2048, hist_copies=copies)
+    assert f"buf_dyn_shmem + {smem_top})" in src
+    assert f"* 4096) + ((int)(condval" in src                      # the per-warp copy offset
+    try:
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.spill_stores == 0 and st.spill_loads == 0, st.format()
+    assert st.registers <= 128, st.format()                        # 512 threads: 64K registers
+    assert st.histogram.get("BAR", 0) <= 20, st.format()
+
+
+def test_v3_hist_copies_default_is_the_old_kernel():
+    assert topk_select_v3_program.source("sm_90a", k=2048, hist_copies=1) == topk_select_v3_program.source("sm_90a", k=2048)
+    with pytest.raises(AssertionError, match="divide the warp count"):
+        topk_select_v3_program.source("sm_90a", k=2048, hist_copies=3)
+
+
 def test_lowers_for_ascend_as_one_vector_function():
     src = topk_select_program.source("ascend", k=512)
     assert src.count("__simt_vf__") == 1 and "asc_vf_call" in src  # the whole row in one SIMT region
@@ -176,7 +201,8 @@ def test_gpu_signed_zero_infinities_and_ties_across_chunks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", [dict(threads=256, unroll=16), dict(threads=256, unroll=8), dict(v2=True)])
+@pytest.mark.parametrize("params", [dict(threads=256, unroll=16), dict(threads=256, unroll=8), dict(v2=True),
+                                    dict(hist_copies=4), dict(hist_copies=8)])
 def test_gpu_benchmarked_variants_match(params):
     # the configurations bench/suites/topk.py times next to the default must be right too
     from ops.topk_select import _impl

@@ -5,7 +5,9 @@ bytes = rows * N * 4 (each score read once; the kernel's extra passes hit L2)
 "tilecraft" is the public op (its NaN check reads the scores again and syncs the host unless
 TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone; "kernel-256x16" and "kernel-256x8" are
 other (threads, float4 per lane) configurations of the same CUDA kernel (default 512 x 6, the
-fastest of the three on the H200: bench/NOTES.md "topk v3");
+fastest of the three on the H200: bench/NOTES.md "topk v3"); "kernel-512x6-h4" and "-h8" are the
+default with 4 or 8 copies of pass 1's histogram in shared memory (64 / 128 KB; warp w adds into
+copy w % copies), to see whether contention on the hot bins is what limits pass 1;
 "kernel-v2" is the previous CUDA kernel.
 """
 
@@ -33,6 +35,8 @@ SUITE = Suite(
     flops=lambda c: 0,
     providers=[Provider("tilecraft", lambda c, i: (lambda: ops.topk_select(i["x"], c["k"]))),
                Provider("kernel", lambda c, i: (lambda: _impl(i["x"], c["k"], None))),
+               Provider("kernel-512x6-h4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, hist_copies=4))),
+               Provider("kernel-512x6-h8", lambda c, i: (lambda: _impl(i["x"], c["k"], None, hist_copies=8))),
                Provider("kernel-256x16", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, unroll=16))),
                Provider("kernel-256x8", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, unroll=8))),
                Provider("kernel-v2", lambda c, i: (lambda: _impl(i["x"], c["k"], None, v2=True))),
