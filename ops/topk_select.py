@@ -313,10 +313,8 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_cop
                     for u in T.unroll(unroll):
                         for v in T.unroll(4):
                             if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
-                                if HC == 1:
-                                    T.atomic_add(hist[T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
-                                else:
-                                    T.atomic_add(hist[(w % HC) * NB + T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                                copy = (w % HC) * NB if HC > 1 else 0        # this warp's histogram copy
+                                T.atomic_add(hist[copy + T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
                 tile.barrier()
                 if HC > 1:
                     # fold the copies into copy 0 (each thread owns its bins in every copy)

@@ -205,36 +205,37 @@ class LLM:
         return [torch.cat(o) for o in out]
 
     def _decode_inputs(self, seqs: list[_Seq], positions: list[int]):
-        """(ids, positions, slots, block_table, seqlens) of a decode step, on the device."""
+        """(ids, positions, block_table, seqlens) of a decode step, on the device (the cache slots
+        follow from the block table and the positions)."""
         dev = self.device
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         pos = torch.tensor(positions, device=dev)
-        slots = torch.tensor([self.cache.slots(s.blocks, p, p + 1)[0] for s, p in zip(seqs, positions)], device=dev)
         table = self.cache.block_table([s.blocks for s in seqs], self.blocks_per_seq)
         seqlens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)
-        return ids, pos, slots, table, seqlens
-
-    def _graph_inputs(self, seqs: list[_Seq], positions: list[int]):
-        ids, pos, _, table, seqlens = self._decode_inputs(seqs, positions)
         return ids, pos, table, seqlens
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         """One token for each running sequence; returns logits (B, vocab) fp32."""
         dev = self.device
-        ids, pos, slots, table, seqlens = self._decode_inputs(seqs, [s.num_cached for s in seqs])
+        positions = [s.num_cached for s in seqs]
+        ids, pos, table, seqlens = self._decode_inputs(seqs, positions)
+        if self.use_cuda_graphs and self._op_profile is None:
+            for s in seqs:
+                s.num_cached += 1
+            return self._graphs.run(ids, pos, table, seqlens)
+        slots = torch.tensor([self.cache.slots(s.blocks, p, p + 1)[0] for s, p in zip(seqs, positions)], device=dev)
         for s in seqs:
             s.num_cached += 1
-        if self._op_profile is not None:  # eager, every op timed by family
-            with kernels.profile(dev) as prof:
-                logits = self.model.forward(ids, AttentionBatch(pos, slots, table, seqlens, decode=True), self.cache.layers)
-            for k, (sec, calls) in prof.items():
-                acc = self._op_profile.setdefault(k, [0.0, 0])
-                acc[0] += sec
-                acc[1] += calls
-            return logits
-        if self.use_cuda_graphs:
-            return self._graphs.run(ids, pos, table, seqlens)
-        return self.model.forward(ids, AttentionBatch(pos, slots, table, seqlens, decode=True), self.cache.layers)
+        batch = AttentionBatch(pos, slots, table, seqlens, decode=True)
+        if self._op_profile is None:
+            return self.model.forward(ids, batch, self.cache.layers)
+        with kernels.profile(dev) as prof:                  # eager, every op timed by family
+            logits = self.model.forward(ids, batch, self.cache.layers)
+        for k, (sec, calls) in prof.items():
+            acc = self._op_profile.setdefault(k, [0.0, 0])
+            acc[0] += sec
+            acc[1] += calls
+        return logits
 
     def _decode_step(self, seqs: list[_Seq]) -> list[int]:
         """One decode step: the next token of each running sequence.
@@ -247,7 +248,7 @@ class LLM:
         if self.use_cuda_graphs and self._op_profile is None and all(s.params.greedy for s in seqs):
             positions = [s.num_cached for s in seqs]
             key = (self._generation, tuple(s.index for s in seqs), tuple(positions))
-            tokens = self._graphs.run_greedy(key, lambda: self._graph_inputs(seqs, positions))
+            tokens = self._graphs.run_greedy(key, lambda: self._decode_inputs(seqs, positions))
             for s in seqs:
                 s.num_cached += 1
             return tokens

@@ -197,16 +197,23 @@ def check_bench_dry_run(W, group):
     assert remote[0] == remote[1] > 0                # what leaves the ranks in dispatch comes back in combine
 
 
-def worker(rank, store, cache_dir):
-    """4 processes: every check over the whole group (W=4), then over two groups of 2 at once ([0, 1]
-    and [2, 3]: in the second, group ranks differ from global ranks)."""
+def gloo_init(rank, store, cache_dir, world):
+    """A spawned CPU worker joins the gloo group, loading the kernels the parent compiled."""
     import torch.distributed as dist
 
     os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
     os.environ["TILECRAFT_DISABLE_DISK_CACHE"] = "0"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))
+
+
+def worker(rank, store, cache_dir):
+    """4 processes: every check over the whole group (W=4), then over two groups of 2 at once ([0, 1]
+    and [2, 3]: in the second, group ranks differ from global ranks)."""
+    import torch.distributed as dist
+
+    gloo_init(rank, store, cache_dir, 4)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
@@ -226,11 +233,7 @@ def chunk_worker(rank, store, cache_dir):
 
     md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
 
-    os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
-    os.environ["TILECRAFT_DISABLE_DISK_CACHE"] = "0"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=90))
+    gloo_init(rank, store, cache_dir, 2)
     try:
         for chunks in CHUNKS:
             md.EP_CHUNKS = chunks
