@@ -354,6 +354,8 @@ def launch_split_k(kernel, args, out, splits: int, out_dtype: str):
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, overlap=None, **override):
     target = targets.resolve(a2)
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
+    if rows == 0:               # nothing to compute (and TMA descriptors cannot describe an empty tensor)
+        return
     p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
     kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=OUT_DTYPES[out2.dtype], **p)
     launch_split_k(kernel, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, p["splits"], OUT_DTYPES[out2.dtype])

@@ -758,6 +758,7 @@ def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
         ready.synchronize()                                             # the one host sync: split sizes
     else:
         host = torch.stack([header, peers])
+    _mark("synced", device)
     if bad is not None:
         raise bad
     h_send, h_recv = host[0], host[1]
@@ -789,6 +790,7 @@ def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
         works.append(_a2a(recv_x[ra:rb], send_x[a:b], recv_chunks[c], send_chunks[c], group))
         if recv_s is not None:
             works.append(_a2a(recv_s[ra:rb], send_s[a:b], recv_chunks[c], send_chunks[c], group))
+    _mark("issued", device)
     lay = _recv_layout(peers[:, 4:].view(world, chunks, e_local), cnt_h, layout, align, max_m)
     overflow = None
     if layout == "masked" and max_m is not None and checking and lay["busiest"] > max_m:

@@ -148,7 +148,7 @@ def check_chunks(rank, W, group, chunks):
         assert sum(ep.recv_chunk_splits[c]) == ep.recv_bounds[c + 1] - ep.recv_bounds[c]
     assert sum(map(sum, ep.send_chunk_splits)) == sum(ep.send_splits) == T_ * k
     chunk_marks = [f"chunk{c}" for c in range(chunks)]
-    assert marks == ["start", "header", "prep", "layout", *chunk_marks, "end", "start", "gather", *chunk_marks, "end"]
+    assert marks == ["start", "header", "prep", "synced", "issued", "layout", *chunk_marks, "end", "start", "gather", *chunk_marks, "end"]
 
 
 def check_errors(rank, W, group, device="cpu"):
@@ -191,7 +191,7 @@ def check_bench_dry_run(W, group):
         assert by["dispatch", r]["ratio_vs_a2a"] > 0 and by["combine-c3", r]["ratio_vs_a2a"] > 0
         assert by["dispatch-c1", r]["chunks"] == 1 and by["combine-c3", r]["bytes"] == by["combine", r]["bytes"]
         phases = by["dispatch", r]["phases_ms"].split()[::2]
-        assert phases == ["header", "prep", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
+        assert phases == ["header", "prep", "synced", "issued", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
         assert by["combine", r]["phases_ms"].split()[::2][0] == "gather"
     remote = [sum(by[p, r]["bytes"] for r in range(W)) for p in ("dispatch", "combine")]
     assert remote[0] == remote[1] > 0                # what leaves the ranks in dispatch comes back in combine
