@@ -179,17 +179,21 @@ def check_errors(rank, W, group, device="cpu"):
 
 def check_bench_dry_run(W, group):
     """bench.suites.moe's ep timing on gloo with a tiny case: every rank's rows, consistent bytes."""
+    import torch.distributed as dist
+
     from bench.suites.moe import time_ep
 
+    second = dist.new_group(list(range(W)))          # a variant group of the same ranks (bench: high priority)
     rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2, sweep=(1, 3),
-                   phase_reps=2)
-    assert len(rows) == 8 * W and all(r["median_ms"] > 0 for r in rows)
+                   phase_reps=2, variants={"g2": second})
+    assert len(rows) == 10 * W and all(r["median_ms"] > 0 for r in rows)
     by = {(r["provider"], r["rank"]): r for r in rows}
     for r in range(W):
         assert by["dispatch", r]["bytes"] == by["a2a-dispatch", r]["bytes"]
         assert by["combine", r]["bytes"] == by["a2a-combine", r]["bytes"]
         assert by["dispatch", r]["ratio_vs_a2a"] > 0 and by["combine-c3", r]["ratio_vs_a2a"] > 0
         assert by["dispatch-c1", r]["chunks"] == 1 and by["combine-c3", r]["bytes"] == by["combine", r]["bytes"]
+        assert by["dispatch-g2", r]["ratio_vs_a2a"] > 0 and by["combine-g2", r]["bytes"] == by["combine", r]["bytes"]
         phases = by["dispatch", r]["phases_ms"].split()[::2]
         assert phases == ["header", "prep", "synced", "issued", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
         assert by["combine", r]["phases_ms"].split()[::2][0] == "gather"

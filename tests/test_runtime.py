@@ -438,7 +438,9 @@ def test_gpu_fp8_gemm_kernels_match_dequantized_weights(tiny):
     by at most 1.5x as much as the bf16 reference does, and its argmax agreement may be at most 0.1
     lower. Each GEMM on its own is checked tightly in test_gpu_fp8_gemms_inside_the_model_match_their_w8a8_reference."""
     ckpt, _ = tiny("fp8-yarn-no-q-lora")
-    prompt, forced = prompts_of([100, 6], seed=9)
+    # 40 forced tokens: the argmax allowance (0.1) must be more than one position (with 6 forced
+    # tokens, 7 positions, one flip was 0.14 and the H200 run failed on 5/7 vs the control's 6/7)
+    prompt, forced = prompts_of([100, 40], seed=9)
 
     def logits(llm):
         return [llm.score(prompt).float().cpu(), teacher_forced_logits(llm, prompt, forced).float().cpu()]

@@ -19,11 +19,13 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   per-provider table is not used for this preset). NCCL_NVLS_ENABLE is forced to 0 before NCCL starts.
   Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
   Also per rank: dispatch-cN / combine-cN, the same ops with ops.moe_dispatch.EP_CHUNKS = N row
-  chunks (the default rows use the module's default), and phases_ms on the dispatch/combine rows:
+  chunks (the default rows use the module's default); dispatch-hp / combine-hp over a second
+  process group of the same ranks whose NCCL stream has high priority; and phases_ms on the dispatch/combine rows:
   median ms between the phase marks the EP path records (CUDA events on the compute stream, in a
   few extra traced calls after the timing), each named by where it ends:
-    dispatch: header (send count kernel + header all-to-all), prep (send plan + chunk 0's send rows),
-      layout (the host sync, later chunks' send rows, the receive layout), chunk<c> (until chunk c's
+    dispatch: header (send count kernel + header all-gather), prep (send plan + chunk 0's send rows),
+      synced (the host sync), issued (later chunks' send rows, the exchanges issued), layout (the
+      receive layout on the host, uploaded), chunk<c> (until chunk c's
       rows have arrived and chunk c-1 is placed), end (placement of the last chunk);
     combine: gather (every chunk's return rows gathered, exchanges issued), chunk<c> (until chunk c
       is back and chunk c-1 combined), end (the last chunk's combine).
@@ -120,9 +122,11 @@ def ep_phases(fn, group, device, reps=5):
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5):
+def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None):
     """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows); sweep:
-    also dispatch-cN / combine-cN with N row chunks (ops.moe_dispatch.EP_CHUNKS) for N in sweep."""
+    also dispatch-cN / combine-cN with N row chunks (ops.moe_dispatch.EP_CHUNKS) for N in sweep;
+    variants {name: process group}: also dispatch-<name> / combine-<name> over that group (the same
+    ranks, e.g. NCCL on a high-priority stream), against the same raw all-to-all."""
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
@@ -147,23 +151,31 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5):
         "a2a-combine": (lambda: dist.all_to_all_single(a, b, send, recv, group=group), "combine_remote"),
     }
     default = md.EP_CHUNKS
-    mine = torch.zeros(len(timed) + 2 * len(sweep), W, dtype=torch.float64, device=device)
+
+    def chunked(chunks, fn):
+        def call():
+            md.EP_CHUNKS = chunks                        # the same module value on every rank, in lockstep
+            try:
+                return fn()
+            finally:
+                md.EP_CHUNKS = default
+        return call
+
+    for chunks in sweep:
+        xd_c, _, m_c = chunked(chunks, timed["dispatch"][0])()
+        timed[f"dispatch-c{chunks}"] = (chunked(chunks, timed["dispatch"][0]), "dispatch_remote")
+        timed[f"combine-c{chunks}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
+    for name, vg in (variants or {}).items():
+        xd_v, _, m_v = ops.moe_dispatch(x, ids, E, group=vg)
+        timed[f"dispatch-{name}"] = (lambda vg=vg: ops.moe_dispatch(x, ids, E, group=vg), "dispatch_remote")
+        timed[f"combine-{name}"] = (lambda xd_v=xd_v, m_v=m_v: ops.moe_combine(xd_v, m_v, w), "combine_remote")
+    mine = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
     for i, (fn, _) in enumerate(timed.values()):
         mine[i, me] = lockstep_ms(fn, group, device, warmup, reps)
     phases = {name: ep_phases(timed[name][0], group, device, phase_reps) for name in ("dispatch", "combine")}
-    try:
-        for j, chunks in enumerate(sweep):                  # the same module value on every rank, in lockstep
-            md.EP_CHUNKS = chunks
-            xd_c, _, m_c = ops.moe_dispatch(x, ids, E, group=group)
-            timed[f"dispatch-c{chunks}"] = timed["dispatch"]
-            timed[f"combine-c{chunks}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
-            mine[4 + 2 * j, me] = lockstep_ms(timed[f"dispatch-c{chunks}"][0], group, device, warmup, reps)
-            mine[5 + 2 * j, me] = lockstep_ms(timed[f"combine-c{chunks}"][0], group, device, warmup, reps)
-    finally:
-        md.EP_CHUNKS = default
     every = [None] * W
     dist.all_gather_object(every, phases, group=group)
-    nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)   # timed now includes the sweep
+    nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
     for i, (_, key) in enumerate(timed.values()):
         nbytes[i, me] = traffic[key]
     dist.all_reduce(mine, group=group)               # every rank's numbers everywhere (zeros elsewhere)
@@ -179,8 +191,10 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5):
                 rows[-1]["phases_ms"] = " ".join(f"{p} {v:.4f}" for p, v in every[r][name].items())
             elif name.startswith(("dispatch-c", "combine-c")):
                 rows[-1]["chunks"] = int(name.rsplit("-c", 1)[1])
+            elif name.startswith(("dispatch-", "combine-")):
+                rows[-1]["chunks"] = default
     for rw in rows:                                  # op / raw all-to-all of the same bytes, same rank
-        op_name = rw["provider"].split("-c")[0]
+        op_name = rw["provider"].split("-")[0]
         raw = "a2a-" + op_name if op_name in ("dispatch", "combine") else None
         if raw is not None:
             ref = next(q for q in rows if q["provider"] == raw and q["rank"] == rw["rank"])
@@ -214,7 +228,12 @@ def run_ep(case, device):
     if dist.get_world_size() < 2:
         raise SystemExit(EP_NEEDS)
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP)
+    # the same ranks with NCCL on a high-priority stream: its blocks are scheduled ahead of the
+    # placement/gather kernels that run beside the exchange
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    hp = dist.new_group(list(range(dist.get_world_size())), backend="nccl", pg_options=opts)
+    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP, variants={"hp": hp})
     if dist.get_rank() == 0:
         from bench import op as bench_op
 
