@@ -1,0 +1,85 @@
+"""Host (CPU) time per call of our kernels' launch paths next to plain torch launches, on a GPU.
+
+    python -m bench.host_cost
+
+Eager decode-sized ops are host-bound when the host path costs more than the kernel: this prints
+the median/min host microseconds of a torch launch, tvm_ffi's tensor conversion, a bare TileLang
+launcher, our row-gather path, and the FP8 GEMM at three depths (the public op, ops.gemm_fp8._launch,
+the kernel launcher alone). Timed with perf_counter around each call, the GPU drained every 50
+calls. bench/NOTES.md "eager host cost" has the H200 host's numbers.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+
+def host_us(fn, n=300):
+    """Median and min host microseconds of fn() (the queue drained every 50 calls)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6, min(ts) * 1e6
+
+
+def cases(dev="cuda"):
+    import tvm_ffi
+
+    import ops
+    from codegen import targets
+    from ops.gemm_fp8 import OUT_DTYPES, _launch, fp8_gemm_program, plan
+    from ops.moe_dispatch import _gather_into, gather_rows_program
+
+    y = torch.randn(64, 7168, dtype=torch.bfloat16, device=dev)
+    src = torch.arange(8, dtype=torch.int32, device=dev)
+    out = torch.empty(8, 7168, dtype=torch.bfloat16, device=dev)
+    t = targets.resolve(y)
+    gather = gather_rows_program.compile(t, hidden=7168, bits="int16").launcher()
+    yv, ov = y.view(torch.int16), out.view(torch.int16)
+    small = torch.zeros(8, device=dev)
+    res = {
+        "torch add_ (1 launch)": lambda: small.add_(1),
+        "torch.empty 8x7168": lambda: torch.empty(8, 7168, dtype=torch.bfloat16, device=dev),
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "tvm_ffi.from_dlpack, 1 tensor": lambda: tvm_ffi.from_dlpack(yv),
+        "row gather: launcher, 3 tensors": lambda: gather(yv, src, ov),
+        "row gather: moe_dispatch._gather_into": lambda: _gather_into(out, y, src),
+    }
+    for m, n, k in [(128, 4096, 7168), (128, 7168, 2048)]:
+        g = torch.Generator().manual_seed(0)
+        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).to(dev))
+        qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).to(dev))
+        o = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+        aux = torch.empty(m, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)
+        p = plan("dense", m, n, k, 128)
+        kern = fp8_gemm_program.compile(t, n=n, k=k, mode="dense", out_dtype=OUT_DTYPES[o.dtype], **p).launcher()
+        part = (torch.empty(p["splits"], m, n, dtype=torch.float32, device=dev) if p["splits"] > 1
+                else torch.empty(1, 1, n, dtype=torch.float32, device=dev))
+        name = f"fp8 gemm {m}x{n}x{k} (splits {p['splits']})"
+        res[f"{name}: ops.fp8_gemm_nt"] = lambda a=(qa, sfa, qb, sfb): ops.fp8_gemm_nt(*a)
+        res[f"{name}: _launch"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, n, k): _launch("dense", *a)
+        res[f"{name}: kernel launcher"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, part): kern(*a)
+    return res
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("bench.host_cost needs a CUDA GPU: it times host paths that launch kernels")
+    print(f"torch {torch.__version__}, __dlpack_c_exchange_api__ on torch.Tensor: "
+          f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, GPU {torch.cuda.get_device_name()}")
+    for name, fn in cases().items():
+        med, mn = host_us(fn)
+        print(f"{name:52s} host median {med:7.1f} us  min {mn:7.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
