@@ -6,7 +6,7 @@ For each chunk count: per phase (the marks the EP path records), the median host
 marks (h:) and the GPU time between the same marks (g:), plus host_issue (the call's host time)
 and gpu_total. Where h: and g: agree and host_issue is close to gpu_total the op is host-bound:
 the GPU waits on Python. Same case as `bench.op moe --shape ep` (T=4096 per rank, H=7168, E=256,
-k=8, bf16). bench/NOTES.md "EP v3" has the H200 numbers.
+k=8, bf16). It first prints each rank's CPU affinity. bench/NOTES.md "EP v3" has the H200 numbers.
 """
 
 import argparse
@@ -34,6 +34,12 @@ def main(argv=None):
     dist.init_process_group("nccl")
     group, r = dist.group.WORLD, dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
+    dist.barrier()                                   # NCCL is up: its threads have set their affinity
+    cpus = sorted(os.sched_getaffinity(0))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (r, len(cpus), f"{cpus[0]}-{cpus[-1]}" if cpus else "none"))
+    if r == 0:                                       # ranks sharing cores with each other or NCCL's proxies
+        print("cpu affinity per rank (rank, cores, range):", every, flush=True)
     T_, H, E, k = 4096, 7168, 256, 8
     g = torch.Generator().manual_seed(r)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)]).to(torch.int32).to(dev)
