@@ -338,17 +338,24 @@ def split_k_count(tiles: int, k_steps: int, sms: int) -> int:
     return splits
 
 
-def launch_split_k(kernel, args, out, splits: int, out_dtype: str):
-    """Run a GEMM kernel whose last argument is its fp32 partials buffer (splits, rows, n), then,
-    for splits > 1 (2-D outputs only), the fixed-order reduce into `out` (rows, n)."""
+def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str):
+    """(the GEMM kernel's launcher, the fixed-order reduce's launcher or None for splits == 1)."""
+    reduce = (fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()
+              if splits > 1 else None)
+    return kernel.launcher(), reduce
+
+
+def launch_split_k(kernel, reduce, args, out, splits: int):
+    """Run a GEMM launcher whose last argument is its fp32 partials buffer (splits, rows, n), then,
+    for splits > 1 (2-D outputs only), the reduce launcher into `out` (rows, n). With one split the
+    kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
     n = out.shape[-1]
     if splits == 1:
-        kernel.launcher()(*args, out, _dummy(out.device, n, torch.float32).view(1, 1, n))
+        kernel(*args, out, _bound_only(out.device, n, torch.float32).view(1, 1, n))
         return
     part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
-    kernel.launcher()(*args, out, part)
-    target = targets.resolve(out)
-    fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()(part, out)
+    kernel(*args, out, part)
+    reduce(part, out)
 
 
 _LAUNCHES = {}     # per call shape: (splits, kernel launcher, reduce launcher or None)
@@ -369,18 +376,11 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
-        reduce = (fp8_gemm_reduce_program.compile(target, n=n, splits=p["splits"], out_dtype=out_dtype).launcher()
-                  if p["splits"] > 1 else None)
         if len(_LAUNCHES) >= 4096:
             _LAUNCHES.clear()
-        hit = _LAUNCHES[key] = (p["splits"], kernel.launcher(), reduce)
+        hit = _LAUNCHES[key] = (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype))
     splits, kernel, reduce = hit
-    if splits == 1:
-        kernel(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, _bound_only(out2.device, n, torch.float32).view(1, 1, n))
-        return
-    part = torch.empty(splits, out2.shape[0], n, dtype=torch.float32, device=out2.device)
-    kernel(a2, sfa2, b3, sfb3, m_idx, masked_m, out2, part)
-    reduce(part, out2)
+    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits)
 
 
 def _dummy(device, size=1, dtype=torch.int32):

@@ -142,14 +142,14 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 def _launch(a, b, sfb, out, **override):
     from backends.cuda.device import sm_count
-    from ops.gemm_fp8 import launch_split_k
+    from ops.gemm_fp8 import launch_split_k, split_k_launchers
 
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
     p = {**plan(m, n, k, sms=sm_count(a)), **override}
     kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
-    launch_split_k(kernel, (a, b, sfb), out, p["splits"], "bfloat16")
+    launch_split_k(*split_k_launchers(kernel, target, n, p["splits"], "bfloat16"), (a, b, sfb), out, p["splits"])
 
 
 @torch.library.custom_op("tilecraft::mxfp4_gemm_nt", mutates_args=())

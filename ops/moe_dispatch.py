@@ -22,8 +22,9 @@ Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, 
     per (chunk, global expert), then an error flag, row sizes and the ids' range) and is read on the
     host (the one sync). From it each receiver knows its whole layout before any row arrives: expert
     e's rows are, in the single-device order, rank 0's chunks 0..C-1, then rank 1's...; so every
-    received row's output row is computed on the host (numpy, one upload) with no ids exchange. Then, per chunk, the send rows are scattered from
-    x (token-major: each token read once), exchanged with all_to_all_single on raw bytes (uint8 views:
+    received row's output row follows from two small host tables (per segment, per expert), which one
+    kernel (moe_ep_layout) expands on the device: no ids exchange. Then, per chunk, the send rows are
+    scattered from x (token-major: each token read once), exchanged with all_to_all_single on raw bytes (uint8 views:
     any dtype, NCCL or gloo; fp8 scales as a second exchange), issued async on CUDA (the process
     group's stream), and placed into the final layout as soon as they arrive, while the next chunk
     transfers. The result is exactly the slice of the single-device layout for the local experts
@@ -829,10 +830,11 @@ def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
         raise bad
     h = host.numpy().astype(np.int64)
     tails = h[:, ce:]
-    if checking and (tails[me, 4] < 0 or tails[me, 5] >= num_experts):
+    bad_ids = [bool(t[3]) and (t[4] < 0 or t[5] >= num_experts) for t in tails]    # ranks that checked theirs
+    if bad_ids[me]:
         raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(tails[me, 4])}.."
                          f"{int(tails[me, 5])}")
-    failed = [r for r in range(world) if tails[r, 0] or (tails[r, 3] and (tails[r, 4] < 0 or tails[r, 5] >= num_experts))]
+    failed = [r for r in range(world) if tails[r, 0] or bad_ids[r]]
     if failed:
         raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
                          "no rows were exchanged")
