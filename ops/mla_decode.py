@@ -16,6 +16,7 @@ import tilelang.language as T
 import torch
 
 from codegen import targets, tile
+from codegen.lowering import sm90_attention
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
@@ -29,8 +30,8 @@ MAX_S_Q = 8
 PAGE_SIZES = (16, 32, 64, 128, 256)
 # FP8 cache, FlashMLA's 656-byte token: 512 e4m3 latent | 4 fp32 scales (one per 128) | 64 bf16 rope
 FP8_TOKEN_BYTES = 656
-FP8_TOKEN_WORDS = FP8_TOKEN_BYTES // 4   # staged as 32-bit words: a 164-wide TMA box (656 bytes is not)
-FP8_SCALE_WORD, FP8_ROPE_WORD = 128, 132
+FP8_SCALE_WORD = D_V // 4                # the scales as 32-bit words of the token
+FP8_ROPE_HALF = (D_V + 16) // 2          # the rope as 16-bit words of the token
 FP8_MAX = 448.0
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_FORMATS = ("bf16", "fp8")
@@ -39,67 +40,21 @@ LN2 = 0.6931471805599453
 GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
 
 
-@T.macro
-def _copy_kv_tile(KV, BlockTable, bi, blk, page, block_n, kv_s, kpe_s, num_pages):
-    """Stage the full step of cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi."""
+def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
+    """The copies that stage cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi:
+    [(src, part, row0, rows)] for every (tensor, first column, width, part) in `parts`."""
+    out = []
     if page >= block_n:
         pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
         off = (blk * block_n) % page
-        tile.copy(KV[pidx, off:off + block_n, 0:D_V], kv_s)
-        tile.copy(KV[pidx, off:off + block_n, D_V:D_QK], kpe_s)
+        for src, c0, width, part in parts:
+            out.append((src[pidx, off:off + block_n, c0:c0 + width], part, 0, block_n))
     else:
-        for sub in T.unroll(block_n // page):
+        for sub in range(block_n // page):
             pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
-            tile.copy(KV[pidx, 0:page, 0:D_V], kv_s[sub * page:(sub + 1) * page, :])
-            tile.copy(KV[pidx, 0:page, D_V:D_QK], kpe_s[sub * page:(sub + 1) * page, :])
-
-
-@T.macro
-def _copy_raw_tile(KV, BlockTable, bi, blk, page, block_n, raw, num_pages):
-    """FP8 cache: stage the step's 656-byte tokens (as 164 32-bit words each)."""
-    if page >= block_n:
-        pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
-        off = (blk * block_n) % page
-        tile.copy(KV[pidx, off:off + block_n, :], raw)
-    else:
-        for sub in T.unroll(block_n // page):
-            pidx = T.min(T.max(BlockTable[bi, blk * (block_n // page) + sub], 0), num_pages - 1)
-            tile.copy(KV[pidx, 0:page, :], raw[sub * page:(sub + 1) * page, :])
-
-
-@T.macro
-def _dequant_tile(raw, kv_s, kpe_s, blk, block_n, seq_s):
-    """FP8 cache: 32-bit words -> the bf16 operand tiles (latent * its 128-block scale, rope as is).
-    Rows past the sequence's end become zeros here, so no separate zeroing is needed."""
-    for i, j in tile.parallel(block_n, D_V):
-        byte = (raw[i, j // 4] >> T.cast(8 * (j % 4), "uint32")) & T.uint32(0xFF)
-        scale = T.reinterpret(raw[i, FP8_SCALE_WORD + j // 128], "float32")
-        value = T.cast(T.reinterpret(T.cast(byte, "uint8"), "float8_e4m3fn"), "float32") * scale
-        kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], T.cast(value, kv_s.dtype), T.cast(0, kv_s.dtype))
-    for i, j in tile.parallel(block_n, D_ROPE):
-        half = (raw[i, FP8_ROPE_WORD + j // 2] >> T.cast(16 * (j % 2), "uint32")) & T.uint32(0xFFFF)
-        rope = T.reinterpret(T.cast(half, "uint16"), "bfloat16")
-        kpe_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], rope, T.cast(0, kpe_s.dtype))
-
-
-@T.macro
-def _zero_tail_rows(kv_s, blk, block_n, seq_s, every_step):
-    """Zero staged rows past the sequence's end: their scores are masked, but 0 * NaN garbage in V
-    would still poison the output. It must run in the compute warps after the copy has landed:
-    hence a select that reads kv_s (a blind store is scheduled with the copies) and a length read
-    from registers (a global read would be given to the producer warps)."""
-    if every_step:
-        # TileLang 0.1.15 cannot place the barriers of the guarded form below when a CTA owns one of
-        # several 64-row tiles of a causal multi-token query ([ThreadSync] divergent region): pay for
-        # the select every step there
-        for i in T.serial(block_n):
-            for j in tile.parallel(D_V):
-                kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
-    else:
-        if (blk + 1) * block_n > seq_s[0]:
-            for i in T.serial(block_n):
-                for j in tile.parallel(D_V):
-                    kv_s[i, j] = T.if_then_else(blk * block_n + i < seq_s[0], kv_s[i, j], T.cast(0, kv_s.dtype))
+            for src, c0, width, part in parts:
+                out.append((src[pidx, 0:page, c0:c0 + width], part, sub * page, page))
+    return out
 
 
 @tile_program(
@@ -111,53 +66,83 @@ def _zero_tail_rows(kv_s, blk, block_n, seq_s, every_step):
         "h128-mtp": dict(h_q=128, s_q=2, page=64),
     },
     pass_configs=lambda t, p: ({"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True,
-                                **({} if p["warp_specialized"] else {"tl.disable_warp_specialized": True})}
+                                **({} if p["warp_specialized"] else {"tl.disable_warp_specialized": True}),
+                                # attention_loop places its own barriers there (lowering/sm90_attention.py)
+                                **(sm90_attention.PASS_CONFIGS if t.name == "cuda:sm_90a" else {})}
                                if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
-                       kv_format: str = "bf16"):
+                       kv_format: str = "bf16", raw_stages: int = 2):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
-    Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens, `stages`
-    deep (block_n=32 x 4 stages keeps more cache bytes in flight than 64 x 2 in the same smem)."""
+    Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
+    tile.attention_loop (`stages` staged steps; with the FP8 cache, `raw_stages` steps of raw
+    bytes ahead of the converted ones where the target converts in a producer warpgroup).
+    The cache is split in three operand parts (latent columns 0-255, 256-511, rope), so that a
+    target may give each half of the output to its own warpgroup."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
     fp8 = kv_format == "fp8"
-    kv_dt, kv_width = ("uint32", FP8_TOKEN_WORDS) if fp8 else (None, D_QK)
     rows = s_q * h_q
     m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
     rows_pad = m_tiles * BLOCK_M
     sdt = tile.storage_dtype(dtype)
+    # the cache three ways (the same bytes): as stored, as 32-bit floats (FP8 scales), as 16-bit (FP8 rope)
+    kv_dt, width = ("float8_e4m3fn", FP8_TOKEN_BYTES) if fp8 else (sdt, D_QK)
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
     neg_inf = -T.infinity("float32")
+    half = D_V // 2
+    kv_parts = [(block_n, half, sdt), (block_n, half, sdt), (block_n, D_ROPE, sdt)]
+    raw_parts = [((block_n, half), kv_dt), ((block_n, half), kv_dt), ((block_n, 4), "float32"),
+                 ((block_n, D_ROPE), sdt)] if fp8 else None
+
+    def bf16_parts(KV):        # (tensor, first column, width, operand part)
+        return [(KV, 0, half, 0), (KV, half, half, 1), (KV, D_V, D_ROPE, 2)]
+
+    def fp8_parts(KV, KVf, KVh):  # raw staging parts: e4m3 halves, the 4 scales, the bf16 rope
+        return [(KV, 0, half, 0), (KV, half, half, 1), (KVf, FP8_SCALE_WORD, 4, 2), (KVh, FP8_ROPE_HALF, D_ROPE, 3)]
+
+    def fp8_value(part, i, j, read):  # FP8 cache -> operand part: e4m3 * its 128-column scale; rope as is
+        if part == 2:
+            return read(3, i, j)
+        return T.cast(T.cast(read(part, i, j), "float32") * read(2, i, part * 2 + j // 128), sdt)
+
+    def limit(causal_base, mt, i):  # causal: query token q sees the cache up to seqlen - s_q + q + 1
+        return causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
 
     @T.macro
-    def attend(blk, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
-               m_i, m_prev, l_i, alpha, row_sum):
-        """One step of online softmax over the staged tokens [blk*block_n, (blk+1)*block_n)."""
-        tile.mma(q_s, kv_s, acc_s, transpose_b=True, clear=True, step=2 * k)
-        tile.mma(qpe_s, kpe_s, acc_s, transpose_b=True, clear=False, step=2 * k + 1)
-        s = tile.read_accumulator(acc_s)
-        for i, j in tile.parallel(BLOCK_M, block_n):
-            limit = causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
-            s[i, j] = T.if_then_else(blk * block_n + j < limit, s[i, j] * scale_log2, neg_inf)
-        T.copy(m_i, m_prev)
-        tile.row_reduce(s, m_i, "max", dim=1, clear=False)
-        for i in tile.parallel(BLOCK_M):
-            alpha[i] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(m_prev[i] - m_i[i]))
-        for i, j in tile.parallel(BLOCK_M, block_n):
-            s[i, j] = T.if_then_else(m_i[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_i[i]))
-        tile.row_reduce(s, row_sum, "sum", dim=1)
-        for i in tile.parallel(BLOCK_M):
-            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
-        tile.copy(s, p_s)
-        tile.mma_rescaled(p_s, kv_s, acc_o, alpha, transpose_b=False, step=k)
+    def epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si, splits, max_splits):
+        # o: columns col0.. of the output tile (unnormalized); l, m: row sums and maxima (log2 domain)
+        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+            o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
+        if si < splits:
+            if splits == 1:
+                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                    r = mt * BLOCK_M + i
+                    if r < rows:
+                        Out[bi, r, col0 + j] = T.cast(o[i, j], sdt)
+                if stats:
+                    for i in tile.parallel(BLOCK_M):
+                        r = mt * BLOCK_M + i
+                        if r < rows:
+                            Lse[bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2,
+                                                                        neg_inf)
+            else:
+                slot = bi * max_splits + si
+                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                    OPart[slot, mt * BLOCK_M + i, col0 + j] = o[i, j]
+                if stats:
+                    for i in tile.parallel(BLOCK_M):
+                        LsePart[slot, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]),
+                                                                         neg_inf)  # base 2
 
     @T.prim_func
     def mla_decode(
         Q: T.Tensor((batch, rows, D_QK), sdt),
-        KV: T.Tensor((num_pages, page, kv_width), kv_dt or sdt),
+        KV: T.Tensor((num_pages, page, width), kv_dt),
+        KVf: T.Tensor((num_pages, page, width * (1 if fp8 else 2) // 4), "float32"),
+        KVh: T.Tensor((num_pages, page, width // (2 if fp8 else 1)), sdt),
         BlockTable: T.Tensor((batch, max_blocks), "int32"),
         SeqLens: T.Tensor((batch,), "int32"),
         Splits: T.Tensor((batch,), "int32"),
@@ -168,80 +153,44 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         max_splits: T.int32,
         scale_log2: T.float32,
     ):
-        with tile.grid(batch * max_splits * m_tiles, threads) as bid:
+        with tile.grid(batch * max_splits * m_tiles, threads + tile.producer_threads()) as bid:
             # no T.alloc_var scalars here: a local defined before the producer/consumer split stops
             # TileLang from rebalancing registers (setmaxnreg), and the consumers then spill
             mt = bid % m_tiles
             si = (bid // m_tiles) % max_splits
             bi = bid // (m_tiles * max_splits)
-            q_s = tile.operand((BLOCK_M, D_V), sdt)
-            qpe_s = tile.operand((BLOCK_M, D_ROPE), sdt)
-            kv_s = tile.operand((block_n, D_V), sdt)
-            kpe_s = tile.operand((block_n, D_ROPE), sdt)
-            p_s = tile.operand((BLOCK_M, block_n), sdt)
-            acc_s = tile.accumulator((BLOCK_M, block_n))
-            acc_o = tile.accumulator((BLOCK_M, D_V))
-            if fp8:
-                raw = tile.stage((block_n, FP8_TOKEN_WORDS), "uint32")
-            seq_s = tile.fragment((1,), "int32")  # the length in registers: read by the compute warps only
-
+            q_l = tile.operand((BLOCK_M, half), sdt)
+            q_r = tile.operand((BLOCK_M, half), sdt)
+            q_pe = tile.operand((BLOCK_M, D_ROPE), sdt)
 
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             chunk = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1)) * (BLOCK_N // block_n)
             first = si * chunk
             n_iter = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0)
-            # causal: query token q sees the cache up to seqlen - s_q + q + 1
             causal_base = seqlen - s_q + 1 if causal else seqlen
 
-            seq_s[0] = seqlen
-            for i, j in tile.parallel(BLOCK_M, D_V):
+            for i, j in tile.parallel(BLOCK_M, half):
                 r = mt * BLOCK_M + i
-                q_s[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
+                q_l[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
+                q_r[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), half + j], T.cast(0, sdt))
             for i, j in tile.parallel(BLOCK_M, D_ROPE):
                 r = mt * BLOCK_M + i
-                qpe_s[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), D_V + j], T.cast(0, sdt))
+                q_pe[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), D_V + j], T.cast(0, sdt))
 
-            m_i = tile.fragment((BLOCK_M,))
-            m_prev = tile.fragment((BLOCK_M,))
-            l_i = tile.fragment((BLOCK_M,))
-            alpha = tile.fragment((BLOCK_M,))
-            row_sum = tile.fragment((BLOCK_M,))
-            T.fill(m_i, neg_inf)
-            T.fill(l_i, 0.0)
-            T.fill(alpha, 0.0)
-
-            for k in tile.pipelined(n_iter, stages=stages):
-                if fp8:
-                    _copy_raw_tile(KV, BlockTable, bi, first + k, page, block_n, raw, num_pages)
-                    _dequant_tile(raw, kv_s, kpe_s, first + k, block_n, seq_s)
-                else:
-                    _copy_kv_tile(KV, BlockTable, bi, first + k, page, block_n, kv_s, kpe_s, num_pages)
-                    _zero_tail_rows(kv_s, first + k, block_n, seq_s, causal and m_tiles > 1)
-                attend(first + k, k, mt, causal_base, scale_log2, q_s, qpe_s, kv_s, kpe_s, p_s, acc_s, acc_o,
-                       m_i, m_prev, l_i, alpha, row_sum)
-
-            o = tile.read_accumulator(acc_o)
-            for i, j in tile.parallel(BLOCK_M, D_V):
-                o[i, j] = T.if_then_else(l_i[i] > 0.0, o[i, j] / l_i[i], 0.0)
-            for i in tile.parallel(BLOCK_M):
-                m_prev[i] = T.if_then_else(l_i[i] > 0.0, m_i[i] + T.log2(l_i[i]), neg_inf)  # lse, base 2
-            if si < splits:
-                if splits == 1:
-                    for i, j in tile.parallel(BLOCK_M, D_V):
-                        r = mt * BLOCK_M + i
-                        if r < rows:
-                            Out[bi, r, j] = T.cast(o[i, j], sdt)
-                    for i in tile.parallel(BLOCK_M):
-                        r = mt * BLOCK_M + i
-                        if r < rows:
-                            Lse[bi, r % h_q, r // h_q] = m_prev[i] * LN2
-                else:
-                    slot = bi * max_splits + si
-                    for i, j in tile.parallel(BLOCK_M, D_V):
-                        OPart[slot, mt * BLOCK_M + i, j] = o[i, j]
-                    for i in tile.parallel(BLOCK_M):
-                        LsePart[slot, mt * BLOCK_M + i] = m_prev[i]
+            tile.attention_loop(
+                n_iter, [q_l, q_r, q_pe], kv_parts, [0, 1],
+                lambda k: _page_copies(BlockTable, bi, first + k, page, block_n, num_pages,
+                                       fp8_parts(KV, KVf, KVh) if fp8 else bf16_parts(KV)),
+                lambda k, i, j: (first + k) * block_n + j < limit(causal_base, mt, i),
+                scale_log2,
+                lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
+                                                      splits, max_splits),
+                valid_rows=seqlen - first * block_n, raw=raw_parts, value=fp8_value if fp8 else None,
+                stages=stages, raw_stages=raw_stages,
+                # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
+                # of several 64-row tiles of a causal multi-token query
+                zero_every_step=causal and m_tiles > 1)
 
     return mla_decode
 
@@ -438,12 +387,18 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
         raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)")
 
 
-def pick_tiling(rows: int, kv_format: str = "bf16") -> dict:
-    """Per-step tokens and pipeline depth. bf16: 64-token steps, 2 deep, measured best on H200 for
-    every row count (32 x 4 kept more loads in flight but paid twice the per-step softmax overhead
-    and narrower WGMMAs: 2197 vs 2901 GB/s at h_q=16; see bench/NOTES.md). fp8: the byte staging
-    and the bf16 operand tiles must both fit: 32-token steps, 4 deep (about 200 KB of smem)."""
-    return dict(block_n=32, stages=4, kv_format="fp8") if kv_format == "fp8" else dict(block_n=64, stages=2)
+def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a", page: int = 64) -> dict:
+    """Per-step tokens and staging depth. bf16: 64-token steps, 2 deep (measured best on H200; 32 x 4
+    paid twice the per-step softmax overhead, see bench/NOTES.md); on sm_90a a step is at most a page
+    (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile). fp8: the raw bytes and the bf16
+    operand tiles must both fit in shared memory: 32-token steps; on sm_90a 2 converted + 3 raw
+    steps (the producer warpgroup converts), elsewhere 4 pipelined steps."""
+    sm90 = targets.get(target).name == "cuda:sm_90a"
+    if kv_format != "fp8":
+        return dict(block_n=min(BLOCK_N, page) if sm90 else BLOCK_N, stages=2)
+    if sm90:
+        return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
+    return dict(block_n=32, stages=4, kv_format="fp8")
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
@@ -464,11 +419,14 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
-    tiling = tiling or pick_tiling(rows, kv_format)
+    tiling = tiling or pick_tiling(rows, kv_format, target, page)
     main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
-    kv = (kv_cache.view(torch.uint32).view(kv_cache.shape[0], page, FP8_TOKEN_WORDS) if kv_format == "fp8"
-          else kv_cache.view(kv_cache.shape[0], page, D_QK))
-    main.launcher()(q.view(b, rows, D_QK), kv, block_table, cache_seqlens,
+    kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
+    if kv_format == "fp8":
+        kv = kv.view(torch.float8_e4m3fn)
+    # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)
+    kv_f32, kv_16 = kv.view(torch.float32), kv.view(q.dtype)
+    main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, sched.max_splits,
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:

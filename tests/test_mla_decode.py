@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ops
-from ops.mla_decode import get_mla_schedule, mla_combine_program, mla_decode_program, mla_decode_reference
+from ops.mla_decode import get_mla_schedule, mla_combine_program, mla_decode_program, mla_decode_reference, pick_tiling
 
 D, DV = 576, 512
 
@@ -326,7 +326,7 @@ def test_fp8_lowers_to_wgmma_and_tma_on_sm_90a():
     from backends.cuda.sass import build_cubin, sass_stats
 
     try:
-        src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, block_n=32, stages=4, kv_format="fp8")
+        src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, "fp8", "sm_90a"))
         hist = sass_stats(build_cubin(src, "sm_90a"), "sm_90a").histogram
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")

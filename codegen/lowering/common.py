@@ -122,3 +122,125 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
     _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
+
+
+# ---- attention_loop: online-softmax attention over staged KV steps --------------------------------
+
+def _emit_maybe(stmt):
+    if stmt is not None:  # some rules emit their statements themselves and return None
+        tile.emit(stmt)
+
+
+def _stage_step(loads, k, dst):
+    for src, part, row0, rows in loads(k):
+        tile.emit(tile.copy(src, dst[part][row0:row0 + rows, :]))
+
+
+@T.macro
+def _zero_tail(buf, valid, every_step):
+    # rows past `valid` hold whatever the cache had (NaN in the tests): P is 0 there, but 0 * NaN in
+    # P @ V is not. A select that reads the staged tile, so it lands after the copy in the MMA warps
+    if every_step:
+        # TileLang 0.1.15 cannot place the barriers of the guarded form below in some programs
+        # ([ThreadSync] divergent region): the caller asks for the select every step there
+        for i in T.serial(buf.shape[0]):
+            for j in tile.parallel(buf.shape[1]):
+                buf[i, j] = T.if_then_else(i < valid, buf[i, j], T.cast(0, buf.dtype))
+    else:
+        if valid < buf.shape[0]:
+            for i in T.serial(buf.shape[0]):
+                for j in tile.parallel(buf.shape[1]):
+                    buf[i, j] = T.if_then_else(i < valid, buf[i, j], T.cast(0, buf.dtype))
+
+
+@T.macro
+def _convert_part(buf, p, read, value, valid):
+    for i, j in tile.parallel(buf.shape[0], buf.shape[1]):
+        buf[i, j] = T.if_then_else(i < valid, value(p, i, j, read), T.cast(0, buf.dtype))
+
+
+def _prepare_step(loads, k, kv, raw, value, v, valid, every_step):
+    if raw is None:
+        _stage_step(loads, k, kv)
+        for p in v:
+            _zero_tail(kv[p], valid, every_step)
+    else:
+        _stage_step(loads, k, raw)
+
+        def read(part, i, j):
+            return raw[part][i, j]
+
+        for p, buf in enumerate(kv):
+            _convert_part(buf, p, read, value, valid)
+
+
+def _score_mmas(q, kv, acc_s, k):
+    for p, (qt, kt) in enumerate(zip(q, kv)):
+        _emit_maybe(tile.mma(qt, kt, acc_s, transpose_b=True, clear=(p == 0), step=len(q) * k + p))
+
+
+def _pv_mmas(p_s, kv, v, outs, alpha, k):
+    for idx, p in enumerate(v):
+        _emit_maybe(tile.mma_rescaled(p_s, kv[p], outs[idx], alpha, transpose_b=False, step=k))
+
+
+@T.macro
+def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, p_s):
+    s = tile.read_accumulator(acc_s)
+    for i, j in tile.parallel(s.shape[0], s.shape[1]):
+        s[i, j] = T.if_then_else(visible(k, i, j), s[i, j] * scale, -T.infinity("float32"))
+    T.copy(m_i, m_prev)
+    tile.row_reduce(s, m_i, "max", dim=1, clear=False)
+    for i in tile.parallel(s.shape[0]):
+        alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, T.exp2(m_prev[i] - m_i[i]))
+    for i, j in tile.parallel(s.shape[0], s.shape[1]):
+        s[i, j] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, T.exp2(s[i, j] - m_i[i]))
+    tile.row_reduce(s, row_sum, "sum", dim=1)
+    for i in tile.parallel(s.shape[0]):
+        l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+    tile.copy(s, p_s)
+
+
+def _finish(outs, kv, v, l_i, m_i, epilogue):
+    col = 0
+    for idx, p in enumerate(v):
+        epilogue(tile.read_accumulator(outs[idx]), col, l_i, m_i, idx == 0)
+        col += kv[p].shape[1]
+
+
+@T.macro
+def _attention(steps, loads, q, kv, raw, value, v, valid, visible, scale, acc_s, p_s, outs, m_i, m_prev, alpha,
+               row_sum, l_i, stages, every_step, epilogue):
+    T.fill(m_i, -T.infinity("float32"))
+    T.fill(l_i, 0.0)
+    T.fill(alpha, 0.0)
+    for k in tile.pipelined(steps, stages=stages):
+        _prepare_step(loads, k, kv, raw, value, v, valid(k), every_step)
+        _score_mmas(q, kv, acc_s, k)
+        _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, p_s)
+        _pv_mmas(p_s, kv, v, outs, alpha, k)
+    _finish(outs, kv, v, l_i, m_i, epilogue)
+
+
+@T.macro
+def _set_first(buf, value):
+    buf[0] = value
+
+
+@register("attention_loop", "*")
+def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
+                   raw_stages=2, zero_every_step=False):
+    # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step
+    block_m, block_n = q[0].shape[0], kv[0][0]
+    # the count in registers: the zeroing that reads it then lands in the MMA warps, after the copy
+    # (a count computed from a global read is given to the producer warps, before the data lands)
+    valid_s = tile.fragment((1,), "int32")
+    _set_first(valid_s, valid_rows)
+    kv_t = [tile.operand((rows, d), dt) for rows, d, dt in kv]
+    raw_t = None if raw is None else [tile.stage(shape, dt) for shape, dt in raw]
+    p_s = tile.operand((block_m, block_n), kv[v[0]][2])
+    acc_s = tile.accumulator((block_m, block_n))
+    outs = [tile.accumulator((block_m, kv[p][1])) for p in v]
+    m_i, m_prev, alpha, row_sum, l_i = (tile.fragment((block_m,)) for _ in range(5))
+    _attention(steps, loads, q, kv_t, raw_t, value, v, lambda k: valid_s[0] - k * block_n, visible, scale, acc_s, p_s, outs, m_i, m_prev, alpha,
+               row_sum, l_i, stages, zero_every_step, epilogue)

@@ -1,0 +1,252 @@
+"""Hopper (sm_90a) attention_loop: a hand-written producer warpgroup and two MMA warpgroups.
+
+    WG0 (threads   0-127)  S = sum_p Q_p K_p^T of step k, the online softmax, O_0 += P V_0
+    WG1 (threads 128-255)  O_1 += P V_1 with the P and row scales WG0 leaves in shared memory,
+                           while WG0 goes on to the scores of step k + 1
+    WG2 (threads 256-383)  TMA loads of each step into `stages` slots; when a step needs fixing
+                           after it lands (rows past the valid ones zeroed, or a raw staging format
+                           such as an FP8 cache converted to the MMA dtype) it does that too, so the
+                           MMA warpgroups never spend instructions on it
+
+TileLang's automatic warp specialization gives the producer only the copies: a fix-up written in
+the loop lands in the MMA warps, serialized with both MMAs (FP8 cache at 0.43x the bf16 cache's
+speed), and the guarded tail zeroing did not compile for multi-tile causal queries. Softmax in one
+warpgroup also needs no cross-warpgroup reduction through shared memory.
+
+Every barrier is placed here by hand: a program that uses this rule compiles with TileLang's
+thread-storage-sync pass off on sm_90a (`tl.disable_thread_storage_sync`). With it on, the pass
+cannot tell the merged shared buffers apart and puts a 128-thread barrier inside every iteration
+of the producer's conversion loop (measured: FP8 steps 5x slower than their loads).
+
+Barriers (all mbarriers; parity = use number % 2):
+    full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready
+    tail         a plain step's rows past the valid ones were zeroed (at most one per CTA: the last)
+    raw[r]       producer arrivals + TMA bytes of raw staging slot r (convert mode)
+    empty[slot]  both MMA warpgroups are done reading the slot
+    p_ready / p_free   WG0 -> WG1 hand-off of P and the row scales (one buffer)
+    stats        WG0's final row max and sum are in shared memory for WG1's epilogue
+"""
+
+import tilelang.language as T
+
+from codegen.rules import register
+from codegen.tile import emit, state
+
+PRODUCER = 128
+WG = 128
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}   # what a program using this rule compiles with
+SCORE_REGS, OUT_REGS, PRODUCER_REGS = 240, 168, 80   # 128 * (240 + 168 + 80) <= 64K registers
+NEG_INF = float("-inf")
+# named barriers of our own: TileLang reserves 0-2 and numbers any it inserts from 3 up
+WG0_BAR, PRODUCER_BAR = 15, 14
+FULL_ROW = T.GemmWarpPolicy.FullRow
+
+
+def _issue_loads(loads, k, dst, slot, bar):
+    # the copies that stage step k; every producer thread then arrives (TMA adds the bytes)
+    for src, part, row0, rows in loads(k):
+        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar))
+    emit(T.mbarrier_arrive(bar))
+
+
+def _scores(q, kv, slot, acc_s):
+    for p, (qt, kt) in enumerate(zip(q, kv)):
+        emit(T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+    emit(T.wait_wgmma(0))
+
+
+def _pv(p_s, v, slot, acc):
+    emit(T.wgmma_gemm(p_s, v[slot, :, :], acc, transpose_B=False, clear_accum=False, policy=FULL_ROW),
+         T.wait_wgmma(0))
+
+
+def _zero_rows(kv, v_parts, slot, valid):
+    # rows past `valid` hold whatever the cache had (NaN in the tests): P is 0 there, but 0 * NaN
+    # in P @ V is not
+    for p in v_parts:
+        _zero_part(kv[p], slot, valid)
+
+
+@T.macro
+def _zero_part(buf, slot, valid):
+    for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
+        buf[slot, i, j] = T.if_then_else(i < valid, buf[slot, i, j], T.cast(0, buf.dtype))
+
+
+def _convert(kv, raw, value, slot, r, valid):
+    def read(part, i, j):               # element (i, j) of raw staging part `part`, this step's slot
+        return raw[part][r, i, j]
+
+    for p, buf in enumerate(kv):
+        _convert_part(buf, p, read, value, slot, valid)
+
+
+@T.macro
+def _convert_part(buf, p, read, value, slot, valid):
+    for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
+        buf[slot, i, j] = T.if_then_else(i < valid, value(p, i, j, read), T.cast(0, buf.dtype))
+
+
+@T.macro
+def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, stages):
+    for k in T.serial(steps):
+        slot = k % stages
+        T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)    # step k - stages is done
+        _issue_loads(loads, k, kv, slot, full[slot])
+        if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
+            T.mbarrier_wait_parity(full[slot], (k // stages) % 2)
+            _zero_rows(kv, v_parts, slot, (valid_rows - k * kv[0].shape[1]))
+            T.fence_proxy_async()                                       # generic stores -> WGMMA reads
+            T.mbarrier_arrive(tail[0])
+
+
+@T.macro
+def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages):
+    for k in T.serial(T.min(steps, raw_stages)):
+        _issue_loads(loads, k, raw, k, raw_full[k])
+    for k in T.serial(steps):
+        slot = k % stages
+        r = k % raw_stages
+        T.mbarrier_wait_parity(raw_full[r], (k // raw_stages) % 2)
+        T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
+        _convert(kv, raw, value, slot, r, (valid_rows - k * kv[0].shape[1]))
+        T.fence_proxy_async()
+        T.mbarrier_arrive(full[slot])
+        T.sync_threads(PRODUCER_BAR, PRODUCER)                                     # every producer thread read raw[r]
+        if k + raw_stages < steps:
+            _issue_loads(loads, k + raw_stages, raw, r, raw_full[r])
+
+
+@T.macro
+def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
+    if plain:
+        if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
+            T.mbarrier_wait_parity(tail[0], 0)
+        else:
+            T.mbarrier_wait_parity(full[k % stages], (k // stages) % 2)
+    else:
+        T.mbarrier_wait_parity(full[k % stages], (k // stages) % 2)
+
+
+@T.macro
+def _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot):
+    _scores(q, kv, slot, acc_s)
+    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[i, j] = T.if_then_else(visible(k, i, j), acc_s[i, j] * scale, NEG_INF)
+    T.copy(m_i, m_prev)
+    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+    for i in T.Parallel(acc_s.shape[0]):
+        alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 0.0, T.exp2(m_prev[i] - m_i[i]))
+    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0, T.exp2(acc_s[i, j] - m_i[i]))
+    T.reduce_sum(acc_s, row_sum, dim=1)
+    for i in T.Parallel(acc_s.shape[0]):
+        l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def _scale_rows(acc, scale):
+    for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+        acc[i, j] *= scale[i]
+
+
+@T.macro
+def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i, m_prev, alpha,
+             row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue):
+    T.set_max_nreg(SCORE_REGS, 1)
+    T.fill(m_i, NEG_INF)
+    T.fill(l_i, 0.0)
+    T.fill(o0, 0.0)
+    for k in T.serial(steps):
+        slot = k % stages
+        _wait_step(k, kv, valid_rows, full, tail, stages, plain)
+        _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot)
+        if k > 0:
+            T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
+        T.copy(acc_s, p_s)
+        T.copy(alpha, alpha_s)
+        T.fence_proxy_async()
+        T.sync_threads(WG0_BAR, WG)                                           # all of P is written
+        T.mbarrier_arrive(p_ready[0])
+        _scale_rows(o0, alpha)
+        _pv(p_s, v0, slot, o0)
+        T.mbarrier_arrive(empty[slot])
+    for i in T.Parallel(m_i.shape[0]):
+        stats_s[0, i] = m_i[i]
+        stats_s[1, i] = l_i[i]
+    T.mbarrier_arrive(stats[0])
+    epilogue(o0, 0, l_i, m_i, True)
+
+
+@T.macro
+def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready, p_free, stats, stages,
+             epilogue):
+    T.set_max_nreg(OUT_REGS, 1)
+    T.fill(o1, 0.0)
+    for k in T.serial(steps):
+        slot = k % stages
+        T.mbarrier_wait_parity(p_ready[0], k % 2)
+        for i, j in T.Parallel(o1.shape[0], o1.shape[1]):
+            o1[i, j] *= alpha_s[i]
+        _pv(p_s, v1, slot, o1)
+        T.mbarrier_arrive(p_free[0])
+        T.mbarrier_arrive(empty[slot])
+    T.mbarrier_wait_parity(stats[0], 0)
+    for i in T.Parallel(m1.shape[0]):
+        m1[i] = stats_s[0, i]
+        l1[i] = stats_s[1, i]
+    epilogue(o1, col1, l1, m1, False)
+
+
+@register("attention_loop", "cuda:sm_90a")
+def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
+                   raw_stages=2, zero_every_step=False):
+    threads = state()["threads"]
+    if threads != 2 * WG + PRODUCER:
+        raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
+                         f"got {threads}")
+    if len(v) != 2:
+        raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
+                         f"parts, got {v}")
+    block_m = q[0].shape[0]
+    block_n = kv[0][0]
+    kv_s = [T.alloc_shared((stages, rows, d), dt) for rows, d, dt in kv]
+    plain = raw is None
+    raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
+    p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
+    alpha_s = T.alloc_shared((block_m,), "float32")
+    stats_s = T.alloc_shared((2, block_m), "float32")
+    acc_s = T.alloc_fragment((block_m, block_n), "float32")
+    o0 = T.alloc_fragment((block_m, kv[v[0]][1]), "float32")
+    o1 = T.alloc_fragment((block_m, kv[v[1]][1]), "float32")
+    m_i, m_prev, alpha, row_sum, l_i, m1, l1 = (T.alloc_fragment((block_m,), "float32") for _ in range(7))
+    full = T.alloc_barrier([PRODUCER] * stages)
+    empty = T.alloc_barrier([2 * WG] * stages)
+    tail = T.alloc_barrier([PRODUCER])
+    raw_full = None if plain else T.alloc_barrier([PRODUCER] * raw_stages)
+    p_ready = T.alloc_barrier([WG])
+    p_free = T.alloc_barrier([WG])
+    stats = T.alloc_barrier([WG])
+    _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
+                o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
+                stages, raw_stages, plain, epilogue)
+
+
+@T.macro
+def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
+                o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
+                stages, raw_stages, plain, epilogue):
+    T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
+    tx = T.get_thread_binding()
+    if tx < WG:
+        _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
+                 m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue)
+    elif tx < 2 * WG:
+        _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
+                 p_free, stats, stages, epilogue)
+    else:
+        T.set_max_nreg(PRODUCER_REGS, 0)
+        if plain:
+            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages)
+        else:
+            _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages)
