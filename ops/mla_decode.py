@@ -73,14 +73,17 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
-                       kv_format: str = "bf16", raw_stages: int = 2):
+                       kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
     tile.attention_loop (`stages` staged steps; with the FP8 cache, `raw_stages` steps of raw
     bytes ahead of the converted ones where the target converts in a producer warpgroup).
     The cache is split in three operand parts (latent columns 0-255, 256-511, rope), so that a
-    target may give each half of the output to its own warpgroup."""
+    target may give each half of the output to its own warpgroup.
+
+    trace=True (debugging, sm_90a): CTA 0 writes SM clock stamps of its first 64 steps into
+    OPart[0, step, event] (as int32 bits; events in lowering/sm90_attention.py); run unsplit."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
     fp8 = kv_format == "fp8"
@@ -154,20 +157,20 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         scale_log2: T.float32,
     ):
         with tile.grid(batch * max_splits * m_tiles, threads + tile.producer_threads()) as bid:
-            # no T.alloc_var scalars here: a local defined before the producer/consumer split stops
-            # TileLang from rebalancing registers (setmaxnreg), and the consumers then spill
-            mt = bid % m_tiles
-            si = (bid // m_tiles) % max_splits
-            bi = bid // (m_tiles * max_splits)
+            # per-CTA scalars: registers where the target's attention_loop wants them (tile.scalar)
+            mt = tile.scalar(bid % m_tiles)
+            si = tile.scalar((bid // m_tiles) % max_splits)
+            bi = tile.scalar(bid // (m_tiles * max_splits))
             q_l = tile.operand((BLOCK_M, half), sdt)
             q_r = tile.operand((BLOCK_M, half), sdt)
             q_pe = tile.operand((BLOCK_M, D_ROPE), sdt)
 
-            splits = Splits[bi]
-            seqlen = SeqLens[bi]
+            splits = tile.scalar(Splits[bi])
+            seqlen = tile.scalar(SeqLens[bi])
             chunk = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1)) * (BLOCK_N // block_n)
-            first = si * chunk
-            n_iter = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0)
+            first = tile.scalar(si * chunk)
+            n_iter = tile.scalar(T.if_then_else(si < splits,
+                                                T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0))
             causal_base = seqlen - s_q + 1 if causal else seqlen
 
             for i, j in tile.parallel(BLOCK_M, half):
@@ -187,7 +190,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
                                                       splits, max_splits),
                 valid_rows=seqlen - first * block_n, raw=raw_parts, value=fp8_value if fp8 else None,
-                stages=stages, raw_stages=raw_stages,
+                stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
                 zero_every_step=causal and m_tiles > 1)

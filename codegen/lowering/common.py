@@ -97,6 +97,13 @@ def mma_promoted(a, b, part, acc, scale, transpose_b=True, step=0):
     _promote(acc, part, scale)
 
 
+@register("scalar", "*")
+def scalar(value, dtype="int32"):
+    # the compiler's automatic warp specialization needs no variable here (a local defined before
+    # its producer/consumer split even stops it from rebalancing registers): keep the expression
+    return value
+
+
 @register("producer_threads", "*")
 def producer_threads():
     return 0  # the compiler's own pipelining adds any producer threads it wants
@@ -229,8 +236,9 @@ def _set_first(buf, value):
 
 @register("attention_loop", "*")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
-                   raw_stages=2, zero_every_step=False):
-    # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step
+                   raw_stages=2, zero_every_step=False, trace=None):
+    # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step;
+    # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline
     block_m, block_n = q[0].shape[0], kv[0][0]
     # the count in registers: the zeroing that reads it then lands in the MMA warps, after the copy
     # (a count computed from a global read is given to the producer warps, before the data lands)

@@ -8,6 +8,11 @@
                            such as an FP8 cache converted to the MMA dtype) it does that too, so the
                            MMA warpgroups never spend instructions on it
 
+ptxas compiles every warpgroup's code within the launch bound's registers (168 at 384 threads;
+setmaxnreg only moves the hardware allocation), which is why there is one producer warpgroup:
+at 512 threads (two producers for the FP8 conversion) the 64x256 fp32 accumulators do not fit in
+128 registers (ptxas C7602).
+
 TileLang's automatic warp specialization gives the producer only the copies: a fix-up written in
 the loop lands in the MMA warps, serialized with both MMAs (FP8 cache at 0.43x the bf16 cache's
 speed), and the guarded tail zeroing did not compile for multi-tile causal queries. Softmax in one
@@ -15,8 +20,8 @@ warpgroup also needs no cross-warpgroup reduction through shared memory.
 
 Every barrier is placed here by hand: a program that uses this rule compiles with TileLang's
 thread-storage-sync pass off on sm_90a (`tl.disable_thread_storage_sync`). With it on, the pass
-cannot tell the merged shared buffers apart and puts a 128-thread barrier inside every iteration
-of the producer's conversion loop (measured: FP8 steps 5x slower than their loads).
+cannot tell the merged shared buffers apart and puts a producer-wide barrier inside every
+iteration of the conversion loop (measured: FP8 decode 0.445 -> 0.402 ms without them).
 
 Barriers (all mbarriers; parity = use number % 2):
     full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready
@@ -32,14 +37,22 @@ import tilelang.language as T
 from codegen.rules import register
 from codegen.tile import emit, state
 
-PRODUCER = 128
 WG = 128
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}   # what a program using this rule compiles with
+PRODUCER = 128
 SCORE_REGS, OUT_REGS, PRODUCER_REGS = 240, 168, 80   # 128 * (240 + 168 + 80) <= 64K registers
 NEG_INF = float("-inf")
 # named barriers of our own: TileLang reserves 0-2 and numbers any it inserts from 3 up
 WG0_BAR, PRODUCER_BAR = 15, 14
 FULL_ROW = T.GemmWarpPolicy.FullRow
+
+
+@T.macro
+def _stamp(trace, k, event):
+    # debugging: the SM's clock when warpgroup leader reaches `event` of step k (CTA 0, steps < 64)
+    if trace is not None:
+        if T.get_thread_binding() % WG == 0 and T.get_block_binding() == 0 and k < 64:
+            trace[0, k, event] = T.reinterpret(T.call_extern("int32", "clock"), "float32")
 
 
 def _issue_loads(loads, k, dst, slot, bar):
@@ -78,21 +91,41 @@ def _convert(kv, raw, value, slot, r, valid):
         return raw[part][r, i, j]
 
     for p, buf in enumerate(kv):
-        _convert_part(buf, p, read, value, slot, valid)
+        if valid is None:
+            _convert_part(buf, p, read, value, slot)
+        else:
+            _convert_part_masked(buf, p, read, value, slot, valid)
 
 
 @T.macro
-def _convert_part(buf, p, read, value, slot, valid):
+def _convert_part(buf, p, read, value, slot):
+    for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
+        buf[slot, i, j] = value(p, i, j, read)
+
+
+@T.macro
+def _convert_part_masked(buf, p, read, value, slot, valid):
     for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
         buf[slot, i, j] = T.if_then_else(i < valid, value(p, i, j, read), T.cast(0, buf.dtype))
 
 
 @T.macro
-def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, stages):
+def _convert_step(kv, raw, value, slot, r, valid):
+    # only the sequence's last step has rows to zero: every other step converts without a select
+    if valid >= kv[0].shape[1]:
+        _convert(kv, raw, value, slot, r, None)
+    else:
+        _convert(kv, raw, value, slot, r, valid)
+
+
+@T.macro
+def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, stages, trace):
     for k in T.serial(steps):
         slot = k % stages
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)    # step k - stages is done
+        _stamp(trace, k, 8)
         _issue_loads(loads, k, kv, slot, full[slot])
+        _stamp(trace, k, 9)
         if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
             T.mbarrier_wait_parity(full[slot], (k // stages) % 2)
             _zero_rows(kv, v_parts, slot, (valid_rows - k * kv[0].shape[1]))
@@ -101,18 +134,21 @@ def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, st
 
 
 @T.macro
-def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages):
+def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, trace):
     for k in T.serial(T.min(steps, raw_stages)):
         _issue_loads(loads, k, raw, k, raw_full[k])
     for k in T.serial(steps):
         slot = k % stages
         r = k % raw_stages
         T.mbarrier_wait_parity(raw_full[r], (k // raw_stages) % 2)
+        _stamp(trace, k, 8)
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
-        _convert(kv, raw, value, slot, r, (valid_rows - k * kv[0].shape[1]))
+        _stamp(trace, k, 9)
+        _convert_step(kv, raw, value, slot, r, valid_rows - k * kv[0].shape[1])
         T.fence_proxy_async()
         T.mbarrier_arrive(full[slot])
-        T.sync_threads(PRODUCER_BAR, PRODUCER)                                     # every producer thread read raw[r]
+        _stamp(trace, k, 10)
+        T.sync_threads(PRODUCER_BAR, PRODUCER)                          # every producer thread read raw[r]
         if k + raw_stages < steps:
             _issue_loads(loads, k + raw_stages, raw, r, raw_full[r])
 
@@ -129,8 +165,14 @@ def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
 
 
 @T.macro
-def _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot):
+def _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace):
     _scores(q, kv, slot, acc_s)
+    _stamp(trace, k, 1)
+    _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+
+
+@T.macro
+def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
     for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
         acc_s[i, j] = T.if_then_else(visible(k, i, j), acc_s[i, j] * scale, NEG_INF)
     T.copy(m_i, m_prev)
@@ -152,7 +194,7 @@ def _scale_rows(acc, scale):
 
 @T.macro
 def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i, m_prev, alpha,
-             row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue):
+             row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
     T.set_max_nreg(SCORE_REGS, 1)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
@@ -160,17 +202,22 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
-        _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot)
+        _stamp(trace, k, 0)
+        _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace)
+        _stamp(trace, k, 2)
         if k > 0:
             T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
+        _stamp(trace, k, 3)
         T.copy(acc_s, p_s)
         T.copy(alpha, alpha_s)
         T.fence_proxy_async()
         T.sync_threads(WG0_BAR, WG)                                           # all of P is written
         T.mbarrier_arrive(p_ready[0])
+        _stamp(trace, k, 4)
         _scale_rows(o0, alpha)
         _pv(p_s, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
+        _stamp(trace, k, 5)
     for i in T.Parallel(m_i.shape[0]):
         stats_s[0, i] = m_i[i]
         stats_s[1, i] = l_i[i]
@@ -180,17 +227,19 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
 
 @T.macro
 def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready, p_free, stats, stages,
-             epilogue):
+             epilogue, trace):
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
     for k in T.serial(steps):
         slot = k % stages
         T.mbarrier_wait_parity(p_ready[0], k % 2)
+        _stamp(trace, k, 6)
         for i, j in T.Parallel(o1.shape[0], o1.shape[1]):
             o1[i, j] *= alpha_s[i]
         _pv(p_s, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
         T.mbarrier_arrive(empty[slot])
+        _stamp(trace, k, 7)
     T.mbarrier_wait_parity(stats[0], 0)
     for i in T.Parallel(m1.shape[0]):
         m1[i] = stats_s[0, i]
@@ -198,9 +247,17 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
     epilogue(o1, col1, l1, m1, False)
 
 
+@register("scalar", "cuda:sm_90a")
+def scalar(value, dtype="int32"):
+    # TileLang substitutes let-bound index arithmetic into every buffer index that uses it, widened to
+    # int64: each TMA issue of the producer recomputed the block's (batch, split) with int64 divisions
+    # by a runtime value, ~1500 cycles per step (measured with trace=True). A variable is computed once.
+    return T.alloc_var(dtype, init=value)
+
+
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
-                   raw_stages=2, zero_every_step=False):
+                   raw_stages=2, zero_every_step=False, trace=None):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -229,24 +286,25 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     stats = T.alloc_barrier([WG])
     _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue)
+                stages, raw_stages, plain, epilogue, trace)
 
 
 @T.macro
 def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue):
+                stages, raw_stages, plain, epilogue, trace):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
-                 m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue)
+                 m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace)
     elif tx < 2 * WG:
         _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
-                 p_free, stats, stages, epilogue)
+                 p_free, stats, stages, epilogue, trace)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
-            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages)
+            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, trace)
         else:
-            _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages)
+            _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
+                              trace)
