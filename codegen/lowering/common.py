@@ -250,5 +250,5 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     acc_s = tile.accumulator((block_m, block_n))
     outs = [tile.accumulator((block_m, kv[p][1])) for p in v]
     m_i, m_prev, alpha, row_sum, l_i = (tile.fragment((block_m,)) for _ in range(5))
-    _attention(steps, loads, q, kv_t, raw_t, value, v, lambda k: valid_s[0] - k * block_n, visible, scale, acc_s, p_s, outs, m_i, m_prev, alpha,
-               row_sum, l_i, stages, zero_every_step, epilogue)
+    _attention(steps, loads, q, kv_t, raw_t, value, v, lambda k: valid_s[0] - k * block_n, visible, scale, acc_s, p_s,
+               outs, m_i, m_prev, alpha, row_sum, l_i, stages, zero_every_step, epilogue)

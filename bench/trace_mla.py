@@ -1,0 +1,60 @@
+"""Where a step of the sm_90a MLA pipeline goes: SM clock stamps of CTA 0, per warpgroup event.
+
+    python -m bench.trace_mla            # the FP8 h_q=16 row and the bf16 h_q=128 row of the decode grid
+
+Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
+run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
+"""
+import sys
+
+import torch
+
+import ops
+from bench.suites.mla import PRESETS, make_inputs
+from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
+
+# event ids as in codegen/lowering/sm90_attention.py (_stamp calls)
+EV = ["wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
+      "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert"]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench.trace_mla needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
+        return 2
+    for ci, fmt in [(1, "fp8"), (4, "bf16")]:  # decode rows: b=128 h_q=16 8192, b=128 h_q=128 4096
+        case = PRESETS["decode"][ci]
+        i = make_inputs(case, "cuda")
+        b, s_q, h_q = case["b"], case["s_q"], case["h_q"]
+        rows = s_q * h_q
+        sched = get_mla_schedule(i["lens"], s_q, h_q, i["table"].shape[1])
+        assert sched.max_splits == 1  # the stamps live in the partials buffer: only an unsplit run leaves it alone
+        kv = ops.quantize_mla_kv_fp8(i["kv"]) if fmt == "fp8" else i["kv"]
+        page = kv.shape[1]
+        tiling = pick_tiling(rows, fmt, "sm_90a", page)
+        kernel = mla_decode_program.compile("sm_90a", h_q=h_q, s_q=s_q, page=page, dtype="bfloat16", causal=True,
+                                            trace=True, **tiling)
+        kvv = kv.view(kv.shape[0], page, kv.shape[-1])
+        if fmt == "fp8":
+            kvv = kvv.view(torch.float8_e4m3fn)
+        out = torch.empty(b, s_q, h_q, D_V, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
+        o_part = torch.zeros(1, 64 * -(-rows // 64), D_V, dtype=torch.float32, device="cuda")
+        lse_part = torch.empty(1, 64 * -(-rows // 64), dtype=torch.float32, device="cuda")
+        for _ in range(3):
+            kernel.launcher()(i["q"].view(b, rows, D_QK), kvv, kvv.view(torch.float32), kvv.view(torch.bfloat16),
+                              i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, 1,
+                              float(i["scale"] * LOG2E))
+        torch.cuda.synchronize()
+        st = o_part[0, :64, :16].contiguous().view(torch.int32).long().cpu()
+        base = st[:, 0]
+        print(f"== {case} {fmt} block_n={tiling['block_n']}: step period (wg0 ready k+1 - k), cycles:",
+              [int(x) for x in (base[1:33] - base[:32])])
+        for e in range(11 if fmt == "fp8" else 10):  # event 10 (conversion done) only exists with a raw format
+            d = [int(st[k, e] - base[k]) for k in range(20, 28)]
+            print(f"  {EV[e]:18s} rel. to wg0 ready: {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
