@@ -11,11 +11,8 @@ import torch
 
 import ops
 from bench.suites.mla import PRESETS, make_inputs
+from codegen.lowering.sm90_attention import EVENTS
 from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
-
-# event ids as in codegen/lowering/sm90_attention.py (_stamp calls)
-EV = ["wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
-      "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert"]
 
 
 def main() -> int:
@@ -50,9 +47,11 @@ def main() -> int:
         base = st[:, 0]
         print(f"== {case} {fmt} block_n={tiling['block_n']}: step period (wg0 ready k+1 - k), cycles:",
               [int(x) for x in (base[1:33] - base[:32])])
-        for e in range(11 if fmt == "fp8" else 10):  # event 10 (conversion done) only exists with a raw format
+        for e, name in enumerate(EVENTS):
+            if name == "prod convert" and fmt != "fp8":
+                continue  # only a raw staging format is converted
             d = [int(st[k, e] - base[k]) for k in range(20, 28)]
-            print(f"  {EV[e]:18s} rel. to wg0 ready: {d}")
+            print(f"  {name:18s} rel. to wg0 ready: {d}")
     return 0
 
 

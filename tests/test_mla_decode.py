@@ -163,6 +163,15 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
         assert hist.get("STL", 0) == 0 and "0 bytes spill stores" in log
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_trace_stamps_every_event(fmt):
+    from codegen.lowering.sm90_attention import EVENTS
+
+    src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, **pick_tiling(16, fmt, "sm_90a"))
+    assert src.count("clock()") == len(EVENTS) - (fmt == "bf16")  # no conversion event without a raw format
+    assert "clock()" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
+
+
 def test_sm_90a_attention_loop_needs_its_warpgroups():
     with pytest.raises(ValueError, match="producer_threads"):
         mla_decode_program.source("sm_90a", h_q=16, s_q=1, threads=128)

@@ -47,12 +47,19 @@ WG0_BAR, PRODUCER_BAR = 15, 14
 FULL_ROW = T.GemmWarpPolicy.FullRow
 
 
+# trace=: the SM clock (int32 bits) when each warpgroup's first thread reaches an event of step k,
+# stored at trace[0, k, EVENTS.index(event)] by CTA 0 for steps < 64 (bench/trace_mla.py reads them).
+# The producer's events: its first wait (empty, or the raw bytes when converting), the second (loads
+# issued / empty), and the conversion done.
+EVENTS = ("wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
+          "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert")
+
+
 @T.macro
 def _stamp(trace, k, event):
-    # debugging: the SM's clock when warpgroup leader reaches `event` of step k (CTA 0, steps < 64)
     if trace is not None:
         if T.get_thread_binding() % WG == 0 and T.get_block_binding() == 0 and k < 64:
-            trace[0, k, event] = T.reinterpret(T.call_extern("int32", "clock"), "float32")
+            trace[0, k, EVENTS.index(event)] = T.reinterpret(T.call_extern("int32", "clock"), "float32")
 
 
 def _issue_loads(loads, k, dst, slot, bar):
@@ -123,9 +130,9 @@ def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, st
     for k in T.serial(steps):
         slot = k % stages
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)    # step k - stages is done
-        _stamp(trace, k, 8)
+        _stamp(trace, k, "prod wait1")
         _issue_loads(loads, k, kv, slot, full[slot])
-        _stamp(trace, k, 9)
+        _stamp(trace, k, "prod wait2/issue")
         if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
             T.mbarrier_wait_parity(full[slot], (k // stages) % 2)
             _zero_rows(kv, v_parts, slot, (valid_rows - k * kv[0].shape[1]))
@@ -141,13 +148,13 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
         slot = k % stages
         r = k % raw_stages
         T.mbarrier_wait_parity(raw_full[r], (k // raw_stages) % 2)
-        _stamp(trace, k, 8)
+        _stamp(trace, k, "prod wait1")
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
-        _stamp(trace, k, 9)
+        _stamp(trace, k, "prod wait2/issue")
         _convert_step(kv, raw, value, slot, r, valid_rows - k * kv[0].shape[1])
         T.fence_proxy_async()
         T.mbarrier_arrive(full[slot])
-        _stamp(trace, k, 10)
+        _stamp(trace, k, "prod convert")
         T.sync_threads(PRODUCER_BAR, PRODUCER)                          # every producer thread read raw[r]
         if k + raw_stages < steps:
             _issue_loads(loads, k + raw_stages, raw, r, raw_full[r])
@@ -167,7 +174,7 @@ def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
 @T.macro
 def _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace):
     _scores(q, kv, slot, acc_s)
-    _stamp(trace, k, 1)
+    _stamp(trace, k, "wg0 S")
     _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
 
 
@@ -202,22 +209,22 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
-        _stamp(trace, k, 0)
+        _stamp(trace, k, "wg0 ready")
         _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace)
-        _stamp(trace, k, 2)
+        _stamp(trace, k, "wg0 softmax")
         if k > 0:
             T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
-        _stamp(trace, k, 3)
+        _stamp(trace, k, "wg0 p_free")
         T.copy(acc_s, p_s)
         T.copy(alpha, alpha_s)
         T.fence_proxy_async()
         T.sync_threads(WG0_BAR, WG)                                           # all of P is written
         T.mbarrier_arrive(p_ready[0])
-        _stamp(trace, k, 4)
+        _stamp(trace, k, "wg0 p_ready")
         _scale_rows(o0, alpha)
         _pv(p_s, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
-        _stamp(trace, k, 5)
+        _stamp(trace, k, "wg0 PV+empty")
     for i in T.Parallel(m_i.shape[0]):
         stats_s[0, i] = m_i[i]
         stats_s[1, i] = l_i[i]
@@ -233,13 +240,13 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
     for k in T.serial(steps):
         slot = k % stages
         T.mbarrier_wait_parity(p_ready[0], k % 2)
-        _stamp(trace, k, 6)
+        _stamp(trace, k, "wg1 p_ready")
         for i, j in T.Parallel(o1.shape[0], o1.shape[1]):
             o1[i, j] *= alpha_s[i]
         _pv(p_s, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
         T.mbarrier_arrive(empty[slot])
-        _stamp(trace, k, 7)
+        _stamp(trace, k, "wg1 PV+free")
     T.mbarrier_wait_parity(stats[0], 0)
     for i in T.Parallel(m1.shape[0]):
         m1[i] = stats_s[0, i]
