@@ -3,7 +3,9 @@
 Each query row (s_q * h_q rows per sequence, packed as row = s * h_q + h) attends over its
 sequence's cache of 576-wide latent vectors (512 latent + 64 rope); V is the first 512 columns
 of the same cache rows. One CTA owns 64 query rows of one sequence and one split of its KV
-blocks; splits are combined by a second kernel. Written once with codegen.tile words.
+blocks; splits are combined by a second kernel. Written once with codegen.tile words: the KV
+loop is tile.attention_loop (on sm_90a a hand-written producer warpgroup and two MMA warpgroups,
+codegen/lowering/sm90_attention.py; elsewhere the compiler's pipelined loop).
 
 Cost per sequence (bf16): bytes ~ seqlen * 576 * 2 (the cache, read once per 64-row tile),
 flops = 2 * s_q * h_q * seqlen * (576 + 512).
