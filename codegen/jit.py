@@ -199,8 +199,8 @@ def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
         from backends.ascend.toolchain import find_bisheng
 
         find_bisheng()  # a clear ToolchainError naming bisheng when CANN is absent
-    prim = program.trace(t, **bound)
-    pass_configs = program.configs(t, bound)
+    prim, rule_configs = program.traced(t, bound)
+    pass_configs = program.configs(t, bound, rule_configs)
     inputs = key_inputs(program, prim, t, pass_configs)
     key = cache.digest(inputs)
     use_disk = not env.flag("TILECRAFT_DISABLE_DISK_CACHE")
@@ -232,12 +232,12 @@ def lower_source(program, target, **params) -> str:
     tilelang = _tilelang()
     t = program.check_target(target)
     bound = program.bind(params)
-    prim = program.trace(t, **bound)
+    prim, rule_configs = program.traced(t, bound)
     with t.tvm() as tv:
         from tilelang.transform import PassConfigKey  # noqa: F401  (registers pass-config keys)
         import tvm
 
-        with tvm.transform.PassContext(config=program.configs(t, bound)):
+        with tvm.transform.PassContext(config=program.configs(t, bound, rule_configs)):
             art = tilelang.lower(prim, target=tv)
     return art.kernel_source
 

@@ -47,18 +47,27 @@ class TileProgram:
 
     def trace(self, target, **params):
         """The PrimFunc for `target`: every tile word resolved by that target's rules."""
+        return self.traced(target, params)[0]
+
+    def traced(self, target, params: dict):
+        """(PrimFunc, pass configs that the rules used while tracing asked for: tile.require_pass_configs)."""
         t = self.check_target(target)
         params = self.bind(params)
         token = tile.new_state()
         try:
             with targets.using(t), t.tvm():
-                return self.builder(**params)
+                prim = self.builder(**params)
+            return prim, dict(tile.state().get("pass_configs", {}))
         finally:
             tile.end_state(token)
 
-    def configs(self, target, params: dict) -> dict:
+    def configs(self, target, params: dict, rule_configs: dict | None = None) -> dict:
+        """The program's pass configs for `target`, then what its rules asked for (those win: a rule
+        that places its own barriers is wrong with the compiler's on)."""
         t = targets.get(target)
-        return dict(self.pass_configs(t, self.bind(params))) if self.pass_configs else {}
+        out = dict(self.pass_configs(t, self.bind(params))) if self.pass_configs else {}
+        out.update(rule_configs or {})
+        return out
 
     def compile(self, target, **params):
         from codegen import jit

@@ -150,6 +150,13 @@ def emit(*stmts) -> None:
         builder.eval(stmt)
 
 
+def require_pass_configs(configs: dict) -> None:
+    """From a rule, while tracing: compile this program with these TileLang pass configs (they join the
+    program's own and the cache key), e.g. a rule that places all its barriers itself turns off
+    TileLang's thread-storage-sync pass. Op files never need to know."""
+    state().setdefault("pass_configs", {}).update(configs)
+
+
 def split_index(index, extents: tuple[int, ...]):
     """Unflatten a 1-D block index into len(extents) indices (row-major); pure arithmetic."""
     out = []

@@ -18,7 +18,6 @@ import tilelang.language as T
 import torch
 
 from codegen import targets, tile
-from codegen.lowering import sm90_attention
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
@@ -68,9 +67,7 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
         "h128-mtp": dict(h_q=128, s_q=2, page=64),
     },
     pass_configs=lambda t, p: ({"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True,
-                                **({} if p["warp_specialized"] else {"tl.disable_warp_specialized": True}),
-                                # attention_loop places its own barriers there (lowering/sm90_attention.py)
-                                **(sm90_attention.PASS_CONFIGS if t.name == "cuda:sm_90a" else {})}
+                                **({} if p["warp_specialized"] else {"tl.disable_warp_specialized": True})}
                                if t.vendor == "cuda" else {"tl.disable_buffer_init_check": True}),
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,

@@ -172,6 +172,15 @@ def test_trace_stamps_every_event(fmt):
     assert "clock()" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
 
 
+def test_rules_ask_for_their_pass_configs():
+    """The sm_90a attention_loop places its own barriers and asks for TileLang's sync pass to be off
+    (tile.require_pass_configs); the generic loop on sm_100a asks for nothing."""
+    _, on90 = mla_decode_program.traced("sm_90a", dict(h_q=16, s_q=1))
+    _, on100 = mla_decode_program.traced("sm_100a", dict(h_q=16, s_q=1))
+    assert on90 == {"tl.disable_thread_storage_sync": True} and on100 == {}
+    assert mla_decode_program.configs("sm_90a", dict(h_q=16, s_q=1), on90)["tl.disable_thread_storage_sync"]
+
+
 def test_sm_90a_attention_loop_needs_its_warpgroups():
     with pytest.raises(ValueError, match="producer_threads"):
         mla_decode_program.source("sm_90a", h_q=16, s_q=1, threads=128)

@@ -18,8 +18,8 @@ the loop lands in the MMA warps, serialized with both MMAs (FP8 cache at 0.43x t
 speed), and the guarded tail zeroing did not compile for multi-tile causal queries. Softmax in one
 warpgroup also needs no cross-warpgroup reduction through shared memory.
 
-Every barrier is placed here by hand: a program that uses this rule compiles with TileLang's
-thread-storage-sync pass off on sm_90a (`tl.disable_thread_storage_sync`). With it on, the pass
+Every barrier is placed here by hand: the rule turns TileLang's thread-storage-sync pass off for
+the program that uses it (tile.require_pass_configs). With it on, the pass
 cannot tell the merged shared buffers apart and puts a producer-wide barrier inside every
 iteration of the conversion loop (measured: FP8 decode 0.445 -> 0.402 ms without them).
 
@@ -35,7 +35,7 @@ Barriers (all mbarriers; parity = use number % 2):
 import tilelang.language as T
 
 from codegen.rules import register
-from codegen.tile import emit, state
+from codegen.tile import emit, require_pass_configs, state
 
 WG = 128
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}   # what a program using this rule compiles with
@@ -269,6 +269,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
                          f"got {threads}")
+    require_pass_configs(PASS_CONFIGS)
     if len(v) != 2:
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
                          f"parts, got {v}")
