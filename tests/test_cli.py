@@ -65,6 +65,21 @@ def test_warmup_fills_the_disk_cache(tmp_path):
     assert len(list((tmp_path / "v1").glob("??/*/manifest.json"))) == 1
 
 
+def test_warmup_grid_in_parallel(tmp_path):
+    """--grid varies parameters over the example (cartesian product), --jobs compiles in processes;
+    a name the program does not take fails before any compile."""
+    import os
+
+    env = {**os.environ, "TILECRAFT_CACHE_DIR": str(tmp_path)}
+    r = run("codegen.warmup", "rmsnorm", "--target", "cpu", "--example", "kv-lora", "--grid", "hidden=64,128",
+            "--grid", "dtype=float32,bfloat16", "--jobs", "2", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "4 kernels ready for cpu" in r.stdout
+    assert len(list((tmp_path / "v1").glob("??/*/manifest.json"))) == 4
+    bad = run("codegen.warmup", "rmsnorm", "--target", "cpu", "--grid", "width=1,2", env=env)
+    assert bad.returncode == 2 and "width" in bad.stderr
+
+
 def test_bench_without_gpu_reports_floors_and_static_stats():
     need_cuda_tools()
     r = run("bench.op", "rms_norm", "--shape", "small")
