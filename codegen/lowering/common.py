@@ -192,8 +192,10 @@ def _pv_mmas(p_s, kv, v, outs, alpha, k):
 
 
 @T.macro
-def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, p_s):
-    s = tile.read_accumulator(acc_s)
+def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
+    """Scores s (rows, cols) of step k -> P in place, with the running row max m_i, the factor alpha
+    that rescales what was accumulated before, and the running row sum l_i (log2 domain). Shared
+    by every attention_loop rule."""
     for i, j in tile.parallel(s.shape[0], s.shape[1]):
         s[i, j] = T.if_then_else(visible(k, i, j), s[i, j] * scale, -T.infinity("float32"))
     T.copy(m_i, m_prev)
@@ -205,6 +207,12 @@ def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, p_s):
     tile.row_reduce(s, row_sum, "sum", dim=1)
     for i in tile.parallel(s.shape[0]):
         l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, p_s):
+    s = tile.read_accumulator(acc_s)
+    online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
     tile.copy(s, p_s)
 
 

@@ -34,6 +34,7 @@ Barriers (all mbarriers; parity = use number % 2):
 
 import tilelang.language as T
 
+from codegen.lowering.common import online_softmax
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
 
@@ -125,6 +126,10 @@ def _convert_step(kv, raw, value, slot, r, valid):
         _convert(kv, raw, value, slot, r, valid)
 
 
+def _valid(valid_rows, k, kv):
+    return valid_rows - k * kv[0].shape[1]      # rows of step k that hold data (>= block_n: all)
+
+
 @T.macro
 def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, stages, trace):
     for k in T.serial(steps):
@@ -133,9 +138,9 @@ def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, st
         _stamp(trace, k, "prod wait1")
         _issue_loads(loads, k, kv, slot, full[slot])
         _stamp(trace, k, "prod wait2/issue")
-        if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
+        if _valid(valid_rows, k, kv) < kv[0].shape[1]:
             T.mbarrier_wait_parity(full[slot], (k // stages) % 2)
-            _zero_rows(kv, v_parts, slot, (valid_rows - k * kv[0].shape[1]))
+            _zero_rows(kv, v_parts, slot, _valid(valid_rows, k, kv))
             T.fence_proxy_async()                                       # generic stores -> WGMMA reads
             T.mbarrier_arrive(tail[0])
 
@@ -151,7 +156,7 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
         _stamp(trace, k, "prod wait1")
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
         _stamp(trace, k, "prod wait2/issue")
-        _convert_step(kv, raw, value, slot, r, valid_rows - k * kv[0].shape[1])
+        _convert_step(kv, raw, value, slot, r, _valid(valid_rows, k, kv))
         T.fence_proxy_async()
         T.mbarrier_arrive(full[slot])
         _stamp(trace, k, "prod convert")
@@ -163,34 +168,12 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
 @T.macro
 def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
     if plain:
-        if (valid_rows - k * kv[0].shape[1]) < kv[0].shape[1]:
+        if _valid(valid_rows, k, kv) < kv[0].shape[1]:
             T.mbarrier_wait_parity(tail[0], 0)
         else:
             T.mbarrier_wait_parity(full[k % stages], (k // stages) % 2)
     else:
         T.mbarrier_wait_parity(full[k % stages], (k // stages) % 2)
-
-
-@T.macro
-def _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace):
-    _scores(q, kv, slot, acc_s)
-    _stamp(trace, k, "wg0 S")
-    _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-
-
-@T.macro
-def _softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
-    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-        acc_s[i, j] = T.if_then_else(visible(k, i, j), acc_s[i, j] * scale, NEG_INF)
-    T.copy(m_i, m_prev)
-    T.reduce_max(acc_s, m_i, dim=1, clear=False)
-    for i in T.Parallel(acc_s.shape[0]):
-        alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 0.0, T.exp2(m_prev[i] - m_i[i]))
-    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-        acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0, T.exp2(acc_s[i, j] - m_i[i]))
-    T.reduce_sum(acc_s, row_sum, dim=1)
-    for i in T.Parallel(acc_s.shape[0]):
-        l_i[i] = l_i[i] * alpha[i] + row_sum[i]
 
 
 @T.macro
@@ -210,7 +193,9 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
         _stamp(trace, k, "wg0 ready")
-        _scores_softmax(k, q, kv, visible, scale, acc_s, m_i, m_prev, alpha, row_sum, l_i, slot, trace)
+        _scores(q, kv, slot, acc_s)
+        _stamp(trace, k, "wg0 S")
+        online_softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
         _stamp(trace, k, "wg0 softmax")
         if k > 0:
             T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
