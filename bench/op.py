@@ -90,6 +90,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
             try:
                 fn = p.make(case, inputs)
                 t = bench_cuda(fn)
+                t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)

@@ -18,7 +18,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
-from ops import _dispatch, _values
+from ops import _dispatch, _values, topk_sliced
 from ops import _validate as check
 
 MAX_K = 4096
@@ -432,10 +432,26 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-def _impl(scores, k, lengths, v2=False, **v3_params):
-    """The launch behind the op (no argument checks). v3_params (threads=, unroll=, hist_copies=)
-    pick another configuration of the CUDA kernel, v2=True the previous CUDA kernel: the benchmark times them
-    side by side."""
+def _sliced(scores, k, lengths, target, out, threads=256, vec=8):
+    """The sliced CUDA kernels (ops/topk_sliced.py): histogram, gather, finish."""
+    R, N = scores.shape
+    dev = scores.device
+    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=dev)   # histogram + 2 counts per row
+    sel = torch.empty(R, k, dtype=torch.int32, device=dev)                    # columns above the k-th's bucket
+    cand = torch.empty(R, N, dtype=torch.int32, device=dev)                   # keys in that bucket
+    cand_idx = torch.empty(R, N, dtype=torch.int32, device=dev)               # and their columns
+    quads = scores.view(R, -1, 4)
+    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec).launcher()(quads, lengths, ws)
+    topk_sliced.topk_gather_program.compile(target, k=k, threads=threads, vec=vec).launcher()(
+        quads, lengths, ws, sel, cand, cand_idx)
+    topk_sliced.topk_finish_program.compile(target, k=k).launcher()(lengths, ws, sel, cand, cand_idx, out)
+    return out
+
+
+def _impl(scores, k, lengths, kernel="sliced", **params):
+    """The launch behind the op (no argument checks). On CUDA `kernel` picks the sliced kernels
+    (default; params threads=, vec=), the one-block-per-row "v3" (params threads=, unroll=,
+    hist_copies=) or "v2": the benchmark times them side by side. Ascend and cpu run v2."""
     R, N = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     if R == 0:
@@ -445,17 +461,17 @@ def _impl(scores, k, lengths, v2=False, **v3_params):
     if lengths is None:
         lengths = torch.full((R,), N, dtype=torch.int32, device=scores.device)
     if N % 4:
-        # rows are staged with 16-byte-aligned bulk copies: pad them (the padding is past every length)
+        # rows are read as float4: pad them (the padding is past every length)
         lengths = lengths.clamp(max=N)
         scores = torch.nn.functional.pad(scores, (0, 4 - N % 4))
-    cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
     target = targets.resolve(scores)
-    if target.name in topk_select_v3_program.targets and not v2:
-        kernel = topk_select_v3_program.compile(target, k=k, **v3_params)
-        kernel.launcher()(scores.view(R, -1, 4), lengths, cand, out)
+    if target.name in topk_sliced.CUDA and kernel == "sliced":
+        return _sliced(scores, k, lengths, target, out, **params)
+    cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
+    if target.name in topk_select_v3_program.targets and kernel == "v3":
+        topk_select_v3_program.compile(target, k=k, **params).launcher()(scores.view(R, -1, 4), lengths, cand, out)
     else:
-        kernel = topk_select_program.compile(target, k=k)
-        kernel.launcher()(scores, lengths, cand, out)
+        topk_select_program.compile(target, k=k).launcher()(scores, lengths, cand, out)
     return out
 
 

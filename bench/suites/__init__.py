@@ -17,6 +17,7 @@ class Provider:
     make: Callable[[dict, dict], Callable[[], Any]]  # (case, inputs) -> thunk to time
     available: Callable[[], str | None] = lambda: None  # None when usable, else why not
     peer: bool = False                                  # an external library (FlashMLA, DeepGEMM)
+    calls: int = 1                                      # op calls per timed thunk (times are divided by it)
 
 
 @dataclass

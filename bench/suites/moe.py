@@ -1,6 +1,8 @@
 """MoE glue: the router (DeepSeek-V3 gate), dispatch and combine.
 
-route:    bytes = T*E*4 (logits) + T*k*8 (weights + ids); flops ~ 0 (latency-bound at small T)
+route:    bytes = T*E*4 (logits) + T*k*8 (weights + ids); flops ~ 0 (latency-bound at small T).
+          Providers: tilecraft (the op, with its NaN/inf check), tilecraft-unchecked (the launch
+          alone), tilecraft-graph (16 calls in one CUDA graph, time per call), torch.
 dispatch: bytes = 2 * T*k*H*2 (each chosen row read and written, bf16)
 combine:  bytes = T*k*H*2 + T*H*2 (expert rows read, token rows written)
 
@@ -301,6 +303,24 @@ def tilecraft_unchecked(case, i):
                                    case["topk_group"], True, 2.5)
 
 
+GRAPH_CALLS = 16
+
+
+def tilecraft_graph(case, i):
+    """GRAPH_CALLS router calls captured in one CUDA graph (as in a decode step's graph), one replay
+    timed: the per-call time without the per-launch event gaps (the value check is skipped in capture)."""
+    if case["kind"] != "route":
+        raise ValueError("only the router is timed in a graph")
+    call = tilecraft(case, i)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            call()
+    return graph.replay
+
+
 def torch_provider(case, i):
     if case["kind"] == "route":
         return lambda: torch_router(i["logits"], i["bias"], case["top_k"], case["n_group"], case["topk_group"])
@@ -337,7 +357,7 @@ SUITE = Suite(
     nbytes=nbytes,
     flops=lambda c: 0,
     providers=[Provider("tilecraft", tilecraft), Provider("tilecraft-unchecked", tilecraft_unchecked),
-               Provider("torch", torch_provider)],
+               Provider("tilecraft-graph", tilecraft_graph, calls=GRAPH_CALLS), Provider("torch", torch_provider)],
     kernels=kernels,
     label=lambda c: f"{c['kind']} T={c['T']}" + (f" H={c['H']}" if "H" in c else "") + f" E={c['num_experts']} k={c['top_k']}"
     + (" (per rank; needs torchrun, >= 2 GPUs)" if c["kind"] == "ep" else ""),

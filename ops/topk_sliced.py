@@ -1,0 +1,340 @@
+"""Sliced exact top-k for CUDA: every row is cut into slices of `threads * vec * 4` columns, one
+block per slice, so a few long rows still fill the GPU (64 rows of 131072 columns: 1024 blocks).
+
+Three launches after one zeroed workspace `Ws` (rows, 4096 + 2) int32:
+1. `topk_hist`   (block per slice): a 12-bit histogram of the order-preserving keys of the
+   slice in shared memory, added into the row's Ws[r, :4096] with global atomics.
+2. `topk_gather` (block per slice): finds the row's bucket b1 of the k-th largest key from that
+   histogram; keys above b1 are selected (their column goes to Sel), keys in b1 are candidates
+   (key and column to Cand / CandIdx). One block scan places the slice's hits and one global
+   atomic per list reserves room for them (Ws[r, 4096] / Ws[r, 4097] count them).
+3. `topk_finish` (block per row): 12- and 8-bit digits over the candidates give the exact k-th key
+   `thr`; when several keys equal `thr` and only some are taken, three digits over their column
+   indices find the lowest ones. The chosen columns are bitonic-sorted in shared memory and written
+   in ascending order, -1 past a short row.
+
+Every slice's values are loaded at once (vec float4 per thread, all in flight), so no pass waits on
+one chunk at a time as the one-block-per-row kernel (topk_select_v3) did. Barriers are placed by
+hand (TileLang's thread-sync pass is off). CUDA only: lane shuffles and ballots.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import tilelang.language as T
+
+from codegen import tile
+from codegen.program import tile_program
+
+NB = 4096                 # bins of the 12-bit digits
+SEL_COUNT, CAND_COUNT = NB, NB + 1      # Ws columns that count the row's selected / candidate keys
+WS_COLS = NB + 2
+CUDA = ("cuda:sm_90a", "cuda:sm_100a")
+EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
+
+
+def key32(x):
+    """float32 -> uint32 with the same order (negative floats reversed; -0.0 and +0.0 equal)."""
+    bits = T.reinterpret(x, "uint32")
+    key = T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
+    return T.if_then_else(x == 0, T.uint32(0x80000000), key)
+
+
+def _configs(t, p):
+    # hand-placed barriers (TileLang's sync pass would put one before every shared atomic);
+    # every index is checked by the program itself
+    return {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True,
+            "tl.disable_safe_memory_legalize": True}
+
+
+def block_scan_words(threads: int):
+    """Macros for block-wide counting with `threads` threads (a multiple of 32)."""
+    W = threads // 32
+
+    @T.macro
+    def warp_scan(sc, lane):
+        # sc[0] = inclusive prefix over the warp's lanes of sc[0] (sc[1] is scratch)
+        for i in T.unroll(5):
+            sc[1] = tile.lane_shuffle_up(sc[0], 1 << i)
+            if lane >= (1 << i):
+                sc[0] = sc[0] + sc[1]
+
+    @T.macro
+    def find_digit(hist, wtot, res, sc, nbins, want, tx, w, lane):
+        # res[0] = the bin d with count(bins > d) < want <= count(bins >= d); res[1] = want - count(> d).
+        # Ends with a barrier; hist is only read.
+        per = (nbins + threads - 1) // threads
+        sc[2] = 0
+        for j in T.serial(per):
+            if nbins - 1 - tx * per - j >= 0:
+                sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
+        sc[0] = sc[2]
+        warp_scan(sc, lane)
+        if lane == 31:
+            wtot[w] = sc[0]
+        tile.barrier()
+        sc[3] = 0
+        for i in T.serial(W):
+            if i < w:
+                sc[3] = sc[3] + wtot[i]
+        sc[2] = sc[3] + sc[0] - sc[2]        # count of the bins above this thread's first bin
+        if sc[2] < want and sc[3] + sc[0] >= want:
+            for j in T.serial(per):
+                if nbins - 1 - tx * per - j >= 0:
+                    if sc[2] < want and sc[2] + hist[nbins - 1 - tx * per - j] >= want:
+                        res[0] = nbins - 1 - tx * per - j
+                        res[1] = want - sc[2]
+                    sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
+        tile.barrier()
+
+    return warp_scan, find_digit
+
+
+def _slice_grid(quads, L):
+    return T.ceildiv(quads * 4, L)        # slices per row
+
+
+@tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
+    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
+    rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
+    L = threads * vec * 4
+
+    @T.prim_func
+    def topk_hist(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
+                  Ws: T.Tensor((rows, WS_COLS), "int32")):
+        with tile.grid(rows * _slice_grid(quads, L), threads) as bid:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            x = T.alloc_local((vec * 4,), "float32")
+            r = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            r = bid // _slice_grid(quads, L)
+            c0 = (bid % _slice_grid(quads, L)) * L
+            n = T.min(T.max(Lengths[r], 0), quads * 4)
+            if n > k and c0 < n:                 # rows with n <= k take every column: no histogram
+                for u in T.unroll(vec):
+                    if c0 + (u * threads + tx) * 4 < n:
+                        for v in T.vectorized(4):
+                            x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+                for i in T.serial(NB // threads):
+                    hist[i * threads + tx] = 0
+                tile.barrier()
+                for u in T.unroll(vec):
+                    for v in T.unroll(4):
+                        if c0 + (u * threads + tx) * 4 + v < n:
+                            T.atomic_add(hist[T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                tile.barrier()
+                for i in T.serial(NB // threads):
+                    if hist[i * threads + tx] != 0:
+                        T.atomic_add(Ws[r, i * threads + tx], hist[i * threads + tx])
+
+    return topk_hist
+
+
+@tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
+    """Pass 2: the row's bucket of the k-th key from Ws; the slice's keys above it to Sel, in it to Cand."""
+    rows, quads, ccols = T.dynamic("rows, quads, ccols")
+    L = threads * vec * 4
+    W = threads // 32
+    warp_scan, find_digit = block_scan_words(threads)
+
+    @T.prim_func
+    def topk_gather(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
+                    Ws: T.Tensor((rows, WS_COLS), "int32"), Sel: T.Tensor((rows, k), "int32"),
+                    Cand: T.Tensor((rows, ccols), "int32"), CandIdx: T.Tensor((rows, ccols), "int32")):
+        with tile.grid(rows * _slice_grid(quads, L), threads) as bid:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            wtot = T.alloc_shared((W,), "int32")
+            res = T.alloc_shared((4,), "int32")
+            x = T.alloc_local((vec * 4,), "float32")
+            sc = T.alloc_local((4,), "int32")
+            r = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            b1 = T.alloc_var("int32")
+            cnt = T.alloc_var("int32")
+            pa = T.alloc_var("int32")
+            pc = T.alloc_var("int32")
+            lane = tx % 32
+            w = tx // 32
+            r = bid // _slice_grid(quads, L)
+            c0 = (bid % _slice_grid(quads, L)) * L
+            n = T.min(T.max(Lengths[r], 0), quads * 4)
+            if c0 < n:
+                for u in T.unroll(vec):
+                    if c0 + (u * threads + tx) * 4 < n:
+                        for v in T.vectorized(4):
+                            x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+                b1 = -1                                   # n <= k: every column is selected
+                if n > k:
+                    for i in T.serial(NB // threads):
+                        hist[i * threads + tx] = Ws[r, i * threads + tx]
+                    tile.barrier()
+                    find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
+                    b1 = res[0]
+                # this thread's selected (high 16 bits) and candidate (low 16 bits) counts
+                cnt = 0
+                for u in T.unroll(vec):
+                    for v in T.unroll(4):
+                        if c0 + (u * threads + tx) * 4 + v < n:
+                            if T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") > b1:
+                                cnt = cnt + 65536
+                            elif T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") == b1:
+                                cnt = cnt + 1
+                sc[0] = cnt
+                warp_scan(sc, lane)
+                if lane == 31:
+                    wtot[w] = sc[0]
+                tile.barrier()
+                sc[2] = 0
+                sc[3] = 0
+                for i in T.serial(W):
+                    sc[3] = sc[3] + wtot[i]
+                    if i < w:
+                        sc[2] = sc[2] + wtot[i]
+                if tx == 0:
+                    res[2] = T.atomic_add(Ws[r, SEL_COUNT], sc[3] >> 16, return_prev=True)
+                    res[3] = T.atomic_add(Ws[r, CAND_COUNT], sc[3] & 65535, return_prev=True)
+                tile.barrier()
+                pa = res[2] + ((sc[2] + sc[0] - cnt) >> 16)
+                pc = res[3] + ((sc[2] + sc[0] - cnt) & 65535)
+                for u in T.unroll(vec):
+                    for v in T.unroll(4):
+                        if c0 + (u * threads + tx) * 4 + v < n:
+                            if T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") > b1:
+                                Sel[r, T.min(pa, k - 1)] = c0 + (u * threads + tx) * 4 + v
+                                pa = pa + 1
+                            elif T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") == b1:
+                                Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(key32(x[u * 4 + v]), "int32")
+                                CandIdx[r, T.min(pc, ccols - 1)] = c0 + (u * threads + tx) * 4 + v
+                                pc = pc + 1
+
+    return topk_gather
+
+
+@tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+def topk_finish_program(k: int, threads: int = 512):
+    """Pass 3, block per row: the exact k-th key among the candidates, the lowest columns among its
+    ties, then the chosen columns bitonic-sorted and written in ascending order."""
+    rows, ccols = T.dynamic("rows, ccols")
+    W = threads // 32
+    P = 1
+    while P < k:
+        P *= 2                                    # bitonic sort width
+    LOGP = P.bit_length() - 1
+    warp_scan, find_digit = block_scan_words(threads)
+
+    @T.macro
+    def clear(hist, nbins, tx):
+        for i in T.serial((nbins + threads - 1) // threads):
+            if i * threads + tx < nbins:
+                hist[i * threads + tx] = 0
+        tile.barrier()
+
+    @T.prim_func
+    def topk_finish(Lengths: T.Tensor((rows,), "int32"), Ws: T.Tensor((rows, WS_COLS), "int32"),
+                    Sel: T.Tensor((rows, k), "int32"), Cand: T.Tensor((rows, ccols), "int32"),
+                    CandIdx: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
+        with tile.grid(rows, threads) as r:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            buf = T.alloc_shared((P,), "int32")
+            wtot = T.alloc_shared((W,), "int32")
+            res = T.alloc_shared((4,), "int32")
+            sc = T.alloc_local((4,), "int32")
+            ab = T.alloc_local((2,), "int32")
+            kk = T.alloc_var("int32")
+            a = T.alloc_var("int32")
+            m = T.alloc_var("int32")
+            want = T.alloc_var("int32")
+            b2 = T.alloc_var("int32")
+            thr = T.alloc_var("uint32")
+            eq = T.alloc_var("int32")
+            icut = T.alloc_var("int32")
+            ipre = T.alloc_var("int32")
+            key = T.alloc_var("uint32")
+            col = T.alloc_var("int32")
+            lane = tx % 32
+            w = tx // 32
+            kk = T.min(k, T.min(T.max(Lengths[r], 0), ccols))
+            a = T.min(Ws[r, SEL_COUNT], kk)
+            m = T.min(Ws[r, CAND_COUNT], ccols)
+            want = kk - a                         # taken from the candidates
+            thr = T.uint32(0xFFFFFFFF)            # above every key: none taken
+            icut = 0x7FFFFFFF
+            if want > 0 and m > 0:
+                # digit 2 (key bits 8..19) among the candidates (they share bits 20..31)
+                clear(hist, NB, tx)
+                for i in T.serial(T.ceildiv(m, threads)):
+                    if i * threads + tx < m:
+                        T.atomic_add(hist[T.cast((T.reinterpret(Cand[r, i * threads + tx], "uint32") >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
+                b2 = res[0]
+                want = res[1]
+                thr = (T.reinterpret(Cand[r, 0], "uint32") & T.uint32(0xFFF00000)) | (T.cast(b2, "uint32") << T.uint32(8))
+                # digit 3 (bits 0..7) among those in b2
+                clear(hist, 256, tx)
+                for i in T.serial(T.ceildiv(m, threads)):
+                    if i * threads + tx < m:
+                        key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
+                        if (key >> T.uint32(8)) == (thr >> T.uint32(8)):
+                            T.atomic_add(hist[T.cast(key & T.uint32(0xFF), "int32")], 1)
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, 256, want, tx, w, lane)
+                thr = thr | T.cast(res[0], "uint32")
+                want = res[1]                     # keys equal to thr that are taken
+                eq = hist[res[0]]                 # keys equal to thr
+                tile.barrier()
+                if want < eq:
+                    # the `want` lowest columns among the keys equal to thr: digits of the column
+                    # (bits 20..30, 10..19, 0..9), bins mirrored so the digit search counts from below
+                    ipre = 0
+                    for d in T.unroll(3):
+                        clear(hist, NB, tx)
+                        for i in T.serial(T.ceildiv(m, threads)):
+                            if i * threads + tx < m:
+                                col = CandIdx[r, i * threads + tx]
+                                if T.reinterpret(Cand[r, i * threads + tx], "uint32") == thr:
+                                    if d == 0 or (col >> (30 - d * 10)) == ipre:
+                                        T.atomic_add(hist[2047 - ((col >> (20 - d * 10)) & T.if_then_else(d == 0, 2047, 1023))], 1)
+                        tile.barrier()
+                        find_digit(hist, wtot, res, sc, 2048, want, tx, w, lane)
+                        ipre = (ipre << T.if_then_else(d == 0, 11, 10)) | (2047 - res[0])
+                        want = res[1]
+                    icut = ipre
+            # the chosen columns: Sel[r, :a], then the winning candidates, in any order
+            if tx == 0:
+                res[2] = a
+            for i in T.serial(T.ceildiv(P, threads)):
+                if i * threads + tx < P:
+                    buf[i * threads + tx] = T.if_then_else(i * threads + tx < a, Sel[r, T.min(i * threads + tx, k - 1)], 0x7FFFFFFF)
+            tile.barrier()
+            for i in T.serial(T.ceildiv(m, threads)):
+                if i * threads + tx < m:
+                    key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
+                    col = CandIdx[r, i * threads + tx]
+                    if key > thr or (key == thr and col <= icut):
+                        ab[0] = T.atomic_add(res[2], 1, return_prev=True)
+                        if ab[0] < kk:
+                            buf[ab[0]] = col
+            tile.barrier()
+            # bitonic sort of buf ascending (padding 0x7FFFFFFF sorts last)
+            for si in T.serial(LOGP):
+                for sj in T.serial(si + 1):
+                    for i in T.serial(T.ceildiv(P // 2, threads)):
+                        if i * threads + tx < P // 2:
+                            lo = 2 * (i * threads + tx) - ((i * threads + tx) & ((1 << (si - sj)) - 1))
+                            ab[0] = buf[lo]
+                            ab[1] = buf[lo + (1 << (si - sj))]
+                            if (ab[0] > ab[1]) == ((lo & (2 << si)) == 0):
+                                buf[lo] = ab[1]
+                                buf[lo + (1 << (si - sj))] = ab[0]
+                    tile.barrier()
+            for i in T.serial(T.ceildiv(k, threads)):
+                if i * threads + tx < k:
+                    Out[r, i * threads + tx] = T.if_then_else(i * threads + tx < kk, buf[i * threads + tx], -1)
+
+    return topk_finish
