@@ -32,10 +32,24 @@ EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
 
 
 def key32(x):
-    """float32 -> uint32 with the same order (negative floats reversed; -0.0 and +0.0 equal)."""
+    """float32 -> uint32 with the same order (negative floats reversed; -0.0 and +0.0 equal).
+    Selects, not branches: every pass computes it once per value."""
     bits = T.reinterpret(x, "uint32")
-    key = T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
-    return T.if_then_else(x == 0, T.uint32(0x80000000), key)
+    flip = T.Select(x < T.float32(0), T.uint32(0xFFFFFFFF), T.uint32(0x80000000))
+    return T.Select(x == T.float32(0), T.uint32(0x80000000), bits ^ flip)
+
+
+@T.macro
+def load_keys(Scores, x, kx, r, c0, n, tx, threads, vec):
+    # the slice's keys in registers: value (u, v) is column c0 + (u * threads + tx) * 4 + v; columns
+    # at or past n get key 0, which no float has (NaN excluded) and every pass skips
+    for u in T.unroll(vec):
+        if c0 + (u * threads + tx) * 4 < n:
+            for v in T.vectorized(4):
+                x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+    for u in T.unroll(vec):
+        for v in T.unroll(4):
+            kx[u * 4 + v] = T.Select(c0 + (u * threads + tx) * 4 + v < n, key32(x[u * 4 + v]), T.uint32(0))
 
 
 def _configs(t, p):
@@ -105,6 +119,7 @@ def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((NB,), "int32")
             x = T.alloc_local((vec * 4,), "float32")
+            kx = T.alloc_local((vec * 4,), "uint32")
             r = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
@@ -112,17 +127,13 @@ def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
             c0 = (bid % _slice_grid(quads, L)) * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
             if n > k and c0 < n:                 # rows with n <= k take every column: no histogram
-                for u in T.unroll(vec):
-                    if c0 + (u * threads + tx) * 4 < n:
-                        for v in T.vectorized(4):
-                            x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+                load_keys(Scores, x, kx, r, c0, n, tx, threads, vec)
                 for i in T.serial(NB // threads):
                     hist[i * threads + tx] = 0
                 tile.barrier()
-                for u in T.unroll(vec):
-                    for v in T.unroll(4):
-                        if c0 + (u * threads + tx) * 4 + v < n:
-                            T.atomic_add(hist[T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                for i in T.unroll(vec * 4):
+                    if kx[i] != T.uint32(0):
+                        T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], 1)
                 tile.barrier()
                 for i in T.serial(NB // threads):
                     if hist[i * threads + tx] != 0:
@@ -136,6 +147,8 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
     """Pass 2: the row's bucket of the k-th key from Ws; the slice's keys above it to Sel, in it to Cand."""
     rows, quads, ccols = T.dynamic("rows, quads, ccols")
     L = threads * vec * 4
+    V = vec * 4
+    assert V <= 32, "a thread's values are tracked in one 32-bit mask"
     W = threads // 32
     warp_scan, find_digit = block_scan_words(threads)
 
@@ -148,12 +161,15 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
             hist = T.alloc_shared((NB,), "int32")
             wtot = T.alloc_shared((W,), "int32")
             res = T.alloc_shared((4,), "int32")
-            x = T.alloc_local((vec * 4,), "float32")
+            x = T.alloc_local((V,), "float32")
+            kx = T.alloc_local((V,), "uint32")
             sc = T.alloc_local((4,), "int32")
             r = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
             b1 = T.alloc_var("int32")
+            above = T.alloc_var("uint32")        # bit i: value i of this thread is above b1
+            inb = T.alloc_var("uint32")          # bit i: value i is in b1
             cnt = T.alloc_var("int32")
             pa = T.alloc_var("int32")
             pc = T.alloc_var("int32")
@@ -163,10 +179,7 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
             c0 = (bid % _slice_grid(quads, L)) * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
             if c0 < n:
-                for u in T.unroll(vec):
-                    if c0 + (u * threads + tx) * 4 < n:
-                        for v in T.vectorized(4):
-                            x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+                load_keys(Scores, x, kx, r, c0, n, tx, threads, vec)
                 b1 = -1                                   # n <= k: every column is selected
                 if n > k:
                     for i in T.serial(NB // threads):
@@ -174,15 +187,15 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
                     tile.barrier()
                     find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
                     b1 = res[0]
+                above = T.uint32(0)
+                inb = T.uint32(0)
+                for i in T.unroll(V):
+                    above = above | T.Select(kx[i] != T.uint32(0) and T.cast(kx[i] >> T.uint32(20), "int32") > b1,
+                                             T.uint32(1) << T.cast(i, "uint32"), T.uint32(0))
+                    inb = inb | T.Select(kx[i] != T.uint32(0) and T.cast(kx[i] >> T.uint32(20), "int32") == b1,
+                                         T.uint32(1) << T.cast(i, "uint32"), T.uint32(0))
                 # this thread's selected (high 16 bits) and candidate (low 16 bits) counts
-                cnt = 0
-                for u in T.unroll(vec):
-                    for v in T.unroll(4):
-                        if c0 + (u * threads + tx) * 4 + v < n:
-                            if T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") > b1:
-                                cnt = cnt + 65536
-                            elif T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") == b1:
-                                cnt = cnt + 1
+                cnt = T.call_extern("int32", "__popc", above) * 65536 + T.call_extern("int32", "__popc", inb)
                 sc[0] = cnt
                 warp_scan(sc, lane)
                 if lane == 31:
@@ -200,14 +213,14 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
                 tile.barrier()
                 pa = res[2] + ((sc[2] + sc[0] - cnt) >> 16)
                 pc = res[3] + ((sc[2] + sc[0] - cnt) & 65535)
-                for u in T.unroll(vec):
-                    for v in T.unroll(4):
-                        if c0 + (u * threads + tx) * 4 + v < n:
-                            if T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") > b1:
+                if (above | inb) != T.uint32(0):
+                    for u in T.unroll(vec):
+                        for v in T.unroll(4):
+                            if (above >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
                                 Sel[r, T.min(pa, k - 1)] = c0 + (u * threads + tx) * 4 + v
                                 pa = pa + 1
-                            elif T.cast(key32(x[u * 4 + v]) >> T.uint32(20), "int32") == b1:
-                                Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(key32(x[u * 4 + v]), "int32")
+                            if (inb >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
+                                Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(kx[u * 4 + v], "int32")
                                 CandIdx[r, T.min(pc, ccols - 1)] = c0 + (u * threads + tx) * 4 + v
                                 pc = pc + 1
 
@@ -215,22 +228,21 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
 
 
 @tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_finish_program(k: int, threads: int = 512):
+def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
     """Pass 3, block per row: the exact k-th key among the candidates, the lowest columns among its
-    ties, then the chosen columns bitonic-sorted and written in ascending order."""
+    ties, then the chosen columns marked in a shared bitmap (`words` x 32 columns per window) whose
+    block scan writes them in ascending order."""
     rows, ccols = T.dynamic("rows, ccols")
     W = threads // 32
-    P = 1
-    while P < k:
-        P *= 2                                    # bitonic sort width
-    LOGP = P.bit_length() - 1
+    WPT = words // threads                       # bitmap words per thread (contiguous: scan order)
+    assert words % threads == 0
     warp_scan, find_digit = block_scan_words(threads)
 
     @T.macro
-    def clear(hist, nbins, tx):
+    def clear(buf, nbins, tx):
         for i in T.serial((nbins + threads - 1) // threads):
             if i * threads + tx < nbins:
-                hist[i * threads + tx] = 0
+                buf[i * threads + tx] = 0
         tile.barrier()
 
     @T.prim_func
@@ -240,25 +252,29 @@ def topk_finish_program(k: int, threads: int = 512):
         with tile.grid(rows, threads) as r:
             tx = T.get_thread_binding()
             hist = T.alloc_shared((NB,), "int32")
-            buf = T.alloc_shared((P,), "int32")
+            bits = T.alloc_shared((words,), "uint32")
             wtot = T.alloc_shared((W,), "int32")
             res = T.alloc_shared((4,), "int32")
             sc = T.alloc_local((4,), "int32")
-            ab = T.alloc_local((2,), "int32")
+            n = T.alloc_var("int32")
             kk = T.alloc_var("int32")
             a = T.alloc_var("int32")
             m = T.alloc_var("int32")
             want = T.alloc_var("int32")
-            b2 = T.alloc_var("int32")
             thr = T.alloc_var("uint32")
             eq = T.alloc_var("int32")
             icut = T.alloc_var("int32")
             ipre = T.alloc_var("int32")
             key = T.alloc_var("uint32")
             col = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            pos = T.alloc_var("int32")
+            base = T.alloc_var("int32")
+            wd = T.alloc_var("uint32")
             lane = tx % 32
             w = tx // 32
-            kk = T.min(k, T.min(T.max(Lengths[r], 0), ccols))
+            n = T.min(T.max(Lengths[r], 0), ccols)
+            kk = T.min(k, n)
             a = T.min(Ws[r, SEL_COUNT], kk)
             m = T.min(Ws[r, CAND_COUNT], ccols)
             want = kk - a                         # taken from the candidates
@@ -272,9 +288,8 @@ def topk_finish_program(k: int, threads: int = 512):
                         T.atomic_add(hist[T.cast((T.reinterpret(Cand[r, i * threads + tx], "uint32") >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
                 tile.barrier()
                 find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
-                b2 = res[0]
                 want = res[1]
-                thr = (T.reinterpret(Cand[r, 0], "uint32") & T.uint32(0xFFF00000)) | (T.cast(b2, "uint32") << T.uint32(8))
+                thr = (T.reinterpret(Cand[r, 0], "uint32") & T.uint32(0xFFF00000)) | (T.cast(res[0], "uint32") << T.uint32(8))
                 # digit 3 (bits 0..7) among those in b2
                 clear(hist, 256, tx)
                 for i in T.serial(T.ceildiv(m, threads)):
@@ -305,36 +320,46 @@ def topk_finish_program(k: int, threads: int = 512):
                         ipre = (ipre << T.if_then_else(d == 0, 11, 10)) | (2047 - res[0])
                         want = res[1]
                     icut = ipre
-            # the chosen columns: Sel[r, :a], then the winning candidates, in any order
-            if tx == 0:
-                res[2] = a
-            for i in T.serial(T.ceildiv(P, threads)):
-                if i * threads + tx < P:
-                    buf[i * threads + tx] = T.if_then_else(i * threads + tx < a, Sel[r, T.min(i * threads + tx, k - 1)], 0x7FFFFFFF)
-            tile.barrier()
-            for i in T.serial(T.ceildiv(m, threads)):
-                if i * threads + tx < m:
-                    key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
-                    col = CandIdx[r, i * threads + tx]
-                    if key > thr or (key == thr and col <= icut):
-                        ab[0] = T.atomic_add(res[2], 1, return_prev=True)
-                        if ab[0] < kk:
-                            buf[ab[0]] = col
-            tile.barrier()
-            # bitonic sort of buf ascending (padding 0x7FFFFFFF sorts last)
-            for si in T.serial(LOGP):
-                for sj in T.serial(si + 1):
-                    for i in T.serial(T.ceildiv(P // 2, threads)):
-                        if i * threads + tx < P // 2:
-                            lo = 2 * (i * threads + tx) - ((i * threads + tx) & ((1 << (si - sj)) - 1))
-                            ab[0] = buf[lo]
-                            ab[1] = buf[lo + (1 << (si - sj))]
-                            if (ab[0] > ab[1]) == ((lo & (2 << si)) == 0):
-                                buf[lo] = ab[1]
-                                buf[lo + (1 << (si - sj))] = ab[0]
-                    tile.barrier()
+            # the chosen columns (Sel[r, :a] and the winning candidates) marked in a bitmap, one
+            # window of words * 32 columns at a time; a block scan of popcounts writes them in order
+            base = 0
+            for win in T.serial(T.ceildiv(n, words * 32)):
+                lo = win * (words * 32)
+                clear(bits, words, tx)
+                for i in T.serial(T.ceildiv(a, threads)):
+                    if i * threads + tx < a:
+                        col = Sel[r, i * threads + tx] - lo
+                        if col >= 0 and col < words * 32:
+                            T.atomic_or(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
+                for i in T.serial(T.ceildiv(m, threads)):
+                    if i * threads + tx < m:
+                        key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
+                        col = CandIdx[r, i * threads + tx] - lo
+                        if (key > thr or (key == thr and col + lo <= icut)) and col >= 0 and col < words * 32:
+                            T.atomic_or(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
+                tile.barrier()
+                sc[0] = 0
+                for j in T.serial(WPT):
+                    sc[0] = sc[0] + T.call_extern("int32", "__popc", bits[tx * WPT + j])
+                sc[2] = sc[0]
+                warp_scan(sc, lane)
+                if lane == 31:
+                    wtot[w] = sc[0]
+                tile.barrier()
+                pos = base + sc[0] - sc[2]
+                for i in T.serial(W):
+                    if i < w:
+                        pos = pos + wtot[i]
+                    base = base + wtot[i]
+                for j in T.serial(WPT):
+                    wd = bits[tx * WPT + j]
+                    for t in T.serial(T.call_extern("int32", "__popc", wd)):
+                        Out[r, T.min(pos, k - 1)] = lo + (tx * WPT + j) * 32 + T.call_extern("int32", "__ffs", wd) - 1
+                        pos = pos + 1
+                        wd = wd & (wd - T.uint32(1))
+                tile.barrier()
             for i in T.serial(T.ceildiv(k, threads)):
-                if i * threads + tx < k:
-                    Out[r, i * threads + tx] = T.if_then_else(i * threads + tx < kk, buf[i * threads + tx], -1)
+                if i * threads + tx < k and i * threads + tx >= kk:
+                    Out[r, i * threads + tx] = -1
 
     return topk_finish
