@@ -321,7 +321,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
                         want = res[1]
                     icut = ipre
             # the chosen columns (Sel[r, :a] and the winning candidates) marked in a bitmap, one
-            # window of words * 32 columns at a time; a block scan of popcounts writes them in order
+            # window of words * 32 columns at a time (an add sets the bit: every column comes once;
+            # TileLang's atomic_or is global-only); a block scan of popcounts writes them in order
             base = 0
             for win in T.serial(T.ceildiv(n, words * 32)):
                 lo = win * (words * 32)
@@ -330,13 +331,13 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
                     if i * threads + tx < a:
                         col = Sel[r, i * threads + tx] - lo
                         if col >= 0 and col < words * 32:
-                            T.atomic_or(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
+                            T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
                         key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
                         col = CandIdx[r, i * threads + tx] - lo
                         if (key > thr or (key == thr and col + lo <= icut)) and col >= 0 and col < words * 32:
-                            T.atomic_or(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
+                            T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 tile.barrier()
                 sc[0] = 0
                 for j in T.serial(WPT):
