@@ -40,13 +40,17 @@ def key32(x):
 
 
 @T.macro
-def load_keys(Scores, x, kx, r, c0, n, tx, threads, vec):
-    # the slice's keys in registers: value (u, v) is column c0 + (u * threads + tx) * 4 + v; columns
-    # at or past n get key 0, which no float has (NaN excluded) and every pass skips
+def load_slice(Scores, x, r, c0, n, tx, threads, vec):
+    # issue the slice's loads: value (u, v) of this thread is column c0 + (u * threads + tx) * 4 + v
     for u in T.unroll(vec):
         if c0 + (u * threads + tx) * 4 < n:
             for v in T.vectorized(4):
                 x[u * 4 + v] = Scores[r, c0 // 4 + u * threads + tx, v]
+
+
+@T.macro
+def slice_keys(x, kx, c0, n, tx, threads, vec):
+    # columns at or past n get key 0, which no float has (NaN excluded) and every pass skips
     for u in T.unroll(vec):
         for v in T.unroll(4):
             kx[u * 4 + v] = T.Select(c0 + (u * threads + tx) * 4 + v < n, key32(x[u * 4 + v]), T.uint32(0))
@@ -77,7 +81,7 @@ def block_scan_words(threads: int):
         # Ends with a barrier; hist is only read.
         per = (nbins + threads - 1) // threads
         sc[2] = 0
-        for j in T.serial(per):
+        for j in T.unroll(per):
             if nbins - 1 - tx * per - j >= 0:
                 sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
         sc[0] = sc[2]
@@ -107,7 +111,7 @@ def _slice_grid(quads, L):
 
 
 @tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
+def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
     """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
     rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
     L = threads * vec * 4
@@ -127,10 +131,11 @@ def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
             c0 = (bid % _slice_grid(quads, L)) * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
             if n > k and c0 < n:                 # rows with n <= k take every column: no histogram
-                load_keys(Scores, x, kx, r, c0, n, tx, threads, vec)
+                load_slice(Scores, x, r, c0, n, tx, threads, vec)
                 for i in T.serial(NB // threads):
                     hist[i * threads + tx] = 0
                 tile.barrier()
+                slice_keys(x, kx, c0, n, tx, threads, vec)
                 for i in T.unroll(vec * 4):
                     if kx[i] != T.uint32(0):
                         T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], 1)
@@ -143,7 +148,7 @@ def topk_hist_program(k: int, threads: int = 256, vec: int = 8):
 
 
 @tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
+def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
     """Pass 2: the row's bucket of the k-th key from Ws; the slice's keys above it to Sel, in it to Cand."""
     rows, quads, ccols = T.dynamic("rows, quads, ccols")
     L = threads * vec * 4
@@ -179,14 +184,15 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
             c0 = (bid % _slice_grid(quads, L)) * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
             if c0 < n:
-                load_keys(Scores, x, kx, r, c0, n, tx, threads, vec)
+                load_slice(Scores, x, r, c0, n, tx, threads, vec)
                 b1 = -1                                   # n <= k: every column is selected
                 if n > k:
-                    for i in T.serial(NB // threads):
+                    for i in T.unroll(NB // threads):    # unrolled: all 16 KB in flight at once
                         hist[i * threads + tx] = Ws[r, i * threads + tx]
                     tile.barrier()
                     find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
                     b1 = res[0]
+                slice_keys(x, kx, c0, n, tx, threads, vec)
                 above = T.uint32(0)
                 inb = T.uint32(0)
                 for i in T.unroll(V):
@@ -228,15 +234,20 @@ def topk_gather_program(k: int, threads: int = 256, vec: int = 8):
 
 
 @tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
+def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: int = 4096):
     """Pass 3, block per row: the exact k-th key among the candidates, the lowest columns among its
     ties, then the chosen columns marked in a shared bitmap (`words` x 32 columns per window) whose
-    block scan writes them in ascending order."""
+    block scan writes them in ascending order. Up to `staged` candidates are read into shared memory
+    once (all loads in flight); a row with more reads them from global memory in every pass."""
     rows, ccols = T.dynamic("rows, ccols")
     W = threads // 32
     WPT = words // threads                       # bitmap words per thread (contiguous: scan order)
-    assert words % threads == 0
+    assert words % threads == 0 and staged % threads == 0
     warp_scan, find_digit = block_scan_words(threads)
+
+    def pick(m, in_shared, in_global):
+        # a candidate's key or column: from shared memory when the row's candidates were staged
+        return T.if_then_else(m <= staged, in_shared, in_global)
 
     @T.macro
     def clear(buf, nbins, tx):
@@ -253,6 +264,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((NB,), "int32")
             bits = T.alloc_shared((words,), "uint32")
+            skey = T.alloc_shared((staged,), "uint32")
+            scol = T.alloc_shared((staged,), "int32")
             wtot = T.alloc_shared((W,), "int32")
             res = T.alloc_shared((4,), "int32")
             sc = T.alloc_local((4,), "int32")
@@ -271,6 +284,7 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
             pos = T.alloc_var("int32")
             base = T.alloc_var("int32")
             wd = T.alloc_var("uint32")
+            nset = T.alloc_var("int32")
             lane = tx % 32
             w = tx // 32
             n = T.min(T.max(Lengths[r], 0), ccols)
@@ -280,21 +294,26 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
             want = kk - a                         # taken from the candidates
             thr = T.uint32(0xFFFFFFFF)            # above every key: none taken
             icut = 0x7FFFFFFF
+            if m <= staged:
+                for j in T.unroll(staged // threads):
+                    if j * threads + tx < m:
+                        skey[j * threads + tx] = T.reinterpret(Cand[r, j * threads + tx], "uint32")
+                        scol[j * threads + tx] = CandIdx[r, j * threads + tx]
             if want > 0 and m > 0:
                 # digit 2 (key bits 8..19) among the candidates (they share bits 20..31)
                 clear(hist, NB, tx)
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        T.atomic_add(hist[T.cast((T.reinterpret(Cand[r, i * threads + tx], "uint32") >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
+                        T.atomic_add(hist[T.cast((pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32")) >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
                 tile.barrier()
                 find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
                 want = res[1]
-                thr = (T.reinterpret(Cand[r, 0], "uint32") & T.uint32(0xFFF00000)) | (T.cast(res[0], "uint32") << T.uint32(8))
+                thr = (pick(m, skey[0], T.reinterpret(Cand[r, 0], "uint32")) & T.uint32(0xFFF00000)) | (T.cast(res[0], "uint32") << T.uint32(8))
                 # digit 3 (bits 0..7) among those in b2
                 clear(hist, 256, tx)
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
+                        key = pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32"))
                         if (key >> T.uint32(8)) == (thr >> T.uint32(8)):
                             T.atomic_add(hist[T.cast(key & T.uint32(0xFF), "int32")], 1)
                 tile.barrier()
@@ -311,8 +330,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
                         clear(hist, NB, tx)
                         for i in T.serial(T.ceildiv(m, threads)):
                             if i * threads + tx < m:
-                                col = CandIdx[r, i * threads + tx]
-                                if T.reinterpret(Cand[r, i * threads + tx], "uint32") == thr:
+                                col = pick(m, scol[i * threads + tx], CandIdx[r, i * threads + tx])
+                                if pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32")) == thr:
                                     if d == 0 or (col >> (30 - d * 10)) == ipre:
                                         T.atomic_add(hist[2047 - ((col >> (20 - d * 10)) & T.if_then_else(d == 0, 2047, 1023))], 1)
                         tile.barrier()
@@ -327,20 +346,20 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
             for win in T.serial(T.ceildiv(n, words * 32)):
                 lo = win * (words * 32)
                 clear(bits, words, tx)
-                for i in T.serial(T.ceildiv(a, threads)):
+                for i in T.unroll((k + threads - 1) // threads):
                     if i * threads + tx < a:
                         col = Sel[r, i * threads + tx] - lo
                         if col >= 0 and col < words * 32:
                             T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        key = T.reinterpret(Cand[r, i * threads + tx], "uint32")
-                        col = CandIdx[r, i * threads + tx] - lo
+                        key = pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32"))
+                        col = pick(m, scol[i * threads + tx], CandIdx[r, i * threads + tx]) - lo
                         if (key > thr or (key == thr and col + lo <= icut)) and col >= 0 and col < words * 32:
                             T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 tile.barrier()
                 sc[0] = 0
-                for j in T.serial(WPT):
+                for j in T.unroll(WPT):
                     sc[0] = sc[0] + T.call_extern("int32", "__popc", bits[tx * WPT + j])
                 sc[2] = sc[0]
                 warp_scan(sc, lane)
@@ -354,7 +373,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192):
                     base = base + wtot[i]
                 for j in T.serial(WPT):
                     wd = bits[tx * WPT + j]
-                    for t in T.serial(T.call_extern("int32", "__popc", wd)):
+                    nset = T.call_extern("int32", "__popc", wd)   # a variable: the loop clears wd's bits
+                    for t in T.serial(nset):
                         Out[r, T.min(pos, k - 1)] = lo + (tx * WPT + j) * 32 + T.call_extern("int32", "__ffs", wd) - 1
                         pos = pos + 1
                         wd = wd & (wd - T.uint32(1))
