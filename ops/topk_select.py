@@ -432,16 +432,17 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-def _sliced(scores, k, lengths, target, out, threads=256, vec=8):
-    """The sliced CUDA kernels (ops/topk_sliced.py): histogram, gather, finish."""
+def _sliced(scores, k, lengths, target, out, threads=512, vec=4, **hist):
+    """The sliced CUDA kernels (ops/topk_sliced.py): histogram, bucket, gather, finish."""
     R, N = scores.shape
     dev = scores.device
-    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=dev)   # histogram + 2 counts per row
+    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=dev)   # histogram, 2 counts, bucket
     sel = torch.empty(R, k, dtype=torch.int32, device=dev)                    # columns above the k-th's bucket
     cand = torch.empty(R, N, dtype=torch.int32, device=dev)                   # keys in that bucket
     cand_idx = torch.empty(R, N, dtype=torch.int32, device=dev)               # and their columns
     quads = scores.view(R, -1, 4)
-    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec).launcher()(quads, lengths, ws)
+    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec, **hist).launcher()(quads, lengths, ws)
+    topk_sliced.topk_bucket_program.compile(target, k=k).launcher()(quads, lengths, ws)
     topk_sliced.topk_gather_program.compile(target, k=k, threads=threads, vec=vec).launcher()(
         quads, lengths, ws, sel, cand, cand_idx)
     topk_sliced.topk_finish_program.compile(target, k=k).launcher()(lengths, ws, sel, cand, cand_idx, out)

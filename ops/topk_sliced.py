@@ -1,17 +1,17 @@
 """Sliced exact top-k for CUDA: every row is cut into slices of `threads * vec * 4` columns, one
 block per slice, so a few long rows still fill the GPU (64 rows of 131072 columns: 1024 blocks).
 
-Three launches after one zeroed workspace `Ws` (rows, 4096 + 2) int32:
+Four launches after one zeroed workspace `Ws` (rows, 4096 + 3) int32:
 1. `topk_hist`   (block per slice): a 12-bit histogram of the order-preserving keys of the
    slice in shared memory, added into the row's Ws[r, :4096] with global atomics.
-2. `topk_gather` (block per slice): finds the row's bucket b1 of the k-th largest key from that
-   histogram; keys above b1 are selected (their column goes to Sel), keys in b1 are candidates
-   (key and column to Cand / CandIdx). One block scan places the slice's hits and one global
+2. `topk_bucket` (block per row): the bucket b1 of the k-th largest key, from that histogram.
+3. `topk_gather` (block per slice): keys above b1 are selected (their column goes to Sel), keys
+   in b1 are candidates (key and column to Cand / CandIdx). One block scan places the slice's hits and one global
    atomic per list reserves room for them (Ws[r, 4096] / Ws[r, 4097] count them).
-3. `topk_finish` (block per row): 12- and 8-bit digits over the candidates give the exact k-th key
+4. `topk_finish` (block per row): 12- and 8-bit digits over the candidates give the exact k-th key
    `thr`; when several keys equal `thr` and only some are taken, three digits over their column
-   indices find the lowest ones. The chosen columns are bitonic-sorted in shared memory and written
-   in ascending order, -1 past a short row.
+   indices find the lowest ones. The chosen columns are marked in a shared bitmap whose block scan
+   writes them in ascending order, -1 past a short row.
 
 Every slice's values are loaded at once (vec float4 per thread, all in flight), so no pass waits on
 one chunk at a time as the one-block-per-row kernel (topk_select_v3) did. Barriers are placed by
@@ -26,7 +26,8 @@ from codegen.program import tile_program
 
 NB = 4096                 # bins of the 12-bit digits
 SEL_COUNT, CAND_COUNT = NB, NB + 1      # Ws columns that count the row's selected / candidate keys
-WS_COLS = NB + 2
+BUCKET = NB + 2                         # Ws column of the row's bucket b1 (-1: every column is taken)
+WS_COLS = NB + 3
 CUDA = ("cuda:sm_90a", "cuda:sm_100a")
 EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
 
@@ -111,8 +112,9 @@ def _slice_grid(quads, L):
 
 
 @tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
-    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
+def topk_hist_program(k: int, threads: int = 512, vec: int = 4, match: bool = False):
+    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]. match=True
+    aggregates a warp's equal bins first (__match_any_sync: one shared atomic per distinct bin)."""
     rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
     L = threads * vec * 4
 
@@ -137,7 +139,11 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
                 tile.barrier()
                 slice_keys(x, kx, c0, n, tx, threads, vec)
                 for i in T.unroll(vec * 4):
-                    if kx[i] != T.uint32(0):
+                    if match:
+                        peers = T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), kx[i] >> T.uint32(20))
+                        if kx[i] != T.uint32(0) and T.call_extern("int32", "__ffs", peers) - 1 == tx % 32:
+                            T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], T.call_extern("int32", "__popc", peers))
+                    elif kx[i] != T.uint32(0):
                         T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], 1)
                 tile.barrier()
                 for i in T.serial(NB // threads):
@@ -145,6 +151,38 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
                         T.atomic_add(Ws[r, i * threads + tx], hist[i * threads + tx])
 
     return topk_hist
+
+
+@tile_program("topk_bucket", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+def topk_bucket_program(k: int, threads: int = 512):
+    """Between the passes, block per row: the bucket b1 of the k-th largest key from the row's
+    histogram, into Ws[r, BUCKET] (-1 when the row has at most k columns: all are taken)."""
+    rows, quads = T.dynamic("rows, quads")
+    W = threads // 32
+    _, find_digit = block_scan_words(threads)
+
+    @T.prim_func
+    def topk_bucket(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
+                    Ws: T.Tensor((rows, WS_COLS), "int32")):      # (Scores: only its shape is read)
+        with tile.grid(rows, threads) as r:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            wtot = T.alloc_shared((W,), "int32")
+            res = T.alloc_shared((4,), "int32")
+            sc = T.alloc_local((4,), "int32")
+            lane = tx % 32
+            w = tx // 32
+            if T.min(Lengths[r], quads * 4) > k:       # the row's histogram exists (topk_hist)
+                for i in T.unroll(NB // threads):
+                    hist[i * threads + tx] = Ws[r, i * threads + tx]
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
+                if tx == 0:
+                    Ws[r, BUCKET] = res[0]
+            elif tx == 0:
+                Ws[r, BUCKET] = -1
+
+    return topk_bucket
 
 
 @tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
@@ -155,7 +193,7 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
     V = vec * 4
     assert V <= 32, "a thread's values are tracked in one 32-bit mask"
     W = threads // 32
-    warp_scan, find_digit = block_scan_words(threads)
+    warp_scan, _ = block_scan_words(threads)
 
     @T.prim_func
     def topk_gather(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
@@ -163,7 +201,6 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
                     Cand: T.Tensor((rows, ccols), "int32"), CandIdx: T.Tensor((rows, ccols), "int32")):
         with tile.grid(rows * _slice_grid(quads, L), threads) as bid:
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((NB,), "int32")
             wtot = T.alloc_shared((W,), "int32")
             res = T.alloc_shared((4,), "int32")
             x = T.alloc_local((V,), "float32")
@@ -185,13 +222,7 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
             n = T.min(T.max(Lengths[r], 0), quads * 4)
             if c0 < n:
                 load_slice(Scores, x, r, c0, n, tx, threads, vec)
-                b1 = -1                                   # n <= k: every column is selected
-                if n > k:
-                    for i in T.unroll(NB // threads):    # unrolled: all 16 KB in flight at once
-                        hist[i * threads + tx] = Ws[r, i * threads + tx]
-                    tile.barrier()
-                    find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
-                    b1 = res[0]
+                b1 = Ws[r, BUCKET]
                 slice_keys(x, kx, c0, n, tx, threads, vec)
                 above = T.uint32(0)
                 inb = T.uint32(0)
