@@ -432,20 +432,25 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-def _sliced(scores, k, lengths, target, out, threads=512, vec=4, **hist):
+def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     """The sliced CUDA kernels (ops/topk_sliced.py): histogram, bucket, gather, finish."""
     R, N = scores.shape
     dev = scores.device
-    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=dev)   # histogram, 2 counts, bucket
-    sel = torch.empty(R, k, dtype=torch.int32, device=dev)                    # columns above the k-th's bucket
-    cand = torch.empty(R, N, dtype=torch.int32, device=dev)                   # keys in that bucket
-    cand_idx = torch.empty(R, N, dtype=torch.int32, device=dev)               # and their columns
+    L = threads * vec * 4                                  # columns per slice
+    S = -(-N // L)
+    i32 = dict(dtype=torch.int32, device=dev)
+    ws = torch.zeros(R, topk_sliced.WS_COLS, **i32)        # histogram, bucket
+    cnt = torch.empty(R, S, **i32)                         # per slice: (selected << 16) | candidates
+    sel = torch.empty(R, S * min(L, k), **i32)             # per slice: columns above the k-th's bucket
+    cand, cand_idx = torch.empty(R, N, **i32), torch.empty(R, N, **i32)   # per slice: keys in it, columns
+    cand_c, cand_idx_c = torch.empty(R, N, **i32), torch.empty(R, N, **i32)  # compacted (> 4096 of them)
     quads = scores.view(R, -1, 4)
-    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec, **hist).launcher()(quads, lengths, ws)
+    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec).launcher()(quads, lengths, ws)
     topk_sliced.topk_bucket_program.compile(target, k=k).launcher()(quads, lengths, ws)
     topk_sliced.topk_gather_program.compile(target, k=k, threads=threads, vec=vec).launcher()(
-        quads, lengths, ws, sel, cand, cand_idx)
-    topk_sliced.topk_finish_program.compile(target, k=k).launcher()(lengths, ws, sel, cand, cand_idx, out)
+        quads, lengths, ws, cnt, sel, cand, cand_idx)
+    topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()(
+        lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
     return out
 
 
@@ -467,7 +472,9 @@ def _impl(scores, k, lengths, kernel="sliced", **params):
         scores = torch.nn.functional.pad(scores, (0, 4 - N % 4))
     target = targets.resolve(scores)
     if target.name in topk_sliced.CUDA and kernel == "sliced":
-        return _sliced(scores, k, lengths, target, out, **params)
+        if -(-scores.shape[1] // topk_sliced.slice_cols(**params)) <= topk_sliced.MAX_SLICES:
+            return _sliced(scores, k, lengths, target, out, **params)
+        kernel, params = "v3", {}       # rows of more than MAX_SLICES slices: one block per row
     cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
     if target.name in topk_select_v3_program.targets and kernel == "v3":
         topk_select_v3_program.compile(target, k=k, **params).launcher()(scores.view(R, -1, 4), lengths, cand, out)

@@ -1,14 +1,15 @@
 """Sliced exact top-k for CUDA: every row is cut into slices of `threads * vec * 4` columns, one
 block per slice, so a few long rows still fill the GPU (64 rows of 131072 columns: 1024 blocks).
 
-Four launches after one zeroed workspace `Ws` (rows, 4096 + 3) int32:
+Four launches after one zeroed workspace `Ws` (rows, 4096 + 1) int32:
 1. `topk_hist`   (block per slice): a 12-bit histogram of the order-preserving keys of the
    slice in shared memory, added into the row's Ws[r, :4096] with global atomics.
 2. `topk_bucket` (block per row): the bucket b1 of the k-th largest key, from that histogram.
-3. `topk_gather` (block per slice): keys above b1 are selected (their column goes to Sel), keys
-   in b1 are candidates (key and column to Cand / CandIdx). One block scan places the slice's hits and one global
-   atomic per list reserves room for them (Ws[r, 4096] / Ws[r, 4097] count them).
-4. `topk_finish` (block per row): 12- and 8-bit digits over the candidates give the exact k-th key
+3. `topk_gather` (block per slice): keys above b1 are selected (their column goes to the slice's
+   region of Sel), keys in b1 are candidates (key and column to the slice's region of Cand /
+   CandIdx); one block scan places them, and the slice's two counts go to Cnt[r, s]. No atomics.
+4. `topk_finish` (block per row): a block scan of the row's Cnt places every slice's hits and
+   warps copy them together; 12- and 8-bit digits over the candidates give the exact k-th key
    `thr`; when several keys equal `thr` and only some are taken, three digits over their column
    indices find the lowest ones. The chosen columns are marked in a shared bitmap whose block scan
    writes them in ascending order, -1 past a short row.
@@ -25,10 +26,15 @@ from codegen import tile
 from codegen.program import tile_program
 
 NB = 4096                 # bins of the 12-bit digits
-SEL_COUNT, CAND_COUNT = NB, NB + 1      # Ws columns that count the row's selected / candidate keys
-BUCKET = NB + 2                         # Ws column of the row's bucket b1 (-1: every column is taken)
-WS_COLS = NB + 3
+BUCKET = NB                             # Ws column of the row's bucket b1 (-1: every column is taken)
+WS_COLS = NB + 1
 CUDA = ("cuda:sm_90a", "cuda:sm_100a")
+MAX_SLICES = 512         # slices per row that topk_finish's one block scan places (its thread count)
+
+
+def slice_cols(threads=512, vec=4, **_):
+    """Columns per slice of the gather/histogram kernels with these parameters."""
+    return threads * vec * 4
 EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
 
 
@@ -112,9 +118,8 @@ def _slice_grid(quads, L):
 
 
 @tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_hist_program(k: int, threads: int = 512, vec: int = 4, match: bool = False):
-    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]. match=True
-    aggregates a warp's equal bins first (__match_any_sync: one shared atomic per distinct bin)."""
+def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
+    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
     rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
     L = threads * vec * 4
 
@@ -139,11 +144,7 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4, match: bool = Fa
                 tile.barrier()
                 slice_keys(x, kx, c0, n, tx, threads, vec)
                 for i in T.unroll(vec * 4):
-                    if match:
-                        peers = T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), kx[i] >> T.uint32(20))
-                        if kx[i] != T.uint32(0) and T.call_extern("int32", "__ffs", peers) - 1 == tx % 32:
-                            T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], T.call_extern("int32", "__popc", peers))
-                    elif kx[i] != T.uint32(0):
+                    if kx[i] != T.uint32(0):
                         T.atomic_add(hist[T.cast(kx[i] >> T.uint32(20), "int32")], 1)
                 tile.barrier()
                 for i in T.serial(NB // threads):
@@ -187,9 +188,11 @@ def topk_bucket_program(k: int, threads: int = 512):
 
 @tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
 def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
-    """Pass 2: the row's bucket of the k-th key from Ws; the slice's keys above it to Sel, in it to Cand."""
-    rows, quads, ccols = T.dynamic("rows, quads, ccols")
+    """Pass 2, block per slice: the slice's keys above the row's bucket b1 to its region of Sel, the
+    keys in b1 (key, column) to its region of Cand / CandIdx, and its two counts to Cnt[r, s]."""
+    rows, quads, ccols, nsl, scols = T.dynamic("rows, quads, ccols, nsl, scols")
     L = threads * vec * 4
+    KS = min(L, k)                       # a slice's region of Sel: it never selects more than k
     V = vec * 4
     assert V <= 32, "a thread's values are tracked in one 32-bit mask"
     W = threads // 32
@@ -197,16 +200,17 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
 
     @T.prim_func
     def topk_gather(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
-                    Ws: T.Tensor((rows, WS_COLS), "int32"), Sel: T.Tensor((rows, k), "int32"),
-                    Cand: T.Tensor((rows, ccols), "int32"), CandIdx: T.Tensor((rows, ccols), "int32")):
+                    Ws: T.Tensor((rows, WS_COLS), "int32"), Cnt: T.Tensor((rows, nsl), "int32"),
+                    Sel: T.Tensor((rows, scols), "int32"), Cand: T.Tensor((rows, ccols), "int32"),
+                    CandIdx: T.Tensor((rows, ccols), "int32")):
         with tile.grid(rows * _slice_grid(quads, L), threads) as bid:
             tx = T.get_thread_binding()
             wtot = T.alloc_shared((W,), "int32")
-            res = T.alloc_shared((4,), "int32")
             x = T.alloc_local((V,), "float32")
             kx = T.alloc_local((V,), "uint32")
             sc = T.alloc_local((4,), "int32")
             r = T.alloc_var("int32")
+            s = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
             b1 = T.alloc_var("int32")
@@ -218,8 +222,11 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
             lane = tx % 32
             w = tx // 32
             r = bid // _slice_grid(quads, L)
-            c0 = (bid % _slice_grid(quads, L)) * L
+            s = bid % _slice_grid(quads, L)
+            c0 = s * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
+            if c0 >= n and tx == 0:
+                Cnt[r, s] = 0
             if c0 < n:
                 load_slice(Scores, x, r, c0, n, tx, threads, vec)
                 b1 = Ws[r, BUCKET]
@@ -245,16 +252,14 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
                     if i < w:
                         sc[2] = sc[2] + wtot[i]
                 if tx == 0:
-                    res[2] = T.atomic_add(Ws[r, SEL_COUNT], sc[3] >> 16, return_prev=True)
-                    res[3] = T.atomic_add(Ws[r, CAND_COUNT], sc[3] & 65535, return_prev=True)
-                tile.barrier()
-                pa = res[2] + ((sc[2] + sc[0] - cnt) >> 16)
-                pc = res[3] + ((sc[2] + sc[0] - cnt) & 65535)
+                    Cnt[r, s] = sc[3]
+                pa = s * KS + ((sc[2] + sc[0] - cnt) >> 16)
+                pc = c0 + ((sc[2] + sc[0] - cnt) & 65535)
                 if (above | inb) != T.uint32(0):
                     for u in T.unroll(vec):
                         for v in T.unroll(4):
                             if (above >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
-                                Sel[r, T.min(pa, k - 1)] = c0 + (u * threads + tx) * 4 + v
+                                Sel[r, T.min(pa, scols - 1)] = c0 + (u * threads + tx) * 4 + v
                                 pa = pa + 1
                             if (inb >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
                                 Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(kx[u * 4 + v], "int32")
@@ -265,19 +270,22 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
 
 
 @tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
-def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: int = 4096):
-    """Pass 3, block per row: the exact k-th key among the candidates, the lowest columns among its
-    ties, then the chosen columns marked in a shared bitmap (`words` x 32 columns per window) whose
-    block scan writes them in ascending order. Up to `staged` candidates are read into shared memory
-    once (all loads in flight); a row with more reads them from global memory in every pass."""
-    rows, ccols = T.dynamic("rows, ccols")
+def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: int = 4096, slice_cols: int = 8192):
+    """Pass 3, block per row: the slices' hits gathered (a block scan of Cnt places each slice's
+    region; a warp copies a region), the exact k-th key among the candidates, the lowest columns
+    among its ties, then the chosen columns marked in a shared bitmap (`words` x 32 columns per
+    window) whose block scan writes them in ascending order. Up to `staged` candidates are kept in
+    shared memory; a row with more compacts them into CandC / CandIdxC. A row has at most `threads`
+    slices of `slice_cols` columns (the op checks)."""
+    rows, ccols, nsl, scols = T.dynamic("rows, ccols, nsl, scols")
+    KS = min(slice_cols, k)
     W = threads // 32
     WPT = words // threads                       # bitmap words per thread (contiguous: scan order)
     assert words % threads == 0 and staged % threads == 0
     warp_scan, find_digit = block_scan_words(threads)
 
     def pick(m, in_shared, in_global):
-        # a candidate's key or column: from shared memory when the row's candidates were staged
+        # a candidate's key or column: from shared memory when the row's candidates fit there
         return T.if_then_else(m <= staged, in_shared, in_global)
 
     @T.macro
@@ -288,18 +296,25 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
         tile.barrier()
 
     @T.prim_func
-    def topk_finish(Lengths: T.Tensor((rows,), "int32"), Ws: T.Tensor((rows, WS_COLS), "int32"),
-                    Sel: T.Tensor((rows, k), "int32"), Cand: T.Tensor((rows, ccols), "int32"),
-                    CandIdx: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
+    def topk_finish(Lengths: T.Tensor((rows,), "int32"), Cnt: T.Tensor((rows, nsl), "int32"),
+                    Sel: T.Tensor((rows, scols), "int32"), Cand: T.Tensor((rows, ccols), "int32"),
+                    CandIdx: T.Tensor((rows, ccols), "int32"), CandC: T.Tensor((rows, ccols), "int32"),
+                    CandIdxC: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
         with tile.grid(rows, threads) as r:
             tx = T.get_thread_binding()
             hist = T.alloc_shared((NB,), "int32")
             bits = T.alloc_shared((words,), "uint32")
             skey = T.alloc_shared((staged,), "uint32")
             scol = T.alloc_shared((staged,), "int32")
-            wtot = T.alloc_shared((W,), "int32")
+            ssel = T.alloc_shared((k,), "int32")
+            acnt = T.alloc_shared((threads,), "int32")      # per slice: selected, candidates, and where
+            ccnt = T.alloc_shared((threads,), "int32")      # they go (exclusive prefixes)
+            aoff = T.alloc_shared((threads,), "int32")
+            coff = T.alloc_shared((threads,), "int32")
+            wtot = T.alloc_shared((2 * W,), "int32")
             res = T.alloc_shared((4,), "int32")
             sc = T.alloc_local((4,), "int32")
+            sd = T.alloc_local((4,), "int32")
             n = T.alloc_var("int32")
             kk = T.alloc_var("int32")
             a = T.alloc_var("int32")
@@ -311,6 +326,7 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
             ipre = T.alloc_var("int32")
             key = T.alloc_var("uint32")
             col = T.alloc_var("int32")
+            sl = T.alloc_var("int32")
             lo = T.alloc_var("int32")
             pos = T.alloc_var("int32")
             base = T.alloc_var("int32")
@@ -320,31 +336,67 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
             w = tx // 32
             n = T.min(T.max(Lengths[r], 0), ccols)
             kk = T.min(k, n)
-            a = T.min(Ws[r, SEL_COUNT], kk)
-            m = T.min(Ws[r, CAND_COUNT], ccols)
+            # one block scan of the slices' (selected, candidate) counts: thread t holds slice t
+            sc[0] = T.if_then_else(tx < nsl, Cnt[r, T.min(tx, nsl - 1)], 0)
+            acnt[tx] = sc[0] >> 16
+            ccnt[tx] = sc[0] & 65535
+            sc[0] = acnt[tx]
+            sd[0] = ccnt[tx]
+            warp_scan(sc, lane)
+            warp_scan(sd, lane)
+            if lane == 31:
+                wtot[w] = sc[0]
+                wtot[W + w] = sd[0]
+            tile.barrier()
+            sc[2] = 0
+            sd[2] = 0
+            a = 0
+            m = 0
+            for i in T.serial(W):
+                if i < w:
+                    sc[2] = sc[2] + wtot[i]
+                    sd[2] = sd[2] + wtot[W + i]
+                a = a + wtot[i]
+                m = m + wtot[W + i]
+            aoff[tx] = sc[2] + sc[0] - acnt[tx]
+            coff[tx] = sd[2] + sd[0] - ccnt[tx]
+            a = T.min(a, kk)
+            tile.barrier()
+            # warp w copies the regions of slices w, w + W, ...: candidates to shared memory (or to
+            # CandC when there are too many), selected columns to ssel
+            for it in T.serial(T.ceildiv(nsl, W)):
+                sl = it * W + w
+                if sl < nsl:
+                    for i in T.serial(T.ceildiv(ccnt[sl], 32)):
+                        if i * 32 + lane < ccnt[sl]:
+                            if m <= staged:
+                                skey[coff[sl] + i * 32 + lane] = T.reinterpret(Cand[r, sl * slice_cols + i * 32 + lane], "uint32")
+                                scol[coff[sl] + i * 32 + lane] = CandIdx[r, sl * slice_cols + i * 32 + lane]
+                            else:
+                                CandC[r, coff[sl] + i * 32 + lane] = Cand[r, sl * slice_cols + i * 32 + lane]
+                                CandIdxC[r, coff[sl] + i * 32 + lane] = CandIdx[r, sl * slice_cols + i * 32 + lane]
+                    for i in T.serial(T.ceildiv(acnt[sl], 32)):
+                        if i * 32 + lane < acnt[sl] and aoff[sl] + i * 32 + lane < k:
+                            ssel[aoff[sl] + i * 32 + lane] = Sel[r, sl * KS + i * 32 + lane]
+            tile.barrier()
             want = kk - a                         # taken from the candidates
             thr = T.uint32(0xFFFFFFFF)            # above every key: none taken
             icut = 0x7FFFFFFF
-            if m <= staged:
-                for j in T.unroll(staged // threads):
-                    if j * threads + tx < m:
-                        skey[j * threads + tx] = T.reinterpret(Cand[r, j * threads + tx], "uint32")
-                        scol[j * threads + tx] = CandIdx[r, j * threads + tx]
             if want > 0 and m > 0:
                 # digit 2 (key bits 8..19) among the candidates (they share bits 20..31)
                 clear(hist, NB, tx)
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        T.atomic_add(hist[T.cast((pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32")) >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
+                        T.atomic_add(hist[T.cast((pick(m, skey[i * threads + tx], T.reinterpret(CandC[r, i * threads + tx], "uint32")) >> T.uint32(8)) & T.uint32(0xFFF), "int32")], 1)
                 tile.barrier()
                 find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
                 want = res[1]
-                thr = (pick(m, skey[0], T.reinterpret(Cand[r, 0], "uint32")) & T.uint32(0xFFF00000)) | (T.cast(res[0], "uint32") << T.uint32(8))
+                thr = (pick(m, skey[0], T.reinterpret(CandC[r, 0], "uint32")) & T.uint32(0xFFF00000)) | (T.cast(res[0], "uint32") << T.uint32(8))
                 # digit 3 (bits 0..7) among those in b2
                 clear(hist, 256, tx)
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        key = pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32"))
+                        key = pick(m, skey[i * threads + tx], T.reinterpret(CandC[r, i * threads + tx], "uint32"))
                         if (key >> T.uint32(8)) == (thr >> T.uint32(8)):
                             T.atomic_add(hist[T.cast(key & T.uint32(0xFF), "int32")], 1)
                 tile.barrier()
@@ -361,8 +413,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
                         clear(hist, NB, tx)
                         for i in T.serial(T.ceildiv(m, threads)):
                             if i * threads + tx < m:
-                                col = pick(m, scol[i * threads + tx], CandIdx[r, i * threads + tx])
-                                if pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32")) == thr:
+                                col = pick(m, scol[i * threads + tx], CandIdxC[r, i * threads + tx])
+                                if pick(m, skey[i * threads + tx], T.reinterpret(CandC[r, i * threads + tx], "uint32")) == thr:
                                     if d == 0 or (col >> (30 - d * 10)) == ipre:
                                         T.atomic_add(hist[2047 - ((col >> (20 - d * 10)) & T.if_then_else(d == 0, 2047, 1023))], 1)
                         tile.barrier()
@@ -379,13 +431,13 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
                 clear(bits, words, tx)
                 for i in T.unroll((k + threads - 1) // threads):
                     if i * threads + tx < a:
-                        col = Sel[r, i * threads + tx] - lo
+                        col = ssel[i * threads + tx] - lo
                         if col >= 0 and col < words * 32:
                             T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 for i in T.serial(T.ceildiv(m, threads)):
                     if i * threads + tx < m:
-                        key = pick(m, skey[i * threads + tx], T.reinterpret(Cand[r, i * threads + tx], "uint32"))
-                        col = pick(m, scol[i * threads + tx], CandIdx[r, i * threads + tx]) - lo
+                        key = pick(m, skey[i * threads + tx], T.reinterpret(CandC[r, i * threads + tx], "uint32"))
+                        col = pick(m, scol[i * threads + tx], CandIdxC[r, i * threads + tx]) - lo
                         if (key > thr or (key == thr and col + lo <= icut)) and col >= 0 and col < words * 32:
                             T.atomic_add(bits[col >> 5], T.uint32(1) << T.cast(col & 31, "uint32"))
                 tile.barrier()

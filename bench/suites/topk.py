@@ -5,8 +5,7 @@ bytes = rows * N * 4 (each score read once; the kernel's extra passes hit L2)
 "tilecraft" is the public op (its NaN check reads the scores again and syncs the host unless
 TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone: the sliced kernels (ops/topk_sliced.py,
 512 threads x 4 float4 = 8192 columns per block); "kernel-512x4" is the same call with the
-parameters spelled out, "kernel-256x4" slices 4096 columns; "kernel-match" aggregates a warp's
-equal histogram bins with __match_any_sync before the shared atomics; "kernel-v3" is the previous one-block-per-row kernel.
+parameters spelled out, "kernel-256x4" slices 4096 columns; "kernel-v3" is the previous one-block-per-row kernel.
 """
 
 import torch
@@ -36,7 +35,6 @@ SUITE = Suite(
                Provider("kernel", lambda c, i: (lambda: _impl(i["x"], c["k"], None))),
                Provider("kernel-512x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=512, vec=4))),
                Provider("kernel-256x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, vec=4))),
-               Provider("kernel-match", lambda c, i: (lambda: _impl(i["x"], c["k"], None, match=True))),
                Provider("kernel-v3", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="v3"))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
     kernels=lambda c: [(p, dict(k=c["k"])) for p in (topk_hist_program, topk_bucket_program, topk_gather_program,
