@@ -232,3 +232,13 @@ def test_gpu_benchmarked_variants_match(params):
     lengths = torch.tensor([50001, 12289, 2047], dtype=torch.int32, device="cuda")
     got = _impl(x, 2048, lengths, **params).cpu()
     assert torch.equal(got, topk_select_reference(x.cpu(), 2048, lengths=lengths.cpu()))
+
+
+@pytest.mark.gpu
+def test_gpu_rows_beyond_the_slice_limit_fall_back():
+    # more than MAX_SLICES slices of 8192 columns: the one-block-per-row kernel takes the row
+    from ops.topk_sliced import MAX_SLICES, slice_cols
+
+    n = MAX_SLICES * slice_cols() + 5
+    x = torch.randn(1, n, device="cuda")
+    assert torch.equal(ops.topk_select(x, 2048).cpu(), topk_select_reference(x.cpu(), 2048))
