@@ -432,25 +432,44 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
+_SLICED_LAUNCHERS: dict = {}
+
+
+def _sliced_launchers(target, k, threads, vec):
+    """The four kernels' launchers, resolved once per (target, k, threads, vec): an eager call then
+    pays no compile-cache lookups (the indexer calls this every decode step)."""
+    key = (target.name, k, threads, vec)
+    if key not in _SLICED_LAUNCHERS:
+        sp = dict(k=k, threads=threads, vec=vec)
+        _SLICED_LAUNCHERS[key] = (topk_sliced.topk_hist_program.compile(target, **sp).launcher(),
+                                  topk_sliced.topk_bucket_program.compile(target, k=k).launcher(),
+                                  topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
+                                  topk_sliced.topk_finish_program.compile(
+                                      target, k=k, slice_cols=topk_sliced.slice_cols(threads, vec)).launcher())
+    return _SLICED_LAUNCHERS[key]
+
+
 def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     """The sliced CUDA kernels (ops/topk_sliced.py): histogram, bucket, gather, finish."""
     R, N = scores.shape
-    dev = scores.device
-    L = threads * vec * 4                                  # columns per slice
-    S = -(-N // L)
-    i32 = dict(dtype=torch.int32, device=dev)
-    ws = torch.zeros(R, topk_sliced.WS_COLS, **i32)        # histogram, bucket
-    cnt = torch.empty(R, S, **i32)                         # per slice: (selected << 16) | candidates
-    sel = torch.empty(R, S * min(L, k), **i32)             # per slice: columns above the k-th's bucket
-    cand, cand_idx = torch.empty(R, N, **i32), torch.empty(R, N, **i32)   # per slice: keys in it, columns
-    cand_c, cand_idx_c = torch.empty(R, N, **i32), torch.empty(R, N, **i32)  # compacted (> 4096 of them)
+    L = topk_sliced.slice_cols(threads, vec)
+    S, KS = -(-N // L), min(L, k)
+    hist, bucket, gather, finish = _sliced_launchers(target, k, threads, vec)
+    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=scores.device)    # histogram, bucket
+    # one allocation for the rest, split into contiguous (R, *) views: per slice (selected << 16 |
+    # candidates) counts, the selected columns, candidate keys and columns, their compacted copies
+    sizes = (S, S * KS, N, N, N, N)
+    buf = torch.empty(R * sum(sizes), dtype=torch.int32, device=scores.device)
+    views, o = [], 0
+    for c in sizes:
+        views.append(buf[o:o + R * c].view(R, c))
+        o += R * c
+    cnt, sel, cand, cand_idx, cand_c, cand_idx_c = views
     quads = scores.view(R, -1, 4)
-    topk_sliced.topk_hist_program.compile(target, k=k, threads=threads, vec=vec).launcher()(quads, lengths, ws)
-    topk_sliced.topk_bucket_program.compile(target, k=k).launcher()(quads, lengths, ws)
-    topk_sliced.topk_gather_program.compile(target, k=k, threads=threads, vec=vec).launcher()(
-        quads, lengths, ws, cnt, sel, cand, cand_idx)
-    topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()(
-        lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
+    hist(quads, lengths, ws)
+    bucket(quads, lengths, ws)
+    gather(quads, lengths, ws, cnt, sel, cand, cand_idx)
+    finish(lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
     return out
 
 

@@ -315,6 +315,8 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
             res = T.alloc_shared((4,), "int32")
             sc = T.alloc_local((4,), "int32")
             sd = T.alloc_local((4,), "int32")
+            tk = T.alloc_local((4,), "int32")
+            tc = T.alloc_local((4,), "int32")
             n = T.alloc_var("int32")
             kk = T.alloc_var("int32")
             a = T.alloc_var("int32")
@@ -363,21 +365,30 @@ def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: i
             a = T.min(a, kk)
             tile.barrier()
             # warp w copies the regions of slices w, w + W, ...: candidates to shared memory (or to
-            # CandC when there are too many), selected columns to ssel
+            # CandC when there are too many), selected columns to ssel; 4 loads per lane in flight
             for it in T.serial(T.ceildiv(nsl, W)):
                 sl = it * W + w
                 if sl < nsl:
-                    for i in T.serial(T.ceildiv(ccnt[sl], 32)):
-                        if i * 32 + lane < ccnt[sl]:
-                            if m <= staged:
-                                skey[coff[sl] + i * 32 + lane] = T.reinterpret(Cand[r, sl * slice_cols + i * 32 + lane], "uint32")
-                                scol[coff[sl] + i * 32 + lane] = CandIdx[r, sl * slice_cols + i * 32 + lane]
-                            else:
-                                CandC[r, coff[sl] + i * 32 + lane] = Cand[r, sl * slice_cols + i * 32 + lane]
-                                CandIdxC[r, coff[sl] + i * 32 + lane] = CandIdx[r, sl * slice_cols + i * 32 + lane]
-                    for i in T.serial(T.ceildiv(acnt[sl], 32)):
-                        if i * 32 + lane < acnt[sl] and aoff[sl] + i * 32 + lane < k:
-                            ssel[aoff[sl] + i * 32 + lane] = Sel[r, sl * KS + i * 32 + lane]
+                    for i in T.serial(T.ceildiv(ccnt[sl], 128)):
+                        for u in T.unroll(4):
+                            if (i * 4 + u) * 32 + lane < ccnt[sl]:
+                                tk[u] = Cand[r, sl * slice_cols + (i * 4 + u) * 32 + lane]
+                                tc[u] = CandIdx[r, sl * slice_cols + (i * 4 + u) * 32 + lane]
+                        for u in T.unroll(4):
+                            if (i * 4 + u) * 32 + lane < ccnt[sl]:
+                                if m <= staged:
+                                    skey[coff[sl] + (i * 4 + u) * 32 + lane] = T.reinterpret(tk[u], "uint32")
+                                    scol[coff[sl] + (i * 4 + u) * 32 + lane] = tc[u]
+                                else:
+                                    CandC[r, coff[sl] + (i * 4 + u) * 32 + lane] = tk[u]
+                                    CandIdxC[r, coff[sl] + (i * 4 + u) * 32 + lane] = tc[u]
+                    for i in T.serial(T.ceildiv(acnt[sl], 128)):
+                        for u in T.unroll(4):
+                            if (i * 4 + u) * 32 + lane < acnt[sl]:
+                                tk[u] = Sel[r, sl * KS + (i * 4 + u) * 32 + lane]
+                        for u in T.unroll(4):
+                            if (i * 4 + u) * 32 + lane < acnt[sl] and aoff[sl] + (i * 4 + u) * 32 + lane < k:
+                                ssel[aoff[sl] + (i * 4 + u) * 32 + lane] = tk[u]
             tile.barrier()
             want = kk - a                         # taken from the candidates
             thr = T.uint32(0xFFFFFFFF)            # above every key: none taken
