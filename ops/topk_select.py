@@ -436,12 +436,13 @@ _SLICED_LAUNCHERS: dict = {}
 
 
 def _sliced_launchers(target, k, threads, vec):
-    """The three kernels' launchers, resolved once per (target, k, threads, vec): an eager call then
+    """The four kernels' launchers, resolved once per (target, k, threads, vec): an eager call then
     pays no compile-cache lookups (the indexer calls this every decode step)."""
     key = (target.name, k, threads, vec)
     if key not in _SLICED_LAUNCHERS:
         sp = dict(k=k, threads=threads, vec=vec)
         _SLICED_LAUNCHERS[key] = (topk_sliced.topk_hist_program.compile(target, **sp).launcher(),
+                                  topk_sliced.topk_bucket_program.compile(target, k=k).launcher(),
                                   topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
                                   topk_sliced.topk_finish_program.compile(
                                       target, k=k, slice_cols=topk_sliced.slice_cols(threads, vec)).launcher())
@@ -449,12 +450,12 @@ def _sliced_launchers(target, k, threads, vec):
 
 
 def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
-    """The sliced CUDA kernels (ops/topk_sliced.py): histogram (+ bucket), gather, finish."""
+    """The sliced CUDA kernels (ops/topk_sliced.py): histogram, bucket, gather, finish."""
     R, N = scores.shape
     L = topk_sliced.slice_cols(threads, vec)
     S, KS = -(-N // L), min(L, k)
-    hist, gather, finish = _sliced_launchers(target, k, threads, vec)
-    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=scores.device)    # histogram, bucket, count
+    hist, bucket, gather, finish = _sliced_launchers(target, k, threads, vec)
+    ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=scores.device)    # histogram, bucket
     # one allocation for the rest, split into contiguous (R, *) views: per slice (selected << 16 |
     # candidates) counts, the selected columns, candidate keys and columns, their compacted copies
     sizes = (S, S * KS, N, N, N, N)
@@ -466,6 +467,7 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     cnt, sel, cand, cand_idx, cand_c, cand_idx_c = views
     quads = scores.view(R, -1, 4)
     hist(quads, lengths, ws)
+    bucket(quads, lengths, ws)
     gather(quads, lengths, ws, cnt, sel, cand, cand_idx)
     finish(lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
     return out

@@ -1,14 +1,14 @@
 """Sliced exact top-k for CUDA: every row is cut into slices of `threads * vec * 4` columns, one
 block per slice, so a few long rows still fill the GPU (64 rows of 131072 columns: 1024 blocks).
 
-Three launches after one zeroed workspace `Ws` (rows, 4096 + 2) int32:
+Four launches after one zeroed workspace `Ws` (rows, 4096 + 1) int32:
 1. `topk_hist`   (block per slice): a 12-bit histogram of the order-preserving keys of the
-   slice in shared memory, added into the row's Ws[r, :4096] with global atomics; the row's last
-   block to finish finds the bucket b1 of the k-th largest key.
-2. `topk_gather` (block per slice): keys above b1 are selected (their column goes to the slice's
+   slice in shared memory, added into the row's Ws[r, :4096] with global atomics.
+2. `topk_bucket` (block per row): the bucket b1 of the k-th largest key, from that histogram.
+3. `topk_gather` (block per slice): keys above b1 are selected (their column goes to the slice's
    region of Sel), keys in b1 are candidates (key and column to the slice's region of Cand /
    CandIdx); one block scan places them, and the slice's two counts go to Cnt[r, s]. No atomics.
-3. `topk_finish` (block per row): a block scan of the row's Cnt places every slice's hits and
+4. `topk_finish` (block per row): a block scan of the row's Cnt places every slice's hits and
    warps copy them together; 12- and 8-bit digits over the candidates give the exact k-th key
    `thr`; when several keys equal `thr` and only some are taken, three digits over their column
    indices find the lowest ones. The chosen columns are marked in a shared bitmap whose block scan
@@ -26,8 +26,8 @@ from codegen import tile
 from codegen.program import tile_program
 
 NB = 4096                 # bins of the 12-bit digits
-BUCKET, DONE = NB, NB + 1               # Ws columns: the row's bucket b1, its finished histogram blocks
-WS_COLS = NB + 2
+BUCKET = NB                             # Ws column of the row's bucket b1 (-1: every column is taken)
+WS_COLS = NB + 1
 CUDA = ("cuda:sm_90a", "cuda:sm_100a")
 MAX_SLICES = 512         # slices per row that topk_finish's one block scan places (its thread count)
 
@@ -119,13 +119,9 @@ def _slice_grid(quads, L):
 
 @tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
 def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
-    """Pass 1, block per slice: the slice's 12-bit key histogram, added into the row's Ws[r, :4096];
-    the row's last block to finish (a counter in Ws[r, DONE]) finds the bucket b1 of the k-th
-    largest key in the whole histogram and writes it to Ws[r, BUCKET]."""
+    """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
     rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
     L = threads * vec * 4
-    W = threads // 32
-    _, find_digit = block_scan_words(threads)
 
     @T.prim_func
     def topk_hist(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
@@ -133,16 +129,11 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
         with tile.grid(rows * _slice_grid(quads, L), threads) as bid:
             tx = T.get_thread_binding()
             hist = T.alloc_shared((NB,), "int32")
-            wtot = T.alloc_shared((W,), "int32")
-            res = T.alloc_shared((4,), "int32")
             x = T.alloc_local((vec * 4,), "float32")
             kx = T.alloc_local((vec * 4,), "uint32")
-            sc = T.alloc_local((4,), "int32")
             r = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
-            lane = tx % 32
-            w = tx // 32
             r = bid // _slice_grid(quads, L)
             c0 = (bid % _slice_grid(quads, L)) * L
             n = T.min(T.max(Lengths[r], 0), quads * 4)
@@ -159,22 +150,40 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
                 for i in T.serial(NB // threads):
                     if hist[i * threads + tx] != 0:
                         T.atomic_add(Ws[r, i * threads + tx], hist[i * threads + tx])
-                T.call_extern("int32", "__threadfence")     # this block's adds land before it is counted
-                tile.barrier()
-                if tx == 0:
-                    res[2] = T.atomic_add(Ws[r, DONE], 1, return_prev=True)
-                tile.barrier()
-                if res[2] == T.ceildiv(n, L) - 1:
-                    # the last of the row's blocks: every add is in; read the sums back through
-                    # atomics (at L2: no stale line can be read)
-                    for i in T.unroll(NB // threads):
-                        hist[i * threads + tx] = T.atomic_add(Ws[r, i * threads + tx], 0, return_prev=True)
-                    tile.barrier()
-                    find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
-                    if tx == 0:
-                        Ws[r, BUCKET] = res[0]
 
     return topk_hist
+
+
+@tile_program("topk_bucket", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+def topk_bucket_program(k: int, threads: int = 512):
+    """Between the passes, block per row: the bucket b1 of the k-th largest key from the row's
+    histogram, into Ws[r, BUCKET] (-1 when the row has at most k columns: all are taken)."""
+    rows, quads = T.dynamic("rows, quads")
+    W = threads // 32
+    _, find_digit = block_scan_words(threads)
+
+    @T.prim_func
+    def topk_bucket(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
+                    Ws: T.Tensor((rows, WS_COLS), "int32")):      # (Scores: only its shape is read)
+        with tile.grid(rows, threads) as r:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NB,), "int32")
+            wtot = T.alloc_shared((W,), "int32")
+            res = T.alloc_shared((4,), "int32")
+            sc = T.alloc_local((4,), "int32")
+            lane = tx % 32
+            w = tx // 32
+            if T.min(Lengths[r], quads * 4) > k:       # the row's histogram exists (topk_hist)
+                for i in T.unroll(NB // threads):
+                    hist[i * threads + tx] = Ws[r, i * threads + tx]
+                tile.barrier()
+                find_digit(hist, wtot, res, sc, NB, k, tx, w, lane)
+                if tx == 0:
+                    Ws[r, BUCKET] = res[0]
+            elif tx == 0:
+                Ws[r, BUCKET] = -1
+
+    return topk_bucket
 
 
 @tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
@@ -220,7 +229,7 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
                 Cnt[r, s] = 0
             if c0 < n:
                 load_slice(Scores, x, r, c0, n, tx, threads, vec)
-                b1 = T.if_then_else(n > k, Ws[r, BUCKET], -1)    # -1: every column is taken
+                b1 = Ws[r, BUCKET]
                 slice_keys(x, kx, c0, n, tx, threads, vec)
                 above = T.uint32(0)
                 inb = T.uint32(0)

@@ -123,9 +123,9 @@ def test_sliced_kernels_build_without_spills(target):
     # the default CUDA path: block per slice (float4 loads, all in flight), block per row to finish
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
-    from ops.topk_sliced import topk_finish_program, topk_gather_program, topk_hist_program
+    from ops.topk_sliced import topk_bucket_program, topk_finish_program, topk_gather_program, topk_hist_program
 
-    srcs = {p.name: p.source(target, k=2048) for p in (topk_hist_program, topk_gather_program,
+    srcs = {p.name: p.source(target, k=2048) for p in (topk_hist_program, topk_bucket_program, topk_gather_program,
                                                          topk_finish_program)}
     assert "float4" in srcs["topk_hist"] and "float4" in srcs["topk_gather"]
     assert "__shfl_up_sync" in srcs["topk_gather"] and "__shfl_up_sync" in srcs["topk_finish"]
@@ -135,7 +135,7 @@ def test_sliced_kernels_build_without_spills(target):
         except ToolchainError as e:
             pytest.skip(f"CUDA 13 tools missing: {e}")
         assert st.spill_stores == 0 and st.spill_loads == 0, (name, st.format())
-        assert st.histogram.get("BAR", 0) <= (40 if name == "topk_finish" else 8), (name, st.format())
+        assert st.histogram.get("BAR", 0) <= (40 if name == "topk_finish" else 6), (name, st.format())
 
 
 @pytest.mark.parametrize("copies,smem_top", [(4, 65536), (8, 131072)])

@@ -13,7 +13,7 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.topk_select import _impl
-from ops.topk_sliced import topk_finish_program, topk_gather_program, topk_hist_program
+from ops.topk_sliced import topk_bucket_program, topk_finish_program, topk_gather_program, topk_hist_program
 
 PRESETS = {
     "indexer": [dict(T=64, N=131072, k=2048)],
@@ -37,7 +37,7 @@ SUITE = Suite(
                Provider("kernel-256x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, vec=4))),
                Provider("kernel-v3", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="v3"))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
-    kernels=lambda c: [(p, dict(k=c["k"])) for p in (topk_hist_program, topk_gather_program,
+    kernels=lambda c: [(p, dict(k=c["k"])) for p in (topk_hist_program, topk_bucket_program, topk_gather_program,
                                                       topk_finish_program)],
     label=lambda c: f"T={c['T']} N={c['N']} k={c['k']}",
 )
