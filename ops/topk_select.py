@@ -3,11 +3,14 @@
 indices[r] = the k largest of scores[r, :lengths[r]], ties toward the lower index, returned in
 ascending index order; rows shorter than k are padded with -1.
 
-Kernels (one block per row, radix select on order-preserving 32-bit keys):
-- CUDA (`topk_select_v3`): a 12-bit histogram of the row in shared memory, a gather of the keys in
-  the k-th's bucket (warp-aggregated slots), 12- and 8-bit digits over those candidates, then an
-  ordered write of the chosen indices. Every pass loads float4 straight into registers, one chunk
-  ahead; barriers are placed by hand (TileLang's thread-sync pass is off for this program).
+Kernels (radix select on order-preserving 32-bit keys):
+- CUDA, default (ops/topk_sliced.py): rows cut into 8192-column slices, one block per slice for
+  the 12-bit histogram and the gather of the k-th's bucket, one block per row for the last digits
+  and the ordered write.
+- CUDA, rows of more than topk_sliced.MAX_SLICES slices (`topk_select_v3`): one block per row, a
+  12-bit histogram of the row in shared memory, a gather of the keys in the k-th's bucket
+  (warp-aggregated slots), 12- and 8-bit digits over those candidates, then an ordered write.
+  Every pass loads float4 straight into registers, one chunk ahead; barriers are placed by hand.
 - Ascend and cpu (`topk_select`, v2): the same digits with staged copies, tl.cumsum block scans and
   TileLang's own barriers.
 """
@@ -27,7 +30,8 @@ NB = 1 << RADIX_BITS
 
 
 def _key(x):
-    """float32 -> uint32 with the same order (negative floats reversed; -0.0 and +0.0 equal)."""
+    """float32 -> uint32 with the same order (negative floats reversed; -0.0 and +0.0 equal).
+    The branchy form of topk_sliced.key32: v3 at 512 threads spills one register with the selects."""
     bits = T.reinterpret(x, "uint32")
     key = T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
     return T.if_then_else(x == 0, T.uint32(0x80000000), key)
@@ -185,33 +189,20 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
     return topk_select
 
 
-def _v3_configs(t, p):
-    # barriers are written by hand (tile.barrier): TileLang's sync pass would put one before every
-    # shared atomic of the histogram loops
-    # shared atomics of the histogram loops; bounds are the program's own (every index is checked)
-    return {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True,
-            "tl.disable_safe_memory_legalize": True}
-
-
 # CUDA only (lane shuffles, per-thread code). The v2 program above stays for Ascend and cpu.
 @tile_program("topk_select_v3", targets=("cuda:sm_90a", "cuda:sm_100a"),
-              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_v3_configs)
-def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_copies: int = 1):
+              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)},
+              pass_configs=topk_sliced.hand_synced_configs)
+def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
     """Exact top-k per row, one block per row: register-staged passes, hand-placed barriers.
-
-    hist_copies > 1 gives pass 1 (the 12-bit histogram of the whole row) that many copies of the
-    histogram in shared memory (16 KB each), warp w adding into copy w % hist_copies, summed into
-    copy 0 before the bucket search: the shared atomics on the hot bins spread over the copies.
-    The candidate digits keep one copy (they see ~1e3 keys on random rows)."""
+    The CUDA op runs it for rows longer than topk_sliced.MAX_SLICES slices."""
     rows, quads, ccols = T.dynamic("rows, quads, ccols")   # Scores viewed as (rows, cols / 4, 4): float4 loads
     W = threads // 32                # warps
     WCH = unroll * 128               # contiguous columns a warp owns in a chunk (unroll float4 per lane)
     CH = W * WCH                     # columns per chunk
     V = unroll * 4                   # values per lane per chunk
     assert CH < 32768                # packed (above, equal) counts of a chunk: 16 bits each
-    HC = hist_copies
-    assert HC >= 1 and W % HC == 0, "hist_copies must divide the warp count"
-    assert HC * NB * 4 <= 160 * 1024, "hist_copies: the copies must fit in shared memory"
+    warp_scan, find_digit = topk_sliced.block_scan_words(threads)
 
     @T.macro
     def load(Scores, x, r, c, n, w, lane):
@@ -229,48 +220,12 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_cop
         if c + 1 < nch:
             load(Scores, x, r, c + 1, n, w, lane)
 
-    @T.macro
-    def warp_scan(sc, lane):
-        # sc[0] = inclusive prefix over the warp's lanes of sc[0]
-        for i in T.unroll(5):
-            sc[1] = tile.lane_shuffle_up(sc[0], 1 << i)
-            if lane >= (1 << i):
-                sc[0] = sc[0] + sc[1]
-
-    @T.macro
-    def find_digit(hist, wtot, res, sc, nbins, want, tx, w, lane):
-        # res[0] = digit d with count(> d) < want <= count(>= d); res[1] = want - count(> d)
-        per = (nbins + threads - 1) // threads
-        sc[2] = 0
-        for j in T.serial(per):
-            if nbins - 1 - tx * per - j >= 0:
-                sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
-        sc[0] = sc[2]
-        warp_scan(sc, lane)
-        if lane == 31:
-            wtot[w] = sc[0]
-        tile.barrier()
-        sc[3] = 0
-        for i in T.serial(W):
-            if i < w:
-                sc[3] = sc[3] + wtot[i]
-        sc[2] = sc[3] + sc[0] - sc[2]        # count of the bins above this lane's first bin
-        if sc[2] < want and sc[3] + sc[0] >= want:
-            for j in T.serial(per):
-                if nbins - 1 - tx * per - j >= 0:
-                    if sc[2] < want and sc[2] + hist[nbins - 1 - tx * per - j] >= want:
-                        res[0] = nbins - 1 - tx * per - j
-                        res[1] = want - sc[2]
-                    sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
-        tile.barrier()
-
-
     @T.prim_func
     def topk_select_v3(Scores: T.Tensor((rows, quads, 4), "float32"), Lengths: T.Tensor((rows,), "int32"),
                        Cand: T.Tensor((rows, ccols), "int32"), Out: T.Tensor((rows, k), "int32")):
         with tile.grid(rows, threads) as r:
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((HC * NB,), "int32")   # HC copies for pass 1, copy 0 after it
+            hist = T.alloc_shared((NB,), "int32")
             wtot = T.alloc_shared((2 * W,), "int32")
             res = T.alloc_shared((4,), "int32")
             x = T.alloc_local((V,), "float32")       # the chunk being loaded
@@ -303,7 +258,7 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_cop
             thr = T.uint32(0)                # no key is 0 (NaN excluded): n <= k takes every column
             want_eq = 0
             if n > k:
-                for i in T.serial(HC * NB // threads):
+                for i in T.serial(NB // threads):
                     hist[i * threads + tx] = 0
                 tile.barrier()
                 # digit 1: histogram of the top 12 key bits over the row
@@ -313,15 +268,8 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6, hist_cop
                     for u in T.unroll(unroll):
                         for v in T.unroll(4):
                             if c * CH + w * WCH + u * 128 + lane * 4 + v < n:
-                                copy = (w % HC) * NB if HC > 1 else 0        # this warp's histogram copy
-                                T.atomic_add(hist[copy + T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
+                                T.atomic_add(hist[T.cast(_key(y[u * 4 + v]) >> T.uint32(20), "int32")], 1)
                 tile.barrier()
-                if HC > 1:
-                    # fold the copies into copy 0 (each thread owns its bins in every copy)
-                    for i in T.serial(NB // threads):
-                        for h in T.unroll(HC - 1):
-                            hist[i * threads + tx] = hist[i * threads + tx] + hist[(h + 1) * NB + i * threads + tx]
-                    tile.barrier()
                 find_digit(hist, wtot, res, sc, NB, want, tx, w, lane)
                 b1 = res[0]
                 want = res[1]
@@ -475,8 +423,8 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
 
 def _impl(scores, k, lengths, kernel="sliced", **params):
     """The launch behind the op (no argument checks). On CUDA `kernel` picks the sliced kernels
-    (default; params threads=, vec=), the one-block-per-row "v3" (params threads=, unroll=,
-    hist_copies=) or "v2": the benchmark times them side by side. Ascend and cpu run v2."""
+    (default; params threads=, vec=), the one-block-per-row "v3" (params threads=, unroll=) or
+    "v2": the benchmark times them side by side. Ascend and cpu run v2."""
     R, N = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     if R == 0:

@@ -63,7 +63,7 @@ def slice_keys(x, kx, c0, n, tx, threads, vec):
             kx[u * 4 + v] = T.Select(c0 + (u * threads + tx) * 4 + v < n, key32(x[u * 4 + v]), T.uint32(0))
 
 
-def _configs(t, p):
+def hand_synced_configs(t, p):
     # hand-placed barriers (TileLang's sync pass would put one before every shared atomic);
     # every index is checked by the program itself
     return {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True,
@@ -88,7 +88,7 @@ def block_scan_words(threads: int):
         # Ends with a barrier; hist is only read.
         per = (nbins + threads - 1) // threads
         sc[2] = 0
-        for j in T.unroll(per):
+        for j in T.serial(per):
             if nbins - 1 - tx * per - j >= 0:
                 sc[2] = sc[2] + hist[nbins - 1 - tx * per - j]
         sc[0] = sc[2]
@@ -117,7 +117,7 @@ def _slice_grid(quads, L):
     return T.ceildiv(quads * 4, L)        # slices per row
 
 
-@tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+@tile_program("topk_hist", targets=CUDA, examples=EXAMPLES, pass_configs=hand_synced_configs)
 def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
     """Pass 1: each slice's 12-bit key histogram, added into the row's Ws[r, :4096]."""
     rows, quads = T.dynamic("rows, quads")         # Scores viewed as (rows, cols / 4, 4)
@@ -154,7 +154,7 @@ def topk_hist_program(k: int, threads: int = 512, vec: int = 4):
     return topk_hist
 
 
-@tile_program("topk_bucket", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+@tile_program("topk_bucket", targets=CUDA, examples=EXAMPLES, pass_configs=hand_synced_configs)
 def topk_bucket_program(k: int, threads: int = 512):
     """Between the passes, block per row: the bucket b1 of the k-th largest key from the row's
     histogram, into Ws[r, BUCKET] (-1 when the row has at most k columns: all are taken)."""
@@ -186,7 +186,7 @@ def topk_bucket_program(k: int, threads: int = 512):
     return topk_bucket
 
 
-@tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+@tile_program("topk_gather", targets=CUDA, examples=EXAMPLES, pass_configs=hand_synced_configs)
 def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
     """Pass 2, block per slice: the slice's keys above the row's bucket b1 to its region of Sel, the
     keys in b1 (key, column) to its region of Cand / CandIdx, and its two counts to Cnt[r, s]."""
@@ -269,7 +269,7 @@ def topk_gather_program(k: int, threads: int = 512, vec: int = 4):
     return topk_gather
 
 
-@tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=_configs)
+@tile_program("topk_finish", targets=CUDA, examples=EXAMPLES, pass_configs=hand_synced_configs)
 def topk_finish_program(k: int, threads: int = 512, words: int = 8192, staged: int = 4096, slice_cols: int = 8192):
     """Pass 3, block per row: the slices' hits gathered (a block scan of Cnt places each slice's
     region; a warp copies a region), the exact k-th key among the candidates, the lowest columns

@@ -138,31 +138,6 @@ def test_sliced_kernels_build_without_spills(target):
         assert st.histogram.get("BAR", 0) <= (40 if name == "topk_finish" else 6), (name, st.format())
 
 
-@pytest.mark.parametrize("copies,smem_top", [(4, 65536), (8, 131072)])
-def test_v3_hist_copies_builds_without_spills(copies, smem_top):
-    # opt-in: pass 1 adds into `copies` histograms (16 KB each), folded into copy 0 before the
-    # bucket search; the shared scratch after the histograms starts at copies * 16 KB
-    from backends import ToolchainError
-    from backends.cuda.sass import build_cubin, sass_stats
-
-    src = topk_select_v3_program.source("sm_90a", k=2048, hist_copies=copies)
-    assert f"buf_dyn_shmem + {smem_top})" in src
-    assert f"* 4096) + ((int)(condval" in src                      # the per-warp copy offset
-    try:
-        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert st.spill_stores == 0 and st.spill_loads == 0, st.format()
-    assert st.registers <= 128, st.format()                        # 512 threads: 64K registers
-    assert st.histogram.get("BAR", 0) <= 20, st.format()
-
-
-def test_v3_hist_copies_default_is_the_old_kernel():
-    assert topk_select_v3_program.source("sm_90a", k=2048, hist_copies=1) == topk_select_v3_program.source("sm_90a", k=2048)
-    with pytest.raises(AssertionError, match="divide the warp count"):
-        topk_select_v3_program.source("sm_90a", k=2048, hist_copies=3)
-
-
 def test_lowers_for_ascend_as_one_vector_function():
     src = topk_select_program.source("ascend", k=512)
     assert src.count("__simt_vf__") == 1 and "asc_vf_call" in src  # the whole row in one SIMT region
