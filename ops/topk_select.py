@@ -25,8 +25,7 @@ from ops import _dispatch, _values, topk_sliced
 from ops import _validate as check
 
 MAX_K = 4096
-RADIX_BITS = 12          # first digit: the top 12 key bits (sign, exponent, 3 mantissa bits)
-NB = 1 << RADIX_BITS
+NB = topk_sliced.NB      # bins of the first (12-bit) digit
 
 
 def _key(x):

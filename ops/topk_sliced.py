@@ -25,17 +25,18 @@ import tilelang.language as T
 from codegen import tile
 from codegen.program import tile_program
 
-NB = 4096                 # bins of the 12-bit digits
-BUCKET = NB                             # Ws column of the row's bucket b1 (-1: every column is taken)
+RADIX_BITS = 12          # first digit: the top 12 key bits (sign, exponent, 3 mantissa bits)
+NB = 1 << RADIX_BITS     # bins of the 12-bit digits
+BUCKET = NB              # Ws column of the row's bucket b1 (-1: every column is taken)
 WS_COLS = NB + 1
-CUDA = ("cuda:sm_90a", "cuda:sm_100a")
 MAX_SLICES = 512         # slices per row that topk_finish's one block scan places (its thread count)
+CUDA = ("cuda:sm_90a", "cuda:sm_100a")
+EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
 
 
 def slice_cols(threads=512, vec=4, **_):
-    """Columns per slice of the gather/histogram kernels with these parameters."""
+    """Columns per slice of the histogram / gather kernels with these parameters."""
     return threads * vec * 4
-EXAMPLES = {"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}
 
 
 def key32(x):

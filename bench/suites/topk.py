@@ -1,11 +1,12 @@
 """Row-wise top-k: the sparse-attention indexer (k = 2048) and sampling (k = 512).
 
-bytes = rows * N * 4 (each score read once; the kernel's extra passes hit L2)
+bytes = rows * N * 4 (each score read once; the sliced kernels read them twice, and the second
+read mostly misses L2: bench/NOTES.md "topk sliced")
 
 "tilecraft" is the public op (its NaN check reads the scores again and syncs the host unless
 TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone: the sliced kernels (ops/topk_sliced.py,
-512 threads x 4 float4 = 8192 columns per block); "kernel-512x4" is the same call with the
-parameters spelled out, "kernel-256x4" slices 4096 columns; "kernel-v3" is the previous one-block-per-row kernel.
+512 threads x 4 float4 = 8192 columns per block); "kernel-256x4" slices 4096 columns;
+"kernel-v3" is the one-block-per-row kernel (the fallback for rows of more than 512 slices).
 """
 
 import torch
@@ -33,7 +34,6 @@ SUITE = Suite(
     flops=lambda c: 0,
     providers=[Provider("tilecraft", lambda c, i: (lambda: ops.topk_select(i["x"], c["k"]))),
                Provider("kernel", lambda c, i: (lambda: _impl(i["x"], c["k"], None))),
-               Provider("kernel-512x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=512, vec=4))),
                Provider("kernel-256x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, vec=4))),
                Provider("kernel-v3", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="v3"))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
