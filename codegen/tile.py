@@ -101,6 +101,7 @@ def _word(name: str, doc: str):
 
 
 grid = _word("grid", "Launch a 1-D grid of `blocks` blocks of `threads` threads; `with tile.grid(n, threads) as bid:`.")
+cluster_grid = _word("cluster_grid", "tile.grid whose consecutive blocks form clusters of `cluster` that run at once and can wait on each other (cluster_barrier); `blocks` is a multiple of `cluster`.")
 vector = _word("vector", "A region of per-thread vector work (a SIMT vector function on Ascend, nothing on CUDA).")
 persistent = _word("persistent", "Iterate tile ids bid, bid+blocks, ... below total: a persistent schedule.")
 fragment = _word("fragment", "A register tile spread over the block's threads, for elementwise and reduction work.")
@@ -132,6 +133,7 @@ lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` hold
 lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of this warp (its own below delta); all lanes take part.")
 lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")
 barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off.")
+cluster_barrier = _word("cluster_barrier", "Every thread of the block's cluster (cluster_grid) waits here; memory written before it is visible to the whole cluster after it.")
 
 
 def emit(*stmts) -> None:

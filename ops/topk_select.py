@@ -4,9 +4,12 @@ indices[r] = the k largest of scores[r, :lengths[r]], ties toward the lower inde
 ascending index order; rows shorter than k are padded with -1.
 
 Kernels (radix select on order-preserving 32-bit keys):
-- CUDA, default (ops/topk_sliced.py): rows cut into 8192-column slices, one block per slice for
-  the 12-bit histogram and the gather of the k-th's bucket, one block per row for the last digits
-  and the ordered write.
+- CUDA, rows of up to topk_cluster.MAX_COLS (131072) columns (ops/topk_cluster.py): one
+  thread-block cluster per row reads the row once, keeps its keys in shared memory, merges the
+  12-bit histograms and gathers the k-th's bucket; then topk_sliced's finish (one block per row:
+  the last digits and the ordered write). Two launches.
+- CUDA, longer rows (ops/topk_sliced.py): 8192-column slices, one block per slice for the
+  histogram and for the gather (the row is read twice), then the same finish.
 - CUDA, rows of more than topk_sliced.MAX_SLICES slices (`topk_select_v3`): one block per row, a
   12-bit histogram of the row in shared memory, a gather of the keys in the k-th's bucket
   (warp-aggregated slots), 12- and 8-bit digits over those candidates, then an ordered write.
@@ -21,7 +24,7 @@ import torch
 
 from codegen import targets, tile
 from codegen.program import tile_program
-from ops import _dispatch, _values, topk_sliced
+from ops import _dispatch, _values, topk_cluster, topk_sliced
 from ops import _validate as check
 
 MAX_K = 4096
@@ -379,21 +382,44 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-_SLICED_LAUNCHERS: dict = {}
+_LAUNCHERS: dict = {}
 
 
-def _sliced_launchers(target, k, threads, vec):
-    """The four kernels' launchers, resolved once per (target, k, threads, vec): an eager call then
-    pays no compile-cache lookups (the indexer calls this every decode step)."""
-    key = (target.name, k, threads, vec)
-    if key not in _SLICED_LAUNCHERS:
-        sp = dict(k=k, threads=threads, vec=vec)
-        _SLICED_LAUNCHERS[key] = (topk_sliced.topk_hist_program.compile(target, **sp).launcher(),
-                                  topk_sliced.topk_bucket_program.compile(target, k=k).launcher(),
-                                  topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
-                                  topk_sliced.topk_finish_program.compile(
-                                      target, k=k, slice_cols=topk_sliced.slice_cols(threads, vec)).launcher())
-    return _SLICED_LAUNCHERS[key]
+def _launchers(key, build):
+    """Kernel launchers resolved once per key: an eager call then pays no compile-cache lookups
+    (the indexer calls this op every decode step)."""
+    if key not in _LAUNCHERS:
+        _LAUNCHERS[key] = build()
+    return _LAUNCHERS[key]
+
+
+def _carve(device, R, sizes):
+    """One int32 allocation split into contiguous (R, c) views, one per entry of sizes."""
+    buf = torch.empty(R * sum(sizes), dtype=torch.int32, device=device)
+    views, o = [], 0
+    for c in sizes:
+        views.append(buf[o:o + R * c].view(R, c))
+        o += R * c
+    return views
+
+
+def _clustered(scores, k, lengths, target, out, cluster, vec):
+    """One cluster per row (ops/topk_cluster.py), then topk_sliced's finish: two launches."""
+    R, N = scores.shape
+    L = topk_sliced.slice_cols(topk_cluster.THREADS, vec)
+    if cluster * L < N:
+        raise ValueError(f"cluster={cluster} blocks of {L} columns (vec={vec}) do not cover rows of {N} columns")
+    KS = min(L, k)
+    gather, finish = _launchers(("cluster", target.name, k, cluster, vec), lambda: (
+        topk_cluster.topk_cluster_program.compile(target, k=k, vec=vec, cluster=cluster).launcher(),
+        topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()))
+    # the row's histogram (zeroed by the kernel), per slice (selected << 16 | candidates) counts,
+    # selected columns, candidate keys and columns, their compacted copies
+    ws, cnt, sel, cand, cand_idx, cand_c, cand_idx_c = _carve(
+        scores.device, R, (topk_sliced.NB, cluster, cluster * KS, N, N, N, N))
+    gather(scores.view(R, -1, 4), lengths, ws, cnt, sel, cand, cand_idx)
+    finish(lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
+    return out
 
 
 def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
@@ -401,17 +427,14 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     R, N = scores.shape
     L = topk_sliced.slice_cols(threads, vec)
     S, KS = -(-N // L), min(L, k)
-    hist, bucket, gather, finish = _sliced_launchers(target, k, threads, vec)
+    sp = dict(k=k, threads=threads, vec=vec)
+    hist, bucket, gather, finish = _launchers(("sliced", target.name, k, threads, vec), lambda: (
+        topk_sliced.topk_hist_program.compile(target, **sp).launcher(),
+        topk_sliced.topk_bucket_program.compile(target, k=k).launcher(),
+        topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
+        topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()))
     ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=scores.device)    # histogram, bucket
-    # one allocation for the rest, split into contiguous (R, *) views: per slice (selected << 16 |
-    # candidates) counts, the selected columns, candidate keys and columns, their compacted copies
-    sizes = (S, S * KS, N, N, N, N)
-    buf = torch.empty(R * sum(sizes), dtype=torch.int32, device=scores.device)
-    views, o = [], 0
-    for c in sizes:
-        views.append(buf[o:o + R * c].view(R, c))
-        o += R * c
-    cnt, sel, cand, cand_idx, cand_c, cand_idx_c = views
+    cnt, sel, cand, cand_idx, cand_c, cand_idx_c = _carve(scores.device, R, (S, S * KS, N, N, N, N))
     quads = scores.view(R, -1, 4)
     hist(quads, lengths, ws)
     bucket(quads, lengths, ws)
@@ -420,10 +443,13 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     return out
 
 
-def _impl(scores, k, lengths, kernel="sliced", **params):
-    """The launch behind the op (no argument checks). On CUDA `kernel` picks the sliced kernels
-    (default; params threads=, vec=), the one-block-per-row "v3" (params threads=, unroll=) or
-    "v2": the benchmark times them side by side. Ascend and cpu run v2."""
+def _impl(scores, k, lengths, kernel="auto", **params):
+    """The launch behind the op (no argument checks). On CUDA `kernel` picks one cluster per row
+    ("cluster", params vec=, cluster=; rows up to topk_cluster.MAX_COLS), the sliced kernels
+    ("sliced", params threads=, vec=; rows up to topk_sliced.MAX_SLICES slices), the
+    one-block-per-row "v3" (params threads=, unroll=) or "v2"; "auto" takes the first of
+    cluster, sliced, v3 that fits the row. The benchmark times them side by side. Ascend and cpu
+    run v2."""
     R, N = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     if R == 0:
@@ -436,11 +462,23 @@ def _impl(scores, k, lengths, kernel="sliced", **params):
         # rows are read as float4: pad them (the padding is past every length)
         lengths = lengths.clamp(max=N)
         scores = torch.nn.functional.pad(scores, (0, 4 - N % 4))
+    if kernel == "auto" and params:
+        raise ValueError(f"kernel='auto' takes no kernel parameters (got {sorted(params)}): name the kernel")
     target = targets.resolve(scores)
-    if target.name in topk_sliced.CUDA and kernel == "sliced":
-        if -(-scores.shape[1] // topk_sliced.slice_cols(**params)) <= topk_sliced.MAX_SLICES:
-            return _sliced(scores, k, lengths, target, out, **params)
-        kernel, params = "v3", {}       # rows of more than MAX_SLICES slices: one block per row
+    if target.name in topk_sliced.CUDA:
+        if kernel in ("auto", "cluster"):
+            fit = topk_cluster.plan(scores.shape[1])
+            if fit is not None or kernel == "cluster":
+                if fit is None:
+                    raise ValueError(f"the cluster kernel takes rows of at most {topk_cluster.MAX_COLS} columns, "
+                                     f"got {N}")
+                cluster, vec = params.get("cluster", fit[0]), params.get("vec", fit[1])
+                return _clustered(scores, k, lengths, target, out, cluster, vec)
+            kernel = "sliced"
+        if kernel == "sliced":
+            if -(-scores.shape[1] // topk_sliced.slice_cols(**params)) <= topk_sliced.MAX_SLICES:
+                return _sliced(scores, k, lengths, target, out, **params)
+            kernel, params = "v3", {}       # rows of more than MAX_SLICES slices: one block per row
     cand = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)  # keys of the k-th's bucket
     if target.name in topk_select_v3_program.targets and kernel == "v3":
         topk_select_v3_program.compile(target, k=k, **params).launcher()(scores.view(R, -1, 4), lengths, cand, out)

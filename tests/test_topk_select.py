@@ -138,6 +138,50 @@ def test_sliced_kernels_build_without_spills(target):
         assert st.histogram.get("BAR", 0) <= (40 if name == "topk_finish" else 6), (name, st.format())
 
 
+@pytest.mark.parametrize("n,expect", [(131072, (8, 8)), (65536, (8, 4)), (100000, (8, 8)), (4096, (2, 1)),
+                                      (1000, (1, 1)), (2049, (2, 1)), (131073, None), (300001, None)])
+def test_cluster_plan_covers_the_row_with_the_fewest_blocks(n, expect):
+    from ops.topk_cluster import plan
+    from ops.topk_sliced import slice_cols
+
+    assert plan(n) == expect
+    if expect is not None:
+        cluster, vec = expect
+        assert cluster * slice_cols(512, vec) >= n
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("params", [dict(k=2048, cluster=8, vec=8), dict(k=512, cluster=8, vec=4),
+                                    dict(k=2048, cluster=1, vec=1)])
+def test_cluster_kernel_builds_for_two_blocks_per_sm(target, params):
+    # one HBM pass: the slice stays in shared memory (64 KB at vec=8), so two 512-thread blocks per
+    # SM need <= 64 registers; the write loop is rolled for that (unrolled: 127 registers)
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.topk_cluster import topk_cluster_program
+
+    src = topk_cluster_program.source(target, **params)
+    assert "float4" in src and "__ldcg" in src
+    assert ("tl::cluster_sync" in src) == (params["cluster"] > 1)
+    try:
+        st = sass_stats(build_cubin(src, target), target)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.spill_stores == 0 and st.spill_loads == 0, st.format()
+    assert st.registers <= 64, st.format()
+    assert st.histogram.get("BAR", 0) <= 10, st.format()
+
+
+def test_cluster_words_have_no_rule_off_cuda():
+    from codegen import rules, targets
+
+    for t in ("cpu", "ascend:950"):
+        with pytest.raises(rules.NoRuleError):
+            rules.lookup("cluster_barrier", targets.get(t))
+    with pytest.raises(ValueError, match="cluster must be 1, 2, 4 or 8"):
+        rules.lookup("cluster_grid", targets.get("sm_90a")).fn(64, 512, 16)
+
+
 def test_lowers_for_ascend_as_one_vector_function():
     src = topk_select_program.source("ascend", k=512)
     assert src.count("__simt_vf__") == 1 and "asc_vf_call" in src  # the whole row in one SIMT region
@@ -196,8 +240,9 @@ def test_gpu_signed_zero_infinities_and_ties_across_chunks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", [dict(threads=256, vec=4), dict(threads=128, vec=2), dict(kernel="v3"),
-                                    dict(kernel="v2")])
+@pytest.mark.parametrize("params", [dict(kernel="sliced"), dict(kernel="sliced", threads=128, vec=2),
+                                    dict(kernel="cluster", cluster=8, vec=8), dict(kernel="cluster", cluster=4, vec=8),
+                                    dict(kernel="v3"), dict(kernel="v2")])
 def test_gpu_benchmarked_variants_match(params):
     # the configurations bench/suites/topk.py times next to the default must be right too
     from ops.topk_select import _impl

@@ -4,9 +4,10 @@ bytes = rows * N * 4 (each score read once; the sliced kernels read them twice, 
 read mostly misses L2: bench/NOTES.md "topk sliced")
 
 "tilecraft" is the public op (its NaN check reads the scores again and syncs the host unless
-TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone: the sliced kernels (ops/topk_sliced.py,
-512 threads x 4 float4 = 8192 columns per block); "kernel-256x4" slices 4096 columns;
-"kernel-v3" is the one-block-per-row kernel (the fallback for rows of more than 512 slices).
+TILECRAFT_CHECK_VALUES=0); "kernel" is the launch alone, as the op picks it: one cluster per row
+(ops/topk_cluster.py) for rows up to 131072 columns; "kernel-sliced" is the two-pass sliced path
+that longer rows take (ops/topk_sliced.py, 8192 columns per block); "kernel-v3" is the
+one-block-per-row kernel (the fallback for rows of more than 512 slices).
 """
 
 import torch
@@ -14,12 +15,19 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.topk_select import _impl
-from ops.topk_sliced import topk_bucket_program, topk_finish_program, topk_gather_program, topk_hist_program
+from ops.topk_cluster import THREADS, plan, topk_cluster_program
+from ops.topk_sliced import slice_cols, topk_finish_program
 
 PRESETS = {
     "indexer": [dict(T=64, N=131072, k=2048)],
     "sampling": [dict(T=128, N=65536, k=512)],
 }
+
+
+def _kernels(case):
+    cluster, vec = plan(case["N"])
+    return [(topk_cluster_program, dict(k=case["k"], cluster=cluster, vec=vec)),
+            (topk_finish_program, dict(k=case["k"], slice_cols=slice_cols(THREADS, vec)))]
 
 
 def make_inputs(case, device):
@@ -34,10 +42,9 @@ SUITE = Suite(
     flops=lambda c: 0,
     providers=[Provider("tilecraft", lambda c, i: (lambda: ops.topk_select(i["x"], c["k"]))),
                Provider("kernel", lambda c, i: (lambda: _impl(i["x"], c["k"], None))),
-               Provider("kernel-256x4", lambda c, i: (lambda: _impl(i["x"], c["k"], None, threads=256, vec=4))),
+               Provider("kernel-sliced", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="sliced"))),
                Provider("kernel-v3", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="v3"))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
-    kernels=lambda c: [(p, dict(k=c["k"])) for p in (topk_hist_program, topk_bucket_program, topk_gather_program,
-                                                      topk_finish_program)],
+    kernels=lambda c: _kernels(c),
     label=lambda c: f"T={c['T']} N={c['N']} k={c['k']}",
 )

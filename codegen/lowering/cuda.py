@@ -12,6 +12,15 @@ def grid(blocks, threads=128):
     return T.Kernel(blocks, threads=threads)
 
 
+@register("cluster_grid", "cuda")
+def cluster_grid(blocks, threads, cluster):
+    # cudaLaunchKernelEx with a cluster dimension; 8 is the portable limit on sm_90a and sm_100a
+    if cluster not in (1, 2, 4, 8):
+        raise ValueError(f"cluster must be 1, 2, 4 or 8 blocks on CUDA, got {cluster}")
+    state()["threads"] = threads
+    return T.ClusterKernel(blocks, cluster_dims=cluster, threads=threads)
+
+
 @register("fragment", "cuda")
 def fragment(shape, dtype="float32"):
     return T.alloc_fragment(shape, dtype)
@@ -51,3 +60,10 @@ def lane_ballot(pred):
 @register("barrier", "cuda")
 def barrier():
     return T.sync_threads()
+
+
+@register("cluster_barrier", "cuda")
+def cluster_barrier():
+    # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
+    # made before it are visible to every block of the cluster after it
+    return T.cluster_sync()
