@@ -43,7 +43,7 @@ Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, 
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -293,15 +293,16 @@ def plan_place_program(layout: str, lanes: int = 512, seg: int = 16):
               examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
                         "h7168-bf16-sorted": dict(hidden=7168, bits="int16", pad=False)})
 def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, threads: int = 128,
-                         zero_rows: int = 8):
+                         zero_rows: int = 8, live: bool = False):
     """Y[Pos[t, j], :] = X[t, :] for every choice j (each token's row read once), and with pad,
-    Y[r, :] = 0 where Src[r] < 0 (blocks past the tokens, zero_rows rows each)."""
+    Y[r, :] = 0 where Src[r] < 0 (blocks past the tokens, zero_rows rows each). live=True adds an
+    input Live (1,) int32: only rows below Live[0] are live (Y and Src are sized by a bound; the
+    plan's row count stays on the device, so the host reads it after this kernel is queued)."""
     tokens, k, rows = T.dynamic("tokens, k, rows")
     extra = T.ceildiv(rows, zero_rows) if pad else 0
 
-    @T.prim_func
-    def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
-                     Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
+    @T.macro
+    def scatter(X, Pos, Src, Y, live_rows):
         with tile.grid(tokens + extra, threads) as b:
             with tile.vector():
                 buf = tile.fragment((hidden,), bits)
@@ -313,10 +314,22 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
                             Y[Pos[b, j], c] = buf[c]
                 else:
                     for i in T.serial(zero_rows):
-                        if (b - tokens) * zero_rows + i < rows:
+                        if (b - tokens) * zero_rows + i < live_rows:
                             if Src[(b - tokens) * zero_rows + i] < 0:
                                 for c in tile.parallel(hidden):
                                     Y[(b - tokens) * zero_rows + i, c] = T.cast(0, bits)
+
+    if live:
+        @T.prim_func
+        def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
+                         Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits),
+                         Live: T.Tensor((1,), "int32")):
+            scatter(X, Pos, Src, Y, T.min(rows, Live[0]))
+    else:
+        @T.prim_func
+        def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
+                         Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
+            scatter(X, Pos, Src, Y, rows)
 
     return scatter_rows
 
@@ -373,20 +386,37 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
     return combine
 
 
-def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, rows: int, pad: bool) -> torch.Tensor:
-    """(rows, H): x[t] to rows positions[t, :] (each token read once); with pad, zeros where src < 0."""
+def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, rows: int, pad: bool,
+                  live: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, H): x[t] to rows positions[t, :] (each token read once); with pad, zeros where src < 0.
+    live (1,) int32 on the device: only rows below live[0] are written (rows is a bound)."""
     out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     if x.shape[0] == 0 or type(x) is not torch.Tensor:  # nothing to read: every row is padding
         return out.zero_()
     bits = BITS[x.element_size()]
-    kernel = scatter_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits], pad=pad)
-    kernel.launcher()(x.view(bits), positions, src, out.view(bits))
+    kernel = scatter_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits], pad=pad,
+                                          live=live is not None)
+    kernel.launcher()(x.view(bits), positions, src, out.view(bits), *(() if live is None else (live,)))
     return out
 
 
 def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
+    """(mapping, src, rows): _plan_queued with its host read done."""
+    mapping, src, rows, pending = _plan_queued(ids, num_experts, layout, align, max_m)
+    return (mapping, src, rows) if pending is None else _settle(mapping, src, pending)
+
+
+def _settle(mapping, src, pending):
+    """The contiguous plan's one host read (the padded row count and the value checks), then its
+    bound-sized src / m_indices cut to the rows."""
+    stats, _, ids, checking = pending
+    rows = _read_stats(stats, ids, mapping.num_experts, checking, None)[0]
+    return replace(mapping, m_indices=mapping.m_indices[:rows]), src[:rows], rows
+
+
+def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     """Row of every (token, choice) and the source token of every output row: two tile programs.
 
     moe_plan_count (one block) counts each expert's assignments and its aligned offset, and folds
@@ -395,11 +425,15 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     Host reads: contiguous align>1 and masked without max_m read Stats once (the output's size and
     the value checks together); align=1 and masked with max_m read it only for the value checks
     (skipped with TILECRAFT_CHECK_VALUES=0 and during CUDA-graph capture), so they can be captured.
+    The contiguous layout leaves its read to the caller: it returns rows = the bound T*k +
+    E*(align-1) (src and m_indices have that many rows, the live ones first) and pending = (Stats,
+    the live row count on the device (1,), ids, checking) for _settle, so the caller can queue the
+    row scatter first (pending is None when nothing needs reading: align=1 with the checks off).
     """
     T_, k = ids.shape
     n = T_ * k
     if n == 0 or type(ids) is not torch.Tensor or ids.device.type == "meta":
-        return _plan_reference(ids, num_experts, layout, align, max_m)
+        return (*_plan_reference(ids, num_experts, layout, align, max_m), None)
     E = num_experts
     device = ids.device
     target = targets.resolve(ids)
@@ -418,13 +452,9 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
         src = torch.empty(bound, dtype=torch.int32, device=device)
         m_indices = torch.empty(bound, dtype=torch.int32, device=device)
         place(flat, counts, offsets, positions.view(-1), src, m_indices, k)
-        rows = n
-        if align > 1 or checking:
-            rows = _read_stats(stats, ids, E, checking, None)[0]     # = n for align=1
-        if rows != bound:
-            src, m_indices = src[:rows], m_indices[:rows]
         mapping = MoeMapping(layout, E, k, positions, counts, m_indices=m_indices, masked_m=None, max_m=None)
-        return mapping, src, rows
+        pending = (stats, offsets[E:], ids, checking) if align > 1 or checking else None
+        return mapping, src, bound, pending
     if max_m is None or checking:
         need = _read_stats(stats, ids, E, checking, max_m)[1]
         if max_m is None:
@@ -432,7 +462,7 @@ def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     src = torch.empty(E, max_m, dtype=torch.int32, device=device)
     place(flat, counts, positions.view(-1), src, k)
     mapping = MoeMapping(layout, E, k, positions, counts, m_indices=None, masked_m=counts, max_m=int(max_m))
-    return mapping, src.view(-1), E * max_m
+    return mapping, src.view(-1), E * max_m, None
 
 
 def _read_stats(stats, ids, num_experts, checking, max_m):
@@ -548,10 +578,19 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
 
 
 def _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
-    mapping, src, rows = _plan(ids, num_experts, layout, align, max_m)
-    pad = rows != mapping.positions.numel()          # padding rows (src -1) to zero
-    xd = _scatter_rows(x, mapping.positions, src, rows, pad)
-    sd = _scatter_rows(x_scales, mapping.positions, src, rows, pad) if x_scales is not None else None
+    # n = T*k: rows == n means no padding rows; the contiguous layout's rows is a bound until settled
+    mapping, src, rows, pending = _plan_queued(ids, num_experts, layout, align, max_m)
+    if pending is None:
+        pad, live = rows != mapping.positions.numel(), None
+    else:
+        # the rows are scattered into buffers sized by the bound, up to the count on the device;
+        # the host reads it after both scatters are queued (the GPU does not wait for the host)
+        pad, live = align > 1, pending[1]
+    xd = _scatter_rows(x, mapping.positions, src, rows, pad, live)
+    sd = _scatter_rows(x_scales, mapping.positions, src, rows, pad, live) if x_scales is not None else None
+    if pending is not None:
+        mapping, src, rows = _settle(mapping, src, pending)
+        xd, sd = xd[:rows], (sd[:rows] if sd is not None else None)
     if layout == "masked":
         xd = xd.view(num_experts, mapping.max_m, x.shape[1])
         sd = sd.view(num_experts, mapping.max_m, -1) if sd is not None else None

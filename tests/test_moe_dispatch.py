@@ -461,6 +461,30 @@ def test_scatter_is_the_gather_of_the_torch_plan(dtype, layout, align, max_m):
         assert torch.equal(sd.reshape(-1, 2), sref)
 
 
+def test_live_scatter_writes_only_the_live_rows():
+    """The contiguous dispatch scatters into a bound-sized buffer before the host knows the row
+    count: rows at or past Live[0] (their Src is never written by the plan) stay untouched."""
+    from codegen import targets
+    from ops.moe_dispatch import scatter_rows_program
+
+    g = torch.Generator().manual_seed(3)
+    T_, k, H, live, bound = 5, 2, 64, 16, 24
+    x = torch.randn(T_, H, generator=g).to(torch.bfloat16)
+    pos = torch.randperm(12, generator=g)[:T_ * k].view(T_, k).to(torch.int32)    # rows < 12
+    src = torch.full((bound,), -1, dtype=torch.int32)
+    src.view(-1)[pos.view(-1).long()] = torch.arange(T_, dtype=torch.int32).repeat_interleave(k)
+    y = torch.full((bound, H), 7.0, dtype=torch.bfloat16)
+    kern = scatter_rows_program.compile(targets.get("cpu"), hidden=H, bits="int16", pad=True, live=True)
+    kern.launcher()(x.view(torch.int16), pos, src, y.view(torch.int16), torch.tensor([live], dtype=torch.int32))
+    for r in range(bound):
+        if r >= live:
+            assert torch.all(y[r] == 7.0), r                     # past the live rows: untouched
+        elif src[r] >= 0:
+            assert torch.equal(y[r], x[src[r]]), r
+        else:
+            assert torch.all(y[r] == 0), r                     # live padding rows: zeros
+
+
 @pytest.mark.parametrize("layout,align,max_m", [("contiguous", 128, None), ("contiguous", 1, None),
                                                 ("masked", 4, None), ("masked", 4, 64)])
 def test_out_of_range_ids_raise_in_every_layout(layout, align, max_m, monkeypatch):
