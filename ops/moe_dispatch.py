@@ -302,34 +302,36 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
     extra = T.ceildiv(rows, zero_rows) if pad else 0
 
     @T.macro
-    def scatter(X, Pos, Src, Y, live_rows):
-        with tile.grid(tokens + extra, threads) as b:
-            with tile.vector():
-                buf = tile.fragment((hidden,), bits)
-                if b < tokens:
+    def scatter(X, Pos, Src, Y, b, live_rows):
+        # block b: token b's row to its k rows, or (past the tokens) zero_rows padding rows
+        with tile.vector():
+            buf = tile.fragment((hidden,), bits)
+            if b < tokens:
+                for c in tile.parallel(hidden):
+                    buf[c] = X[b, c]
+                for j in T.serial(k):
                     for c in tile.parallel(hidden):
-                        buf[c] = X[b, c]
-                    for j in T.serial(k):
-                        for c in tile.parallel(hidden):
-                            Y[Pos[b, j], c] = buf[c]
-                else:
-                    for i in T.serial(zero_rows):
-                        if (b - tokens) * zero_rows + i < live_rows:
-                            if Src[(b - tokens) * zero_rows + i] < 0:
-                                for c in tile.parallel(hidden):
-                                    Y[(b - tokens) * zero_rows + i, c] = T.cast(0, bits)
+                        Y[Pos[b, j], c] = buf[c]
+            else:
+                for i in T.serial(zero_rows):
+                    if (b - tokens) * zero_rows + i < live_rows:
+                        if Src[(b - tokens) * zero_rows + i] < 0:
+                            for c in tile.parallel(hidden):
+                                Y[(b - tokens) * zero_rows + i, c] = T.cast(0, bits)
 
     if live:
         @T.prim_func
         def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
                          Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits),
                          Live: T.Tensor((1,), "int32")):
-            scatter(X, Pos, Src, Y, T.min(rows, Live[0]))
+            with tile.grid(tokens + extra, threads) as b:
+                scatter(X, Pos, Src, Y, b, T.min(rows, Live[0]))     # Live is read on the device
     else:
         @T.prim_func
         def scatter_rows(X: T.Tensor((tokens, hidden), bits), Pos: T.Tensor((tokens, k), "int32"),
                          Src: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
-            scatter(X, Pos, Src, Y, rows)
+            with tile.grid(tokens + extra, threads) as b:
+                scatter(X, Pos, Src, Y, b, rows)
 
     return scatter_rows
 

@@ -82,6 +82,10 @@ def topk_cluster_program(k: int, threads: int = THREADS, vec: int = MAX_VEC, clu
             cnt = T.alloc_var("int32")
             pa = T.alloc_var("int32")
             pc = T.alloc_var("int32")
+            hits = T.alloc_var("uint32")
+            nhit = T.alloc_var("int32")
+            bit = T.alloc_var("int32")
+            col = T.alloc_var("int32")
             lane = tx % 32
             w = tx // 32
             r = bid // cluster
@@ -147,15 +151,20 @@ def topk_cluster_program(k: int, threads: int = THREADS, vec: int = MAX_VEC, clu
                 Cnt[r, s] = sc[3]
             pa = s * KS + ((sc[2] + sc[0] - cnt) >> 16)
             pc = c0 + ((sc[2] + sc[0] - cnt) & 65535)
-            if (above | inb) != T.uint32(0):
-                for u in T.serial(vec):          # not unrolled: 127 -> 51 registers (2 blocks per SM)
-                    for v in T.unroll(4):
-                        if (above >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
-                            Sel[r, T.min(pa, scols - 1)] = c0 + (u * threads + tx) * 4 + v
-                            pa = pa + 1
-                        if (inb >> T.cast(u * 4 + v, "uint32")) & T.uint32(1) != T.uint32(0):
-                            Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(keys[(u * threads + tx) * 4 + v], "int32")
-                            CandIdx[r, T.min(pc, ccols - 1)] = c0 + (u * threads + tx) * 4 + v
-                            pc = pc + 1
+            # only this thread's hits, lowest value first: a warp runs as many rounds as its busiest
+            # lane has hits (a loop over all V values cost ~10 instructions per value, hit or not)
+            hits = above | inb
+            nhit = T.call_extern("int32", "__popc", hits)         # a variable: the loop clears hits' bits
+            for _ in T.serial(nhit):
+                bit = T.call_extern("int32", "__ffs", hits) - 1
+                col = ((bit >> 2) * threads + tx) * 4 + (bit & 3)         # the value's column in the slice
+                if (above >> T.cast(bit, "uint32")) & T.uint32(1) != T.uint32(0):
+                    Sel[r, T.min(pa, scols - 1)] = c0 + col
+                    pa = pa + 1
+                if (inb >> T.cast(bit, "uint32")) & T.uint32(1) != T.uint32(0):
+                    Cand[r, T.min(pc, ccols - 1)] = T.reinterpret(keys[col], "int32")
+                    CandIdx[r, T.min(pc, ccols - 1)] = c0 + col
+                    pc = pc + 1
+                hits = hits & (hits - T.uint32(1))
 
     return topk_cluster
