@@ -440,19 +440,17 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     device = ids.device
     target = targets.resolve(ids)
     flat = ids.view(-1)
-    counts = torch.empty(E, dtype=torch.int32, device=device)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
-    stats = torch.empty(4, dtype=torch.int32, device=device)   # padded rows, busiest expert, bad ids, 0
-    positions = torch.empty(T_, k, dtype=torch.int32, device=device)
+    bound = n + E * (align - 1) if layout == "contiguous" else 0   # rows of src / m_indices
+    # one allocation (an eager call's host time is mostly allocations and launches);
+    # stats: padded rows, busiest expert, bad ids, 0
+    counts, offsets, stats, positions, src, m_indices = _int32_buffers(device, E, E + 1, 4, n, bound, bound)
+    positions = positions.view(T_, k)
     plan_count_program.compile(target, num_experts=E).launcher()(
         flat, counts, offsets, stats, align if layout == "contiguous" else 1)
     place = plan_place_program.compile(target, layout=layout).launcher()
     checking = _values.enabled(ids)
     if layout == "contiguous":
         # sized by the bound T*k + E*(align-1), so the place kernel runs before the host reads
-        bound = n + E * (align - 1)
-        src = torch.empty(bound, dtype=torch.int32, device=device)
-        m_indices = torch.empty(bound, dtype=torch.int32, device=device)
         place(flat, counts, offsets, positions.view(-1), src, m_indices, k)
         mapping = MoeMapping(layout, E, k, positions, counts, m_indices=m_indices, masked_m=None, max_m=None)
         pending = (stats, offsets[E:], ids, checking) if align > 1 or checking else None
@@ -465,6 +463,13 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     place(flat, counts, positions.view(-1), src, k)
     mapping = MoeMapping(layout, E, k, positions, counts, m_indices=None, masked_m=counts, max_m=int(max_m))
     return mapping, src.view(-1), E * max_m, None
+
+
+def _int32_buffers(device, *sizes):
+    """int32 vectors of these sizes carved from one allocation, each starting 16-byte aligned."""
+    step = [(c + 3) // 4 * 4 for c in sizes]
+    buf = torch.empty(sum(step), dtype=torch.int32, device=device)
+    return [part[:c] for part, c in zip(buf.split(step), sizes)]
 
 
 def _read_stats(stats, ids, num_experts, checking, max_m):
