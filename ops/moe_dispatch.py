@@ -43,7 +43,7 @@ Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, 
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -407,15 +407,20 @@ def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, r
 def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
     """(mapping, src, rows): _plan_queued with its host read done."""
     mapping, src, rows, pending = _plan_queued(ids, num_experts, layout, align, max_m)
-    return (mapping, src, rows) if pending is None else _settle(mapping, src, pending)
+    if pending is not None:
+        rows = _settle(mapping, pending)
+        src = src[:rows]
+    return mapping, src, rows
 
 
-def _settle(mapping, src, pending):
+def _settle(mapping, pending):
     """The contiguous plan's one host read (the padded row count and the value checks), then its
-    bound-sized src / m_indices cut to the rows."""
+    bound-sized m_indices cut to the rows (in place: the mapping is this call's own). Returns rows.
+    Kept short: after the read the GPU is idle until the caller's next launch."""
     stats, _, ids, checking = pending
     rows = _read_stats(stats, ids, mapping.num_experts, checking, None)[0]
-    return replace(mapping, m_indices=mapping.m_indices[:rows]), src[:rows], rows
+    mapping.m_indices = mapping.m_indices[:rows]
+    return rows
 
 
 def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
@@ -596,7 +601,7 @@ def _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
     xd = _scatter_rows(x, mapping.positions, src, rows, pad, live)
     sd = _scatter_rows(x_scales, mapping.positions, src, rows, pad, live) if x_scales is not None else None
     if pending is not None:
-        mapping, src, rows = _settle(mapping, src, pending)
+        rows = _settle(mapping, pending)
         xd, sd = xd[:rows], (sd[:rows] if sd is not None else None)
     if layout == "masked":
         xd = xd.view(num_experts, mapping.max_m, x.shape[1])
