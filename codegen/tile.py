@@ -9,6 +9,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | word | sm_90a | sm_100a | ascend:950 | cpu |
 | --- | --- | --- | --- | --- |
 | grid(blocks, threads) | T.Kernel 1-D | T.Kernel 1-D | T.Kernel (cores) | T.Kernel, 1 thread |
+| cluster_grid(blocks, threads, cluster) | T.ClusterKernel (cluster_dims 1-8) | same | not lowered | not lowered |
 | vector() | (nothing) | (nothing) | T.SimtVF region | (nothing) |
 | persistent(total, blocks, bid) | stepped serial | stepped serial | T.Persistent | stepped serial |
 | fragment(shape, dtype) | registers | registers | vector registers (UB when made outside a vector region) | alloc_local |
@@ -39,11 +40,14 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | lane_shuffle_up(value, delta) | __shfl_up_sync | same | not lowered | not lowered |
 | lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
 | barrier() | __syncthreads | same | not lowered | nothing (one thread) |
+| cluster_barrier() | barrier.cluster arrive (release) + wait (acquire) | same | not lowered | not lowered |
 
 The lane words are for warp-per-item programs (one warp = 32 lanes owns an item, no shared memory):
 every lane of the warp must reach them together. They have no rule on the cpu target (one thread
 per block) or on Ascend, so programs that use them list only CUDA targets and keep a block-wide
-program for the rest (ops/moe_route.py).
+program for the rest (ops/moe_route.py). The cluster words are the same kind: thread-block
+clusters exist on sm_90a and sm_100a only (ops/topk_cluster.py; other targets take
+ops/topk_select.py's block-per-row program).
 """
 
 from __future__ import annotations
