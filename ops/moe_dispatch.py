@@ -55,6 +55,7 @@ from codegen import targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
+from ops._workspace import int32_views
 
 LAYOUTS = ("contiguous", "masked")
 EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges); must be the same on every rank
@@ -448,8 +449,7 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     bound = n + E * (align - 1) if layout == "contiguous" else 0   # rows of src / m_indices
     # one allocation (an eager call's host time is mostly allocations and launches);
     # stats: padded rows, busiest expert, bad ids, 0
-    counts, offsets, stats, positions, src, m_indices = _int32_buffers(device, E, E + 1, 4, n, bound, bound)
-    positions = positions.view(T_, k)
+    counts, offsets, stats, positions, src, m_indices = int32_views(device, E, E + 1, 4, (T_, k), bound, bound)
     plan_count_program.compile(target, num_experts=E).launcher()(
         flat, counts, offsets, stats, align if layout == "contiguous" else 1)
     place = plan_place_program.compile(target, layout=layout).launcher()
@@ -468,13 +468,6 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     place(flat, counts, positions.view(-1), src, k)
     mapping = MoeMapping(layout, E, k, positions, counts, m_indices=None, masked_m=counts, max_m=int(max_m))
     return mapping, src.view(-1), E * max_m, None
-
-
-def _int32_buffers(device, *sizes):
-    """int32 vectors of these sizes carved from one allocation, each starting 16-byte aligned."""
-    step = [(c + 3) // 4 * 4 for c in sizes]
-    buf = torch.empty(sum(step), dtype=torch.int32, device=device)
-    return [part[:c] for part, c in zip(buf.split(step), sizes)]
 
 
 def _read_stats(stats, ids, num_experts, checking, max_m):

@@ -26,6 +26,7 @@ from codegen import targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values, topk_cluster, topk_sliced
 from ops import _validate as check
+from ops._workspace import int32_views
 
 MAX_K = 4096
 NB = topk_sliced.NB      # bins of the first (12-bit) digit
@@ -393,16 +394,6 @@ def _launchers(key, build):
     return _LAUNCHERS[key]
 
 
-def _carve(device, R, sizes):
-    """One int32 allocation split into contiguous (R, c) views, one per entry of sizes."""
-    buf = torch.empty(R * sum(sizes), dtype=torch.int32, device=device)
-    views, o = [], 0
-    for c in sizes:
-        views.append(buf[o:o + R * c].view(R, c))
-        o += R * c
-    return views
-
-
 def _clustered(scores, k, lengths, target, out, cluster, vec):
     """One cluster per row (ops/topk_cluster.py), then topk_sliced's finish: two launches."""
     R, N = scores.shape
@@ -415,8 +406,8 @@ def _clustered(scores, k, lengths, target, out, cluster, vec):
         topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()))
     # the row's histogram (zeroed by the kernel), per slice (selected << 16 | candidates) counts,
     # selected columns, candidate keys and columns, their compacted copies
-    ws, cnt, sel, cand, cand_idx, cand_c, cand_idx_c = _carve(
-        scores.device, R, (topk_sliced.NB, cluster, cluster * KS, N, N, N, N))
+    ws, cnt, sel, cand, cand_idx, cand_c, cand_idx_c = int32_views(
+        scores.device, *((R, c) for c in (topk_sliced.NB, cluster, cluster * KS, N, N, N, N)))
     gather(scores.view(R, -1, 4), lengths, ws, cnt, sel, cand, cand_idx)
     finish(lengths, cnt, sel, cand, cand_idx, cand_c, cand_idx_c, out)
     return out
@@ -434,7 +425,8 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
         topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
         topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()))
     ws = torch.zeros(R, topk_sliced.WS_COLS, dtype=torch.int32, device=scores.device)    # histogram, bucket
-    cnt, sel, cand, cand_idx, cand_c, cand_idx_c = _carve(scores.device, R, (S, S * KS, N, N, N, N))
+    cnt, sel, cand, cand_idx, cand_c, cand_idx_c = int32_views(
+        scores.device, *((R, c) for c in (S, S * KS, N, N, N, N)))
     quads = scores.view(R, -1, 4)
     hist(quads, lengths, ws)
     bucket(quads, lengths, ws)

@@ -172,6 +172,22 @@ def test_cluster_kernel_builds_for_two_blocks_per_sm(target, params):
     assert st.histogram.get("BAR", 0) <= 10, st.format()
 
 
+def test_workspace_views_are_contiguous_aligned_and_disjoint():
+    # the op's scratch tensors (ops/_workspace.py): one allocation, each view 16-byte aligned
+    from ops._workspace import int32_views
+
+    views = int32_views("cpu", (3, 4097), 5, (3, 2), 0, 7)
+    assert [tuple(v.shape) for v in views] == [(3, 4097), (5,), (3, 2), (0,), (7,)]
+    base = views[0].untyped_storage().data_ptr()
+    for v in views:
+        assert v.is_contiguous() and v.dtype == torch.int32 and (v.data_ptr() - base) % 16 == 0
+        assert v.untyped_storage().data_ptr() == base
+    for v, i in zip(views, range(1, 6)):
+        v.fill_(i)
+    assert [int(v.min()) if v.numel() else i for v, i in zip(views, range(1, 6))] == [1, 2, 3, 4, 5]
+    assert [int(v.max()) if v.numel() else i for v, i in zip(views, range(1, 6))] == [1, 2, 3, 4, 5]
+
+
 def test_cluster_words_have_no_rule_off_cuda():
     from codegen import rules, targets
 
