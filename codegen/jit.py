@@ -161,6 +161,21 @@ def key_inputs(program, prim, t: targets.Target, pass_configs: dict) -> dict:
 _fast: dict[tuple, Kernel] = {}
 
 
+_launch_sets: dict = {}
+
+
+def launchers(key, build):
+    """build() once per key (and per rule-registry generation): an op's hot path keeps the kernel
+    launchers it needs under a plain tuple key, so an eager call pays one dict lookup instead of a
+    compile-cache lookup per kernel (keyword binding, a sorted key; bench/NOTES.md "eager host cost").
+    The key must name everything build() depends on (target, kernel parameters)."""
+    gen = rules.generation()
+    hit = _launch_sets.get(key)
+    if hit is None or hit[0] != gen:
+        hit = _launch_sets[key] = (gen, build())
+    return hit[1]
+
+
 def compile(program, target, **params) -> Kernel:
     """The compiled kernel for `program` on `target` with these parameters (cached)."""
     fkey = (program.name, target, tuple(sorted(params.items())), rules.generation())

@@ -1,19 +1,36 @@
 """Scratch tensors for an op's kernels, carved from one allocation.
 
-An eager call's host time is mostly allocations and launches (bench/NOTES.md "eager host cost"),
-so ops that need several int32 scratch tensors take them from one torch.empty.
+An eager call's host time is mostly allocations, launches and tensor-view ops (bench/NOTES.md
+"eager host cost"), so ops that need several int32 scratch tensors take them from one torch.empty
+and cut each with a single as_strided (split + slice + view cost three times as much per view).
 """
 
 import math
 
 import torch
 
+_LAYOUTS: dict = {}
+
+
+def _layout(shapes):
+    """(total elements, [(shape, strides, offset)]) with every offset a multiple of 4 elements."""
+    out, at = [], 0
+    for s in shapes:
+        s = (s,) if isinstance(s, int) else tuple(s)
+        strides = tuple(math.prod(s[i + 1:]) for i in range(len(s)))
+        out.append((s, strides, at))
+        at += (math.prod(s) + 3) // 4 * 4
+    return max(at, 1), out
+
 
 def int32_views(device, *shapes):
     """Contiguous int32 tensors of these shapes (ints or tuples), views of one allocation, each
     starting 16-byte aligned (kernels may read them as int4)."""
-    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
-    sizes = [math.prod(s) for s in shapes]
-    step = [(c + 3) // 4 * 4 for c in sizes]
-    buf = torch.empty(sum(step), dtype=torch.int32, device=device)
-    return [part[:c].view(s) for part, c, s in zip(buf.split(step), sizes, shapes)]
+    lay = _LAYOUTS.get(shapes)
+    if lay is None:
+        if len(_LAYOUTS) > 1024:        # shapes that vary call to call (prefill lengths)
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[shapes] = _layout(shapes)
+    total, views = lay
+    buf = torch.empty(total, dtype=torch.int32, device=device)
+    return [buf.as_strided(s, st, off) for s, st, off in views]

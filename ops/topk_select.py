@@ -22,7 +22,7 @@ Kernels (radix select on order-preserving 32-bit keys):
 import tilelang.language as T
 import torch
 
-from codegen import targets, tile
+from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values, topk_cluster, topk_sliced
 from ops import _validate as check
@@ -383,17 +383,6 @@ def topk_select_reference(scores, k, *, lengths=None):
     return out
 
 
-_LAUNCHERS: dict = {}
-
-
-def _launchers(key, build):
-    """Kernel launchers resolved once per key: an eager call then pays no compile-cache lookups
-    (the indexer calls this op every decode step)."""
-    if key not in _LAUNCHERS:
-        _LAUNCHERS[key] = build()
-    return _LAUNCHERS[key]
-
-
 def _clustered(scores, k, lengths, target, out, cluster, vec):
     """One cluster per row (ops/topk_cluster.py), then topk_sliced's finish: two launches."""
     R, N = scores.shape
@@ -401,7 +390,7 @@ def _clustered(scores, k, lengths, target, out, cluster, vec):
     if cluster * L < N:
         raise ValueError(f"cluster={cluster} blocks of {L} columns (vec={vec}) do not cover rows of {N} columns")
     KS = min(L, k)
-    gather, finish = _launchers(("cluster", target.name, k, cluster, vec), lambda: (
+    gather, finish = jit.launchers(("topk-cluster", target.name, k, cluster, vec), lambda: (
         topk_cluster.topk_cluster_program.compile(target, k=k, vec=vec, cluster=cluster).launcher(),
         topk_sliced.topk_finish_program.compile(target, k=k, slice_cols=L).launcher()))
     # the row's histogram (zeroed by the kernel), per slice (selected << 16 | candidates) counts,
@@ -419,7 +408,7 @@ def _sliced(scores, k, lengths, target, out, threads=512, vec=4):
     L = topk_sliced.slice_cols(threads, vec)
     S, KS = -(-N // L), min(L, k)
     sp = dict(k=k, threads=threads, vec=vec)
-    hist, bucket, gather, finish = _launchers(("sliced", target.name, k, threads, vec), lambda: (
+    hist, bucket, gather, finish = jit.launchers(("topk-sliced", target.name, k, threads, vec), lambda: (
         topk_sliced.topk_hist_program.compile(target, **sp).launcher(),
         topk_sliced.topk_bucket_program.compile(target, k=k).launcher(),
         topk_sliced.topk_gather_program.compile(target, **sp).launcher(),
