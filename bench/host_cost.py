@@ -1,14 +1,18 @@
 """Host (CPU) time per call of our kernels' launch paths next to plain torch launches, on a GPU.
 
-    python -m bench.host_cost
+    python -m bench.host_cost [NAME_SUBSTRING ...]
 
 Eager decode-sized ops are host-bound when the host path costs more than the kernel: this prints
 the median/min host microseconds of a torch launch, tvm_ffi's tensor conversion, a bare TileLang
-launcher, our row-gather path, and the FP8 GEMM at three depths (the public op, ops.gemm_fp8._launch,
-the kernel launcher alone). Timed with perf_counter around each call, the GPU drained every 50
-calls. bench/NOTES.md "eager host cost" has the H200 host's numbers.
+launcher, our row-gather path, the FP8 GEMM at three depths (the public op, ops.gemm_fp8._launch,
+the kernel launcher alone), top-k (the op and its scratch views) and MoE dispatch (the masked
+layout with a fixed max_m, which reads nothing back; the contiguous layout up to its one host
+read). Value checks are off (TILECRAFT_CHECK_VALUES=0): they sync. Timed with perf_counter around
+each call, the GPU drained every 50 calls. bench/NOTES.md "eager host cost" has the H200 host's
+numbers.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -31,7 +35,7 @@ def host_us(fn, n=300):
     return statistics.median(ts) * 1e6, min(ts) * 1e6
 
 
-def cases(dev="cuda"):
+def cases(dev="cuda", gemm=True):
     import tvm_ffi
 
     import ops
@@ -54,7 +58,7 @@ def cases(dev="cuda"):
         "row gather: launcher, 3 tensors": lambda: gather(yv, src, ov),
         "row gather: moe_dispatch._gather_into": lambda: _gather_into(out, y, src),
     }
-    for m, n, k in [(128, 4096, 7168), (128, 7168, 2048)]:
+    for m, n, k in [(128, 4096, 7168), (128, 7168, 2048)] if gemm else []:
         g = torch.Generator().manual_seed(0)
         qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).to(dev))
         qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).to(dev))
@@ -68,15 +72,47 @@ def cases(dev="cuda"):
         res[f"{name}: ops.fp8_gemm_nt"] = lambda a=(qa, sfa, qb, sfb): ops.fp8_gemm_nt(*a)
         res[f"{name}: _launch"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, n, k): _launch("dense", *a)
         res[f"{name}: kernel launcher"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, part): kern(*a)
+    res.update(topk_and_dispatch_cases(dev))
+    return res
+
+
+def topk_and_dispatch_cases(dev="cuda"):
+    import ops
+    from ops import topk_sliced
+    from ops._workspace import int32_views
+    from ops.moe_dispatch import _plan_queued, _scatter_rows
+
+    res = {}
+    for R, N, k in [(64, 131072, 2048), (128, 65536, 512)]:
+        s = torch.randn(R, N, device=dev)
+        lengths = torch.full((R,), N, dtype=torch.int32, device=dev)
+        res[f"topk_select {R}x{N} k={k}"] = lambda a=(s, k, lengths): ops.topk_select(a[0], a[1], lengths=a[2])
+    shapes = [(64, c) for c in (topk_sliced.NB, 8, 8 * 2048, 131072, 131072, 131072, 131072)]
+    res["topk scratch: int32_views, 7 views"] = lambda: int32_views(dev, *shapes)
+    T, H, E, k = 4096, 7168, 256, 8
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int().to(dev)
+    res[f"moe_dispatch masked max_m=512 (T={T}, H={H}, k={k})"] = lambda: ops.moe_dispatch(
+        x, ids, E, layout="masked", max_m=512)
+
+    def contiguous_until_read():
+        mapping, src, rows, pending = _plan_queued(ids, E, "contiguous", 128, None)
+        return _scatter_rows(x, mapping.positions, src, rows, True, pending[1])
+
+    res["moe_dispatch contiguous align=128, up to its host read"] = contiguous_until_read
     return res
 
 
 def main():
     if not torch.cuda.is_available():
         sys.exit("bench.host_cost needs a CUDA GPU: it times host paths that launch kernels")
+    os.environ["TILECRAFT_CHECK_VALUES"] = "0"       # value checks sync: they would time the GPU
     print(f"torch {torch.__version__}, __dlpack_c_exchange_api__ on torch.Tensor: "
           f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, GPU {torch.cuda.get_device_name()}")
-    for name, fn in cases().items():
+    only = sys.argv[1:]     # substrings: time only the cases whose name holds one of them
+    for name, fn in cases(gemm=not only or any("gemm" in o for o in only)).items():
+        if only and not any(o in name for o in only):
+            continue
         med, mn = host_us(fn)
         print(f"{name:52s} host median {med:7.1f} us  min {mn:7.1f} us", flush=True)
 
