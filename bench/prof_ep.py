@@ -1,12 +1,14 @@
 """Host vs device time of each phase of an EP dispatch/combine (torchrun, >= 2 GPUs).
 
-    torchrun --standalone --nproc-per-node 2 -m bench.prof_ep [--chunks 4,1]
+    torchrun --standalone --nproc-per-node 2 -m bench.prof_ep [--chunks 4,1] [--pin]
 
 For each chunk count: per phase (the marks the EP path records), the median host time between
 marks (h:) and the GPU time between the same marks (g:), plus host_issue (the call's host time)
 and gpu_total. Where h: and g: agree and host_issue is close to gpu_total the op is host-bound:
 the GPU waits on Python. Same case as `bench.op moe --shape ep` (T=4096 per rank, H=7168, E=256,
-k=8, bf16). It first prints each rank's CPU affinity. bench/NOTES.md "EP v3" has the H200 numbers.
+k=8, bf16). It first prints each rank's CPU affinity; --pin then moves each rank's main thread
+onto its own 1/world share of those cores (NCCL's threads, already started, keep theirs), to see
+whether ranks sharing cores is what slows the host. bench/NOTES.md "EP v3" has the H200 numbers.
 """
 
 import argparse
@@ -25,6 +27,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunks", default="4,1")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--pin", action="store_true", help="pin each rank's main thread to its own share of the cores")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise SystemExit("bench.prof_ep needs torchrun with >= 2 GPUs")
@@ -40,6 +43,12 @@ def main(argv=None):
     dist.all_gather_object(every, (r, len(cpus), f"{cpus[0]}-{cpus[-1]}" if cpus else "none"))
     if r == 0:                                       # ranks sharing cores with each other or NCCL's proxies
         print("cpu affinity per rank (rank, cores, range):", every, flush=True)
+    if args.pin:
+        share = len(cpus) // dist.get_world_size()
+        os.sched_setaffinity(0, cpus[r * share:(r + 1) * share])
+        dist.all_gather_object(every, (r, share, f"{cpus[r * share]}-{cpus[(r + 1) * share - 1]}"))
+        if r == 0:
+            print("pinned main threads (rank, cores, range):", every, flush=True)
     T_, H, E, k = 4096, 7168, 256, 8
     g = torch.Generator().manual_seed(r)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)]).to(torch.int32).to(dev)

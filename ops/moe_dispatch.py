@@ -427,8 +427,8 @@ def _settle(mapping, pending):
     """The contiguous plan's one host read (the padded row count and the value checks), then its
     bound-sized m_indices cut to the rows (in place: the mapping is this call's own). Returns rows.
     Kept short: after the read the GPU is idle until the caller's next launch."""
-    stats, _, ids, checking = pending
-    rows = _read_stats(stats, ids, mapping.num_experts, checking, None)[0]
+    read, _, ids, checking = pending
+    rows = _read_stats(read, ids, mapping.num_experts, checking, None)[0]
     mapping.m_indices = mapping.m_indices[:rows]
     return rows
 
@@ -443,9 +443,10 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     the value checks together); align=1 and masked with max_m read it only for the value checks
     (skipped with TILECRAFT_CHECK_VALUES=0 and during CUDA-graph capture), so they can be captured.
     The contiguous layout leaves its read to the caller: it returns rows = the bound T*k +
-    E*(align-1) (src and m_indices have that many rows, the live ones first) and pending = (Stats,
-    the live row count on the device (1,), ids, checking) for _settle, so the caller can queue the
-    row scatter first (pending is None when nothing needs reading: align=1 with the checks off).
+    E*(align-1) (src and m_indices have that many rows, the live ones first) and pending = (the
+    queued read of Stats, the live row count on the device (1,), ids, checking) for _settle, so the
+    caller can queue the row scatter first (pending is None when nothing needs reading: align=1
+    with the checks off).
     """
     T_, k = ids.shape
     n = T_ * k
@@ -465,13 +466,15 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     count(flat, counts, offsets, stats, align if layout == "contiguous" else 1)
     checking = _values.enabled(ids)
     if layout == "contiguous":
-        # sized by the bound T*k + E*(align-1), so the place kernel runs before the host reads
+        # sized by the bound T*k + E*(align-1), so the place kernel runs before the host reads;
+        # the read itself is queued right behind the count kernel
+        read = _queue_read(stats) if align > 1 or checking else None
         place(flat, counts, offsets, positions.view(-1), src, m_indices, k)
         mapping = MoeMapping(layout, E, k, positions, counts, m_indices=m_indices, masked_m=None, max_m=None)
-        pending = (stats, offsets[E:], ids, checking) if align > 1 or checking else None
+        pending = (read, offsets[E:], ids, checking) if read is not None else None
         return mapping, src, bound, pending
     if max_m is None or checking:
-        need = _read_stats(stats, ids, E, checking, max_m)[1]
+        need = _read_stats((stats, None), ids, E, checking, max_m)[1]
         if max_m is None:
             max_m = max(align, (need + align - 1) // align * align)
     src = torch.empty(E, max_m, dtype=torch.int32, device=device)
@@ -480,8 +483,25 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     return mapping, src.view(-1), E * max_m, None
 
 
-def _read_stats(stats, ids, num_experts, checking, max_m):
-    """The plan's one host read: (padded rows, busiest expert's count), raising on bad values."""
+def _queue_read(stats):
+    """Start the host read of the plan's Stats: (tensor to read, event or None). On CUDA a copy
+    into pinned memory and an event behind it, so the host waits for the count kernel only, not
+    for the row scatter queued after it (the host returns while the scatter runs)."""
+    if stats.device.type != "cuda":
+        return stats, None
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _read_stats(read, ids, num_experts, checking, max_m):
+    """The plan's one host read, read = _queue_read(stats) or (stats, None): (padded rows,
+    busiest expert's count), raising on bad values."""
+    stats, ready = read
+    if ready is not None:
+        ready.synchronize()
     rows, busiest, bad, _ = stats.tolist()
     if checking and bad:
         raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
