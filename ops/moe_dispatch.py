@@ -110,8 +110,8 @@ class EpMapping:
         return range(self.rank * n, (self.rank + 1) * n)
 
 
-# Ascend: not lowered yet (its SIMT vector code has no int16x4 type for the raw-bit row copy)
-@tile_program("moe_gather_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+# Ascend: rows move as 32-bit words (row_words): its SIMT vector code has no 8- or 16-bit vector types
+@tile_program("moe_gather_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"h7168-bf16": dict(hidden=7168, bits="int16")})
 def gather_rows_program(hidden: int, bits: str = "int16", threads: int = 128):
     """Y[r, :] = X[src[r], :] (zeros where src[r] < 0): a row gather on raw bits."""
@@ -134,7 +134,7 @@ def _plan_configs(t, p):
     return {"tl.disable_warp_specialized": True} if t.name.startswith("cuda") else {}
 
 
-@tile_program("moe_plan_count", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+@tile_program("moe_plan_count", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"e256": dict(num_experts=256)}, pass_configs=_plan_configs)
 def plan_count_program(num_experts: int, threads: int = 1024, per_thread: int = 32):
     """One block: Counts[e] = assignments to e, Offsets[e] = sum of align-padded counts below e,
@@ -193,7 +193,7 @@ def plan_count_program(num_experts: int, threads: int = 1024, per_thread: int = 
     return plan_count
 
 
-@tile_program("moe_plan_place", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+@tile_program("moe_plan_place", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"contiguous": dict(layout="contiguous"), "masked": dict(layout="masked")},
               pass_configs=_plan_configs)
 def plan_place_program(layout: str, lanes: int = 512, seg: int = 16):
@@ -298,7 +298,7 @@ def plan_place_program(layout: str, lanes: int = 512, seg: int = 16):
     return plan_place
 
 
-@tile_program("moe_scatter_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"),
+@tile_program("moe_scatter_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
                         "h7168-bf16-sorted": dict(hidden=7168, bits="int16", pad=False)})
 def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, threads: int = 128,
@@ -406,12 +406,26 @@ def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, r
         return out
     if x.shape[0] == 0 or type(x) is not torch.Tensor:  # nothing to read: every row is padding
         return out.zero_()
-    bits = BITS[x.element_size()]
-    target, hidden, has_live = targets.resolve(x), x.shape[1], live is not None
+    target, has_live = targets.resolve(x), live is not None
+    xw = x.view(row_words(x, target))
+    hidden, bits = xw.shape[1], xw.dtype
     scatter = jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, has_live), lambda: (
         scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad, live=has_live).launcher()))
-    scatter(x.view(bits), positions, src, out.view(bits), *(() if live is None else (live,)))
+    scatter(xw, positions, src, out.view(bits), *(() if live is None else (live,)))
     return out
+
+
+def row_words(x: torch.Tensor, target) -> torch.dtype:
+    """The word the row-copy kernels move x's rows in: its element's width (bf16 and fp8 rows
+    alike), or 32-bit words on Ascend, whose SIMT vector code has no 8- or 16-bit vector types
+    (there a row must hold a multiple of 4 bytes)."""
+    if target.vendor == "ascend":
+        row_bytes = x.shape[-1] * x.element_size()
+        if row_bytes % 4:
+            raise ValueError(f"on {target.name} rows are copied as 32-bit words: a row of x must be a multiple of "
+                             f"4 bytes, got {x.shape[-1]} x {x.dtype} = {row_bytes} bytes")
+        return torch.int32
+    return BITS[x.element_size()]
 
 
 def _plan(ids: torch.Tensor, num_experts: int, layout: str, align: int, max_m):
@@ -685,16 +699,18 @@ def _scatter_into(y, x, positions, src, pad):
     """y[positions[t, j]] = x[t] for the rows of x (raw bits), and with pad zeros where src < 0 (src
     covers y's rows). x, positions may be row slices: the kernel reads whole rows, so a slice keeps
     the alignment of its base."""
-    bits = BITS[x.element_size()]
-    kernel = scatter_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits], pad=pad)
-    kernel.launcher()(x.view(bits), positions, src, y.view(bits))
+    target = targets.resolve(x)
+    xw = x.view(row_words(x, target))
+    kernel = scatter_rows_program.compile(target, hidden=xw.shape[1], bits=BITS_NAME[xw.dtype], pad=pad)
+    kernel.launcher()(xw, positions, src, y.view(xw.dtype))
 
 
 def _gather_into(y, x, src):
     """y[r] = x[src[r]] for every row of y (a row slice of a larger buffer), on raw bits."""
-    bits = BITS[x.element_size()]
-    kernel = gather_rows_program.compile(targets.resolve(x), hidden=x.shape[1], bits=BITS_NAME[bits])
-    kernel.launcher()(x.view(bits), src, y.view(bits))
+    target = targets.resolve(x)
+    xw = x.view(row_words(x, target))
+    kernel = gather_rows_program.compile(target, hidden=xw.shape[1], bits=BITS_NAME[xw.dtype])
+    kernel.launcher()(xw, src, y.view(xw.dtype))
 
 
 _CHUNK_BASES = {}

@@ -535,6 +535,35 @@ def test_dispatch_kernels_build_for_cuda(target):
         assert stats["contiguous"].registers <= 64
     assert all(s.spill_stores == 0 for s in stats.values())
     assert "int4" in scatter_rows_program.source(target, hidden=7168, bits="int16")
+    # the count kernel loads its ids before counting them: no load between two shared atomics
+    assert stats["count"].histogram.get("LDG", 0) >= 32
+
+
+def test_dispatch_programs_lower_for_ascend():
+    """Ascend C for the whole single-device dispatch (no device has run it): the plan kernels as one
+    SIMT region each, the row copies on 32-bit words (row_words)."""
+    from ops.moe_dispatch import gather_rows_program, plan_count_program, plan_place_program, scatter_rows_program
+
+    count = plan_count_program.source("ascend", num_experts=256)
+    assert count.count("__simt_vf__") == 1 and "asc_atomic_add" in count
+    for layout in ("contiguous", "masked"):
+        assert "__simt_vf__" in plan_place_program.source("ascend", layout=layout)
+    for live in (False, True):
+        src = scatter_rows_program.source("ascend", hidden=3584, bits="int32", live=live)
+        assert "__simt_vf__" in src and ("Live[0]" in src) == live
+    assert "__simt_vf__" in gather_rows_program.source("ascend", hidden=3584, bits="int32")
+
+
+def test_row_words():
+    from codegen import targets
+    from ops.moe_dispatch import row_words
+
+    x = torch.zeros(2, 6, dtype=torch.bfloat16)
+    assert row_words(x, targets.get("cpu")) == torch.int16
+    assert row_words(x.to(torch.float8_e4m3fn), targets.get("sm_90a")) == torch.uint8
+    assert row_words(x, targets.get("ascend")) == torch.int32
+    with pytest.raises(ValueError, match="multiple of 4 bytes, got 3 x torch.bfloat16 = 6 bytes"):
+        row_words(x[:, :3], targets.get("ascend"))
 
 
 @pytest.mark.gpu
