@@ -172,6 +172,8 @@ def launchers(key, build):
     gen = rules.generation()
     hit = _launch_sets.get(key)
     if hit is None or hit[0] != gen:
+        if len(_launch_sets) >= 4096:       # keys that vary call to call (a GEMM's m)
+            _launch_sets.clear()
         hit = _launch_sets[key] = (gen, build())
     return hit[1]
 

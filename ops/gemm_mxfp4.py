@@ -10,7 +10,7 @@ is bound by the weight bytes, which are a quarter of bf16's: that is the point.
 import tilelang.language as T
 import torch
 
-from codegen import targets, tile
+from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch
 from ops import _validate as check
@@ -59,13 +59,13 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
-    def mxfp4_gemm_nt(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 2), "uint8"),
+    def mxfp4_gemm_nt(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
                       SFB: T.Tensor((n, k // MX), "uint8"), C: T.Tensor((m, n), "bfloat16"),
                       Part: T.Tensor(part_shape, "float32")):
         with tile.grid(T.ceildiv(m, block_m) * n_tiles * splits, threads) as bid:
             tm, tn, ts = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles, splits))
             a_s = tile.operand((block_m, block_k), "bfloat16")
-            raw = tile.stage((block_n, block_k // 2), "uint8")
+            raw = tile.stage((block_n, block_k // 8), "int32")     # 8 codes a word
             b_s = tile.operand((block_n, block_k), "bfloat16")
             sc_s = tile.stage((block_n, groups), "float32")
             acc = tile.accumulator((block_m, block_n))
@@ -76,10 +76,10 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             for s in tile.pipelined(steps, stages=stages):
                 kk = k0 + s
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
-                tile.copy(B[tn * block_n, kk * (block_k // 2)], raw)
+                tile.copy(B[tn * block_n, kk * (block_k // 8)], raw)
                 for i, j in tile.parallel(block_n, block_k):
-                    byte = T.cast(raw[i, j // 2], "uint32")
-                    code = (byte >> T.cast(4 * (j % 2), "uint32")) & T.uint32(0xF)
+                    # one 32-bit word holds the 8 codes of 8 neighbouring columns (low nibble first)
+                    code = (T.cast(raw[i, j // 8], "uint32") >> T.cast(4 * (j % 8), "uint32")) & T.uint32(0xF)
                     # (e2m1 * 2^-126) * 2^126 is exact; the E8M0 factor is a second multiply so that
                     # no scale byte overflows a folded factor (2^(e8 - 1) would for e8 > 128)
                     b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * T.float32(2.0 ** 126)
@@ -141,15 +141,27 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _launch(a, b, sfb, out, **override):
-    from backends.cuda.device import sm_count
-    from ops.gemm_fp8 import launch_split_k, split_k_launchers
+    """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
+    launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
+    from ops.gemm_fp8 import launch_split_k
 
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
+    if b.data_ptr() % 16:
+        raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
+    splits, kernel, reduce = jit.launchers(("mxfp4_gemm_nt", target.name, a.device.index, m, n, k,
+                                            tuple(sorted(override.items()))), lambda: _launchers(a, target, m, n, k, override))
+    launch_split_k(kernel, reduce, (a, b.view(torch.int32), sfb), out, splits)
+
+
+def _launchers(a, target, m, n, k, override):
+    from backends.cuda.device import sm_count
+    from ops.gemm_fp8 import split_k_launchers
+
     p = {**plan(m, n, k, sms=sm_count(a)), **override}
     kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
-    launch_split_k(*split_k_launchers(kernel, target, n, p["splits"], "bfloat16"), (a, b, sfb), out, p["splits"])
+    return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
 
 
 @torch.library.custom_op("tilecraft::mxfp4_gemm_nt", mutates_args=())
