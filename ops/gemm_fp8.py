@@ -329,11 +329,11 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     return {**p, "overlap": True} if overlap else p
 
 
-def split_k_count(tiles: int, k_steps: int, sms: int) -> int:
+def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> int:
     """Splits of K (a power of two) for a grid of `tiles` (m, n) tiles: doubled while the blocks
-    still cover at most the SMs and every split keeps at least 12 K steps."""
+    still cover at most the SMs and every split keeps at least `min_steps` K steps."""
     splits = 1
-    while tiles * splits * 2 <= sms and k_steps // (splits * 2) >= 12:
+    while tiles * splits * 2 <= sms and k_steps // (splits * 2) >= min_steps:
         splits *= 2
     return splits
 

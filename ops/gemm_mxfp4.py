@@ -133,11 +133,13 @@ def _mxfp4_impl(a, b, sfb):
 
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Tile and split-K choice (a pure function of the shapes). Split-K when the (m, n) tiles
-    cover under half the GPU and every split keeps at least 12 K steps (as ops.gemm_fp8.plan)."""
+    cover under half the GPU and every split keeps at least 6 K steps: a step here (decode a
+    128 x 128 tile, then its MMA) costs ~2 us on the H200, several times an FP8 step, so filling
+    the SMs pays for the partials' round trip sooner than in ops.gemm_fp8.plan (12 steps)."""
     from ops.gemm_fp8 import split_k_count
 
     block_m = 64 if m <= 64 else 128
-    return dict(block_m=block_m, splits=split_k_count(-(-m // block_m) * (n // 128), k // 128, sms))
+    return dict(block_m=block_m, splits=split_k_count(-(-m // block_m) * (n // 128), k // 128, sms, min_steps=6))
 
 
 def _launch(a, b, sfb, out, **override):

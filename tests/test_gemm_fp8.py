@@ -489,7 +489,8 @@ def test_mxfp4_plan():
     from ops.gemm_mxfp4 import plan
 
     assert plan(1, 4096, 7168) == dict(block_m=64, splits=4)
-    assert plan(64, 7168, 2048) == dict(block_m=64, splits=1)
+    assert plan(64, 7168, 2048) == dict(block_m=64, splits=2)      # 56 tiles: 112 blocks of 8 steps
+    assert plan(64, 7168, 1024) == dict(block_m=64, splits=1)      # 8 steps: no split keeps 6
     assert plan(4096, 4096, 7168)["splits"] == 1
 
 
