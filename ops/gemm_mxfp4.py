@@ -71,8 +71,13 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
+            # the scale bytes staged first (plain loads, issued together), then converted: read inside the conversion's
+            # selects, each byte was loaded up to three times, one global round trip after another
+            e8 = tile.stage((block_n, groups), "uint8")
             for i, gi in tile.parallel(block_n, groups):
-                sc_s[i, gi] = _e8m0(SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)])
+                e8[i, gi] = SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)]
+            for i, gi in tile.parallel(block_n, groups):
+                sc_s[i, gi] = _e8m0(e8[i, gi])
             for s in tile.pipelined(steps, stages=stages):
                 kk = k0 + s
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
