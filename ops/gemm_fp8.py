@@ -27,7 +27,7 @@ import tilelang.language as T
 import torch
 
 from backends.cuda.device import sm_count
-from codegen import rules, targets, tile
+from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
@@ -358,9 +358,6 @@ def launch_split_k(kernel, reduce, args, out, splits: int):
     reduce(part, out)
 
 
-_LAUNCHES = {}     # per call shape: (splits, kernel launcher, reduce launcher or None)
-
-
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, overlap=None, **override):
     target = targets.resolve(a2)
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
@@ -369,32 +366,24 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     overlap = OVERLAP if overlap is None else overlap
     # the plan, both compile lookups and the SM count once per shape: an eager call's host time is
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
-    key = (mode, target, a2.device, rows, n, k, block_m, overlap, tuple(sorted(override.items())), out2.dtype,
-           rules.generation())
-    hit = _LAUNCHES.get(key)
-    if hit is None:
+    def build():
         p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
-        if len(_LAUNCHES) >= 4096:
-            _LAUNCHES.clear()
-        hit = _LAUNCHES[key] = (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype))
-    splits, kernel, reduce = hit
+        return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype))
+
+    splits, kernel, reduce = jit.launchers(("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
+                                            tuple(sorted(override.items())) if override else (), out2.dtype), build)
     launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits)
-
-
-def _dummy(device, size=1, dtype=torch.int32):
-    """A tensor the kernel binds but never reads in this mode (empty: no fill kernel launched)."""
-    return torch.empty(size, dtype=dtype, device=device)
 
 
 _BOUND_ONLY = {}
 
 
 def _bound_only(device, size=1, dtype=torch.int32):
-    """Like _dummy, for the launch path only (real tensors, never under tracing): the kernel binds it
-    but never reads or writes it in this mode, so one tensor per (device, size, dtype) is kept and
-    an eager call allocates nothing for it (an allocation is ~5 us of host time on the H200 host)."""
+    """A tensor the kernel binds but never reads or writes in this mode, for the launch path only
+    (real tensors, never under tracing): one per (device, size, dtype) is kept, so an eager call
+    allocates nothing for it (an allocation is ~5 us of host time on the H200 host)."""
     key = (device, size, dtype)
     t = _BOUND_ONLY.get(key)
     if t is None:
@@ -442,7 +431,7 @@ def _fp8_gemm_impl(mode, a, sfa, b, sfb, aux, out_dtype, block_m):
 
 @torch.library.custom_op("tilecraft::fp8_gemm", mutates_args=())
 def _fp8_gemm_op(mode: str, a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
-                 aux: torch.Tensor, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
+                 aux: torch.Tensor | None, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
     return _fp8_gemm_impl(mode, a, sfa, b, sfb, aux, out_dtype, block_m)
 
 
@@ -466,8 +455,7 @@ def fp8_gemm_nt(a, sfa, b, sfb, out=None, out_dtype=torch.bfloat16):
     any m >= 0. `out` (m, n) bf16/fp32 is written in place when given."""
     _check_operands(a, sfa, b, sfb, grouped=False, masked=False)
     m = a.shape[0]
-    return _call("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), _dummy(a.device), out, out_dtype,
-                 64 if m <= 64 else 128)
+    return _call("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), None, out, out_dtype, 64 if m <= 64 else 128)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dtype=torch.bfloat16):
