@@ -71,7 +71,7 @@ def cases(dev="cuda", gemm=True):
         name = f"fp8 gemm {m}x{n}x{k} (splits {p['splits']})"
         res[f"{name}: ops.fp8_gemm_nt"] = lambda a=(qa, sfa, qb, sfb): ops.fp8_gemm_nt(*a)
         res[f"{name}: _launch"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, n, k): _launch("dense", *a)
-        res[f"{name}: kernel launcher"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, part): kern(*a)
+        res[f"{name}: kernel launcher"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, part), kern=kern: kern(*a)
     res.update(topk_and_dispatch_cases(dev))
     return res
 
