@@ -372,8 +372,9 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype))
 
-    splits, kernel, reduce = jit.launchers(("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
-                                            tuple(sorted(override.items())) if override else (), out2.dtype), build)
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
+           tuple(sorted(override.items())) if override else (), out2.dtype)
+    splits, kernel, reduce = jit.launchers(key, build)
     launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits)
 
 

@@ -71,8 +71,8 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
-            # the scale bytes staged first (plain loads, issued together), then converted: read inside the conversion's
-            # selects, each byte was loaded up to three times, one global round trip after another
+            # the scale bytes staged first (plain loads, issued together), then converted: read
+            # inside the conversion's selects, they were global round trips one after another
             e8 = tile.stage((block_n, groups), "uint8")
             for i, gi in tile.parallel(block_n, groups):
                 e8[i, gi] = SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)]
@@ -139,7 +139,7 @@ def _mxfp4_impl(a, b, sfb):
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Tile and split-K choice (a pure function of the shapes). Split-K when the (m, n) tiles
     cover under half the GPU and every split keeps at least 6 K steps: a step here (decode a
-    128 x 128 tile, then its MMA) costs ~2 us on the H200, several times an FP8 step, so filling
+    128 x 128 tile, then its MMA) costs ~1.5 us on the H200, several times an FP8 step, so filling
     the SMs pays for the partials' round trip sooner than in ops.gemm_fp8.plan (12 steps)."""
     from ops.gemm_fp8 import split_k_count
 
@@ -157,8 +157,8 @@ def _launch(a, b, sfb, out, **override):
     target = targets.resolve(a)
     if b.data_ptr() % 16:
         raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
-    splits, kernel, reduce = jit.launchers(("mxfp4_gemm_nt", target.name, a.device.index, m, n, k,
-                                            tuple(sorted(override.items()))), lambda: _launchers(a, target, m, n, k, override))
+    key = ("mxfp4_gemm_nt", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
+    splits, kernel, reduce = jit.launchers(key, lambda: _launchers(a, target, m, n, k, override))
     launch_split_k(kernel, reduce, (a, b.view(torch.int32), sfb), out, splits)
 
 

@@ -503,10 +503,11 @@ def _queue_read(stats):
     for the row scatter queued after it (the host returns while the scatter runs)."""
     if stats.device.type != "cuda":
         return stats, None
+    stream = torch.cuda.current_stream(stats.device)    # the stream the copy runs on (stats' device)
     host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
     host.copy_(stats, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(stream)
     return host, ready
 
 
