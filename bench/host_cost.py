@@ -12,12 +12,13 @@ each call, the GPU drained every 50 calls. bench/NOTES.md "eager host cost" has 
 numbers.
 """
 
-import os
 import statistics
 import sys
 import time
 
 import torch
+
+from tilecraft import env
 
 
 def host_us(fn, n=300):
@@ -106,7 +107,7 @@ def topk_and_dispatch_cases(dev="cuda"):
 def main():
     if not torch.cuda.is_available():
         sys.exit("bench.host_cost needs a CUDA GPU: it times host paths that launch kernels")
-    os.environ["TILECRAFT_CHECK_VALUES"] = "0"       # value checks sync: they would time the GPU
+    env.set("TILECRAFT_CHECK_VALUES", "0")           # value checks sync: they would time the GPU
     print(f"torch {torch.__version__}, __dlpack_c_exchange_api__ on torch.Tensor: "
           f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, GPU {torch.cuda.get_device_name()}")
     only = sys.argv[1:]     # substrings: time only the cases whose name holds one of them

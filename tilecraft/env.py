@@ -39,6 +39,12 @@ def get(name: str) -> str:
     return value if value != "" else var.default
 
 
+def set(name: str, value: str) -> None:
+    """Set a Tilecraft variable for this process (tools that need, e.g., value checks off)."""
+    VARS[name]        # a KeyError names an unknown variable
+    os.environ[name] = value
+
+
 def flag(name: str) -> bool:
     return get(name).strip().lower() in ("1", "true", "yes", "on")
 
