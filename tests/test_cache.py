@@ -134,3 +134,23 @@ def test_two_processes_compiling_the_same_kernel_both_succeed(tmp_path):
     found = entries(tmp_path / "cache")
     assert len(found) == 1 and cache.verify(found[0], found[0].name) is None
     assert not any((tmp_path / "cache" / "v1" / ".staging").glob("*"))
+
+
+def test_launcher_sets_are_built_once_per_key_and_rule_generation():
+    # an op's hot path (jit.launchers): one build per key, rebuilt when a lowering rule changes
+    from codegen import rules
+
+    built = []
+
+    def build():
+        built.append(1)
+        return len(built)
+
+    key = ("test-launchers", object())
+    assert jit.launchers(key, build) == 1 and jit.launchers(key, build) == 1
+    rules.register("test_launchers_word", "cpu", lambda: None)
+    try:
+        assert jit.launchers(key, build) == 2
+    finally:
+        rules.unregister("test_launchers_word", "cpu")
+    assert jit.launchers(key, build) == 3 and len(built) == 3

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from tilecraft import env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,3 +30,11 @@ def test_defaults(monkeypatch):
     assert str(env.cache_dir()).endswith(".cache/tilecraft")
     monkeypatch.setenv("TILECRAFT_VERBOSE", "yes")
     assert env.flag("TILECRAFT_VERBOSE")
+
+
+def test_set_takes_only_known_variables(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "1")
+    env.set("TILECRAFT_CHECK_VALUES", "0")
+    assert not env.flag("TILECRAFT_CHECK_VALUES")
+    with pytest.raises(KeyError):
+        env.set("TILECRAFT_NO_SUCH_VARIABLE", "1")
