@@ -702,16 +702,20 @@ def _scatter_into(y, x, positions, src, pad):
     the alignment of its base."""
     target = targets.resolve(x)
     xw = x.view(row_words(x, target))
-    kernel = scatter_rows_program.compile(target, hidden=xw.shape[1], bits=BITS_NAME[xw.dtype], pad=pad)
-    kernel.launcher()(xw, positions, src, y.view(xw.dtype))
+    hidden, bits = xw.shape[1], xw.dtype
+    scatter = jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, False), lambda: (
+        scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
+    scatter(xw, positions, src, y.view(bits))
 
 
 def _gather_into(y, x, src):
     """y[r] = x[src[r]] for every row of y (a row slice of a larger buffer), on raw bits."""
     target = targets.resolve(x)
     xw = x.view(row_words(x, target))
-    kernel = gather_rows_program.compile(target, hidden=xw.shape[1], bits=BITS_NAME[xw.dtype])
-    kernel.launcher()(xw, src, y.view(xw.dtype))
+    hidden, bits = xw.shape[1], xw.dtype
+    gather = jit.launchers(("moe_gather_rows", target.name, hidden, bits), lambda: (
+        gather_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits]).launcher()))
+    gather(xw, src, y.view(bits))
 
 
 _CHUNK_BASES = {}
