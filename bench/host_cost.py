@@ -42,7 +42,8 @@ def cases(dev="cuda", gemm=True):
     import ops
     from codegen import targets
     from ops.gemm_fp8 import OUT_DTYPES, _launch, fp8_gemm_program, plan
-    from ops.moe_dispatch import _gather_into, gather_rows_program
+    from ops.moe_dispatch import gather_rows_program
+    from ops.moe_ep import _gather_into
 
     y = torch.randn(64, 7168, dtype=torch.bfloat16, device=dev)
     src = torch.arange(8, dtype=torch.int32, device=dev)
@@ -57,7 +58,7 @@ def cases(dev="cuda", gemm=True):
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "tvm_ffi.from_dlpack, 1 tensor": lambda: tvm_ffi.from_dlpack(yv),
         "row gather: launcher, 3 tensors": lambda: gather(yv, src, ov),
-        "row gather: moe_dispatch._gather_into": lambda: _gather_into(out, y, src),
+        "row gather: moe_ep._gather_into": lambda: _gather_into(out, y, src),
     }
     for m, n, k in [(128, 4096, 7168), (128, 7168, 2048)] if gemm else []:
         g = torch.Generator().manual_seed(0)

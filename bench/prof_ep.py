@@ -32,7 +32,7 @@ def main(argv=None):
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise SystemExit("bench.prof_ep needs torchrun with >= 2 GPUs")
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    md = importlib.import_module("ops.moe_dispatch")
+    md = importlib.import_module("ops.moe_ep")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     group, r = dist.group.WORLD, dist.get_rank()

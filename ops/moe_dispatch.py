@@ -12,44 +12,15 @@ dispatch: rows grouped by expert, in token order within an expert (stable, deter
 combine: out[t] = sum_j weights[t, j] * y[row of (t, j)], j in order, accumulated in fp32: the
   same summation order whatever else is in the batch (batch-invariant, deterministic).
 
-Expert parallelism (group=ProcessGroup of W ranks): rank r owns experts [r*E/W, (r+1)*E/W).
-  dispatch: every (token, choice) is sent once to the rank owning its expert (one row per choice, not
-    one per destination rank: k rows per token cross the fabric, but each returns as its own row, so
-    combine can sum in the single-device order). A rank's tokens are cut into C = EP_CHUNKS token
-    ranges; its send order is (chunk, global expert, token): the single-device plan kernels on the key
-    chunk*E + expert, so each chunk is grouped by destination rank and, inside, by local expert. One
-    (C*E + 8,) int32 header per rank goes first with all_gather_into_tensor (the count kernel's rows
-    per (chunk, global expert), then an error flag, row sizes and the ids' range) and is read on the
-    host (the one sync). From it each receiver knows its whole layout before any row arrives: expert
-    e's rows are, in the single-device order, rank 0's chunks 0..C-1, then rank 1's...; so every
-    received row's output row follows from two small host tables (per segment, per expert), which one
-    kernel (moe_ep_layout) expands on the device: no ids exchange. Then, per chunk, the send rows are
-    scattered from x (token-major: each token read once), exchanged with all_to_all_single on raw bytes (uint8 views:
-    any dtype, NCCL or gloo; fp8 scales as a second exchange), issued async on CUDA (the process
-    group's stream), and placed into the final layout as soon as they arrive, while the next chunk
-    transfers. The result is exactly the slice of the single-device layout for the local experts
-    (rows in global token order inside each expert, the same padding, zeros included).
-  combine: per chunk, this rank's expert rows are gathered in their arrival order and go back to their
-    tokens' ranks (all_to_all_single, async on CUDA); as chunk c returns, its tokens (exactly the rows
-    of chunk c) run the single-device combine kernel: same values, same order, same fp32 accumulation,
-    so the output is bitwise the single-device result on the concatenated tokens.
-  Every rank runs the same collectives in the same order (C chunk exchanges even when they are
-  empty), so uneven loads, empty ranks and empty experts cannot deadlock.
-  The EP path reads the header on the host (split sizes), so it is eager only: no CUDA-graph capture,
-  no torch.compile. This module sets no NCCL environment; launchers should keep NCCL_NVLS_ENABLE=0.
-  Future work: send a token once per destination rank (DeepEP-style) and return per-choice rows;
-  dispatch to EPLB replicas (ops.eplb_plan) by choosing a physical slot per (token, choice).
+Expert parallelism (group=): ops/moe_ep.py, on the same kernels.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
-import time
 from dataclasses import dataclass
 
-import numpy as np
 
 import tilelang.language as T
 import torch
-import torch.distributed as dist
 
 from codegen import jit, targets, tile
 from codegen.program import tile_program
@@ -58,8 +29,6 @@ from ops import _validate as check
 from ops._workspace import int32_views
 
 LAYOUTS = ("contiguous", "masked")
-EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges); must be the same on every rank
-_EP_TRACE = None     # bench hook (bench/suites/moe.py): a list collecting (phase, CUDA event or wall time)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 BITS_NAME = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
@@ -345,35 +314,6 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
     return scatter_rows
 
 
-@tile_program("moe_ep_layout", targets=("cuda:sm_90a", "cuda:sm_100a", "cpu"), examples={"default": {}})
-def ep_layout_program(threads: int = 256):
-    """An EP receiver's layout from two small host tables (one block per segment or expert):
-    Pos[Seg[s,0] + j] = Seg[s,2] + min(Seg[s,3] + j, cap) for j < Seg[s,1] (segment s: the rows one
-    source rank sent from one chunk to one local expert: receive start, length, the expert's first
-    output row, the segment's first index inside its expert); Rows[Exp[e,0] + j] = Exp[e,3] if
-    j < Exp[e,1] else -1 for j < Exp[e,2] (contiguous: m_indices; masked: 0 / -1 row validity)."""
-    nseg, el, n, rows = T.dynamic("nseg, el, n, rows")
-
-    @T.prim_func
-    def ep_layout(Seg: T.Tensor((nseg, 4), "int32"), Exp: T.Tensor((el, 4), "int32"), cap: T.int32,
-                  Pos: T.Tensor((n,), "int32"), Rows: T.Tensor((rows,), "int32")):
-        with tile.grid(nseg + el, threads) as b:
-            with tile.vector():
-                if b < nseg:
-                    for p in T.serial(T.ceildiv(Seg[b, 1], threads)):
-                        for t in tile.parallel(threads):
-                            if p * threads + t < Seg[b, 1]:
-                                Pos[Seg[b, 0] + p * threads + t] = Seg[b, 2] + T.min(Seg[b, 3] + p * threads + t, cap)
-                else:
-                    for p in T.serial(T.ceildiv(Exp[b - nseg, 2], threads)):
-                        for t in tile.parallel(threads):
-                            if p * threads + t < Exp[b - nseg, 2]:
-                                Rows[Exp[b - nseg, 0] + p * threads + t] = T.if_then_else(
-                                    p * threads + t < Exp[b - nseg, 1], Exp[b - nseg, 3], -1)
-
-    return ep_layout
-
-
 @tile_program("moe_combine", examples={"h7168-k8": dict(hidden=7168, top_k=8)})
 def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128):
     """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32."""
@@ -622,7 +562,9 @@ def moe_dispatch(x, ids, num_experts, *, x_scales=None, layout="contiguous", ali
     is sized per rank); mapping.ep holds what moe_combine needs to send results back. Eager only.
     """
     if group is not None:
-        return _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group)
+        from ops import moe_ep
+
+        return moe_ep.ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group)
     _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
     return _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
 
@@ -645,393 +587,6 @@ def _local_dispatch(x, ids, num_experts, x_scales, layout, align, max_m):
         xd = xd.view(num_experts, mapping.max_m, x.shape[1])
         sd = sd.view(num_experts, mapping.max_m, -1) if sd is not None else None
     return xd, sd, mapping
-
-
-def _group_size_rank(group):
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group was given but torch.distributed is not initialized: call "
-                         "torch.distributed.init_process_group first, or pass group=None for one device")
-    try:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-    except (TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__} ({e})") from e
-    if rank < 0:
-        raise ValueError("this process is not a member of group")
-    return world, rank
-
-
-def _a2a(out, inp, out_splits, in_splits, group):
-    """all_to_all_single of rows as raw bytes (uint8 views: any dtype crosses any backend; gloo has no
-    fp8). On CUDA it is issued async on the process group's stream and the handle is returned (wait()
-    makes the current stream wait); on CPU it runs now and None is returned."""
-    o, i = out.view(torch.uint8), inp.view(torch.uint8)               # 2-D (rows, row bytes)
-    cuda = out.device.type == "cuda"
-    work = dist.all_to_all_single(o, i, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
-                                  group=group, async_op=cuda)
-    return work if cuda else None
-
-
-def _mark(name, device):
-    """Bench hook: with _EP_TRACE a list, record a phase boundary (a CUDA event on the current stream,
-    or the wall time on CPU). Costs nothing when off."""
-    if _EP_TRACE is None:
-        return
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        _EP_TRACE.append((name, ev))
-    else:
-        _EP_TRACE.append((name, time.perf_counter()))
-
-
-def _ep_chunks():
-    c = EP_CHUNKS
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise ValueError(f"ops.moe_dispatch.EP_CHUNKS must be an int >= 1 (the same on every rank), got {c!r}")
-    return c
-
-
-def _token_bounds(tokens, chunks):
-    """Chunk c of a rank's tokens is [c*T//C, (c+1)*T//C): some chunks are empty when T < C."""
-    return [c * tokens // chunks for c in range(chunks + 1)]
-
-
-def _scatter_into(y, x, positions, src, pad):
-    """y[positions[t, j]] = x[t] for the rows of x (raw bits), and with pad zeros where src < 0 (src
-    covers y's rows). x, positions may be row slices: the kernel reads whole rows, so a slice keeps
-    the alignment of its base."""
-    target = targets.resolve(x)
-    xw = x.view(row_words(x, target))
-    hidden, bits = xw.shape[1], xw.dtype
-    scatter = jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, False), lambda: (
-        scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
-    scatter(xw, positions, src, y.view(bits))
-
-
-def _gather_into(y, x, src):
-    """y[r] = x[src[r]] for every row of y (a row slice of a larger buffer), on raw bits."""
-    target = targets.resolve(x)
-    xw = x.view(row_words(x, target))
-    hidden, bits = xw.shape[1], xw.dtype
-    gather = jit.launchers(("moe_gather_rows", target.name, hidden, bits), lambda: (
-        gather_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits]).launcher()))
-    gather(xw, src, y.view(bits))
-
-
-_CHUNK_BASES = {}
-
-
-def _chunk_base(tokens, chunks, num_experts, device):
-    """(T, 1) int32: chunk(t) * E, chunk(t) = ((t + 1) * C - 1) // T (the chunk of _token_bounds
-    holding token t); kept for the last few shapes (five small ops fewer per call)."""
-    key = (tokens, chunks, num_experts, device)
-    base = _CHUNK_BASES.get(key)
-    if base is None:
-        t = torch.arange(1, tokens + 1, device=device, dtype=torch.int32)
-        base = ((t * chunks - 1) // tokens * num_experts).view(tokens, 1)
-        if len(_CHUNK_BASES) >= 16:
-            _CHUNK_BASES.clear()
-        _CHUNK_BASES[key] = base
-    return base
-
-
-def _ep_send_plan(ids, num_experts, chunks, counts):
-    """Send order of an EP dispatch: every (token, choice) sorted by (chunk, global expert), token order
-    inside, i.e. by (chunk, destination rank, local expert, token). It is the single-device plan
-    (contiguous, align=1) on the key chunk(t)*E + ids[t, j] over C*E keys: chunk c's rows are exactly
-    rows [c0*k, c1*k) of the send buffer. The count runs now, into `counts` (C*E,) int32 (the
-    header's first part); the place step is returned, to run later (under the header exchange): it
-    gives positions (T, k) int32 and the source token of every send row."""
-    T_, k = ids.shape
-    E, device = num_experts * chunks, ids.device
-    # [T, k] chunk(t)*E + expert; ids clamped like the single-device kernels (the range check, when
-    # on, reads the raw ids): a chunk's rows then always fill exactly its own rows of the send buffer
-    key = ids.clamp(0, num_experts - 1) + _chunk_base(T_, chunks, num_experts, device)
-    flat = key.view(-1)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
-    stats = torch.empty(4, dtype=torch.int32, device=device)
-    target = targets.resolve(ids)
-    plan_count_program.compile(target, num_experts=E).launcher()(flat, counts, offsets, stats, 1)
-
-    def place():
-        positions = torch.empty(T_, k, dtype=torch.int32, device=device)
-        src = torch.empty(T_ * k, dtype=torch.int32, device=device)      # source token of each send row
-        m_idx = torch.empty(T_ * k, dtype=torch.int32, device=device)    # (the key of each row: unused)
-        plan_place_program.compile(target, layout="contiguous").launcher()(flat, counts, offsets, positions.view(-1),
-                                                                             src, m_idx, k)
-        return positions, src
-
-    return place
-
-
-def _recv_layout(cnt, layout, align, max_m):
-    """This rank's dispatch layout from the header alone (no received ids), as two small tables for
-    ep_layout_program (one launch expands them on the device: the ~25 small device ops this replaced
-    took 0.58 ms of host time per dispatch on the H200 host, numpy over every row 0.45 ms here).
-
-    cnt (W, C, El) int64 numpy: rows each source rank sends from each of its chunks to each local
-    expert. In the single-device layout on the concatenated tokens, expert e's rows are in global
-    token order: source rank 0's chunks 0..C-1, then rank 1's...; the receive buffer holds
-    chunk-major segments (c, s, e). So a received row's index in its expert is (rows of e from
-    earlier (s, c)) + its index in its segment."""
-    W, C, El = cnt.shape
-    tot = cnt.sum((0, 1))                                                # [El] rows per local expert
-    n = int(tot.sum())
-    busiest = int(tot.max()) if n else 0
-    flat = cnt.reshape(W * C, El)
-    before = (np.cumsum(flat, 0) - flat).reshape(W, C, El)              # rows of e in earlier (s, c)
-    seg_len = cnt.transpose(1, 0, 2).reshape(-1)                         # receive order: (c, s, e)
-    seg = np.empty((seg_len.size, 4), dtype=np.int64)
-    seg[:, 0] = np.cumsum(seg_len) - seg_len
-    seg[:, 1] = seg_len
-    seg[:, 3] = before.transpose(1, 0, 2).reshape(-1)
-    exp = np.empty((El, 4), dtype=np.int64)
-    exp[:, 1] = tot
-    if layout == "contiguous":
-        padded = (tot + align - 1) // align * align
-        rows = int(padded.sum())
-        exp[:, 0] = np.cumsum(padded) - padded                           # expert segment starts
-        exp[:, 2] = padded
-        exp[:, 3] = np.arange(El)                                        # m_indices: the expert, -1 on padding
-        cap, out_max_m, pad_rows = 2**31 - 1, None, rows - n
-    else:
-        out_max_m = int(max_m) if max_m is not None else max(align, (busiest + align - 1) // align * align)
-        rows = El * out_max_m
-        exp[:, 0] = np.arange(El) * out_max_m
-        exp[:, 2] = out_max_m
-        exp[:, 3] = 0                                                    # valid rows 0, padding -1
-        # clamped like the single-device plan: an unchecked overflow never writes out of bounds
-        cap, pad_rows = out_max_m - 1, rows - int(np.minimum(tot, out_max_m).sum())
-    seg[:, 2] = np.tile(exp[:, 0], W * C)
-    return dict(counts=tot, seg=seg, exp=exp, cap=cap, n=n, rows=rows, pad_rows=pad_rows, busiest=busiest,
-                max_m=out_max_m)
-
-
-def _expand_layout(device, lay):
-    """(positions (N, 1), rows (M,), counts (El,)) int32 on the device: the tables uploaded in one
-    copy, expanded by one ep_layout_program launch."""
-    seg, exp, counts = _to_device(device, lay["seg"], lay["exp"], lay["counts"])
-    pos = torch.empty(lay["n"], dtype=torch.int32, device=device)
-    rows = torch.empty(lay["rows"], dtype=torch.int32, device=device)
-    if seg.numel() + exp.numel():
-        kernel = ep_layout_program.compile(targets.resolve(pos))
-        kernel.launcher()(seg.view(-1, 4), exp.view(-1, 4), lay["cap"], pos, rows)
-    return pos.view(-1, 1), rows, counts
-
-
-def _to_device(device, *arrays):
-    """int32 device copies of host int arrays through one pinned buffer and one copy."""
-    sizes = [a.size for a in arrays]
-    host = torch.empty(max(1, sum(sizes)), dtype=torch.int32, pin_memory=device.type == "cuda")
-    flat = host.numpy()
-    o = 0
-    for a, n in zip(arrays, sizes):
-        flat[o:o + n] = a.reshape(-1)
-        o += n
-    dev = host.to(device, non_blocking=True)
-    out, o = [], 0
-    for n in sizes:
-        out.append(dev[o:o + n])
-        o += n
-    return out
-
-
-# header tail (int32 after the C*E counts): [bad arguments, x bytes per row, scale bytes per row,
-# ids checked, ids min, ids max, 0, 0]
-_TAIL = 8
-_TAILS = {}
-
-
-def _tail(values, device):
-    """The header tail as a device tensor, kept per value (a device copy, not an upload, per call)."""
-    key = (tuple(values), device)
-    t = _TAILS.get(key)
-    if t is None:
-        if len(_TAILS) >= 64:
-            _TAILS.clear()
-        t = _TAILS[key] = torch.tensor(values, dtype=torch.int32, device=device)
-    return t
-
-
-def _ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
-    """Expert-parallel dispatch: one header all-gather (with its host sync), then C row chunks whose
-    send scatter, all-to-all and placement overlap (see the module docstring and bench/NOTES.md)."""
-    world, me = _group_size_rank(group)
-    check.number("num_experts", num_experts, lo=1, integer=True)
-    if num_experts % world:
-        raise ValueError(f"num_experts={num_experts} must be a multiple of the group's world size {world} "
-                         "(experts are placed contiguously, E/W per rank)")
-    e_local = num_experts // world
-    chunks = _ep_chunks()
-    # A rank whose arguments fail the checks still joins the header exchange with an error flag, so
-    # the other ranks raise too instead of waiting in the next collective.
-    try:
-        _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m)
-        bad = None
-    except (TypeError, ValueError) as e:
-        bad = e
-    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    cuda = device.type == "cuda"
-    _mark("start", device)
-    # header: this rank's rows per (chunk, global expert) straight from the plan's count kernel,
-    # then the tail; all-gathered, so every rank reads what it sends and what it receives on the host
-    ce = chunks * num_experts
-    tail = [1, 0, 0, 0, 0, 0, 0, 0]
-    checking = False
-    if bad is None:
-        T_, k = ids.shape
-        bounds = _token_bounds(T_, chunks)
-        checking = _values.enabled(ids)
-        tail = [0, x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4,
-                int(checking), 0, 0, 0, 0]
-    header = (torch.empty if bad is None and T_ else torch.zeros)(ce + _TAIL, dtype=torch.int32, device=device)
-    header[ce:].copy_(_tail(tail, device))
-    if bad is None and T_:
-        place = _ep_send_plan(ids, num_experts, chunks, header[:ce])
-        if checking:                                  # read with the header: no extra sync
-            torch.aminmax(ids.view(-1), out=(header[ce + 4], header[ce + 5]))
-    gathered = torch.empty(world * (ce + _TAIL), dtype=torch.int32, device=device)   # flat: gloo wants it so
-    dist.all_gather_into_tensor(gathered, header, group=group)
-    gathered = gathered.view(world, ce + _TAIL)
-    if cuda:                                                            # read back without waiting for what follows
-        host = torch.empty(world, ce + _TAIL, dtype=torch.int32, pin_memory=True)
-        host.copy_(gathered, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    _mark("header", device)
-    send_x = send_s = None
-    if bad is None:
-        # work that needs no header: the send order and chunk 0's send rows (under the header's round trip)
-        positions, src = place() if T_ else (torch.empty(0, k, dtype=torch.int32, device=device), None)
-        send_x = torch.empty(T_ * k, x.shape[1], dtype=x.dtype, device=device)
-        send_s = None if x_scales is None else torch.empty(T_ * k, x_scales.shape[1], dtype=torch.float32,
-                                                           device=device)
-
-        def send_rows(c):
-            a, b = bounds[c], bounds[c + 1]
-            if b > a:
-                _scatter_into(send_x, x[a:b], positions[a:b], src, pad=False)
-                if send_s is not None:
-                    _scatter_into(send_s, x_scales[a:b], positions[a:b], src, pad=False)
-
-        send_rows(0)
-    _mark("prep", device)
-    if cuda:
-        ready.synchronize()                                             # the one host sync: split sizes
-    else:
-        host = gathered
-    _mark("synced", device)
-    if bad is not None:
-        raise bad
-    h = host.numpy().astype(np.int64)
-    tails = h[:, ce:]
-    bad_ids = [bool(t[3]) and (t[4] < 0 or t[5] >= num_experts) for t in tails]    # ranks that checked theirs
-    if bad_ids[me]:
-        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(tails[me, 4])}.."
-                         f"{int(tails[me, 5])}")
-    failed = [r for r in range(world) if tails[r, 0] or bad_ids[r]]
-    if failed:
-        raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
-                         "no rows were exchanged")
-    sizes = sorted({(int(t[1]), int(t[2])) for t in tails})
-    if len(sizes) > 1:
-        raise ValueError(f"every rank must send rows of one size: got (x bytes, x_scales bytes) per row "
-                         f"{sizes} across the group (same H and dtype everywhere)")
-    every = h[:, :ce].reshape(world, chunks, world, e_local)            # [source, chunk, destination, expert]
-    cnt_send = every[me]                                                # [C, W, El] what this rank sends
-    cnt_recv = every[:, :, me]                                          # [W, C, El] what it receives
-    send_chunks = cnt_send.sum(2).tolist()                              # [C][W] rows to each rank per chunk
-    recv_chunks = cnt_recv.sum(2).T.tolist()                            # [C][W] rows from each rank per chunk
-    recv_bounds = [0]
-    for c in range(chunks):
-        recv_bounds.append(recv_bounds[-1] + sum(recv_chunks[c]))
-    recv_x = torch.empty(recv_bounds[-1], x.shape[1], dtype=x.dtype, device=device)
-    recv_s = None if x_scales is None else torch.empty(recv_bounds[-1], x_scales.shape[1], dtype=torch.float32,
-                                                       device=device)
-    works = []
-    for c in range(chunks):                                             # same collectives, same order, every rank
-        if c:
-            send_rows(c)
-        a, b, ra, rb = bounds[c] * k, bounds[c + 1] * k, recv_bounds[c], recv_bounds[c + 1]
-        works.append(_a2a(recv_x[ra:rb], send_x[a:b], recv_chunks[c], send_chunks[c], group))
-        if recv_s is not None:
-            works.append(_a2a(recv_s[ra:rb], send_s[a:b], recv_chunks[c], send_chunks[c], group))
-    _mark("issued", device)
-    lay = _recv_layout(cnt_recv, layout, align, max_m)
-    overflow = None
-    if layout == "masked" and max_m is not None and checking and lay["busiest"] > max_m:
-        overflow = ValueError(f"max_m={max_m} is smaller than the busiest expert's {lay['busiest']} tokens")
-    rows = lay["rows"]
-    pos, src_rows, counts = _expand_layout(device, lay)
-    xd = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
-    sd = None if x_scales is None else torch.empty(rows, x_scales.shape[1], dtype=torch.float32, device=device)
-    if recv_bounds[-1] == 0 and rows:                                   # nothing arrives: every row is padding
-        xd.zero_()
-        if sd is not None:
-            sd.zero_()
-    _mark("layout", device)
-    zero_pending = lay["pad_rows"] > 0
-    per_chunk = 1 if recv_s is None else 2
-    for c in range(chunks):
-        for w in works[c * per_chunk:(c + 1) * per_chunk]:
-            if w is not None:
-                w.wait()
-        _mark(f"chunk{c}", device)
-        ra, rb = recv_bounds[c], recv_bounds[c + 1]
-        if rb > ra:                                  # placed while chunk c+1 transfers
-            _scatter_into(xd, recv_x[ra:rb], pos[ra:rb], src_rows, pad=zero_pending)
-            if sd is not None:
-                _scatter_into(sd, recv_s[ra:rb], pos[ra:rb], src_rows, pad=zero_pending)
-            zero_pending = False
-    _mark("end", device)
-    if overflow is not None:                         # after every collective: the peers are not left waiting
-        raise overflow
-    contiguous = layout == "contiguous"
-    mapping = MoeMapping(layout, e_local, 1, pos, counts, m_indices=src_rows if contiguous else None,
-                         masked_m=None if contiguous else counts, max_m=lay["max_m"])
-    mapping.ep = EpMapping(group, world, me, num_experts, cnt_send.sum((0, 2)).tolist(),
-                           cnt_recv.sum((1, 2)).tolist(), positions, chunks, bounds, send_chunks, recv_chunks,
-                           recv_bounds)
-    if layout == "masked":
-        xd = xd.view(e_local, mapping.max_m, x.shape[1])
-        sd = sd.view(e_local, mapping.max_m, -1) if sd is not None else None
-    return xd, sd, mapping
-
-
-def _ep_combine(y, mapping, weights):
-    """Each expert row back to its token's rank, chunk by chunk (the chunks of the dispatch), and the
-    combine kernel on a chunk's tokens as soon as their rows are back: the same kernel over the same
-    rows in the same order as one device, so the same bits."""
-    ep = mapping.ep
-    device = y.device
-    _mark("start", device)
-    H = y.shape[-1]
-    y2 = y.reshape(-1, H)
-    T_, k = ep.send_positions.shape
-    back = torch.empty(ep.recv_bounds[-1], H, dtype=y.dtype, device=device)   # rows in the order they came
-    ret = torch.empty(T_ * k, H, dtype=y.dtype, device=device)                 # this rank's rows, send order
-    out = torch.empty(T_, H, dtype=y.dtype, device=device)
-    src = mapping.positions.view(-1)
-    works = []
-    for c in range(ep.chunks):
-        ra, rb = ep.recv_bounds[c], ep.recv_bounds[c + 1]
-        if rb > ra:
-            _gather_into(back[ra:rb], y2, src[ra:rb])
-        a, b = ep.token_bounds[c] * k, ep.token_bounds[c + 1] * k
-        works.append(_a2a(ret[a:b], back[ra:rb], ep.send_chunk_splits[c], ep.recv_chunk_splits[c], ep.group))
-    _mark("gather", device)
-    kernel = None
-    for c in range(ep.chunks):
-        if works[c] is not None:
-            works[c].wait()
-        _mark(f"chunk{c}", device)
-        a, b = ep.token_bounds[c], ep.token_bounds[c + 1]
-        if b > a:                                    # summed while chunk c+1 returns
-            if kernel is None:
-                kernel = combine_program.compile(targets.resolve(y), hidden=H, top_k=k, dtype=Y_DTYPES[y.dtype])
-            kernel.launcher()(ret, ep.send_positions[a:b], weights[a:b], out[a:b])
-    _mark("end", device)
-    return out
 
 
 def _combine_impl(y, positions, weights):
@@ -1076,7 +631,9 @@ def moe_combine(y, mapping, weights):
     check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
     check.same_device(y=y, weights=weights, positions=pos)
     if ep is not None:
-        return _ep_combine(y, mapping, weights)
+        from ops import moe_ep
+
+        return moe_ep.ep_combine(y, mapping, weights)
     return _dispatch.call(_combine_op, _combine_impl, y, pos, weights)
 
 

@@ -128,7 +128,7 @@ def check_scenario(name, rank, W, group, device="cpu"):
 def check_chunks(rank, W, group, chunks):
     """With EP_CHUNKS = chunks: the chunk bookkeeping of a mapping (token ranges cover the tokens, a
     chunk's rows are all its tokens' choices, empty chunks included) and the phase marks."""
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     case = make_case("random", W)
     lo, hi = sum(case["sizes"][:rank]), sum(case["sizes"][:rank + 1])
@@ -235,7 +235,7 @@ def chunk_worker(rank, store, cache_dir):
     empty chunks everywhere; all_empty: no rows at all)."""
     import torch.distributed as dist
 
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     gloo_init(rank, store, cache_dir, 2)
     try:
@@ -302,7 +302,7 @@ def compile_ep_kernels(chunk_counts, names=SCENARIOS):
 
 
 def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     for name in SCENARIOS:                      # compile every kernel once, here, into the shared cache
         for layout, kw in LAYOUTS:
@@ -323,7 +323,7 @@ def test_ep_chunk_boundaries_bitwise():
 
 
 def test_token_bounds_cover_every_token():
-    from ops.moe_dispatch import _token_bounds
+    from ops.moe_ep import _token_bounds
 
     assert _token_bounds(0, 4) == [0, 0, 0, 0, 0]
     assert _token_bounds(2, 4) == [0, 0, 1, 1, 2]
@@ -339,7 +339,7 @@ def test_token_bounds_cover_every_token():
 
 
 def test_ep_chunks_must_be_a_positive_int(monkeypatch):
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     for bad in (0, -1, 2.0, True):
         monkeypatch.setattr(md, "EP_CHUNKS", bad)

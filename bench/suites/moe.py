@@ -20,7 +20,7 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   rank's numbers and writes bench/results/moe-ep-*.json/.csv, then the run ends (the generic
   per-provider table is not used for this preset). NCCL_NVLS_ENABLE is forced to 0 before NCCL starts.
   Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
-  Also per rank: dispatch-cN / combine-cN, the same ops with ops.moe_dispatch.EP_CHUNKS = N row
+  Also per rank: dispatch-cN / combine-cN, the same ops with ops.moe_ep.EP_CHUNKS = N row
   chunks (the default rows use the module's default); dispatch-hp / combine-hp over a second
   process group of the same ranks whose NCCL stream has high priority; and phases_ms on the dispatch/combine rows:
   median ms between the phase marks the EP path records (CUDA events on the compute stream, in a
@@ -101,10 +101,10 @@ def lockstep_ms(fn, group, device, warmup=3, reps=20):
 
 def ep_phases(fn, group, device, reps=5):
     """Median ms of each phase of fn (one EP dispatch or combine), from the marks the EP path records
-    while ops.moe_dispatch._EP_TRACE is a list; every rank makes the same calls."""
+    while ops.moe_ep._EP_TRACE is a list; every rank makes the same calls."""
     import torch.distributed as dist
 
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     cuda = torch.device(device).type == "cuda"
     per = {}
@@ -126,12 +126,12 @@ def ep_phases(fn, group, device, reps=5):
 
 def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None):
     """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows); sweep:
-    also dispatch-cN / combine-cN with N row chunks (ops.moe_dispatch.EP_CHUNKS) for N in sweep;
+    also dispatch-cN / combine-cN with N row chunks (ops.moe_ep.EP_CHUNKS) for N in sweep;
     variants {name: process group}: also dispatch-<name> / combine-<name> over that group (the same
     ranks, e.g. NCCL on a high-priority stream), against the same raw all-to-all."""
     import torch.distributed as dist
 
-    md = importlib.import_module("ops.moe_dispatch")        # the module (ops.moe_dispatch is the function)
+    md = importlib.import_module("ops.moe_ep")
 
     W, me = dist.get_world_size(group), dist.get_rank(group)
     sweep = tuple(dict.fromkeys(sweep))
