@@ -595,8 +595,10 @@ def _combine_impl(y, positions, weights):
     if T_ == 0:
         return out
     y2 = y.reshape(-1, y.shape[-1])
-    kernel = combine_program.compile(targets.resolve(y), hidden=y.shape[-1], top_k=k, dtype=Y_DTYPES[y.dtype])
-    kernel.launcher()(y2, positions, weights, out)
+    target, hidden, dtype = targets.resolve(y), y.shape[-1], Y_DTYPES[y.dtype]
+    combine = jit.launchers(("moe_combine", target.name, hidden, k, dtype), lambda: (
+        combine_program.compile(target, hidden=hidden, top_k=k, dtype=dtype).launcher()))
+    combine(y2, positions, weights, out)
     return out
 
 
