@@ -136,15 +136,32 @@ def _mxfp4_impl(a, b, sfb):
     return out
 
 
+SMEM_BUDGET = 227 * 1024 - 4096    # dynamic shared memory a block may use on sm_90a, less static and slack
+
+
+def smem_bytes(block_m: int, per: int, block_n: int = 128, block_k: int = 128, stages: int = 3) -> int:
+    """Shared memory of one block: the pipeline (A bf16 + packed B per stage), the decoded B tile,
+    and the E8M0 scales of the block's `per` K steps (fp32 table + the staged bytes)."""
+    groups = per * (block_k // MX)
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * groups * 5
+
+
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Tile and split-K choice (a pure function of the shapes). Split-K when the (m, n) tiles
     cover under half the GPU and every split keeps at least 6 K steps: a step here (decode a
     128 x 128 tile, then its MMA) costs ~1.5 us on the H200, several times an FP8 step, so filling
-    the SMs pays for the partials' round trip sooner than in ops.gemm_fp8.plan (12 steps)."""
+    the SMs pays for the partials' round trip sooner than in ops.gemm_fp8.plan (12 steps); and
+    split further where a block's staged scales would not fit in shared memory."""
     from ops.gemm_fp8 import split_k_count
 
     block_m = 64 if m <= 64 else 128
-    return dict(block_m=block_m, splits=split_k_count(-(-m // block_m) * (n // 128), k // 128, sms, min_steps=6))
+    kb = k // 128
+    splits = split_k_count(-(-m // block_m) * (n // 128), kb, sms, min_steps=6)
+    # a block stages the scales of its whole K range: a long range would not fit next to the
+    # pipeline (a launch error), so K is split until it does (prefill-sized k)
+    while smem_bytes(block_m, -(-kb // splits)) > SMEM_BUDGET:
+        splits += 1
+    return dict(block_m=block_m, splits=splits)
 
 
 def _launch(a, b, sfb, out, **override):
