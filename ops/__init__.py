@@ -1,7 +1,7 @@
 """Tilecraft's public operators. Every op is a torch custom op (tilecraft::name) with a fake
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
-from ops.gemm_mxfp4 import mxfp4_gemm_nt
+from ops.gemm_mxfp4 import m_grouped_mxfp4_gemm_nt_contiguous, m_grouped_mxfp4_gemm_nt_masked, mxfp4_gemm_nt
 from ops.gemm_fp8 import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                           m_grouped_fp8_gemm_nt_sorted)
 from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mxfp4, per_block_quant_fp8,
@@ -22,7 +22,8 @@ __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference
            "moe_tile_items",
            "eplb_plan", "EplbPlan",
            "topk_select", "topk_select_reference",
-           "fp8_gemm_nt", "mxfp4_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+           "fp8_gemm_nt", "mxfp4_gemm_nt", "m_grouped_mxfp4_gemm_nt_contiguous", "m_grouped_mxfp4_gemm_nt_masked",
+           "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "m_grouped_fp8_gemm_nt_sorted",
            "per_token_group_quant_fp8", "per_block_quant_fp8", "quant_mxfp4",
            "dequant_fp8_token_groups", "dequant_fp8_blocks", "dequant_mxfp4"]

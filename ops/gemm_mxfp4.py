@@ -12,7 +12,7 @@ import torch
 
 from codegen import jit, targets, tile
 from codegen.program import tile_program
-from ops import _dispatch
+from ops import _dispatch, _values
 from ops import _validate as check
 from ops.quant import dequant_mxfp4
 
@@ -25,6 +25,15 @@ def _e2m1_times_2_pow_minus_126(code):
     a subnormal (0.5 * 2^-126) and e > 0 on 2^(e-127) * (1 + m/2): both exact. No branches."""
     bits = ((code & T.uint32(8)) << T.uint32(28)) | ((code & T.uint32(7)) << T.uint32(22))
     return T.reinterpret(bits, "float32")
+
+
+def _decoded(raw, i, j, factor):
+    """Column j of row i of a staged (rows, block_k / 8) int32 tile of e2m1 codes (8 a word, low
+    nibble first: one 32-bit load serves 8 neighbouring columns), times `factor` (its fp32 E8M0
+    scale), as bf16. (e2m1 * 2^-126) * 2^126 is exact; the scale is a second multiply so that no
+    scale byte overflows a folded factor (2^(e8 - 1) would for e8 > 128)."""
+    code = (T.cast(raw[i, j // 8], "uint32") >> T.cast(4 * (j % 8), "uint32")) & T.uint32(0xF)
+    return T.cast(_e2m1_times_2_pow_minus_126(code) * T.float32(2.0 ** 126) * factor, "bfloat16")
 
 
 def _e8m0(e8):
@@ -83,12 +92,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
                 tile.copy(B[tn * block_n, kk * (block_k // 8)], raw)
                 for i, j in tile.parallel(block_n, block_k):
-                    # one 32-bit word holds the 8 codes of 8 neighbouring columns (low nibble first)
-                    code = (T.cast(raw[i, j // 8], "uint32") >> T.cast(4 * (j % 8), "uint32")) & T.uint32(0xF)
-                    # (e2m1 * 2^-126) * 2^126 is exact; the E8M0 factor is a second multiply so that
-                    # no scale byte overflows a folded factor (2^(e8 - 1) would for e8 > 128)
-                    b_s[i, j] = T.cast(_e2m1_times_2_pow_minus_126(code) * T.float32(2.0 ** 126)
-                                       * sc_s[i, s * (block_k // MX) + j // MX], "bfloat16")
+                    b_s[i, j] = _decoded(raw, i, j, sc_s[i, s * (block_k // MX) + j // MX])
                 # clear at the first step (a TMEM accumulator on sm_100a cannot be zero-filled by stores)
                 tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
             out = tile.read_accumulator(acc)
@@ -101,6 +105,88 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                         C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
 
     return mxfp4_gemm_nt
+
+
+GROUPED_MODES = ("contiguous", "masked")
+
+
+@tile_program(
+    "mxfp4_gemm_nt_grouped",
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    examples={"contiguous-4096x7168": dict(n=4096, k=7168, mode="contiguous"),
+              "masked-4096x7168": dict(n=4096, k=7168, mode="masked", block_m=64)},
+)
+def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n: int = 128, block_k: int = 128,
+                          stages: int = 3, threads: int = 256):
+    """Expert-grouped MXFP4 GEMM in fp8_gemm_nt's two grouped layouts: contiguous (rows of A in
+    128-aligned expert segments, MIdx the expert of each row, -1 for padding rows: zeros out) or
+    masked (A (groups, max_m, k), only the first MaskedM[g] rows of group g: zeros past them).
+    B (groups, n, k/8) int32 words, SFB (groups, n, k/32) E8M0 bytes. A block walks the whole K
+    range (no split-K), so it stages its scale bytes (block_n x k/32) once and converts each where
+    it is used: an fp32 table of the whole range would not fit next to the pipeline at k = 7168."""
+    assert mode in GROUPED_MODES, mode
+    assert k % block_k == 0 and n % block_n == 0 and block_k % MX == 0
+    rows, groups, max_m = T.dynamic("rows, groups, max_m")
+    masked = mode == "masked"
+    kb, n_tiles = k // block_k, n // block_n
+    a_shape = (groups, max_m, k) if masked else (rows, k)
+    c_shape = (groups, max_m, n) if masked else (rows, n)
+
+    @T.prim_func
+    def mxfp4_gemm_grouped(A: T.Tensor(a_shape, "bfloat16"), B: T.Tensor((groups, n, k // 8), "int32"),
+                           SFB: T.Tensor((groups, n, k // MX), "uint8"),
+                           MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row
+                           MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group
+                           C: T.Tensor(c_shape, "bfloat16")):
+        height = max_m if masked else rows                     # rows a group's tiles walk over
+        per_group = T.max(T.ceildiv(height, block_m), 1)
+        m_tiles = per_group * groups if masked else per_group
+        with tile.grid(m_tiles * n_tiles, threads) as bid:
+            tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
+            a_s = tile.operand((block_m, block_k), "bfloat16")
+            raw = tile.stage((block_n, block_k // 8), "int32")
+            b_s = tile.operand((block_n, block_k), "bfloat16")
+            e8 = tile.stage((block_n, k // MX), "uint8")
+            acc = tile.accumulator((block_m, block_n))
+            if masked:
+                g = tm // per_group
+                row0 = (tm % per_group) * block_m                  # within the group
+                limit = MaskedM[g]                                 # rows at or past this are zeros
+            else:
+                row0 = tm * block_m
+                # a 128-aligned segment is one expert; clamped: unchecked ids never index past B
+                g = T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1)
+                limit = rows
+            steps = T.if_then_else(row0 < limit, kb, 0)
+            for i, gi in tile.parallel(block_n, k // MX):
+                e8[i, gi] = SFB[g, tn * block_n + i, gi]
+            for s in tile.pipelined(steps, stages=stages):
+                if masked:
+                    tile.copy(A[g, row0, s * block_k], a_s)
+                else:
+                    tile.copy(A[row0, s * block_k], a_s)
+                tile.copy(B[g, tn * block_n, s * (block_k // 8)], raw)
+                for i, j in tile.parallel(block_n, block_k):
+                    b_s[i, j] = _decoded(raw, i, j, _e8m0(e8[i, s * (block_k // MX) + j // MX]))
+                tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
+            out = tile.read_accumulator(acc)
+            for i, j in tile.parallel(block_m, block_n):
+                r = row0 + i
+                if r < height:
+                    # no K step ran (a tile past MaskedM): the accumulator was never cleared
+                    keep = steps > 0 and r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                    value = T.if_then_else(keep, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
+                    if masked:
+                        C[g, r, tn * block_n + j] = value
+                    else:
+                        C[r, tn * block_n + j] = value
+
+    return mxfp4_gemm_grouped
+
+
+def grouped_smem_bytes(k: int, block_m: int, block_n: int = 128, block_k: int = 128, stages: int = 3) -> int:
+    """Shared memory of one grouped block: the pipeline, the decoded tile and the K range's scale bytes."""
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * (k // MX)
 
 
 def mxfp4_gemm_nt_reference(a, b, sfb):
@@ -123,6 +209,107 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
         raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
     check.same_device(a=a, b=b, sfb=sfb)
     return _dispatch.call(_mxfp4_op, _mxfp4_impl, a, b, sfb)
+
+
+def m_grouped_mxfp4_reference(a, b, sfb, aux, mode):
+    """Exact dequant, fp32 products per group, bf16 out; zeros where no group's rows are."""
+    if mode == "contiguous":
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        for g in range(b.shape[0]):
+            rows = (aux == g).nonzero().flatten()
+            if rows.numel():
+                out[rows] = a[rows].float() @ dequant_mxfp4(b[g], sfb[g]).T
+    else:
+        out = torch.zeros(*a.shape[:2], b.shape[1], dtype=torch.float32, device=a.device)
+        for g in range(b.shape[0]):
+            mm = int(aux[g])
+            if mm:
+                out[g, :mm] = a[g, :mm].float() @ dequant_mxfp4(b[g], sfb[g]).T
+    return out.to(torch.bfloat16)
+
+
+def _check_grouped(a, b, sfb, a_ndim):
+    check.tensor("a", a, dtypes=(torch.bfloat16,), ndim=a_ndim, contiguous=True)
+    check.tensor("b", b, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    G, n = b.shape[:2]
+    k = a.shape[-1]
+    check.shape("b", b, (G, n, k // 2), "(groups, n, k/2): two e2m1 values per byte")
+    check.shape("sfb", sfb, (G, n, k // MX), "(groups, n, k/32) E8M0")
+    if k % 128 or n % 128:
+        raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
+    if grouped_smem_bytes(k, 128) > SMEM_BUDGET:
+        raise ValueError(f"k={k} is too long for the grouped kernel's staged scales (at most "
+                         f"{(SMEM_BUDGET - grouped_smem_bytes(0, 128)) // 128 * MX} columns)")
+    return G, n, k
+
+
+def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
+    """Expert-grouped rows: a (M, k) bf16 in 128-aligned segments per expert (moe_dispatch's
+    contiguous layout), m_indices (M,) int32 giving each row's expert, -1 for padding rows (their
+    output is zeros); b (g, n, k/2) uint8 packed e2m1, sfb (g, n, k/32) uint8 E8M0. Returns (M, n)
+    bf16 = dequant(a) @ dequant(b[m_indices[r]])^T row by row. (e4m3 a with sfa: not yet.)"""
+    if sfa is not None:
+        raise ValueError("sfa (an e4m3 a) is not supported yet: pass a as bf16")
+    G, n, k = _check_grouped(a, b, sfb, 2)
+    check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    check.shape("m_indices", m_indices, (a.shape[0],), "(M,) one per row of a")
+    if a.shape[0] % 128:
+        raise ValueError(f"a's row count must be a multiple of 128 (the segment alignment), got {a.shape[0]}")
+    check.same_device(a=a, b=b, sfb=sfb, m_indices=m_indices)
+    if _values.enabled(m_indices) and a.shape[0] and bool(((m_indices < -1) | (m_indices >= G)).any()):
+        raise ValueError(f"m_indices must be in [-1, {G})")
+    return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "contiguous", a, b, sfb, m_indices, 128)
+
+
+def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=None):
+    """Decode-time grouped GEMM: a (g, max_m, k) bf16; only the first masked_m[i] rows of group i
+    are computed (the rest are zeros); b (g, n, k/2) uint8, sfb (g, n, k/32) uint8. Returns
+    (g, max_m, n) bf16. expected_m is a tiling hint: <= 64 picks 64-row tiles."""
+    if sfa is not None:
+        raise ValueError("sfa (an e4m3 a) is not supported yet: pass a as bf16")
+    G, n, k = _check_grouped(a, b, sfb, 3)
+    if a.shape[0] != G:
+        raise ValueError(f"a must have one matrix per group of b ({G}), got shape {tuple(a.shape)}")
+    check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    check.shape("masked_m", masked_m, (G,), "(groups,)")
+    check.same_device(a=a, b=b, sfb=sfb, masked_m=masked_m)
+    max_m = a.shape[1]
+    if _values.enabled(masked_m) and G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
+        raise ValueError(f"masked_m must be in [0, {max_m}]")
+    block_m = 64 if (expected_m or max_m) <= 64 else 128
+    return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
+
+
+def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
+    if a.device.type == "cpu":
+        return m_grouped_mxfp4_reference(a, b, sfb, aux, mode)
+    from ops.gemm_fp8 import _bound_only
+
+    out = torch.empty(*a.shape[:-1], b.shape[1], dtype=torch.bfloat16, device=a.device)
+    if out.numel() == 0:
+        return out
+    if b.data_ptr() % 16:
+        raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
+    target = targets.resolve(a)
+    G, n, k = b.shape[0], b.shape[1], a.shape[-1]
+    kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m), lambda: (
+        mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
+    m_idx = aux if mode == "contiguous" else _bound_only(a.device, 1)
+    masked_m = aux if mode == "masked" else _bound_only(a.device, G)
+    kernel(a, b.view(torch.int32), sfb, m_idx, masked_m, out)
+    return out
+
+
+@torch.library.custom_op("tilecraft::mxfp4_gemm_nt_grouped", mutates_args=())
+def _mxfp4_grouped_op(mode: str, a: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, aux: torch.Tensor,
+                      block_m: int) -> torch.Tensor:
+    return _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m)
+
+
+@_mxfp4_grouped_op.register_fake
+def _(mode, a, b, sfb, aux, block_m):
+    return a.new_empty(*a.shape[:-1], b.shape[1], dtype=torch.bfloat16)
 
 
 def _mxfp4_impl(a, b, sfb):

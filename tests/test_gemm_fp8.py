@@ -643,3 +643,94 @@ def test_gpu_sorted_in_a_cuda_graph():
     graph.replay()
     ref = ops.m_grouped_fp8_gemm_nt_sorted(a2, sfa2, qb, sfb, items2, out=torch.full((a.shape[0], 512), float("nan")))
     assert_elementwise(out.cpu(), ref)
+
+
+# ---- grouped MXFP4 ---------------------------------------------------------------------------------
+
+def mxfp4_groups(G, n, k, g):
+    packed, scales = zip(*(ops.quant_mxfp4(torch.randn(n, k, generator=g)) for _ in range(G)))
+    return torch.stack(packed), torch.stack(scales)
+
+
+def test_grouped_mxfp4_equals_the_per_group_dense_products():
+    g = torch.Generator().manual_seed(3)
+    G, n, k = 3, 128, 256
+    b, sfb = mxfp4_groups(G, n, k, g)
+    # contiguous: 128-row segments of experts 2, 0, padding (-1), 1 (partly padding)
+    m_idx = torch.tensor([2] * 128 + [0] * 128 + [-1] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
+    a = torch.randn(m_idx.numel(), k, generator=g).bfloat16()
+    out = ops.m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_idx)
+    for r0, e in ((0, 2), (128, 0), (384, 1)):
+        rows = slice(r0, r0 + (100 if e == 1 else 128))
+        assert torch.equal(out[rows], ops.mxfp4_gemm_nt(a[rows].contiguous(), b[e], sfb[e]))
+    assert (out[256:384] == 0).all() and (out[484:] == 0).all()
+    # masked: only the first masked_m[i] rows of group i
+    a3 = torch.randn(G, 64, k, generator=g).bfloat16()
+    mm = torch.tensor([64, 0, 17], dtype=torch.int32)
+    out3 = ops.m_grouped_mxfp4_gemm_nt_masked(a3, b, sfb, mm, expected_m=32)
+    assert out3.shape == (G, 64, n)
+    for e in range(G):
+        m_e = int(mm[e])
+        if m_e:
+            assert torch.equal(out3[e, :m_e], ops.mxfp4_gemm_nt(a3[e, :m_e].contiguous(), b[e], sfb[e]))
+        assert (out3[e, m_e:] == 0).all()
+
+
+def test_grouped_mxfp4_invalid_inputs():
+    g = torch.Generator().manual_seed(4)
+    b, sfb = mxfp4_groups(2, 128, 256, g)
+    a = torch.randn(128, 256, generator=g).bfloat16()
+    m_idx = torch.zeros(128, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"m_indices must be in \[-1, 2\)"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_idx + 2)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a[:100], b, sfb, m_idx[:100])
+    with pytest.raises(ValueError, match="sfb must have shape"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb[:, :, :4].contiguous(), m_idx)
+    with pytest.raises(TypeError, match="a must have dtype bf16"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a.float(), b, sfb, m_idx)
+    with pytest.raises(ValueError, match=r"masked_m must be in \[0, 8\]"):
+        ops.m_grouped_mxfp4_gemm_nt_masked(a[:16].view(2, 8, 256), b, sfb, torch.tensor([9, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="one matrix per group"):
+        ops.m_grouped_mxfp4_gemm_nt_masked(a[:24].view(3, 8, 256), b, sfb, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="too long for the grouped kernel"):
+        big, sbig = mxfp4_groups(1, 128, 65536, g)
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(torch.zeros(128, 65536).bfloat16(), big, sbig, m_idx[:128])
+
+
+@pytest.mark.parametrize("target,instr", [("sm_90a", "HGMMA"), ("sm_100a", "UTCHMMA")])
+@pytest.mark.parametrize("mode", ["contiguous", "masked"])
+def test_grouped_mxfp4_lowers_to_bf16_tensor_cores(target, instr, mode):
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import SMEM_BUDGET, grouped_smem_bytes, mxfp4_grouped_program
+
+    assert grouped_smem_bytes(7168, 128) <= SMEM_BUDGET
+    try:
+        src = mxfp4_grouped_program.source(target, n=4096, k=7168, mode=mode, block_m=64 if mode == "masked" else 128)
+        hist = sass_stats(build_cubin(src, target), target).histogram
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert hist.get(instr, 0) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["contiguous", "masked"])
+def test_gpu_grouped_mxfp4(mode):
+    """The grouped kernels against the CPU path (exact dequant, per group), padding rows included."""
+    g = torch.Generator().manual_seed(7)
+    G, n, k = 4, 256, 1024
+    b, sfb = mxfp4_groups(G, n, k, g)
+    if mode == "contiguous":
+        aux = torch.tensor([1] * 128 + [3] * 100 + [-1] * 28 + [0] * 128 + [-1] * 128, dtype=torch.int32)
+        a = torch.randn(aux.numel(), k, generator=g).bfloat16()
+        fn = lambda *x: ops.m_grouped_mxfp4_gemm_nt_contiguous(*x)   # noqa: E731
+    else:
+        aux = torch.tensor([70, 0, 128, 5], dtype=torch.int32)
+        a = torch.randn(G, 128, k, generator=g).bfloat16()
+        fn = lambda *x: ops.m_grouped_mxfp4_gemm_nt_masked(*x)       # noqa: E731
+    ref = fn(a, b, sfb, aux).float()
+    out = fn(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+    assert calc_diff(out, ref) < 1e-5
+    assert_elementwise(out, ref)
+    assert (out[ref == 0] == 0).all()           # padding rows and rows past masked_m stay zeros
