@@ -14,7 +14,7 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
-from ops.quant import dequant_mxfp4
+from ops.quant import dequant_fp8_token_groups, dequant_mxfp4
 
 MX = 32
 
@@ -193,11 +193,27 @@ def mxfp4_gemm_nt_reference(a, b, sfb):
     return (a.float() @ dequant_mxfp4(b, sfb).T).to(torch.bfloat16)
 
 
+def _a_as_bf16(a, sfa, ndim):
+    """a as the kernels take it: bf16 as given, or e4m3 with its per-(row, 128 columns) fp32 scales
+    sfa dequantized to bf16 first (one pass over a; the product then rounds each dequantized value
+    to bf16: ~2^-9 relative, well inside the FP4 operand's error)."""
+    if sfa is None:
+        return a
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=ndim, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=ndim, contiguous=True)
+    k = a.shape[-1]
+    check.shape("sfa", sfa, (*a.shape[:-1], -(-k // 128)), "per (row, 128 columns) of a")
+    check.same_device(a=a, sfa=sfa)
+    flat = dequant_fp8_token_groups(a.reshape(-1, k), sfa.reshape(-1, sfa.shape[-1]))
+    return flat.to(torch.bfloat16).view(a.shape)
+
+
 def mxfp4_gemm_nt(a, b, sfb, sfa=None):
-    """C (m, n) bf16 = a (m, k) bf16 @ dequant(b, sfb)^T; b (n, k/2) uint8 packed e2m1 (low nibble
-    first), sfb (n, k/32) uint8 E8M0. k % 128 == 0, n % 128 == 0, any m. (e4m3 a with sfa: not yet.)"""
-    if sfa is not None:
-        raise ValueError("sfa (an e4m3 a) is not supported yet: pass a as bf16")
+    """C (m, n) bf16 = a (m, k) @ dequant(b, sfb)^T; b (n, k/2) uint8 packed e2m1 (low nibble
+    first), sfb (n, k/32) uint8 E8M0. a is bf16, or e4m3 with sfa (m, ceil(k/128)) fp32
+    per-token-group scales (per_token_group_quant_fp8's), dequantized to bf16 first.
+    k % 128 == 0, n % 128 == 0, any m."""
+    a = _a_as_bf16(a, sfa, 2)
     check.tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, contiguous=True)
     check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     m, k = a.shape
@@ -248,9 +264,9 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
     """Expert-grouped rows: a (M, k) bf16 in 128-aligned segments per expert (moe_dispatch's
     contiguous layout), m_indices (M,) int32 giving each row's expert, -1 for padding rows (their
     output is zeros); b (g, n, k/2) uint8 packed e2m1, sfb (g, n, k/32) uint8 E8M0. Returns (M, n)
-    bf16 = dequant(a) @ dequant(b[m_indices[r]])^T row by row. (e4m3 a with sfa: not yet.)"""
-    if sfa is not None:
-        raise ValueError("sfa (an e4m3 a) is not supported yet: pass a as bf16")
+    bf16 = a @ dequant(b[m_indices[r]])^T row by row. a may be e4m3 with sfa (M, ceil(k/128)) fp32,
+    as in mxfp4_gemm_nt."""
+    a = _a_as_bf16(a, sfa, 2)
     G, n, k = _check_grouped(a, b, sfb, 2)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
     check.shape("m_indices", m_indices, (a.shape[0],), "(M,) one per row of a")
@@ -265,9 +281,9 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
 def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=None):
     """Decode-time grouped GEMM: a (g, max_m, k) bf16; only the first masked_m[i] rows of group i
     are computed (the rest are zeros); b (g, n, k/2) uint8, sfb (g, n, k/32) uint8. Returns
-    (g, max_m, n) bf16. expected_m is a tiling hint: <= 64 picks 64-row tiles."""
-    if sfa is not None:
-        raise ValueError("sfa (an e4m3 a) is not supported yet: pass a as bf16")
+    (g, max_m, n) bf16. expected_m is a tiling hint: <= 64 picks 64-row tiles. a may be e4m3 with
+    sfa (g, max_m, ceil(k/128)) fp32, as in mxfp4_gemm_nt."""
+    a = _a_as_bf16(a, sfa, 3)
     G, n, k = _check_grouped(a, b, sfb, 3)
     if a.shape[0] != G:
         raise ValueError(f"a must have one matrix per group of b ({G}), got shape {tuple(a.shape)}")

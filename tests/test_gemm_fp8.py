@@ -408,8 +408,28 @@ def test_mxfp4_cpu_is_the_exact_dequant_product():
     assert calc_diff(out, a.float() @ w.T) < 1e-2            # the FP4 weight error, DeepGEMM's bound
     with pytest.raises(ValueError, match=r"b must have shape \(128, 128\)"):
         ops.mxfp4_gemm_nt(a, packed[:, :64].contiguous(), scales)
-    with pytest.raises(ValueError, match="sfa .* not supported yet"):
-        ops.mxfp4_gemm_nt(a, packed, scales, sfa=torch.ones(1))
+    with pytest.raises(TypeError, match="a must have dtype float8_e4m3fn"):
+        ops.mxfp4_gemm_nt(a, packed, scales, sfa=torch.ones(5, 2))
+
+
+def test_mxfp4_takes_e4m3_activations_with_their_scales():
+    # an e4m3 a with per-token-group scales: within the FP4 operand's error of the exact product
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 384, generator=g)
+    qa, sfa = ops.per_token_group_quant_fp8(x)
+    packed, scales = ops.quant_mxfp4(torch.randn(128, 384, generator=g))
+    exact = ops.dequant_fp8_token_groups(qa, sfa) @ ops.dequant_mxfp4(packed, scales).T
+    out = ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa)
+    assert out.dtype == torch.bfloat16 and calc_diff(out, exact) < 1e-4
+    b, sfb = torch.stack([packed, packed]), torch.stack([scales, scales])
+    grouped = ops.m_grouped_mxfp4_gemm_nt_masked(qa[None].expand(2, 7, 384).contiguous(), b, sfb,
+                                                 torch.tensor([7, 3], dtype=torch.int32),
+                                                 sfa=sfa[None].expand(2, 7, 3).contiguous())
+    assert torch.equal(grouped[0], out)
+    torch.testing.assert_close(grouped[1, :3].float(), out[:3].float(), rtol=2 ** -8, atol=0)   # 3-row product
+    assert (grouped[1, 3:] == 0).all()
+    with pytest.raises(ValueError, match=r"sfa must have shape \(7, 3\)"):
+        ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa[:, :2].contiguous())
 
 
 @pytest.mark.parametrize("target,instr,splits", [("sm_90a", "HGMMA", 1), ("sm_90a", "HGMMA", 2),
