@@ -118,10 +118,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 limit = MaskedM[g]                                 # rows at or past this are not computed
             elif mode == "contiguous":
                 row0 = tm * block_m
-                g = T.max(MIdx[T.min(row0, rows - 1)], 0)
+                g = T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1)   # unchecked ids stay inside B
                 limit = rows
             elif by_items:
-                g = T.max(MIdx[tm, 0], 0)
+                g = T.min(T.max(MIdx[tm, 0], 0), groups - 1)
                 row0 = T.max(MIdx[tm, 1], 0)
                 # rows at or past this are not stored (the item's rows, at most block_m; none for padding)
                 limit = T.if_then_else(MIdx[tm, 0] >= 0, T.min(row0 + T.min(MIdx[tm, 2], block_m), rows), 0)
