@@ -157,7 +157,10 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
                 # a 128-aligned segment is one expert; clamped: unchecked ids never index past B
                 g = T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1)
                 limit = rows
-            steps = T.if_then_else(row0 < limit, kb, 0)
+            # a segment's padding rows come after its live ones: a tile whose first row is padding
+            # is all padding, and only zeros are stored for it
+            live = row0 < limit if masked else row0 < limit and MIdx[T.min(row0, rows - 1)] >= 0
+            steps = T.if_then_else(live, kb, 0)
             for i, gi in tile.parallel(block_n, k // MX):
                 e8[i, gi] = SFB[g, tn * block_n + i, gi]
             for s in tile.pipelined(steps, stages=stages):
