@@ -182,14 +182,16 @@ def _ep_send_plan(ids, num_experts, chunks, counts):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
     stats = torch.empty(4, dtype=torch.int32, device=device)
     target = targets.resolve(ids)
-    plan_count_program.compile(target, num_experts=E).launcher()(flat, counts, offsets, stats, 1)
+    count, place_rows = jit.launchers(("moe_plan", target.name, E, "contiguous"), lambda: (
+        plan_count_program.compile(target, num_experts=E).launcher(),
+        plan_place_program.compile(target, layout="contiguous").launcher()))
+    count(flat, counts, offsets, stats, 1)
 
     def place():
         positions = torch.empty(T_, k, dtype=torch.int32, device=device)
         src = torch.empty(T_ * k, dtype=torch.int32, device=device)      # source token of each send row
         m_idx = torch.empty(T_ * k, dtype=torch.int32, device=device)    # (the key of each row: unused)
-        plan_place_program.compile(target, layout="contiguous").launcher()(flat, counts, offsets, positions.view(-1),
-                                                                             src, m_idx, k)
+        place_rows(flat, counts, offsets, positions.view(-1), src, m_idx, k)
         return positions, src
 
     return place
@@ -245,8 +247,9 @@ def _expand_layout(device, lay):
     pos = torch.empty(lay["n"], dtype=torch.int32, device=device)
     rows = torch.empty(lay["rows"], dtype=torch.int32, device=device)
     if seg.numel() + exp.numel():
-        kernel = ep_layout_program.compile(targets.resolve(pos))
-        kernel.launcher()(seg.view(-1, 4), exp.view(-1, 4), lay["cap"], pos, rows)
+        target = targets.resolve(pos)
+        expand = jit.launchers(("moe_ep_layout", target.name), lambda: ep_layout_program.compile(target).launcher())
+        expand(seg.view(-1, 4), exp.view(-1, 4), lay["cap"], pos, rows)
     return pos.view(-1, 1), rows, counts
 
 
@@ -451,15 +454,15 @@ def ep_combine(y, mapping, weights):
         a, b = ep.token_bounds[c] * k, ep.token_bounds[c + 1] * k
         works.append(_a2a(ret[a:b], back[ra:rb], ep.send_chunk_splits[c], ep.recv_chunk_splits[c], ep.group))
     _mark("gather", device)
-    kernel = None
+    target, dtype = targets.resolve(y), Y_DTYPES[y.dtype]
+    combine = jit.launchers(("moe_combine", target.name, H, k, dtype), lambda: (
+        combine_program.compile(target, hidden=H, top_k=k, dtype=dtype).launcher()))
     for c in range(ep.chunks):
         if works[c] is not None:
             works[c].wait()
         _mark(f"chunk{c}", device)
         a, b = ep.token_bounds[c], ep.token_bounds[c + 1]
         if b > a:                                    # summed while chunk c+1 returns
-            if kernel is None:
-                kernel = combine_program.compile(targets.resolve(y), hidden=H, top_k=k, dtype=Y_DTYPES[y.dtype])
-            kernel.launcher()(ret, ep.send_positions[a:b], weights[a:b], out[a:b])
+            combine(ret, ep.send_positions[a:b], weights[a:b], out[a:b])
     _mark("end", device)
     return out
