@@ -1,6 +1,8 @@
-"""Block-scaled FP8 GEMMs (DeepGEMM layouts, NT).
+"""Block-scaled FP8 GEMMs (DeepGEMM layouts, NT) and MXFP4-weight GEMMs.
 
 dense/grouped: flops = 2*m*n*k; bytes = m*k + n*k (fp8) + m*n*2 (bf16 out) + scales
+mxfp4 (bf16 a, e2m1 weights + an E8M0 byte per 32): the torch provider runs the bf16 GEMMs of the
+same shapes (per group for the grouped presets), what an engine without FP4 kernels runs.
 """
 
 import torch
@@ -8,7 +10,7 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.gemm_fp8 import fp8_gemm_program
-from ops.gemm_mxfp4 import mxfp4_gemm_program
+from ops.gemm_mxfp4 import mxfp4_gemm_program, mxfp4_grouped_program
 from ops.gemm_mxfp4 import plan as mxfp4_plan
 
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -18,16 +20,27 @@ PRESETS = {
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
+    # m rows per group: MoE prefill (contiguous, 128-aligned segments) and decode (masked)
+    "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
+                      dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168)],
 }
+MXFP4_KINDS = ("mxfp4", "mxfp4-contiguous", "mxfp4-masked")
 
 
 def make_inputs(case, device):
     g = torch.Generator().manual_seed(0)
-    if case["kind"] == "mxfp4":
-        a = torch.randn(case["m"], case["k"], generator=g).bfloat16().to(device)
-        w = torch.randn(case["n"], case["k"], generator=g).bfloat16().to(device)
-        packed, scales = ops.quant_mxfp4(w)
-        return {"a": a, "w": w, "packed": packed, "scales": scales}
+    if case["kind"] in MXFP4_KINDS:
+        G = case.get("groups", 1)
+        a = torch.randn(G, case["m"], case["k"], generator=g).bfloat16().to(device)
+        w = torch.randn(G, case["n"], case["k"], generator=g).bfloat16().to(device)
+        packed, scales = map(torch.stack, zip(*(ops.quant_mxfp4(w[e]) for e in range(G))))
+        out = {"a": a, "w": w, "packed": packed, "scales": scales}
+        if case["kind"] == "mxfp4-contiguous":
+            out["a"] = a.view(G * case["m"], case["k"])
+            out["m_indices"] = torch.arange(G, device=device, dtype=torch.int32).repeat_interleave(case["m"])
+        if case["kind"] == "mxfp4-masked":
+            out["masked_m"] = torch.full((G,), case["m"], dtype=torch.int32, device=device)
+        return out
     G = case.get("groups", 1)
     m, n, k = case["m"], case["n"], case["k"]
     rows = m * G
@@ -49,15 +62,20 @@ def flops(case):
 
 
 def nbytes(case):
-    if case["kind"] == "mxfp4":  # bf16 a, 4-bit weights + one scale byte per 32, bf16 out
-        return case["m"] * case["k"] * 2 + case["n"] * case["k"] // 2 + case["n"] * case["k"] // 32 + case["m"] * case["n"] * 2
     G = case.get("groups", 1)
+    if case["kind"] in MXFP4_KINDS:  # bf16 a, 4-bit weights + one scale byte per 32, bf16 out
+        return G * (case["m"] * case["k"] * 2 + case["n"] * case["k"] // 2 + case["n"] * case["k"] // 32
+                    + case["m"] * case["n"] * 2)
     return G * (case["m"] * case["k"] + case["n"] * case["k"] + case["m"] * case["n"] * 2)
 
 
 def tilecraft(case, i):
     if case["kind"] == "mxfp4":
-        return lambda: ops.mxfp4_gemm_nt(i["a"], i["packed"], i["scales"])
+        return lambda: ops.mxfp4_gemm_nt(i["a"][0], i["packed"][0], i["scales"][0])
+    if case["kind"] == "mxfp4-contiguous":
+        return lambda: ops.m_grouped_mxfp4_gemm_nt_contiguous(i["a"], i["packed"], i["scales"], i["m_indices"])
+    if case["kind"] == "mxfp4-masked":
+        return lambda: ops.m_grouped_mxfp4_gemm_nt_masked(i["a"], i["packed"], i["scales"], i["masked_m"], case["m"])
     if case["kind"] == "dense":
         return lambda: ops.fp8_gemm_nt(i["qa"], i["sfa"], i["qb"][0], i["sfb"][0])
     if case["kind"] == "contiguous":
@@ -69,7 +87,10 @@ def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
     if case["kind"] == "mxfp4":
-        return lambda: i["a"] @ i["w"].T
+        return lambda: i["a"][0] @ i["w"][0].T
+    if case["kind"] in MXFP4_KINDS:
+        a = i["a"].view(case["groups"], case["m"], case["k"])
+        return lambda: torch.bmm(a, i["w"].transpose(1, 2))
     if case["kind"] != "dense":
         raise ValueError("torch has no grouped block-scaled GEMM")
     F = torch.nn.functional
@@ -106,6 +127,18 @@ def deep_gemm(case, i):
     return lambda: dg.fp8_gemm_nt((i["qa"], i["sfa"]), (i["qb"][0], i["sfb"][0]), out)
 
 
+def _kernels(c):
+    """The tile programs a case runs, with their parameters (static stats without a GPU)."""
+    if c["kind"] == "mxfp4":
+        return [(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], **mxfp4_plan(c["m"], c["n"], c["k"])))]
+    if c["kind"] in MXFP4_KINDS:
+        mode = c["kind"].split("-")[1]
+        return [(mxfp4_grouped_program, dict(n=c["n"], k=c["k"], mode=mode,
+                                             block_m=64 if mode == "masked" and c["m"] <= 64 else 128))]
+    return [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"], block_m=64 if c["m"] <= 64 else 128,
+                                    block_n=128 if c["n"] % 128 == 0 else 64))]
+
+
 SUITE = Suite(
     name="gemm",
     presets=PRESETS,
@@ -114,10 +147,7 @@ SUITE = Suite(
     flops=flops,
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
-    kernels=lambda c: ([(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], **mxfp4_plan(c["m"], c["n"], c["k"])))]
-                       if c["kind"] == "mxfp4" else
-                       [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"], block_m=64 if c["m"] <= 64 else 128,
-                                                block_n=128 if c["n"] % 128 == 0 else 64))]),
+    kernels=lambda c: _kernels(c),
     rate="fp8",
     label=lambda c: f"{c['kind']} {'%dx' % c['groups'] if 'groups' in c else ''}{c['m']}x{c['n']}x{c['k']}",
 )
