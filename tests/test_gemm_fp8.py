@@ -754,3 +754,32 @@ def test_gpu_grouped_mxfp4(mode):
     assert calc_diff(out, ref) < 1e-5
     assert_elementwise(out, ref)
     assert (out[ref == 0] == 0).all()           # padding rows and rows past masked_m stay zeros
+
+
+@settings(max_examples=12, deadline=None)
+@given(G=st.integers(1, 3), max_m=st.integers(0, 33), k=st.sampled_from([128, 256]), seed=st.integers(0, 2 ** 16),
+       segments=st.lists(st.integers(0, 128), min_size=1, max_size=3))
+def test_hypothesis_grouped_mxfp4_matches_per_group(G, max_m, k, seed, segments):
+    """Grouped results are the per-group dense results (masks, empty groups, zero rows included)."""
+    g = torch.Generator().manual_seed(seed)
+    b, sfb = mxfp4_groups(G, 128, k, g)
+    masks = torch.randint(0, max_m + 1, (G,), generator=g, dtype=torch.int32)
+    a3 = torch.randn(G, max_m, k, generator=g).bfloat16()
+    out = ops.m_grouped_mxfp4_gemm_nt_masked(a3, b, sfb, masks)
+    for e in range(G):
+        m_e = int(masks[e])
+        if m_e:
+            torch.testing.assert_close(out[e, :m_e].float(), ops.mxfp4_gemm_nt(a3[e, :m_e].contiguous(), b[e], sfb[e]).float(),
+                                       rtol=2 ** -8, atol=0)
+        assert (out[e, m_e:] == 0).all()
+    # contiguous: one 128-row segment per entry of `segments` (its live rows first, then padding)
+    experts = [i % G for i in range(len(segments))]
+    m_idx = torch.cat([torch.tensor([e] * c + [-1] * (128 - c), dtype=torch.int32) for e, c in zip(experts, segments)])
+    a = torch.randn(m_idx.numel(), k, generator=g).bfloat16()
+    out2 = ops.m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_idx)
+    for s_, (e, c) in enumerate(zip(experts, segments)):
+        rows = slice(128 * s_, 128 * s_ + c)
+        if c:
+            torch.testing.assert_close(out2[rows].float(), ops.mxfp4_gemm_nt(a[rows].contiguous(), b[e], sfb[e]).float(),
+                                       rtol=2 ** -8, atol=0)
+        assert (out2[128 * s_ + c:128 * (s_ + 1)] == 0).all()
