@@ -1,4 +1,4 @@
-"""Scratch tensors for an op's kernels, carved from one allocation.
+"""Scratch tensors for an op's kernels: carved from one allocation, or kept when never touched.
 
 An eager call's host time is mostly allocations, launches and tensor-view ops (bench/NOTES.md
 "eager host cost"), so ops that need several int32 scratch tensors take them from one torch.empty
@@ -34,3 +34,19 @@ def int32_views(device, *shapes):
     total, views = lay
     buf = torch.empty(total, dtype=torch.int32, device=device)
     return [buf.as_strided(s, st, off) for s, st, off in views]
+
+
+_BOUND_ONLY: dict = {}
+
+
+def bound_only(device, size=1, dtype=torch.int32):
+    """A tensor a kernel binds but never reads or writes in this call's mode, for the launch path
+    only (real tensors, never under tracing): one per (device, size, dtype) is kept, so an eager
+    call allocates nothing for it (an allocation is ~5 us of host time on the H200 host)."""
+    key = (device, size, dtype)
+    t = _BOUND_ONLY.get(key)
+    if t is None:
+        if len(_BOUND_ONLY) >= 256:
+            _BOUND_ONLY.clear()
+        t = _BOUND_ONLY[key] = torch.empty(size, dtype=dtype, device=device)
+    return t

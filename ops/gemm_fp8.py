@@ -31,6 +31,7 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
+from ops._workspace import bound_only
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
 GROUP = 128
@@ -351,7 +352,7 @@ def launch_split_k(kernel, reduce, args, out, splits: int):
     kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
     n = out.shape[-1]
     if splits == 1:
-        kernel(*args, out, _bound_only(out.device, n, torch.float32).view(1, 1, n))
+        kernel(*args, out, bound_only(out.device, n, torch.float32).view(1, 1, n))
         return
     part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
     kernel(*args, out, part)
@@ -376,22 +377,6 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, kernel, reduce = jit.launchers(key, build)
     launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits)
-
-
-_BOUND_ONLY = {}
-
-
-def _bound_only(device, size=1, dtype=torch.int32):
-    """A tensor the kernel binds but never reads or writes in this mode, for the launch path only
-    (real tensors, never under tracing): one per (device, size, dtype) is kept, so an eager call
-    allocates nothing for it (an allocation is ~5 us of host time on the H200 host)."""
-    key = (device, size, dtype)
-    t = _BOUND_ONLY.get(key)
-    if t is None:
-        if len(_BOUND_ONLY) >= 256:
-            _BOUND_ONLY.clear()
-        t = _BOUND_ONLY[key] = torch.empty(size, dtype=dtype, device=device)
-    return t
 
 
 def _check_out(out, shape, device):
@@ -419,8 +404,8 @@ def _run(mode, a, sfa, b, sfb, aux, out, block_m):
         return out
     # MIdx is (rows,) in the kernel (sorted: the (items, 3) work list): dense binds rows to a's rows,
     # masked leaves it free
-    m_idx = aux if mode in ("contiguous", "sorted") else _bound_only(a.device, a.shape[0] if mode == "dense" else 1)
-    masked_m = aux if mode == "masked" else _bound_only(a.device, b.shape[0])
+    m_idx = aux if mode in ("contiguous", "sorted") else bound_only(a.device, a.shape[0] if mode == "dense" else 1)
+    masked_m = aux if mode == "masked" else bound_only(a.device, b.shape[0])
     _launch(mode, a, sfa, b, sfb, m_idx, masked_m, out, n, k, block_m=block_m)
     return out
 

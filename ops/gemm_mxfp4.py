@@ -13,6 +13,7 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
+from ops._workspace import bound_only
 from ops import _validate as check
 from ops.quant import dequant_fp8_token_groups, dequant_mxfp4
 
@@ -303,20 +304,16 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     if a.device.type == "cpu":
         return m_grouped_mxfp4_reference(a, b, sfb, aux, mode)
-    from ops.gemm_fp8 import _bound_only
-
     out = torch.empty(*a.shape[:-1], b.shape[1], dtype=torch.bfloat16, device=a.device)
     if out.numel() == 0:
         return out
-    if b.data_ptr() % 16:
-        raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
     target = targets.resolve(a)
     G, n, k = b.shape[0], b.shape[1], a.shape[-1]
     kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m), lambda: (
         mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
-    m_idx = aux if mode == "contiguous" else _bound_only(a.device, 1)
-    masked_m = aux if mode == "masked" else _bound_only(a.device, G)
-    kernel(a, b.view(torch.int32), sfb, m_idx, masked_m, out)
+    m_idx = aux if mode == "contiguous" else bound_only(a.device, 1)
+    masked_m = aux if mode == "masked" else bound_only(a.device, G)
+    kernel(a, _code_words(b), sfb, m_idx, masked_m, out)
     return out
 
 
@@ -370,6 +367,13 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     return dict(block_m=block_m, splits=splits)
 
 
+def _code_words(b):
+    """The packed codes as the kernels read them: (..., k/8) int32 words, 8 codes each, loaded by TMA."""
+    if b.data_ptr() % 16:
+        raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
+    return b.view(torch.int32)
+
+
 def _launch(a, b, sfb, out, **override):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
@@ -378,11 +382,9 @@ def _launch(a, b, sfb, out, **override):
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
-    if b.data_ptr() % 16:
-        raise ValueError("b must start 16-byte aligned (its rows are loaded by TMA as 32-bit words)")
     key = ("mxfp4_gemm_nt", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: _launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, b.view(torch.int32), sfb), out, splits)
+    launch_split_k(kernel, reduce, (a, _code_words(b), sfb), out, splits)
 
 
 def _launchers(a, target, m, n, k, override):

@@ -349,10 +349,29 @@ def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, r
     target, has_live = targets.resolve(x), live is not None
     xw = x.view(row_words(x, target))
     hidden, bits = xw.shape[1], xw.dtype
-    scatter = jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, has_live), lambda: (
-        scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad, live=has_live).launcher()))
-    scatter(xw, positions, src, out.view(bits), *(() if live is None else (live,)))
+    scatter_launcher(target, hidden, bits, pad, has_live)(xw, positions, src, out.view(bits),
+                                                         *(() if live is None else (live,)))
     return out
+
+
+def scatter_launcher(target, hidden: int, bits: torch.dtype, pad: bool, live: bool = False):
+    """moe_scatter_rows' launcher for rows of `hidden` words of `bits` (one per key: jit.launchers)."""
+    return jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, live), lambda: (
+        scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad, live=live).launcher()))
+
+
+def plan_launchers(target, num_experts: int, layout: str):
+    """(moe_plan_count, moe_plan_place) launchers for this expert count and layout."""
+    return jit.launchers(("moe_plan", target.name, num_experts, layout), lambda: (
+        plan_count_program.compile(target, num_experts=num_experts).launcher(),
+        plan_place_program.compile(target, layout=layout).launcher()))
+
+
+def combine_launcher(target, hidden: int, top_k: int, dtype: torch.dtype):
+    """moe_combine's launcher for y rows of `hidden` values of `dtype`, top_k choices a token."""
+    name = Y_DTYPES[dtype]
+    return jit.launchers(("moe_combine", target.name, hidden, top_k, name), lambda: (
+        combine_program.compile(target, hidden=hidden, top_k=top_k, dtype=name).launcher()))
 
 
 def row_words(x: torch.Tensor, target) -> torch.dtype:
@@ -414,9 +433,7 @@ def _plan_queued(ids: torch.Tensor, num_experts: int, layout: str, align: int, m
     # one allocation (an eager call's host time is mostly allocations and launches);
     # stats: padded rows, busiest expert, bad ids, 0
     counts, offsets, stats, positions, src, m_indices = int32_views(device, E, E + 1, 4, (T_, k), bound, bound)
-    count, place = jit.launchers(("moe_plan", target.name, E, layout), lambda: (
-        plan_count_program.compile(target, num_experts=E).launcher(),
-        plan_place_program.compile(target, layout=layout).launcher()))
+    count, place = plan_launchers(target, E, layout)
     count(flat, counts, offsets, stats, align if layout == "contiguous" else 1)
     checking = _values.enabled(ids)
     if layout == "contiguous":
@@ -595,10 +612,7 @@ def _combine_impl(y, positions, weights):
     if T_ == 0:
         return out
     y2 = y.reshape(-1, y.shape[-1])
-    target, hidden, dtype = targets.resolve(y), y.shape[-1], Y_DTYPES[y.dtype]
-    combine = jit.launchers(("moe_combine", target.name, hidden, k, dtype), lambda: (
-        combine_program.compile(target, hidden=hidden, top_k=k, dtype=dtype).launcher()))
-    combine(y2, positions, weights, out)
+    combine_launcher(targets.resolve(y), y.shape[-1], k, y.dtype)(y2, positions, weights, out)
     return out
 
 

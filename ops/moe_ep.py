@@ -41,9 +41,8 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _values
 from ops import _validate as check
-from ops.moe_dispatch import (BITS_NAME, Y_DTYPES, EpMapping, MoeMapping, _check_dispatch, combine_program,
-                              gather_rows_program, plan_count_program, plan_place_program, row_words,
-                              scatter_rows_program)
+from ops.moe_dispatch import (BITS_NAME, EpMapping, MoeMapping, _check_dispatch, combine_launcher,
+                              gather_rows_program, plan_launchers, row_words, scatter_launcher)
 
 EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges); must be the same on every rank
 _EP_TRACE = None     # bench hook (bench/suites/moe.py): a list collecting (phase, CUDA event or wall time)
@@ -133,10 +132,7 @@ def _scatter_into(y, x, positions, src, pad):
     the alignment of its base."""
     target = targets.resolve(x)
     xw = x.view(row_words(x, target))
-    hidden, bits = xw.shape[1], xw.dtype
-    scatter = jit.launchers(("moe_scatter_rows", target.name, hidden, bits, pad, False), lambda: (
-        scatter_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
-    scatter(xw, positions, src, y.view(bits))
+    scatter_launcher(target, xw.shape[1], xw.dtype, pad)(xw, positions, src, y.view(xw.dtype))
 
 
 def _gather_into(y, x, src):
@@ -182,9 +178,7 @@ def _ep_send_plan(ids, num_experts, chunks, counts):
     offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
     stats = torch.empty(4, dtype=torch.int32, device=device)
     target = targets.resolve(ids)
-    count, place_rows = jit.launchers(("moe_plan", target.name, E, "contiguous"), lambda: (
-        plan_count_program.compile(target, num_experts=E).launcher(),
-        plan_place_program.compile(target, layout="contiguous").launcher()))
+    count, place_rows = plan_launchers(target, E, "contiguous")
     count(flat, counts, offsets, stats, 1)
 
     def place():
@@ -454,9 +448,7 @@ def ep_combine(y, mapping, weights):
         a, b = ep.token_bounds[c] * k, ep.token_bounds[c + 1] * k
         works.append(_a2a(ret[a:b], back[ra:rb], ep.send_chunk_splits[c], ep.recv_chunk_splits[c], ep.group))
     _mark("gather", device)
-    target, dtype = targets.resolve(y), Y_DTYPES[y.dtype]
-    combine = jit.launchers(("moe_combine", target.name, H, k, dtype), lambda: (
-        combine_program.compile(target, hidden=H, top_k=k, dtype=dtype).launcher()))
+    combine = combine_launcher(targets.resolve(y), H, k, y.dtype)
     for c in range(ep.chunks):
         if works[c] is not None:
             works[c].wait()
