@@ -94,36 +94,58 @@ def _zero_part(buf, slot, valid):
         buf[slot, i, j] = T.if_then_else(i < valid, buf[slot, i, j], T.cast(0, buf.dtype))
 
 
-def _convert(kv, raw, value, slot, r, valid):
+CHUNK = 8        # values a producer thread converts at once: one 16-byte store of the bf16 tile
+
+
+def _convert(kv, raw, value, slot, r, valid, vals):
     def read(part, i, j):               # element (i, j) of raw staging part `part`, this step's slot
         return raw[part][r, i, j]
 
+    tid = T.get_thread_binding() - 2 * WG
     for p, buf in enumerate(kv):
-        if valid is None:
-            _convert_part(buf, p, read, value, slot)
-        else:
-            _convert_part_masked(buf, p, read, value, slot, valid)
+        _convert_part(buf, p, read, value, slot, valid, tid, vals)
+
+
+def _chunks(buf):
+    # a thread's chunks of a (rows, cols) tile: chunk c covers row i, columns j..j+CHUNK of flat index
+    # (c * PRODUCER + tid) * CHUNK, so a warp's stores are whole 128-byte rows of the swizzled tile
+    rows, cols = buf.shape[1], buf.shape[2]
+    if (rows * cols) % (PRODUCER * CHUNK) or cols % CHUNK:
+        raise ValueError(f"attention_loop: a converted tile of {rows} x {cols} does not split into "
+                         f"{PRODUCER} threads x {CHUNK}-value chunks")
+    return rows * cols // (PRODUCER * CHUNK), cols
 
 
 @T.macro
-def _convert_part(buf, p, read, value, slot):
-    for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
-        buf[slot, i, j] = value(p, i, j, read)
+def _convert_part(buf, p, read, value, slot, valid, tid, vals):
+    # Two passes: every value of the thread's chunks into registers, then the stores. In one pass
+    # (T.Parallel) each chunk's shared loads waited for the previous chunk's store, because the raw
+    # and converted tiles are one shared allocation to the compiler: ~16 dependent load -> store
+    # round trips a step, 2550 of a 32-token step's ~3150 cycles (bench.trace_mla, session 6).
+    for c in T.unroll(_chunks(buf)[0]):
+        for e in T.vectorized(CHUNK):
+            if valid is None:
+                vals[c * CHUNK + e] = value(p, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
+                                            (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e, read)
+            else:
+                vals[c * CHUNK + e] = T.if_then_else(
+                    (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1] < valid,
+                    value(p, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
+                          (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e, read),
+                    T.cast(0, buf.dtype))
+    for c in T.unroll(_chunks(buf)[0]):
+        for e in T.vectorized(CHUNK):
+            buf[slot, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
+                (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e] = vals[c * CHUNK + e]
 
 
 @T.macro
-def _convert_part_masked(buf, p, read, value, slot, valid):
-    for i, j in T.Parallel(buf.shape[1], buf.shape[2]):
-        buf[slot, i, j] = T.if_then_else(i < valid, value(p, i, j, read), T.cast(0, buf.dtype))
-
-
-@T.macro
-def _convert_step(kv, raw, value, slot, r, valid):
+def _convert_step(kv, raw, value, slot, r, valid, vals):
     # only the sequence's last step has rows to zero: every other step converts without a select
     if valid >= kv[0].shape[1]:
-        _convert(kv, raw, value, slot, r, None)
+        _convert(kv, raw, value, slot, r, None, vals)
     else:
-        _convert(kv, raw, value, slot, r, valid)
+        _convert(kv, raw, value, slot, r, valid, vals)
 
 
 def _valid(valid_rows, k, kv):
@@ -146,7 +168,8 @@ def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, st
 
 
 @T.macro
-def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, trace):
+def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, trace,
+                      vals):
     for k in T.serial(T.min(steps, raw_stages)):
         _issue_loads(loads, k, raw, k, raw_full[k])
     for k in T.serial(steps):
@@ -156,7 +179,7 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
         _stamp(trace, k, "prod wait1")
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
         _stamp(trace, k, "prod wait2/issue")
-        _convert_step(kv, raw, value, slot, r, _valid(valid_rows, k, kv))
+        _convert_step(kv, raw, value, slot, r, _valid(valid_rows, k, kv), vals)
         T.fence_proxy_async()
         T.mbarrier_arrive(full[slot])
         _stamp(trace, k, "prod convert")
@@ -299,5 +322,6 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
         if plain:
             _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, trace)
         else:
+            vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
-                              trace)
+                              trace, vals)
