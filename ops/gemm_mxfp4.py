@@ -24,10 +24,17 @@ MX = 32
 # integer multiplies that place the bits (no branches, no fp32 round trip), scaled in bf16x2:
 # ~3.8 instructions a value in SASS (the fp32 form, bits placed per value, two FMULs and a
 # conversion, took ~6.9). e2m1 x 2^k is exact in bf16 down to its subnormals, so the tile holds the
-# exact dequantized weights.
+# exact dequantized weights. The E8M0 scales arrive as the 4 bytes of one K step of a row in one
+# 32-bit word and become bf16x2 factors where they are used.
 E2M1_SOURCE = r"""
 #include <tl_templates/cuda/common.h>
-__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2(unsigned w, int p, float scale) {
+__device__ __forceinline__ unsigned tc_e8m0_bf16x2(unsigned e8) {
+  // 2^(e8 - 127) in both lanes: the byte is the bf16 exponent field; e8 = 0 is the subnormal
+  // 2^-127 (mantissa 0x40), e8 = 255 is NaN (OCP MX)
+  unsigned h = e8 == 0u ? 0x0040u : (e8 == 255u ? 0x7FC0u : e8 << 7);
+  return h | (h << 16);
+}
+__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2(unsigned w, int p, unsigned scale2) {
   // codes 2p (low nibble of byte p) and 2p+1 -> bf16 lanes 0 and 1 of e2m1 * 2^-126:
   // b * 0x40040 puts code & 7 at bits 6-8 and 22-24 (exponent lsbs + mantissa msb of each lane),
   // b * 0x1001000 puts the sign bits at 15 and 31; e = 0, m = 1 lands on the subnormal 0.5 * 2^-126
@@ -35,48 +42,39 @@ __device__ __forceinline__ unsigned tc_e2m1x2_bf16x2(unsigned w, int p, float sc
   unsigned v = ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&v);
   x = __hmul2(x, __floats2bfloat162_rn(0x1p126f, 0x1p126f));   // exact: a power of two
-  x = __hmul2(x, __float2bfloat162_rn(scale));                 // exact: 2^(e8-127), subnormals kept
+  x = __hmul2(x, *reinterpret_cast<__nv_bfloat162*>(&scale2));  // exact: 2^(e8-127), subnormals kept
   return *reinterpret_cast<unsigned*>(&x);
 }
-__device__ __forceinline__ void tc_e2m1x8_store(void* dst, int w, float scale) {
+__device__ __forceinline__ void tc_e2m1x8_store(void* dst, int w, unsigned scale2) {
   // the 8 codes of word w (low nibble first) -> 8 bf16 values at dst (16 bytes)
-  uint4 o = make_uint4(tc_e2m1x2_bf16x2((unsigned)w, 0, scale), tc_e2m1x2_bf16x2((unsigned)w, 1, scale),
-                       tc_e2m1x2_bf16x2((unsigned)w, 2, scale), tc_e2m1x2_bf16x2((unsigned)w, 3, scale));
+  uint4 o = make_uint4(tc_e2m1x2_bf16x2((unsigned)w, 0, scale2), tc_e2m1x2_bf16x2((unsigned)w, 1, scale2),
+                       tc_e2m1x2_bf16x2((unsigned)w, 2, scale2), tc_e2m1x2_bf16x2((unsigned)w, 3, scale2));
   *reinterpret_cast<uint4*>(dst) = o;
 }
-// 8 words = 64 values = two scale groups (4 words each); d0..d7: the 16-byte destinations (the
-// swizzled tile puts them apart)
+// 8 code words = 64 values = scale groups 2q and 2q+1 of the step (bytes of the scale word sw);
+// d0..d7: the 16-byte destinations (the swizzled tile puts them apart)
 __device__ __forceinline__ void tc_e2m1x64_store(void* d0, void* d1, void* d2, void* d3, void* d4, void* d5,
                                                  void* d6, void* d7, int w0, int w1, int w2, int w3, int w4,
-                                                 int w5, int w6, int w7, float s0, float s1) {
+                                                 int w5, int w6, int w7, int sw, int q) {
+  unsigned s0 = tc_e8m0_bf16x2(((unsigned)sw >> (16 * q)) & 0xFFu);
+  unsigned s1 = tc_e8m0_bf16x2(((unsigned)sw >> (16 * q + 8)) & 0xFFu);
   tc_e2m1x8_store(d0, w0, s0); tc_e2m1x8_store(d1, w1, s0); tc_e2m1x8_store(d2, w2, s0);
   tc_e2m1x8_store(d3, w3, s0); tc_e2m1x8_store(d4, w4, s1); tc_e2m1x8_store(d5, w5, s1);
   tc_e2m1x8_store(d6, w6, s1); tc_e2m1x8_store(d7, w7, s1);
 }
 """
+BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 bytes per row and step
+WORDS = 8         # 32-bit code words a thread decodes per call site: 64 values (2 scale groups)
 
 
-WORDS = 8    # 32-bit code words a thread decodes per call site: 64 values (2 scale groups)
-
-
-def _decode_words(raw, b_s, i, q, factor):
+def _decode_words(raw, b_s, i, q, scale_word):
     """Words [WORDS*q, WORDS*(q+1)) of row i of the staged codes -> b_s[i, 64q:64q+64], one 16-byte
-    store per word. factor(g): the fp32 scale of scale group g of the row. One call: the pointers
-    carry their write intent, so TileLang's barriers see the stores, and the sync pass put a
-    barrier between any two such calls (it cannot tell the 16-byte regions apart)."""
+    store per word, scaled by bytes 2q and 2q+1 of the row's scale word for the step. One call: the
+    pointers carry their write intent, so TileLang's barriers see the stores, and the sync pass put
+    a barrier between any two such calls (it cannot tell the 16-byte regions apart)."""
     words = [q * WORDS + c for c in range(WORDS)]
     T.evaluate(T.call_extern("handle", "tc_e2m1x64_store", *[T.access_ptr(b_s[i, w * 8], "w", 8) for w in words],
-                             *[raw[i, w] for w in words], factor((q * WORDS * 8) // MX),
-                             factor((q * WORDS * 8) // MX + 1)))
-
-
-def _e8m0(e8):
-    """E8M0 byte -> 2^(e8 - 127) as float32 by placing the byte in the exponent field: e8 = 0 is the
-    subnormal 2^-127, e8 = 255 is NaN (OCP MX)."""
-    e = T.cast(e8, "uint32")
-    bits = T.if_then_else(e == T.uint32(0), T.uint32(0x00400000),
-                          T.if_then_else(e == T.uint32(255), T.uint32(0x7FC00000), e << T.uint32(23)))
-    return T.reinterpret(bits, "float32")
+                             *[raw[i, w] for w in words], scale_word, q))
 
 
 @tile_program(
@@ -85,49 +83,44 @@ def _e8m0(e8):
     examples={"decode-7168x2048": dict(n=7168, k=2048, block_m=64, splits=2),
               "prefill-4096x7168": dict(n=4096, k=7168)},
 )
-def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, block_k: int = 128, stages: int = 3,
-                       threads: int = 256, splits: int = 1):
+def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, block_k: int = BLOCK_K,
+                       stages: int = 3, threads: int = 256, splits: int = 1):
     """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA.
 
     The block's E8M0 scales (block_n rows x its K range) become fp32 2^(e8-127) in shared memory once,
     before the pipeline. splits > 1: split-K into fp32 partials, summed in order by
     ops.gemm_fp8.fp8_gemm_reduce_program (decode grids are too small to fill the GPU otherwise).
     """
-    assert k % block_k == 0 and n % block_n == 0 and block_k % (8 * WORDS) == 0
+    assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
     m = T.dynamic("m")
     n_tiles = n // block_n
     kb = k // block_k
     per = -(-kb // splits)                       # K steps per split
-    groups = per * (block_k // MX)               # scale groups per row in one split's K range
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
     def mxfp4_gemm_nt(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
-                      SFB: T.Tensor((n, k // MX), "uint8"), C: T.Tensor((m, n), "bfloat16"),
+                      SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
                       Part: T.Tensor(part_shape, "float32")):
         with tile.grid(T.ceildiv(m, block_m) * n_tiles * splits, threads) as bid:
             tm, tn, ts = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles, splits))
             a_s = tile.operand((block_m, block_k), "bfloat16")
             raw = tile.stage((block_n, block_k // 8), "int32")     # 8 codes a word
             b_s = tile.operand((block_n, block_k), "bfloat16")
-            sc_s = tile.stage((block_n, groups), "float32")
+            sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
-            # the scale bytes staged first (plain loads, issued together), then converted: read
-            # inside the conversion's selects, they were global round trips one after another
-            e8 = tile.stage((block_n, groups), "uint8")
-            for i, gi in tile.parallel(block_n, groups):
-                e8[i, gi] = SFB[tn * block_n + i, T.min(k0 * (block_k // MX) + gi, k // MX - 1)]
-            for i, gi in tile.parallel(block_n, groups):
-                sc_s[i, gi] = _e8m0(e8[i, gi])
+            # the block's scale words staged once, before the pipeline (one 32-bit load per row and step)
+            for si, i in tile.parallel(per, block_n):
+                sw[si, i] = SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]
             T.import_source(E2M1_SOURCE)
             for s in tile.pipelined(steps, stages=stages):
                 kk = k0 + s
                 tile.copy(A[tm * block_m, kk * block_k], a_s)
                 tile.copy(B[tn * block_n, kk * (block_k // 8)], raw)
                 for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
-                    _decode_words(raw, b_s, i, q, lambda g: sc_s[i, s * (block_k // MX) + g])
+                    _decode_words(raw, b_s, i, q, sw[s, i])
                 # clear at the first step (a TMEM accumulator on sm_100a cannot be zero-filled by stores)
                 tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
             out = tile.read_accumulator(acc)
@@ -151,16 +144,16 @@ GROUPED_MODES = ("contiguous", "masked")
     examples={"contiguous-4096x7168": dict(n=4096, k=7168, mode="contiguous"),
               "masked-4096x7168": dict(n=4096, k=7168, mode="masked", block_m=64)},
 )
-def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n: int = 128, block_k: int = 128,
+def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n: int = 128, block_k: int = BLOCK_K,
                           stages: int = 3, threads: int = 256):
     """Expert-grouped MXFP4 GEMM in fp8_gemm_nt's two grouped layouts: contiguous (rows of A in
     128-aligned expert segments, MIdx the expert of each row, -1 for padding rows: zeros out) or
     masked (A (groups, max_m, k), only the first MaskedM[g] rows of group g: zeros past them).
-    B (groups, n, k/8) int32 words, SFB (groups, n, k/32) E8M0 bytes. A block walks the whole K
-    range (no split-K), so it stages its scale bytes (block_n x k/32) once and converts each where
-    it is used: an fp32 table of the whole range would not fit next to the pipeline at k = 7168."""
+    B (groups, n, k/8) int32 words, SFB (groups, n, k/128) int32 words of E8M0 bytes (4 a K step).
+    A block walks the whole K range (no split-K), so it stages its scale words (k/128 x block_n)
+    once; they become bf16x2 factors where the decode uses them."""
     assert mode in GROUPED_MODES, mode
-    assert k % block_k == 0 and n % block_n == 0 and block_k % (8 * WORDS) == 0
+    assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
     kb, n_tiles = k // block_k, n // block_n
@@ -169,7 +162,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
 
     @T.prim_func
     def mxfp4_gemm_grouped(A: T.Tensor(a_shape, "bfloat16"), B: T.Tensor((groups, n, k // 8), "int32"),
-                           SFB: T.Tensor((groups, n, k // MX), "uint8"),
+                           SFB: T.Tensor((groups, n, kb), "int32"),
                            MIdx: T.Tensor((rows,), "int32"),       # contiguous: expert of each row
                            MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group
                            C: T.Tensor(c_shape, "bfloat16")):
@@ -181,7 +174,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             a_s = tile.operand((block_m, block_k), "bfloat16")
             raw = tile.stage((block_n, block_k // 8), "int32")
             b_s = tile.operand((block_n, block_k), "bfloat16")
-            e8 = tile.stage((block_n, k // MX), "uint8")
+            sw = tile.stage((kb, block_n), "int32")        # E8M0 bytes of (step, row), step-major
             acc = tile.accumulator((block_m, block_n))
             if masked:
                 g = tm // per_group
@@ -196,8 +189,8 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             # is all padding, and only zeros are stored for it
             live = row0 < limit if masked else row0 < limit and MIdx[T.min(row0, rows - 1)] >= 0
             steps = T.if_then_else(live, kb, 0)
-            for i, gi in tile.parallel(block_n, k // MX):
-                e8[i, gi] = SFB[g, tn * block_n + i, gi]
+            for si, i in tile.parallel(kb, block_n):
+                sw[si, i] = SFB[g, tn * block_n + i, si]
             T.import_source(E2M1_SOURCE)
             for s in tile.pipelined(steps, stages=stages):
                 if masked:
@@ -206,7 +199,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
                     tile.copy(A[row0, s * block_k], a_s)
                 tile.copy(B[g, tn * block_n, s * (block_k // 8)], raw)
                 for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
-                    _decode_words(raw, b_s, i, q, lambda g: _e8m0(e8[i, s * (block_k // MX) + g]))
+                    _decode_words(raw, b_s, i, q, sw[s, i])
                 tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
             out = tile.read_accumulator(acc)
             for i, j in tile.parallel(block_m, block_n):
@@ -223,9 +216,9 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
     return mxfp4_gemm_grouped
 
 
-def grouped_smem_bytes(k: int, block_m: int, block_n: int = 128, block_k: int = 128, stages: int = 3) -> int:
+def grouped_smem_bytes(k: int, block_m: int, block_n: int = 128, block_k: int = BLOCK_K, stages: int = 3) -> int:
     """Shared memory of one grouped block: the pipeline, the decoded tile and the K range's scale bytes."""
-    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * (k // MX)
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * (k // block_k) * 4
 
 
 def mxfp4_gemm_nt_reference(a, b, sfb):
@@ -348,7 +341,7 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
         mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
     m_idx = aux if mode == "contiguous" else bound_only(a.device, 1)
     masked_m = aux if mode == "masked" else bound_only(a.device, G)
-    kernel(a, _code_words(b), sfb, m_idx, masked_m, out)
+    kernel(a, _code_words(b), _scale_words(sfb), m_idx, masked_m, out)
     return out
 
 
@@ -377,11 +370,10 @@ def _mxfp4_impl(a, b, sfb):
 SMEM_BUDGET = 227 * 1024 - 4096    # dynamic shared memory a block may use on sm_90a, less static and slack
 
 
-def smem_bytes(block_m: int, per: int, block_n: int = 128, block_k: int = 128, stages: int = 3) -> int:
+def smem_bytes(block_m: int, per: int, block_n: int = 128, block_k: int = BLOCK_K, stages: int = 3) -> int:
     """Shared memory of one block: the pipeline (A bf16 + packed B per stage), the decoded B tile,
-    and the E8M0 scales of the block's `per` K steps (fp32 table + the staged bytes)."""
-    groups = per * (block_k // MX)
-    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * groups * 5
+    and the E8M0 scale words of the block's `per` K steps."""
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * per * 4
 
 
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
@@ -409,6 +401,13 @@ def _code_words(b):
     return b.view(torch.int32)
 
 
+def _scale_words(sfb):
+    """The E8M0 scales as the kernels read them: (..., k/128) int32 words, the 4 bytes of a K step."""
+    if sfb.data_ptr() % 4:
+        raise ValueError("sfb must start 4-byte aligned (its rows are read as 32-bit words)")
+    return sfb.view(torch.int32)
+
+
 def _launch(a, b, sfb, out, **override):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
@@ -419,7 +418,7 @@ def _launch(a, b, sfb, out, **override):
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: _launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, _code_words(b), sfb), out, splits)
+    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
 
 
 def _launchers(a, target, m, n, k, override):

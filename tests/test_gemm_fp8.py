@@ -511,9 +511,11 @@ def test_mxfp4_plan():
     assert plan(1, 4096, 7168) == dict(block_m=64, splits=4)
     assert plan(64, 7168, 2048) == dict(block_m=64, splits=2)      # 56 tiles: 112 blocks of 8 steps
     assert plan(64, 7168, 1024) == dict(block_m=64, splits=1)      # 8 steps: no split keeps 6
-    # enough tiles to fill the GPU, but 56 K steps of staged scales do not fit next to the pipeline:
-    # split in two (one split was a launch error: 237 KB of shared memory)
-    assert plan(4096, 4096, 7168)["splits"] == 2
+    # enough tiles to fill the GPU: one split while the block's staged scale words fit next to the
+    # pipeline (56 K steps: 184 KB), split in two where they do not (256 steps: 287 KB in one block
+    # would be a launch error)
+    assert plan(4096, 4096, 7168)["splits"] == 1
+    assert plan(4096, 4096, 32768)["splits"] == 2
 
 
 def test_mxfp4_plans_fit_in_shared_memory():
@@ -522,12 +524,12 @@ def test_mxfp4_plans_fit_in_shared_memory():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_gemm_program, plan, smem_bytes
 
     for m in (1, 64, 200, 4096):
-        for n, k in ((4096, 7168), (7168, 2048), (2048, 16384), (256, 512)):
+        for n, k in ((4096, 7168), (7168, 2048), (2048, 16384), (256, 512), (4096, 32768)):
             p = plan(m, n, k)
             assert smem_bytes(p["block_m"], -(-(k // 128) // p["splits"])) <= SMEM_BUDGET, (m, n, k, p)
-    src = mxfp4_gemm_program.source("sm_90a", n=4096, k=7168, **plan(4096, 4096, 7168))
+    src = mxfp4_gemm_program.source("sm_90a", n=4096, k=32768, **plan(4096, 4096, 32768))
     last = max(map(int, re.findall(r"buf_dyn_shmem\s*\+\s*(\d+)", src)))
-    assert last + 128 * 128 * 2 <= smem_bytes(128, 28)          # the decoded tile is the last buffer
+    assert last + 128 * 128 * 2 <= smem_bytes(128, 128)         # the decoded tile is the last buffer
 
 
 # ---- sorted rows + work items (MoE decode) ---------------------------------------------------------
