@@ -20,9 +20,10 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | mma_rescaled(a, b, acc, scale, step=) | scale registers, WGMMA | TMEM -> regs -> TMEM, tcgen05 | Cube into L0C scratch, vector update in UB | loops |
 | mma_promoted(a, b, part, acc, scale, step=) | mma into part, read, fold in registers | tcgen05 into TMEM, TMEM -> regs, fold | Cube into L0C, L0C -> UB half rows, vector fold | mma + loops |
 | mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=, epilogue=) | producer warpgroup (TMA, mbarriers) + consumers: bursts of 4 K blocks, WGMMA of step s in flight while s-1 is promoted (wgmma wait 1) | pipelined copies + mma_promoted | same as sm_100a | same |
+| mma_decoded_loop(steps, loads, operands, acc, decode, stages=, epilogue=) | producer warpgroup (TMA) + MMA warpgroups that decode step s+1 while the WGMMA of step s is in flight (decoded tile double-buffered) | pipelined copies + decode + mma per step | same as sm_100a | same |
 | attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, valid_rows=, raw=, value=) | producer warpgroup (TMA; zeroes tail rows / converts raw staging) + two MMA warpgroups: WG0 scores, softmax and O_0, WG1 O_1 | pipelined copies + mma + mma_rescaled per step | same as sm_100a | same |
 | scalar(value, dtype) | a register variable (T.alloc_var), set once | the expression itself | same | same |
-| producer_threads() | 128 (mma_promoted_loop's TMA warpgroup, added to the grid) | 0 | 0 | 0 |
+| producer_threads() | 128 (the TMA warpgroup of mma_promoted_loop / mma_decoded_loop, added to the grid) | 0 | 0 | 0 |
 | split_rows(rows) | (rows, 0) | (rows, 0) | (rows/2, sub-block id * rows/2) | (rows, 0) |
 | limits() | 227 KB smem | 227 KB smem, 512 TMEM columns | UB / L1 / L0C sizes | no limits |
 | read_accumulator(acc) | (same buffer) | tmem -> registers | L0C -> UB, half the rows per vector core | (same buffer) |
@@ -117,9 +118,10 @@ read_accumulator = _word("read_accumulator", "The accumulator's values as a tile
 mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
 mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
 mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * scale_of(row, s), then epilogue(); threads: see producer_threads.")
+mma_decoded_loop = _word("mma_decoded_loop", "The K loop of a GEMM whose B operand is decoded on chip: for s < steps, copy loads(s) = (A region, raw B region) into tiles of operands[0] and operands[1], decode(raw_at, b_at, s) writes the B tile of operands[2] from the raw one (raw_at(i, j), b_at(i, j): elements of this step's tiles), acc (+)= a @ b^T; epilogue() after the last step; threads: see producer_threads.")
 attention_loop = _word("attention_loop", "Online-softmax attention over `steps` staged KV steps: S = sum_p q[p] @ kv[p]^T (kv: (rows, d, dtype) parts, staged by loads(k) -> [(src, part, row0, rows)], or into `raw` parts converted by value(part, i, j, read)), masked by visible(k, i, j) and scaled by `scale` (log2 domain), O_i = softmax(S) @ kv[v[i]]; rows past valid_rows (counted from step 0's first) are zeroed; epilogue(o, col0, l, m, stats) per output part.")
 scalar = _word("scalar", "A per-block scalar computed once and kept in a register; returns what expressions use in its place.")
-producer_threads = _word("producer_threads", "Extra threads mma_promoted_loop needs in the grid beyond the MMA threads (0 but on sm_90a).")
+producer_threads = _word("producer_threads", "Extra threads mma_promoted_loop and mma_decoded_loop need in the grid beyond the MMA threads (0 but on sm_90a).")
 split_rows = _word("split_rows", "(count, first): the rows of a `rows`-row tile that this core's vector code holds (all of them, or half on Ascend).")
 limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}.")
 store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")

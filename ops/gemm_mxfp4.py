@@ -67,14 +67,30 @@ BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 byt
 WORDS = 8         # 32-bit code words a thread decodes per call site: 64 values (2 scale groups)
 
 
-def _decode_words(raw, b_s, i, q, scale_word):
-    """Words [WORDS*q, WORDS*(q+1)) of row i of the staged codes -> b_s[i, 64q:64q+64], one 16-byte
-    store per word, scaled by bytes 2q and 2q+1 of the row's scale word for the step. One call: the
-    pointers carry their write intent, so TileLang's barriers see the stores, and the sync pass put
-    a barrier between any two such calls (it cannot tell the 16-byte regions apart)."""
+def _decode_words(raw_at, b_at, i, q, scale_word):
+    """Words [WORDS*q, WORDS*(q+1)) of row i of the staged codes (raw_at(i, w)) -> the decoded tile's
+    row i, columns 64q..64q+63 (b_at(i, c)), one 16-byte store per word, scaled by bytes 2q and 2q+1
+    of the row's scale word for the step. One call: the pointers carry their write intent, so
+    TileLang's barriers see the stores, and its sync pass put a barrier between any two such calls
+    (it cannot tell the 16-byte regions apart)."""
     words = [q * WORDS + c for c in range(WORDS)]
-    T.evaluate(T.call_extern("handle", "tc_e2m1x64_store", *[T.access_ptr(b_s[i, w * 8], "w", 8) for w in words],
-                             *[raw[i, w] for w in words], scale_word, q))
+    T.evaluate(T.call_extern("handle", "tc_e2m1x64_store", *[T.access_ptr(b_at(i, w * 8), "w", 8) for w in words],
+                             *[raw_at(i, w) for w in words], scale_word, q))
+
+
+def _check_threads(threads, block_n, block_k):
+    # one 64-value decode per MMA thread: with more threads than decodes, the decode's extra threads
+    # were not kept off the tile (512 threads hung the H200 in session 9)
+    if threads != block_n * block_k // (8 * WORDS):
+        raise ValueError(f"threads must be block_n * block_k / {8 * WORDS} = {block_n * block_k // (8 * WORDS)} "
+                         f"(one 64-value decode a thread), got {threads}")
+
+
+@T.macro
+def _decode_tile(raw_at, b_at, sw, step, block_n, block_k):
+    # a (block_n, block_k) tile: each thread decodes 64 values of one row
+    for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
+        _decode_words(raw_at, b_at, i, q, sw[step, i])
 
 
 @tile_program(
@@ -85,13 +101,16 @@ def _decode_words(raw, b_s, i, q, scale_word):
 )
 def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, block_k: int = BLOCK_K,
                        stages: int = 3, threads: int = 256, splits: int = 1):
-    """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA.
+    """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA: the K loop is
+    tile.mma_decoded_loop (on sm_90a a TMA warpgroup, and the decode of step s+1 runs under the
+    WGMMA of step s).
 
-    The block's E8M0 scales (block_n rows x its K range) become fp32 2^(e8-127) in shared memory once,
-    before the pipeline. splits > 1: split-K into fp32 partials, summed in order by
-    ops.gemm_fp8.fp8_gemm_reduce_program (decode grids are too small to fill the GPU otherwise).
+    The block's E8M0 scale words (its K range x block_n rows) are staged once, before the loop.
+    splits > 1: split-K into fp32 partials, summed in order by ops.gemm_fp8.fp8_gemm_reduce_program
+    (decode grids are too small to fill the GPU otherwise).
     """
     assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
+    _check_threads(threads, block_n, block_k)
     m = T.dynamic("m")
     n_tiles = n // block_n
     kb = k // block_k
@@ -102,37 +121,40 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
     def mxfp4_gemm_nt(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
                       SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
                       Part: T.Tensor(part_shape, "float32")):
-        with tile.grid(T.ceildiv(m, block_m) * n_tiles * splits, threads) as bid:
+        with tile.grid(T.ceildiv(m, block_m) * n_tiles * splits, threads + tile.producer_threads()) as bid:
             tm, tn, ts = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles, splits))
-            a_s = tile.operand((block_m, block_k), "bfloat16")
-            raw = tile.stage((block_n, block_k // 8), "int32")     # 8 codes a word
-            b_s = tile.operand((block_n, block_k), "bfloat16")
             sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
-            # the block's scale words staged once, before the pipeline (one 32-bit load per row and step)
+            # the block's scale words staged once, before the loop (one 32-bit load per row and step)
             for si, i in tile.parallel(per, block_n):
                 sw[si, i] = SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]
             T.import_source(E2M1_SOURCE)
-            for s in tile.pipelined(steps, stages=stages):
-                kk = k0 + s
-                tile.copy(A[tm * block_m, kk * block_k], a_s)
-                tile.copy(B[tn * block_n, kk * (block_k // 8)], raw)
-                for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
-                    _decode_words(raw, b_s, i, q, sw[s, i])
-                # clear at the first step (a TMEM accumulator on sm_100a cannot be zero-filled by stores)
-                tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
-            out = tile.read_accumulator(acc)
-            for i, j in tile.parallel(block_m, block_n):
-                r = tm * block_m + i
-                if r < m:
-                    if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
-                        Part[ts, r, tn * block_n + j] = T.if_then_else(steps > 0, out[i, j], 0.0)
-                    else:
-                        C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
+            # one step's tiles: A (TMA zero-fills rows past m) and the packed codes as 32-bit words
+            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+            loads = lambda blk: (  # noqa: E731
+                A[tm * block_m:(tm + 1) * block_m, (k0 + blk) * block_k:(k0 + blk + 1) * block_k],
+                B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (block_k // 8):(k0 + blk + 1) * (block_k // 8)])
+            tile.mma_decoded_loop(
+                steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
+                               ((block_n, block_k), "bfloat16")], acc,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k), stages=stages,
+                epilogue=lambda: _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n))
 
     return mxfp4_gemm_nt
+
+
+@T.macro
+def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(block_m, block_n):
+        r = tm * block_m + i
+        if r < m:
+            if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
+                Part[ts, r, tn * block_n + j] = T.if_then_else(steps > 0, out[i, j], 0.0)
+            else:
+                C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
 
 
 GROUPED_MODES = ("contiguous", "masked")
@@ -154,6 +176,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
     once; they become bf16x2 factors where the decode uses them."""
     assert mode in GROUPED_MODES, mode
     assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
+    _check_threads(threads, block_n, block_k)
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
     kb, n_tiles = k // block_k, n // block_n
@@ -169,11 +192,8 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)
         m_tiles = per_group * groups if masked else per_group
-        with tile.grid(m_tiles * n_tiles, threads) as bid:
+        with tile.grid(m_tiles * n_tiles, threads + tile.producer_threads()) as bid:
             tm, tn = tile.split_index(bid, (m_tiles, n_tiles))
-            a_s = tile.operand((block_m, block_k), "bfloat16")
-            raw = tile.stage((block_n, block_k // 8), "int32")
-            b_s = tile.operand((block_n, block_k), "bfloat16")
             sw = tile.stage((kb, block_n), "int32")        # E8M0 bytes of (step, row), step-major
             acc = tile.accumulator((block_m, block_n))
             if masked:
@@ -192,33 +212,41 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             for si, i in tile.parallel(kb, block_n):
                 sw[si, i] = SFB[g, tn * block_n + i, si]
             T.import_source(E2M1_SOURCE)
-            for s in tile.pipelined(steps, stages=stages):
-                if masked:
-                    tile.copy(A[g, row0, s * block_k], a_s)
-                else:
-                    tile.copy(A[row0, s * block_k], a_s)
-                tile.copy(B[g, tn * block_n, s * (block_k // 8)], raw)
-                for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
-                    _decode_words(raw, b_s, i, q, sw[s, i])
-                tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
-            out = tile.read_accumulator(acc)
-            for i, j in tile.parallel(block_m, block_n):
-                r = row0 + i
-                if r < height:
-                    # no K step ran (a tile past MaskedM): the accumulator was never cleared
-                    keep = steps > 0 and r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                    value = T.if_then_else(keep, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
-                    if masked:
-                        C[g, r, tn * block_n + j] = value
-                    else:
-                        C[r, tn * block_n + j] = value
+            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+            loads = lambda blk: (  # noqa: E731
+                A[g, row0:row0 + block_m, blk * block_k:(blk + 1) * block_k] if masked
+                else A[row0:row0 + block_m, blk * block_k:(blk + 1) * block_k],
+                B[g, tn * block_n:(tn + 1) * block_n, blk * (block_k // 8):(blk + 1) * (block_k // 8)])
+            where = (C, MIdx, row0, height, limit, g, tn, steps)
+            tile.mma_decoded_loop(
+                steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
+                               ((block_n, block_k), "bfloat16")], acc,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k), stages=stages,
+                epilogue=lambda: _store_grouped(acc, where, mode, block_m, block_n))
 
     return mxfp4_gemm_grouped
 
 
+@T.macro
+def _store_grouped(acc, where, mode, block_m, block_n):
+    C, MIdx, row0, height, limit, g, tn, steps = where
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(block_m, block_n):
+        r = row0 + i
+        if r < height:
+            # no K step ran (a tile past MaskedM): zeros, whatever the accumulator holds
+            keep = steps > 0 and r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+            value = T.if_then_else(keep, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
+            if mode == "masked":
+                C[g, r, tn * block_n + j] = value
+            else:
+                C[r, tn * block_n + j] = value
+
+
 def grouped_smem_bytes(k: int, block_m: int, block_n: int = 128, block_k: int = BLOCK_K, stages: int = 3) -> int:
-    """Shared memory of one grouped block: the pipeline, the decoded tile and the K range's scale bytes."""
-    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * (k // block_k) * 4
+    """Shared memory of one grouped block: the pipeline, two decoded tiles (sm_90a decodes the next
+    step while the MMA reads the last) and the K range's scale words."""
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + 2 * block_n * block_k * 2 + block_n * (k // block_k) * 4
 
 
 def mxfp4_gemm_nt_reference(a, b, sfb):
@@ -371,9 +399,9 @@ SMEM_BUDGET = 227 * 1024 - 4096    # dynamic shared memory a block may use on sm
 
 
 def smem_bytes(block_m: int, per: int, block_n: int = 128, block_k: int = BLOCK_K, stages: int = 3) -> int:
-    """Shared memory of one block: the pipeline (A bf16 + packed B per stage), the decoded B tile,
-    and the E8M0 scale words of the block's `per` K steps."""
-    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + block_n * block_k * 2 + block_n * per * 4
+    """Shared memory of one block: the pipeline (A bf16 + packed B per stage), two decoded B tiles
+    (sm_90a's mma_decoded_loop double-buffers them) and the E8M0 scale words of its `per` K steps."""
+    return stages * (block_m * block_k * 2 + block_n * block_k // 2) + 2 * block_n * block_k * 2 + block_n * per * 4
 
 
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:

@@ -258,20 +258,21 @@ def _build_with_ptxas_log(src: str, arch: str = "sm_90a"):
         return out.read_bytes(), proc.stdout + proc.stderr
 
 
-def _innermost_mma_loop(sass: str) -> list[str]:
-    """The instructions of the smallest backward-branch range that holds a QGMMA: the MMA
-    warpgroups' K loop (mbarrier retry trampolines jump back over more code)."""
+def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
+    """The instructions of the smallest range closed by a predicated backward branch that holds an
+    `mma` instruction: the MMA warpgroups' K loop (the mbarrier retry trampolines after the kernel's
+    code return with unpredicated jumps, which can span less)."""
     import re
 
     ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     best = None
     for addr, text in ins:
-        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", text)
+        m = re.search(r"^@!?U?P\w+\s+BRA\s+(?:`\()?(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any(t.startswith("QGMMA") for t in body) and (best is None or len(body) < len(best)):
+            if any(t.startswith(mma) for t in body) and (best is None or len(body) < len(best)):
                 best = body
-    assert best is not None, "no loop with a QGMMA in the SASS"
+    assert best is not None, f"no loop with a {mma} in the SASS"
     return best
 
 
@@ -447,6 +448,42 @@ def test_mxfp4_lowers_to_bf16_tensor_cores(target, instr, splits):
     assert hist.get(instr, 0) > 0
 
 
+@pytest.mark.parametrize("params", [dict(n=4096, k=7168, block_m=64, splits=4), dict(n=2048, k=7168, block_m=128)])
+def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
+    """sm_90a's mma_decoded_loop: a 384-thread block (TMA warpgroup + 2 MMA warpgroups), the WGMMA
+    of a step left in flight while the next step decodes (wgmma wait 1 in the source), and ptxas
+    keeps it so: no C7514 / C7517, no spills, and a burst's loop waits with DEPBAR 0x1 between its
+    HGMMAs and drains once (0x0)."""
+    from backends import ToolchainError
+    from backends.cuda.sass import disassemble, histogram
+    from codegen.lowering.sm90_decoded import BURST
+    from ops.gemm_mxfp4 import mxfp4_gemm_program
+
+    src = mxfp4_gemm_program.source("sm_90a", **params)
+    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
+    try:
+        cubin, log = _build_with_ptxas_log(src)
+        sass = disassemble(cubin)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    hist = histogram(sass)
+    assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
+    assert hist.get("STL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
+    assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    loop = _innermost_mma_loop(sass, "HGMMA")
+    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
+    assert waits == ["0x1"] * (BURST - 1) + ["0x0"], waits
+
+
+def test_mxfp4_programs_take_one_decode_per_thread():
+    from ops.gemm_mxfp4 import mxfp4_gemm_program, mxfp4_grouped_program
+
+    with pytest.raises(ValueError, match="threads must be block_n \\* block_k / 64 = 256"):
+        mxfp4_gemm_program.source("sm_90a", n=256, k=512, threads=512)
+    with pytest.raises(ValueError, match="got 128"):
+        mxfp4_grouped_program.source("sm_90a", n=256, k=512, mode="masked", threads=128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (64, 4096, 7168), (200, 256, 512), (1024, 2048, 7168)])
 def test_gpu_mxfp4(m, n, k):
@@ -512,10 +549,10 @@ def test_mxfp4_plan():
     assert plan(64, 7168, 2048) == dict(block_m=64, splits=2)      # 56 tiles: 112 blocks of 8 steps
     assert plan(64, 7168, 1024) == dict(block_m=64, splits=1)      # 8 steps: no split keeps 6
     # enough tiles to fill the GPU: one split while the block's staged scale words fit next to the
-    # pipeline (56 K steps: 184 KB), split in two where they do not (256 steps: 287 KB in one block
-    # would be a launch error)
+    # pipeline (56 K steps: 212 KB), split where they do not (256 steps: 316 KB in one block would
+    # be a launch error; 4 splits of 64 steps: 216 KB)
     assert plan(4096, 4096, 7168)["splits"] == 1
-    assert plan(4096, 4096, 32768)["splits"] == 2
+    assert plan(4096, 4096, 32768)["splits"] == 4
 
 
 def test_mxfp4_plans_fit_in_shared_memory():
@@ -527,9 +564,11 @@ def test_mxfp4_plans_fit_in_shared_memory():
         for n, k in ((4096, 7168), (7168, 2048), (2048, 16384), (256, 512), (4096, 32768)):
             p = plan(m, n, k)
             assert smem_bytes(p["block_m"], -(-(k // 128) // p["splits"])) <= SMEM_BUDGET, (m, n, k, p)
-    src = mxfp4_gemm_program.source("sm_90a", n=4096, k=32768, **plan(4096, 4096, 32768))
-    last = max(map(int, re.findall(r"buf_dyn_shmem\s*\+\s*(\d+)", src)))
-    assert last + 128 * 128 * 2 <= smem_bytes(128, 128)         # the decoded tile is the last buffer
+    p = plan(4096, 4096, 32768)
+    src = mxfp4_gemm_program.source("sm_90a", n=4096, k=32768, **p)
+    offsets = sorted(map(int, re.findall(r"buf_dyn_shmem\s*\+\s*(\d+)", src)))
+    # the last buffer starts within the estimate, less its smallest possible size (a barrier word)
+    assert offsets and offsets[-1] < smem_bytes(128, 256 // p["splits"]) <= SMEM_BUDGET
 
 
 # ---- sorted rows + work items (MoE decode) ---------------------------------------------------------

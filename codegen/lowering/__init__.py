@@ -4,9 +4,10 @@ common   "*" rules that are the same TileLang on every target
 cuda     rules shared by sm_90a and sm_100a
 sm90     Hopper: register accumulators, T.gemm -> WGMMA
 sm90_attention  Hopper attention_loop: hand-written producer + two MMA warpgroups
+sm90_decoded    Hopper mma_decoded_loop: TMA producer + MMA warpgroups decoding under the previous WGMMA
 sm100    Blackwell: tensor-memory accumulators, tcgen05 MMA completing on an mbarrier
 ascend   Ascend 950: 1-D core grid, SimtVF vector regions, L1/L0C cube buffers
 cpu      TileLang's C target: one thread, local buffers, serial loops, bf16 by bit arithmetic
 """
 
-from codegen.lowering import common, cuda, sm90, sm90_attention, sm100, ascend, cpu  # noqa: F401
+from codegen.lowering import common, cuda, sm90, sm90_attention, sm90_decoded, sm100, ascend, cpu  # noqa: F401

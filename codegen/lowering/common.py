@@ -131,6 +131,31 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
 
 
+# ---- mma_decoded_loop: a GEMM whose B tile is decoded on chip from a raw staged one ----------------
+
+@T.macro
+def _decoded_loop(steps, loads, a_s, raw, b_s, acc, decode, raw_at, b_at, stages, epilogue):
+    for s in tile.pipelined(steps, stages=stages):
+        src_a, src_raw = loads(s)
+        tile.copy(src_a, a_s)
+        tile.copy(src_raw, raw)
+        decode(raw_at, b_at, s)
+        # clear at the first step (a TMEM accumulator on sm_100a cannot be zero-filled by stores)
+        tile.mma(a_s, b_s, acc, transpose_b=True, clear=(s == 0), step=s)
+    epilogue()
+
+
+@register("mma_decoded_loop", "*")
+def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, epilogue=None):
+    # the plain pipelined loop: decode, then the MMA, then the next step's decode
+    (a_shape, a_dtype), (raw_shape, raw_dtype), (b_shape, b_dtype) = operands
+    a_s = tile.operand(a_shape, a_dtype)
+    raw = tile.stage(raw_shape, raw_dtype)
+    b_s = tile.operand(b_shape, b_dtype)
+    _decoded_loop(steps, loads, a_s, raw, b_s, acc, decode, lambda i, j: raw[i, j], lambda i, j: b_s[i, j], stages,
+                  epilogue or (lambda: None))
+
+
 # ---- attention_loop: online-softmax attention over staged KV steps --------------------------------
 
 def _emit_maybe(stmt):

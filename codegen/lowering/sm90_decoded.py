@@ -1,0 +1,112 @@
+"""Hopper (sm_90a) mma_decoded_loop: the decode of K step s+1 runs while the WGMMA of step s is in flight.
+
+    producer (the last 128 threads)  TMA loads of A and of the raw B tile of each step into `stages` slots
+    MMA warpgroups (the rest)        decode the raw tile of step s into decoded buffer s % 2, then issue
+                                     the WGMMA of step s and wait for the one of step s-1 (wgmma wait 1)
+
+TileLang's own pipeline waits for every gemm right after issuing it, and its decoded tile is single-
+buffered, so the decode and the MMA of a step ran one after the other (bench/NOTES.md "MXFP4 v4":
+12-15% of the warp samples on that wait). Here the decoded tile has two buffers: step s writes
+buffer s % 2 while the MMA of step s-1 reads the other one.
+
+As in mma_promoted_loop (sm90.py), ptxas serializes every WGMMA of a kernel when one is still in
+flight at a loop's back edge (C7514), so the steps run in unrolled bursts of BURST that drain
+(wgmma wait 0) at their end.
+
+Barriers are placed here by hand (the rule turns TileLang's thread-storage-sync pass off, which would
+otherwise put block-wide barriers inside the MMA warpgroups' branch):
+    full[slot]   producer arrivals + TMA bytes: A and the raw tile of the step are in slot
+    empty[slot]  the MMA warpgroups are done with slot (the WGMMA that read A has completed)
+    DECODE_BAR   named barrier of the MMA warpgroups: before a decode (every warpgroup has waited for
+                 the MMA that read this buffer two steps ago) and after it (the whole tile is written)
+"""
+
+import tilelang.language as T
+
+from codegen.rules import register
+from codegen.tile import emit, require_pass_configs, state
+from codegen.lowering.sm90 import PRODUCER, PRODUCER_REGS, CONSUMER_REGS, _policy
+
+BURST = 4
+DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+
+
+def _step(j, first, io):
+    """Step first + j of a burst (j a Python int): wait for its tiles, decode, issue its WGMMA, and
+    retire the previous step's (wait 1) when there is one in this burst."""
+    a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy = io
+    s = first + j
+    slot = s % stages
+    buf = s % 2
+    emit(T.sync_threads(DECODE_BAR, consumers))             # buffer `buf`'s last reader (step s-2) is done
+    emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
+    decode(lambda i, w: r_s[slot, i, w], lambda i, c: b_s[buf, i, c], s)
+    emit(T.fence_proxy_async())                             # generic stores -> WGMMA reads
+    emit(T.sync_threads(DECODE_BAR, consumers))             # the whole decoded tile is written
+    emit(T.wgmma_gemm(a_s[slot, :, :], b_s[buf, :, :], acc, transpose_B=True, clear_accum=False, policy=policy))
+    if j > 0:
+        emit(T.wait_wgmma(1))                               # step s-1's WGMMA is done
+        emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+
+
+def _burst(first, count, io):
+    for j in range(count):
+        _step(j, first, io)
+    emit(T.wait_wgmma(0))
+    emit(T.mbarrier_arrive(io[4][(first + count - 1) % io[7]]))
+
+
+@T.macro
+def _tail(steps, rest, io):
+    if steps % BURST == rest:
+        _burst(steps - rest, rest, io)
+
+
+def _tails(steps, io):
+    for rest in range(1, BURST):        # a Python loop: a T.macro would make it a T.serial
+        _tail(steps, rest, io)
+
+
+def consumer_regs(consumers: int) -> int:
+    """Registers a thread of the MMA warpgroups gets (setmaxnreg): the 64K-register file split over
+    the producer warpgroup's PRODUCER_REGS and the rest, a multiple of 8, at most CONSUMER_REGS."""
+    per_wg = (65536 // 128 - PRODUCER_REGS) // (consumers // 128)
+    return min(CONSUMER_REGS, per_wg // 8 * 8)
+
+
+@T.macro
+def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, epilogue):
+    T.sync_threads()                    # the program's own shared-memory writes before the loop are done
+    if T.get_thread_binding() >= consumers:
+        T.set_max_nreg(PRODUCER_REGS, 0)
+        for s in T.serial(steps):
+            slot = s % stages
+            T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)    # step s - stages is done
+            src_a, src_raw = loads(s)
+            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
+            T.tma_copy(src_raw, r_s[slot, :, :], barrier=full[slot])
+            T.mbarrier_arrive(full[slot])
+    else:
+        T.set_max_nreg(consumer_regs(consumers), 1)
+        T.clear(acc)
+        io = (a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy)
+        for q in T.serial(steps // BURST):
+            _burst(q * BURST, BURST, io)
+        _tails(steps, io)
+        epilogue()
+
+
+@register("mma_decoded_loop", "cuda:sm_90a")
+def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, epilogue=None):
+    # the grid was opened with producer_threads() more threads than the MMA warpgroups
+    consumers = state()["threads"] - PRODUCER
+    require_pass_configs(PASS_CONFIGS)
+    (a_shape, a_dtype), (raw_shape, raw_dtype), (b_shape, b_dtype) = operands
+    a_s = T.alloc_shared((stages, *a_shape), a_dtype)
+    r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
+    b_s = T.alloc_shared((2, *b_shape), b_dtype)
+    full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
+    empty = T.alloc_barrier([consumers] * stages)
+    _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc.buf, decode, stages, consumers, _policy(acc),
+                epilogue or (lambda: None))
