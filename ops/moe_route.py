@@ -20,7 +20,7 @@ experts, ties toward the lower id.
 import torch
 import tilelang.language as T
 
-from codegen import targets, tile
+from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
@@ -399,12 +399,13 @@ def _moe_route_impl(logits, bias, top_k, scoring, n_group, topk_group, renormali
     program = moe_route_program
     if target.name in moe_route_warp_program.targets and warp_path_fits(E, top_k, n_group):
         program = moe_route_warp_program
-    kernel = program.compile(
-        target, num_experts=E, top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
-        has_bias=bias is not None, renormalize=renormalize, scaling=float(routed_scaling_factor),
-        dtype=LOGIT_DTYPES[logits.dtype])
+    params = dict(num_experts=E, top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
+                  has_bias=bias is not None, renormalize=renormalize, scaling=float(routed_scaling_factor),
+                  dtype=LOGIT_DTYPES[logits.dtype])
+    launch = jit.launchers((program.name, target.name, *params.values()),
+                           lambda: program.compile(target, **params).launcher())
     b = bias.float().contiguous() if bias is not None else torch.zeros(E, dtype=torch.float32, device=logits.device)
-    kernel.launcher()(logits, b, weights, ids)
+    launch(logits, b, weights, ids)
     return weights, ids
 
 

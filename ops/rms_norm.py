@@ -10,7 +10,7 @@ Memory-bound: bytes = 2 * rows * hidden * elem_size (+ the weight, read from L2)
 import tilelang.language as T
 import torch
 
-from codegen import targets, tile
+from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch
 from ops import _validate as check
@@ -88,8 +88,10 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     if rows == 0:
         return out
     target = targets.resolve(x, weight)
-    kernel = rmsnorm_program.compile(target, hidden=hidden, dtype=DTYPES[x.dtype], eps=float(eps))
-    kernel.launcher()(x.view(rows, hidden), weight, out.view(rows, hidden))
+    dtype = DTYPES[x.dtype]
+    launch = jit.launchers(("rmsnorm", target.name, hidden, dtype, float(eps)), lambda: (
+        rmsnorm_program.compile(target, hidden=hidden, dtype=dtype, eps=float(eps)).launcher()))
+    launch(x.view(rows, hidden), weight, out.view(rows, hidden))
     return out
 
 

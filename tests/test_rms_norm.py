@@ -42,6 +42,21 @@ def test_bf16_rounding_is_nearest_even_on_cpu():
     assert (y != ref).float().mean() < 0.01  # only sum-order ties may differ
 
 
+def test_a_repeated_call_takes_its_launcher_from_the_op_cache(monkeypatch):
+    """The op keeps its launcher per (target, hidden, dtype, eps): a second call compiles nothing,
+    and a different eps is its own kernel."""
+    x, w = torch.randn(3, 96), torch.randn(96)
+    first = ops.rms_norm(x, w, eps=1e-5)
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled on a repeated call")
+
+    monkeypatch.setattr(rmsnorm_program, "compile", no_compile)
+    assert torch.equal(ops.rms_norm(x, w, eps=1e-5), first)
+    with pytest.raises(AssertionError, match="compiled on a repeated call"):
+        ops.rms_norm(x, w, eps=1e-3)
+
+
 def test_eps_is_honoured():
     x = torch.full((2, 64), 1e-3)
     w = torch.ones(64)
