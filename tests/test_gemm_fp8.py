@@ -276,6 +276,31 @@ def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
     return best
 
 
+def _burst_loop_of(src: str, mma: str, burst: int) -> list[str]:
+    """Build a kernel whose K loop keeps one WGMMA group in flight (TMA warpgroup + 2 MMA
+    warpgroups, bursts of `burst` steps) and check that ptxas kept it so: `mma` and TMA in the SASS,
+    no spills, no C7514 / C7517 (WGMMAs serialized, a wait injected), and the loop waits with
+    `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's MMAs, with one
+    `0x0` drain per burst. Returns the loop's instructions."""
+    from backends import ToolchainError
+    from backends.cuda.sass import disassemble, histogram
+
+    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
+    try:
+        cubin, log = _build_with_ptxas_log(src)
+        sass = disassemble(cubin)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    hist = histogram(sass)
+    assert hist.get(mma, 0) > 0 and hist.get("UTMALDG", 0) > 0
+    assert hist.get("STL", 0) == 0 and hist.get("LDL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
+    assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    loop = _innermost_mma_loop(sass, mma)
+    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
+    assert waits == ["0x1"] * (burst - 1) + ["0x0"], waits      # burst - 1 waits 1, a drain
+    return loop
+
+
 @pytest.mark.parametrize("params", OVERLAP_CASES)
 def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     """The v3 loop builds: QGMMA, TMA loads, no spills, a 384-thread block (2 MMA warpgroups + the
@@ -283,25 +308,11 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     flight: no C7514 / C7517 (WGMMAs serialized, a wait injected), and the K loop waits with
     `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's QGMMAs, with one
     `0x0` drain per burst, instead of a DEPBAR 0x0 after every QGMMA."""
-    from backends import ToolchainError
-    from backends.cuda.sass import disassemble, histogram
     from codegen.lowering.sm90 import BURST
 
     src = fp8_gemm_program.source("sm_90a", overlap=True, **params)
-    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
-    try:
-        cubin, log = _build_with_ptxas_log(src)
-        sass = disassemble(cubin)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    hist = histogram(sass)
-    assert hist.get("QGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
-    assert hist.get("STL", 0) == 0 and hist.get("LDL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
-    assert "C7514" not in log and "C7517" not in log, log[-2000:]
-    loop = _innermost_mma_loop(sass)
-    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
-    assert waits == ["0x1"] * (BURST - 1) + ["0x0"], waits          # BURST blocks: BURST - 1 waits 1, a drain
+    loop = _burst_loop_of(src, "QGMMA", BURST)
     assert sum(t.startswith("QGMMA") for t in loop) >= 2 * BURST
 
 
@@ -454,25 +465,10 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     of a step left in flight while the next step decodes (wgmma wait 1 in the source), and ptxas
     keeps it so: no C7514 / C7517, no spills, and a burst's loop waits with DEPBAR 0x1 between its
     HGMMAs and drains once (0x0)."""
-    from backends import ToolchainError
-    from backends.cuda.sass import disassemble, histogram
     from codegen.lowering.sm90_decoded import BURST
     from ops.gemm_mxfp4 import mxfp4_gemm_program
 
-    src = mxfp4_gemm_program.source("sm_90a", **params)
-    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
-    try:
-        cubin, log = _build_with_ptxas_log(src)
-        sass = disassemble(cubin)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    hist = histogram(sass)
-    assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
-    assert hist.get("STL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
-    assert "C7514" not in log and "C7517" not in log, log[-2000:]
-    loop = _innermost_mma_loop(sass, "HGMMA")
-    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
-    assert waits == ["0x1"] * (BURST - 1) + ["0x0"], waits
+    _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)
 
 
 def test_mxfp4_programs_take_one_decode_per_thread():

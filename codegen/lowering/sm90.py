@@ -111,17 +111,25 @@ def _tails(steps, io):
 
 
 @T.macro
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages):
+    """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
+    MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
+    the bytes)."""
+    T.set_max_nreg(PRODUCER_REGS, 0)
+    for s in T.serial(steps):
+        slot = s % stages
+        T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
+        src_a, src_b = loads(s)
+        T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
+        T.mbarrier_arrive(full[slot])
+
+
+@T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
                 regs, policy, epilogue):
     if T.get_thread_binding() >= consumers:
-        T.set_max_nreg(PRODUCER_REGS, 0)
-        for s in T.serial(steps):
-            slot = s % stages
-            T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # MMA s - stages has finished
-            src_a, src_b = loads(s)
-            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
-            T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
-            T.mbarrier_arrive(full[slot])
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages)
     else:
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)

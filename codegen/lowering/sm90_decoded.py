@@ -25,7 +25,7 @@ import tilelang.language as T
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
-from codegen.lowering.sm90 import PRODUCER, PRODUCER_REGS, CONSUMER_REGS, _policy
+from codegen.lowering.sm90 import CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, tma_producer
 
 BURST = 4
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
@@ -79,14 +79,7 @@ def consumer_regs(consumers: int) -> int:
 def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, epilogue):
     T.sync_threads()                    # the program's own shared-memory writes before the loop are done
     if T.get_thread_binding() >= consumers:
-        T.set_max_nreg(PRODUCER_REGS, 0)
-        for s in T.serial(steps):
-            slot = s % stages
-            T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)    # step s - stages is done
-            src_a, src_raw = loads(s)
-            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
-            T.tma_copy(src_raw, r_s[slot, :, :], barrier=full[slot])
-            T.mbarrier_arrive(full[slot])
+        tma_producer(steps, loads, a_s, r_s, full, empty, stages)
     else:
         T.set_max_nreg(consumer_regs(consumers), 1)
         T.clear(acc)
