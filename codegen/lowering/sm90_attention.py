@@ -116,6 +116,12 @@ def _chunks(buf):
     return rows * cols // (PRODUCER * CHUNK), cols
 
 
+def _at(buf, c, tid):
+    # (row, first column) of chunk c of this producer thread in a converted tile
+    flat = (c * PRODUCER + tid) * CHUNK
+    return flat // _chunks(buf)[1], flat % _chunks(buf)[1]
+
+
 @T.macro
 def _convert_part(buf, p, read, value, slot, valid, tid, vals):
     # Two passes: every value of the thread's chunks into registers, then the stores. In one pass
@@ -125,18 +131,14 @@ def _convert_part(buf, p, read, value, slot, valid, tid, vals):
     for c in T.unroll(_chunks(buf)[0]):
         for e in T.vectorized(CHUNK):
             if valid is None:
-                vals[c * CHUNK + e] = value(p, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
-                                            (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e, read)
+                vals[c * CHUNK + e] = value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read)
             else:
-                vals[c * CHUNK + e] = T.if_then_else(
-                    (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1] < valid,
-                    value(p, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
-                          (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e, read),
-                    T.cast(0, buf.dtype))
+                vals[c * CHUNK + e] = T.if_then_else(_at(buf, c, tid)[0] < valid,
+                                                     value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read),
+                                                     T.cast(0, buf.dtype))
     for c in T.unroll(_chunks(buf)[0]):
         for e in T.vectorized(CHUNK):
-            buf[slot, (c * PRODUCER + tid) * CHUNK // _chunks(buf)[1],
-                (c * PRODUCER + tid) * CHUNK % _chunks(buf)[1] + e] = vals[c * CHUNK + e]
+            buf[slot, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e] = vals[c * CHUNK + e]
 
 
 @T.macro
