@@ -471,6 +471,16 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)
 
 
+def test_mxfp4_scale_words_need_4_byte_alignment():
+    from ops.gemm_mxfp4 import _scale_words
+
+    buf = torch.arange(1 + 128 * 4, dtype=torch.int32).to(torch.uint8)
+    words = _scale_words(buf[:512].view(128, 4))
+    assert words.shape == (128, 1) and int(words[1, 0]) & 0xFF == 4        # byte 0 of row 1, little-endian
+    with pytest.raises(ValueError, match="sfb must start 4-byte aligned"):
+        _scale_words(buf[1:].view(128, 4))
+
+
 def test_mxfp4_programs_take_one_decode_per_thread():
     from ops.gemm_mxfp4 import mxfp4_gemm_program, mxfp4_grouped_program
 
