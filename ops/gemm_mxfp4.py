@@ -79,9 +79,9 @@ def _decode_words(raw_at, b_at, i, q, scale_word):
 
 
 def _check_threads(threads, block_n, block_k):
-    # one 64-value decode per MMA thread, the only split that has run: 512 threads (4 MMA warpgroups,
-    # half of them idle in the decode) hung the H200 in session 9, cause not found (bench/NOTES.md
-    # "MXFP4 v4")
+    # one 64-value decode per MMA thread, the only split that has run on a GPU. 512 threads hung the
+    # H200 in session 9: their setmaxnreg asked for more registers than the launch gave the block
+    # (fixed in sm90_decoded.consumer_regs, not re-run), and half of them would idle in the decode
     if threads != block_n * block_k // (8 * WORDS):
         raise ValueError(f"threads must be block_n * block_k / {8 * WORDS} = {block_n * block_k // (8 * WORDS)} "
                          f"(one 64-value decode a thread), got {threads}")

@@ -471,6 +471,21 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)
 
 
+def test_decoded_loop_asks_only_for_registers_the_launch_gave():
+    """setmaxnreg moves registers inside the block: the MMA warpgroups' inc must fit in what the
+    launch bound allocated less what the producer keeps (512 MMA threads asking for 120 hung)."""
+    from codegen.lowering.sm90 import PRODUCER, PRODUCER_REGS
+    from codegen.lowering.sm90_decoded import consumer_regs
+
+    assert consumer_regs(256) == 240 and consumer_regs(512) == 112
+    for consumers in (128, 256, 384, 512, 768):
+        threads = consumers + PRODUCER
+        at_launch = (65536 // threads) // 8 * 8
+        regs = consumer_regs(consumers)
+        assert regs % 8 == 0
+        assert consumers * regs + PRODUCER * PRODUCER_REGS <= at_launch * threads
+
+
 def test_mxfp4_scale_words_need_4_byte_alignment():
     from ops.gemm_mxfp4 import _scale_words
 

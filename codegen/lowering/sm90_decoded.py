@@ -69,10 +69,15 @@ def _tails(steps, io):
 
 
 def consumer_regs(consumers: int) -> int:
-    """Registers a thread of the MMA warpgroups gets (setmaxnreg): the 64K-register file split over
-    the producer warpgroup's PRODUCER_REGS and the rest, a multiple of 8, at most CONSUMER_REGS."""
-    per_wg = (65536 // 128 - PRODUCER_REGS) // (consumers // 128)
-    return min(CONSUMER_REGS, per_wg // 8 * 8)
+    """Registers a thread of the MMA warpgroups asks for (setmaxnreg.inc): setmaxnreg moves registers
+    between the block's warps, it does not take new ones, so the MMA warpgroups can only gain what
+    the producer gives back from the launch allocation (the launch bound's registers a thread,
+    rounded down to 8, times every thread). An .inc beyond that blocks forever: 120 at 512 MMA
+    threads (640 in all: 96 a thread at launch, 112 is the most) hung the H200 in session 9."""
+    threads = consumers + PRODUCER
+    at_launch = (65536 // threads) // 8 * 8
+    share = (at_launch * threads - PRODUCER_REGS * PRODUCER) // consumers
+    return min(CONSUMER_REGS, share // 8 * 8)
 
 
 @T.macro
