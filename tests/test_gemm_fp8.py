@@ -471,19 +471,24 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)
 
 
-def test_decoded_loop_asks_only_for_registers_the_launch_gave():
-    """setmaxnreg moves registers inside the block: the MMA warpgroups' inc must fit in what the
-    launch bound allocated less what the producer keeps (512 MMA threads asking for 120 hung)."""
-    from codegen.lowering.sm90 import PRODUCER, PRODUCER_REGS
+def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
+    """setmaxnreg moves registers inside the block: every sm_90a rule checks that its warpgroups ask
+    for no more than the launch gave (512 MMA threads asking for 120, and the MLA producer at 104,
+    hung the H200), and the decoded loop sizes its MMA warpgroups' share from it."""
+    import codegen.lowering.sm90_attention as att
+    from codegen.lowering.sm90 import check_register_split
     from codegen.lowering.sm90_decoded import consumer_regs
+    from ops.mla_decode import mla_decode_program
 
     assert consumer_regs(256) == 240 and consumer_regs(512) == 112
-    for consumers in (128, 256, 384, 512, 768):
-        threads = consumers + PRODUCER
-        at_launch = (65536 // threads) // 8 * 8
-        regs = consumer_regs(consumers)
-        assert regs % 8 == 0
-        assert consumers * regs + PRODUCER * PRODUCER_REGS <= at_launch * threads
+    check_register_split(640, [(128, 24), (512, 112)])
+    with pytest.raises(ValueError, match="needs 64512 registers, the launch of 640 threads gives 61440"):
+        check_register_split(640, [(128, 24), (512, 120)])
+    mla = dict(h_q=16, s_q=1, page=64, kv_format="fp8", block_n=32, stages=2, raw_stages=3)
+    assert "reg_dealloc<80>" in mla_decode_program.source("sm_90a", **mla)
+    monkeypatch.setattr(att, "PRODUCER_REGS", 104)
+    with pytest.raises(ValueError, match="setmaxnreg split"):
+        mla_decode_program.source("sm_90a", **mla)
 
 
 def test_mxfp4_scale_words_need_4_byte_alignment():

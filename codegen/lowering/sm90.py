@@ -54,6 +54,23 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 BURST = 4           # K blocks per iteration of the MMA warpgroups' loop (>= 2): one drain per BURST
 
 
+def launch_registers(threads: int) -> int:
+    """Registers a thread gets at launch under __launch_bounds__(threads, 1): the 64K register file
+    split over the block, rounded down to ptxas's allocation unit of 8."""
+    return (65536 // threads) // 8 * 8
+
+
+def check_register_split(threads: int, asks) -> None:
+    """setmaxnreg only moves registers between a block's warpgroups: what they ask for, (threads,
+    registers) pairs, must fit in the launch allocation, or an .inc waits forever (a hang, not an
+    error: session 9 hit it twice)."""
+    have = launch_registers(threads) * threads
+    need = sum(n * r for n, r in asks)
+    if need > have:
+        raise ValueError(f"setmaxnreg split {list(asks)} needs {need} registers, the launch of {threads} threads "
+                         f"gives {have}")
+
+
 @register("producer_threads", "cuda:sm_90a")
 def producer_threads():
     return PRODUCER
@@ -155,6 +172,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     b_s = T.alloc_shared((stages, *b_shape), b_dtype)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     empty = T.alloc_barrier([consumers] * stages)
+    check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,

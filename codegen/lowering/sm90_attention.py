@@ -35,6 +35,7 @@ Barriers (all mbarriers; parity = use number % 2):
 import tilelang.language as T
 
 from codegen.lowering.common import online_softmax
+from codegen.lowering.sm90 import check_register_split
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
 
@@ -279,6 +280,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
                          f"got {threads}")
+    check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
     if len(v) != 2:
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "

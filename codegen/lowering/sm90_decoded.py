@@ -25,7 +25,8 @@ import tilelang.language as T
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
-from codegen.lowering.sm90 import CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, tma_producer
+from codegen.lowering.sm90 import (CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split,
+                                   launch_registers, tma_producer)
 
 BURST = 4
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
@@ -69,14 +70,11 @@ def _tails(steps, io):
 
 
 def consumer_regs(consumers: int) -> int:
-    """Registers a thread of the MMA warpgroups asks for (setmaxnreg.inc): setmaxnreg moves registers
-    between the block's warps, it does not take new ones, so the MMA warpgroups can only gain what
-    the producer gives back from the launch allocation (the launch bound's registers a thread,
-    rounded down to 8, times every thread). An .inc beyond that blocks forever: 120 at 512 MMA
-    threads (640 in all: 96 a thread at launch, 112 is the most) hung the H200 in session 9."""
+    """Registers a thread of the MMA warpgroups asks for (setmaxnreg.inc): at most CONSUMER_REGS, and
+    only what the producer gives back from the launch allocation (sm90.check_register_split; 120 at
+    512 MMA threads hung the H200 in session 9, 112 is the most there)."""
     threads = consumers + PRODUCER
-    at_launch = (65536 // threads) // 8 * 8
-    share = (at_launch * threads - PRODUCER_REGS * PRODUCER) // consumers
+    share = (launch_registers(threads) * threads - PRODUCER_REGS * PRODUCER) // consumers
     return min(CONSUMER_REGS, share // 8 * 8)
 
 
@@ -99,6 +97,7 @@ def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, c
 def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, epilogue=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups
     consumers = state()["threads"] - PRODUCER
+    check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, consumer_regs(consumers))])
     require_pass_configs(PASS_CONFIGS)
     (a_shape, a_dtype), (raw_shape, raw_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
