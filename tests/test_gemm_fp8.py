@@ -465,7 +465,7 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     of a step left in flight while the next step decodes (wgmma wait 1 in the source), and ptxas
     keeps it so: no C7514 / C7517, no spills, and a burst's loop waits with DEPBAR 0x1 between its
     HGMMAs and drains once (0x0)."""
-    from codegen.lowering.sm90_decoded import BURST
+    from codegen.lowering.sm90 import BURST
     from ops.gemm_mxfp4 import mxfp4_gemm_program
 
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)

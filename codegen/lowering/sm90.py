@@ -116,15 +116,26 @@ def _burst(first, count, io):
 
 
 @T.macro
-def _tail(steps, rest, io):
+def _bursts_of(steps, burst, io):
+    for q in T.serial(steps // BURST):
+        burst(q * BURST, BURST, io)
+
+
+@T.macro
+def _tail(steps, rest, burst, io):
     if steps % BURST == rest:
-        _burst(steps - rest, rest, io)
+        burst(steps - rest, rest, io)
 
 
-def _tails(steps, io):
-    # the last 1 .. BURST - 1 blocks as one burst (a Python loop: a T.macro would make it a T.serial)
-    for rest in range(1, BURST):
-        _tail(steps, rest, io)
+def in_bursts(steps, burst, io):
+    """Steps 0 .. steps - 1 as bursts of BURST (`burst(first, count, io)` emits count steps, a Python
+    int, unrolled, and leaves no WGMMA in flight), then the last 1 .. BURST - 1 as one burst.
+    ptxas (13.x) does not follow a WGMMA group across a loop back edge: one still in flight there
+    makes it serialize every WGMMA of the kernel (C7514), so nothing may be in flight at the back
+    edge or at any join."""
+    _bursts_of(steps, burst, io)
+    for rest in range(1, BURST):        # a Python loop: a T.macro would make it a T.serial
+        _tail(steps, rest, burst, io)
 
 
 @T.macro
@@ -151,15 +162,10 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
         io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy)
-        # ptxas (13.x) does not follow a WGMMA group across a loop back edge: a partial still in
-        # flight at the back edge and folded in the next iteration after a wait 1 makes it
-        # serialize every WGMMA of the kernel (C7514, a DEPBAR 0 after each QGMMA; checked: the
-        # same loop fully unrolled keeps wait 1). So each iteration is a burst of BURST blocks
-        # that drains (wait 0) at its end, with wait 1 inside; nothing is in flight at the back
-        # edge or at any join. Fold order and products are those of the v2 loop.
-        for q in T.serial(steps // BURST):
-            _burst(q * BURST, BURST, io)
-        _tails(steps, io)
+        # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
+        # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
+        # those of the v2 loop.
+        in_bursts(steps, _burst, io)
         epilogue()
 
 

@@ -9,9 +9,8 @@ buffered, so the decode and the MMA of a step ran one after the other (bench/NOT
 12-15% of the warp samples on that wait). Here the decoded tile has two buffers: step s writes
 buffer s % 2 while the MMA of step s-1 reads the other one.
 
-As in mma_promoted_loop (sm90.py), ptxas serializes every WGMMA of a kernel when one is still in
-flight at a loop's back edge (C7514), so the steps run in unrolled bursts of BURST that drain
-(wgmma wait 0) at their end.
+As in mma_promoted_loop, the steps run in unrolled bursts that drain (wgmma wait 0) at their end
+(sm90.in_bursts: ptxas C7514).
 
 Barriers are placed here by hand (the rule turns TileLang's thread-storage-sync pass off, which would
 otherwise put block-wide barriers inside the MMA warpgroups' branch):
@@ -25,10 +24,9 @@ import tilelang.language as T
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
-from codegen.lowering.sm90 import (CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split,
+from codegen.lowering.sm90 import (CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split, in_bursts,
                                    launch_registers, tma_producer)
 
-BURST = 4
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 
@@ -52,21 +50,11 @@ def _step(j, first, io):
 
 
 def _burst(first, count, io):
+    empty, stages = io[4], io[7]
     for j in range(count):
         _step(j, first, io)
     emit(T.wait_wgmma(0))
-    emit(T.mbarrier_arrive(io[4][(first + count - 1) % io[7]]))
-
-
-@T.macro
-def _tail(steps, rest, io):
-    if steps % BURST == rest:
-        _burst(steps - rest, rest, io)
-
-
-def _tails(steps, io):
-    for rest in range(1, BURST):        # a Python loop: a T.macro would make it a T.serial
-        _tail(steps, rest, io)
+    emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
 
 
 def consumer_regs(consumers: int) -> int:
@@ -87,9 +75,7 @@ def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, c
         T.set_max_nreg(consumer_regs(consumers), 1)
         T.clear(acc)
         io = (a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy)
-        for q in T.serial(steps // BURST):
-            _burst(q * BURST, BURST, io)
-        _tails(steps, io)
+        in_bursts(steps, _burst, io)
         epilogue()
 
 
