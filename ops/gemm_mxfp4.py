@@ -4,6 +4,10 @@ E8M0 scales (n, k/32) uint8 (OCP MX, as quant_mxfp4 writes them).
 Hopper has no FP4 tensor cores: each K step stages the packed bytes, the compute warps decode
 them into a bf16 tile (e2m1 x 2^e is exact in bf16) and a bf16 WGMMA consumes it. Decode-sized m
 is bound by the weight bytes, which are a quarter of bf16's: that is the point.
+
+The K loop is tile.mma_decoded_loop (on sm_90a the decode of step s+1 runs under the WGMMA of
+step s); the decode is a CUDA helper that places the codes' bits into bf16x2 words, and the E8M0
+scales are read as 32-bit words, the 4 bytes of a row's K step (bench/NOTES.md "MXFP4 v4").
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
