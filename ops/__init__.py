@@ -11,6 +11,7 @@ from ops.mla_decode import (MlaSchedule, dequantize_mla_kv_fp8, get_mla_schedule
 from ops.eplb import EplbPlan, eplb_plan
 from ops.moe_dispatch import EpMapping, MoeMapping, moe_combine, moe_dispatch
 from ops import moe_ep  # noqa: F401  (the expert-parallel path and its tile program)
+from ops import moe_ep_peer  # noqa: F401  (its peer-memory transport and its tile program)
 from ops.moe_tiles import moe_tile_items
 from ops.moe_route import moe_hash_route, moe_route, moe_route_reference
 from ops.rms_norm import rms_norm, rms_norm_reference

@@ -72,6 +72,9 @@ class EpMapping:
     send_chunk_splits: list | None = None    # [C][W] rows sent to each rank in chunk c
     recv_chunk_splits: list | None = None    # [C][W] rows received from each rank in chunk c
     recv_bounds: list | None = None          # (C+1,): chunk c's rows in the receive order
+    transport: str = "a2a"                   # "a2a" (all_to_all_single) or "peer" (peer memory)
+    send_rows: list | None = None            # peer: every rank's send rows (T*k of that rank)
+    peer_offsets: list | None = None         # peer: where this rank's rows start in each rank's send order
 
     @property
     def local_experts(self) -> range:
@@ -315,26 +318,54 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
 
 
 @tile_program("moe_combine", examples={"h7168-k8": dict(hidden=7168, top_k=8)})
-def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128):
-    """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32."""
+def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128, split: bool = False):
+    """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32. split (expert parallel, peer
+    transport): the rows Pos[t, j] in [lo, lo + nloc) are read from Y at row Loc[Pos[t, j] - lo] (this
+    rank's own experts' rows, never copied), every other row from Ret at row Pos[t, j]."""
     rows, tokens = T.dynamic("rows, tokens")
     sdt = tile.storage_dtype(dtype)
 
+    if not split:
+        @T.prim_func
+        def combine(Y: T.Tensor((rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
+                    W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt)):
+            with tile.grid(tokens, threads) as t:
+                with tile.vector():
+                    acc = tile.fragment((hidden,))
+                    for c in tile.parallel(hidden):
+                        acc[c] = 0.0
+                    for j in T.serial(top_k):
+                        for c in tile.parallel(hidden):
+                            acc[c] += W[t, j] * tile.to_f32(Y[T.max(Pos[t, j], 0), c], dtype)
+                    for c in tile.parallel(hidden):
+                        Out[t, c] = tile.from_f32(acc[c], dtype)
+
+        return combine
+
+    ret_rows, nl = T.dynamic("ret_rows, nl")
+
     @T.prim_func
-    def combine(Y: T.Tensor((rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
-                W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt)):
+    def combine_split(Ret: T.Tensor((ret_rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
+                      W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt),
+                      Y: T.Tensor((rows, hidden), sdt), Loc: T.Tensor((nl,), "int32"), lo: T.int32,
+                      nloc: T.int32):
         with tile.grid(tokens, threads) as t:
             with tile.vector():
                 acc = tile.fragment((hidden,))
                 for c in tile.parallel(hidden):
                     acc[c] = 0.0
                 for j in T.serial(top_k):
-                    for c in tile.parallel(hidden):
-                        acc[c] += W[t, j] * tile.to_f32(Y[T.max(Pos[t, j], 0), c], dtype)
+                    q = T.if_then_else(Pos[t, j] >= lo, Pos[t, j] - lo, nloc)      # index in Loc, or nloc
+                    if q < nloc:
+                        for c in tile.parallel(hidden):
+                            acc[c] += W[t, j] * tile.to_f32(Y[Loc[q], c], dtype)
+                    else:
+                        for c in tile.parallel(hidden):
+                            acc[c] += W[t, j] * tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
                 for c in tile.parallel(hidden):
                     Out[t, c] = tile.from_f32(acc[c], dtype)
 
-    return combine
+    return combine_split
 
 
 def _scatter_rows(x: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, rows: int, pad: bool,
@@ -367,11 +398,12 @@ def plan_launchers(target, num_experts: int, layout: str):
         plan_place_program.compile(target, layout=layout).launcher()))
 
 
-def combine_launcher(target, hidden: int, top_k: int, dtype: torch.dtype):
-    """moe_combine's launcher for y rows of `hidden` values of `dtype`, top_k choices a token."""
+def combine_launcher(target, hidden: int, top_k: int, dtype: torch.dtype, split: bool = False):
+    """moe_combine's launcher for y rows of `hidden` values of `dtype`, top_k choices a token (split:
+    the two-source variant of the peer EP transport)."""
     name = Y_DTYPES[dtype]
-    return jit.launchers(("moe_combine", target.name, hidden, top_k, name), lambda: (
-        combine_program.compile(target, hidden=hidden, top_k=top_k, dtype=name).launcher()))
+    return jit.launchers(("moe_combine", target.name, hidden, top_k, name, split), lambda: (
+        combine_program.compile(target, hidden=hidden, top_k=top_k, dtype=name, split=split).launcher()))
 
 
 def row_words(x: torch.Tensor, target) -> torch.dtype:

@@ -30,6 +30,7 @@ A torch.distributed ProcessGroup of W ranks: rank r owns experts [r*E/W, (r+1)*E
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import socket
 import time
 
 import numpy as np
@@ -41,10 +42,14 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _values
 from ops import _validate as check
+from ops._workspace import int32_views
 from ops.moe_dispatch import (BITS_NAME, EpMapping, MoeMapping, _check_dispatch, combine_launcher,
                               gather_rows_program, plan_launchers, row_words, scatter_launcher)
+from tilecraft import env
 
-EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges); must be the same on every rank
+EP_CHUNKS = 4        # row exchanges per EP dispatch/combine (token ranges), "a2a" transport; the same on every rank
+EP_TRANSPORT = None  # "auto", "a2a" or "peer"; None: TILECRAFT_EP_TRANSPORT. The same on every rank
+TRANSPORTS = ("auto", "a2a", "peer")
 _EP_TRACE = None     # bench hook (bench/suites/moe.py): a list collecting (phase, CUDA event or wall time)
 
 
@@ -162,29 +167,33 @@ def _chunk_base(tokens, chunks, num_experts, device):
     return base
 
 
-def _ep_send_plan(ids, num_experts, chunks, counts):
+def _ep_send_plan(ids, num_experts, chunks, counts, stats=None):
     """Send order of an EP dispatch: every (token, choice) sorted by (chunk, global expert), token order
     inside, i.e. by (chunk, destination rank, local expert, token). It is the single-device plan
     (contiguous, align=1) on the key chunk(t)*E + ids[t, j] over C*E keys: chunk c's rows are exactly
     rows [c0*k, c1*k) of the send buffer. The count runs now, into `counts` (C*E,) int32 (the
-    header's first part); the place step is returned, to run later (under the header exchange): it
-    gives positions (T, k) int32 and the source token of every send row."""
+    header's first part), its stats (padded total, busiest, out-of-range ids, 0) into `stats` when
+    given; the place step is returned, to run later (under the header exchange): it
+    gives positions (T, k) int32 and the source token of every send row (into `src` (T*k,) int32
+    when given)."""
     T_, k = ids.shape
     E, device = num_experts * chunks, ids.device
-    # [T, k] chunk(t)*E + expert; ids clamped like the single-device kernels (the range check, when
-    # on, reads the raw ids): a chunk's rows then always fill exactly its own rows of the send buffer
-    key = ids.clamp(0, num_experts - 1) + _chunk_base(T_, chunks, num_experts, device)
-    flat = key.view(-1)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=device)
-    stats = torch.empty(4, dtype=torch.int32, device=device)
+    if chunks == 1:                 # the key is the expert: the kernels clamp it themselves
+        flat = ids.view(-1)
+    else:
+        # [T, k] chunk(t)*E + expert; ids clamped like the single-device kernels (the range check,
+        # when on, reads the raw ids): a chunk's rows then always fill exactly its own rows of the
+        # send buffer
+        flat = (ids.clamp(0, num_experts - 1) + _chunk_base(T_, chunks, num_experts, device)).view(-1)
+    offsets, stats = int32_views(device, E + 1, 4) if stats is None else (int32_views(device, E + 1)[0], stats)
     target = targets.resolve(ids)
     count, place_rows = plan_launchers(target, E, "contiguous")
     count(flat, counts, offsets, stats, 1)
 
-    def place():
-        positions = torch.empty(T_, k, dtype=torch.int32, device=device)
-        src = torch.empty(T_ * k, dtype=torch.int32, device=device)      # source token of each send row
-        m_idx = torch.empty(T_ * k, dtype=torch.int32, device=device)    # (the key of each row: unused)
+    def place(src=None):
+        # positions; the source token of each send row; the key of each row (unused)
+        positions, own_src, m_idx = int32_views(device, (T_, k), T_ * k, T_ * k)
+        src = own_src if src is None else src
         place_rows(flat, counts, offsets, positions.view(-1), src, m_idx, k)
         return positions, src
 
@@ -264,9 +273,10 @@ def _to_device(device, *arrays):
     return out
 
 
-# header tail (int32 after the C*E counts): [bad arguments, x bytes per row, scale bytes per row,
-# ids checked, ids min, ids max, 0, 0]
-_TAIL = 8
+# header tail (int32 after the counts): [bad arguments, x bytes per row, scale bytes per row, ids
+# checked, ids min, ids max, tokens, transport (0 a2a; peer: 1 not staged, 2 staged), then the count
+# kernel's stats (padded total, busiest, out-of-range ids, 0): peer only]
+_TAIL = 12
 _TAILS = {}
 
 
@@ -278,6 +288,58 @@ def _tail(values, device):
         if len(_TAILS) >= 64:
             _TAILS.clear()
         t = _TAILS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return t
+
+
+def read_header(h, ce, num_experts, me, mode):
+    """Check the all-gathered headers (W, ce + _TAIL) int64 on the host: this rank's bad ids, any
+    rank's bad arguments, one row size and one transport across the group; returns the tails."""
+    tails = h[:, ce:]
+    # ranks that checked theirs: a2a reads the ids' range, peer the count kernel's out-of-range count
+    bad_ids = [bool(t[3]) and (t[4] < 0 or t[5] >= num_experts or t[10] > 0) for t in tails]
+    if bad_ids[me]:
+        got = (f"{int(tails[me, 10])} ids out of range" if tails[me, 10] else
+               f"values {int(tails[me, 4])}..{int(tails[me, 5])}")
+        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got {got}")
+    failed = [r for r in range(len(tails)) if tails[r, 0] or bad_ids[r]]
+    if failed:
+        raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
+                         "no rows were exchanged")
+    sizes = sorted({(int(t[1]), int(t[2])) for t in tails})
+    if len(sizes) > 1:
+        raise ValueError(f"every rank must send rows of one size: got (x bytes, x_scales bytes) per row "
+                         f"{sizes} across the group (same H and dtype everywhere)")
+    modes = sorted({"a2a" if t[7] == 0 else "peer" for t in tails})
+    if modes != ["a2a" if mode == 0 else "peer"]:
+        raise ValueError(f"the ranks of the group use different EP transports {modes}: set "
+                         "TILECRAFT_EP_TRANSPORT (or ops.moe_ep.EP_TRANSPORT) the same on every rank")
+    return tails
+
+
+def _one_host(group):
+    """Whether every rank of the group runs on this host (asked once per group: a collective)."""
+    key = getattr(group, "group_name", id(group))
+    one = _ONE_HOST.get(key)
+    if one is None:
+        names = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names, socket.gethostname(), group=group)
+        one = _ONE_HOST[key] = len(set(names)) == 1
+    return one
+
+
+_ONE_HOST = {}
+
+
+def ep_transport(group):
+    """The transport of an EP dispatch/combine over group: EP_TRANSPORT, else TILECRAFT_EP_TRANSPORT;
+    "auto" is "peer" on an NCCL group whose ranks share one host (torch symmetric memory: NVLink or
+    PCIe P2P), "a2a" (all_to_all_single) otherwise. The same on every rank of the group."""
+    t = EP_TRANSPORT if EP_TRANSPORT is not None else env.get("TILECRAFT_EP_TRANSPORT")
+    if t not in TRANSPORTS:
+        raise ValueError(f"EP transport must be one of {TRANSPORTS}, got {t!r} (TILECRAFT_EP_TRANSPORT or "
+                         "ops.moe_ep.EP_TRANSPORT)")
+    if t == "auto":
+        t = "peer" if dist.get_backend(group) == "nccl" and _one_host(group) else "a2a"
     return t
 
 
@@ -299,19 +361,23 @@ def ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
     except (TypeError, ValueError) as e:
         bad = e
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    if ep_transport(group) == "peer":
+        from ops import moe_ep_peer
+
+        return moe_ep_peer.peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device)
     cuda = device.type == "cuda"
     _mark("start", device)
     # header: this rank's rows per (chunk, global expert) straight from the plan's count kernel,
     # then the tail; all-gathered, so every rank reads what it sends and what it receives on the host
     ce = chunks * num_experts
-    tail = [1, 0, 0, 0, 0, 0, 0, 0]
+    tail = [1] + [0] * (_TAIL - 1)
     checking = False
     if bad is None:
         T_, k = ids.shape
         bounds = _token_bounds(T_, chunks)
         checking = _values.enabled(ids)
         tail = [0, x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4,
-                int(checking), 0, 0, 0, 0]
+                int(checking), 0, 0, T_, 0, 0, 0, 0, 0]
     header = (torch.empty if bad is None and T_ else torch.zeros)(ce + _TAIL, dtype=torch.int32, device=device)
     header[ce:].copy_(_tail(tail, device))
     if bad is None and T_:
@@ -352,19 +418,7 @@ def ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
     if bad is not None:
         raise bad
     h = host.numpy().astype(np.int64)
-    tails = h[:, ce:]
-    bad_ids = [bool(t[3]) and (t[4] < 0 or t[5] >= num_experts) for t in tails]    # ranks that checked theirs
-    if bad_ids[me]:
-        raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(tails[me, 4])}.."
-                         f"{int(tails[me, 5])}")
-    failed = [r for r in range(world) if tails[r, 0] or bad_ids[r]]
-    if failed:
-        raise ValueError(f"moe_dispatch: rank(s) {failed} of the group got invalid arguments (see their errors); "
-                         "no rows were exchanged")
-    sizes = sorted({(int(t[1]), int(t[2])) for t in tails})
-    if len(sizes) > 1:
-        raise ValueError(f"every rank must send rows of one size: got (x bytes, x_scales bytes) per row "
-                         f"{sizes} across the group (same H and dtype everywhere)")
+    read_header(h, ce, num_experts, me, 0)
     every = h[:, :ce].reshape(world, chunks, world, e_local)            # [source, chunk, destination, expert]
     cnt_send = every[me]                                                # [C, W, El] what this rank sends
     cnt_recv = every[:, :, me]                                          # [W, C, El] what it receives
@@ -431,6 +485,10 @@ def ep_combine(y, mapping, weights):
     combine kernel on a chunk's tokens as soon as their rows are back: the same kernel over the same
     rows in the same order as one device, so the same bits."""
     ep = mapping.ep
+    if ep.transport == "peer":
+        from ops import moe_ep_peer
+
+        return moe_ep_peer.peer_combine(y, mapping, weights)
     device = y.device
     _mark("start", device)
     H = y.shape[-1]

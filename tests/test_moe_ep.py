@@ -37,6 +37,7 @@ CHUNK_SCENARIOS = {
     "hot_rank0_fp8": (16, 4, 128, "fp8", lambda r, W: 7 + r, "rank0"),       # rank 1's experts get nothing
 }
 CHUNKS = (1, 3, 16)
+TRANSPORTS = ("a2a", "peer")        # on gloo: all_to_all_single, and peer memory over shared files
 LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("masked", dict(align=4)),
            ("masked", dict(align=4, max_m=64))]
 
@@ -151,6 +152,23 @@ def check_chunks(rank, W, group, chunks):
     assert marks == ["start", "header", "prep", "synced", "issued", "layout", *chunk_marks, "end", "start", "gather", *chunk_marks, "end"]
 
 
+def check_reuse(rank, W, group, device="cpu"):
+    """Back-to-back dispatches and combines with no sync between them, sizes that grow (the peer
+    pools grow) and shrink, two mappings alive at once: every result still bitwise the single-device one."""
+    cases = [on(make_case(name, W), device) for name in ("one_token", "k8_e64", "random", "k8_e64")]
+    done = []
+    for case in cases:
+        lo, hi = sum(case["sizes"][:rank]), sum(case["sizes"][:rank + 1])
+        xd, sd, m = ops.moe_dispatch(case["x"][lo:hi].contiguous(), case["ids"][lo:hi].contiguous(), case["E"],
+                                     group=group, align=8)
+        done.append((case, lo, hi, xd, m))
+    for case, lo, hi, xd, m in done:                   # combined in dispatch order, after every dispatch
+        out = ops.moe_combine(experts(xd, None, m, rank * (case["E"] // W), case["a"], case["b"]), m,
+                              case["w"][lo:hi].contiguous())
+        ref = single_device(case, "contiguous", dict(align=8))[3][lo:hi]
+        assert torch.equal(bits(out), bits(ref)), f"reuse W={W} rank={rank} E={case['E']}"
+
+
 def check_errors(rank, W, group, device="cpu"):
     x, ids = torch.randn(3, 128).bfloat16().to(device), torch.zeros(3, 2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=f"num_experts={2 * W + 1} must be a multiple of the group's world size {W}"):
@@ -185,8 +203,8 @@ def check_bench_dry_run(W, group):
 
     second = dist.new_group(list(range(W)))          # a variant group of the same ranks (bench: high priority)
     rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2, sweep=(1, 3),
-                   phase_reps=2, variants={"g2": second})
-    assert len(rows) == 10 * W and all(r["median_ms"] > 0 for r in rows)
+                   phase_reps=2, variants={"g2": second}, transports=("peer",))
+    assert len(rows) == 12 * W and all(r["median_ms"] > 0 for r in rows)
     by = {(r["provider"], r["rank"]): r for r in rows}
     for r in range(W):
         assert by["dispatch", r]["bytes"] == by["a2a-dispatch", r]["bytes"]
@@ -194,6 +212,8 @@ def check_bench_dry_run(W, group):
         assert by["dispatch", r]["ratio_vs_a2a"] > 0 and by["combine-c3", r]["ratio_vs_a2a"] > 0
         assert by["dispatch-c1", r]["chunks"] == 1 and by["combine-c3", r]["bytes"] == by["combine", r]["bytes"]
         assert by["dispatch-g2", r]["ratio_vs_a2a"] > 0 and by["combine-g2", r]["bytes"] == by["combine", r]["bytes"]
+        assert by["dispatch-peer", r]["transport"] == "peer" and by["combine-peer", r]["bytes"] == by["combine", r]["bytes"]
+        assert by["dispatch", r]["transport"] == "a2a" and by["dispatch-c3", r]["transport"] == "a2a"
         phases = by["dispatch", r]["phases_ms"].split()[::2]
         assert phases == ["header", "prep", "synced", "issued", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
         assert by["combine", r]["phases_ms"].split()[::2][0] == "gather"
@@ -217,14 +237,19 @@ def worker(rank, store, cache_dir):
     and [2, 3]: in the second, group ranks differ from global ranks)."""
     import torch.distributed as dist
 
+    md = importlib.import_module("ops.moe_ep")
     gloo_init(rank, store, cache_dir, 4)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
             W, me = dist.get_world_size(group), dist.get_rank(group)
-            for name in SCENARIOS:
-                check_scenario(name, me, W, group)
-            check_errors(me, W, group)
+            for transport in TRANSPORTS:
+                md.EP_TRANSPORT = transport
+                for name in SCENARIOS:
+                    check_scenario(name, me, W, group)
+                check_errors(me, W, group)
+                check_reuse(me, W, group)
+        md.EP_TRANSPORT = None
         check_bench_dry_run(4, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
@@ -257,10 +282,14 @@ def nccl_worker(rank, store, cache_dir, world):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90), device_id=torch.device("cuda", rank))
+    md = importlib.import_module("ops.moe_ep")
     try:
-        for name in SCENARIOS:
-            check_scenario(name, rank, world, dist.group.WORLD, device=f"cuda:{rank}")
-        check_errors(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+        for transport in TRANSPORTS:            # peer: torch symmetric memory over NVLink / P2P
+            md.EP_TRANSPORT = transport
+            for name in SCENARIOS:
+                check_scenario(name, rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+            check_errors(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+            check_reuse(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -299,6 +328,15 @@ def compile_ep_kernels(chunk_counts, names=SCENARIOS):
         for pad in (False, True):
             scatter_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
     gather_rows_program.compile("cpu", hidden=128, bits="int16")
+    from ops.moe_dispatch import combine_program
+    from ops.moe_ep_peer import copy_rows_program
+
+    for k in sorted({scenarios[n][1] for n in names} | {8}):           # the peer combine (8: check_reuse)
+        combine_program.compile("cpu", hidden=128, top_k=k, split=True)
+
+    for bits, hidden in (("int16", 128), ("uint8", 128), ("int32", 1)):
+        for pad in (False, True):
+            copy_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
 
 
 def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():

@@ -20,17 +20,21 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   rank's numbers and writes bench/results/moe-ep-*.json/.csv, then the run ends (the generic
   per-provider table is not used for this preset). NCCL_NVLS_ENABLE is forced to 0 before NCCL starts.
   Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
-  Also per rank: dispatch-cN / combine-cN, the same ops with ops.moe_ep.EP_CHUNKS = N row
-  chunks (the default rows use the module's default); dispatch-hp / combine-hp over a second
-  process group of the same ranks whose NCCL stream has high priority; and phases_ms on the dispatch/combine rows:
-  median ms between the phase marks the EP path records (CUDA events on the compute stream, in a
-  few extra traced calls after the timing), each named by where it ends:
-    dispatch: header (send count kernel + header all-gather), prep (send plan + chunk 0's send rows),
-      synced (the host sync), issued (later chunks' send rows, the exchanges issued), layout (the
-      receive layout on the host, uploaded), chunk<c> (until chunk c's
-      rows have arrived and chunk c-1 is placed), end (placement of the last chunk);
-    combine: gather (every chunk's return rows gathered, exchanges issued), chunk<c> (until chunk c
-      is back and chunk c-1 combined), end (the last chunk's combine).
+  The default rows use the default transport (TILECRAFT_EP_TRANSPORT: auto = peer memory on one
+  host); dispatch-a2a / combine-a2a are the all_to_all_single transport, and dispatch-cN / combine-cN
+  the same with ops.moe_ep.EP_CHUNKS = N row chunks. phases_ms on the dispatch/combine rows: median
+  ms between the phase marks the EP path records (CUDA events on the compute stream, in a few extra
+  traced calls after the timing), each named by where it ends:
+    peer dispatch: header (send plan, x staged in the pool, header all-gather), synced (the host
+      read), layout (receive layout uploaded and expanded), end (one pull per source rank);
+    peer combine: push (one push per destination rank), barrier (the pool's device barrier), end
+      (the combine kernel);
+    a2a dispatch: header (send count kernel + header all-gather), prep (send plan + chunk 0's send
+      rows), synced (the host sync), issued (later chunks' send rows, the exchanges issued), layout
+      (the receive layout on the host, uploaded), chunk<c> (until chunk c's rows have arrived and
+      chunk c-1 is placed), end (placement of the last chunk);
+    a2a combine: gather (every chunk's return rows gathered, exchanges issued), chunk<c> (until
+      chunk c is back and chunk c-1 combined), end (the last chunk's combine).
   A phase that grows when the transfer does not is local work the exchange fails to hide.
 """
 
@@ -124,11 +128,13 @@ def ep_phases(fn, group, device, reps=5):
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None):
-    """Every rank's ms and GB/s for dispatch, combine and the raw all-to-alls (a list of rows); sweep:
-    also dispatch-cN / combine-cN with N row chunks (ops.moe_ep.EP_CHUNKS) for N in sweep;
-    variants {name: process group}: also dispatch-<name> / combine-<name> over that group (the same
-    ranks, e.g. NCCL on a high-priority stream), against the same raw all-to-all."""
+def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None, transports=()):
+    """Every rank's ms and GB/s for dispatch, combine (the default EP transport) and the raw
+    all-to-alls (a list of rows); transports: also dispatch-<t> / combine-<t> with
+    ops.moe_ep.EP_TRANSPORT = t; sweep: also dispatch-cN / combine-cN, the "a2a" transport with N
+    row chunks (ops.moe_ep.EP_CHUNKS) for N in sweep; variants {name: process group}: also
+    dispatch-<name> / combine-<name> over that group (the same ranks, e.g. NCCL on a high-priority
+    stream), against the same raw all-to-all."""
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_ep")
@@ -152,21 +158,23 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, vari
         "a2a-dispatch": (lambda: dist.all_to_all_single(b, a, recv, send, group=group), "dispatch_remote"),
         "a2a-combine": (lambda: dist.all_to_all_single(a, b, send, recv, group=group), "combine_remote"),
     }
-    default = md.EP_CHUNKS
+    default, default_transport = md.EP_CHUNKS, md.EP_TRANSPORT
 
-    def chunked(chunks, fn):
+    def setting(fn, chunks=default, transport=default_transport):
         def call():
-            md.EP_CHUNKS = chunks                        # the same module value on every rank, in lockstep
+            md.EP_CHUNKS, md.EP_TRANSPORT = chunks, transport   # the same module values on every rank, in lockstep
             try:
                 return fn()
             finally:
-                md.EP_CHUNKS = default
+                md.EP_CHUNKS, md.EP_TRANSPORT = default, default_transport
         return call
 
-    for chunks in sweep:
-        xd_c, _, m_c = chunked(chunks, timed["dispatch"][0])()
-        timed[f"dispatch-c{chunks}"] = (chunked(chunks, timed["dispatch"][0]), "dispatch_remote")
-        timed[f"combine-c{chunks}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
+    runs = [(f"-{t}", dict(transport=t)) for t in transports]
+    runs += [(f"-c{chunks}", dict(chunks=chunks, transport="a2a")) for chunks in sweep]
+    for suffix, kw in runs:
+        xd_c, _, m_c = setting(timed["dispatch"][0], **kw)()
+        timed[f"dispatch{suffix}"] = (setting(timed["dispatch"][0], **kw), "dispatch_remote")
+        timed[f"combine{suffix}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
     for name, vg in (variants or {}).items():
         xd_v, _, m_v = ops.moe_dispatch(x, ids, E, group=vg)
         timed[f"dispatch-{name}"] = (lambda vg=vg: ops.moe_dispatch(x, ids, E, group=vg), "dispatch_remote")
@@ -189,12 +197,16 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, vari
             rows.append(dict(case=f"ep T={T_}/rank H={H} E={E} k={k} W={W}", provider=name, rank=r, median_ms=ms,
                              bytes=nb, gbps=nb / (ms * 1e-3) / 1e9 if ms > 0 else None))
             if name in phases:
-                rows[-1]["chunks"] = default
+                rows[-1]["transport"] = m.ep.transport
+                rows[-1]["chunks"] = m.ep.chunks
                 rows[-1]["phases_ms"] = " ".join(f"{p} {v:.4f}" for p, v in every[r][name].items())
             elif name.startswith(("dispatch-c", "combine-c")):
+                rows[-1]["transport"] = "a2a"
                 rows[-1]["chunks"] = int(name.rsplit("-c", 1)[1])
             elif name.startswith(("dispatch-", "combine-")):
-                rows[-1]["chunks"] = default
+                t = name.split("-", 1)[1]
+                rows[-1]["transport"] = t if t in transports else m.ep.transport
+                rows[-1]["chunks"] = 1 if rows[-1]["transport"] == "peer" else default
     for rw in rows:                                  # op / raw all-to-all of the same bytes, same rank
         op_name = rw["provider"].split("-")[0]
         raw = "a2a-" + op_name if op_name in ("dispatch", "combine") else None
@@ -212,7 +224,8 @@ def print_ep(rows):
               f"{r['gbps'] or 0:9.1f} {'' if ratio is None else format(ratio, '7.2f')}")
     for r in rows:
         if r.get("phases_ms"):
-            print(f"phases (ms) {r['provider']} rank {r['rank']}, {r['chunks']} chunks: {r['phases_ms']}")
+            print(f"phases (ms) {r['provider']} rank {r['rank']}, {r['transport']}, {r['chunks']} chunks: "
+                  f"{r['phases_ms']}")
 
 
 def run_ep(case, device):
@@ -230,12 +243,8 @@ def run_ep(case, device):
     if dist.get_world_size() < 2:
         raise SystemExit(EP_NEEDS)
     device = torch.device("cuda", torch.cuda.current_device())
-    # the same ranks with NCCL on a high-priority stream: its blocks are scheduled ahead of the
-    # placement/gather kernels that run beside the exchange
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = True
-    hp = dist.new_group(list(range(dist.get_world_size())), backend="nccl", pg_options=opts)
-    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP, variants={"hp": hp})
+    # the default transport (peer memory on one host), next to the all-to-all transport and its chunk counts
+    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP, transports=("a2a",))
     if dist.get_rank() == 0:
         from bench import op as bench_op
 

@@ -1,0 +1,324 @@
+"""Expert-parallel dispatch and combine over peer memory (EP transport "peer").
+
+Every rank maps every other rank's buffers of two pools (torch symmetric memory on CUDA: loads and
+stores over NVLink or PCIe P2P; on CPU, shared files, so the same code runs under gloo in CI). Rows
+then move with one kernel per peer, straight between the user's tensors and their final rows: no
+send buffer, no receive buffer, no placement pass, no all-to-all issued per chunk by the host.
+
+dispatch, on rank r:
+  1. the send plan over global experts (the single-device count and place kernels, align 1): the
+     count goes into the header, the place kernel writes each send row's source token into r's
+     slot of the dispatch pool, and x (and its scales) are copied there too;
+  2. the header all-gather (E counts + tail) and its host read, as in the a2a path. It is also the
+     barrier: every rank's step 1 is done (its stream reached the collective), and every rank has
+     finished reading the slot that step 1 of the next call overwrites (two slots, alternating);
+  3. the local layout from the header (moe_ep_layout, receive order (source rank, expert)), then one
+     copy_rows launch per source rank s: xd[pos[i]] = x_s[src_s[off_s + i]], reading s's slot over
+     NVLink. s's rows for r are one run of s's send order (sorted by global expert, so by
+     destination rank) starting at off_s = the rows s sends to ranks below r.
+combine, on rank r:
+  1. for each other rank s, one gather launch pushes the rows r's experts computed for s's tokens
+     into s's slot of the combine pool, at their place in s's send order;
+  2. a barrier of the pool (every rank's pushes are done; it also orders the reuse of the slots);
+  3. the combine kernel (its two-source form) over r's slot, reading the rows of r's own experts
+     straight from y: the same rows in the same order as one device, so the same bits.
+A pool grows collectively (every rank decides the same from the all-gathered header) and is kept
+for the next calls, per process group and device. The first call at a new size pays the rendezvous.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import math
+import os
+import tempfile
+
+import numpy as np
+import tilelang.language as T
+import torch
+import torch.distributed as dist
+
+from codegen import jit, targets, tile
+from codegen.program import tile_program
+from ops import _values
+from ops.moe_dispatch import BITS_NAME, EpMapping, MoeMapping, combine_launcher, row_words
+from ops.moe_ep import (_TAIL, _ep_send_plan, _expand_layout, _gather_into, _group_size_rank, _mark, _recv_layout,
+                        _tail, read_header)
+
+_ALIGN = 256          # byte alignment of every region inside a pool slot
+
+
+@tile_program("moe_copy_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
+              examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
+                        "h7168-bf16-pad": dict(hidden=7168, bits="int16", pad=True)})
+def copy_rows_program(hidden: int, bits: str = "int16", pad: bool = False, threads: int = 128,
+                      zero_rows: int = 8):
+    """Y[Dst[i], :] = X[Src[i], :] for i < n, on raw bits (X may be a peer's buffer); with pad, also
+    Y[r, :] = 0 where Valid[r] < 0 (blocks past n, zero_rows rows each)."""
+    n, tokens, rows = T.dynamic("n, tokens, rows")
+    extra = T.ceildiv(rows, zero_rows) if pad else 0
+
+    @T.prim_func
+    def copy_rows(X: T.Tensor((tokens, hidden), bits), Src: T.Tensor((n,), "int32"), Dst: T.Tensor((n,), "int32"),
+                  Valid: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
+        with tile.grid(n + extra, threads) as b:
+            with tile.vector():
+                if b < n:
+                    for c in tile.parallel(hidden):
+                        Y[Dst[b], c] = X[Src[b], c]
+                else:
+                    for i in T.serial(zero_rows):
+                        if (b - n) * zero_rows + i < rows:
+                            if Valid[(b - n) * zero_rows + i] < 0:
+                                for c in tile.parallel(hidden):
+                                    Y[(b - n) * zero_rows + i, c] = T.cast(0, bits)
+
+    return copy_rows
+
+
+def _copy_rows(y, x, src, dst, valid, pad):
+    """y[dst[i]] = x[src[i]] (rows, raw bits), and with pad zeros on the rows where valid < 0."""
+    target = targets.resolve(y)
+    xw = x.view(row_words(x, target))
+    hidden, bits = xw.shape[1], xw.dtype
+    copy = jit.launchers(("moe_copy_rows", target.name, hidden, bits, pad), lambda: (
+        copy_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
+    copy(xw, src, dst, valid, y.view(bits))
+
+
+class PeerPool:
+    """Two slots of slot_bytes on every rank of a group, each rank's mapped in every rank:
+    view(rank, slot, offset, shape, dtype) is a tensor over that rank's memory. CUDA: torch symmetric
+    memory (one rendezvous); CPU: one shared file per rank, mapped by all (gloo tests)."""
+
+    def __init__(self, group, device, slot_bytes):
+        self.slot_bytes = slot_bytes              # (no reference to group: a pool must not keep a process group alive)
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        nbytes = 2 * slot_bytes
+        self._handle, self._views = None, {}
+        if device.type == "cuda":
+            from torch.distributed import _symmetric_memory as symm
+
+            local = symm.empty(nbytes, dtype=torch.uint8, device=device)
+            self._handle = symm.rendezvous(local, group)
+            self._bufs = [local if r == me else self._handle.get_buffer(r, (nbytes,), torch.uint8, 0)
+                          for r in range(world)]
+        else:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="tilecraft-ep-", dir=folder)
+            os.close(fd)
+            local = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            paths = [None] * world
+            dist.all_gather_object(paths, path, group=group)
+            self._bufs = [local if r == me else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+                          for r, p in enumerate(paths)]
+            dist.barrier(group=group)                  # every rank has mapped every file
+            os.unlink(path)
+
+    def view(self, rank, slot, offset, shape, dtype):
+        key = (rank, slot, offset, shape, dtype)
+        v = self._views.get(key)
+        if v is None:                                  # (three view ops: ~30 us of host time on an H200 host)
+            if len(self._views) >= 4096:
+                self._views.clear()
+            v = self._views[key] = self._view(rank, slot, offset, shape, dtype)
+        return v
+
+    def _view(self, rank, slot, offset, shape, dtype):
+        start = slot * self.slot_bytes + offset
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset % _ALIGN or offset + nbytes > self.slot_bytes:
+            raise AssertionError(f"pool view [{offset}, {offset + nbytes}) outside a {self.slot_bytes}-byte slot")
+        return self._bufs[rank][start:start + nbytes].view(dtype).view(shape)
+
+    def barrier(self, group):
+        """Every rank reached this point of its stream (CUDA: a device barrier on the signal pads)."""
+        if self._handle is not None:
+            self._handle.barrier(channel=0)
+        else:
+            dist.barrier(group=group)
+
+
+_POOLS = {}        # (group name, device, "dispatch" | "combine") -> PeerPool
+_CALLS = {}        # the same keys -> calls so far (the slot is calls % 2; the same on every rank)
+
+
+def _key(group, device, purpose):
+    return (getattr(group, "group_name", id(group)), str(device), purpose)
+
+
+def _next_slot(key):
+    n = _CALLS.get(key, 0)
+    _CALLS[key] = n + 1
+    return n % 2
+
+
+def _grow(key, group, device, need):
+    """The pool of key with a slot of at least need bytes (a collective when it grows: every rank
+    makes the same call, from numbers every rank has)."""
+    pool = _POOLS.get(key)
+    if pool is None or pool.slot_bytes < need:
+        if pool is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)            # nothing may still read or write the old pool
+        size = 1 << max(20, (max(need, 1) - 1).bit_length())
+        _POOLS.pop(key, None)
+        pool = _POOLS[key] = PeerPool(group, device, size)
+    return pool
+
+
+def _up(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _stage_offsets(tokens, rows, row_x, row_s):
+    """Byte offsets of (x rows, scale rows, source tokens) in a rank's dispatch slot, and its size."""
+    off_s = _up(tokens * row_x)
+    off_src = off_s + _up(tokens * row_s)
+    return off_s, off_src, off_src + _up(rows * 4)
+
+
+def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device):
+    """ep_dispatch over peer memory (module docstring). bad: this rank's argument error, raised after
+    the header exchange so that the other ranks raise too."""
+    world, me = _group_size_rank(group)
+    e_local = num_experts // world
+    key = _key(group, device, "dispatch")
+    slot = _next_slot(key)
+    pool = _POOLS.get(key)
+    _mark("start", device)
+    tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    checking = False
+    T_ = k = 0
+    if bad is None:
+        T_, k = ids.shape
+        H = x.shape[1]
+        row_x, row_s = H * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
+        off_s, off_src, need = _stage_offsets(T_, T_ * k, row_x, row_s)
+        staged = pool is not None and need <= pool.slot_bytes
+        checking = _values.enabled(ids)
+        tail = [0, row_x, row_s, int(checking), 0, 0, T_, 1 + int(staged), 0, 0, 0, 0]
+    header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
+                                                                   device=device)
+    header[num_experts:].copy_(_tail(tail, device))          # (the count kernel then writes its stats)
+    positions = src = None
+    if bad is None:
+        if T_:
+            place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:])
+            src = pool.view(me, slot, off_src, (T_ * k,), torch.int32) if staged else None
+            positions, src = place(src)
+        else:
+            positions = torch.empty(0, k, dtype=torch.int32, device=device)
+            src = torch.empty(0, dtype=torch.int32, device=device)
+        if staged:
+            _stage(pool, me, slot, x, x_scales, None, off_s, off_src)
+    gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(gathered, header, group=group)       # also the barrier (docstring, step 2)
+    _mark("header", device)
+    h = gathered.view(world, num_experts + _TAIL).cpu().numpy().astype(np.int64)   # the one host sync
+    _mark("synced", device)
+    if bad is not None:
+        raise bad
+    tails = read_header(h, num_experts, num_experts, me, 1)
+    every = h[:, :num_experts].reshape(world, world, e_local)          # [source, destination, expert]
+    send_rows = every.sum((1, 2))                                       # T*k of every rank
+    tokens = tails[:, 6]
+    if (tails[:, 7] == 1).any():                                        # some rank could not stage: grow, restage
+        need = max(_stage_offsets(int(t), int(n), row_x, row_s)[2] for t, n in zip(tokens, send_rows))
+        old_src = src
+        pool = _grow(key, group, device, need)
+        _stage(pool, me, slot, x, x_scales, old_src, off_s, off_src)
+        pool.barrier(group)
+    cnt_recv = every[:, me]                                             # [W, El] rows from each source rank
+    recv = cnt_recv.sum(1)
+    offsets = every[:, :me].sum((1, 2))                                 # my run's start in each rank's send order
+    lay = _recv_layout(cnt_recv[:, None, :], layout, align, max_m)
+    overflow = None
+    if layout == "masked" and max_m is not None and checking and lay["busiest"] > max_m:
+        overflow = ValueError(f"max_m={max_m} is smaller than the busiest expert's {lay['busiest']} tokens")
+    rows = lay["rows"]
+    pos, valid, counts = _expand_layout(device, lay)
+    xd = torch.empty(rows, H, dtype=x.dtype, device=device)
+    sd = None if x_scales is None else torch.empty(rows, x_scales.shape[1], dtype=torch.float32, device=device)
+    _mark("layout", device)
+    pad = lay["pad_rows"] > 0
+    if lay["n"] == 0 and rows:                                          # nothing arrives: every row is padding
+        xd.zero_()
+        if sd is not None:
+            sd.zero_()
+    bounds = np.concatenate([[0], np.cumsum(recv)])
+    dst_all = pos.view(-1)
+    for step in range(1, world + 1):                                    # the peers first, this rank last
+        s = (me + step) % world
+        n = int(recv[s])
+        if n == 0:
+            continue
+        t_s, n_s = int(tokens[s]), int(send_rows[s])
+        s_off_s, s_off_src, _ = _stage_offsets(t_s, n_s, row_x, row_s)
+        src_s = pool.view(s, slot, s_off_src, (n_s,), torch.int32)[int(offsets[s]):int(offsets[s]) + n]
+        dst = dst_all[int(bounds[s]):int(bounds[s]) + n]
+        _copy_rows(xd, pool.view(s, slot, 0, (t_s, H), x.dtype), src_s, dst, valid, pad)
+        if sd is not None:
+            scales = pool.view(s, slot, s_off_s, (t_s, x_scales.shape[1]), torch.float32)
+            _copy_rows(sd, scales, src_s, dst, valid, pad)
+        pad = False
+    _mark("end", device)
+    if overflow is not None:                         # after every exchange: the peers are not left waiting
+        raise overflow
+    contiguous = layout == "contiguous"
+    mapping = MoeMapping(layout, e_local, 1, pos, counts, m_indices=valid if contiguous else None,
+                         masked_m=None if contiguous else counts, max_m=lay["max_m"])
+    send = every[me].sum(1).tolist()
+    mapping.ep = EpMapping(group, world, me, num_experts, send, recv.tolist(), positions, 1, [0, T_], [send],
+                           [recv.tolist()], [0, int(recv.sum())], transport="peer",
+                           send_rows=send_rows.tolist(), peer_offsets=offsets.tolist())
+    if layout == "masked":
+        xd = xd.view(e_local, mapping.max_m, H)
+        sd = sd.view(e_local, mapping.max_m, -1) if sd is not None else None
+    return xd, sd, mapping
+
+
+def _stage(pool, me, slot, x, x_scales, src, off_s, off_src):
+    """This rank's x rows (and scales) into its dispatch slot, and its send rows' source tokens when
+    they were placed elsewhere (src not None)."""
+    T_ = x.shape[0]
+    if T_:
+        pool.view(me, slot, 0, tuple(x.shape), x.dtype).copy_(x)
+        if x_scales is not None:
+            pool.view(me, slot, off_s, tuple(x_scales.shape), torch.float32).copy_(x_scales)
+    if src is not None and src.numel():
+        pool.view(me, slot, off_src, (src.numel(),), torch.int32).copy_(src)
+
+
+def peer_combine(y, mapping, weights):
+    """ep_combine over peer memory (module docstring): push, barrier, the single-device combine."""
+    ep = mapping.ep
+    device = y.device
+    group, world, me = ep.group, ep.world_size, ep.rank
+    key = _key(group, device, "combine")
+    slot = _next_slot(key)
+    H = y.shape[-1]
+    row = H * y.element_size()
+    pool = _grow(key, group, device, _up(max(ep.send_rows) * row))    # every rank: the same numbers
+    _mark("start", device)
+    y2 = y.reshape(-1, H)
+    src = mapping.positions.view(-1)
+    bounds = np.concatenate([[0], np.cumsum(ep.recv_splits)])
+    for step in range(1, world):                                        # the peers' rows only
+        s = (me + step) % world
+        n = ep.recv_splits[s]
+        if n:                                                           # rows [off, off + n) of s's send order
+            off = ep.peer_offsets[s]
+            dst = pool.view(s, slot, 0, (off + n, H), y.dtype)[off:]
+            _gather_into(dst, y2, src[int(bounds[s]):int(bounds[s]) + n])
+    _mark("push", device)
+    pool.barrier(group)
+    _mark("barrier", device)
+    T_, k = ep.send_positions.shape
+    out = torch.empty(T_, H, dtype=y.dtype, device=device)
+    if T_:
+        # my own experts' rows stay in y: rows [lo, lo + nloc) of my send order are y's rows loc
+        ret = pool.view(me, slot, 0, (T_ * k, H), y.dtype)
+        lo, nloc = ep.peer_offsets[me], ep.recv_splits[me]
+        loc = src[int(bounds[me]):int(bounds[me]) + nloc] if nloc else ep.send_positions.view(-1)[:1]
+        combine_launcher(targets.resolve(y), H, k, y.dtype, split=True)(
+            ret, ep.send_positions, weights, out, y2 if nloc else ret, loc, lo, nloc)
+    _mark("end", device)
+    return out
