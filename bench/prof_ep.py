@@ -1,6 +1,6 @@
 """Host vs device time of each phase of an EP dispatch/combine (torchrun, >= 2 GPUs).
 
-    torchrun --standalone --nproc-per-node 2 -m bench.prof_ep [--chunks 4,1] [--pin]
+    torchrun --standalone --nproc-per-node 2 -m bench.prof_ep [--transport peer,a2a] [--chunks 4,1] [--pin]
 
 For each chunk count: per phase (the marks the EP path records), the median host time between
 marks (h:) and the GPU time between the same marks (g:), plus host_issue (the call's host time)
@@ -25,7 +25,8 @@ import ops
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--chunks", default="4,1")
+    p.add_argument("--chunks", default="4,1", help="EP_CHUNKS values for the a2a transport")
+    p.add_argument("--transport", default="peer,a2a")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--pin", action="store_true", help="pin each rank's main thread to its own share of the cores")
     args = p.parse_args(argv)
@@ -61,10 +62,11 @@ def main(argv=None):
         mark(name, device)
 
     md._mark = traced
-    default = md.EP_CHUNKS
+    default, default_transport = md.EP_CHUNKS, md.EP_TRANSPORT
+    configs = [(t, c) for t in args.transport.split(",") for c in (map(int, args.chunks.split(",")) if t == "a2a" else [1])]
     try:
-        for chunks in map(int, args.chunks.split(",")):
-            md.EP_CHUNKS = chunks
+        for transport, chunks in configs:
+            md.EP_CHUNKS, md.EP_TRANSPORT = chunks, transport
             xd, _, m = ops.moe_dispatch(x, ids, E, group=group)
             for _ in range(5):
                 xd, _, m = ops.moe_dispatch(x, ids, E, group=group)
@@ -91,14 +93,14 @@ def main(argv=None):
                         d.setdefault("h:" + n, []).append((b - a) * 1e3)
                     for (_, a), (n, b) in zip(ev, ev[1:]):
                         d.setdefault("g:" + n, []).append(a.elapsed_time(b))
-            lines = [f"rank {r} chunks={chunks} {op}: " + " ".join(f"{n} {statistics.median(v):.3f}" for n, v in d.items())
+            lines = [f"rank {r} {transport} chunks={chunks} {op}: " + " ".join(f"{n} {statistics.median(v):.3f}" for n, v in d.items())
                      for op, d in res.items()]
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, lines)
             if r == 0:
                 print("\n".join(line for rank_lines in every for line in rank_lines), flush=True)
     finally:
-        md._mark, md.EP_CHUNKS = mark, default
+        md._mark, md.EP_CHUNKS, md.EP_TRANSPORT = mark, default, default_transport
         dist.destroy_process_group()
 
 

@@ -40,8 +40,9 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _values
 from ops.moe_dispatch import BITS_NAME, EpMapping, MoeMapping, combine_launcher, row_words
-from ops.moe_ep import (_TAIL, _ep_send_plan, _expand_layout, _gather_into, _group_size_rank, _mark, _recv_layout,
-                        _tail, read_header)
+from ops import moe_ep
+from ops.moe_ep import (_TAIL, _ep_send_plan, _expand_layout, _gather_into, _group_size_rank, _recv_layout, _tail,
+                        read_header)
 
 _ALIGN = 256          # byte alignment of every region inside a pool slot
 
@@ -183,7 +184,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     key = _key(group, device, "dispatch")
     slot = _next_slot(key)
     pool = _POOLS.get(key)
-    _mark("start", device)
+    moe_ep._mark("start", device)
     tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     checking = False
     T_ = k = 0
@@ -211,9 +212,9 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
             _stage(pool, me, slot, x, x_scales, None, off_s, off_src)
     gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
     dist.all_gather_into_tensor(gathered, header, group=group)       # also the barrier (docstring, step 2)
-    _mark("header", device)
+    moe_ep._mark("header", device)
     h = gathered.view(world, num_experts + _TAIL).cpu().numpy().astype(np.int64)   # the one host sync
-    _mark("synced", device)
+    moe_ep._mark("synced", device)
     if bad is not None:
         raise bad
     tails = read_header(h, num_experts, num_experts, me, 1)
@@ -237,7 +238,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     pos, valid, counts = _expand_layout(device, lay)
     xd = torch.empty(rows, H, dtype=x.dtype, device=device)
     sd = None if x_scales is None else torch.empty(rows, x_scales.shape[1], dtype=torch.float32, device=device)
-    _mark("layout", device)
+    moe_ep._mark("layout", device)
     pad = lay["pad_rows"] > 0
     if lay["n"] == 0 and rows:                                          # nothing arrives: every row is padding
         xd.zero_()
@@ -259,7 +260,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
             scales = pool.view(s, slot, s_off_s, (t_s, x_scales.shape[1]), torch.float32)
             _copy_rows(sd, scales, src_s, dst, valid, pad)
         pad = False
-    _mark("end", device)
+    moe_ep._mark("end", device)
     if overflow is not None:                         # after every exchange: the peers are not left waiting
         raise overflow
     contiguous = layout == "contiguous"
@@ -297,7 +298,7 @@ def peer_combine(y, mapping, weights):
     H = y.shape[-1]
     row = H * y.element_size()
     pool = _grow(key, group, device, _up(max(ep.send_rows) * row))    # every rank: the same numbers
-    _mark("start", device)
+    moe_ep._mark("start", device)
     y2 = y.reshape(-1, H)
     src = mapping.positions.view(-1)
     bounds = np.concatenate([[0], np.cumsum(ep.recv_splits)])
@@ -308,9 +309,9 @@ def peer_combine(y, mapping, weights):
             off = ep.peer_offsets[s]
             dst = pool.view(s, slot, 0, (off + n, H), y.dtype)[off:]
             _gather_into(dst, y2, src[int(bounds[s]):int(bounds[s]) + n])
-    _mark("push", device)
+    moe_ep._mark("push", device)
     pool.barrier(group)
-    _mark("barrier", device)
+    moe_ep._mark("barrier", device)
     T_, k = ep.send_positions.shape
     out = torch.empty(T_, H, dtype=y.dtype, device=device)
     if T_:
@@ -320,5 +321,5 @@ def peer_combine(y, mapping, weights):
         loc = src[int(bounds[me]):int(bounds[me]) + nloc] if nloc else ep.send_positions.view(-1)[:1]
         combine_launcher(targets.resolve(y), H, k, y.dtype, split=True)(
             ret, ep.send_positions, weights, out, y2 if nloc else ret, loc, lo, nloc)
-    _mark("end", device)
+    moe_ep._mark("end", device)
     return out
