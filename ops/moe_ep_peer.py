@@ -96,9 +96,12 @@ class PeerPool:
         nbytes = 2 * slot_bytes
         self._handle, self._views = None, {}
         if device.type == "cuda":
+            from torch._C._distributed_c10d import _SymmetricMemory
             from torch.distributed import _symmetric_memory as symm
 
-            local = symm.empty(nbytes, dtype=torch.uint8, device=device)
+            # a block of its own, not symm.empty's pool: a tensor carved from a pooled block that was
+            # already rendezvoused skips the collective on that rank only (the peers would hang)
+            local = _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
             self._handle = symm.rendezvous(local, group)
             self._bufs = [local if r == me else self._handle.get_buffer(r, (nbytes,), torch.uint8, 0)
                           for r in range(world)]

@@ -279,6 +279,9 @@ def nccl_worker(rank, store, cache_dir, world):
 
     os.environ["TILECRAFT_CACHE_DIR"] = cache_dir
     os.environ["NCCL_NVLS_ENABLE"] = "0"        # never NVLink multicast
+    import faulthandler
+
+    faulthandler.dump_traceback_later(200)      # a hung rank prints where it waits (NCCL times out at 90 s)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90), device_id=torch.device("cuda", rank))
