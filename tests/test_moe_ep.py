@@ -287,14 +287,22 @@ def nccl_worker(rank, store, cache_dir, world):
                             timeout=timedelta(seconds=90), device_id=torch.device("cuda", rank))
     md = importlib.import_module("ops.moe_ep")
     try:
-        for transport in TRANSPORTS:            # peer: torch symmetric memory over NVLink / P2P
+        for transport in TRANSPORTS[::-1]:      # peer first: torch symmetric memory over NVLink / P2P
             md.EP_TRANSPORT = transport
             for name in SCENARIOS:
                 check_scenario(name, rank, world, dist.group.WORLD, device=f"cuda:{rank}")
             check_errors(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
             check_reuse(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # say why now and leave: the peers are blocked in their next collective, and tearing NCCL
+        # down under them would hang this rank too (the parent then only sees a peer's timeout)
+        import sys
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def spawn(fn=worker, nprocs=4, extra=(), deadline_s=150):
