@@ -352,16 +352,21 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
         with tile.grid(tokens, threads) as t:
             with tile.vector():
                 acc = tile.fragment((hidden,))
+                val = tile.fragment((hidden,))
                 for c in tile.parallel(hidden):
                     acc[c] = 0.0
                 for j in T.serial(top_k):
                     q = T.if_then_else(Pos[t, j] >= lo, Pos[t, j] - lo, nloc)      # index in Loc, or nloc
                     if q < nloc:
                         for c in tile.parallel(hidden):
-                            acc[c] += W[t, j] * tile.to_f32(Y[Loc[q], c], dtype)
+                            val[c] = tile.to_f32(Y[Loc[q], c], dtype)
                     else:
                         for c in tile.parallel(hidden):
-                            acc[c] += W[t, j] * tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
+                            val[c] = tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
+                    # one multiply-add, as in the one-source kernel: nvcc fuses both into the same FFMA
+                    # (a multiply-add in each branch was left as FMUL + FADD: other bits)
+                    for c in tile.parallel(hidden):
+                        acc[c] += W[t, j] * val[c]
                 for c in tile.parallel(hidden):
                     Out[t, c] = tile.from_f32(acc[c], dtype)
 

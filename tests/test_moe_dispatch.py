@@ -539,6 +539,26 @@ def test_dispatch_kernels_build_for_cuda(target):
     assert stats["count"].histogram.get("LDG", 0) >= 32
 
 
+@pytest.mark.parametrize("hidden,top_k", [(128, 4), (7168, 8)])
+def test_combine_kernels_round_alike_on_sm_90a(hidden, top_k):
+    """The one-source combine and the two-source one of the peer EP transport accumulate with FFMA
+    only: a multiply-add nvcc leaves unfused (FMUL + FADD) rounds differently, and the EP combine
+    must give the single-device bits (a multiply-add in each branch of the two-source kernel did)."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.moe_dispatch import combine_program
+
+    try:
+        stats = [sass_stats(build_cubin(combine_program.source("sm_90a", hidden=hidden, top_k=top_k, split=split),
+                                        "sm_90a"), "sm_90a") for split in (False, True)]
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    for st in stats:
+        ops_ = {k: v for k, v in st.histogram.items() if k.startswith(("FFMA", "FMUL", "FADD"))}
+        assert set(ops_) == {"FFMA"}, ops_
+        assert st.spill_stores == 0
+
+
 def test_dispatch_programs_lower_for_ascend():
     """Ascend C for the whole single-device dispatch (no device has run it): the plan kernels as one
     SIMT region each, the row copies on 32-bit words (row_words)."""
