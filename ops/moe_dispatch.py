@@ -670,7 +670,7 @@ def moe_combine(y, mapping, weights):
     moe_dispatch; weights (T, k) fp32 (from moe_route). With an expert-parallel mapping (dispatched
     with group=), y is this rank's local layout, weights are for this rank's T tokens, and every
     rank of the group must call: rows go back to their tokens' ranks, and the sum is bitwise the
-    single-device one.
+    single-device one. y must have the same dtype and width on every rank (rows cross as raw bytes).
     """
     if not isinstance(mapping, MoeMapping):
         raise TypeError(f"mapping must be the MoeMapping returned by moe_dispatch, got {type(mapping).__name__}")

@@ -1,6 +1,9 @@
 """Expert-parallel MoE dispatch and combine: ops.moe_dispatch / ops.moe_combine with group=.
 
-A torch.distributed ProcessGroup of W ranks: rank r owns experts [r*E/W, (r+1)*E/W).
+A torch.distributed ProcessGroup of W ranks: rank r owns experts [r*E/W, (r+1)*E/W). Two
+transports (ep_transport: EP_TRANSPORT / TILECRAFT_EP_TRANSPORT, the same on every rank): "peer"
+(ops/moe_ep_peer.py: ranks on one host map each other's buffers; the default on an NCCL group whose
+ranks share a host) and "a2a", this module's all_to_all_single path, described here:
   dispatch: every (token, choice) is sent once to the rank owning its expert (one row per choice, not
     one per destination rank: k rows per token cross the fabric, but each returns as its own row, so
     combine can sum in the single-device order). A rank's tokens are cut into C = EP_CHUNKS token
@@ -32,6 +35,7 @@ A torch.distributed ProcessGroup of W ranks: rank r owns experts [r*E/W, (r+1)*E
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
 import socket
 import time
+import weakref
 
 import numpy as np
 import tilelang.language as T
@@ -317,14 +321,15 @@ def read_header(h, ce, num_experts, me, mode):
 
 
 def _one_host(group):
-    """Whether every rank of the group runs on this host (asked once per group: a collective)."""
+    """Whether every rank of the group runs on this host (asked once per group: a collective; a weak
+    reference tells a new group apart from an old one of the same name)."""
     key = getattr(group, "group_name", id(group))
-    one = _ONE_HOST.get(key)
-    if one is None:
+    known = _ONE_HOST.get(key)
+    if known is None or known[0]() is not group:
         names = [None] * dist.get_world_size(group)
         dist.all_gather_object(names, socket.gethostname(), group=group)
-        one = _ONE_HOST[key] = len(set(names)) == 1
-    return one
+        known = _ONE_HOST[key] = (weakref.ref(group), len(set(names)) == 1)
+    return known[1]
 
 
 _ONE_HOST = {}

@@ -7,11 +7,13 @@ send buffer, no receive buffer, no placement pass, no all-to-all issued per chun
 
 dispatch, on rank r:
   1. the send plan over global experts (the single-device count and place kernels, align 1): the
-     count goes into the header, the place kernel writes each send row's source token into r's
-     slot of the dispatch pool, and x (and its scales) are copied there too;
-  2. the header all-gather (E counts + tail) and its host read, as in the a2a path. It is also the
-     barrier: every rank's step 1 is done (its stream reached the collective), and every rank has
-     finished reading the slot that step 1 of the next call overwrites (two slots, alternating);
+     count goes into the header; the place kernel writes each send row's source token into r's
+     slot of the dispatch pool, and x (and its scales) are copied there too (step 2);
+  2. the header all-gather (E counts + tail) goes out right after the count kernel; the place
+     kernel and the staging follow on the GPU while the host waits for the header alone (the one
+     host sync). Every rank stages only after the all-gather, so every rank has finished reading
+     the slot it overwrites (its pulls precede its part of the all-gather); a pool barrier after
+     the staging makes every rank's staged rows readable;
   3. the local layout from the header (moe_ep_layout, receive order (source rank, expert)), then one
      copy_rows launch per source rank s: xd[pos[i]] = x_s[src_s[off_s + i]], reading s's slot over
      NVLink. s's rows for r are one run of s's send order (sorted by global expert, so by
@@ -30,6 +32,7 @@ for the next calls, per process group and device. The first call at a new size p
 import math
 import os
 import tempfile
+import weakref
 
 import numpy as np
 import tilelang.language as T
@@ -141,30 +144,40 @@ class PeerPool:
             dist.barrier(group=group)
 
 
-_POOLS = {}        # (group name, device, "dispatch" | "combine") -> PeerPool
-_CALLS = {}        # the same keys -> calls so far (the slot is calls % 2; the same on every rank)
+# (group name, device, "dispatch" | "combine") -> [weakref to the group, PeerPool or None, calls so far]
+# (the slot is calls % 2, the same on every rank). A group made after destroy_process_group may
+# reuse an old group's name: the weak reference tells them apart without keeping either alive.
+_STATE = {}
 
 
 def _key(group, device, purpose):
-    return (getattr(group, "group_name", id(group)), str(device), purpose)
+    key = (getattr(group, "group_name", id(group)), str(device), purpose)
+    st = _STATE.get(key)
+    if st is None or st[0]() is not group:
+        _STATE[key] = [weakref.ref(group), None, 0]
+    return key
 
 
 def _next_slot(key):
-    n = _CALLS.get(key, 0)
-    _CALLS[key] = n + 1
-    return n % 2
+    st = _STATE[key]
+    st[2] += 1
+    return (st[2] - 1) % 2
+
+
+def _pool(key):
+    return _STATE[key][1]
 
 
 def _grow(key, group, device, need):
     """The pool of key with a slot of at least need bytes (a collective when it grows: every rank
     makes the same call, from numbers every rank has)."""
-    pool = _POOLS.get(key)
+    pool = _STATE[key][1]
     if pool is None or pool.slot_bytes < need:
         if pool is not None and device.type == "cuda":
             torch.cuda.synchronize(device)            # nothing may still read or write the old pool
         size = 1 << max(20, (max(need, 1) - 1).bit_length())
-        _POOLS.pop(key, None)
-        pool = _POOLS[key] = PeerPool(group, device, size)
+        _STATE[key][1] = None
+        pool = _STATE[key][1] = PeerPool(group, device, size)
     return pool
 
 
@@ -186,7 +199,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     e_local = num_experts // world
     key = _key(group, device, "dispatch")
     slot = _next_slot(key)
-    pool = _POOLS.get(key)
+    pool = _pool(key)
     moe_ep._mark("start", device)
     tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     checking = False
@@ -202,10 +215,21 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
                                                                    device=device)
     header[num_experts:].copy_(_tail(tail, device))          # (the count kernel then writes its stats)
+    place = None
+    if bad is None and T_:
+        place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:])
+    gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(gathered, header, group=group)
+    cuda = device.type == "cuda"
+    if cuda:                                 # read back without waiting for the plan and the staging below
+        host = torch.empty(world, num_experts + _TAIL, dtype=torch.int32, pin_memory=True)
+        host.copy_(gathered.view(world, -1), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    moe_ep._mark("header", device)
     positions = src = None
-    if bad is None:
+    if bad is None:                          # the GPU places and stages while the host reads the header
         if T_:
-            place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:])
             src = pool.view(me, slot, off_src, (T_ * k,), torch.int32) if staged else None
             positions, src = place(src)
         else:
@@ -213,10 +237,10 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
             src = torch.empty(0, dtype=torch.int32, device=device)
         if staged:
             _stage(pool, me, slot, x, x_scales, None, off_s, off_src)
-    gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(gathered, header, group=group)       # also the barrier (docstring, step 2)
-    moe_ep._mark("header", device)
-    h = gathered.view(world, num_experts + _TAIL).cpu().numpy().astype(np.int64)   # the one host sync
+    moe_ep._mark("staged", device)
+    if cuda:
+        ready.synchronize()                  # the one host sync: the header only
+    h = (host if cuda else gathered.view(world, -1)).numpy().astype(np.int64)
     moe_ep._mark("synced", device)
     if bad is not None:
         raise bad
@@ -229,7 +253,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
         old_src = src
         pool = _grow(key, group, device, need)
         _stage(pool, me, slot, x, x_scales, old_src, off_s, off_src)
-        pool.barrier(group)
+    pool.barrier(group)                      # every rank's x rows and source tokens are staged
     cnt_recv = every[:, me]                                             # [W, El] rows from each source rank
     recv = cnt_recv.sum(1)
     offsets = every[:, :me].sum((1, 2))                                 # my run's start in each rank's send order

@@ -273,6 +273,32 @@ def chunk_worker(rank, store, cache_dir):
         dist.destroy_process_group()
 
 
+def reinit_worker(rank, store, cache_dir):
+    """2 processes, peer transport: a group destroyed and made again (same ranks, same group name)
+    gets pools of its own, not the old group's; then a group of a different size under that name."""
+    import torch.distributed as dist
+
+    md = importlib.import_module("ops.moe_ep")
+    md.EP_TRANSPORT = "peer"
+    for i, world in enumerate((2, 2)):
+        gloo_init(rank, store + str(i), cache_dir, world)
+        try:
+            assert dist.group.WORLD.group_name == "0"
+            check_scenario("random", rank, world, dist.group.WORLD)
+            check_reuse(rank, world, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+    if rank == 0:                               # a one-rank group named "0" again: nothing of the pair is reused
+        gloo_init(0, store + "solo", cache_dir, 1)
+        try:
+            check_scenario("random", 0, 1, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+        for suffix in ("0", "1", "solo"):
+            if os.path.exists(store + suffix):
+                os.unlink(store + suffix)
+
+
 def nccl_worker(rank, store, cache_dir, world):
     """One process per GPU over NCCL: every scenario and the error paths on the whole group."""
     import torch.distributed as dist
@@ -369,6 +395,17 @@ def test_ep_chunk_boundaries_bitwise():
             single_device(make_case(name, 2), layout, kw)
     compile_ep_kernels(CHUNKS, names)
     spawn(chunk_worker, 2)
+
+
+def test_peer_pools_follow_the_group_not_its_name():
+    for W in (1, 2):
+        for layout, kw in LAYOUTS:
+            single_device(make_case("random", W), layout, kw)
+    single_device(make_case("random", 2), "contiguous", dict(align=8))
+    for name in ("one_token", "k8_e64"):
+        single_device(make_case(name, 2), "contiguous", dict(align=8))
+    compile_ep_kernels((1,), ("random", "one_token", "k8_e64"))
+    spawn(reinit_worker, 2)
 
 
 def test_token_bounds_cover_every_token():

@@ -25,8 +25,9 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   the same with ops.moe_ep.EP_CHUNKS = N row chunks. phases_ms on the dispatch/combine rows: median
   ms between the phase marks the EP path records (CUDA events on the compute stream, in a few extra
   traced calls after the timing), each named by where it ends:
-    peer dispatch: header (send plan, x staged in the pool, header all-gather), synced (the host
-      read), layout (receive layout uploaded and expanded), end (one pull per source rank);
+    peer dispatch: header (count kernel, header all-gather), staged (place kernel, x staged in the
+      pool), synced (the host waits for the header), layout (receive layout uploaded and expanded,
+      the pool barrier), end (one pull per source rank);
     peer combine: push (one push per destination rank), barrier (the pool's device barrier), end
       (the combine kernel);
     a2a dispatch: header (send count kernel + header all-gather), prep (send plan + chunk 0's send
