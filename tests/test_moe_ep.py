@@ -328,6 +328,7 @@ def nccl_worker(rank, store, cache_dir, world):
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
