@@ -270,6 +270,21 @@ def plan_place_program(layout: str, lanes: int = 512, seg: int = 16):
     return plan_place
 
 
+def zero_padding_macro(hidden: int, bits: str, zero_rows: int):
+    """A T.macro for the padding blocks of a row-copy kernel: padding block j zeroes the rows
+    r in [j*zero_rows, (j+1)*zero_rows), r < rows, whose Valid[r] < 0."""
+
+    @T.macro
+    def zero_padding(Y, Valid, j, rows):
+        for i in T.serial(zero_rows):
+            if j * zero_rows + i < rows:
+                if Valid[j * zero_rows + i] < 0:
+                    for c in tile.parallel(hidden):
+                        Y[j * zero_rows + i, c] = T.cast(0, bits)
+
+    return zero_padding
+
+
 @tile_program("moe_scatter_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
               examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
                         "h7168-bf16-sorted": dict(hidden=7168, bits="int16", pad=False)})
@@ -281,6 +296,7 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
     plan's row count stays on the device, so the host reads it after this kernel is queued)."""
     tokens, k, rows = T.dynamic("tokens, k, rows")
     extra = T.ceildiv(rows, zero_rows) if pad else 0
+    zero_padding = zero_padding_macro(hidden, bits, zero_rows)
 
     @T.macro
     def scatter(X, Pos, Src, Y, b, live_rows):
@@ -294,11 +310,7 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
                     for c in tile.parallel(hidden):
                         Y[Pos[b, j], c] = buf[c]
             else:
-                for i in T.serial(zero_rows):
-                    if (b - tokens) * zero_rows + i < live_rows:
-                        if Src[(b - tokens) * zero_rows + i] < 0:
-                            for c in tile.parallel(hidden):
-                                Y[(b - tokens) * zero_rows + i, c] = T.cast(0, bits)
+                zero_padding(Y, Src, b - tokens, live_rows)
 
     if live:
         @T.prim_func

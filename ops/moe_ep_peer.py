@@ -42,7 +42,7 @@ import torch.distributed as dist
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _values
-from ops.moe_dispatch import BITS_NAME, EpMapping, MoeMapping, combine_launcher, row_words
+from ops.moe_dispatch import BITS_NAME, EpMapping, MoeMapping, combine_launcher, row_words, zero_padding_macro
 from ops import moe_ep
 from ops.moe_ep import (_TAIL, _ep_send_plan, _expand_layout, _gather_into, _group_size_rank, _recv_layout, _tail,
                         read_header)
@@ -59,6 +59,7 @@ def copy_rows_program(hidden: int, bits: str = "int16", pad: bool = False, threa
     Y[r, :] = 0 where Valid[r] < 0 (blocks past n, zero_rows rows each)."""
     n, tokens, rows = T.dynamic("n, tokens, rows")
     extra = T.ceildiv(rows, zero_rows) if pad else 0
+    zero_padding = zero_padding_macro(hidden, bits, zero_rows)
 
     @T.prim_func
     def copy_rows(X: T.Tensor((tokens, hidden), bits), Src: T.Tensor((n,), "int32"), Dst: T.Tensor((n,), "int32"),
@@ -69,11 +70,7 @@ def copy_rows_program(hidden: int, bits: str = "int16", pad: bool = False, threa
                     for c in tile.parallel(hidden):
                         Y[Dst[b], c] = X[Src[b], c]
                 else:
-                    for i in T.serial(zero_rows):
-                        if (b - n) * zero_rows + i < rows:
-                            if Valid[(b - n) * zero_rows + i] < 0:
-                                for c in tile.parallel(hidden):
-                                    Y[(b - n) * zero_rows + i, c] = T.cast(0, bits)
+                    zero_padding(Y, Valid, b - n, rows)
 
     return copy_rows
 
