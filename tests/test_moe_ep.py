@@ -279,10 +279,17 @@ def reinit_worker(rank, store, cache_dir):
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_ep")
-    md.EP_TRANSPORT = "peer"
     for i, world in enumerate((2, 2)):
         gloo_init(rank, store + str(i), cache_dir, world)
         try:
+            # the transport: auto on gloo is a2a; a setting outside TRANSPORTS is a clear error
+            md.EP_TRANSPORT = None
+            os.environ.pop("TILECRAFT_EP_TRANSPORT", None)
+            assert md.ep_transport(dist.group.WORLD) == "a2a"
+            md.EP_TRANSPORT = "nvshmem"
+            with pytest.raises(ValueError, match="EP transport must be one of"):
+                md.ep_transport(dist.group.WORLD)
+            md.EP_TRANSPORT = "peer"
             assert dist.group.WORLD.group_name == "0"
             check_scenario("random", rank, world, dist.group.WORLD)
             check_reuse(rank, world, dist.group.WORLD)
