@@ -320,31 +320,45 @@ def read_header(h, ce, num_experts, me, mode):
     return tails
 
 
-def _one_host(group):
-    """Whether every rank of the group runs on this host (asked once per group: a collective; a weak
-    reference tells a new group apart from an old one of the same name)."""
+def _peer_capable(group):
+    """Whether the peer transport can run on group: every rank on this host, on a CUDA device of its
+    own that every other rank's device can map (P2P), with torch's symmetric memory. Asked once per
+    group (two small collectives); a weak reference tells a new group from an old one of its name."""
     key = getattr(group, "group_name", id(group))
-    known = _ONE_HOST.get(key)
+    known = _PEER_CAPABLE.get(key)
     if known is None or known[0]() is not group:
-        names = [None] * dist.get_world_size(group)
-        dist.all_gather_object(names, socket.gethostname(), group=group)
-        known = _ONE_HOST[key] = (weakref.ref(group), len(set(names)) == 1)
+        world = dist.get_world_size(group)
+        try:
+            from torch.distributed import _symmetric_memory  # noqa: F401
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        except ImportError:
+            device = None
+        mine = (socket.gethostname(), device)
+        every = [None] * world
+        dist.all_gather_object(every, mine, group=group)
+        devices = [d for _, d in every]
+        ok = (len({h for h, _ in every}) == 1 and None not in devices and len(set(devices)) == world
+              and all(d == device or torch.cuda.can_device_access_peer(device, d) for d in devices))
+        votes = [None] * world
+        dist.all_gather_object(votes, ok, group=group)
+        known = _PEER_CAPABLE[key] = (weakref.ref(group), all(votes))
     return known[1]
 
 
-_ONE_HOST = {}
+_PEER_CAPABLE = {}
 
 
 def ep_transport(group):
     """The transport of an EP dispatch/combine over group: EP_TRANSPORT, else TILECRAFT_EP_TRANSPORT;
-    "auto" is "peer" on an NCCL group whose ranks share one host (torch symmetric memory: NVLink or
-    PCIe P2P), "a2a" (all_to_all_single) otherwise. The same on every rank of the group."""
+    "auto" is "peer" on an NCCL group whose ranks share one host and map each other's GPUs (torch
+    symmetric memory over NVLink or PCIe P2P), "a2a" (all_to_all_single) otherwise. The same on
+    every rank of the group."""
     t = EP_TRANSPORT if EP_TRANSPORT is not None else env.get("TILECRAFT_EP_TRANSPORT")
     if t not in TRANSPORTS:
         raise ValueError(f"EP transport must be one of {TRANSPORTS}, got {t!r} (TILECRAFT_EP_TRANSPORT or "
                          "ops.moe_ep.EP_TRANSPORT)")
     if t == "auto":
-        t = "peer" if dist.get_backend(group) == "nccl" and _one_host(group) else "a2a"
+        t = "peer" if dist.get_backend(group) == "nccl" and _peer_capable(group) else "a2a"
     return t
 
 

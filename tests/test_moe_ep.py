@@ -286,6 +286,7 @@ def reinit_worker(rank, store, cache_dir):
             md.EP_TRANSPORT = None
             os.environ.pop("TILECRAFT_EP_TRANSPORT", None)
             assert md.ep_transport(dist.group.WORLD) == "a2a"
+            assert md._peer_capable(dist.group.WORLD) is False          # no CUDA device: never auto-peer
             md.EP_TRANSPORT = "nvshmem"
             with pytest.raises(ValueError, match="EP transport must be one of"):
                 md.ep_transport(dist.group.WORLD)

@@ -27,7 +27,7 @@ VARS: dict[str, EnvVar] = {
         EnvVar("TILECRAFT_BISHENG", "", "path of CANN's bisheng compiler; default: BISHENG_HOME/bin, ASCEND_HOME_PATH, then PATH"),
         EnvVar("TILECRAFT_BATCH_INVARIANT", "0", "1: MLA decode splits each sequence the same way whatever the batch (bitwise batch-invariant)"),
         EnvVar("TILECRAFT_CHECK_VALUES", "1", "0: skip checks that read tensor values (index ranges, finite router logits): one device sync per call, never during CUDA graph capture"),
-        EnvVar("TILECRAFT_EP_TRANSPORT", "auto", "expert-parallel moe_dispatch/moe_combine: peer (peer memory on one host, torch symmetric memory), a2a (all_to_all_single chunks), auto: peer on an NCCL group on one host, else a2a"),
+        EnvVar("TILECRAFT_EP_TRANSPORT", "auto", "expert-parallel moe_dispatch/moe_combine: peer (peer memory on one host, torch symmetric memory), a2a (all_to_all_single chunks), auto: peer on an NCCL group whose ranks share a host and reach each other's GPUs (P2P), else a2a"),
         EnvVar("TILECRAFT_VERBOSE", "0", "1: log every compile and cache decision to stderr"),
     )
 }
