@@ -182,11 +182,26 @@ def _up(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _stage_offsets(tokens, rows, row_x, row_s):
-    """Byte offsets of (x rows, scale rows, source tokens) in a rank's dispatch slot, and its size."""
-    off_s = _up(tokens * row_x)
-    off_src = off_s + _up(tokens * row_s)
-    return off_s, off_src, off_src + _up(rows * 4)
+def _slot_layout(slot_bytes, row_x, row_s):
+    """A dispatch slot's regions, the same on every rank (no token count in them: a peer finds
+    another rank's rows without knowing how many it staged): the first half holds x rows, then
+    scale rows; the second half the send rows' source tokens. Returns (token capacity, scales'
+    byte offset, source tokens' byte offset, source-token capacity)."""
+    half = slot_bytes // 2 // _ALIGN * _ALIGN
+    tokens = max(half - _ALIGN, 0) // (row_x + row_s)
+    return tokens, _up(tokens * row_x), half, (slot_bytes - half) // 4
+
+
+def _slot_need(tokens, rows, row_x, row_s):
+    """Slot bytes for `tokens` x rows (and scales) and `rows` source tokens in _slot_layout."""
+    return 2 * max(tokens * (row_x + row_s) + 2 * _ALIGN, rows * 4 + _ALIGN)
+
+
+def _fits(pool, tokens, rows, row_x, row_s):
+    if pool is None:
+        return False
+    cap_t, _, _, cap_src = _slot_layout(pool.slot_bytes, row_x, row_s)
+    return tokens <= cap_t and rows <= cap_src
 
 
 def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device):
@@ -205,8 +220,7 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
         T_, k = ids.shape
         H = x.shape[1]
         row_x, row_s = H * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
-        off_s, off_src, need = _stage_offsets(T_, T_ * k, row_x, row_s)
-        staged = pool is not None and need <= pool.slot_bytes
+        staged = _fits(pool, T_, T_ * k, row_x, row_s)
         checking = _values.enabled(ids)
         tail = [0, row_x, row_s, int(checking), 0, 0, T_, 1 + int(staged), 0, 0, 0, 0]
     header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
@@ -227,13 +241,13 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     positions = src = None
     if bad is None:                          # the GPU places and stages while the host reads the header
         if T_:
-            src = pool.view(me, slot, off_src, (T_ * k,), torch.int32) if staged else None
+            src = _src_view(pool, me, slot, row_x, row_s, T_ * k) if staged else None
             positions, src = place(src)
         else:
             positions = torch.empty(0, k, dtype=torch.int32, device=device)
             src = torch.empty(0, dtype=torch.int32, device=device)
         if staged:
-            _stage(pool, me, slot, x, x_scales, None, off_s, off_src)
+            _stage(pool, me, slot, x, x_scales, None)
     moe_ep._mark("staged", device)
     if cuda:
         ready.synchronize()                  # the one host sync: the header only
@@ -246,10 +260,10 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     send_rows = every.sum((1, 2))                                       # T*k of every rank
     tokens = tails[:, 6]
     if (tails[:, 7] == 1).any():                                        # some rank could not stage: grow, restage
-        need = max(_stage_offsets(int(t), int(n), row_x, row_s)[2] for t, n in zip(tokens, send_rows))
+        need = _slot_need(int(tokens.max()), int(send_rows.max()), row_x, row_s)
         old_src = src
         pool = _grow(key, group, device, need)
-        _stage(pool, me, slot, x, x_scales, old_src, off_s, off_src)
+        _stage(pool, me, slot, x, x_scales, old_src)
     pool.barrier(group)                      # every rank's x rows and source tokens are staged
     cnt_recv = every[:, me]                                             # [W, El] rows from each source rank
     recv = cnt_recv.sum(1)
@@ -276,13 +290,11 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
         if n == 0:
             continue
         t_s, n_s = int(tokens[s]), int(send_rows[s])
-        s_off_s, s_off_src, _ = _stage_offsets(t_s, n_s, row_x, row_s)
-        src_s = pool.view(s, slot, s_off_src, (n_s,), torch.int32)[int(offsets[s]):int(offsets[s]) + n]
+        src_s = _src_view(pool, s, slot, row_x, row_s, n_s)[int(offsets[s]):int(offsets[s]) + n]
         dst = dst_all[int(bounds[s]):int(bounds[s]) + n]
         _copy_rows(xd, pool.view(s, slot, 0, (t_s, H), x.dtype), src_s, dst, valid, pad)
         if sd is not None:
-            scales = pool.view(s, slot, s_off_s, (t_s, x_scales.shape[1]), torch.float32)
-            _copy_rows(sd, scales, src_s, dst, valid, pad)
+            _copy_rows(sd, _scales_view(pool, s, slot, row_x, row_s, t_s), src_s, dst, valid, pad)
         pad = False
     moe_ep._mark("end", device)
     if overflow is not None:                         # after every exchange: the peers are not left waiting
@@ -300,16 +312,27 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     return xd, sd, mapping
 
 
-def _stage(pool, me, slot, x, x_scales, src, off_s, off_src):
+def _src_view(pool, rank, slot, row_x, row_s, rows):
+    """The first `rows` source tokens of rank's dispatch slot."""
+    return pool.view(rank, slot, _slot_layout(pool.slot_bytes, row_x, row_s)[2], (rows,), torch.int32)
+
+
+def _scales_view(pool, rank, slot, row_x, row_s, tokens):
+    """The first `tokens` scale rows (row_s bytes of fp32) of rank's dispatch slot."""
+    return pool.view(rank, slot, _slot_layout(pool.slot_bytes, row_x, row_s)[1], (tokens, row_s // 4), torch.float32)
+
+
+def _stage(pool, me, slot, x, x_scales, src):
     """This rank's x rows (and scales) into its dispatch slot, and its send rows' source tokens when
     they were placed elsewhere (src not None)."""
-    T_ = x.shape[0]
+    T_, row_x = x.shape[0], x.shape[1] * x.element_size()
+    row_s = 0 if x_scales is None else x_scales.shape[1] * 4
     if T_:
         pool.view(me, slot, 0, tuple(x.shape), x.dtype).copy_(x)
         if x_scales is not None:
-            pool.view(me, slot, off_s, tuple(x_scales.shape), torch.float32).copy_(x_scales)
+            _scales_view(pool, me, slot, row_x, row_s, T_).copy_(x_scales)
     if src is not None and src.numel():
-        pool.view(me, slot, off_src, (src.numel(),), torch.int32).copy_(src)
+        _src_view(pool, me, slot, row_x, row_s, src.numel()).copy_(src)
 
 
 def peer_combine(y, mapping, weights):
