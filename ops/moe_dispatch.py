@@ -75,6 +75,8 @@ class EpMapping:
     transport: str = "a2a"                   # "a2a" (all_to_all_single) or "peer" (peer memory)
     send_rows: list | None = None            # peer: every rank's send rows (T*k of that rank)
     peer_offsets: list | None = None         # peer: where this rank's rows start in each rank's send order
+    header: torch.Tensor | None = None       # peer, fixed-grid dispatch: the all-gathered headers (W, E + tail)
+                                             # int32 on the device, for the lists above when they were not read
 
     @property
     def local_experts(self) -> range:

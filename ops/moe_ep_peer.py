@@ -48,6 +48,7 @@ from ops.moe_ep import (_TAIL, _ep_send_plan, _expand_layout, _gather_into, _gro
                         read_header)
 
 _ALIGN = 256          # byte alignment of every region inside a pool slot
+MIN_SLOT_BYTES = 1 << 20   # a pool slot's smallest size (pools grow by powers of two from there)
 
 
 @tile_program("moe_copy_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
@@ -73,6 +74,47 @@ def copy_rows_program(hidden: int, bits: str = "int16", pad: bool = False, threa
                     zero_padding(Y, Valid, b - n, rows)
 
     return copy_rows
+
+
+PULL_BLOCKS = 1024   # the fixed grid of moe_pull_rows (its row count is read on the device)
+
+
+@tile_program("moe_pull_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
+              examples={"h7168-bf16": dict(hidden=7168, bits="int16"),
+                        "h7168-bf16-pad": dict(hidden=7168, bits="int16", pad=True)})
+def pull_rows_program(hidden: int, bits: str = "int16", pad: bool = False, blocks: int = PULL_BLOCKS,
+                      threads: int = 128, zero_rows: int = 8):
+    """Y[Pos[Info[2] + i], :] = X[Src[Info[1] + i], :] for i < Info[0]: the rows one source rank
+    sends this rank, out of that rank's dispatch slot (X its rows, Src its send rows' source tokens).
+    The count and both offsets are read on the device, so the launch needs no host read: `blocks`
+    blocks step over the rows. pad: extra blocks zero the rows r of Y with Valid[r] < 0."""
+    tokens, nsrc, npos, rows = T.dynamic("tokens, nsrc, npos, rows")
+    extra = T.ceildiv(rows, zero_rows) if pad else 0
+    zero_padding = zero_padding_macro(hidden, bits, zero_rows)
+
+    @T.prim_func
+    def pull_rows(X: T.Tensor((tokens, hidden), bits), Src: T.Tensor((nsrc,), "int32"), Info: T.Tensor((4,), "int32"),
+                  Pos: T.Tensor((npos,), "int32"), Valid: T.Tensor((rows,), "int32"), Y: T.Tensor((rows, hidden), bits)):
+        with tile.grid(blocks + extra, threads) as b:
+            with tile.vector():
+                if b < blocks:
+                    for it in T.serial(T.ceildiv(T.max(Info[0] - b, 0), blocks)):
+                        for c in tile.parallel(hidden):
+                            Y[Pos[Info[2] + b + it * blocks], c] = X[Src[Info[1] + b + it * blocks], c]
+                else:
+                    zero_padding(Y, Valid, b - blocks, rows)
+
+    return pull_rows
+
+
+def _pull_rows(y, x, src, info, pos, valid, pad):
+    """pull_rows_program on raw bits (x: a source rank's rows, src its source tokens, info (4,))."""
+    target = targets.resolve(y)
+    xw = x.view(row_words(x, target))
+    hidden, bits = xw.shape[1], xw.dtype
+    pull = jit.launchers(("moe_pull_rows", target.name, hidden, bits, pad), lambda: (
+        pull_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
+    pull(xw, src, info, pos, valid, y.view(bits))
 
 
 def _copy_rows(y, x, src, dst, valid, pad):
@@ -172,7 +214,7 @@ def _grow(key, group, device, need):
     if pool is None or pool.slot_bytes < need:
         if pool is not None and device.type == "cuda":
             torch.cuda.synchronize(device)            # nothing may still read or write the old pool
-        size = 1 << max(20, (max(need, 1) - 1).bit_length())
+        size = max(MIN_SLOT_BYTES, 1 << (max(need, 1) - 1).bit_length())
         _STATE[key][1] = None
         pool = _STATE[key][1] = PeerPool(group, device, size)
     return pool
@@ -206,10 +248,19 @@ def _fits(pool, tokens, rows, row_x, row_s):
 
 def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device):
     """ep_dispatch over peer memory (module docstring). bad: this rank's argument error, raised after
-    the header exchange so that the other ranks raise too."""
+    the header exchange so that the other ranks raise too. With FIXED_MASKED, a masked dispatch with
+    a given max_m takes the fixed-grid path once the pool exists (every rank decides alike: the same
+    settings, the same pool history)."""
+    key = _key(group, device, "dispatch")
+    if FIXED_MASKED and layout == "masked" and max_m is not None and _pool(key) is not None:
+        return _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, device, key)
+    return _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key)
+
+
+def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key):
+    """The dispatch whose layout is computed on the host, from the header read before any row moves."""
     world, me = _group_size_rank(group)
     e_local = num_experts // world
-    key = _key(group, device, "dispatch")
     slot = _next_slot(key)
     pool = _pool(key)
     moe_ep._mark("start", device)
@@ -312,6 +363,161 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     return xd, sd, mapping
 
 
+# opt-in (the same on every rank): a masked dispatch with a given max_m reads nothing on the host
+# before its rows move, and nothing at all with value checks off (then it can be captured in a CUDA
+# graph). CPU-verified; not yet run on GPUs (bench/NOTES.md "EP v5").
+FIXED_MASKED = False
+_FIXED_TABLES = {}
+
+
+def _fixed_constants(world, e_local, max_m, device):
+    """Per (W, El, max_m, device): each expert's first row (e * max_m) for the segment and expert
+    tables, kept (two small ops fewer per call)."""
+    key = (world, e_local, max_m, str(device))
+    t = _FIXED_TABLES.get(key)
+    if t is None:
+        if len(_FIXED_TABLES) >= 64:
+            _FIXED_TABLES.clear()
+        first = torch.arange(e_local, dtype=torch.int32, device=device) * max_m
+        t = _FIXED_TABLES[key] = (first, first.repeat(world), torch.full((e_local,), max_m, dtype=torch.int32,
+                                                                         device=device))
+    return t
+
+
+def _fixed_tables(gathered, num_experts, world, me, max_m, device):
+    """From the all-gathered headers, on the device (no host read): info (W, 4) int32 per source rank
+    [rows it sends this rank, where they start in its send order, where in the receive order, 0],
+    the segment and expert tables of moe_ep_layout, the expert counts, and a flag: 1 when every
+    rank staged its rows and none reported bad arguments or another row size (else every count is
+    zeroed: nothing moves, and the host read, when there is one, redoes or raises)."""
+    e_local = num_experts // world
+    g = gathered.view(world, num_experts + _TAIL)
+    tails = g[:, num_experts:]
+    ok = (tails[:, 7] == 2) & (tails[:, 0] == 0) & (tails[:, 1:3] == tails[:1, 1:3]).all(1)
+    flag = ok.all().to(torch.int32)
+    cnt = g[:, :num_experts].view(world, world, e_local)                # [source, destination, expert]
+    c = cnt[:, me] * flag                                               # [W, El] rows to my experts
+    n = c.sum(1, dtype=torch.int32)
+    info = torch.stack([n, cnt[:, :me].sum((1, 2), dtype=torch.int32), n.cumsum(0, dtype=torch.int32) - n,
+                        torch.zeros_like(n)], 1)
+    flat = c.reshape(-1)
+    first, first_w, width = _fixed_constants(world, e_local, max_m, device)
+    seg = torch.stack([flat.cumsum(0, dtype=torch.int32) - flat, flat, first_w,
+                       (c.cumsum(0, dtype=torch.int32) - c).reshape(-1)], 1)
+    counts = c.sum(0, dtype=torch.int32)
+    exp = torch.stack([first, counts, width, torch.zeros_like(counts)], 1)
+    return info, seg.contiguous(), exp.contiguous(), counts
+
+
+def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, device, key):
+    """Masked dispatch with a given max_m whose row movement needs no host read: the layout tables
+    come from the all-gathered headers on the device (_fixed_tables), the pulls read their counts
+    there (moe_pull_rows), and every size is a bound the host knows (the output is (E/W, max_m, H);
+    the receive order is bounded by the pool). With value checks on, the header is read after the
+    pulls are queued: errors are raised then, and a call some rank could not stage (its pool slot
+    too small) is done again by the synced path, which grows the pools. With checks off nothing is
+    read: every rank must fit the pools earlier calls sized (else that call moves no rows)."""
+    world, me = _group_size_rank(group)
+    e_local = num_experts // world
+    slot = _next_slot(key)
+    pool = _pool(key)
+    moe_ep._mark("start", device)
+    tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    checking = staged = False
+    T_ = k = row_x = row_s = 0
+    if bad is None:
+        T_, k = ids.shape
+        row_x, row_s = x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
+        staged = _fits(pool, T_, T_ * k, row_x, row_s)
+        checking = _values.enabled(ids)
+        tail = [0, row_x, row_s, int(checking), 0, 0, T_, 1 + int(staged), 0, 0, 0, 0]
+    header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
+                                                                   device=device)
+    header[num_experts:].copy_(_tail(tail, device))
+    place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:]) \
+        if bad is None and T_ else None
+    gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(gathered, header, group=group)
+    cuda = device.type == "cuda"
+    if checking and cuda:                    # read back at the end, without holding up what follows
+        host = torch.empty(world, num_experts + _TAIL, dtype=torch.int32, pin_memory=True)
+        host.copy_(gathered.view(world, -1), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    moe_ep._mark("header", device)
+    positions = torch.empty(0, max(k, 1), dtype=torch.int32, device=device)
+    if bad is None and T_:
+        src = _src_view(pool, me, slot, row_x, row_s, T_ * k) if staged else None
+        positions, _ = place(src)
+        if staged:
+            _stage(pool, me, slot, x, x_scales, None)
+    elif bad is None:
+        positions = torch.empty(0, k, dtype=torch.int32, device=device)
+    pool.barrier(group)                      # every rank's rows and source tokens are staged
+    moe_ep._mark("staged", device)
+    info, seg, exp, counts = _fixed_tables(gathered, num_experts, world, me, max_m, device)
+    # the sizes are bounds the host knows: every row any rank may send me (the pools' capacity)
+    H = x.shape[1] if bad is None else 1
+    row_x_all, row_s_all = (row_x, row_s) if bad is None else (1, 0)
+    cap_t, _, _, cap_src = _slot_layout(pool.slot_bytes, row_x_all, row_s_all)
+    pos = torch.empty(world * cap_src, dtype=torch.int32, device=device)
+    valid = torch.empty(e_local * max_m, dtype=torch.int32, device=device)
+    target = targets.resolve(pos)
+    expand = jit.launchers(("moe_ep_layout", target.name), lambda: moe_ep.ep_layout_program.compile(target).launcher())
+    expand(seg, exp, max_m - 1, pos, valid)
+    xd = sd = None
+    if bad is None:
+        xd = torch.empty(e_local * max_m, H, dtype=x.dtype, device=device)
+        sd = None if x_scales is None else torch.empty(e_local * max_m, x_scales.shape[1], dtype=torch.float32,
+                                                       device=device)
+        for step in range(1, world + 1):     # the peers first, this rank last; the first also zeroes padding
+            s = (me + step) % world
+            src_s = _src_view(pool, s, slot, row_x, row_s, cap_src)
+            _pull_rows(xd, pool.view(s, slot, 0, (cap_t, H), x.dtype), src_s, info[s], pos, valid, step == 1)
+            if sd is not None:
+                _pull_rows(sd, _scales_view(pool, s, slot, row_x, row_s, cap_t), src_s, info[s], pos, valid, step == 1)
+    moe_ep._mark("end", device)
+    ep = None
+    if checking:                             # the deferred read (as on the GPU, none with checks off)
+        if cuda:
+            ready.synchronize()
+        h = (host if cuda else gathered.view(world, -1)).numpy().astype(np.int64)
+        if bad is not None:
+            raise bad
+        tails = read_header(h, num_experts, num_experts, me, 1)
+        if (tails[:, 7] == 1).any():         # some rank could not stage: the synced path grows the pools
+            return _dispatch_synced(x, ids, num_experts, x_scales, "masked", align, max_m, group, None, device, key)
+        busiest = int(h[:, me * e_local:(me + 1) * e_local].sum(0).max(initial=0))
+        if checking and busiest > max_m:
+            raise ValueError(f"max_m={max_m} is smaller than the busiest expert's {busiest} tokens")
+        ep = _host_lists(h, num_experts, world, me)
+    if bad is not None:
+        raise bad
+    mapping = MoeMapping("masked", e_local, 1, pos.view(-1, 1), counts, m_indices=None, masked_m=counts, max_m=max_m)
+    mapping.ep = EpMapping(group, world, me, num_experts, None, None, positions, 1, [0, T_], None, None, None,
+                           transport="peer", header=gathered.view(world, -1))
+    if ep is not None:
+        _fill_host_lists(mapping.ep, ep)
+    xd = xd.view(e_local, max_m, H)
+    sd = sd.view(e_local, max_m, -1) if sd is not None else None
+    return xd, sd, mapping
+
+
+def _host_lists(h, num_experts, world, me):
+    """The host lists of an EpMapping (rows per rank and offsets) from the headers (W, E + _TAIL)."""
+    e_local = num_experts // world
+    every = h[:, :num_experts].reshape(world, world, e_local)
+    send, recv = every[me].sum(1), every[:, me].sum(1)
+    return dict(send_splits=send.tolist(), recv_splits=recv.tolist(), send_chunk_splits=[send.tolist()],
+                recv_chunk_splits=[recv.tolist()], recv_bounds=[0, int(recv.sum())],
+                send_rows=every.sum((1, 2)).tolist(), peer_offsets=every[:, :me].sum((1, 2)).tolist())
+
+
+def _fill_host_lists(ep, lists):
+    for name, value in lists.items():
+        setattr(ep, name, value)
+
+
 def _src_view(pool, rank, slot, row_x, row_s, rows):
     """The first `rows` source tokens of rank's dispatch slot."""
     return pool.view(rank, slot, _slot_layout(pool.slot_bytes, row_x, row_s)[2], (rows,), torch.int32)
@@ -340,6 +546,13 @@ def peer_combine(y, mapping, weights):
     ep = mapping.ep
     device = y.device
     group, world, me = ep.group, ep.world_size, ep.rank
+    if ep.recv_splits is None:               # a fixed-grid dispatch made with value checks off
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError("moe_combine after a dispatch made with value checks off reads that dispatch's "
+                             "row counts on the host, which CUDA-graph capture cannot: combine it outside the "
+                             "graph (a capturable combine is not built yet)")
+        h = ep.header.cpu().numpy().astype(np.int64)
+        _fill_host_lists(ep, _host_lists(h, ep.num_experts, world, me))
     key = _key(group, device, "combine")
     slot = _next_slot(key)
     H = y.shape[-1]

@@ -38,6 +38,8 @@ CHUNK_SCENARIOS = {
 }
 CHUNKS = (1, 3, 16)
 TRANSPORTS = ("a2a", "peer")        # on gloo: all_to_all_single, and peer memory over shared files
+# (transport, moe_ep_peer.FIXED_MASKED): the fixed-grid masked path is opt-in
+CONFIGS = (("a2a", False), ("peer", False), ("peer", True))
 LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("masked", dict(align=4)),
            ("masked", dict(align=4, max_m=64))]
 
@@ -152,21 +154,43 @@ def check_chunks(rank, W, group, chunks):
     assert marks == ["start", "header", "prep", "synced", "issued", "layout", *chunk_marks, "end", "start", "gather", *chunk_marks, "end"]
 
 
-def check_reuse(rank, W, group, device="cpu"):
+def check_reuse(rank, W, group, device="cpu", layout=("contiguous", dict(align=8))):
     """Back-to-back dispatches and combines with no sync between them, sizes that grow (the peer
-    pools grow) and shrink, two mappings alive at once: every result still bitwise the single-device one."""
+    pools grow; a fixed-grid masked dispatch some rank cannot stage is done again by the synced
+    path) and shrink, two mappings alive at once: every result still bitwise the single-device one."""
     cases = [on(make_case(name, W), device) for name in ("one_token", "k8_e64", "random", "k8_e64")]
     done = []
     for case in cases:
         lo, hi = sum(case["sizes"][:rank]), sum(case["sizes"][:rank + 1])
         xd, sd, m = ops.moe_dispatch(case["x"][lo:hi].contiguous(), case["ids"][lo:hi].contiguous(), case["E"],
-                                     group=group, align=8)
+                                     group=group, layout=layout[0], **layout[1])
         done.append((case, lo, hi, xd, m))
     for case, lo, hi, xd, m in done:                   # combined in dispatch order, after every dispatch
         out = ops.moe_combine(experts(xd, None, m, rank * (case["E"] // W), case["a"], case["b"]), m,
                               case["w"][lo:hi].contiguous())
-        ref = single_device(case, "contiguous", dict(align=8))[3][lo:hi]
-        assert torch.equal(bits(out), bits(ref)), f"reuse W={W} rank={rank} E={case['E']}"
+        ref = single_device(case, *layout)[3][lo:hi]
+        assert torch.equal(bits(out), bits(ref)), f"reuse W={W} rank={rank} E={case['E']} {layout}"
+
+
+def check_unchecked_fixed(rank, W, group, device="cpu"):
+    """The fixed-grid masked dispatch with value checks off reads nothing on the host; its combine
+    reads the row counts then: bitwise the single-device result, pools already big enough."""
+    md, peer = importlib.import_module("ops.moe_ep"), importlib.import_module("ops.moe_ep_peer")
+    md.EP_TRANSPORT, peer.FIXED_MASKED = "peer", True
+    os.environ["TILECRAFT_CHECK_VALUES"] = "0"
+    try:
+        for name in ("random", "k8_e64"):
+            case = on(make_case(name, W), device)
+            lo, hi = sum(case["sizes"][:rank]), sum(case["sizes"][:rank + 1])
+            xd, _, m = ops.moe_dispatch(case["x"][lo:hi].contiguous(), case["ids"][lo:hi].contiguous(), case["E"],
+                                        group=group, layout="masked", align=4, max_m=64)
+            assert m.ep.recv_splits is None, "value checks off: nothing read on the host"
+            out = ops.moe_combine(experts(xd, None, m, rank * (case["E"] // W), case["a"], case["b"]), m,
+                                  case["w"][lo:hi].contiguous())
+            ref = single_device(case, "masked", dict(align=4, max_m=64))[3][lo:hi]
+            assert torch.equal(bits(out), bits(ref)), f"unchecked fixed {name} W={W} rank={rank}"
+    finally:
+        del os.environ["TILECRAFT_CHECK_VALUES"]
 
 
 def check_errors(rank, W, group, device="cpu"):
@@ -238,18 +262,21 @@ def worker(rank, store, cache_dir):
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_ep")
+    peer = importlib.import_module("ops.moe_ep_peer")
     gloo_init(rank, store, cache_dir, 4)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
             W, me = dist.get_world_size(group), dist.get_rank(group)
-            for transport in TRANSPORTS:
-                md.EP_TRANSPORT = transport
+            for transport, fixed in CONFIGS:
+                md.EP_TRANSPORT, peer.FIXED_MASKED = transport, fixed
                 for name in SCENARIOS:
                     check_scenario(name, me, W, group)
                 check_errors(me, W, group)
                 check_reuse(me, W, group)
-        md.EP_TRANSPORT = None
+                check_reuse(me, W, group, layout=("masked", dict(align=4, max_m=64)))
+            check_unchecked_fixed(me, W, group)
+        md.EP_TRANSPORT, peer.FIXED_MASKED = None, False
         check_bench_dry_run(4, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
@@ -279,9 +306,17 @@ def reinit_worker(rank, store, cache_dir):
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_ep")
+    peer = importlib.import_module("ops.moe_ep_peer")
     for i, world in enumerate((2, 2)):
         gloo_init(rank, store + str(i), cache_dir, world)
         try:
+            if i == 1:   # fresh pools with tiny slots: fixed-grid dispatches some rank cannot stage are redone
+                peer.MIN_SLOT_BYTES, peer.FIXED_MASKED, md.EP_TRANSPORT = 4096, True, "peer"
+                check_scenario("one_token", rank, world, dist.group.WORLD)          # makes the pools
+                check_reuse(rank, world, dist.group.WORLD, layout=("masked", dict(align=4, max_m=64)))
+                key = peer._key(dist.group.WORLD, torch.device("cpu"), "dispatch")
+                assert peer._pool(key).slot_bytes > 4096, "the pool grew through the synced path"
+                peer.MIN_SLOT_BYTES, peer.FIXED_MASKED = 1 << 20, False
             # the transport: auto on gloo is a2a; a setting outside TRANSPORTS is a clear error
             md.EP_TRANSPORT = None
             os.environ.pop("TILECRAFT_EP_TRANSPORT", None)
@@ -375,7 +410,7 @@ def compile_ep_kernels(chunk_counts, names=SCENARIOS):
             scatter_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
     gather_rows_program.compile("cpu", hidden=128, bits="int16")
     from ops.moe_dispatch import combine_program
-    from ops.moe_ep_peer import copy_rows_program
+    from ops.moe_ep_peer import copy_rows_program, pull_rows_program
 
     for k in sorted({scenarios[n][1] for n in names} | {8}):           # the peer combine (8: check_reuse)
         combine_program.compile("cpu", hidden=128, top_k=k, split=True)
@@ -383,6 +418,7 @@ def compile_ep_kernels(chunk_counts, names=SCENARIOS):
     for bits, hidden in (("int16", 128), ("uint8", 128), ("int32", 1)):
         for pad in (False, True):
             copy_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
+            pull_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
 
 
 def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():
