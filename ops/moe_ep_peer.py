@@ -26,6 +26,13 @@ combine, on rank r:
      straight from y: the same rows in the same order as one device, so the same bits.
 A pool grows collectively (every rank decides the same from the all-gathered header) and is kept
 for the next calls, per process group and device. The first call at a new size pays the rendezvous.
+
+Fixed-grid masked dispatch (opt-in, FIXED_MASKED; layout masked with a given max_m, once the pools
+exist): steps 2-3 without the host. The layout tables come from the all-gathered headers on the
+device, moe_pull_rows reads each source's count and offsets there on a fixed grid, and every size
+is a bound the host knows. The header is read after the pulls are queued (value checks on) or not
+at all (checks off: capturable in a CUDA graph; every rank must then fit the pools earlier calls
+sized). Its combine reads the row counts on the host when the dispatch did not.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself

@@ -227,8 +227,8 @@ def check_bench_dry_run(W, group):
 
     second = dist.new_group(list(range(W)))          # a variant group of the same ranks (bench: high priority)
     rows = time_ep(dict(T=6, H=128, num_experts=16, top_k=8), group, "cpu", warmup=1, reps=2, sweep=(1, 3),
-                   phase_reps=2, variants={"g2": second}, transports=("peer",))
-    assert len(rows) == 12 * W and all(r["median_ms"] > 0 for r in rows)
+                   phase_reps=2, variants={"g2": second}, transports=("peer",), fixed_max_m=64)
+    assert len(rows) == 14 * W and all(r["median_ms"] > 0 for r in rows)
     by = {(r["provider"], r["rank"]): r for r in rows}
     for r in range(W):
         assert by["dispatch", r]["bytes"] == by["a2a-dispatch", r]["bytes"]
@@ -238,6 +238,7 @@ def check_bench_dry_run(W, group):
         assert by["dispatch-g2", r]["ratio_vs_a2a"] > 0 and by["combine-g2", r]["bytes"] == by["combine", r]["bytes"]
         assert by["dispatch-peer", r]["transport"] == "peer" and by["combine-peer", r]["bytes"] == by["combine", r]["bytes"]
         assert by["dispatch", r]["transport"] == "a2a" and by["dispatch-c3", r]["transport"] == "a2a"
+        assert by["dispatch-fixed", r]["transport"] == "peer-fixed" and by["combine-fixed", r]["ratio_vs_a2a"] > 0
         phases = by["dispatch", r]["phases_ms"].split()[::2]
         assert phases == ["header", "prep", "synced", "issued", "layout", *[f"chunk{c}" for c in range(4)], "end"], phases
         assert by["combine", r]["phases_ms"].split()[::2][0] == "gather"
@@ -355,13 +356,17 @@ def nccl_worker(rank, store, cache_dir, world):
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90), device_id=torch.device("cuda", rank))
     md = importlib.import_module("ops.moe_ep")
+    peer = importlib.import_module("ops.moe_ep_peer")
+    dev = f"cuda:{rank}"
     try:
-        for transport in TRANSPORTS[::-1]:      # peer first: torch symmetric memory over NVLink / P2P
-            md.EP_TRANSPORT = transport
+        for transport, fixed in CONFIGS[::-1]:  # peer first: torch symmetric memory over NVLink / P2P
+            md.EP_TRANSPORT, peer.FIXED_MASKED = transport, fixed
             for name in SCENARIOS:
-                check_scenario(name, rank, world, dist.group.WORLD, device=f"cuda:{rank}")
-            check_errors(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
-            check_reuse(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+                check_scenario(name, rank, world, dist.group.WORLD, device=dev)
+            check_errors(rank, world, dist.group.WORLD, device=dev)
+            check_reuse(rank, world, dist.group.WORLD, device=dev)
+            check_reuse(rank, world, dist.group.WORLD, device=dev, layout=("masked", dict(align=4, max_m=64)))
+        check_unchecked_fixed(rank, world, dist.group.WORLD, device=dev)
     except BaseException:
         # say why now and leave: the peers are blocked in their next collective, and tearing NCCL
         # down under them would hang this rank too (the parent then only sees a peer's timeout)

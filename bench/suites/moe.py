@@ -22,7 +22,10 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   Without torchrun (or a GPU) the preset says so; with no GPU bench.op builds its kernels statically.
   The default rows use the default transport (TILECRAFT_EP_TRANSPORT: auto = peer memory on one
   host); dispatch-a2a / combine-a2a are the all_to_all_single transport, and dispatch-cN / combine-cN
-  the same with ops.moe_ep.EP_CHUNKS = N row chunks. phases_ms on the dispatch/combine rows: median
+  the same with ops.moe_ep.EP_CHUNKS = N row chunks. dispatch-fixed / combine-fixed: the peer
+  transport's fixed-grid masked dispatch (ops.moe_ep_peer.FIXED_MASKED, max_m = EP_FIXED_MAX_M: no
+  host read before the rows move), and dispatch-fixed-graph the same captured in a CUDA graph with
+  value checks off, timed by its replay (the host out of the loop). phases_ms on the dispatch/combine rows: median
   ms between the phase marks the EP path records (CUDA events on the compute stream, in a few extra
   traced calls after the timing), each named by where it ends:
     peer dispatch: header (count kernel, header all-gather), staged (place kernel, x staged in the
@@ -62,6 +65,7 @@ PRESETS = {
     "ep": [dict(kind="ep", T=4096, H=7168, num_experts=256, top_k=8)],
 }
 EP_SWEEP = (1, 2, 8)       # EP_CHUNKS values also timed under torchrun (the default, 4, is the main row)
+EP_FIXED_MAX_M = 384       # max_m of the fixed-grid masked providers (T=4096, k=8 over 256 experts: ~256 a rank's expert)
 EP_NEEDS = ("moe --shape ep needs torch.distributed with >= 2 GPUs: launch it with "
             "torchrun --standalone --nproc-per-node N -m bench.op moe --shape ep (N >= 2)")
 
@@ -129,7 +133,62 @@ def ep_phases(fn, group, device, reps=5):
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None, transports=()):
+def capture_graph(fn, device):
+    """fn captured in a CUDA graph (one uncaptured call first, on a side stream, as capture wants)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def fixed_providers(x, ids, E, w, group, device, max_m):
+    """The peer transport's fixed-grid masked dispatch (moe_ep_peer.FIXED_MASKED) and its combine,
+    eager; on CUDA also the dispatch captured in a CUDA graph with value checks off (its replay is
+    what engines would run). {name: (fn, traffic key)}; a capture that fails is reported, not timed."""
+    from tilecraft import env
+
+    md, peer = importlib.import_module("ops.moe_ep"), importlib.import_module("ops.moe_ep_peer")
+
+    def fixed(fn):
+        def call():
+            saved = md.EP_TRANSPORT, peer.FIXED_MASKED
+            md.EP_TRANSPORT, peer.FIXED_MASKED = "peer", True       # the same on every rank, in lockstep
+            try:
+                return fn()
+            finally:
+                md.EP_TRANSPORT, peer.FIXED_MASKED = saved
+        return call
+
+    dispatch = fixed(lambda: ops.moe_dispatch(x, ids, E, layout="masked", max_m=max_m, group=group))
+    dispatch()                                   # the pools exist: the next calls take the fixed grid
+    xd, _, m = dispatch()
+    out = {"dispatch-fixed": (dispatch, "dispatch_remote"),
+           "combine-fixed": (lambda: ops.moe_combine(xd, m, w), "combine_remote")}
+    if torch.device(device).type == "cuda":
+        import torch.distributed as dist
+
+        saved, graph = env.get("TILECRAFT_CHECK_VALUES"), None
+        env.set("TILECRAFT_CHECK_VALUES", "0")
+        try:
+            graph = capture_graph(dispatch, device)
+        except Exception as e:                   # noqa: BLE001 (reported, and the provider dropped everywhere)
+            print(f"dispatch-fixed-graph: capture failed on rank {dist.get_rank(group)}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        finally:
+            env.set("TILECRAFT_CHECK_VALUES", saved)
+        ok = torch.tensor([int(graph is not None)], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)       # every rank times the same providers
+        if ok.item():
+            out["dispatch-fixed-graph"] = (graph.replay, "dispatch_remote")
+    return out
+
+
+def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, variants=None, transports=(),
+            fixed_max_m=None):
     """Every rank's ms and GB/s for dispatch, combine (the default EP transport) and the raw
     all-to-alls (a list of rows); transports: also dispatch-<t> / combine-<t> with
     ops.moe_ep.EP_TRANSPORT = t; sweep: also dispatch-cN / combine-cN, the "a2a" transport with N
@@ -176,6 +235,8 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, vari
         xd_c, _, m_c = setting(timed["dispatch"][0], **kw)()
         timed[f"dispatch{suffix}"] = (setting(timed["dispatch"][0], **kw), "dispatch_remote")
         timed[f"combine{suffix}"] = (lambda xd_c=xd_c, m_c=m_c: ops.moe_combine(xd_c, m_c, w), "combine_remote")
+    if fixed_max_m is not None:
+        timed.update(fixed_providers(x, ids, E, w, group, device, fixed_max_m))
     for name, vg in (variants or {}).items():
         xd_v, _, m_v = ops.moe_dispatch(x, ids, E, group=vg)
         timed[f"dispatch-{name}"] = (lambda vg=vg: ops.moe_dispatch(x, ids, E, group=vg), "dispatch_remote")
@@ -204,6 +265,9 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, vari
             elif name.startswith(("dispatch-c", "combine-c")):
                 rows[-1]["transport"] = "a2a"
                 rows[-1]["chunks"] = int(name.rsplit("-c", 1)[1])
+            elif "-fixed" in name:
+                rows[-1]["transport"] = "peer-fixed"
+                rows[-1]["chunks"] = 1
             elif name.startswith(("dispatch-", "combine-")):
                 t = name.split("-", 1)[1]
                 rows[-1]["transport"] = t if t in transports else m.ep.transport
@@ -245,7 +309,7 @@ def run_ep(case, device):
         raise SystemExit(EP_NEEDS)
     device = torch.device("cuda", torch.cuda.current_device())
     # the default transport (peer memory on one host), next to the all-to-all transport and its chunk counts
-    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP, transports=("a2a",))
+    rows = time_ep(case, dist.group.WORLD, device, sweep=EP_SWEEP, transports=("a2a",), fixed_max_m=EP_FIXED_MAX_M)
     if dist.get_rank() == 0:
         from bench import op as bench_op
 
