@@ -400,7 +400,8 @@ def _fixed_tables(gathered, num_experts, world, me, max_m, device):
     e_local = num_experts // world
     g = gathered.view(world, num_experts + _TAIL)
     tails = g[:, num_experts:]
-    ok = (tails[:, 7] == 2) & (tails[:, 0] == 0) & (tails[:, 1:3] == tails[:1, 1:3]).all(1)
+    # staged, good arguments, and one row size and top_k everywhere (tail [1:3] and [4])
+    ok = (tails[:, 7] == 2) & (tails[:, 0] == 0) & (tails[:, 1:5] == tails[:1, 1:5]).all(1)
     flag = ok.all().to(torch.int32)
     cnt = g[:, :num_experts].view(world, world, e_local)                # [source, destination, expert]
     c = cnt[:, me] * flag                                               # [W, El] rows to my experts
@@ -437,7 +438,7 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
         row_x, row_s = x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
         staged = _fits(pool, T_, T_ * k, row_x, row_s)
         checking = _values.enabled(ids)
-        tail = [0, row_x, row_s, int(checking), 0, 0, T_, 1 + int(staged), 0, 0, 0, 0]
+        tail = [0, row_x, row_s, int(checking), k, 0, T_, 1 + int(staged), 0, 0, 0, 0]   # [4]: top_k
     header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
                                                                    device=device)
     header[num_experts:].copy_(_tail(tail, device))
@@ -463,11 +464,12 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
     pool.barrier(group)                      # every rank's rows and source tokens are staged
     moe_ep._mark("staged", device)
     info, seg, exp, counts = _fixed_tables(gathered, num_experts, world, me, max_m, device)
-    # the sizes are bounds the host knows: every row any rank may send me (the pools' capacity)
+    # the sizes are bounds the host knows: every row any rank may send me (a slot's tokens x top_k,
+    # the same top_k everywhere, or the flag stopped every row)
     H = x.shape[1] if bad is None else 1
     row_x_all, row_s_all = (row_x, row_s) if bad is None else (1, 0)
     cap_t, _, _, cap_src = _slot_layout(pool.slot_bytes, row_x_all, row_s_all)
-    pos = torch.empty(world * cap_src, dtype=torch.int32, device=device)
+    pos = torch.empty(world * max(1, min(cap_t * k, cap_src)), dtype=torch.int32, device=device)
     valid = torch.empty(e_local * max_m, dtype=torch.int32, device=device)
     target = targets.resolve(pos)
     expand = jit.launchers(("moe_ep_layout", target.name), lambda: moe_ep.ep_layout_program.compile(target).launcher())
