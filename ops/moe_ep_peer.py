@@ -40,6 +40,7 @@ import math
 import os
 import tempfile
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import tilelang.language as T
@@ -264,52 +265,64 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     return _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key)
 
 
-def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key):
-    """The dispatch whose layout is computed on the host, from the header read before any row moves."""
+def _exchange_and_stage(x, ids, num_experts, x_scales, group, bad, device, key, read_back):
+    """Steps 1-2 of both peer dispatches: the send plan's count into the header, the header
+    all-gather, then (under the exchange) the place kernel writing the source tokens into this
+    rank's slot and the staging of x, when the slot fits this call (mode 2 in the header; else
+    mode 1 and the source tokens stay in the plan's own buffer). read_back: True, or None for "when
+    value checks are on": the all-gathered header is copied to pinned memory behind an event, so
+    .read() waits for the header alone. Returns a namespace of what the callers go on with."""
     world, me = _group_size_rank(group)
-    e_local = num_experts // world
-    slot = _next_slot(key)
-    pool = _pool(key)
+    slot, pool = _next_slot(key), _pool(key)
     moe_ep._mark("start", device)
     tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
-    checking = False
-    T_ = k = 0
+    checking = staged = False
+    T_ = k = row_x = row_s = 0
     if bad is None:
         T_, k = ids.shape
-        H = x.shape[1]
-        row_x, row_s = H * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
+        row_x, row_s = x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
         staged = _fits(pool, T_, T_ * k, row_x, row_s)
         checking = _values.enabled(ids)
-        tail = [0, row_x, row_s, int(checking), 0, 0, T_, 1 + int(staged), 0, 0, 0, 0]
+        tail = [0, row_x, row_s, int(checking), k, 0, T_, 1 + int(staged), 0, 0, 0, 0]   # [4]: top_k
     header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
                                                                    device=device)
     header[num_experts:].copy_(_tail(tail, device))          # (the count kernel then writes its stats)
-    place = None
-    if bad is None and T_:
-        place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:])
+    place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:]) \
+        if bad is None and T_ else None
     gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
     dist.all_gather_into_tensor(gathered, header, group=group)
-    cuda = device.type == "cuda"
-    if cuda:                                 # read back without waiting for the plan and the staging below
+    host = ready = None
+    if device.type == "cuda" and (checking if read_back is None else read_back):
         host = torch.empty(world, num_experts + _TAIL, dtype=torch.int32, pin_memory=True)
-        host.copy_(gathered.view(world, -1), non_blocking=True)
+        host.copy_(gathered.view(world, -1), non_blocking=True)  # without waiting for what follows
         ready = torch.cuda.Event()
         ready.record()
     moe_ep._mark("header", device)
-    positions = src = None
-    if bad is None:                          # the GPU places and stages while the host reads the header
-        if T_:
-            src = _src_view(pool, me, slot, row_x, row_s, T_ * k) if staged else None
-            positions, src = place(src)
-        else:
-            positions = torch.empty(0, k, dtype=torch.int32, device=device)
-            src = torch.empty(0, dtype=torch.int32, device=device)
+    positions = torch.empty(0, max(k, 1), dtype=torch.int32, device=device)
+    src = torch.empty(0, dtype=torch.int32, device=device)
+    if bad is None and T_:                   # the GPU places and stages while the host reads the header
+        positions, src = place(_src_view(pool, me, slot, row_x, row_s, T_ * k) if staged else None)
         if staged:
             _stage(pool, me, slot, x, x_scales, None)
     moe_ep._mark("staged", device)
-    if cuda:
-        ready.synchronize()                  # the one host sync: the header only
-    h = (host if cuda else gathered.view(world, -1)).numpy().astype(np.int64)
+
+    def read():
+        if ready is not None:
+            ready.synchronize()
+        return (host if host is not None else gathered.view(world, -1)).numpy().astype(np.int64)
+
+    return SimpleNamespace(world=world, me=me, slot=slot, pool=pool, tokens=T_, top_k=k, row_x=row_x, row_s=row_s,
+                           checking=checking, gathered=gathered, positions=positions, src=src, read=read)
+
+
+def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key):
+    """The dispatch whose layout is computed on the host, from the header read before any row moves."""
+    st = _exchange_and_stage(x, ids, num_experts, x_scales, group, bad, device, key, read_back=True)
+    world, me, slot, pool, T_ = st.world, st.me, st.slot, st.pool, st.tokens
+    row_x, row_s, checking, positions, src = st.row_x, st.row_s, st.checking, st.positions, st.src
+    e_local = num_experts // world
+    H = x.shape[1] if bad is None else 1
+    h = st.read()                            # the one host sync: the header only
     moe_ep._mark("synced", device)
     if bad is not None:
         raise bad
@@ -425,44 +438,11 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
     pulls are queued: errors are raised then, and a call some rank could not stage (its pool slot
     too small) is done again by the synced path, which grows the pools. With checks off nothing is
     read: every rank must fit the pools earlier calls sized (else that call moves no rows)."""
-    world, me = _group_size_rank(group)
+    st = _exchange_and_stage(x, ids, num_experts, x_scales, group, bad, device, key, read_back=None)
+    world, me, slot, pool, T_, k = st.world, st.me, st.slot, st.pool, st.tokens, st.top_k
+    row_x, row_s, checking, positions, gathered = st.row_x, st.row_s, st.checking, st.positions, st.gathered
     e_local = num_experts // world
-    slot = _next_slot(key)
-    pool = _pool(key)
-    moe_ep._mark("start", device)
-    tail = [1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
-    checking = staged = False
-    T_ = k = row_x = row_s = 0
-    if bad is None:
-        T_, k = ids.shape
-        row_x, row_s = x.shape[1] * x.element_size(), 0 if x_scales is None else x_scales.shape[1] * 4
-        staged = _fits(pool, T_, T_ * k, row_x, row_s)
-        checking = _values.enabled(ids)
-        tail = [0, row_x, row_s, int(checking), k, 0, T_, 1 + int(staged), 0, 0, 0, 0]   # [4]: top_k
-    header = (torch.empty if bad is None and T_ else torch.zeros)(num_experts + _TAIL, dtype=torch.int32,
-                                                                   device=device)
-    header[num_experts:].copy_(_tail(tail, device))
-    place = _ep_send_plan(ids, num_experts, 1, header[:num_experts], header[num_experts + 8:]) \
-        if bad is None and T_ else None
-    gathered = torch.empty(world * (num_experts + _TAIL), dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(gathered, header, group=group)
-    cuda = device.type == "cuda"
-    if checking and cuda:                    # read back at the end, without holding up what follows
-        host = torch.empty(world, num_experts + _TAIL, dtype=torch.int32, pin_memory=True)
-        host.copy_(gathered.view(world, -1), non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    moe_ep._mark("header", device)
-    positions = torch.empty(0, max(k, 1), dtype=torch.int32, device=device)
-    if bad is None and T_:
-        src = _src_view(pool, me, slot, row_x, row_s, T_ * k) if staged else None
-        positions, _ = place(src)
-        if staged:
-            _stage(pool, me, slot, x, x_scales, None)
-    elif bad is None:
-        positions = torch.empty(0, k, dtype=torch.int32, device=device)
     pool.barrier(group)                      # every rank's rows and source tokens are staged
-    moe_ep._mark("staged", device)
     info, seg, exp, counts = _fixed_tables(gathered, num_experts, world, me, max_m, device)
     # the sizes are bounds the host knows: every row any rank may send me (a slot's tokens x top_k,
     # the same top_k everywhere, or the flag stopped every row)
@@ -488,9 +468,7 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
     moe_ep._mark("end", device)
     ep = None
     if checking:                             # the deferred read (as on the GPU, none with checks off)
-        if cuda:
-            ready.synchronize()
-        h = (host if cuda else gathered.view(world, -1)).numpy().astype(np.int64)
+        h = st.read()
         if bad is not None:
             raise bad
         tails = read_header(h, num_experts, num_experts, me, 1)
