@@ -278,8 +278,8 @@ def _to_device(device, *arrays):
 
 
 # header tail (int32 after the counts): [bad arguments, x bytes per row, scale bytes per row, ids
-# checked, ids min, ids max, tokens, transport (0 a2a; peer: 1 not staged, 2 staged), then the count
-# kernel's stats (padded total, busiest, out-of-range ids, 0): peer only]
+# checked, ids min (a2a) or top_k (peer), ids max (a2a), tokens, transport (0 a2a; peer: 1 not
+# staged, 2 staged), then the count kernel's stats (padded total, busiest, out-of-range ids, 0): peer]
 _TAIL = 12
 _TAILS = {}
 
