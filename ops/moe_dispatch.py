@@ -77,6 +77,9 @@ class EpMapping:
     peer_offsets: list | None = None         # peer: where this rank's rows start in each rank's send order
     header: torch.Tensor | None = None       # peer, fixed-grid dispatch: the all-gathered headers (W, E + tail)
                                              # int32 on the device, for the lists above when they were not read
+    info: torch.Tensor | None = None         # peer, fixed-grid dispatch: (W, 4) int32 on the device, per source
+                                             # rank [rows it sent here, their start in its send order, their
+                                             # start in this rank's receive order, 0] (the combine's tables)
 
     @property
     def local_experts(self) -> range:
@@ -332,12 +335,16 @@ def scatter_rows_program(hidden: int, bits: str = "int16", pad: bool = True, thr
 
 
 @tile_program("moe_combine", examples={"h7168-k8": dict(hidden=7168, top_k=8)})
-def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128, split: bool = False):
+def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: int = 128, split=False):
     """Out[t, :] = sum_j W[t, j] * Y[Pos[t, j], :], j in order, in fp32. split (expert parallel, peer
-    transport): the rows Pos[t, j] in [lo, lo + nloc) are read from Y at row Loc[Pos[t, j] - lo] (this
-    rank's own experts' rows, never copied), every other row from Ret at row Pos[t, j]."""
+    transport): the rows Pos[t, j] in [lo, lo + nloc) are read from Y at row Loc[base + Pos[t, j] - lo]
+    (this rank's own experts' rows, never copied), every other row from Ret at row Pos[t, j].
+    split=True takes lo and nloc as arguments (base 0); split="info" reads them on the device,
+    Info (4,) int32 = [nloc, lo, base, -] (no host read: capturable in a CUDA graph)."""
     rows, tokens = T.dynamic("rows, tokens")
     sdt = tile.storage_dtype(dtype)
+    if split not in (False, True, "info"):
+        raise ValueError(f"split must be False, True or 'info', got {split!r}")
 
     if not split:
         @T.prim_func
@@ -358,6 +365,39 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
 
     ret_rows, nl = T.dynamic("ret_rows, nl")
 
+    @T.macro
+    def two_sources(t, Ret, Pos, W, Out, Y, Loc, lo, nloc, base):
+        acc = tile.fragment((hidden,))
+        val = tile.fragment((hidden,))
+        for c in tile.parallel(hidden):
+            acc[c] = 0.0
+        for j in T.serial(top_k):
+            q = T.if_then_else(Pos[t, j] >= lo, Pos[t, j] - lo, nloc)      # index in Loc (from base), or nloc
+            if q < nloc:
+                for c in tile.parallel(hidden):
+                    val[c] = tile.to_f32(Y[Loc[base + q], c], dtype)
+            else:
+                for c in tile.parallel(hidden):
+                    val[c] = tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
+            # one multiply-add, as in the one-source kernel: nvcc fuses both into the same FFMA
+            # (a multiply-add in each branch was left as FMUL + FADD: other bits)
+            for c in tile.parallel(hidden):
+                acc[c] += W[t, j] * val[c]
+        for c in tile.parallel(hidden):
+            Out[t, c] = tile.from_f32(acc[c], dtype)
+
+    if split == "info":
+        @T.prim_func
+        def combine_split_info(Ret: T.Tensor((ret_rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
+                               W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt),
+                               Y: T.Tensor((rows, hidden), sdt), Loc: T.Tensor((nl,), "int32"),
+                               Info: T.Tensor((4,), "int32")):
+            with tile.grid(tokens, threads) as t:
+                with tile.vector():
+                    two_sources(t, Ret, Pos, W, Out, Y, Loc, Info[1], Info[0], Info[2])
+
+        return combine_split_info
+
     @T.prim_func
     def combine_split(Ret: T.Tensor((ret_rows, hidden), sdt), Pos: T.Tensor((tokens, top_k), "int32"),
                       W: T.Tensor((tokens, top_k), "float32"), Out: T.Tensor((tokens, hidden), sdt),
@@ -365,24 +405,7 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
                       nloc: T.int32):
         with tile.grid(tokens, threads) as t:
             with tile.vector():
-                acc = tile.fragment((hidden,))
-                val = tile.fragment((hidden,))
-                for c in tile.parallel(hidden):
-                    acc[c] = 0.0
-                for j in T.serial(top_k):
-                    q = T.if_then_else(Pos[t, j] >= lo, Pos[t, j] - lo, nloc)      # index in Loc, or nloc
-                    if q < nloc:
-                        for c in tile.parallel(hidden):
-                            val[c] = tile.to_f32(Y[Loc[q], c], dtype)
-                    else:
-                        for c in tile.parallel(hidden):
-                            val[c] = tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
-                    # one multiply-add, as in the one-source kernel: nvcc fuses both into the same FFMA
-                    # (a multiply-add in each branch was left as FMUL + FADD: other bits)
-                    for c in tile.parallel(hidden):
-                        acc[c] += W[t, j] * val[c]
-                for c in tile.parallel(hidden):
-                    Out[t, c] = tile.from_f32(acc[c], dtype)
+                two_sources(t, Ret, Pos, W, Out, Y, Loc, lo, nloc, 0)
 
     return combine_split
 
@@ -417,9 +440,9 @@ def plan_launchers(target, num_experts: int, layout: str):
         plan_place_program.compile(target, layout=layout).launcher()))
 
 
-def combine_launcher(target, hidden: int, top_k: int, dtype: torch.dtype, split: bool = False):
+def combine_launcher(target, hidden: int, top_k: int, dtype: torch.dtype, split=False):
     """moe_combine's launcher for y rows of `hidden` values of `dtype`, top_k choices a token (split:
-    the two-source variant of the peer EP transport)."""
+    the two-source variants of the peer EP transport: True or "info", see combine_program)."""
     name = Y_DTYPES[dtype]
     return jit.launchers(("moe_combine", target.name, hidden, top_k, name, split), lambda: (
         combine_program.compile(target, hidden=hidden, top_k=top_k, dtype=name, split=split).launcher()))

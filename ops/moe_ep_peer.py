@@ -27,12 +27,17 @@ combine, on rank r:
 A pool grows collectively (every rank decides the same from the all-gathered header) and is kept
 for the next calls, per process group and device. The first call at a new size pays the rendezvous.
 
-Fixed-grid masked dispatch (opt-in, FIXED_MASKED; layout masked with a given max_m, once the pools
-exist): steps 2-3 without the host. The layout tables come from the all-gathered headers on the
-device, moe_pull_rows reads each source's count and offsets there on a fixed grid, and every size
-is a bound the host knows. The header is read after the pulls are queued (value checks on) or not
-at all (checks off: capturable in a CUDA graph; every rank must then fit the pools earlier calls
-sized). Its combine reads the row counts on the host when the dispatch did not.
+Fixed-grid masked dispatch (layout masked with a given max_m, once the pools exist; opt-in with
+FIXED_MASKED, and taken by itself under CUDA-graph capture): steps 2-3 without the host. The
+layout tables come from the all-gathered headers on the device, moe_pull_rows reads each source's
+count and offsets there on a fixed grid, and every size is a bound the host knows. The header is
+read after the pulls are queued (value checks on) or not at all (checks off, as under capture;
+every rank must then fit the pools earlier calls sized, else no row moves). Its combine pushes with
+moe_push_rows and combines with the tables on the device too (no host read: capturable).
+In a CUDA graph a call's pool slot is fixed at capture. A dispatch's slot is safe to reuse at every
+replay (its staging follows the header all-gather, which follows every peer's pulls of the last
+call); a combine's is safe when a dispatch of the group runs between two replays of it (a decode
+step's graph), or when the graph holds an even number of combines.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
@@ -115,6 +120,27 @@ def pull_rows_program(hidden: int, bits: str = "int16", pad: bool = False, block
     return pull_rows
 
 
+@tile_program("moe_push_rows", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
+              examples={"h7168-bf16": dict(hidden=7168, bits="int16")})
+def push_rows_program(hidden: int, bits: str = "int16", blocks: int = PULL_BLOCKS, threads: int = 128):
+    """Y[Info[1] + i, :] = X[Pos[Info[2] + i], :] for i < Info[0]: moe_pull_rows the other way, for
+    the combine after a fixed-grid dispatch (X this rank's expert outputs, Y a peer's combine slot,
+    Info that peer's row of the dispatch's info table): the rows come back to where the peer's send
+    order has them, and the count and offsets are read on the device."""
+    rows, npos, slot_rows = T.dynamic("rows, npos, slot_rows")
+
+    @T.prim_func
+    def push_rows(X: T.Tensor((rows, hidden), bits), Info: T.Tensor((4,), "int32"), Pos: T.Tensor((npos,), "int32"),
+                  Y: T.Tensor((slot_rows, hidden), bits)):
+        with tile.grid(blocks, threads) as b:
+            with tile.vector():
+                for it in T.serial(T.ceildiv(T.max(Info[0] - b, 0), blocks)):
+                    for c in tile.parallel(hidden):
+                        Y[Info[1] + b + it * blocks, c] = X[Pos[Info[2] + b + it * blocks], c]
+
+    return push_rows
+
+
 def _pull_rows(y, x, src, info, pos, valid, pad):
     """pull_rows_program on raw bits (x: a source rank's rows, src its source tokens, info (4,))."""
     target = targets.resolve(y)
@@ -123,6 +149,16 @@ def _pull_rows(y, x, src, info, pos, valid, pad):
     pull = jit.launchers(("moe_pull_rows", target.name, hidden, bits, pad), lambda: (
         pull_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits], pad=pad).launcher()))
     pull(xw, src, info, pos, valid, y.view(bits))
+
+
+def _push_rows(y, x, info, pos):
+    """push_rows_program on raw bits (y: a peer's combine slot, x: this rank's expert rows)."""
+    target = targets.resolve(y)
+    xw = x.view(row_words(x, target))
+    hidden, bits = xw.shape[1], xw.dtype
+    push = jit.launchers(("moe_push_rows", target.name, hidden, bits), lambda: (
+        push_rows_program.compile(target, hidden=hidden, bits=BITS_NAME[bits]).launcher()))
+    push(xw, info, pos, y.view(bits))
 
 
 def _copy_rows(y, x, src, dst, valid, pad):
@@ -260,8 +296,13 @@ def peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, ba
     a given max_m takes the fixed-grid path once the pool exists (every rank decides alike: the same
     settings, the same pool history)."""
     key = _key(group, device, "dispatch")
-    if FIXED_MASKED and layout == "masked" and max_m is not None and _pool(key) is not None:
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if (FIXED_MASKED or capturing) and layout == "masked" and max_m is not None and _pool(key) is not None:
         return _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, device, key)
+    if capturing:
+        raise ValueError("moe_dispatch over a process group under CUDA-graph capture needs layout='masked' with "
+                         "max_m given, and one call outside the graph first (it sizes the peer-memory pools; "
+                         f"got layout={layout!r}, max_m={max_m}, pools {'ready' if _pool(key) else 'not made yet'})")
     return _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key)
 
 
@@ -383,9 +424,9 @@ def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group,
     return xd, sd, mapping
 
 
-# opt-in (the same on every rank): a masked dispatch with a given max_m reads nothing on the host
-# before its rows move, and nothing at all with value checks off (then it can be captured in a CUDA
-# graph). CPU-verified; not yet run on GPUs (bench/NOTES.md "EP v5").
+# opt-in for eager calls (the same on every rank; always taken under CUDA-graph capture): a masked
+# dispatch with a given max_m reads nothing on the host before its rows move, and nothing at all
+# with value checks off (bench/NOTES.md "EP v5").
 FIXED_MASKED = False
 _FIXED_TABLES = {}
 
@@ -482,7 +523,7 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
         raise bad
     mapping = MoeMapping("masked", e_local, 1, pos.view(-1, 1), counts, m_indices=None, masked_m=counts, max_m=max_m)
     mapping.ep = EpMapping(group, world, me, num_experts, None, None, positions, 1, [0, T_], None, None, None,
-                           transport="peer", header=gathered.view(world, -1))
+                           transport="peer", header=gathered.view(world, -1), info=info)
     if ep is not None:
         _fill_host_lists(mapping.ep, ep)
     xd = xd.view(e_local, max_m, H)
@@ -531,15 +572,10 @@ def _stage(pool, me, slot, x, x_scales, src):
 def peer_combine(y, mapping, weights):
     """ep_combine over peer memory (module docstring): push, barrier, the single-device combine."""
     ep = mapping.ep
+    if ep.info is not None:                  # after a fixed-grid dispatch: its tables are on the device
+        return _combine_fixed(y, mapping, weights)
     device = y.device
     group, world, me = ep.group, ep.world_size, ep.rank
-    if ep.recv_splits is None:               # a fixed-grid dispatch made with value checks off
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError("moe_combine after a dispatch made with value checks off reads that dispatch's "
-                             "row counts on the host, which CUDA-graph capture cannot: combine it outside the "
-                             "graph (a capturable combine is not built yet)")
-        h = ep.header.cpu().numpy().astype(np.int64)
-        _fill_host_lists(ep, _host_lists(h, ep.num_experts, world, me))
     key = _key(group, device, "combine")
     slot = _next_slot(key)
     H = y.shape[-1]
@@ -568,5 +604,51 @@ def peer_combine(y, mapping, weights):
         loc = src[int(bounds[me]):int(bounds[me]) + nloc] if nloc else ep.send_positions.view(-1)[:1]
         combine_launcher(targets.resolve(y), H, k, y.dtype, split=True)(
             ret, ep.send_positions, weights, out, y2 if nloc else ret, loc, lo, nloc)
+    moe_ep._mark("end", device)
+    return out
+
+
+def _combine_fixed(y, mapping, weights):
+    """The combine after a fixed-grid dispatch: the pushes (moe_push_rows) and the two-source combine
+    read their counts and offsets from the dispatch's info table on the device, so no host read is
+    needed (capturable). The pool is sized from the host lists when the dispatch read them, else
+    from the header read here, and under capture it must exist: every rank then checks on the
+    device that every rank's rows fit it (else no row moves and the output is undefined: the
+    unchecked contract of the fixed-grid dispatch; nothing is written out of bounds)."""
+    ep = mapping.ep
+    device = y.device
+    group, world, me = ep.group, ep.world_size, ep.rank
+    key = _key(group, device, "combine")
+    slot = _next_slot(key)
+    H = y.shape[-1]
+    row = H * y.element_size()
+    T_, k = ep.send_positions.shape
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if ep.send_rows is None and not capturing:   # value checks were off: read the header now
+        _fill_host_lists(ep, _host_lists(ep.header.cpu().numpy().astype(np.int64), ep.num_experts, world, me))
+    if ep.send_rows is not None:
+        pool = _grow(key, group, device, _up(max(ep.send_rows) * row))     # every rank: the same numbers
+    else:
+        pool = _pool(key)
+        if pool is None:
+            raise ValueError("moe_combine under CUDA-graph capture needs one combine outside the graph first "
+                             "(it sizes the peer-memory pool)")
+    slot_rows = pool.slot_bytes // row
+    tokens = ep.header[:, ep.num_experts + 6]                           # every rank's T (header tail [6])
+    info = ep.info * (tokens * k <= slot_rows).all().to(torch.int32)   # every rank's rows fit, or none move
+    moe_ep._mark("start", device)
+    y2 = y.reshape(-1, H)
+    pos = mapping.positions.view(-1)
+    for step in range(1, world):                                        # the peers' rows only
+        s = (me + step) % world
+        _push_rows(pool.view(s, slot, 0, (slot_rows, H), y.dtype), y2, info[s], pos)
+    moe_ep._mark("push", device)
+    pool.barrier(group)
+    moe_ep._mark("barrier", device)
+    out = torch.empty(T_, H, dtype=y.dtype, device=device)
+    if T_:
+        ret = pool.view(me, slot, 0, (min(T_ * k, slot_rows), H), y.dtype)
+        combine_launcher(targets.resolve(y), H, k, y.dtype, split="info")(ret, ep.send_positions, weights, out, y2,
+                                                                          pos, info[me])
     moe_ep._mark("end", device)
     return out

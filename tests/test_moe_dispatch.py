@@ -541,7 +541,7 @@ def test_dispatch_kernels_build_for_cuda(target):
 
 @pytest.mark.parametrize("hidden,top_k", [(128, 4), (7168, 8)])
 def test_combine_kernels_round_alike_on_sm_90a(hidden, top_k):
-    """The one-source combine and the two-source one of the peer EP transport accumulate with FFMA
+    """The one-source combine and the two-source ones of the peer EP transport accumulate with FFMA
     only: a multiply-add nvcc leaves unfused (FMUL + FADD) rounds differently, and the EP combine
     must give the single-device bits (a multiply-add in each branch of the two-source kernel did)."""
     from backends import ToolchainError
@@ -550,7 +550,7 @@ def test_combine_kernels_round_alike_on_sm_90a(hidden, top_k):
 
     try:
         stats = [sass_stats(build_cubin(combine_program.source("sm_90a", hidden=hidden, top_k=top_k, split=split),
-                                        "sm_90a"), "sm_90a") for split in (False, True)]
+                                        "sm_90a"), "sm_90a") for split in (False, True, "info")]
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     for st in stats:

@@ -44,9 +44,10 @@ LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("mas
            ("masked", dict(align=4, max_m=64))]
 
 
-def make_case(name, W):
+def make_case(name, W, seed=0):
+    """A scenario's tokens on W ranks (seed: other values, the same shapes)."""
     E, k, H, dtype, tokens, routing = {**SCENARIOS, **CHUNK_SCENARIOS}[name]
-    g = torch.Generator().manual_seed(sum(map(ord, name)) + W)
+    g = torch.Generator().manual_seed(sum(map(ord, name)) + W + 1000 * seed)
     sizes = [tokens(r, W) for r in range(W)]
     T_ = sum(sizes)
     span = E // W if routing == "rank0" else E
@@ -191,6 +192,39 @@ def check_unchecked_fixed(rank, W, group, device="cpu"):
             assert torch.equal(bits(out), bits(ref)), f"unchecked fixed {name} W={W} rank={rank}"
     finally:
         del os.environ["TILECRAFT_CHECK_VALUES"]
+
+
+def check_graph(rank, W, group, device):
+    """A decode step's dispatch (masked, max_m given), experts and combine captured in one CUDA graph
+    (under capture the peer transport takes the fixed-grid dispatch and its device-table combine by
+    itself), after one eager step that sizes the pools; replayed on new tokens of the same shapes:
+    bitwise the single-GPU result every time."""
+    md = importlib.import_module("ops.moe_ep")
+    md.EP_TRANSPORT = "peer"
+    kw = dict(layout="masked", align=4, max_m=64)
+    cases = [on(make_case("k8_e64", W, seed), device) for seed in range(4)]
+    lo, hi = sum(cases[0]["sizes"][:rank]), sum(cases[0]["sizes"][:rank + 1])
+    E, e0 = cases[0]["E"], rank * (cases[0]["E"] // W)
+    x, ids, w = (cases[0][key][lo:hi].clone() for key in ("x", "ids", "w"))
+
+    def step():
+        xd, _, m = ops.moe_dispatch(x, ids, E, group=group, **kw)
+        e = torch.arange(m.num_experts, device=device) + e0
+        y = xd.float() * cases[0]["a"][e][:, None, None] + cases[0]["b"][e][:, None, None]
+        unused = torch.arange(m.max_m, device=device)[None, :, None] >= m.masked_m[:, None, None].long()
+        return ops.moe_combine(torch.where(unused, float("nan"), y).bfloat16(), m, w)
+
+    step()                                       # eager: sizes the pools
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, case in enumerate(cases):
+        for key, buf in (("x", x), ("ids", ids), ("w", w)):
+            buf.copy_(case[key][lo:hi])
+        case = dict(case, a=cases[0]["a"], b=cases[0]["b"])
+        graph.replay()
+        ref = single_device(case, "masked", dict(align=4, max_m=64))[3][lo:hi]
+        assert torch.equal(bits(out), bits(ref)), f"graph replay seed={seed} W={W} rank={rank}"
 
 
 def check_errors(rank, W, group, device="cpu"):
@@ -367,6 +401,7 @@ def nccl_worker(rank, store, cache_dir, world):
             check_reuse(rank, world, dist.group.WORLD, device=dev)
             check_reuse(rank, world, dist.group.WORLD, device=dev, layout=("masked", dict(align=4, max_m=64)))
         check_unchecked_fixed(rank, world, dist.group.WORLD, device=dev)
+        check_graph(rank, world, dist.group.WORLD, dev)
     except BaseException:
         # say why now and leave: the peers are blocked in their next collective, and tearing NCCL
         # down under them would hang this rank too (the parent then only sees a peer's timeout)
@@ -415,15 +450,17 @@ def compile_ep_kernels(chunk_counts, names=SCENARIOS):
             scatter_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
     gather_rows_program.compile("cpu", hidden=128, bits="int16")
     from ops.moe_dispatch import combine_program
-    from ops.moe_ep_peer import copy_rows_program, pull_rows_program
+    from ops.moe_ep_peer import copy_rows_program, pull_rows_program, push_rows_program
 
     for k in sorted({scenarios[n][1] for n in names} | {8}):           # the peer combine (8: check_reuse)
-        combine_program.compile("cpu", hidden=128, top_k=k, split=True)
+        for split in (True, "info"):
+            combine_program.compile("cpu", hidden=128, top_k=k, split=split)
 
     for bits, hidden in (("int16", 128), ("uint8", 128), ("int32", 1)):
         for pad in (False, True):
             copy_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
             pull_rows_program.compile("cpu", hidden=hidden, bits=bits, pad=pad)
+    push_rows_program.compile("cpu", hidden=128, bits="int16")
 
 
 def test_ep_matches_single_device_bitwise_on_2_and_4_ranks():

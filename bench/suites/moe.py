@@ -24,8 +24,9 @@ ep (expert parallelism, moe_dispatch/moe_combine with group=): needs torchrun an
   host); dispatch-a2a / combine-a2a are the all_to_all_single transport, and dispatch-cN / combine-cN
   the same with ops.moe_ep.EP_CHUNKS = N row chunks. dispatch-fixed / combine-fixed: the peer
   transport's fixed-grid masked dispatch (ops.moe_ep_peer.FIXED_MASKED, max_m = EP_FIXED_MAX_M: no
-  host read before the rows move), and dispatch-fixed-graph the same captured in a CUDA graph with
-  value checks off, timed by its replay (the host out of the loop). phases_ms on the dispatch/combine rows: median
+  host read before the rows move; its combine reads its tables on the device), and
+  dispatch-fixed-graph / combine-fixed-graph the same captured in CUDA graphs with value checks off,
+  timed by their replays (the host out of the loop; the combine graph holds two calls, one a slot). phases_ms on the dispatch/combine rows: median
   ms between the phase marks the EP path records (CUDA events on the compute stream, in a few extra
   traced calls after the timing), each named by where it ends:
     peer dispatch: header (count kernel, header all-gather), staged (place kernel, x staged in the
@@ -147,10 +148,8 @@ def capture_graph(fn, device):
 
 def fixed_providers(x, ids, E, w, group, device, max_m):
     """The peer transport's fixed-grid masked dispatch (moe_ep_peer.FIXED_MASKED) and its combine,
-    eager; on CUDA also the dispatch captured in a CUDA graph with value checks off (its replay is
-    what engines would run). {name: (fn, traffic key)}; a capture that fails is reported, not timed."""
-    from tilecraft import env
-
+    eager; on CUDA also both captured in CUDA graphs (fixed_graphs: their replays are what engines
+    run). {name: (fn, traffic key[, calls a fn() call])}."""
     md, peer = importlib.import_module("ops.moe_ep"), importlib.import_module("ops.moe_ep_peer")
 
     def fixed(fn):
@@ -169,21 +168,35 @@ def fixed_providers(x, ids, E, w, group, device, max_m):
     out = {"dispatch-fixed": (dispatch, "dispatch_remote"),
            "combine-fixed": (lambda: ops.moe_combine(xd, m, w), "combine_remote")}
     if torch.device(device).type == "cuda":
-        import torch.distributed as dist
+        out.update(fixed_graphs(dispatch, lambda: ops.moe_combine(xd, m, w), group, device))
+    return out
 
+
+def fixed_graphs(dispatch, combine, group, device):
+    """dispatch-fixed-graph (one fixed-grid dispatch, value checks off) and combine-fixed-graph (two
+    combines of its mapping: the two pool slots, so that back-to-back replays are ordered by the
+    pool barriers; a replay of one combine alone would reuse its slot while a peer may still read
+    it) captured in CUDA graphs: {name: (replay, traffic key, calls a replay)}. A capture that
+    fails is reported, and that provider is dropped on every rank."""
+    import torch.distributed as dist
+
+    from tilecraft import env
+
+    out = {}
+    for name, fn, key, calls in (("dispatch-fixed-graph", dispatch, "dispatch_remote", 1),
+                                 ("combine-fixed-graph", lambda: (combine(), combine()), "combine_remote", 2)):
         saved, graph = env.get("TILECRAFT_CHECK_VALUES"), None
         env.set("TILECRAFT_CHECK_VALUES", "0")
         try:
-            graph = capture_graph(dispatch, device)
+            graph = capture_graph(fn, device)
         except Exception as e:                   # noqa: BLE001 (reported, and the provider dropped everywhere)
-            print(f"dispatch-fixed-graph: capture failed on rank {dist.get_rank(group)}: {type(e).__name__}: {e}",
-                  file=sys.stderr)
+            print(f"{name}: capture failed on rank {dist.get_rank(group)}: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
             env.set("TILECRAFT_CHECK_VALUES", saved)
         ok = torch.tensor([int(graph is not None)], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)       # every rank times the same providers
         if ok.item():
-            out["dispatch-fixed-graph"] = (graph.replay, "dispatch_remote")
+            out[name] = (graph.replay, key, calls)
     return out
 
 
@@ -242,13 +255,13 @@ def time_ep(case, group, device, warmup=3, reps=20, sweep=(), phase_reps=5, vari
         timed[f"dispatch-{name}"] = (lambda vg=vg: ops.moe_dispatch(x, ids, E, group=vg), "dispatch_remote")
         timed[f"combine-{name}"] = (lambda xd_v=xd_v, m_v=m_v: ops.moe_combine(xd_v, m_v, w), "combine_remote")
     mine = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
-    for i, (fn, _) in enumerate(timed.values()):
-        mine[i, me] = lockstep_ms(fn, group, device, warmup, reps)
+    for i, (fn, *rest) in enumerate(timed.values()):       # (fn, traffic key[, calls per fn()])
+        mine[i, me] = lockstep_ms(fn, group, device, warmup, reps) / (rest[1] if len(rest) > 1 else 1)
     phases = {name: ep_phases(timed[name][0], group, device, phase_reps) for name in ("dispatch", "combine")}
     every = [None] * W
     dist.all_gather_object(every, phases, group=group)
     nbytes = torch.zeros(len(timed), W, dtype=torch.float64, device=device)
-    for i, (_, key) in enumerate(timed.values()):
+    for i, (_, key, *_calls) in enumerate(timed.values()):
         nbytes[i, me] = traffic[key]
     dist.all_reduce(mine, group=group)               # every rank's numbers everywhere (zeros elsewhere)
     dist.all_reduce(nbytes, group=group)
