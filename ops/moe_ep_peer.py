@@ -41,6 +41,7 @@ step's graph), or when the graph holds an even number of combines.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import contextlib
 import math
 import os
 import tempfile
@@ -356,6 +357,31 @@ def _exchange_and_stage(x, ids, num_experts, x_scales, group, bad, device, key, 
                            checking=checking, gathered=gathered, positions=positions, src=src, read=read)
 
 
+_SIDE_STREAMS = {}
+
+
+def _each_source(device, world, me, pull, pad):
+    """pull(s, pad) -> whether it moved rows, for every source rank s; the first launch that moves
+    rows gets pad (it also zeroes the padding rows). This rank's own rows go first, on CUDA on a
+    side stream: that HBM copy runs beside the peers' pulls over NVLink on the current stream
+    (joined before returning; capturable, a fork and join of the graph)."""
+    side = cur = None
+    if device.type == "cuda" and world > 1:
+        side = _SIDE_STREAMS.get(str(device))
+        if side is None:
+            side = _SIDE_STREAMS[str(device)] = torch.cuda.Stream(device)
+        cur = torch.cuda.current_stream(device)
+        side.wait_stream(cur)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if pull(me, pad):
+            pad = False
+    for step in range(1, world):
+        if pull((me + step) % world, pad):
+            pad = False
+    if side is not None:
+        cur.wait_stream(side)
+
+
 def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device, key):
     """The dispatch whose layout is computed on the host, from the header read before any row moves."""
     st = _exchange_and_stage(x, ids, num_experts, x_scales, group, bad, device, key, read_back=True)
@@ -396,18 +422,19 @@ def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group,
             sd.zero_()
     bounds = np.concatenate([[0], np.cumsum(recv)])
     dst_all = pos.view(-1)
-    for step in range(1, world + 1):                                    # the peers first, this rank last
-        s = (me + step) % world
+    def pull(s, pad):
         n = int(recv[s])
         if n == 0:
-            continue
+            return False
         t_s, n_s = int(tokens[s]), int(send_rows[s])
         src_s = _src_view(pool, s, slot, row_x, row_s, n_s)[int(offsets[s]):int(offsets[s]) + n]
         dst = dst_all[int(bounds[s]):int(bounds[s]) + n]
         _copy_rows(xd, pool.view(s, slot, 0, (t_s, H), x.dtype), src_s, dst, valid, pad)
         if sd is not None:
             _copy_rows(sd, _scales_view(pool, s, slot, row_x, row_s, t_s), src_s, dst, valid, pad)
-        pad = False
+        return True
+
+    _each_source(device, world, me, pull, pad)
     moe_ep._mark("end", device)
     if overflow is not None:                         # after every exchange: the peers are not left waiting
         raise overflow
@@ -500,12 +527,15 @@ def _dispatch_fixed(x, ids, num_experts, x_scales, align, max_m, group, bad, dev
         xd = torch.empty(e_local * max_m, H, dtype=x.dtype, device=device)
         sd = None if x_scales is None else torch.empty(e_local * max_m, x_scales.shape[1], dtype=torch.float32,
                                                        device=device)
-        for step in range(1, world + 1):     # the peers first, this rank last; the first also zeroes padding
-            s = (me + step) % world
+
+        def pull(s, pad):
             src_s = _src_view(pool, s, slot, row_x, row_s, cap_src)
-            _pull_rows(xd, pool.view(s, slot, 0, (cap_t, H), x.dtype), src_s, info[s], pos, valid, step == 1)
+            _pull_rows(xd, pool.view(s, slot, 0, (cap_t, H), x.dtype), src_s, info[s], pos, valid, pad)
             if sd is not None:
-                _pull_rows(sd, _scales_view(pool, s, slot, row_x, row_s, cap_t), src_s, info[s], pos, valid, step == 1)
+                _pull_rows(sd, _scales_view(pool, s, slot, row_x, row_s, cap_t), src_s, info[s], pos, valid, pad)
+            return True
+
+        _each_source(device, world, me, pull, True)
     moe_ep._mark("end", device)
     ep = None
     if checking:                             # the deferred read (as on the GPU, none with checks off)
