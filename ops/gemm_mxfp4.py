@@ -66,36 +66,47 @@ __device__ __forceinline__ void tc_e2m1x64_store(void* d0, void* d1, void* d2, v
   tc_e2m1x8_store(d3, w3, s0); tc_e2m1x8_store(d4, w4, s1); tc_e2m1x8_store(d5, w5, s1);
   tc_e2m1x8_store(d6, w6, s1); tc_e2m1x8_store(d7, w7, s1);
 }
+// 4 code words = 32 values = scale group q of the step (byte q of sw)
+__device__ __forceinline__ void tc_e2m1x32_store(void* d0, void* d1, void* d2, void* d3, int w0, int w1, int w2,
+                                                 int w3, int sw, int q) {
+  unsigned s = tc_e8m0_bf16x2(((unsigned)sw >> (8 * q)) & 0xFFu);
+  tc_e2m1x8_store(d0, w0, s); tc_e2m1x8_store(d1, w1, s); tc_e2m1x8_store(d2, w2, s);
+  tc_e2m1x8_store(d3, w3, s);
+}
 """
 BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 bytes per row and step
-WORDS = 8         # 32-bit code words a thread decodes per call site: 64 values (2 scale groups)
+DECODE_WORDS = (8, 4)   # 32-bit code words a thread decodes a step: 64 values at 256 MMA threads, 32 at 512
 
 
-def _decode_words(raw_at, b_at, i, q, scale_word):
-    """Words [WORDS*q, WORDS*(q+1)) of row i of the staged codes (raw_at(i, w)) -> the decoded tile's
-    row i, columns 64q..64q+63 (b_at(i, c)), one 16-byte store per word, scaled by bytes 2q and 2q+1
-    of the row's scale word for the step. One call: the pointers carry their write intent, so
-    TileLang's barriers see the stores, and its sync pass put a barrier between any two such calls
-    (it cannot tell the 16-byte regions apart)."""
-    words = [q * WORDS + c for c in range(WORDS)]
-    T.evaluate(T.call_extern("handle", "tc_e2m1x64_store", *[T.access_ptr(b_at(i, w * 8), "w", 8) for w in words],
-                             *[raw_at(i, w) for w in words], scale_word, q))
+def _decode_words(raw_at, b_at, i, q, scale_word, words):
+    """Words [words*q, words*(q+1)) of row i of the staged codes (raw_at(i, w)) -> the decoded tile's
+    row i, columns 8*words*q.. (b_at(i, c)), one 16-byte store per word, scaled by the scale bytes of
+    those columns (2q and 2q+1 of the row's scale word for the step at 8 words, q at 4). One call:
+    the pointers carry their write intent, so TileLang's barriers see the stores, and its sync pass
+    put a barrier between any two such calls (it cannot tell the 16-byte regions apart)."""
+    ws = [q * words + c for c in range(words)]
+    T.evaluate(T.call_extern("handle", f"tc_e2m1x{8 * words}_store",
+                             *[T.access_ptr(b_at(i, w * 8), "w", 8) for w in ws], *[raw_at(i, w) for w in ws],
+                             scale_word, q))
 
 
-def _check_threads(threads, block_n, block_k):
-    # one 64-value decode per MMA thread, the only split that has run on a GPU. 512 threads hung the
-    # H200 in session 9: their setmaxnreg asked for more registers than the launch gave the block
-    # (fixed in sm90_decoded.consumer_regs, not re-run), and half of them would idle in the decode
-    if threads != block_n * block_k // (8 * WORDS):
-        raise ValueError(f"threads must be block_n * block_k / {8 * WORDS} = {block_n * block_k // (8 * WORDS)} "
-                         f"(one 64-value decode a thread), got {threads}")
+def _decode_split(threads, block_n, block_k):
+    """Code words a thread decodes a step: every MMA thread decodes the same share of the tile, 8 or
+    4 words (256 or 512 MMA threads at 128 x 128; 512 runs four MMA warpgroups, their setmaxnreg
+    split checked against the launch allocation at trace time: sm90_decoded.consumer_regs)."""
+    words = block_n * block_k // (8 * threads) if threads > 0 else 0
+    if words not in DECODE_WORDS or words * 8 * threads != block_n * block_k:
+        raise ValueError(f"threads must give every MMA thread {' or '.join(map(str, DECODE_WORDS))} code words of "
+                         f"the {block_n} x {block_k} tile (threads = {block_n * block_k // 64} or "
+                         f"{block_n * block_k // 32}), got {threads}")
+    return words
 
 
 @T.macro
-def _decode_tile(raw_at, b_at, sw, step, block_n, block_k):
-    # a (block_n, block_k) tile: each thread decodes 64 values of one row
-    for i, q in tile.parallel(block_n, block_k // (8 * WORDS)):
-        _decode_words(raw_at, b_at, i, q, sw[step, i])
+def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words):
+    # a (block_n, block_k) tile: each thread decodes 8 * words values of one row
+    for i, q in tile.parallel(block_n, block_k // (8 * words)):
+        _decode_words(raw_at, b_at, i, q, sw[step, i], words)
 
 
 @tile_program(
@@ -115,7 +126,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
     (decode grids are too small to fill the GPU otherwise).
     """
     assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
-    _check_threads(threads, block_n, block_k)
+    words = _decode_split(threads, block_n, block_k)
     m = T.dynamic("m")
     n_tiles = n // block_n
     kb = k // block_k
@@ -144,7 +155,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k), stages=stages,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
                 epilogue=lambda: _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n))
 
     return mxfp4_gemm_nt
@@ -181,7 +192,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
     once; they become bf16x2 factors where the decode uses them."""
     assert mode in GROUPED_MODES, mode
     assert k % block_k == 0 and n % block_n == 0 and block_k == BLOCK_K
-    _check_threads(threads, block_n, block_k)
+    words = _decode_split(threads, block_n, block_k)
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
     kb, n_tiles = k // block_k, n // block_n
@@ -226,7 +237,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k), stages=stages,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
                 epilogue=lambda: _store_grouped(acc, where, mode, block_m, block_n))
 
     return mxfp4_gemm_grouped

@@ -276,16 +276,16 @@ def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
     return best
 
 
-def _burst_loop_of(src: str, mma: str, burst: int) -> list[str]:
+def _burst_loop_of(src: str, mma: str, burst: int, block_threads: int = 384) -> list[str]:
     """Build a kernel whose K loop keeps one WGMMA group in flight (TMA warpgroup + 2 MMA
-    warpgroups, bursts of `burst` steps) and check that ptxas kept it so: `mma` and TMA in the SASS,
+    warpgroups, or 4 at block_threads=640; bursts of `burst` steps) and check that ptxas kept it so: `mma` and TMA in the SASS,
     no spills, no C7514 / C7517 (WGMMAs serialized, a wait injected), and the loop waits with
     `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's MMAs, with one
     `0x0` drain per burst. Returns the loop's instructions."""
     from backends import ToolchainError
     from backends.cuda.sass import disassemble, histogram
 
-    assert "__launch_bounds__(384, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
+    assert f"__launch_bounds__({block_threads}, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
     try:
         cubin, log = _build_with_ptxas_log(src)
         sass = disassemble(cubin)
@@ -459,7 +459,8 @@ def test_mxfp4_lowers_to_bf16_tensor_cores(target, instr, splits):
     assert hist.get(instr, 0) > 0
 
 
-@pytest.mark.parametrize("params", [dict(n=4096, k=7168, block_m=64, splits=4), dict(n=2048, k=7168, block_m=128)])
+@pytest.mark.parametrize("params", [dict(n=4096, k=7168, block_m=64, splits=4), dict(n=2048, k=7168, block_m=128),
+                                    dict(n=4096, k=7168, block_m=64, splits=4, threads=512)])
 def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     """sm_90a's mma_decoded_loop: a 384-thread block (TMA warpgroup + 2 MMA warpgroups), the WGMMA
     of a step left in flight while the next step decodes (wgmma wait 1 in the source), and ptxas
@@ -468,7 +469,7 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     from codegen.lowering.sm90 import BURST
     from ops.gemm_mxfp4 import mxfp4_gemm_program
 
-    _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST)
+    _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST, params.get("threads", 256) + 128)
 
 
 def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
@@ -501,13 +502,18 @@ def test_mxfp4_scale_words_need_4_byte_alignment():
         _scale_words(buf[1:].view(128, 4))
 
 
-def test_mxfp4_programs_take_one_decode_per_thread():
+def test_mxfp4_programs_split_the_decode_evenly():
+    """256 MMA threads decode 64 values each a step, 512 decode 32 (four MMA warpgroups, one scale
+    group a thread); any other count is an error, not idle or doubled decode work."""
     from ops.gemm_mxfp4 import mxfp4_gemm_program, mxfp4_grouped_program
 
-    with pytest.raises(ValueError, match="threads must be block_n \\* block_k / 64 = 256"):
-        mxfp4_gemm_program.source("sm_90a", n=256, k=512, threads=512)
+    for bad in (128, 384, 1024):
+        with pytest.raises(ValueError, match=f"threads = 256 or 512\\), got {bad}"):
+            mxfp4_gemm_program.source("sm_90a", n=256, k=512, threads=bad)
     with pytest.raises(ValueError, match="got 128"):
         mxfp4_grouped_program.source("sm_90a", n=256, k=512, mode="masked", threads=128)
+    src = mxfp4_gemm_program.source("sm_90a", n=256, k=512, block_m=64, threads=512)
+    assert "tc_e2m1x32_store(" in src and "tc_e2m1x64_store(" not in src.split("tc_e2m1x32_store(void")[-1]
 
 
 @pytest.mark.gpu
