@@ -103,6 +103,13 @@ def _decode_split(threads, block_n, block_k):
 
 
 @T.macro
+def _stage_scales(sw, word_at):
+    # sw (steps, block_n): the block's E8M0 scale words, step-major (word_at(step, row) in global)
+    for si, i in tile.parallel(sw.shape[0], sw.shape[1]):
+        sw[si, i] = word_at(si, i)
+
+
+@T.macro
 def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words):
     # a (block_n, block_k) tile: each thread decodes 8 * words values of one row
     for i, q in tile.parallel(block_n, block_k // (8 * words)):
@@ -143,9 +150,6 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
-            # the block's scale words staged once, before the loop (one 32-bit load per row and step)
-            for si, i in tile.parallel(per, block_n):
-                sw[si, i] = SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]
             T.import_source(E2M1_SOURCE)
             # one step's tiles: A (TMA zero-fills rows past m) and the packed codes as 32-bit words
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
@@ -156,6 +160,8 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
                 lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
+                # the block's scale words staged once (one 32-bit load per row and step), under the first loads
+                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
                 epilogue=lambda: _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n))
 
     return mxfp4_gemm_nt
@@ -225,8 +231,6 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             # is all padding, and only zeros are stored for it
             live = row0 < limit if masked else row0 < limit and MIdx[T.min(row0, rows - 1)] >= 0
             steps = T.if_then_else(live, kb, 0)
-            for si, i in tile.parallel(kb, block_n):
-                sw[si, i] = SFB[g, tn * block_n + i, si]
             T.import_source(E2M1_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731
@@ -238,6 +242,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
                 lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
+                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[g, tn * block_n + i, si]),
                 epilogue=lambda: _store_grouped(acc, where, mode, block_m, block_n))
 
     return mxfp4_gemm_grouped

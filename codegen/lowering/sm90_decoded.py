@@ -17,7 +17,10 @@ otherwise put block-wide barriers inside the MMA warpgroups' branch):
     full[slot]   producer arrivals + TMA bytes: A and the raw tile of the step are in slot
     empty[slot]  the MMA warpgroups are done with slot (the WGMMA that read A has completed)
     DECODE_BAR   named barrier of the MMA warpgroups: before a decode (every warpgroup has waited for
-                 the MMA that read this buffer two steps ago) and after it (the whole tile is written)
+                 the MMA that read this buffer two steps ago; before the first, the prologue's writes
+                 are done) and after it (the whole tile is written)
+The MMA warpgroups run the caller's prologue (staging the decode reads, e.g. the scales) after the
+block's first barrier, so the producer's first loads are in flight meanwhile.
 """
 
 import tilelang.language as T
@@ -67,20 +70,23 @@ def consumer_regs(consumers: int) -> int:
 
 
 @T.macro
-def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, epilogue):
+def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, prologue, epilogue):
     T.sync_threads()                    # the program's own shared-memory writes before the loop are done
     if T.get_thread_binding() >= consumers:
         tma_producer(steps, loads, a_s, r_s, full, empty, stages)
     else:
         T.set_max_nreg(consumer_regs(consumers), 1)
         T.clear(acc)
+        # the MMA warpgroups' own staging (e.g. scales) while the first loads fly; the first step's
+        # DECODE_BAR orders its shared-memory writes before any decode reads them
+        prologue()
         io = (a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy)
         in_bursts(steps, _burst, io)
         epilogue()
 
 
 @register("mma_decoded_loop", "cuda:sm_90a")
-def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, epilogue=None):
+def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=None, epilogue=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups
     consumers = state()["threads"] - PRODUCER
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, consumer_regs(consumers))])
@@ -92,4 +98,4 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, epilogue=Non
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     empty = T.alloc_barrier([consumers] * stages)
     _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc.buf, decode, stages, consumers, _policy(acc),
-                epilogue or (lambda: None))
+                prologue or (lambda: None), epilogue or (lambda: None))
