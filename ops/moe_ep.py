@@ -284,14 +284,29 @@ _TAIL = 12
 _TAILS = {}
 
 
+_TAILS_CAPTURED = {}
+
+
 def _tail(values, device):
     """The header tail as a device tensor, kept per value (a device copy, not an upload, per call)."""
     key = (tuple(values), device)
     t = _TAILS.get(key)
     if t is None:
+        t = _TAILS_CAPTURED.get(key)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if t is None:
         if len(_TAILS) >= 64:
             _TAILS.clear()
-        t = _TAILS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+        if capturing:                        # no host-to-device copy under capture: fills (kernels) only
+            t = torch.zeros(len(values), dtype=torch.int32, device=device)
+            for i, v in enumerate(values):
+                if v:
+                    t[i].fill_(v)
+        else:
+            t = torch.tensor(values, dtype=torch.int32, device=device)
+        _TAILS[key] = t
+    if capturing and key not in _TAILS_CAPTURED:
+        _TAILS_CAPTURED[key] = t             # a CUDA graph reads it at every replay: never dropped
     return t
 
 
