@@ -627,51 +627,10 @@ def _stage(pool, me, slot, x, x_scales, src):
 
 
 def peer_combine(y, mapping, weights):
-    """ep_combine over peer memory (module docstring): push, barrier, the single-device combine."""
-    ep = mapping.ep
-    if ep.info is not None:                  # after a fixed-grid dispatch: its tables are on the device
-        return _combine_fixed(y, mapping, weights)
-    device = y.device
-    group, world, me = ep.group, ep.world_size, ep.rank
-    key = _key(group, device, "combine")
-    slot = _next_slot(key)
-    H = y.shape[-1]
-    row = H * y.element_size()
-    pool = _grow(key, group, device, _up(max(ep.send_rows) * row))    # every rank: the same numbers
-    moe_ep._mark("start", device)
-    y2 = y.reshape(-1, H)
-    src = mapping.positions.view(-1)
-    bounds = np.concatenate([[0], np.cumsum(ep.recv_splits)])
-    for step in range(1, world):                                        # the peers' rows only
-        s = (me + step) % world
-        n = ep.recv_splits[s]
-        if n:                                                           # rows [off, off + n) of s's send order
-            off = ep.peer_offsets[s]
-            dst = pool.view(s, slot, 0, (off + n, H), y.dtype)[off:]
-            _gather_into(dst, y2, src[int(bounds[s]):int(bounds[s]) + n])
-    moe_ep._mark("push", device)
-    pool.barrier(group)
-    moe_ep._mark("barrier", device)
-    T_, k = ep.send_positions.shape
-    out = torch.empty(T_, H, dtype=y.dtype, device=device)
-    if T_:
-        # my own experts' rows stay in y: rows [lo, lo + nloc) of my send order are y's rows loc
-        ret = pool.view(me, slot, 0, (T_ * k, H), y.dtype)
-        lo, nloc = ep.peer_offsets[me], ep.recv_splits[me]
-        loc = src[int(bounds[me]):int(bounds[me]) + nloc] if nloc else ep.send_positions.view(-1)[:1]
-        combine_launcher(targets.resolve(y), H, k, y.dtype, split=True)(
-            ret, ep.send_positions, weights, out, y2 if nloc else ret, loc, lo, nloc)
-    moe_ep._mark("end", device)
-    return out
-
-
-def _combine_fixed(y, mapping, weights):
-    """The combine after a fixed-grid dispatch: the pushes (moe_push_rows) and the two-source combine
-    read their counts and offsets from the dispatch's info table on the device, so no host read is
-    needed (capturable). The pool is sized from the host lists when the dispatch read them, else
-    from the header read here, and under capture it must exist: every rank then checks on the
-    device that every rank's rows fit it (else no row moves and the output is undefined: the
-    unchecked contract of the fixed-grid dispatch; nothing is written out of bounds)."""
+    """ep_combine over peer memory (module docstring): push, barrier, the single-device combine.
+    After a fixed-grid dispatch (mapping.ep.info set) the pushes (moe_push_rows) and the two-source
+    combine read their counts and offsets from that dispatch's info table on the device, so no host
+    read is needed (capturable); else they take the host lists."""
     ep = mapping.ep
     device = y.device
     group, world, me = ep.group, ep.world_size, ep.rank
@@ -680,34 +639,54 @@ def _combine_fixed(y, mapping, weights):
     H = y.shape[-1]
     row = H * y.element_size()
     T_, k = ep.send_positions.shape
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if ep.send_rows is None and not capturing:   # value checks were off: read the header now
-        _fill_host_lists(ep, _host_lists(ep.header.cpu().numpy().astype(np.int64), ep.num_experts, world, me))
-    if ep.send_rows is not None:
-        pool = _grow(key, group, device, _up(max(ep.send_rows) * row))     # every rank: the same numbers
-    else:
-        pool = _pool(key)
-        if pool is None:
-            raise ValueError("moe_combine under CUDA-graph capture needs one combine outside the graph first "
-                             "(it sizes the peer-memory pool)")
-    slot_rows = pool.slot_bytes // row
-    info = ep.info
-    if ep.send_rows is None:                 # under capture: every rank's rows fit, or none move
-        tokens = ep.header[:, ep.num_experts + 6]                       # every rank's T (header tail [6])
-        info = info * (tokens * k <= slot_rows).all().to(torch.int32)
+    pool, info = _combine_pool(ep, key, row, k, device)
     moe_ep._mark("start", device)
     y2 = y.reshape(-1, H)
     pos = mapping.positions.view(-1)
+    bounds = None if info is not None else np.concatenate([[0], np.cumsum(ep.recv_splits)])
+    slot_rows = pool.slot_bytes // row
     for step in range(1, world):                                        # the peers' rows only
         s = (me + step) % world
-        _push_rows(pool.view(s, slot, 0, (slot_rows, H), y.dtype), y2, info[s], pos)
+        if info is not None:
+            _push_rows(pool.view(s, slot, 0, (slot_rows, H), y.dtype), y2, info[s], pos)
+        elif ep.recv_splits[s]:                                         # rows [off, off + n) of s's send order
+            n, off = ep.recv_splits[s], ep.peer_offsets[s]
+            _gather_into(pool.view(s, slot, 0, (off + n, H), y.dtype)[off:], y2, pos[int(bounds[s]):int(bounds[s]) + n])
     moe_ep._mark("push", device)
     pool.barrier(group)
     moe_ep._mark("barrier", device)
     out = torch.empty(T_, H, dtype=y.dtype, device=device)
     if T_:
+        # my own experts' rows stay in y: rows [lo, lo + nloc) of my send order are y's rows loc
         ret = pool.view(me, slot, 0, (min(T_ * k, slot_rows), H), y.dtype)
-        combine_launcher(targets.resolve(y), H, k, y.dtype, split="info")(ret, ep.send_positions, weights, out, y2,
-                                                                          pos, info[me])
+        if info is not None:
+            combine_launcher(targets.resolve(y), H, k, y.dtype, split="info")(
+                ret, ep.send_positions, weights, out, y2, pos, info[me])
+        else:
+            lo, nloc = ep.peer_offsets[me], ep.recv_splits[me]
+            loc = pos[int(bounds[me]):int(bounds[me]) + nloc] if nloc else ep.send_positions.view(-1)[:1]
+            combine_launcher(targets.resolve(y), H, k, y.dtype, split=True)(
+                ret, ep.send_positions, weights, out, y2 if nloc else ret, loc, lo, nloc)
     moe_ep._mark("end", device)
     return out
+
+
+def _combine_pool(ep, key, row, k, device):
+    """(the combine pool, the info table to use or None for the host lists). The pool is sized from
+    the host lists (every rank: the same numbers); after a fixed-grid dispatch made with value
+    checks off they are read from its header here, except under capture, where the pool must exist
+    and every rank checks on the device that every rank's rows fit it (else no row moves and the
+    output is undefined: the unchecked contract of the fixed-grid dispatch; nothing is written out
+    of bounds)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if ep.send_rows is None and not capturing:
+        _fill_host_lists(ep, _host_lists(ep.header.cpu().numpy().astype(np.int64), ep.num_experts, ep.world_size,
+                                         ep.rank))
+    if ep.send_rows is not None:
+        return _grow(key, ep.group, device, _up(max(ep.send_rows) * row)), ep.info
+    pool = _pool(key)
+    if pool is None:
+        raise ValueError("moe_combine under CUDA-graph capture needs one combine outside the graph first "
+                         "(it sizes the peer-memory pool)")
+    tokens = ep.header[:, ep.num_experts + 6]                           # every rank's T (header tail [6])
+    return pool, ep.info * (tokens * k <= pool.slot_bytes // row).all().to(torch.int32)
