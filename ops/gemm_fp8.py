@@ -306,7 +306,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     """Tile sizes, pipeline depth and split-K for one call (a pure function of the shapes, so the
     same shapes always take the same path: deterministic and batch-invariant per shape).
 
-    Split-K only where the (m, n) tiles leave most SMs idle (decode): every split re-reads nothing
+    Split-K only where the (m, n) tiles leave most SMs idle (decode; where K is too short to split,
+    half-width n tiles instead): every split re-reads nothing
     but writes rows * n fp32 partials that the reduce pass reads back, so it is used when the
     tiles cover less than half the GPU and each split keeps at least 12 K blocks (measured on the
     H200, bench/NOTES.md: 8-block splits lost to no split on 64x7168x2048).
@@ -318,7 +319,12 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     overlap = OVERLAP if overlap is None else overlap
     block_n = 128 if n % 128 == 0 else 64
     kb = k // GROUP
-    splits = split_k_count(-(-rows // block_m) * (n // block_n), kb, sms) if mode == "dense" else 1
+    tiles = -(-rows // block_m) * (n // block_n)
+    splits = split_k_count(tiles, kb, sms) if mode == "dense" else 1
+    if mode == "dense" and splits == 1 and block_n == 128 and tiles * 2 <= sms:
+        # a grid under half the GPU whose K is too short to split: twice the blocks instead (H200,
+        # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
+        block_n = 64
     per = -(-kb // splits)
     fixed = kb * 4 + block_m * per * 4
     stage_bytes = (block_m + block_n) * GROUP

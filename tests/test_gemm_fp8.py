@@ -557,6 +557,8 @@ def test_plan_splits_k_only_for_small_grids():
 
     assert plan("dense", 128, 2112, 7168, 128)["splits"] == 4         # 33 tiles: 4 x 33 = 132 blocks
     assert plan("dense", 128, 24576, 1536, 128)["splits"] == 1        # 192 tiles already fill the GPU
+    # 56 tiles and 16 K blocks (too few to split): 112 half-width tiles instead
+    assert plan("dense", 128, 7168, 2048, 128) == dict(block_m=128, block_n=64, splits=1, stages=4)
     assert plan("dense", 4096, 7168, 16384, 128, overlap=False) == dict(block_m=128, block_n=128, splits=1, stages=4)
     # v3 (overlap): one stage is held one step longer, so up to 6 where shared memory allows
     assert plan("dense", 128, 2112, 7168, 128, overlap=True) == dict(block_m=128, block_n=64, splits=4, stages=6,
