@@ -27,8 +27,8 @@ combine, on rank r:
 A pool grows collectively (every rank decides the same from the all-gathered header) and is kept
 for the next calls, per process group and device. The first call at a new size pays the rendezvous.
 
-Fixed-grid masked dispatch (layout masked with a given max_m, once the pools exist; opt-in with
-FIXED_MASKED, and taken by itself under CUDA-graph capture): steps 2-3 without the host. The
+Fixed-grid masked dispatch (layout masked with a given max_m, once the pools exist; FIXED_MASKED,
+on by default, and always under CUDA-graph capture): steps 2-3 without the host. The
 layout tables come from the all-gathered headers on the device, moe_pull_rows reads each source's
 count and offsets there on a fixed grid, and every size is a bound the host knows. The header is
 read after the pulls are queued (value checks on) or not at all (checks off, as under capture;
@@ -451,10 +451,10 @@ def _dispatch_synced(x, ids, num_experts, x_scales, layout, align, max_m, group,
     return xd, sd, mapping
 
 
-# opt-in for eager calls (the same on every rank; always taken under CUDA-graph capture): a masked
-# dispatch with a given max_m reads nothing on the host before its rows move, and nothing at all
-# with value checks off (bench/NOTES.md "EP v5").
-FIXED_MASKED = False
+# the fixed-grid path for eager calls too (the same on every rank; always taken under CUDA-graph
+# capture): a masked dispatch with a given max_m reads nothing on the host before its rows move,
+# and nothing at all with value checks off (bench/NOTES.md "EP v5", "EP v6"). False: the synced path.
+FIXED_MASKED = True
 _FIXED_TABLES = {}
 
 

@@ -38,8 +38,9 @@ CHUNK_SCENARIOS = {
 }
 CHUNKS = (1, 3, 16)
 TRANSPORTS = ("a2a", "peer")        # on gloo: all_to_all_single, and peer memory over shared files
-# (transport, moe_ep_peer.FIXED_MASKED): the fixed-grid masked path is opt-in
+# (transport, moe_ep_peer.FIXED_MASKED): the peer transport with the synced and the fixed-grid masked path
 CONFIGS = (("a2a", False), ("peer", False), ("peer", True))
+FIXED_DEFAULT = importlib.import_module("ops.moe_ep_peer").FIXED_MASKED
 LAYOUTS = [("contiguous", dict(align=8)), ("contiguous", dict(align=128)), ("masked", dict(align=4)),
            ("masked", dict(align=4, max_m=64))]
 
@@ -311,7 +312,7 @@ def worker(rank, store, cache_dir):
                 check_reuse(me, W, group)
                 check_reuse(me, W, group, layout=("masked", dict(align=4, max_m=64)))
             check_unchecked_fixed(me, W, group)
-        md.EP_TRANSPORT, peer.FIXED_MASKED = None, False
+        md.EP_TRANSPORT, peer.FIXED_MASKED = None, FIXED_DEFAULT
         check_bench_dry_run(4, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
@@ -351,7 +352,7 @@ def reinit_worker(rank, store, cache_dir):
                 check_reuse(rank, world, dist.group.WORLD, layout=("masked", dict(align=4, max_m=64)))
                 key = peer._key(dist.group.WORLD, torch.device("cpu"), "dispatch")
                 assert peer._pool(key).slot_bytes > 4096, "the pool grew through the synced path"
-                peer.MIN_SLOT_BYTES, peer.FIXED_MASKED = 1 << 20, False
+                peer.MIN_SLOT_BYTES, peer.FIXED_MASKED = 1 << 20, FIXED_DEFAULT
             # the transport: auto on gloo is a2a; a setting outside TRANSPORTS is a clear error
             md.EP_TRANSPORT = None
             os.environ.pop("TILECRAFT_EP_TRANSPORT", None)
