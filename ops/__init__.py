@@ -4,8 +4,8 @@ implementation, validates its inputs, and runs the kernel lowered for the tensor
 from ops.gemm_mxfp4 import m_grouped_mxfp4_gemm_nt_contiguous, m_grouped_mxfp4_gemm_nt_masked, mxfp4_gemm_nt
 from ops.gemm_fp8 import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                           m_grouped_fp8_gemm_nt_sorted)
-from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mxfp4, per_block_quant_fp8,
-                       per_token_group_quant_fp8, quant_mxfp4)
+from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4,
+                       per_block_quant_fp8, per_token_group_quant_fp8, quant_mxfp4)
 from ops.mla_decode import (MlaSchedule, dequantize_mla_kv_fp8, get_mla_schedule, mla_decode, mla_decode_reference,
                             quantize_mla_kv_fp8)
 from ops.eplb import EplbPlan, eplb_plan
@@ -27,4 +27,4 @@ __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "m_grouped_fp8_gemm_nt_sorted",
            "per_token_group_quant_fp8", "per_block_quant_fp8", "quant_mxfp4",
-           "dequant_fp8_token_groups", "dequant_fp8_blocks", "dequant_mxfp4"]
+           "dequant_fp8_token_groups", "dequant_fp8_blocks", "dequant_mxfp4", "dequant_mx_fp8"]

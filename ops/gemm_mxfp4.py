@@ -19,7 +19,7 @@ from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops._workspace import bound_only
 from ops import _validate as check
-from ops.quant import dequant_fp8_token_groups, dequant_mxfp4
+from ops.quant import dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4
 
 MX = 32
 
@@ -179,6 +179,42 @@ def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
                 C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
 
 
+@tile_program(
+    "mxfp4_gemm_nt_native",
+    targets=("cuda:sm_100a",),
+    examples={"4096x7168": dict(n=4096, k=7168)},
+)
+def mxfp4_native_program(n: int, k: int, block_m: int = 128, block_n: int = 128, stages: int = 4):
+    """C (m, n) bf16 = (A * SFA) @ (B * SFB)^T on block-scaled tensor cores (sm_100a: tcgen05
+    kind::mxf8f6f4.block_scale): A (m, k) e4m3 and B (n, k) e2m1 (packed global, loaded by TMA into
+    the tensor cores' unpacked shared-memory form), each with one E8M0 scale per 32 values of K.
+    SFA (k/128, m) and SFB (k/128, n) int32: a K step's 4 scale bytes of a row in one word,
+    step-major (what the scale copies to tensor memory read). No decode: the scales ride in the MMA."""
+    assert k % BLOCK_K == 0 and n % block_n == 0 and block_m == 128 and block_n % 128 == 0
+    m = T.dynamic("m")
+    kb, n_tiles = k // BLOCK_K, n // block_n
+
+    @T.prim_func
+    def mxfp4_gemm_nt_native(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k), "float4_e2m1fn"),
+                             SFA: T.Tensor((kb, m), "int32"), SFB: T.Tensor((kb, n), "int32"),
+                             C: T.Tensor((m, n), "bfloat16")):
+        with tile.grid(T.ceildiv(m, block_m) * n_tiles, 128) as bid:
+            tm, tn = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles))
+            acc = tile.accumulator((block_m, block_n))
+            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+            loads = lambda blk: (A[tm * block_m:(tm + 1) * block_m, blk * BLOCK_K:(blk + 1) * BLOCK_K],  # noqa: E731
+                                 B[tn * block_n:(tn + 1) * block_n, blk * BLOCK_K:(blk + 1) * BLOCK_K])
+            scale_loads = lambda blk: (SFA[blk, tm * block_m:(tm + 1) * block_m],  # noqa: E731
+                                       SFB[blk, tn * block_n:(tn + 1) * block_n])
+            tile.mma_block_scaled_loop(
+                kb, loads, scale_loads, [((block_m, BLOCK_K), "float8_e4m3fn"),
+                                         ((block_n, BLOCK_K), T.float4_e2m1_unpacked)], acc,
+                scale_k=MX, stages=stages,
+                epilogue=lambda: _store(acc, C, C, tm, tn, 0, m, kb, 1, block_m, block_n))
+
+    return mxfp4_gemm_nt_native
+
+
 GROUPED_MODES = ("contiguous", "masked")
 
 
@@ -275,25 +311,29 @@ def mxfp4_gemm_nt_reference(a, b, sfb):
 
 
 def _a_as_bf16(a, sfa, ndim):
-    """a as the kernels take it: bf16 as given, or e4m3 with its per-(row, 128 columns) fp32 scales
-    sfa dequantized to bf16 first (one pass over a; the product then rounds each dequantized value
-    to bf16: ~2^-9 relative, well inside the FP4 operand's error)."""
+    """a as the kernels take it: bf16 as given, or e4m3 with its scales dequantized to bf16 first
+    (one pass over a): sfa fp32 per (row, 128 columns) (per_token_group_quant_fp8's; the product
+    then rounds each dequantized value to bf16: ~2^-9 relative, well inside the FP4 operand's
+    error), or uint8 E8M0 per (row, 32 columns) (OCP MX: exact in bf16)."""
     if sfa is None:
         return a
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=ndim, contiguous=True)
-    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=ndim, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32, torch.uint8), ndim=ndim, contiguous=True)
     k = a.shape[-1]
-    check.shape("sfa", sfa, (*a.shape[:-1], -(-k // 128)), "per (row, 128 columns) of a")
     check.same_device(a=a, sfa=sfa)
+    if sfa.dtype == torch.uint8:
+        check.shape("sfa", sfa, (*a.shape[:-1], k // MX), "E8M0 per (row, 32 columns) of a")
+        return dequant_mx_fp8(a, sfa).to(torch.bfloat16)
+    check.shape("sfa", sfa, (*a.shape[:-1], -(-k // 128)), "per (row, 128 columns) of a")
     flat = dequant_fp8_token_groups(a.reshape(-1, k), sfa.reshape(-1, sfa.shape[-1]))
     return flat.to(torch.bfloat16).view(a.shape)
 
 
 def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     """C (m, n) bf16 = a (m, k) @ dequant(b, sfb)^T; b (n, k/2) uint8 packed e2m1 (low nibble
-    first), sfb (n, k/32) uint8 E8M0. a is bf16, or e4m3 with sfa (m, ceil(k/128)) fp32
-    per-token-group scales (per_token_group_quant_fp8's), dequantized to bf16 first.
-    k % 128 == 0, n % 128 == 0, any m."""
+    first), sfb (n, k/32) uint8 E8M0. a is bf16, or e4m3 with sfa: (m, ceil(k/128)) fp32
+    per-token-group scales (per_token_group_quant_fp8's) or (m, k/32) uint8 E8M0 (OCP MX),
+    dequantized to bf16 first. k % 128 == 0, n % 128 == 0, any m."""
     a = _a_as_bf16(a, sfa, 2)
     check.tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, contiguous=True)
     check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
@@ -345,8 +385,8 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
     """Expert-grouped rows: a (M, k) bf16 in 128-aligned segments per expert (moe_dispatch's
     contiguous layout), m_indices (M,) int32 giving each row's expert, -1 for padding rows (their
     output is zeros); b (g, n, k/2) uint8 packed e2m1, sfb (g, n, k/32) uint8 E8M0. Returns (M, n)
-    bf16 = a @ dequant(b[m_indices[r]])^T row by row. a may be e4m3 with sfa (M, ceil(k/128)) fp32,
-    as in mxfp4_gemm_nt."""
+    bf16 = a @ dequant(b[m_indices[r]])^T row by row. a may be e4m3 with sfa (M, ceil(k/128)) fp32
+    or (M, k/32) uint8 E8M0, as in mxfp4_gemm_nt."""
     a = _a_as_bf16(a, sfa, 2)
     G, n, k = _check_grouped(a, b, sfb, 2)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
@@ -363,7 +403,7 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     """Decode-time grouped GEMM: a (g, max_m, k) bf16; only the first masked_m[i] rows of group i
     are computed (the rest are zeros); b (g, n, k/2) uint8, sfb (g, n, k/32) uint8. Returns
     (g, max_m, n) bf16. expected_m is a tiling hint: <= 64 picks 64-row tiles. a may be e4m3 with
-    sfa (g, max_m, ceil(k/128)) fp32, as in mxfp4_gemm_nt."""
+    sfa (g, max_m, ceil(k/128)) fp32 or (g, max_m, k/32) uint8 E8M0, as in mxfp4_gemm_nt."""
     a = _a_as_bf16(a, sfa, 3)
     G, n, k = _check_grouped(a, b, sfb, 3)
     if a.shape[0] != G:

@@ -165,6 +165,23 @@ def quant_mxfp4(w):
     return packed, scales
 
 
+def _e8m0_factor(scales):
+    """2^(e - 127) per E8M0 byte, NaN for 0xFF (OCP MX)."""
+    return torch.where(scales == 255, float("nan"), torch.exp2(scales.float() - E8M0_BIAS))
+
+
+def dequant_mx_fp8(x_fp8, scales):
+    """Exact fp32 value of e4m3 values with OCP MX scales: x (..., k) float8_e4m3fn, scales (..., k/32)
+    uint8 E8M0, one per 32 values along k."""
+    check.tensor("x_fp8", x_fp8, dtypes=(torch.float8_e4m3fn,))
+    check.tensor("scales", scales, dtypes=(torch.uint8,))
+    k = x_fp8.shape[-1]
+    if k % 32:
+        raise ValueError(f"x_fp8's last dimension must be a multiple of 32 (one E8M0 scale per 32), got {k}")
+    check.shape("scales", scales, (*x_fp8.shape[:-1], k // 32), "(..., k/32) E8M0")
+    return x_fp8.float() * _e8m0_factor(scales).repeat_interleave(32, dim=-1)
+
+
 def dequant_mxfp4(packed, scales):
     """Exact fp32 value of quant_mxfp4's output: (n, k)."""
     check.tensor("packed", packed, dtypes=(torch.uint8,), ndim=2)
@@ -175,5 +192,4 @@ def dequant_mxfp4(packed, scales):
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, k).long()
     table = FP4_VALUES.to(packed.device)
     values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    factor = torch.where(scales == 255, float("nan"), torch.exp2(scales.float() - E8M0_BIAS))   # 0xFF: NaN (OCP MX)
-    return values * factor.repeat_interleave(32, dim=1)
+    return values * _e8m0_factor(scales).repeat_interleave(32, dim=1)

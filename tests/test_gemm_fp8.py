@@ -424,6 +424,27 @@ def test_mxfp4_cpu_is_the_exact_dequant_product():
         ops.mxfp4_gemm_nt(a, packed, scales, sfa=torch.ones(5, 2))
 
 
+def test_mxfp4_takes_mx_fp8_activations():
+    """e4m3 a with OCP MX scales (one E8M0 byte per 32 values): the exact dequantized product, in
+    the dense and grouped ops; scales of the wrong shape or dtype name the argument."""
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 9, 128, 256
+    qa = (torch.randn(m, k, generator=g) * 3).to(torch.float8_e4m3fn)
+    sfa = torch.randint(110, 140, (m, k // 32), generator=g, dtype=torch.uint8)
+    packed, scales = ops.quant_mxfp4(torch.randn(n, k, generator=g))
+    exact = ops.dequant_mx_fp8(qa, sfa) @ ops.dequant_mxfp4(packed, scales).T
+    assert torch.equal(ops.dequant_mx_fp8(qa, sfa)[0, :32], qa[0, :32].float() * 2.0 ** (int(sfa[0, 0]) - 127))
+    assert_elementwise(ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa), exact)
+    masked = ops.m_grouped_mxfp4_gemm_nt_masked(qa[None].contiguous(), packed[None].contiguous(),
+                                                scales[None].contiguous(), torch.tensor([m], dtype=torch.int32),
+                                                sfa=sfa[None].contiguous())
+    assert_elementwise(masked[0], exact)
+    with pytest.raises(ValueError, match="sfa"):
+        ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa[:, :4].contiguous())
+    with pytest.raises((TypeError, ValueError), match="sfa"):
+        ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa.to(torch.int32))
+
+
 def test_mxfp4_takes_e4m3_activations_with_their_scales():
     # an e4m3 a with per-token-group scales: within the FP4 operand's error of the exact product
     g = torch.Generator().manual_seed(8)
@@ -470,6 +491,31 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     from ops.gemm_mxfp4 import mxfp4_gemm_program
 
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST, params.get("threads", 256) + 128)
+
+
+def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
+    """The sm_100a native MXFP4 program (tile.mma_block_scaled_loop): e4m3 x e2m1 block-scaled
+    tcgen05 MMAs (UTCQMMA) with the E8M0 scale words copied to tensor memory (UTCCP), no spills;
+    its instruction descriptor says A e4m3, B e2m1, UE8M0 scales, M = N = 128. Compiled only: no
+    sm_100a device has run it. Targets without block-scaled tensor cores refuse it."""
+    import re
+
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import mxfp4_native_program
+
+    src = mxfp4_native_program.source("sm_100a", n=4096, k=7168)
+    desc = int(re.search(r"tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3, false>\(.*?static_cast<uint32_t>"
+                         r"\(\(\((\d+)", src).group(1))
+    assert (desc >> 7) & 7 == 0 and (desc >> 10) & 7 == 5           # A e4m3, B e2m1 (kind::mxf8f6f4)
+    assert (desc >> 17) & 63 == 128 >> 3 and (desc >> 27) & 3 == 128 >> 7 and (desc >> 23) & 1 == 1
+    with pytest.raises(ValueError, match="sm_100a"):
+        mxfp4_native_program.source("sm_90a", n=4096, k=7168)
+    try:
+        st = sass_stats(build_cubin(src, "sm_100a"), "sm_100a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
 
 
 def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):

@@ -158,6 +158,15 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
                   epilogue or (lambda: None))
 
 
+# ---- mma_block_scaled_loop: only where tensor cores take block scales --------------------------
+
+@register("mma_block_scaled_loop", "*")
+def mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=32, stages=2, epilogue=None,
+                          scale_dtype="int32"):
+    raise ValueError("mma_block_scaled_loop needs block-scaled tensor cores (cuda:sm_100a); this target has "
+                     "none: decode the operands instead (tile.mma_decoded_loop)")
+
+
 # ---- attention_loop: online-softmax attention over staged KV steps --------------------------------
 
 def _emit_maybe(stmt):
