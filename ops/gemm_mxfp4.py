@@ -188,15 +188,16 @@ def mxfp4_native_program(n: int, k: int, block_m: int = 128, block_n: int = 128,
     """C (m, n) bf16 = (A * SFA) @ (B * SFB)^T on block-scaled tensor cores (sm_100a: tcgen05
     kind::mxf8f6f4.block_scale): A (m, k) e4m3 and B (n, k) e2m1 (packed global, loaded by TMA into
     the tensor cores' unpacked shared-memory form), each with one E8M0 scale per 32 values of K.
-    SFA (k/128, m) and SFB (k/128, n) int32: a K step's 4 scale bytes of a row in one word,
-    step-major (what the scale copies to tensor memory read). No decode: the scales ride in the MMA."""
+    SFA (k/128, m rounded up to 4) and SFB (k/128, n) int32 (mx_scale_words): a K step's 4 scale
+    bytes of a row in one word, step-major (what the scale copies to tensor memory read). No decode:
+    the scales ride in the MMA. Compiled only: no sm_100a device has run it."""
     assert k % BLOCK_K == 0 and n % block_n == 0 and block_m == 128 and block_n % 128 == 0
-    m = T.dynamic("m")
+    m, m_pad = T.dynamic("m, m_pad")       # SFA's rows are padded to a multiple of 4 (TMA's 16-byte strides)
     kb, n_tiles = k // BLOCK_K, n // block_n
 
     @T.prim_func
     def mxfp4_gemm_nt_native(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k), "float4_e2m1fn"),
-                             SFA: T.Tensor((kb, m), "int32"), SFB: T.Tensor((kb, n), "int32"),
+                             SFA: T.Tensor((kb, m_pad), "int32"), SFB: T.Tensor((kb, n), "int32"),
                              C: T.Tensor((m, n), "bfloat16")):
         with tile.grid(T.ceildiv(m, block_m) * n_tiles, 128) as bid:
             tm, tn = tile.split_index(bid, (T.ceildiv(m, block_m), n_tiles))
@@ -333,7 +334,11 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     """C (m, n) bf16 = a (m, k) @ dequant(b, sfb)^T; b (n, k/2) uint8 packed e2m1 (low nibble
     first), sfb (n, k/32) uint8 E8M0. a is bf16, or e4m3 with sfa: (m, ceil(k/128)) fp32
     per-token-group scales (per_token_group_quant_fp8's) or (m, k/32) uint8 E8M0 (OCP MX),
-    dequantized to bf16 first. k % 128 == 0, n % 128 == 0, any m."""
+    dequantized to bf16 first. k % 128 == 0, n % 128 == 0, any m.
+    On sm_100a, e4m3 a with MX scales takes the native block-scaled kernel (mxfp4_gemm_nt_native:
+    compiled, never run on a device)."""
+    if sfa is not None and sfa.dtype == torch.uint8 and a.is_cuda and targets.resolve(a).name == "cuda:sm_100a":
+        return _mxfp4_native(a, b, sfb, sfa)
     a = _a_as_bf16(a, sfa, 2)
     check.tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, contiguous=True)
     check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
@@ -346,6 +351,43 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
         raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
     check.same_device(a=a, b=b, sfb=sfb)
     return _dispatch.call(_mxfp4_op, _mxfp4_impl, a, b, sfb)
+
+
+def mx_scale_words(scales, rows_pad=None):
+    """(rows, k/32) uint8 E8M0 -> (k/128, rows_pad) int32, as the native kernel reads them: word (s, r)
+    holds row r's 4 scales of K step s (byte j: K values 128s + 32j ..), step-major; rows past `rows`
+    (up to rows_pad, default rows) hold 127 (2^0)."""
+    check.tensor("scales", scales, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    rows, groups = scales.shape
+    if groups % 4:
+        raise ValueError(f"scales must have a multiple of 4 columns (k % 128 == 0), got {groups}")
+    rows_pad = rows if rows_pad is None else rows_pad
+    words = torch.full((groups // 4, rows_pad), 0x7F7F7F7F, dtype=torch.int32, device=scales.device)
+    words[:, :rows] = _scale_words(scales).t()
+    return words
+
+
+def _mxfp4_native(a, b, sfb, sfa):
+    """mxfp4_gemm_nt on sm_100a's block-scaled tensor cores: e4m3 a with MX scales sfa (m, k/32)."""
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    m, k = a.shape
+    n = b.shape[0]
+    check.shape("b", b, (n, k // 2), "(n, k/2): two e2m1 values per byte")
+    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    check.shape("sfb", sfb, (n, k // MX), "(n, k/32) E8M0")
+    check.tensor("sfa", sfa, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    check.shape("sfa", sfa, (m, k // MX), "E8M0 per (row, 32 columns) of a")
+    if k % 128 or n % 128:
+        raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
+    check.same_device(a=a, b=b, sfb=sfb, sfa=sfa)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m:
+        target = targets.resolve(a)
+        launch = jit.launchers(("mxfp4_gemm_nt_native", target.name, n, k),
+                               lambda: mxfp4_native_program.compile(target, n=n, k=k).launcher())
+        launch(a, b.view(torch.float4_e2m1fn_x2), mx_scale_words(sfa, -(-m // 4) * 4), mx_scale_words(sfb), out)
+    return out
 
 
 def m_grouped_mxfp4_reference(a, b, sfb, aux, mode):

@@ -518,6 +518,22 @@ def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
 
 
+def test_mx_scale_words_for_the_native_kernel():
+    """Word (s, r) of the native kernel's scales: row r's 4 E8M0 bytes of K step s, little-endian
+    (byte j scales K values 128s + 32j ..), step-major; padding rows hold 2^0 (127)."""
+    from ops.gemm_mxfp4 import mx_scale_words
+
+    s = torch.arange(3 * 8, dtype=torch.uint8).view(3, 8)
+    w = mx_scale_words(s, 4)
+    assert w.shape == (2, 4) and w.dtype == torch.int32
+    for step in range(2):
+        for r in range(3):
+            assert [(int(w[step, r]) >> (8 * j)) & 0xFF for j in range(4)] == s[r, 4 * step:4 * step + 4].tolist()
+    assert (w[:, 3] == 0x7F7F7F7F).all()
+    with pytest.raises(ValueError, match="multiple of 4 columns"):
+        mx_scale_words(torch.zeros(3, 6, dtype=torch.uint8))
+
+
 def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
     """setmaxnreg moves registers inside the block: every sm_90a rule checks that its warpgroups ask
     for no more than the launch gave (512 MMA threads asking for 120, and the MLA producer at 104,
