@@ -376,3 +376,19 @@ def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
     assert ((out.float() - ref).abs() <= bound).all()
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
+
+
+def test_swapped_operand_probe_lowers_to_wgmma_with_a_transposed_v():
+    """bench/proto_mla_swapped.py (the few-heads plan, bench/NOTES.md "MLA v8 probe") keeps building:
+    S^T = K Q^T and O^T = V^T P^T lower to WGMMA with 8 heads a warpgroup, the second with its A
+    (V^T) read MN-major from the cache tile."""
+    import tilelang
+
+    from bench.proto_mla_swapped import swapped_program
+    from codegen import targets
+
+    with targets.get("cuda:sm_90a").tvm() as tv:
+        src = tilelang.lower(swapped_program(), target=tv).kernel_source
+    shapes = set(re.findall(r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, "
+                            r"(\d+), (\d+), (\d+), (true|false), (true|false)", src))
+    assert ("64", "8", "16", "false", "false") in shapes and ("64", "8", "16", "true", "false") in shapes, shapes
