@@ -400,6 +400,10 @@ def ep_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group):
 
         return moe_ep_peer.peer_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, group, bad, device)
     cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("moe_dispatch over a process group under CUDA-graph capture needs the peer transport "
+                         "(TILECRAFT_EP_TRANSPORT=peer or auto on one host); the a2a transport reads the "
+                         "header on the host")
     _mark("start", device)
     # header: this rank's rows per (chunk, global expert) straight from the plan's count kernel,
     # then the tail; all-gathered, so every rank reads what it sends and what it receives on the host
