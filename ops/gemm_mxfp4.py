@@ -340,7 +340,13 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     if sfa is not None and sfa.dtype == torch.uint8 and a.is_cuda and targets.resolve(a).name == "cuda:sm_100a":
         return _mxfp4_native(a, b, sfb, sfa)
     a = _a_as_bf16(a, sfa, 2)
-    check.tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, contiguous=True)
+    _check_dense(a, torch.bfloat16, b, sfb)
+    return _dispatch.call(_mxfp4_op, _mxfp4_impl, a, b, sfb)
+
+
+def _check_dense(a, a_dtype, b, sfb):
+    """The dense op's a (m, k) of a_dtype, b (n, k/2) and sfb (n, k/32): (m, n, k)."""
+    check.tensor("a", a, dtypes=(a_dtype,), ndim=2, contiguous=True)
     check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     m, k = a.shape
     n = b.shape[0]
@@ -350,7 +356,7 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     if k % 128 or n % 128:
         raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
     check.same_device(a=a, b=b, sfb=sfb)
-    return _dispatch.call(_mxfp4_op, _mxfp4_impl, a, b, sfb)
+    return m, n, k
 
 
 def mx_scale_words(scales, rows_pad=None):
@@ -369,18 +375,10 @@ def mx_scale_words(scales, rows_pad=None):
 
 def _mxfp4_native(a, b, sfb, sfa):
     """mxfp4_gemm_nt on sm_100a's block-scaled tensor cores: e4m3 a with MX scales sfa (m, k/32)."""
-    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
-    check.tensor("b", b, dtypes=(torch.uint8,), ndim=2, contiguous=True)
-    m, k = a.shape
-    n = b.shape[0]
-    check.shape("b", b, (n, k // 2), "(n, k/2): two e2m1 values per byte")
-    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=2, contiguous=True)
-    check.shape("sfb", sfb, (n, k // MX), "(n, k/32) E8M0")
+    m, n, k = _check_dense(a, torch.float8_e4m3fn, b, sfb)
     check.tensor("sfa", sfa, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.shape("sfa", sfa, (m, k // MX), "E8M0 per (row, 32 columns) of a")
-    if k % 128 or n % 128:
-        raise ValueError(f"k and n must be multiples of 128, got k={k}, n={n}")
-    check.same_device(a=a, b=b, sfb=sfb, sfa=sfa)
+    check.same_device(a=a, sfa=sfa)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
         target = targets.resolve(a)
