@@ -25,6 +25,7 @@ from tilecraft import env
 
 D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
+SWAPPED_ROWS = 16  # query rows per CTA with swapped operands (WGMMA's N)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
 MAX_S_Q = 8
@@ -72,7 +73,7 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
-                       kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False):
+                       kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -82,8 +83,15 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     target may give each half of the output to its own warpgroup.
 
     trace=True (debugging, sm_90a): CTA 0 writes SM clock stamps of its first 64 steps into
-    OPart[0, step, event] (as int32 bits; events in lowering/sm90_attention.py); run unsplit."""
+    OPart[0, step, event] (as int32 bits; events in lowering/sm90_attention.py); run unsplit.
+
+    swapped=True (sm_90a, s_q * h_q <= 16; bench/NOTES.md "MLA v8 probe"): the query tile has 16
+    rows and attention_loop swaps the operands (the tokens are WGMMA's M), so the heads are not
+    padded to 64. Experimental: compiled, not yet run on a GPU; the op does not choose it."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
+    if swapped and s_q * h_q > SWAPPED_ROWS:
+        raise ValueError(f"swapped=True takes at most {SWAPPED_ROWS} query rows (s_q * h_q), got {s_q * h_q}")
+    block_m = SWAPPED_ROWS if swapped else BLOCK_M       # the query tile's rows (the output keeps BLOCK_M padding)
     causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
     fp8 = kv_format == "fp8"
     rows = s_q * h_q
@@ -139,6 +147,30 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                         LsePart[slot, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]),
                                                                          neg_inf)  # base 2
 
+    @T.macro
+    def epilogue_t(o_t, col0, l_s, m_s, stats, Out, Lse, OPart, LsePart, bi, si, splits, max_splits):
+        # swapped: o_t (columns col0.., query rows) unnormalized; l_s, m_s the row sums and maxima in
+        # shared memory (log2 domain); one tile of SWAPPED_ROWS rows (mt = 0)
+        for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+            o_t[j, i] = T.if_then_else(l_s[i] > 0.0, o_t[j, i] / l_s[i], 0.0)
+        if si < splits:
+            if splits == 1:
+                for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+                    if i < rows:
+                        Out[bi, i, col0 + j] = T.cast(o_t[j, i], sdt)
+                if stats:
+                    for i in tile.parallel(SWAPPED_ROWS):
+                        if i < rows:
+                            Lse[bi, i % h_q, i // h_q] = T.if_then_else(l_s[i] > 0.0, (m_s[i] + T.log2(l_s[i])) * LN2,
+                                                                        neg_inf)
+            else:
+                slot = bi * max_splits + si
+                for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+                    OPart[slot, i, col0 + j] = o_t[j, i]
+                if stats:
+                    for i in tile.parallel(SWAPPED_ROWS):
+                        LsePart[slot, i] = T.if_then_else(l_s[i] > 0.0, m_s[i] + T.log2(l_s[i]), neg_inf)
+
     @T.prim_func
     def mla_decode(
         Q: T.Tensor((batch, rows, D_QK), sdt),
@@ -160,9 +192,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
             bi = tile.scalar(bid // (m_tiles * max_splits))
-            q_l = tile.operand((BLOCK_M, half), sdt)
-            q_r = tile.operand((BLOCK_M, half), sdt)
-            q_pe = tile.operand((BLOCK_M, D_ROPE), sdt)
+            q_l = tile.operand((block_m, half), sdt)
+            q_r = tile.operand((block_m, half), sdt)
+            q_pe = tile.operand((block_m, D_ROPE), sdt)
 
             splits = tile.scalar(Splits[bi])
             seqlen = tile.scalar(SeqLens[bi])
@@ -172,11 +204,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                 T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0))
             causal_base = seqlen - s_q + 1 if causal else seqlen
 
-            for i, j in tile.parallel(BLOCK_M, half):
+            for i, j in tile.parallel(block_m, half):
                 r = mt * BLOCK_M + i
                 q_l[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
                 q_r[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), half + j], T.cast(0, sdt))
-            for i, j in tile.parallel(BLOCK_M, D_ROPE):
+            for i, j in tile.parallel(block_m, D_ROPE):
                 r = mt * BLOCK_M + i
                 q_pe[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), D_V + j], T.cast(0, sdt))
 
@@ -186,13 +218,15 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                        fp8_parts(KV, KVf, KVh) if fp8 else bf16_parts(KV)),
                 lambda k, i, j: (first + k) * block_n + j < limit(causal_base, mt, i),
                 scale_log2,
-                lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
-                                                      splits, max_splits),
+                (lambda o, col0, l, m, stats: epilogue_t(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, si,
+                                                         splits, max_splits)) if swapped else
+                (lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
+                                                       splits, max_splits)),
                 valid_rows=seqlen - first * block_n, raw=raw_parts, value=fp8_value if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
-                zero_every_step=causal and m_tiles > 1)
+                zero_every_step=causal and m_tiles > 1, **({"swapped": True} if swapped else {}))
 
     return mla_decode
 

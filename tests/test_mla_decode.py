@@ -230,10 +230,15 @@ def p_rounding_term(q, kv, table, lens, scale, causal):
     return term
 
 
-def run_gpu_case(b, s_q, h_q, lens, page=64, causal=True, dtype=torch.bfloat16, seed=0):
+def run_gpu_case(b, s_q, h_q, lens, page=64, causal=True, dtype=torch.bfloat16, seed=0, tiling=None):
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, dtype=dtype, device="cuda", seed=seed)
     scale = D ** -0.5
-    out, lse = ops.mla_decode(q, kv, table, seqlens, 512, softmax_scale=scale, causal=causal)
+    if tiling is None:
+        out, lse = ops.mla_decode(q, kv, table, seqlens, 512, softmax_scale=scale, causal=causal)
+    else:                                       # a program variant the op does not choose
+        from ops.mla_decode import _mla_decode_impl
+
+        out, lse = _mla_decode_impl(q, kv, table, seqlens, scale, causal, None, tiling=tiling)
     ref, ref_lse = mla_decode_reference(q, kv, table, seqlens, softmax_scale=scale, causal=causal)
     assert not out.isnan().any(), "NaN leaked from poisoned cache pages"
     # FlashMLA's thresholds (atol 8e-4, rtol 2.01/128) plus a 6-sigma allowance for P's rounding
@@ -392,3 +397,39 @@ def test_swapped_operand_probe_lowers_to_wgmma_with_a_transposed_v():
     shapes = set(re.findall(r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, "
                             r"(\d+), (\d+), (\d+), (true|false), (true|false)", src))
     assert ("64", "8", "16", "false", "false") in shapes and ("64", "8", "16", "true", "false") in shapes, shapes
+
+
+def test_swapped_mla_program_lowers_on_sm90a_only():
+    """mla_decode_program(swapped=True) (experimental, not chosen by the op): S^T and O^T on WGMMA
+    m64n16 (the PV with an MN-major A), no spills; more than 16 query rows, or a target without the
+    swapped rule, is a clear error."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True)
+    shapes = set(re.findall(r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, "
+                            r"(\d+), (\d+), (\d+), (true|false), (true|false)", src))
+    assert shapes == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}, shapes
+    with pytest.raises(ValueError, match="at most 16 query rows"):
+        mla_decode_program.source("sm_90a", h_q=16, s_q=2, swapped=True)
+    with pytest.raises(ValueError, match="sm_90a only"):
+        mla_decode_program.source("sm_100a", h_q=16, s_q=1, swapped=True)
+    try:
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens", [
+    (2, 1, 16, [1000, 64]),
+    (3, 1, 16, [4096, 1, 0]),
+    (1, 1, 1, [65]),
+    (2, 2, 7, [200, 3]),
+    (2, 1, 16, [16384, 8000]),  # splits + combine
+])
+def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
+    """The experimental swapped-operand program (mla_decode_program(swapped=True)) against the
+    reference, with the same bounds as the production kernel."""
+    run_gpu_case(b, s_q, h_q, lens, tiling=dict(block_n=64, stages=2, swapped=True))

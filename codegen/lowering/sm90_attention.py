@@ -23,6 +23,13 @@ the program that uses it (tile.require_pass_configs). With it on, the pass
 cannot tell the merged shared buffers apart and puts a producer-wide barrier inside every
 iteration of the conversion loop (measured: FP8 decode 0.445 -> 0.402 ms without them).
 
+swapped=True (few query rows, e.g. MLA decode at h_q <= 16; bench/NOTES.md "MLA v8 probe"): the
+tokens are WGMMA's M instead of the query rows. WG0 computes S^T = K Q^T (block_n x rows), moves it
+through shared memory into a row-major tile for the same online softmax, and both warpgroups
+accumulate O^T += V^T P^T (their value part's columns x rows; V^T read MN-major from the cache
+tile), scaled per column by alpha. The epilogue gets O^T and the row statistics in shared memory.
+Not yet run on a GPU.
+
 Barriers (all mbarriers; parity = use number % 2):
     full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready
     tail         a plain step's rows past the valid ones were zeroed (at most one per CTA: the last)
@@ -80,6 +87,26 @@ def _scores(q, kv, slot, acc_s):
 def _pv(p_s, v, slot, acc):
     emit(T.wgmma_gemm(p_s, v[slot, :, :], acc, transpose_B=False, clear_accum=False, policy=FULL_ROW),
          T.wait_wgmma(0))
+
+
+def _scores_t(q, kv, slot, acc_st):
+    # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N
+    for p, (qt, kt) in enumerate(zip(q, kv)):
+        emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+    emit(T.wait_wgmma(0))
+
+
+def _pv_t(p_s, v, slot, acc_t):
+    # O^T += V^T P^T: V^T from the cache tile (MN-major A), P (rows x tokens) as a K-major B
+    emit(T.wgmma_gemm(v[slot, :, :], p_s, acc_t, transpose_A=True, transpose_B=True, clear_accum=False,
+                      policy=FULL_ROW),
+         T.wait_wgmma(0))
+
+
+@T.macro
+def _scale_cols(acc_t, scale_s):
+    for i, j in T.Parallel(acc_t.shape[0], acc_t.shape[1]):
+        acc_t[i, j] *= scale_s[j]
 
 
 def _zero_rows(kv, v_parts, slot, valid):
@@ -265,6 +292,54 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
     epilogue(o1, col1, l1, m1, False)
 
 
+@T.macro
+def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s, o0, m_i,
+               m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue):
+    T.set_max_nreg(SCORE_REGS, 1)
+    T.fill(m_i, NEG_INF)
+    T.fill(l_i, 0.0)
+    T.fill(o0, 0.0)
+    for k in T.serial(steps):
+        slot = k % stages
+        _wait_step(k, kv, valid_rows, full, tail, stages, plain)
+        _scores_t(q, kv, slot, acc_st)
+        T.copy(acc_st, st_s)
+        T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
+        for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
+            sc[i, j] = st_s[j, i]
+        online_softmax(k, sc, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+        if k > 0:
+            T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
+        T.copy(sc, p_s)
+        T.copy(alpha, alpha_s)
+        T.fence_proxy_async()
+        T.sync_threads(WG0_BAR, WG)                                     # P and alpha are written (and S^T read)
+        T.mbarrier_arrive(p_ready[0])
+        _scale_cols(o0, alpha_s)
+        _pv_t(p_s, v0, slot, o0)
+        T.mbarrier_arrive(empty[slot])
+    T.copy(m_i, m_s)
+    T.copy(l_i, l_s)
+    T.sync_threads(WG0_BAR, WG)
+    T.mbarrier_arrive(stats[0])
+    epilogue(o0, 0, l_s, m_s, True)
+
+
+@T.macro
+def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue):
+    T.set_max_nreg(OUT_REGS, 1)
+    T.fill(o1, 0.0)
+    for k in T.serial(steps):
+        slot = k % stages
+        T.mbarrier_wait_parity(p_ready[0], k % 2)
+        _scale_cols(o1, alpha_s)
+        _pv_t(p_s, v1, slot, o1)
+        T.mbarrier_arrive(p_free[0])
+        T.mbarrier_arrive(empty[slot])
+    T.mbarrier_wait_parity(stats[0], 0)
+    epilogue(o1, col1, l_s, m_s, False)
+
+
 @register("scalar", "cuda:sm_90a")
 def scalar(value, dtype="int32"):
     # TileLang substitutes let-bound index arithmetic into every buffer index that uses it, widened to
@@ -275,7 +350,7 @@ def scalar(value, dtype="int32"):
 
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
-                   raw_stages=2, zero_every_step=False, trace=None):
+                   raw_stages=2, zero_every_step=False, trace=None, swapped=False):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -292,21 +367,28 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
     alpha_s = T.alloc_shared((block_m,), "float32")
+    if swapped:
+        if trace is not None:
+            raise ValueError("attention_loop(swapped=True) records no trace")
+        _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
+                 raw_stages, plain, epilogue)
+        return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
     o0 = T.alloc_fragment((block_m, kv[v[0]][1]), "float32")
     o1 = T.alloc_fragment((block_m, kv[v[1]][1]), "float32")
     m_i, m_prev, alpha, row_sum, l_i, m1, l1 = (T.alloc_fragment((block_m,), "float32") for _ in range(7))
-    full = T.alloc_barrier([PRODUCER] * stages)
-    empty = T.alloc_barrier([2 * WG] * stages)
-    tail = T.alloc_barrier([PRODUCER])
-    raw_full = None if plain else T.alloc_barrier([PRODUCER] * raw_stages)
-    p_ready = T.alloc_barrier([WG])
-    p_free = T.alloc_barrier([WG])
-    stats = T.alloc_barrier([WG])
+    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
     _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
                 stages, raw_stages, plain, epilogue, trace)
+
+
+def _barriers(stages, raw_stages, plain):
+    """full, empty, tail, raw_full (None when plain), p_ready, p_free, stats (module docstring)."""
+    return (T.alloc_barrier([PRODUCER] * stages), T.alloc_barrier([2 * WG] * stages), T.alloc_barrier([PRODUCER]),
+            None if plain else T.alloc_barrier([PRODUCER] * raw_stages), T.alloc_barrier([WG]), T.alloc_barrier([WG]),
+            T.alloc_barrier([WG]))
 
 
 @T.macro
@@ -329,3 +411,43 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
             vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
                               trace, vals)
+
+
+def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
+             raw_stages, plain, epilogue):
+    block_m, block_n = q[0].shape[0], kv[0][0]
+    acc_st = T.alloc_fragment((block_n, block_m), "float32")         # S^T: tokens x query rows
+    st_s = T.alloc_shared((block_n, block_m), "float32")
+    sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
+    l_s = T.alloc_shared((block_m,), "float32")
+    m_s = T.alloc_shared((block_m,), "float32")
+    o0 = T.alloc_fragment((kv[v[0]][1], block_m), "float32")         # O^T of each value part
+    o1 = T.alloc_fragment((kv[v[1]][1], block_m), "float32")
+    m_i, m_prev, alpha, row_sum, l_i = (T.alloc_fragment((block_m,), "float32") for _ in range(5))
+    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
+    _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
+                  l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
+                  stats, stages, raw_stages, plain, epilogue)
+
+
+@T.macro
+def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
+                  l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
+                  stats, stages, raw_stages, plain, epilogue):
+    T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
+    tx = T.get_thread_binding()
+    if tx < WG:
+        _mma_wg0_t(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s,
+                   o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain,
+                   epilogue)
+    elif tx < 2 * WG:
+        _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free,
+                   stats, stages, epilogue)
+    else:
+        T.set_max_nreg(PRODUCER_REGS, 0)
+        if plain:
+            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, None)
+        else:
+            vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
+            _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
+                              None, vals)
