@@ -71,6 +71,17 @@ def tilecraft_fp8(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
 
+def tilecraft_swapped(case, i):
+    """The experimental swapped-operand program (mla_decode_program(swapped=True), s_q * h_q <= 16;
+    bench/NOTES.md "MLA v8 probe"), which the op does not choose yet."""
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    tiling = dict(block_n=64, stages=2, swapped=True)
+    run = lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=tiling)
+    run()                                        # compiles (or says why this shape cannot take it)
+    return run
+
+
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -101,6 +112,7 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
+        Provider("tilecraft-swapped", tilecraft_swapped),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
