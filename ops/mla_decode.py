@@ -26,6 +26,7 @@ from tilecraft import env
 D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
 SWAPPED_ROWS = 16  # query rows per CTA with swapped operands (WGMMA's N)
+SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
 MAX_S_Q = 8
@@ -104,8 +105,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     neg_inf = -T.infinity("float32")
     half = D_V // 2
     kv_parts = [(block_n, half, sdt), (block_n, half, sdt), (block_n, D_ROPE, sdt)]
-    raw_parts = [((block_n, half), kv_dt), ((block_n, half), kv_dt), ((block_n, 4), "float32"),
-                 ((block_n, D_ROPE), sdt)] if fp8 else None
+    # swapped FP8: 64-token steps (WGMMA's M) whose raw bytes arrive in 32-token chunks (shared memory)
+    raw_rows = SWAPPED_RAW_ROWS if swapped and fp8 else block_n
+    raw_parts = [((raw_rows, half), kv_dt), ((raw_rows, half), kv_dt), ((raw_rows, 4), "float32"),
+                 ((raw_rows, D_ROPE), sdt)] if fp8 else None
 
     def bf16_parts(KV):        # (tensor, first column, width, operand part)
         return [(KV, 0, half, 0), (KV, half, half, 1), (KV, D_V, D_ROPE, 2)]
@@ -214,7 +217,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
             tile.attention_loop(
                 n_iter, [q_l, q_r, q_pe], kv_parts, [0, 1],
-                lambda k: _page_copies(BlockTable, bi, first + k, page, block_n, num_pages,
+                # (raw chunks of raw_rows tokens: chunk j of this CTA starts at token first * block_n + j * raw_rows)
+                lambda k: _page_copies(BlockTable, bi, first * (block_n // raw_rows) + k, page, raw_rows, num_pages,
                                        fp8_parts(KV, KVf, KVh) if fp8 else bf16_parts(KV)),
                 lambda k, i, j: (first + k) * block_n + j < limit(causal_base, mt, i),
                 scale_log2,
@@ -226,7 +230,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
-                zero_every_step=causal and m_tiles > 1, **({"swapped": True} if swapped else {}))
+                zero_every_step=causal and m_tiles > 1,
+                **({"swapped": True, **({"raw_rows": raw_rows} if raw_rows != block_n else {})} if swapped else {}))
 
     return mla_decode
 

@@ -369,10 +369,19 @@ def test_fp8_invalid_inputs():
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 2, 128, [4096, 1, 0], 64),
                                                   (2, 1, 64, [16384, 8000], 64), (3, 1, 16, [53, 1, 700], 16)])
 def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
+    run_fp8_case(b, s_q, h_q, lens, page)
+
+
+def run_fp8_case(b, s_q, h_q, lens, page, tiling=None):
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     cache = ops.quantize_mla_kv_fp8(kv)                     # NaN tails stay NaN bytes: must not leak
     scale = D ** -0.5
-    out, lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=scale, kv_format="fp8")
+    if tiling is None:
+        out, lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=scale, kv_format="fp8")
+    else:                                       # a program variant the op does not choose
+        from ops.mla_decode import _mla_decode_impl
+
+        out, lse = _mla_decode_impl(q, cache, table, seqlens, scale, True, None, tiling=tiling, kv_format="fp8")
     assert not out.isnan().any()
     # the kernel multiplies the dequantized cache rounded to bf16: compare with exactly that
     deq = ops.dequantize_mla_kv_fp8(cache).to(torch.bfloat16)
@@ -412,6 +421,9 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     assert shapes == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}, shapes
     with pytest.raises(ValueError, match="at most 16 query rows"):
         mla_decode_program.source("sm_90a", h_q=16, s_q=2, swapped=True)
+    fp8 = mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True, kv_format="fp8", block_n=64, stages=2,
+                                    raw_stages=2)           # raw bytes in two 32-token chunks a step: 214 KB
+    assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", fp8)) < 220 * 1024
     with pytest.raises(ValueError, match="sm_90a only"):
         mla_decode_program.source("sm_100a", h_q=16, s_q=1, swapped=True)
     try:
@@ -419,6 +431,8 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
+    st8 = sass_stats(build_cubin(fp8, "sm_90a"), "sm_90a")
+    assert st8.histogram.get("HGMMA", 0) > 0 and st8.spill_stores == 0
 
 
 @pytest.mark.gpu
@@ -433,3 +447,12 @@ def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
     """The experimental swapped-operand program (mla_decode_program(swapped=True)) against the
     reference, with the same bounds as the production kernel."""
     run_gpu_case(b, s_q, h_q, lens, tiling=dict(block_n=64, stages=2, swapped=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 16, [1000, 64]), (3, 1, 16, [53, 1, 0]), (2, 1, 16, [16384, 8000])])
+def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens):
+    """The swapped program over the FP8 cache: 64-token steps whose raw bytes arrive in two 32-token
+    chunks (attention_loop raw_rows=32), against the reference on the dequantized cache."""
+    run_fp8_case(b, s_q, h_q, lens, 64, tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2,
+                                                    swapped=True))

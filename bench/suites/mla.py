@@ -82,6 +82,18 @@ def tilecraft_swapped(case, i):
     return run
 
 
+def tilecraft_swapped_fp8(case, i):
+    """The swapped-operand program over the FP8 cache (64-token steps, raw bytes in 32-token chunks)."""
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    tiling = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True)
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=tiling, kv_format="fp8")
+    run()
+    return run
+
+
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -113,6 +125,7 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
         Provider("tilecraft-swapped", tilecraft_swapped),
+        Provider("tilecraft-swapped-fp8", tilecraft_swapped_fp8),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],

@@ -134,20 +134,23 @@ def _convert(kv, raw, value, slot, r, valid, vals):
         _convert_part(buf, p, read, value, slot, valid, tid, vals)
 
 
-def _chunks(buf):
-    # a thread's chunks of a (rows, cols) tile: chunk c covers row i, columns j..j+CHUNK of flat index
-    # (c * PRODUCER + tid) * CHUNK, so a warp's stores are whole 128-byte rows of the swizzled tile
-    rows, cols = buf.shape[1], buf.shape[2]
+def _chunks(buf, rows=None):
+    # a thread's chunks of a (rows, cols) tile (or of its first `rows` rows): chunk c covers row i,
+    # columns j..j+CHUNK of flat index (c * PRODUCER + tid) * CHUNK, so a warp's stores are whole
+    # 128-byte rows of the swizzled tile
+    rows, cols = buf.shape[1] if rows is None else rows, buf.shape[2]
     if (rows * cols) % (PRODUCER * CHUNK) or cols % CHUNK:
         raise ValueError(f"attention_loop: a converted tile of {rows} x {cols} does not split into "
                          f"{PRODUCER} threads x {CHUNK}-value chunks")
     return rows * cols // (PRODUCER * CHUNK), cols
 
 
-def _at(buf, c, tid):
-    # (row, first column) of chunk c of this producer thread in a converted tile
+def _at(buf, c, tid, row0=0):
+    # (row, first column) of chunk c of this producer thread in a converted tile (rows from row0)
     flat = (c * PRODUCER + tid) * CHUNK
-    return flat // _chunks(buf)[1], flat % _chunks(buf)[1]
+    if row0 == 0:
+        return flat // _chunks(buf)[1], flat % _chunks(buf)[1]
+    return row0 + flat // _chunks(buf)[1], flat % _chunks(buf)[1]
 
 
 @T.macro
@@ -219,6 +222,51 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
 
 
 @T.macro
+def _convert_rows(buf, p, read, value, slot, valid, tid, vals, row0, rows):
+    # _convert_part over rows [row0, row0 + rows) of the tile, read from raw rows 0.. (always guarded)
+    for c in T.unroll(_chunks(buf, rows)[0]):
+        for e in T.vectorized(CHUNK):
+            vals[c * CHUNK + e] = T.if_then_else(_at(buf, c, tid, row0)[0] < valid,
+                                                 value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read),
+                                                 T.cast(0, buf.dtype))
+    for c in T.unroll(_chunks(buf, rows)[0]):
+        for e in T.vectorized(CHUNK):
+            buf[slot, _at(buf, c, tid, row0)[0], _at(buf, c, tid)[1] + e] = vals[c * CHUNK + e]
+
+
+def _convert_piece(kv, raw, value, slot, r, valid, vals, row0, rows):
+    def read(part, i, j):               # element (i, j) of raw staging part `part`, slot r
+        return raw[part][r, i, j]
+
+    tid = T.get_thread_binding() - 2 * WG
+    for p, buf in enumerate(kv):
+        _convert_rows(buf, p, read, value, slot, valid, tid, vals, row0, rows)
+
+
+@T.macro
+def _producer_convert_pieces(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
+                             pieces):
+    # the raw bytes of a step arrive in `pieces` chunks of raw_rows = block_n / pieces tokens each
+    # (loads(j): chunk j), so a step's converted tile and fewer raw bytes fit in shared memory
+    raw_rows = kv[0].shape[1] // pieces
+    for j in T.serial(T.min(steps * pieces, raw_stages)):
+        _issue_loads(loads, j, raw, j, raw_full[j])
+    for k in T.serial(steps):
+        slot = k % stages
+        T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
+        for h in T.unroll(pieces):
+            T.mbarrier_wait_parity(raw_full[(k * pieces + h) % raw_stages], ((k * pieces + h) // raw_stages) % 2)
+            _convert_piece(kv, raw, value, slot, (k * pieces + h) % raw_stages, _valid(valid_rows, k, kv), vals,
+                           h * raw_rows, raw_rows)
+            T.sync_threads(PRODUCER_BAR, PRODUCER)                      # every producer thread read this chunk
+            if k * pieces + h + raw_stages < steps * pieces:
+                _issue_loads(loads, k * pieces + h + raw_stages, raw, (k * pieces + h) % raw_stages,
+                             raw_full[(k * pieces + h) % raw_stages])
+        T.fence_proxy_async()
+        T.mbarrier_arrive(full[slot])
+
+
+@T.macro
 def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
     if plain:
         if _valid(valid_rows, k, kv) < kv[0].shape[1]:
@@ -236,12 +284,17 @@ def _scale_rows(acc, scale):
 
 
 @T.macro
-def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i, m_prev, alpha,
-             row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
+def _wg0_start(m_i, l_i, o0):
     T.set_max_nreg(SCORE_REGS, 1)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o0, 0.0)
+
+
+@T.macro
+def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i, m_prev, alpha,
+             row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
+    _wg0_start(m_i, l_i, o0)
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
@@ -295,10 +348,7 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
 @T.macro
 def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s, o0, m_i,
                m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue):
-    T.set_max_nreg(SCORE_REGS, 1)
-    T.fill(m_i, NEG_INF)
-    T.fill(l_i, 0.0)
-    T.fill(o0, 0.0)
+    _wg0_start(m_i, l_i, o0)
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
@@ -350,7 +400,7 @@ def scalar(value, dtype="int32"):
 
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
-                   raw_stages=2, zero_every_step=False, trace=None, swapped=False):
+                   raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -367,11 +417,15 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
     alpha_s = T.alloc_shared((block_m,), "float32")
+    pieces = 1 if raw_rows is None else block_n // raw_rows
+    if pieces != 1 and (plain or not swapped or block_n % raw_rows):
+        raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
+                         "is built for the swapped mode with a raw format only")
     if swapped:
         if trace is not None:
             raise ValueError("attention_loop(swapped=True) records no trace")
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-                 raw_stages, plain, epilogue)
+                 raw_stages, plain, epilogue, pieces)
         return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
@@ -414,7 +468,7 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
 
 
 def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-             raw_stages, plain, epilogue):
+             raw_stages, plain, epilogue, pieces):
     block_m, block_n = q[0].shape[0], kv[0][0]
     acc_st = T.alloc_fragment((block_n, block_m), "float32")         # S^T: tokens x query rows
     st_s = T.alloc_shared((block_n, block_m), "float32")
@@ -427,13 +481,13 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
     _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue)
+                  stats, stages, raw_stages, plain, epilogue, pieces)
 
 
 @T.macro
 def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue):
+                  stats, stages, raw_stages, plain, epilogue, pieces):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
@@ -447,7 +501,11 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
             _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, None)
-        else:
+        elif pieces == 1:
             vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
                               None, vals)
+        else:
+            vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
+            _producer_convert_pieces(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
+                                     raw_stages, vals, pieces)
