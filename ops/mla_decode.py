@@ -231,7 +231,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
                 zero_every_step=causal and m_tiles > 1,
-                **({"swapped": True, **({"raw_rows": raw_rows} if raw_rows != block_n else {})} if swapped else {}))
+                swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None)
 
     return mla_decode
 

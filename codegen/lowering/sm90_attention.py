@@ -125,13 +125,14 @@ def _zero_part(buf, slot, valid):
 CHUNK = 8        # values a producer thread converts at once: one 16-byte store of the bf16 tile
 
 
-def _convert(kv, raw, value, slot, r, valid, vals):
-    def read(part, i, j):               # element (i, j) of raw staging part `part`, this step's slot
+def _convert(kv, raw, value, slot, r, valid, vals, row0=0, rows=None):
+    # raw slot r -> rows [row0, row0 + rows) of each converted tile (default: all of it), raw rows 0..
+    def read(part, i, j):               # element (i, j) of raw staging part `part`, slot r
         return raw[part][r, i, j]
 
     tid = T.get_thread_binding() - 2 * WG
     for p, buf in enumerate(kv):
-        _convert_part(buf, p, read, value, slot, valid, tid, vals)
+        _convert_part(buf, p, read, value, slot, valid, tid, vals, row0, rows)
 
 
 def _chunks(buf, rows=None):
@@ -154,22 +155,23 @@ def _at(buf, c, tid, row0=0):
 
 
 @T.macro
-def _convert_part(buf, p, read, value, slot, valid, tid, vals):
+def _convert_part(buf, p, read, value, slot, valid, tid, vals, row0, rows):
     # Two passes: every value of the thread's chunks into registers, then the stores. In one pass
     # (T.Parallel) each chunk's shared loads waited for the previous chunk's store, because the raw
     # and converted tiles are one shared allocation to the compiler: ~16 dependent load -> store
     # round trips a step, 2550 of a 32-token step's ~3150 cycles (bench.trace_mla, session 6).
-    for c in T.unroll(_chunks(buf)[0]):
+    # Raw row i lands in tile row row0 + i (row0 > 0: a step staged in raw chunks).
+    for c in T.unroll(_chunks(buf, rows)[0]):
         for e in T.vectorized(CHUNK):
             if valid is None:
                 vals[c * CHUNK + e] = value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read)
             else:
-                vals[c * CHUNK + e] = T.if_then_else(_at(buf, c, tid)[0] < valid,
+                vals[c * CHUNK + e] = T.if_then_else(_at(buf, c, tid, row0)[0] < valid,
                                                      value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read),
                                                      T.cast(0, buf.dtype))
-    for c in T.unroll(_chunks(buf)[0]):
+    for c in T.unroll(_chunks(buf, rows)[0]):
         for e in T.vectorized(CHUNK):
-            buf[slot, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e] = vals[c * CHUNK + e]
+            buf[slot, _at(buf, c, tid, row0)[0], _at(buf, c, tid)[1] + e] = vals[c * CHUNK + e]
 
 
 @T.macro
@@ -222,28 +224,6 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
 
 
 @T.macro
-def _convert_rows(buf, p, read, value, slot, valid, tid, vals, row0, rows):
-    # _convert_part over rows [row0, row0 + rows) of the tile, read from raw rows 0.. (always guarded)
-    for c in T.unroll(_chunks(buf, rows)[0]):
-        for e in T.vectorized(CHUNK):
-            vals[c * CHUNK + e] = T.if_then_else(_at(buf, c, tid, row0)[0] < valid,
-                                                 value(p, _at(buf, c, tid)[0], _at(buf, c, tid)[1] + e, read),
-                                                 T.cast(0, buf.dtype))
-    for c in T.unroll(_chunks(buf, rows)[0]):
-        for e in T.vectorized(CHUNK):
-            buf[slot, _at(buf, c, tid, row0)[0], _at(buf, c, tid)[1] + e] = vals[c * CHUNK + e]
-
-
-def _convert_piece(kv, raw, value, slot, r, valid, vals, row0, rows):
-    def read(part, i, j):               # element (i, j) of raw staging part `part`, slot r
-        return raw[part][r, i, j]
-
-    tid = T.get_thread_binding() - 2 * WG
-    for p, buf in enumerate(kv):
-        _convert_rows(buf, p, read, value, slot, valid, tid, vals, row0, rows)
-
-
-@T.macro
 def _producer_convert_pieces(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
                              pieces):
     # the raw bytes of a step arrive in `pieces` chunks of raw_rows = block_n / pieces tokens each
@@ -256,8 +236,8 @@ def _producer_convert_pieces(steps, loads, kv, raw, value, valid_rows, full, emp
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
         for h in T.unroll(pieces):
             T.mbarrier_wait_parity(raw_full[(k * pieces + h) % raw_stages], ((k * pieces + h) // raw_stages) % 2)
-            _convert_piece(kv, raw, value, slot, (k * pieces + h) % raw_stages, _valid(valid_rows, k, kv), vals,
-                           h * raw_rows, raw_rows)
+            _convert(kv, raw, value, slot, (k * pieces + h) % raw_stages, _valid(valid_rows, k, kv), vals,
+                     h * raw_rows, raw_rows)
             T.sync_threads(PRODUCER_BAR, PRODUCER)                      # every producer thread read this chunk
             if k * pieces + h + raw_stages < steps * pieces:
                 _issue_loads(loads, k * pieces + h + raw_stages, raw, (k * pieces + h) % raw_stages,
