@@ -379,6 +379,11 @@ def _mxfp4_native(a, b, sfb, sfa):
     check.tensor("sfa", sfa, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.shape("sfa", sfa, (m, k // MX), "E8M0 per (row, 32 columns) of a")
     check.same_device(a=a, sfa=sfa)
+    return _dispatch.call(_mxfp4_native_op, _mxfp4_native_impl, a, b, sfb, sfa)
+
+
+def _mxfp4_native_impl(a, b, sfb, sfa):
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
         target = targets.resolve(a)
@@ -566,4 +571,14 @@ def _mxfp4_op(a: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor) -> torch.Tens
 
 @_mxfp4_op.register_fake
 def _(a, b, sfb):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("tilecraft::mxfp4_gemm_nt_native", mutates_args=())
+def _mxfp4_native_op(a: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, sfa: torch.Tensor) -> torch.Tensor:
+    return _mxfp4_native_impl(a, b, sfb, sfa)
+
+
+@_mxfp4_native_op.register_fake
+def _(a, b, sfb, sfa):
     return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)

@@ -534,6 +534,19 @@ def test_mx_scale_words_for_the_native_kernel():
         mx_scale_words(torch.zeros(3, 6, dtype=torch.uint8))
 
 
+def test_mxfp4_native_op_has_a_fake_implementation():
+    """The sm_100a native path is a torch custom op like the others: its fake gives the output's
+    shape and dtype without running anything (torch.compile traces through it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ops.gemm_mxfp4 import _mxfp4_native_op
+
+    with FakeTensorMode():
+        out = _mxfp4_native_op(torch.empty(5, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 128, dtype=torch.uint8),
+                               torch.empty(128, 8, dtype=torch.uint8), torch.empty(5, 8, dtype=torch.uint8))
+    assert out.shape == (5, 128) and out.dtype == torch.bfloat16
+
+
 def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
     """setmaxnreg moves registers inside the block: every sm_90a rule checks that its warpgroups ask
     for no more than the launch gave (512 MMA threads asking for 120, and the MLA producer at 104,
