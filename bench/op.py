@@ -127,7 +127,7 @@ def run_static(suite, cases, args) -> None:
         nbytes, flops = suite.nbytes(case), suite.flops(case)
         floor, bound = roofline.floor_ms(nbytes, flops, ceil, suite.rate)
         print(f"{suite.label(case)}: {nbytes / 1e6:.3g} MB, {flops / 1e9:.3g} GFLOP -> floor {floor * 1e3:.3g} us ({bound}-bound)")
-        for prog, params in suite.kernels(case):
+        for prog, params in suite.kernels(case, target.name):
             key = (prog.name, tuple(sorted(params.items())))
             if key in seen:
                 continue

@@ -25,7 +25,10 @@ from tilecraft import env
 
 D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
-SWAPPED_ROWS = 16  # query rows per CTA with swapped operands (WGMMA's N)
+# query-tile rows (WGMMA's N) with swapped operands: the first >= s_q * h_q. 64 rows would not fit in
+# shared memory (Q^T 72 KB + 2 x 72 KB steps + the S^T transpose) and gain nothing over the default
+# tiling; the FP8 cache's raw staging leaves room for 16 rows only.
+SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,)}
 SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
@@ -74,7 +77,8 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 )
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
-                       kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False):
+                       kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
+                       raw_rows: int | None = None):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -90,9 +94,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     rows and attention_loop swaps the operands (the tokens are WGMMA's M), so the heads are not
     padded to 64. Experimental: compiled, not yet run on a GPU; the op does not choose it."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
-    if swapped and s_q * h_q > SWAPPED_ROWS:
-        raise ValueError(f"swapped=True takes at most {SWAPPED_ROWS} query rows (s_q * h_q), got {s_q * h_q}")
-    block_m = SWAPPED_ROWS if swapped else BLOCK_M       # the query tile's rows (the output keeps BLOCK_M padding)
+    tiles = SWAPPED_TILES[kv_format]
+    if swapped and s_q * h_q > tiles[-1]:
+        raise ValueError(f"swapped=True with the {kv_format} cache takes at most {tiles[-1]} query rows "
+                         f"(s_q * h_q), got {s_q * h_q}")
+    # the query tile's rows (the output keeps BLOCK_M padding)
+    block_m = next(n for n in tiles if n >= s_q * h_q) if swapped else BLOCK_M
     causal = causal and s_q > 1  # with one query token per sequence the causal limit is the length
     fp8 = kv_format == "fp8"
     rows = s_q * h_q
@@ -106,7 +113,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     half = D_V // 2
     kv_parts = [(block_n, half, sdt), (block_n, half, sdt), (block_n, D_ROPE, sdt)]
     # swapped FP8: 64-token steps (WGMMA's M) whose raw bytes arrive in 32-token chunks (shared memory)
-    raw_rows = SWAPPED_RAW_ROWS if swapped and fp8 else block_n
+    raw_rows = raw_rows or (SWAPPED_RAW_ROWS if swapped and fp8 else block_n)
     raw_parts = [((raw_rows, half), kv_dt), ((raw_rows, half), kv_dt), ((raw_rows, 4), "float32"),
                  ((raw_rows, D_ROPE), sdt)] if fp8 else None
 
@@ -153,25 +160,25 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     @T.macro
     def epilogue_t(o_t, col0, l_s, m_s, stats, Out, Lse, OPart, LsePart, bi, si, splits, max_splits):
         # swapped: o_t (columns col0.., query rows) unnormalized; l_s, m_s the row sums and maxima in
-        # shared memory (log2 domain); one tile of SWAPPED_ROWS rows (mt = 0)
-        for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+        # shared memory (log2 domain); one tile of block_m rows (mt = 0)
+        for j, i in tile.parallel(o_t.shape[0], block_m):
             o_t[j, i] = T.if_then_else(l_s[i] > 0.0, o_t[j, i] / l_s[i], 0.0)
         if si < splits:
             if splits == 1:
-                for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+                for j, i in tile.parallel(o_t.shape[0], block_m):
                     if i < rows:
                         Out[bi, i, col0 + j] = T.cast(o_t[j, i], sdt)
                 if stats:
-                    for i in tile.parallel(SWAPPED_ROWS):
+                    for i in tile.parallel(block_m):
                         if i < rows:
                             Lse[bi, i % h_q, i // h_q] = T.if_then_else(l_s[i] > 0.0, (m_s[i] + T.log2(l_s[i])) * LN2,
                                                                         neg_inf)
             else:
                 slot = bi * max_splits + si
-                for j, i in tile.parallel(o_t.shape[0], SWAPPED_ROWS):
+                for j, i in tile.parallel(o_t.shape[0], block_m):
                     OPart[slot, i, col0 + j] = o_t[j, i]
                 if stats:
-                    for i in tile.parallel(SWAPPED_ROWS):
+                    for i in tile.parallel(block_m):
                         LsePart[slot, i] = T.if_then_else(l_s[i] > 0.0, m_s[i] + T.log2(l_s[i]), neg_inf)
 
     @T.prim_func
@@ -431,12 +438,16 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
 def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a", page: int = 64) -> dict:
     """Per-step tokens and staging depth. bf16: 64-token steps, 2 deep (measured best on H200; 32 x 4
     paid twice the per-step softmax overhead, see bench/NOTES.md); on sm_90a a step is at most a page
-    (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile). fp8: the raw bytes and the bf16
-    operand tiles must both fit in shared memory: 32-token steps; on sm_90a 2 converted + 3 raw
-    steps (the producer warpgroup converts), elsewhere 4 pipelined steps."""
+    (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile), and with at most 32 query rows
+    (s_q * h_q) and 64-token steps the operands are swapped (the heads are WGMMA's N, not padded to
+    64 rows: bench/NOTES.md "MLA v8"). fp8: the raw bytes and the bf16 operand tiles must both fit in
+    shared memory: 32-token steps; on sm_90a 2 converted + 3 raw steps (the producer warpgroup
+    converts), elsewhere 4 pipelined steps."""
     sm90 = targets.get(target).name == "cuda:sm_90a"
     if kv_format != "fp8":
-        return dict(block_n=min(BLOCK_N, page) if sm90 else BLOCK_N, stages=2)
+        block_n = min(BLOCK_N, page) if sm90 else BLOCK_N
+        swapped = sm90 and block_n == BLOCK_N and rows <= SWAPPED_TILES["bf16"][-1]
+        return dict(block_n=block_n, stages=2, **({"swapped": True} if swapped else {}))
     if sm90:
         return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
     return dict(block_n=32, stages=4, kv_format="fp8")

@@ -28,7 +28,7 @@ class Suite:
     nbytes: Callable[[dict], float]
     flops: Callable[[dict], float]
     providers: list[Provider]
-    kernels: Callable[[dict], list[tuple[Any, dict]]]  # case -> [(TileProgram, params)] for static stats
+    kernels: Callable[[dict, str], list[tuple[Any, dict]]]  # (case, target) -> [(TileProgram, params)] for static stats
     rate: str = "bf16"
     label: Callable[[dict], str] = field(default=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
     reference: str = "torch"                            # the provider ratios are quoted against

@@ -147,7 +147,7 @@ SUITE = Suite(
     flops=flops,
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
-    kernels=lambda c: _kernels(c),
+    kernels=lambda c, t: _kernels(c),
     rate="fp8",
     label=lambda c: f"{c['kind']} {'%dx' % c['groups'] if 'groups' in c else ''}{c['m']}x{c['n']}x{c['k']}",
 )

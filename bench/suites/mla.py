@@ -10,7 +10,7 @@ import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.mla_decode import _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program
+from ops.mla_decode import _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
 D = 576
@@ -121,7 +121,8 @@ SUITE = Suite(
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
-    kernels=lambda c: [(mla_decode_program, dict(h_q=c["h_q"], s_q=c["s_q"], page=PAGE)),
+    kernels=lambda c, t: [(mla_decode_program, dict(h_q=c["h_q"], s_q=c["s_q"], page=PAGE,
+                                                     **pick_tiling(c["h_q"] * c["s_q"], "bf16", t, PAGE))),
                        (mla_combine_program, dict(h_q=c["h_q"], s_q=c["s_q"]))],
     label=lambda c: f"b={c['b']} h_q={c['h_q']} s_q={c['s_q']} seqlen={c['seqlen']}",
     reference="torch",

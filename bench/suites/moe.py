@@ -445,7 +445,7 @@ SUITE = Suite(
     flops=lambda c: 0,
     providers=[Provider("tilecraft", tilecraft), Provider("tilecraft-unchecked", tilecraft_unchecked),
                Provider("tilecraft-graph", tilecraft_graph, calls=GRAPH_CALLS), Provider("torch", torch_provider)],
-    kernels=kernels,
+    kernels=lambda c, t: kernels(c),
     label=lambda c: f"{c['kind']} T={c['T']}" + (f" H={c['H']}" if "H" in c else "") + f" E={c['num_experts']} k={c['top_k']}"
     + (" (per rank; needs torchrun, >= 2 GPUs)" if c["kind"] == "ep" else ""),
 )

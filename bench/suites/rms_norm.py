@@ -46,7 +46,7 @@ SUITE = Suite(
         Provider("tilecraft", lambda c, i: (lambda: ops.rms_norm(i["x"], i["w"]))),
         Provider("torch", lambda c, i: (lambda: torch.nn.functional.rms_norm(i["x"], (c["hidden"],), i["w"], 1e-6))),
     ],
-    kernels=lambda c: [(rmsnorm_program, dict(hidden=c["hidden"], dtype=c["dtype"]))],
+    kernels=lambda c, t: [(rmsnorm_program, dict(hidden=c["hidden"], dtype=c["dtype"]))],
     label=lambda c: f"rows={c['rows']} hidden={c['hidden']} {c['dtype']}",
 )
 assert set(DTYPES.values()) >= set(ELEM)

@@ -45,6 +45,6 @@ SUITE = Suite(
                Provider("kernel-sliced", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="sliced"))),
                Provider("kernel-v3", lambda c, i: (lambda: _impl(i["x"], c["k"], None, kernel="v3"))),
                Provider("torch", lambda c, i: (lambda: torch.topk(i["x"], c["k"], dim=-1)))],
-    kernels=lambda c: _kernels(c),
+    kernels=lambda c, t: _kernels(c),
     label=lambda c: f"T={c['T']} N={c['N']} k={c['k']}",
 )
