@@ -410,18 +410,25 @@ def test_swapped_operand_probe_lowers_to_wgmma_with_a_transposed_v():
 
 
 def test_swapped_mla_program_lowers_on_sm90a_only():
-    """mla_decode_program(swapped=True) (experimental, not chosen by the op): S^T and O^T on WGMMA
-    m64n16 (the PV with an MN-major A), no spills; more than 16 query rows, or a target without the
-    swapped rule, is a clear error."""
+    """mla_decode_program(swapped=True) (the op's choice for bf16 caches with s_q * h_q <= 32): S^T
+    and O^T on WGMMA m64n16 (the PV with an MN-major A) or m64n32 for 17-32 rows, no spills; more
+    rows than fit in shared memory (32 with a bf16 cache, 16 with an FP8 one), or a target without
+    the swapped rule, is a clear error."""
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
 
+    def wgmma_shapes(src):
+        return set(re.findall(r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, "
+                              r"(\d+), (\d+), (\d+), (true|false), (true|false)", src))
+
     src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True)
-    shapes = set(re.findall(r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, "
-                            r"(\d+), (\d+), (\d+), (true|false), (true|false)", src))
-    assert shapes == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}, shapes
-    with pytest.raises(ValueError, match="at most 16 query rows"):
-        mla_decode_program.source("sm_90a", h_q=16, s_q=2, swapped=True)
+    assert wgmma_shapes(src) == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}
+    src32 = mla_decode_program.source("sm_90a", h_q=16, s_q=2, swapped=True)
+    assert wgmma_shapes(src32) == {("64", "32", "16", "false", "false"), ("64", "32", "16", "true", "false")}
+    with pytest.raises(ValueError, match="bf16 cache takes at most 32 query rows"):
+        mla_decode_program.source("sm_90a", h_q=48, s_q=1, swapped=True)
+    with pytest.raises(ValueError, match="fp8 cache takes at most 16 query rows"):
+        mla_decode_program.source("sm_90a", h_q=32, s_q=1, swapped=True, kv_format="fp8", block_n=64)
     fp8 = mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True, kv_format="fp8", block_n=64, stages=2,
                                     raw_stages=2)           # raw bytes in two 32-token chunks a step: 214 KB
     assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", fp8)) < 220 * 1024
@@ -434,6 +441,8 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
     st8 = sass_stats(build_cubin(fp8, "sm_90a"), "sm_90a")
     assert st8.histogram.get("HGMMA", 0) > 0 and st8.spill_stores == 0
+    st32 = sass_stats(build_cubin(src32, "sm_90a"), "sm_90a")
+    assert st32.histogram.get("HGMMA", 0) > 0 and st32.spill_stores == 0
 
 
 @pytest.mark.gpu
@@ -443,6 +452,8 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     (1, 1, 1, [65]),
     (2, 2, 7, [200, 3]),
     (2, 1, 16, [16384, 8000]),  # splits + combine
+    (2, 2, 16, [300, 77]),      # 32 rows (m64n32), causal
+    (3, 1, 32, [9000, 64, 0]),
 ])
 def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
     """The experimental swapped-operand program (mla_decode_program(swapped=True)) against the
