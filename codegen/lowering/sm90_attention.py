@@ -52,7 +52,7 @@ PRODUCER = 128
 SCORE_REGS, OUT_REGS, PRODUCER_REGS = 240, 168, 80   # 128 * (240 + 168 + 80) <= 64K registers
 NEG_INF = float("-inf")
 # named barriers of our own: TileLang reserves 0-2 and numbers any it inserts from 3 up
-WG0_BAR, PRODUCER_BAR = 15, 14
+WG0_BAR, PRODUCER_BAR, WG1_BAR = 15, 14, 13
 FULL_ROW = T.GemmWarpPolicy.FullRow
 
 
@@ -125,12 +125,13 @@ def _zero_part(buf, slot, valid):
 CHUNK = 8        # values a producer thread converts at once: one 16-byte store of the bf16 tile
 
 
-def _convert(kv, raw, value, slot, r, valid, vals, row0=0, rows=None):
-    # raw slot r -> rows [row0, row0 + rows) of each converted tile (default: all of it), raw rows 0..
+def _convert(kv, raw, value, slot, r, valid, vals, row0=0, rows=None, wg=2):
+    # raw slot r -> rows [row0, row0 + rows) of each converted tile (default: all of it), raw rows 0..,
+    # by the 128 threads of warpgroup `wg` (2: the producer)
     def read(part, i, j):               # element (i, j) of raw staging part `part`, slot r
         return raw[part][r, i, j]
 
-    tid = T.get_thread_binding() - 2 * WG
+    tid = T.get_thread_binding() - wg * WG
     for p, buf in enumerate(kv):
         _convert_part(buf, p, read, value, slot, valid, tid, vals, row0, rows)
 
@@ -223,27 +224,39 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
             _issue_loads(loads, k + raw_stages, raw, r, raw_full[r])
 
 
+def _raw_slot(k, h, pieces, raw_stages):
+    # chunk h of step k (raw staging in `pieces` chunks a step): its raw slot and that slot's use
+    # parity. Slot r always holds chunk r % pieces of some step, so one warpgroup owns it.
+    depth = raw_stages // pieces
+    return (k % depth) * pieces + h, (k // depth) % 2
+
+
 @T.macro
-def _producer_convert_pieces(steps, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
-                             pieces):
-    # the raw bytes of a step arrive in `pieces` chunks of raw_rows = block_n / pieces tokens each
-    # (loads(j): chunk j), so a step's converted tile and fewer raw bytes fit in shared memory
+def _first_pieces(steps, h, loads, raw, raw_full, pieces, raw_stages):
+    # the converter of chunk h issues the loads of its first raw_stages / pieces chunks
+    for d in T.serial(T.min(steps, raw_stages // pieces)):
+        _issue_loads(loads, d * pieces + h, raw, d * pieces + h, raw_full[d * pieces + h])
+
+
+@T.macro
+def _convert_piece(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
+                   pieces, wg, bar):
+    # chunk h of step k (raw_rows = block_n / pieces tokens) -> rows h * raw_rows.. of the step's
+    # converted slot, by warpgroup wg, which then loads its next chunk into the freed raw slot
+    slot = k % stages
+    r, parity = _raw_slot(k, h, pieces, raw_stages)
     raw_rows = kv[0].shape[1] // pieces
-    for j in T.serial(T.min(steps * pieces, raw_stages)):
-        _issue_loads(loads, j, raw, j, raw_full[j])
-    for k in T.serial(steps):
-        slot = k % stages
-        T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
-        for h in T.unroll(pieces):
-            T.mbarrier_wait_parity(raw_full[(k * pieces + h) % raw_stages], ((k * pieces + h) // raw_stages) % 2)
-            _convert(kv, raw, value, slot, (k * pieces + h) % raw_stages, _valid(valid_rows, k, kv), vals,
-                     h * raw_rows, raw_rows)
-            T.sync_threads(PRODUCER_BAR, PRODUCER)                      # every producer thread read this chunk
-            if k * pieces + h + raw_stages < steps * pieces:
-                _issue_loads(loads, k * pieces + h + raw_stages, raw, (k * pieces + h) % raw_stages,
-                             raw_full[(k * pieces + h) % raw_stages])
-        T.fence_proxy_async()
-        T.mbarrier_arrive(full[slot])
+    T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
+    T.mbarrier_wait_parity(raw_full[r], parity)
+    if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
+        _convert(kv, raw, value, slot, r, None, vals, h * raw_rows, raw_rows, wg)
+    else:
+        _convert(kv, raw, value, slot, r, _valid(valid_rows, k, kv), vals, h * raw_rows, raw_rows, wg)
+    T.fence_proxy_async()
+    T.mbarrier_arrive(full[slot])
+    T.sync_threads(bar, WG)                                             # every thread read raw[r]
+    if k + raw_stages // pieces < steps:
+        _issue_loads(loads, (k + raw_stages // pieces) * pieces + h, raw, r, raw_full[r])
 
 
 @T.macro
@@ -356,11 +369,23 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
 
 
 @T.macro
-def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue):
+def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
+               assist):
+    # assist: None, or (loads, raw, value, valid_rows, full, raw_full, raw_stages, vals, pieces): WG1
+    # also converts chunk 1 of every step, one step ahead of its P V^T (bench/NOTES.md "MLA v9")
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
+    if assist is not None:
+        _first_pieces(steps, 1, assist[0], assist[1], assist[5], assist[8], assist[6])
+        if steps > 0:
+            _convert_piece(steps, 0, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty, assist[5],
+                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR)
     for k in T.serial(steps):
         slot = k % stages
+        if assist is not None:
+            if k + 1 < steps:
+                _convert_piece(steps, k + 1, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty,
+                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _scale_cols(o1, alpha_s)
         _pv_t(p_s, v1, slot, o1)
@@ -398,9 +423,10 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
     alpha_s = T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
-    if pieces != 1 and (plain or not swapped or block_n % raw_rows):
+    if pieces != 1 and (plain or not swapped or pieces != 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
-                         "is built for the swapped mode with a raw format only")
+                         "is built for the swapped mode with a raw format only, in two chunks a step (the "
+                         "producer converts one, WG1 the other) and raw_stages a multiple of 2")
     if swapped:
         if trace is not None:
             raise ValueError("attention_loop(swapped=True) records no trace")
@@ -418,9 +444,9 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                 stages, raw_stages, plain, epilogue, trace)
 
 
-def _barriers(stages, raw_stages, plain):
+def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
     """full, empty, tail, raw_full (None when plain), p_ready, p_free, stats (module docstring)."""
-    return (T.alloc_barrier([PRODUCER] * stages), T.alloc_barrier([2 * WG] * stages), T.alloc_barrier([PRODUCER]),
+    return (T.alloc_barrier([full_arrivals] * stages), T.alloc_barrier([2 * WG] * stages), T.alloc_barrier([PRODUCER]),
             None if plain else T.alloc_barrier([PRODUCER] * raw_stages), T.alloc_barrier([WG]), T.alloc_barrier([WG]),
             T.alloc_barrier([WG]))
 
@@ -458,7 +484,9 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     o0 = T.alloc_fragment((kv[v[0]][1], block_m), "float32")         # O^T of each value part
     o1 = T.alloc_fragment((kv[v[1]][1], block_m), "float32")
     m_i, m_prev, alpha, row_sum, l_i = (T.alloc_fragment((block_m,), "float32") for _ in range(5))
-    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
+    # chunked raw staging: the producer converts chunk 0 of each step and WG1 chunk 1
+    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain,
+                                                                    PRODUCER + (WG if pieces > 1 else 0))
     _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
                   stats, stages, raw_stages, plain, epilogue, pieces)
@@ -475,8 +503,14 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
                    o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain,
                    epilogue)
     elif tx < 2 * WG:
-        _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free,
-                   stats, stages, epilogue)
+        if pieces > 1:
+            vals1 = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
+            _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
+                       p_free, stats, stages, epilogue,
+                       (loads, raw_s, value, valid_rows, full, raw_full, raw_stages, vals1, pieces))
+        else:
+            _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
+                       p_free, stats, stages, epilogue, None)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
@@ -487,5 +521,7 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
                               None, vals)
         else:
             vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
-            _producer_convert_pieces(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
-                                     raw_stages, vals, pieces)
+            _first_pieces(steps, 0, loads, raw_s, raw_full, pieces, raw_stages)
+            for k in T.serial(steps):
+                _convert_piece(steps, k, 0, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
+                               raw_stages, vals, pieces, 2, PRODUCER_BAR)
