@@ -1,6 +1,6 @@
 """Where a step of the sm_90a MLA pipeline goes: SM clock stamps of CTA 0, per warpgroup event.
 
-    python -m bench.trace_mla            # the FP8 h_q=16 row and the bf16 h_q=128 row of the decode grid
+    python -m bench.trace_mla            # h_q=16 (bf16, FP8, FP8 swapped) and h_q=128 (bf16) decode rows
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
@@ -19,7 +19,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.trace_mla needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
-    for ci, fmt in [(1, "fp8"), (4, "bf16")]:  # decode rows: b=128 h_q=16 8192, b=128 h_q=128 4096
+    swapped_fp8 = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True)
+    # decode rows: b=128 h_q=16 8192 (the op's tilings, and the FP8 cache with swapped operands), b=128 h_q=128 4096
+    for ci, fmt, tiling in [(1, "bf16", None), (1, "fp8", None), (1, "fp8", swapped_fp8), (4, "bf16", None)]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]
@@ -28,7 +30,7 @@ def main() -> int:
         assert sched.max_splits == 1  # the stamps live in the partials buffer: only an unsplit run leaves it alone
         kv = ops.quantize_mla_kv_fp8(i["kv"]) if fmt == "fp8" else i["kv"]
         page = kv.shape[1]
-        tiling = pick_tiling(rows, fmt, "sm_90a", page)
+        tiling = tiling or pick_tiling(rows, fmt, "sm_90a", page)
         kernel = mla_decode_program.compile("sm_90a", h_q=h_q, s_q=s_q, page=page, dtype="bfloat16", causal=True,
                                             trace=True, **tiling)
         kvv = kv.view(kv.shape[0], page, kv.shape[-1])
@@ -45,11 +47,11 @@ def main() -> int:
         torch.cuda.synchronize()
         st = o_part[0, :64, :16].contiguous().view(torch.int32).long().cpu()
         base = st[:, 0]
-        print(f"== {case} {fmt} block_n={tiling['block_n']}: step period (wg0 ready k+1 - k), cycles:",
+        print(f"== {case} {fmt} {tiling}: step period (wg0 ready k+1 - k), cycles:",
               [int(x) for x in (base[1:33] - base[:32])])
         for e, name in enumerate(EVENTS):
-            if name == "prod convert" and fmt != "fp8":
-                continue  # only a raw staging format is converted
+            if not st[20:28, e].any():
+                continue  # an event this pipeline does not have
             d = [int(st[k, e] - base[k]) for k in range(20, 28)]
             print(f"  {name:18s} rel. to wg0 ready: {d}")
     return 0

@@ -166,9 +166,14 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
 def test_trace_stamps_every_event(fmt):
     from codegen.lowering.sm90_attention import EVENTS
 
-    # the swapped operands (the op's choice for 16 bf16 rows) record no trace: 128 rows' tiling
+    # the default operand order: no conversion event without a raw format, no WG1 conversion
     src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, **pick_tiling(128, fmt, "sm_90a"))
-    assert src.count("clock()") == len(EVENTS) - (fmt == "bf16")  # no conversion event without a raw format
+    assert src.count("clock()") == len(EVENTS) - 2 - (fmt == "bf16")
+    # swapped: the FP8 producer has one raw wait a step; WG1's conversion events appear twice (the
+    # first step's conversion before the loop)
+    swapped = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, swapped=True, block_n=64,
+                                        **(dict(kv_format="fp8", raw_stages=2) if fmt == "fp8" else {}))
+    assert swapped.count("clock()") == (14 if fmt == "fp8" else 10)
     assert "clock()" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
 
 

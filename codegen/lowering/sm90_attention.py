@@ -60,8 +60,10 @@ FULL_ROW = T.GemmWarpPolicy.FullRow
 # stored at trace[0, k, EVENTS.index(event)] by CTA 0 for steps < 64 (bench/trace_mla.py reads them).
 # The producer's events: its first wait (empty, or the raw bytes when converting), the second (loads
 # issued / empty), and the conversion done.
+# Swapped with chunked raw staging: WG1 converts too ("wg1 raw": its first raw wait of the step done,
+# "wg1 convert": its half converted); the producer's "prod wait1" is then its first raw wait.
 EVENTS = ("wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
-          "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert")
+          "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert", "wg1 raw", "wg1 convert")
 
 
 @T.macro
@@ -224,39 +226,51 @@ def _producer_convert(steps, loads, kv, raw, value, valid_rows, full, empty, raw
             _issue_loads(loads, k + raw_stages, raw, r, raw_full[r])
 
 
-def _raw_slot(k, h, pieces, raw_stages):
-    # chunk h of step k (raw staging in `pieces` chunks a step): its raw slot and that slot's use
+def _raw_slot(k, c, pieces, raw_stages):
+    # chunk c of step k (raw staging in `pieces` chunks a step): its raw slot and that slot's use
     # parity. Slot r always holds chunk r % pieces of some step, so one warpgroup owns it.
     depth = raw_stages // pieces
-    return (k % depth) * pieces + h, (k // depth) % 2
+    return (k % depth) * pieces + c, (k // depth) % 2
 
 
 @T.macro
 def _first_pieces(steps, h, loads, raw, raw_full, pieces, raw_stages):
-    # the converter of chunk h issues the loads of its first raw_stages / pieces chunks
+    # converter h (of two) issues the loads of its chunks of the first raw_stages / pieces steps
     for d in T.serial(T.min(steps, raw_stages // pieces)):
-        _issue_loads(loads, d * pieces + h, raw, d * pieces + h, raw_full[d * pieces + h])
+        for c in T.unroll(pieces // 2):
+            _issue_loads(loads, d * pieces + h * (pieces // 2) + c, raw, d * pieces + h * (pieces // 2) + c,
+                         raw_full[d * pieces + h * (pieces // 2) + c])
 
 
 @T.macro
-def _convert_piece(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
-                   pieces, wg, bar):
-    # chunk h of step k (raw_rows = block_n / pieces tokens) -> rows h * raw_rows.. of the step's
-    # converted slot, by warpgroup wg, which then loads its next chunk into the freed raw slot
+def _convert_share(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
+                   pieces, wg, bar, trace):
+    # converter h's half of step k: chunks h * pieces / 2.. (raw_rows = block_n / pieces tokens each)
+    # -> their rows of the step's converted slot, by warpgroup wg; each freed raw slot at once takes
+    # the same chunk of step k + raw_stages / pieces
     slot = k % stages
-    r, parity = _raw_slot(k, h, pieces, raw_stages)
     raw_rows = kv[0].shape[1] // pieces
     T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
-    T.mbarrier_wait_parity(raw_full[r], parity)
-    if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
-        _convert(kv, raw, value, slot, r, None, vals, h * raw_rows, raw_rows, wg)
-    else:
-        _convert(kv, raw, value, slot, r, _valid(valid_rows, k, kv), vals, h * raw_rows, raw_rows, wg)
-    T.fence_proxy_async()
-    T.mbarrier_arrive(full[slot])
-    T.sync_threads(bar, WG)                                             # every thread read raw[r]
-    if k + raw_stages // pieces < steps:
-        _issue_loads(loads, (k + raw_stages // pieces) * pieces + h, raw, r, raw_full[r])
+    for c in T.unroll(pieces // 2):
+        T.mbarrier_wait_parity(raw_full[_raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0]],
+                               _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[1])
+        if c == 0:
+            _stamp(trace, k, ("prod wait1", "wg1 raw")[h])
+        if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
+            _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0], None, vals,
+                     (h * (pieces // 2) + c) * raw_rows, raw_rows, wg)
+        else:
+            _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0],
+                     _valid(valid_rows, k, kv), vals, (h * (pieces // 2) + c) * raw_rows, raw_rows, wg)
+        if c == pieces // 2 - 1:                                        # the half is converted
+            T.fence_proxy_async()
+            T.mbarrier_arrive(full[slot])
+            _stamp(trace, k, ("prod convert", "wg1 convert")[h])
+        T.sync_threads(bar, WG)                                         # every thread read this raw slot
+        if k + raw_stages // pieces < steps:
+            _issue_loads(loads, (k + raw_stages // pieces) * pieces + h * (pieces // 2) + c, raw,
+                         _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0],
+                         raw_full[_raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0]])
 
 
 @T.macro
@@ -340,27 +354,33 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
 
 @T.macro
 def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s, o0, m_i,
-               m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue):
+               m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
     _wg0_start(m_i, l_i, o0)
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
+        _stamp(trace, k, "wg0 ready")
         _scores_t(q, kv, slot, acc_st)
+        _stamp(trace, k, "wg0 S")
         T.copy(acc_st, st_s)
         T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
         for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
             sc[i, j] = st_s[j, i]
         online_softmax(k, sc, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+        _stamp(trace, k, "wg0 softmax")
         if k > 0:
             T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
+        _stamp(trace, k, "wg0 p_free")
         T.copy(sc, p_s)
         T.copy(alpha, alpha_s)
         T.fence_proxy_async()
         T.sync_threads(WG0_BAR, WG)                                     # P and alpha are written (and S^T read)
         T.mbarrier_arrive(p_ready[0])
+        _stamp(trace, k, "wg0 p_ready")
         _scale_cols(o0, alpha_s)
         _pv_t(p_s, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
+        _stamp(trace, k, "wg0 PV+empty")
     T.copy(m_i, m_s)
     T.copy(l_i, l_s)
     T.sync_threads(WG0_BAR, WG)
@@ -370,27 +390,30 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
 
 @T.macro
 def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
-               assist):
+               assist, trace):
     # assist: None, or (loads, raw, value, valid_rows, full, raw_full, raw_stages, vals, pieces): WG1
-    # also converts chunk 1 of every step, one step ahead of its P V^T (bench/NOTES.md "MLA v9")
+    # also converts the second half of every step's chunks, one step ahead of its P V^T
+    # (bench/NOTES.md "MLA v9")
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
     if assist is not None:
         _first_pieces(steps, 1, assist[0], assist[1], assist[5], assist[8], assist[6])
         if steps > 0:
-            _convert_piece(steps, 0, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty, assist[5],
-                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR)
+            _convert_share(steps, 0, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty, assist[5],
+                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace)
     for k in T.serial(steps):
         slot = k % stages
         if assist is not None:
             if k + 1 < steps:
-                _convert_piece(steps, k + 1, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty,
-                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR)
+                _convert_share(steps, k + 1, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty,
+                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
+        _stamp(trace, k, "wg1 p_ready")
         _scale_cols(o1, alpha_s)
         _pv_t(p_s, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
         T.mbarrier_arrive(empty[slot])
+        _stamp(trace, k, "wg1 PV+free")
     T.mbarrier_wait_parity(stats[0], 0)
     epilogue(o1, col1, l_s, m_s, False)
 
@@ -423,15 +446,14 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
     alpha_s = T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
-    if pieces != 1 and (plain or not swapped or pieces != 2 or raw_stages % pieces):
+    if pieces != 1 and (plain or not swapped or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
-                         "is built for the swapped mode with a raw format only, in two chunks a step (the "
-                         "producer converts one, WG1 the other) and raw_stages a multiple of 2")
+                         "is built for the swapped mode with a raw format only, in an even number of chunks a "
+                         "step (the producer converts the first half, WG1 the second) and raw_stages a multiple "
+                         "of that number")
     if swapped:
-        if trace is not None:
-            raise ValueError("attention_loop(swapped=True) records no trace")
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-                 raw_stages, plain, epilogue, pieces)
+                 raw_stages, plain, epilogue, pieces, trace)
         return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
@@ -474,7 +496,7 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
 
 
 def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-             raw_stages, plain, epilogue, pieces):
+             raw_stages, plain, epilogue, pieces, trace):
     block_m, block_n = q[0].shape[0], kv[0][0]
     acc_st = T.alloc_fragment((block_n, block_m), "float32")         # S^T: tokens x query rows
     st_s = T.alloc_shared((block_n, block_m), "float32")
@@ -489,39 +511,39 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
                                                                     PRODUCER + (WG if pieces > 1 else 0))
     _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces)
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace)
 
 
 @T.macro
 def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces):
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0_t(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s,
                    o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain,
-                   epilogue)
+                   epilogue, trace)
     elif tx < 2 * WG:
         if pieces > 1:
             vals1 = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
                        p_free, stats, stages, epilogue,
-                       (loads, raw_s, value, valid_rows, full, raw_full, raw_stages, vals1, pieces))
+                       (loads, raw_s, value, valid_rows, full, raw_full, raw_stages, vals1, pieces), trace)
         else:
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
-                       p_free, stats, stages, epilogue, None)
+                       p_free, stats, stages, epilogue, None, trace)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
-            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, None)
+            _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, trace)
         elif pieces == 1:
             vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
-                              None, vals)
+                              trace, vals)
         else:
             vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _first_pieces(steps, 0, loads, raw_s, raw_full, pieces, raw_stages)
             for k in T.serial(steps):
-                _convert_piece(steps, k, 0, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
-                               raw_stages, vals, pieces, 2, PRODUCER_BAR)
+                _convert_share(steps, k, 0, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
+                               raw_stages, vals, pieces, 2, PRODUCER_BAR, trace)
