@@ -438,16 +438,19 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
 def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a", page: int = 64) -> dict:
     """Per-step tokens and staging depth. bf16: 64-token steps, 2 deep (measured best on H200; 32 x 4
     paid twice the per-step softmax overhead, see bench/NOTES.md); on sm_90a a step is at most a page
-    (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile), and with at most 32 query rows
-    (s_q * h_q) and 64-token steps the operands are swapped (the heads are WGMMA's N, not padded to
-    64 rows: bench/NOTES.md "MLA v8"). fp8: the raw bytes and the bf16 operand tiles must both fit in
-    shared memory: 32-token steps; on sm_90a 2 converted + 3 raw steps (the producer warpgroup
-    converts), elsewhere 4 pipelined steps."""
+    (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile). On sm_90a with pages of 64+
+    tokens and few query rows (s_q * h_q <= 32 bf16, <= 16 FP8) the operands are swapped: the heads
+    are WGMMA's N, not padded to 64 rows (bench/NOTES.md "MLA v9"); the FP8 cache then stages its raw
+    bytes in 32-token chunks that the producer and WG1 convert. Otherwise fp8: the raw bytes and the
+    bf16 operand tiles must both fit in shared memory: 32-token steps; on sm_90a 2 converted + 3 raw
+    steps (the producer warpgroup converts), elsewhere 4 pipelined steps."""
     sm90 = targets.get(target).name == "cuda:sm_90a"
+    swapped = sm90 and page >= BLOCK_N and rows <= SWAPPED_TILES[kv_format][-1]
     if kv_format != "fp8":
         block_n = min(BLOCK_N, page) if sm90 else BLOCK_N
-        swapped = sm90 and block_n == BLOCK_N and rows <= SWAPPED_TILES["bf16"][-1]
         return dict(block_n=block_n, stages=2, **({"swapped": True} if swapped else {}))
+    if swapped:
+        return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True)
     if sm90:
         return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
     return dict(block_n=32, stages=4, kv_format="fp8")

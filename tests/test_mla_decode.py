@@ -150,7 +150,7 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     assert "__launch_bounds__(384, 1)" in src
     assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
     partial = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src))
-    assert partial <= {("14", "128"), ("15", "128")}, partial
+    assert partial <= {("13", "128"), ("14", "128"), ("15", "128")}, partial  # 13: WG1 converting (swapped FP8)
     assert "% ((int64_t)max_splits)" not in src and "/ ((int64_t)max_splits)" not in src
     try:
         cubin, log = _build_with_ptxas_log(src)

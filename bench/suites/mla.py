@@ -71,21 +71,6 @@ def tilecraft_fp8(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
 
-def tilecraft_swapped(case, i, fp8=False):
-    """The experimental swapped-operand program (mla_decode_program(swapped=True), s_q * h_q <= 16;
-    bench/NOTES.md "MLA v8 probe"), which the op does not choose yet; fp8: over the FP8 cache
-    (64-token steps, raw bytes in 32-token chunks)."""
-    if fp8 and "kv8" not in i:
-        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
-    fmt = "fp8" if fp8 else "bf16"
-    tiling = dict(kv_format=fmt, block_n=64, stages=2, raw_stages=2, swapped=True)
-    run = lambda: _mla_decode_impl(i["q"], i["kv8" if fp8 else "kv"], i["table"], i["lens"], i["scale"],  # noqa: E731
-                                   True, sched, tiling=tiling, kv_format=fmt)
-    run()                                        # compiles (or says why this shape cannot take it)
-    return run
-
-
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -116,8 +101,6 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
-        Provider("tilecraft-swapped", tilecraft_swapped),
-        Provider("tilecraft-swapped-fp8", lambda case, i: tilecraft_swapped(case, i, fp8=True)),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
