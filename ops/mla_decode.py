@@ -90,9 +90,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     trace=True (debugging, sm_90a): CTA 0 writes SM clock stamps of its first 64 steps into
     OPart[0, step, event] (as int32 bits; events in lowering/sm90_attention.py); run unsplit.
 
-    swapped=True (sm_90a, s_q * h_q <= 16; bench/NOTES.md "MLA v8 probe"): the query tile has 16
-    rows and attention_loop swaps the operands (the tokens are WGMMA's M), so the heads are not
-    padded to 64. Experimental: compiled, not yet run on a GPU; the op does not choose it."""
+    swapped=True (sm_90a, s_q * h_q <= 32 with the bf16 cache, <= 16 with FP8; bench/NOTES.md
+    "MLA v9"): the query tile has 16 or 32 rows and attention_loop swaps the operands (the tokens
+    are WGMMA's M), so the heads are not padded to 64. The FP8 cache's raw bytes arrive in chunks of
+    `raw_rows` tokens (default 32), half converted by the producer, half by WG1. pick_tiling chooses
+    it for pages of 64+ tokens."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     tiles = SWAPPED_TILES[kv_format]
     if swapped and s_q * h_q > tiles[-1]:

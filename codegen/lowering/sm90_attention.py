@@ -23,17 +23,20 @@ the program that uses it (tile.require_pass_configs). With it on, the pass
 cannot tell the merged shared buffers apart and puts a producer-wide barrier inside every
 iteration of the conversion loop (measured: FP8 decode 0.445 -> 0.402 ms without them).
 
-swapped=True (few query rows, e.g. MLA decode at h_q <= 16; bench/NOTES.md "MLA v8 probe"): the
+swapped=True (few query rows, e.g. MLA decode at s_q * h_q <= 32; bench/NOTES.md "MLA v9"): the
 tokens are WGMMA's M instead of the query rows. WG0 computes S^T = K Q^T (block_n x rows), moves it
 through shared memory into a row-major tile for the same online softmax, and both warpgroups
 accumulate O^T += V^T P^T (their value part's columns x rows; V^T read MN-major from the cache
 tile), scaled per column by alpha. The epilogue gets O^T and the row statistics in shared memory.
-Not yet run on a GPU.
+With a raw format staged in chunks (raw_rows), two warpgroups convert: the producer the first half
+of each step's chunks, WG1 the second half one step ahead of its own O^T update (WG1 has little
+else to do when the heads are few). Each converter reloads a raw slot as soon as it has read it.
 
 Barriers (all mbarriers; parity = use number % 2):
-    full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready
+    full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready (swapped with
+                 raw chunks: producer + WG1 arrivals, one per converter and step)
     tail         a plain step's rows past the valid ones were zeroed (at most one per CTA: the last)
-    raw[r]       producer arrivals + TMA bytes of raw staging slot r (convert mode)
+    raw[r]       arrivals of the warpgroup that loads raw staging slot r + its TMA bytes
     empty[slot]  both MMA warpgroups are done reading the slot
     p_ready / p_free   WG0 -> WG1 hand-off of P and the row scales (one buffer)
     stats        WG0's final row max and sum are in shared memory for WG1's epilogue
