@@ -22,7 +22,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=, epilogue=) | producer warpgroup (TMA, mbarriers) + consumers: bursts of 4 K blocks, WGMMA of step s in flight while s-1 is promoted (wgmma wait 1) | pipelined copies + mma_promoted | same as sm_100a | same |
 | mma_decoded_loop(steps, loads, operands, acc, decode, stages=, prologue=, epilogue=) | producer warpgroup (TMA) + MMA warpgroups that decode step s+1 while the WGMMA of step s is in flight (decoded tile double-buffered); the MMA warpgroups run prologue() under the first loads | pipelined copies + decode + mma per step | same as sm_100a | same |
 | mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=, stages=, epilogue=, scale_dtype=) | not lowered (no block-scaled tensor cores) | one warp TMA, one warp scale copies to TMEM (UTCCP) + block-scaled tcgen05 MMA (UTCQMMA), one warp transposing the scale words; 128 threads | not lowered | not lowered |
-| attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, valid_rows=, raw=, value=, swapped=, raw_rows=) | producer warpgroup (TMA; zeroes tail rows / converts raw staging) + two MMA warpgroups: WG0 scores, softmax and O_0, WG1 O_1; swapped: S^T and O^T (tokens as M), raw staging in raw_rows chunks | pipelined copies + mma + mma_rescaled per step | same as sm_100a | same |
+| attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, valid_rows=, raw=, value=, swapped=, raw_rows=, stage_raw=) | producer warpgroup (TMA; zeroes tail rows / converts raw staging) + two MMA warpgroups: WG0 scores, softmax and O_0, WG1 O_1; swapped: S^T and O^T (tokens as M), raw staging in raw_rows chunks converted by the producer and WG1 (stage_raw: through registers) | pipelined copies + mma + mma_rescaled per step | same as sm_100a | same |
 | scalar(value, dtype) | a register variable (T.alloc_var), set once | the expression itself | same | same |
 | producer_threads() | 128 (the TMA warpgroup of mma_promoted_loop / mma_decoded_loop, added to the grid) | 0 | 0 | 0 |
 | split_rows(rows) | (rows, 0) | (rows, 0) | (rows/2, sub-block id * rows/2) | (rows, 0) |
@@ -90,6 +90,20 @@ class Accumulator:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RawValue:
+    """How attention_loop makes operand part `part`'s element (i, j) from raw staging:
+    combine(part, [load(i, j, read) for load in loads(part)]), read(raw_part, i, j) reading the staged
+    raw bytes. Split in two so that a target may read every raw element of a step into registers
+    first and free the staging before it computes (sm_90a's stage_raw); calling it does both."""
+
+    loads: Any      # part -> [(i, j, read) -> raw expression]
+    combine: Any    # (part, [values, one per load]) -> the operand element
+
+    def __call__(self, part, i, j, read):
+        return self.combine(part, [load(i, j, read) for load in self.loads(part)])
+
+
 def _dispatch(word: str, *args, **kwargs):
     return rules.lookup(word, targets.current()).fn(*args, **kwargs)
 
@@ -120,7 +134,7 @@ mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (ac
 mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
 mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * scale_of(row, s), then epilogue(); threads: see producer_threads.")
 mma_decoded_loop = _word("mma_decoded_loop", "The K loop of a GEMM whose B operand is decoded on chip: for s < steps, copy loads(s) = (A region, raw B region) into tiles of operands[0] and operands[1], decode(raw_at, b_at, s) writes the B tile of operands[2] from the raw one (raw_at(i, j), b_at(i, j): elements of this step's tiles), acc (+)= a @ b^T; prologue() before the first step (staging the decode reads; on sm_90a by the MMA threads while the first loads fly), epilogue() after the last step; threads: see producer_threads.")
-attention_loop = _word("attention_loop", "Online-softmax attention over `steps` staged KV steps: S = sum_p q[p] @ kv[p]^T (kv: (rows, d, dtype) parts, staged by loads(k) -> [(src, part, row0, rows)], or into `raw` parts converted by value(part, i, j, read)), masked by visible(k, i, j) and scaled by `scale` (log2 domain), O_i = softmax(S) @ kv[v[i]]; rows past valid_rows (counted from step 0's first) are zeroed; epilogue(o, col0, l, m, stats) per output part. swapped=True (sm_90a, experimental): the tokens are the MMA's M, o is O^T and l, m are in shared memory; raw_rows: the raw staging holds raw_rows tokens, loads(j) stages chunk j.")
+attention_loop = _word("attention_loop", "Online-softmax attention over `steps` staged KV steps: S = sum_p q[p] @ kv[p]^T (kv: (rows, d, dtype) parts, staged by loads(k) -> [(src, part, row0, rows)], or into `raw` parts converted by value(part, i, j, read)), masked by visible(k, i, j) and scaled by `scale` (log2 domain), O_i = softmax(S) @ kv[v[i]]; rows past valid_rows (counted from step 0's first) are zeroed; epilogue(o, col0, l, m, stats) per output part. swapped=True (sm_90a): the tokens are the MMA's M, o is O^T and l, m are in shared memory; raw_rows: the raw staging holds raw_rows tokens, loads(j) stages chunk j; stage_raw=True (sm_90a, swapped with raw_rows; value a tile.RawValue): a chunk's raw elements go to registers first and its staging is reloaded before the conversion.")
 scalar = _word("scalar", "A per-block scalar computed once and kept in a register; returns what expressions use in its place.")
 mma_block_scaled_loop = _word("mma_block_scaled_loop", "The K loop of a GEMM on block-scaled tensor cores: for s < steps, copy loads(s) = (A region, B region) into tiles of operands[0] and operands[1] and scale_loads(s) = (A's, B's scale words: one 32-bit word (scale_dtype) of 4 E8M0 bytes per row, each byte scale_k K values) into scale tiles, acc (+)= (a * sfa) @ (b * sfb)^T; epilogue() after the last step; a grid of 128 threads.")
 producer_threads = _word("producer_threads", "Extra threads mma_promoted_loop and mma_decoded_loop need in the grid beyond the MMA threads (0 but on sm_90a).")

@@ -78,7 +78,7 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
-                       raw_rows: int | None = None):
+                       raw_rows: int | None = None, stage_raw: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -125,10 +125,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     def fp8_parts(KV, KVf, KVh):  # raw staging parts: e4m3 halves, the 4 scales, the bf16 rope
         return [(KV, 0, half, 0), (KV, half, half, 1), (KVf, FP8_SCALE_WORD, 4, 2), (KVh, FP8_ROPE_HALF, D_ROPE, 3)]
 
-    def fp8_value(part, i, j, read):  # FP8 cache -> operand part: e4m3 * its 128-column scale; rope as is
-        if part == 2:
-            return read(3, i, j)
-        return T.cast(T.cast(read(part, i, j), "float32") * read(2, i, part * 2 + j // 128), sdt)
+    fp8_value = tile.RawValue(  # FP8 cache -> operand part: e4m3 * its 128-column scale; rope as is
+        loads=lambda part: ([lambda i, j, read: read(3, i, j)] if part == 2 else
+                            [lambda i, j, read: read(part, i, j), lambda i, j, read: read(2, i, part * 2 + j // 128)]),
+        combine=lambda part, v: v[0] if part == 2 else T.cast(T.cast(v[0], "float32") * v[1], sdt))
 
     def limit(causal_base, mt, i):  # causal: query token q sees the cache up to seqlen - s_q + q + 1
         return causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
@@ -240,7 +240,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
                 zero_every_step=causal and m_tiles > 1,
-                swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None)
+                swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None, stage_raw=stage_raw)
 
     return mla_decode
 

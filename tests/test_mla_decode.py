@@ -467,9 +467,38 @@ def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 16, [1000, 64]), (3, 1, 16, [53, 1, 0]), (2, 1, 16, [16384, 8000])])
-def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens):
+@pytest.mark.parametrize("stage_raw", [False, True])
+@pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 16, [1000, 64]), (3, 1, 16, [53, 1, 0]), (2, 1, 16, [16384, 8000]),
+                                            (2, 2, 8, [700, 33])])
+def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens, stage_raw):
     """The swapped program over the FP8 cache: 64-token steps whose raw bytes arrive in two 32-token
-    chunks (attention_loop raw_rows=32), against the reference on the dequantized cache."""
+    chunks (attention_loop raw_rows=32) that the producer and WG1 convert, straight from shared
+    memory or (stage_raw) through registers, against the reference on the dequantized cache."""
     run_fp8_case(b, s_q, h_q, lens, 64, tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2,
-                                                    swapped=True))
+                                                    swapped=True, stage_raw=stage_raw))
+
+
+def test_stage_raw_builds_and_says_what_it_needs():
+    """stage_raw (the swapped FP8 converters read a chunk into registers, reload its staging, then
+    convert): it compiles with no spills within the producer's 80 registers, the reload comes before
+    the conversion's first bf16 stores, and it refuses a layout without chunks."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    kw = dict(h_q=16, s_q=1, swapped=True, kv_format="fp8", block_n=64, stages=2, raw_stages=2)
+    def first_in_producer_loop(src):        # what the producer's step loop does first: reload or convert
+        loop = src[src.index("warpgroup_reg_dealloc<80>"):]
+        loop = loop[loop.index("for (int k"):]
+        return "reload" if loop.index("tma_load") < loop.index("__float22bfloat162_rn") else "convert"
+
+    src = mla_decode_program.source("sm_90a", stage_raw=True, **kw)
+    assert first_in_producer_loop(src) == "reload"
+    assert first_in_producer_loop(mla_decode_program.source("sm_90a", **kw)) == "convert"
+    with pytest.raises(ValueError, match="stage_raw=True\\) needs raw staging in chunks"):
+        mla_decode_program.source("sm_90a", h_q=16, s_q=1, kv_format="fp8", block_n=32, stages=2, raw_stages=3,
+                                  stage_raw=True)
+    try:
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0

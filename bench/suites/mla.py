@@ -71,6 +71,21 @@ def tilecraft_fp8(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
 
+def tilecraft_fp8_staged(case, i):
+    """The FP8 cache with the swapped kernel's converters staging each raw chunk in registers
+    (stage_raw, not yet the op's choice: bench/NOTES.md "MLA v9"); s_q * h_q <= 16."""
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), stage_raw=True)
+    if not tiling.get("swapped"):
+        raise ValueError(f"stage_raw is built for the swapped kernel (s_q * h_q <= 16), got {case['s_q'] * case['h_q']} rows")
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=tiling, kv_format="fp8")
+    run()
+    return run
+
+
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -101,6 +116,7 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
+        Provider("tilecraft-fp8-staged", tilecraft_fp8_staged),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
