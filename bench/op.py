@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         wanted = args.providers.split(",") if args.providers else None
         providers = []
         for p in suite.providers:
-            if wanted and p.name not in wanted:
+            if (wanted and p.name not in wanted) or (p.experimental and not wanted):
                 continue
             why = p.available()
             if why:

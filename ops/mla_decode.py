@@ -27,8 +27,9 @@ D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
 # query-tile rows (WGMMA's N) with swapped operands: the first >= s_q * h_q. 64 rows would not fit in
 # shared memory (Q^T 72 KB + 2 x 72 KB steps + the S^T transpose) and gain nothing over the default
-# tiling; the FP8 cache's raw staging leaves room for 16 rows only.
-SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,)}
+# tiling; the FP8 cache's raw staging leaves room for 16 rows only (with rope_direct, 32 rows miss
+# by 128 bytes: TileLang places each of the three 128-byte row-statistics buffers on its own 1 KB).
+SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,), "fp8-rope-direct": (16,)}
 SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
@@ -78,7 +79,7 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
-                       raw_rows: int | None = None, stage_raw: bool = False):
+                       raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -94,9 +95,15 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     "MLA v9"): the query tile has 16 or 32 rows and attention_loop swaps the operands (the tokens
     are WGMMA's M), so the heads are not padded to 64. The FP8 cache's raw bytes arrive in chunks of
     `raw_rows` tokens (default 32), half converted by the producer, half by WG1. pick_tiling chooses
-    it for pages of 64+ tokens."""
+    it for pages of 64+ tokens. Two FP8 options the op does not take yet (not run on a GPU so far):
+    stage_raw (a converter reads its raw chunk into registers and reloads the staging before it
+    converts, so the next chunk's load overlaps the conversion) and rope_direct (the bf16 rope goes
+    by TMA straight into the operand tile: no raw copy, no conversion, 8 KB less shared memory)."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
-    tiles = SWAPPED_TILES[kv_format]
+    if rope_direct and not (swapped and kv_format == "fp8"):
+        raise ValueError("rope_direct=True (the FP8 cache's bf16 rope loaded straight into the operand tile) is built "
+                         "for swapped=True with kv_format='fp8'")
+    tiles = SWAPPED_TILES["fp8-rope-direct" if rope_direct else kv_format]
     if swapped and s_q * h_q > tiles[-1]:
         raise ValueError(f"swapped=True with the {kv_format} cache takes at most {tiles[-1]} query rows "
                          f"(s_q * h_q), got {s_q * h_q}")
@@ -116,14 +123,15 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     kv_parts = [(block_n, half, sdt), (block_n, half, sdt), (block_n, D_ROPE, sdt)]
     # swapped FP8: 64-token steps (WGMMA's M) whose raw bytes arrive in 32-token chunks (shared memory)
     raw_rows = raw_rows or (SWAPPED_RAW_ROWS if swapped and fp8 else block_n)
-    raw_parts = [((raw_rows, half), kv_dt), ((raw_rows, half), kv_dt), ((raw_rows, 4), "float32"),
-                 ((raw_rows, D_ROPE), sdt)] if fp8 else None
+    raw_parts = ([((raw_rows, half), kv_dt), ((raw_rows, half), kv_dt), ((raw_rows, 4), "float32")] +
+                 ([] if rope_direct else [((raw_rows, D_ROPE), sdt)])) if fp8 else None
 
     def bf16_parts(KV):        # (tensor, first column, width, operand part)
         return [(KV, 0, half, 0), (KV, half, half, 1), (KV, D_V, D_ROPE, 2)]
 
-    def fp8_parts(KV, KVf, KVh):  # raw staging parts: e4m3 halves, the 4 scales, the bf16 rope
-        return [(KV, 0, half, 0), (KV, half, half, 1), (KVf, FP8_SCALE_WORD, 4, 2), (KVh, FP8_ROPE_HALF, D_ROPE, 3)]
+    def fp8_parts(KV, KVf, KVh):  # raw staging parts: e4m3 halves, the 4 scales, the bf16 rope (unless direct)
+        return [(KV, 0, half, 0), (KV, half, half, 1), (KVf, FP8_SCALE_WORD, 4, 2)] + \
+            ([] if rope_direct else [(KVh, FP8_ROPE_HALF, D_ROPE, 3)])
 
     fp8_value = tile.RawValue(  # FP8 cache -> operand part: e4m3 * its 128-column scale; rope as is
         loads=lambda part: ([lambda i, j, read: read(3, i, j)] if part == 2 else
@@ -240,7 +248,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
                 zero_every_step=causal and m_tiles > 1,
-                swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None, stage_raw=stage_raw)
+                swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None, stage_raw=stage_raw,
+                # rope_direct: step k's bf16 rope goes by TMA straight into operand part 2
+                direct=(lambda k: _page_copies(BlockTable, bi, first + k, page, block_n, num_pages,
+                                               [(KVh, FP8_ROPE_HALF, D_ROPE, 2)])) if rope_direct else None)
 
     return mla_decode
 

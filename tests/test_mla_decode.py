@@ -467,21 +467,23 @@ def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage_raw", [False, True])
-@pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 16, [1000, 64]), (3, 1, 16, [53, 1, 0]), (2, 1, 16, [16384, 8000]),
-                                            (2, 2, 8, [700, 33])])
-def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens, stage_raw):
+@pytest.mark.parametrize("stage_raw,rope_direct", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
+                                                 (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128)])
+def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens, page, stage_raw, rope_direct):
     """The swapped program over the FP8 cache: 64-token steps whose raw bytes arrive in two 32-token
     chunks (attention_loop raw_rows=32) that the producer and WG1 convert, straight from shared
-    memory or (stage_raw) through registers, against the reference on the dequantized cache."""
-    run_fp8_case(b, s_q, h_q, lens, 64, tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2,
-                                                    swapped=True, stage_raw=stage_raw))
+    memory or (stage_raw) through registers; rope_direct: the rope by TMA straight into the operand
+    tile. Against the reference on the dequantized cache (NaN tails must not leak)."""
+    run_fp8_case(b, s_q, h_q, lens, page, tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2,
+                                                      swapped=True, stage_raw=stage_raw, rope_direct=rope_direct))
 
 
-def test_stage_raw_builds_and_says_what_it_needs():
+def test_stage_raw_and_rope_direct_build_and_say_what_they_need():
     """stage_raw (the swapped FP8 converters read a chunk into registers, reload its staging, then
     convert): it compiles with no spills within the producer's 80 registers, the reload comes before
-    the conversion's first bf16 stores, and it refuses a layout without chunks."""
+    the conversion's first bf16 stores, and it refuses a layout without chunks. rope_direct needs
+    less shared memory and only exists for the swapped FP8 kernel."""
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
 
@@ -494,6 +496,12 @@ def test_stage_raw_builds_and_says_what_it_needs():
     src = mla_decode_program.source("sm_90a", stage_raw=True, **kw)
     assert first_in_producer_loop(src) == "reload"
     assert first_in_producer_loop(mla_decode_program.source("sm_90a", **kw)) == "convert"
+    # rope_direct: the rope is one TMA a step into the operand tile, no raw copy (8 KB less shared memory)
+    direct = mla_decode_program.source("sm_90a", rope_direct=True, **kw)
+    smem = lambda s: max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", s))  # noqa: E731
+    assert smem(direct) <= smem(src) - 4096
+    with pytest.raises(ValueError, match="rope_direct=True"):
+        mla_decode_program.source("sm_90a", h_q=16, s_q=1, rope_direct=True)
     with pytest.raises(ValueError, match="stage_raw=True\\) needs raw staging in chunks"):
         mla_decode_program.source("sm_90a", h_q=16, s_q=1, kv_format="fp8", block_n=32, stages=2, raw_stages=3,
                                   stage_raw=True)

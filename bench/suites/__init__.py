@@ -18,6 +18,7 @@ class Provider:
     available: Callable[[], str | None] = lambda: None  # None when usable, else why not
     peer: bool = False                                  # an external library (FlashMLA, DeepGEMM)
     calls: int = 1                                      # op calls per timed thunk (times are divided by it)
+    experimental: bool = False                          # a kernel variant the op does not choose: run only when named
 
 
 @dataclass

@@ -71,15 +71,17 @@ def tilecraft_fp8(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
 
-def tilecraft_fp8_staged(case, i):
-    """The FP8 cache with the swapped kernel's converters staging each raw chunk in registers
-    (stage_raw, not yet the op's choice: bench/NOTES.md "MLA v9"); s_q * h_q <= 16."""
+def tilecraft_fp8_variant(case, i, **options):
+    """The FP8 cache through the swapped kernel with options the op does not choose yet (bench/NOTES.md
+    "MLA v9"): stage_raw (the converters read a raw chunk into registers and reload its staging before
+    converting), rope_direct (the bf16 rope goes by TMA straight into the operand tile); s_q * h_q <= 16."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), stage_raw=True)
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), **options)
     if not tiling.get("swapped"):
-        raise ValueError(f"stage_raw is built for the swapped kernel (s_q * h_q <= 16), got {case['s_q'] * case['h_q']} rows")
+        raise ValueError(f"{sorted(options)} are built for the swapped kernel (s_q * h_q <= 16), got "
+                         f"{case['s_q'] * case['h_q']} rows")
     run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
                                    tiling=tiling, kv_format="fp8")
     run()
@@ -116,7 +118,10 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
-        Provider("tilecraft-fp8-staged", tilecraft_fp8_staged),
+        Provider("tilecraft-fp8-staged", lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True), experimental=True),
+        Provider("tilecraft-fp8-direct", lambda c, i: tilecraft_fp8_variant(c, i, rope_direct=True), experimental=True),
+        Provider("tilecraft-fp8-staged-direct",
+                 lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True, rope_direct=True), experimental=True),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],

@@ -130,15 +130,16 @@ def _zero_part(buf, slot, valid):
 CHUNK = 8        # values a producer thread converts at once: one 16-byte store of the bf16 tile
 
 
-def _convert(kv, raw, value, slot, r, valid, vals, row0=0, rows=None, wg=2):
+def _convert(kv, raw, value, slot, r, valid, vals, row0=0, rows=None, wg=2, direct=()):
     # raw slot r -> rows [row0, row0 + rows) of each converted tile (default: all of it), raw rows 0..,
-    # by the 128 threads of warpgroup `wg` (2: the producer)
+    # by the 128 threads of warpgroup `wg` (2: the producer); parts in `direct` are loaded as they are
     def read(part, i, j):               # element (i, j) of raw staging part `part`, slot r
         return raw[part][r, i, j]
 
     tid = T.get_thread_binding() - wg * WG
     for p, buf in enumerate(kv):
-        _convert_part(buf, p, read, value, slot, valid, tid, vals, row0, rows)
+        if p not in direct:
+            _convert_part(buf, p, read, value, slot, valid, tid, vals, row0, rows)
 
 
 def _chunks(buf, rows=None):
@@ -245,14 +246,15 @@ def _first_pieces(steps, h, loads, raw, raw_full, pieces, raw_stages):
                          raw_full[d * pieces + h * (pieces // 2) + c])
 
 
-def _staging(kv, raw, value, pieces):
+def _staging(kv, raw, value, pieces, direct=()):
     # stage_raw: registers for a converter's share of one raw chunk, per operand part and per load of
     # value.loads(part): the thread's chunk elements (CHUNK per chunk), in the load's dtype
     def read0(part, i, j):
         return raw[part][0, i, j]
 
     rows = kv[0].shape[1] // pieces
-    return [[T.alloc_local((_chunks(buf, rows)[0] * CHUNK,), load(0, 0, read0).dtype) for load in value.loads(p)]
+    return [[] if p in direct else
+            [T.alloc_local((_chunks(buf, rows)[0] * CHUNK,), load(0, 0, read0).dtype) for load in value.loads(p)]
             for p, buf in enumerate(kv)]
 
 
@@ -263,7 +265,7 @@ def _stage(kv, raw, value, r, stg, rows, wg):
 
     tid = T.get_thread_binding() - wg * WG
     for p, buf in enumerate(kv):
-        for n, load in enumerate(value.loads(p)):
+        for n, load in enumerate(value.loads(p) if stg[p] else []):
             _stage_part(buf, stg[p][n], load, read, tid, rows)
 
 
@@ -278,7 +280,9 @@ def _combine(kv, value, slot, valid, stg, row0, rows, wg):
     # the staging registers -> rows [row0, row0 + rows) of each converted tile (no shared-memory reads)
     tid = T.get_thread_binding() - wg * WG
     for p, buf in enumerate(kv):
-        _combine_part(buf, slot, valid, tid, row0, rows, lambda idx, part=p: value.combine(part, [s[idx] for s in stg[part]]))
+        if stg[p]:
+            _combine_part(buf, slot, valid, tid, row0, rows,
+                          lambda idx, part=p: value.combine(part, [s[idx] for s in stg[part]]))
 
 
 @T.macro
@@ -294,13 +298,15 @@ def _combine_part(buf, slot, valid, tid, row0, rows, made):
 
 @T.macro
 def _convert_share(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
-                   pieces, wg, bar, trace, stg=None):
+                   pieces, wg, bar, trace, stg=None, direct=None):
     # converter h's half of step k: chunks h * pieces / 2.. (raw_rows = block_n / pieces tokens each)
     # -> their rows of the step's converted slot, by warpgroup wg; each freed raw slot at once takes
     # the same chunk of step k + raw_stages / pieces
     slot = k % stages
     raw_rows = kv[0].shape[1] // pieces
     T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
+    if direct is not None and h == 0:                                  # the parts TMA fills as they are
+        _issue_direct(direct, k, kv, slot, full[slot])
     for c in T.unroll(pieces // 2):
         T.mbarrier_wait_parity(raw_full[_raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0]],
                                _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[1])
@@ -309,10 +315,11 @@ def _convert_share(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, 
         if stg is None:                                                 # convert straight from the raw slot
             if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
                 _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0], None, vals,
-                         (h * (pieces // 2) + c) * raw_rows, raw_rows, wg)
+                         (h * (pieces // 2) + c) * raw_rows, raw_rows, wg, _direct_parts(direct))
             else:
                 _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0],
-                         _valid(valid_rows, k, kv), vals, (h * (pieces // 2) + c) * raw_rows, raw_rows, wg)
+                         _valid(valid_rows, k, kv), vals, (h * (pieces // 2) + c) * raw_rows, raw_rows, wg,
+                         _direct_parts(direct))
             if c == pieces // 2 - 1:
                 _share_done(full, slot, trace, k, h)
         else:                                                           # stage_raw: the raw slot -> registers
@@ -330,6 +337,17 @@ def _convert_share(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, 
                          wg)
             if c == pieces // 2 - 1:
                 _share_done(full, slot, trace, k, h)
+
+
+def _direct_parts(direct):
+    # the operand parts that `direct` (k -> [(src, part, row0, rows)]) loads without conversion
+    return () if direct is None else tuple(sorted({part for _, part, _, _ in direct(0)}))
+
+
+def _issue_direct(direct, k, kv, slot, bar):
+    # step k's directly loaded parts into its slot; their bytes count on `bar` (the step's full)
+    for src, part, row0, rows in direct(k):
+        emit(T.tma_copy(src, kv[part][slot, row0:row0 + rows, :], barrier=bar))
 
 
 @T.macro
@@ -458,7 +476,7 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
 @T.macro
 def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
                assist, trace):
-    # assist: None, or (loads, raw, value, valid_rows, full, raw_full, raw_stages, vals, pieces, stg): WG1
+    # assist: None, or (loads, raw, value, valid_rows, full, raw_full, raw_stages, vals, pieces, stg, direct): WG1
     # also converts the second half of every step's chunks, one step ahead of its P V^T
     # (bench/NOTES.md "MLA v9")
     T.set_max_nreg(OUT_REGS, 1)
@@ -467,13 +485,13 @@ def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, 
         _first_pieces(steps, 1, assist[0], assist[1], assist[5], assist[8], assist[6])
         if steps > 0:
             _convert_share(steps, 0, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty, assist[5],
-                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9])
+                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9], assist[10])
     for k in T.serial(steps):
         slot = k % stages
         if assist is not None:
             if k + 1 < steps:
                 _convert_share(steps, k + 1, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty,
-                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9])
+                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9], assist[10])
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
         _scale_cols(o1, alpha_s)
@@ -495,7 +513,8 @@ def scalar(value, dtype="int32"):
 
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
-                   raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False):
+                   raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
+                   direct=None):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -518,12 +537,15 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                          "is built for the swapped mode with a raw format only, in an even number of chunks a "
                          "step (the producer converts the first half, WG1 the second) and raw_stages a multiple "
                          "of that number")
+    if direct is not None and pieces == 1:
+        raise ValueError("attention_loop(direct=...) (operand parts loaded without conversion) is built for the swapped "
+                         "mode with raw staging in chunks (raw_rows)")
     if stage_raw and (pieces == 1 or not hasattr(value, "loads")):
         raise ValueError("attention_loop(stage_raw=True) needs raw staging in chunks (raw_rows) and a value that is "
                          f"a tile.RawValue (loads + combine), got raw_rows={raw_rows}, value={value!r}")
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-                 raw_stages, plain, epilogue, pieces, trace, stage_raw)
+                 raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
         return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
@@ -566,7 +588,7 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
 
 
 def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
-             raw_stages, plain, epilogue, pieces, trace, stage_raw):
+             raw_stages, plain, epilogue, pieces, trace, stage_raw, direct):
     block_m, block_n = q[0].shape[0], kv[0][0]
     acc_st = T.alloc_fragment((block_n, block_m), "float32")         # S^T: tokens x query rows
     st_s = T.alloc_shared((block_n, block_m), "float32")
@@ -581,13 +603,13 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
                                                                     PRODUCER + (WG if pieces > 1 else 0))
     _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw)
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
 
 
 @T.macro
 def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw):
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
@@ -600,7 +622,8 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
                        p_free, stats, stages, epilogue,
                        (loads, raw_s, value, valid_rows, full, raw_full, raw_stages, vals1, pieces,
-                        _staging(kv_s, raw_s, value, pieces) if stage_raw else None), trace)
+                        _staging(kv_s, raw_s, value, pieces, _direct_parts(direct)) if stage_raw else None, direct),
+                       trace)
         else:
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
                        p_free, stats, stages, epilogue, None, trace)
@@ -614,8 +637,8 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
                               trace, vals)
         else:
             vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
-            stg = _staging(kv_s, raw_s, value, pieces) if stage_raw else None
+            stg = _staging(kv_s, raw_s, value, pieces, _direct_parts(direct)) if stage_raw else None
             _first_pieces(steps, 0, loads, raw_s, raw_full, pieces, raw_stages)
             for k in T.serial(steps):
                 _convert_share(steps, k, 0, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
-                               raw_stages, vals, pieces, 2, PRODUCER_BAR, trace, stg)
+                               raw_stages, vals, pieces, 2, PRODUCER_BAR, trace, stg, direct)
