@@ -42,6 +42,9 @@ Barriers (all mbarriers; parity = use number % 2):
     stats        WG0's final row max and sum are in shared memory for WG1's epilogue
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import tilelang.language as T
 
 from codegen.lowering.common import online_softmax
@@ -237,24 +240,43 @@ def _raw_slot(k, c, pieces, raw_stages):
     return (k % depth) * pieces + c, (k // depth) % 2
 
 
+@dataclass(frozen=True)
+class _Chunked:
+    """What the two converters of a swapped step share (raw staging in `pieces` chunks a step)."""
+
+    loads: Any
+    raw: Any            # raw staging buffers, raw_stages slots each
+    value: Any
+    valid_rows: Any
+    full: Any
+    raw_full: Any
+    raw_stages: int
+    pieces: int
+    direct: Any         # None, or k -> copies of operand parts loaded without conversion
+    stage_raw: bool
+
+
 @T.macro
-def _first_pieces(steps, h, loads, raw, raw_full, pieces, raw_stages):
+def _first_pieces(steps, h, ck):
     # converter h (of two) issues the loads of its chunks of the first raw_stages / pieces steps
-    for d in T.serial(T.min(steps, raw_stages // pieces)):
-        for c in T.unroll(pieces // 2):
-            _issue_loads(loads, d * pieces + h * (pieces // 2) + c, raw, d * pieces + h * (pieces // 2) + c,
-                         raw_full[d * pieces + h * (pieces // 2) + c])
+    for d in T.serial(T.min(steps, ck.raw_stages // ck.pieces)):
+        for c in T.unroll(ck.pieces // 2):
+            _issue_loads(ck.loads, d * ck.pieces + h * (ck.pieces // 2) + c, ck.raw,
+                         d * ck.pieces + h * (ck.pieces // 2) + c, ck.raw_full[d * ck.pieces + h * (ck.pieces // 2) + c])
 
 
-def _staging(kv, raw, value, pieces, direct=()):
+def _staging(kv, ck):
     # stage_raw: registers for a converter's share of one raw chunk, per operand part and per load of
     # value.loads(part): the thread's chunk elements (CHUNK per chunk), in the load's dtype
-    def read0(part, i, j):
-        return raw[part][0, i, j]
+    if not ck.stage_raw:
+        return None
 
-    rows = kv[0].shape[1] // pieces
-    return [[] if p in direct else
-            [T.alloc_local((_chunks(buf, rows)[0] * CHUNK,), load(0, 0, read0).dtype) for load in value.loads(p)]
+    def read0(part, i, j):
+        return ck.raw[part][0, i, j]
+
+    rows = kv[0].shape[1] // ck.pieces
+    return [[] if p in _direct_parts(ck.direct) else
+            [T.alloc_local((_chunks(buf, rows)[0] * CHUNK,), load(0, 0, read0).dtype) for load in ck.value.loads(p)]
             for p, buf in enumerate(kv)]
 
 
@@ -297,46 +319,43 @@ def _combine_part(buf, slot, valid, tid, row0, rows, made):
 
 
 @T.macro
-def _convert_share(steps, k, h, loads, kv, raw, value, valid_rows, full, empty, raw_full, stages, raw_stages, vals,
-                   pieces, wg, bar, trace, stg=None, direct=None):
+def _convert_share(steps, k, h, ck, kv, empty, stages, vals, stg, wg, bar, trace):
     # converter h's half of step k: chunks h * pieces / 2.. (raw_rows = block_n / pieces tokens each)
     # -> their rows of the step's converted slot, by warpgroup wg; each freed raw slot at once takes
-    # the same chunk of step k + raw_stages / pieces
+    # the same chunk of step k + raw_stages / pieces. stg: None, or the stage_raw registers.
     slot = k % stages
-    raw_rows = kv[0].shape[1] // pieces
+    raw_rows = kv[0].shape[1] // ck.pieces
+    valid = _valid(ck.valid_rows, k, kv)
     T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)
-    if direct is not None and h == 0:                                  # the parts TMA fills as they are
-        _issue_direct(direct, k, kv, slot, full[slot])
-    for c in T.unroll(pieces // 2):
-        T.mbarrier_wait_parity(raw_full[_raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0]],
-                               _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[1])
+    if ck.direct is not None and h == 0:                               # the parts TMA fills as they are
+        _issue_direct(ck.direct, k, kv, slot, ck.full[slot])
+    for c in T.unroll(ck.pieces // 2):
+        chunk = h * (ck.pieces // 2) + c
+        r, parity = _raw_slot(k, chunk, ck.pieces, ck.raw_stages)
+        T.mbarrier_wait_parity(ck.raw_full[r], parity)
         if c == 0:
             _stamp(trace, k, ("prod wait1", "wg1 raw")[h])
         if stg is None:                                                 # convert straight from the raw slot
-            if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
-                _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0], None, vals,
-                         (h * (pieces // 2) + c) * raw_rows, raw_rows, wg, _direct_parts(direct))
+            if valid >= kv[0].shape[1]:
+                _convert(kv, ck.raw, ck.value, slot, r, None, vals, chunk * raw_rows, raw_rows, wg,
+                         _direct_parts(ck.direct))
             else:
-                _convert(kv, raw, value, slot, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0],
-                         _valid(valid_rows, k, kv), vals, (h * (pieces // 2) + c) * raw_rows, raw_rows, wg,
-                         _direct_parts(direct))
-            if c == pieces // 2 - 1:
-                _share_done(full, slot, trace, k, h)
+                _convert(kv, ck.raw, ck.value, slot, r, valid, vals, chunk * raw_rows, raw_rows, wg,
+                         _direct_parts(ck.direct))
+            if c == ck.pieces // 2 - 1:
+                _share_done(ck.full, slot, trace, k, h)
         else:                                                           # stage_raw: the raw slot -> registers
-            _stage(kv, raw, value, _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0], stg, raw_rows, wg)
+            _stage(kv, ck.raw, ck.value, r, stg, raw_rows, wg)
         T.sync_threads(bar, WG)                                         # every thread read this raw slot
-        if k + raw_stages // pieces < steps:
-            _issue_loads(loads, (k + raw_stages // pieces) * pieces + h * (pieces // 2) + c, raw,
-                         _raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0],
-                         raw_full[_raw_slot(k, h * (pieces // 2) + c, pieces, raw_stages)[0]])
+        if k + ck.raw_stages // ck.pieces < steps:
+            _issue_loads(ck.loads, (k + ck.raw_stages // ck.pieces) * ck.pieces + chunk, ck.raw, r, ck.raw_full[r])
         if stg is not None:                                             # convert from registers under the reload
-            if _valid(valid_rows, k, kv) >= kv[0].shape[1]:
-                _combine(kv, value, slot, None, stg, (h * (pieces // 2) + c) * raw_rows, raw_rows, wg)
+            if valid >= kv[0].shape[1]:
+                _combine(kv, ck.value, slot, None, stg, chunk * raw_rows, raw_rows, wg)
             else:
-                _combine(kv, value, slot, _valid(valid_rows, k, kv), stg, (h * (pieces // 2) + c) * raw_rows, raw_rows,
-                         wg)
-            if c == pieces // 2 - 1:
-                _share_done(full, slot, trace, k, h)
+                _combine(kv, ck.value, slot, valid, stg, chunk * raw_rows, raw_rows, wg)
+            if c == ck.pieces // 2 - 1:
+                _share_done(ck.full, slot, trace, k, h)
 
 
 def _direct_parts(direct):
@@ -475,23 +494,20 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
 
 @T.macro
 def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
-               assist, trace):
-    # assist: None, or (loads, raw, value, valid_rows, full, raw_full, raw_stages, vals, pieces, stg, direct): WG1
-    # also converts the second half of every step's chunks, one step ahead of its P V^T
-    # (bench/NOTES.md "MLA v9")
+               ck, vals, stg, trace):
+    # ck: None, or the chunked raw staging (_Chunked): WG1 also converts the second half of every
+    # step's chunks, one step ahead of its P V^T (bench/NOTES.md "MLA v9")
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
-    if assist is not None:
-        _first_pieces(steps, 1, assist[0], assist[1], assist[5], assist[8], assist[6])
+    if ck is not None:
+        _first_pieces(steps, 1, ck)
         if steps > 0:
-            _convert_share(steps, 0, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty, assist[5],
-                           stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9], assist[10])
+            _convert_share(steps, 0, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
     for k in T.serial(steps):
         slot = k % stages
-        if assist is not None:
+        if ck is not None:
             if k + 1 < steps:
-                _convert_share(steps, k + 1, 1, assist[0], kv, assist[1], assist[2], assist[3], assist[4], empty,
-                               assist[5], stages, assist[6], assist[7], assist[8], 1, WG1_BAR, trace, assist[9], assist[10])
+                _convert_share(steps, k + 1, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
         _scale_cols(o1, alpha_s)
@@ -618,15 +634,13 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
                    epilogue, trace)
     elif tx < 2 * WG:
         if pieces > 1:
+            ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
             vals1 = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
-                       p_free, stats, stages, epilogue,
-                       (loads, raw_s, value, valid_rows, full, raw_full, raw_stages, vals1, pieces,
-                        _staging(kv_s, raw_s, value, pieces, _direct_parts(direct)) if stage_raw else None, direct),
-                       trace)
+                       p_free, stats, stages, epilogue, ck, vals1, _staging(kv_s, ck), trace)
         else:
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
-                       p_free, stats, stages, epilogue, None, trace)
+                       p_free, stats, stages, epilogue, None, None, None, trace)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
@@ -636,9 +650,9 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
                               trace, vals)
         else:
+            ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
             vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
-            stg = _staging(kv_s, raw_s, value, pieces, _direct_parts(direct)) if stage_raw else None
-            _first_pieces(steps, 0, loads, raw_s, raw_full, pieces, raw_stages)
+            stg = _staging(kv_s, ck)
+            _first_pieces(steps, 0, ck)
             for k in T.serial(steps):
-                _convert_share(steps, k, 0, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages,
-                               raw_stages, vals, pieces, 2, PRODUCER_BAR, trace, stg, direct)
+                _convert_share(steps, k, 0, ck, kv_s, empty, stages, vals, stg, 2, PRODUCER_BAR, trace)
