@@ -115,6 +115,26 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
     return rows, meta
 
 
+def choose_providers(suite, wanted: list[str] | None) -> list:
+    """The providers to time: those named in `wanted` (all of them must exist), else every one that is
+    not experimental (kernel variants the op does not choose run only when named); a provider whose
+    library is missing is skipped with a line saying why."""
+    if wanted:
+        unknown = set(wanted) - {p.name for p in suite.providers}
+        if unknown:
+            raise ValueError(f"unknown providers {sorted(unknown)}; {suite.name} has {[p.name for p in suite.providers]}")
+    providers = []
+    for p in suite.providers:
+        if (wanted and p.name not in wanted) or (p.experimental and not wanted):
+            continue
+        why = p.available()
+        if why:
+            print(f"provider {p.name} skipped: {why}")
+            continue
+        providers.append(p)
+    return providers
+
+
 def run_static(suite, cases, args) -> None:
     from codegen import targets
 
@@ -211,20 +231,7 @@ def main(argv=None) -> int:
         if args.shape not in suite.presets:
             raise ValueError(f"{suite.name} has no preset {args.shape!r}; presets: {', '.join(suite.presets)}")
         cases = suite.presets[args.shape]
-        wanted = args.providers.split(",") if args.providers else None
-        providers = []
-        for p in suite.providers:
-            if (wanted and p.name not in wanted) or (p.experimental and not wanted):
-                continue
-            why = p.available()
-            if why:
-                print(f"provider {p.name} skipped: {why}")
-                continue
-            providers.append(p)
-        if wanted:
-            unknown = set(wanted) - {p.name for p in suite.providers}
-            if unknown:
-                raise ValueError(f"unknown providers {sorted(unknown)}; {suite.name} has {[p.name for p in suite.providers]}")
+        providers = choose_providers(suite, args.providers.split(",") if args.providers else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -95,6 +95,21 @@ def test_bench_errors_are_clear():
     assert r.returncode == 2 and "no benchmark for op 'nosuch'" in r.stderr
 
 
+def test_bench_provider_choice():
+    """Experimental kernel variants (the MLA FP8 options) are timed only when named; unknown names
+    are a clear error."""
+    from bench import suites
+    from bench.op import choose_providers
+
+    mla = suites.get("mla")
+    default = {p.name for p in choose_providers(mla, None)}
+    assert {"tilecraft", "tilecraft-fp8", "torch"} <= default and not any("staged" in n for n in default)
+    assert [p.name for p in choose_providers(mla, ["tilecraft-fp8-staged", "tilecraft"])] == [
+        "tilecraft", "tilecraft-fp8-staged"]
+    with pytest.raises(ValueError, match="unknown providers"):
+        choose_providers(mla, ["tilecraft-nosuch"])
+
+
 def test_bench_result_files(tmp_path):
     from bench import suites
     from bench.op import write_results
