@@ -1,6 +1,7 @@
 """Where a step of the sm_90a MLA pipeline goes: SM clock stamps of CTA 0, per warpgroup event.
 
-    python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct options), h_q=128 (bf16)
+    python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct options), h_q=128 (bf16,
+                                         # and the lookahead loop: there "wg0 S" is step k + 1's scores issued)
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
@@ -23,7 +24,8 @@ def main() -> int:
     # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, and with rope_direct
     # too), b=128 h_q=128 4096
     for ci, fmt, tiling in [(1, "bf16", None), (1, "fp8", None), (1, "fp8", dict(swapped_fp8, stage_raw=True)),
-                            (1, "fp8", dict(swapped_fp8, stage_raw=True, rope_direct=True)), (4, "bf16", None)]:
+                            (1, "fp8", dict(swapped_fp8, stage_raw=True, rope_direct=True)), (4, "bf16", None),
+                            (4, "bf16", dict(block_n=32, stages=4, lookahead=True))]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]

@@ -92,6 +92,12 @@ def _scores(q, kv, slot, acc_s):
     emit(T.wait_wgmma(0))
 
 
+def _issue_scores(q, kv, slot, acc_s):
+    # S = sum_p Q_p K_p^T of a step, left in flight (the caller's next wait_wgmma(0) completes it)
+    for p, (qt, kt) in enumerate(zip(q, kv)):
+        emit(T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+
+
 def _pv(p_s, v, slot, acc):
     emit(T.wgmma_gemm(p_s, v[slot, :, :], acc, transpose_B=False, clear_accum=False, policy=FULL_ROW),
          T.wait_wgmma(0))
@@ -435,6 +441,60 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
 
 
 @T.macro
+def _ahead_step(k, steps, q, kv, v0, valid_rows, visible, scale, cur, nxt, p_s, alpha_s, o0, m_i, m_prev, alpha,
+                row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace):
+    # lookahead: step k, whose scores are in `cur`; step k + 1's scores go into `nxt` on the tensor
+    # cores while this step's softmax and P hand-off run, and are complete (with P V_0 of step k) at
+    # the step's end, so no WGMMA is in flight across the loop's back edge (ptxas C7514)
+    slot = k % stages
+    _stamp(trace, k, "wg0 ready")
+    if k + 1 < steps:
+        _wait_step(k + 1, kv, valid_rows, full, tail, stages, plain)
+        _issue_scores(q, kv, (k + 1) % stages, nxt)
+    _stamp(trace, k, "wg0 S")
+    online_softmax(k, cur, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+    _stamp(trace, k, "wg0 softmax")
+    if k > 0:
+        T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)                 # WG1 is done with P of step k - 1
+    _stamp(trace, k, "wg0 p_free")
+    T.copy(cur, p_s)
+    T.copy(alpha, alpha_s)
+    T.fence_proxy_async()
+    T.sync_threads(WG0_BAR, WG)                                         # all of P is written
+    T.mbarrier_arrive(p_ready[0])
+    _stamp(trace, k, "wg0 p_ready")
+    _scale_rows(o0, alpha)
+    _pv(p_s, v0, slot, o0)                                              # waits for step k + 1's scores too
+    T.mbarrier_arrive(empty[slot])
+    _stamp(trace, k, "wg0 PV+empty")
+
+
+@T.macro
+def _mma_wg0_ahead(steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, stats_s, o0, m_i,
+                   m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
+                   trace):
+    # _mma_wg0 with step k + 1's scores computed under step k's softmax: two score tiles that swap
+    # roles every step (the loop is unrolled by two; registers cannot be indexed by a step number)
+    _wg0_start(m_i, l_i, o0)
+    if steps > 0:
+        _wait_step(0, kv, valid_rows, full, tail, stages, plain)
+        _scores(q, kv, 0, acc_s)
+    for kk in T.serial(steps // 2):
+        _ahead_step(2 * kk, steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, o0, m_i,
+                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
+        _ahead_step(2 * kk + 1, steps, q, kv, v0, valid_rows, visible, scale, acc_s2, acc_s, p_s, alpha_s, o0, m_i,
+                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
+    if steps % 2 == 1:
+        _ahead_step(steps - 1, steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, o0, m_i,
+                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
+    for i in T.Parallel(m_i.shape[0]):
+        stats_s[0, i] = m_i[i]
+        stats_s[1, i] = l_i[i]
+    T.mbarrier_arrive(stats[0])
+    epilogue(o0, 0, l_i, m_i, True)
+
+
+@T.macro
 def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready, p_free, stats, stages,
              epilogue, trace):
     T.set_max_nreg(OUT_REGS, 1)
@@ -530,7 +590,7 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None):
+                   direct=None, lookahead=False):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -559,19 +619,22 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if stage_raw and (pieces == 1 or not hasattr(value, "loads")):
         raise ValueError("attention_loop(stage_raw=True) needs raw staging in chunks (raw_rows) and a value that is "
                          f"a tile.RawValue (loads + combine), got raw_rows={raw_rows}, value={value!r}")
+    if swapped and lookahead:
+        raise ValueError("attention_loop(lookahead=True) is built for the default operand order, not swapped=True")
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
                  raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
         return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
+    acc_s2 = T.alloc_fragment((block_m, block_n), "float32") if lookahead else None   # the next step's scores
     o0 = T.alloc_fragment((block_m, kv[v[0]][1]), "float32")
     o1 = T.alloc_fragment((block_m, kv[v[1]][1]), "float32")
     m_i, m_prev, alpha, row_sum, l_i, m1, l1 = (T.alloc_fragment((block_m,), "float32") for _ in range(7))
     full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
     _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace)
+                stages, raw_stages, plain, epilogue, trace, acc_s2)
 
 
 def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
@@ -584,12 +647,18 @@ def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
 @T.macro
 def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace):
+                stages, raw_stages, plain, epilogue, trace, acc_s2):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
-        _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
-                 m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace)
+        if acc_s2 is None:
+            _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
+                     m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
+                     trace)
+        else:
+            _mma_wg0_ahead(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s,
+                           stats_s, o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats,
+                           stages, plain, epilogue, trace)
     elif tx < 2 * WG:
         _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
                  p_free, stats, stages, epilogue, trace)
