@@ -177,6 +177,26 @@ def test_trace_stamps_every_event(fmt):
     assert "clock()" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
 
 
+def test_fp8_two_converters_build():
+    """Chunked raw staging in the default operand order: WG1 converts too (its named barrier 13
+    appears), within shared memory and with no spills."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, kv_format="fp8", block_n=32, stages=2, raw_rows=16,
+                                    raw_stages=4)
+    assert "__sync_thread_partial(13, 128)" in src
+    assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)) < 220 * 1024
+    with pytest.raises(ValueError, match="even number of chunks"):
+        mla_decode_program.source("sm_90a", h_q=128, s_q=1, kv_format="fp8", block_n=32, stages=2, raw_rows=16,
+                                  raw_stages=3)
+    try:
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
+
+
 def test_lookahead_builds_without_wgmma_serialization():
     """lookahead=True: two score tiles, step k + 1's scores issued before step k's softmax and
     completed within the step (no WGMMA in flight across the loop's back edge: no ptxas C7514);
@@ -496,6 +516,14 @@ def test_gpu_lookahead_matches_reference(b, s_q, h_q, lens, page):
     """The lookahead loop (lookahead=True, not yet the op's choice: bench/NOTES.md "MLA v9"): step
     k + 1's scores on the tensor cores under step k's softmax, 32-token steps 4 deep."""
     run_gpu_case(b, s_q, h_q, lens, page=page, tiling=dict(block_n=32, stages=4, lookahead=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 128, [1000, 64]), (3, 2, 128, [4096, 1, 0]), (2, 1, 64, [33, 97])])
+def test_gpu_fp8_two_converters(b, s_q, h_q, lens):
+    """The default operand order over the FP8 cache with WG1 converting half of every 32-token step
+    (raw staging in 16-token chunks, two a converter in flight; not yet the op's choice)."""
+    run_fp8_case(b, s_q, h_q, lens, 64, tiling=dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4))
 
 
 @pytest.mark.gpu

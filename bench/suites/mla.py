@@ -99,6 +99,19 @@ def tilecraft_lookahead(case, i):
     return run
 
 
+def tilecraft_fp8_two_converters(case, i):
+    """The FP8 cache in the default operand order with WG1 converting half of every step (16-token raw
+    chunks, two a converter in flight; not yet the op's choice: bench/NOTES.md "MLA v9")."""
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    tiling = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=tiling, kv_format="fp8")
+    run()
+    return run
+
+
 def torch_reference(case, i):
     return lambda: ops.mla_decode_reference(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"])
 
@@ -132,6 +145,7 @@ SUITE = Suite(
         Provider("tilecraft-fp8-staged", lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True), experimental=True),
         Provider("tilecraft-fp8-direct", lambda c, i: tilecraft_fp8_variant(c, i, rope_direct=True), experimental=True),
         Provider("tilecraft-lookahead", tilecraft_lookahead, experimental=True),
+        Provider("tilecraft-fp8-two-converters", tilecraft_fp8_two_converters, experimental=True),
         Provider("tilecraft-fp8-staged-direct",
                  lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True, rope_direct=True), experimental=True),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),

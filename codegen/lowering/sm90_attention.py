@@ -364,6 +364,25 @@ def _convert_share(steps, k, h, ck, kv, empty, stages, vals, stg, wg, bar, trace
                 _share_done(ck.full, slot, trace, k, h)
 
 
+def _share_values(kv, ck):
+    # values a converter thread holds for one part of one chunk (the conversion's register buffer)
+    return max(_chunks(b, b.shape[1] // ck.pieces)[0] for b in kv) * CHUNK
+
+
+def _producer_converts(steps, kv, ck, empty, stages, trace):
+    # the producer's share of chunked raw staging: the first half of every step's chunks
+    vals = T.alloc_local((_share_values(kv, ck),), kv[0].dtype)
+    stg = _staging(kv, ck)
+    _first_pieces(steps, 0, ck)
+    _producer_converts_loop(steps, kv, ck, empty, stages, vals, stg, trace)
+
+
+@T.macro
+def _producer_converts_loop(steps, kv, ck, empty, stages, vals, stg, trace):
+    for k in T.serial(steps):
+        _convert_share(steps, k, 0, ck, kv, empty, stages, vals, stg, 2, PRODUCER_BAR, trace)
+
+
 def _direct_parts(direct):
     # the operand parts that `direct` (k -> [(src, part, row0, rows)]) loads without conversion
     return () if direct is None else tuple(sorted({part for _, part, _, _ in direct(0)}))
@@ -495,12 +514,32 @@ def _mma_wg0_ahead(steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, 
 
 
 @T.macro
+def _wg1_converts_first(steps, ck, kv, empty, stages, vals, stg, trace):
+    # ck (_Chunked) or None: WG1 converts the second half of every step's raw chunks, one step ahead
+    # of its own P V update (bench/NOTES.md "MLA v9"): its loads and step 0's half come first
+    if ck is not None:
+        _first_pieces(steps, 1, ck)
+        if steps > 0:
+            _convert_share(steps, 0, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
+
+
+@T.macro
+def _wg1_converts_next(k, steps, ck, kv, empty, stages, vals, stg, trace):
+    # before WG1's P V update of step k: its half of step k + 1
+    if ck is not None:
+        if k + 1 < steps:
+            _convert_share(steps, k + 1, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
+
+
+@T.macro
 def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready, p_free, stats, stages,
-             epilogue, trace):
+             epilogue, ck, vals, stg, trace):
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
+    _wg1_converts_first(steps, ck, kv, empty, stages, vals, stg, trace)
     for k in T.serial(steps):
         slot = k % stages
+        _wg1_converts_next(k, steps, ck, kv, empty, stages, vals, stg, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
         for i, j in T.Parallel(o1.shape[0], o1.shape[1]):
@@ -555,19 +594,13 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
 @T.macro
 def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
                ck, vals, stg, trace):
-    # ck: None, or the chunked raw staging (_Chunked): WG1 also converts the second half of every
-    # step's chunks, one step ahead of its P V^T (bench/NOTES.md "MLA v9")
+    # ck: None, or the chunked raw staging (_Chunked) that WG1 helps convert
     T.set_max_nreg(OUT_REGS, 1)
     T.fill(o1, 0.0)
-    if ck is not None:
-        _first_pieces(steps, 1, ck)
-        if steps > 0:
-            _convert_share(steps, 0, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
+    _wg1_converts_first(steps, ck, kv, empty, stages, vals, stg, trace)
     for k in T.serial(steps):
         slot = k % stages
-        if ck is not None:
-            if k + 1 < steps:
-                _convert_share(steps, k + 1, 1, ck, kv, empty, stages, vals, stg, 1, WG1_BAR, trace)
+        _wg1_converts_next(k, steps, ck, kv, empty, stages, vals, stg, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
         _scale_cols(o1, alpha_s)
@@ -608,14 +641,13 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
     alpha_s = T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
-    if pieces != 1 and (plain or not swapped or pieces % 2 or raw_stages % pieces):
+    if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
-                         "is built for the swapped mode with a raw format only, in an even number of chunks a "
-                         "step (the producer converts the first half, WG1 the second) and raw_stages a multiple "
-                         "of that number")
+                         "is built for a raw format only, in an even number of chunks a step (the producer "
+                         "converts the first half, WG1 the second) and raw_stages a multiple of that number")
     if direct is not None and pieces == 1:
-        raise ValueError("attention_loop(direct=...) (operand parts loaded without conversion) is built for the swapped "
-                         "mode with raw staging in chunks (raw_rows)")
+        raise ValueError("attention_loop(direct=...) (operand parts loaded without conversion) is built for raw "
+                         "staging in chunks (raw_rows)")
     if stage_raw and (pieces == 1 or not hasattr(value, "loads")):
         raise ValueError("attention_loop(stage_raw=True) needs raw staging in chunks (raw_rows) and a value that is "
                          f"a tile.RawValue (loads + combine), got raw_rows={raw_rows}, value={value!r}")
@@ -631,10 +663,13 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     o0 = T.alloc_fragment((block_m, kv[v[0]][1]), "float32")
     o1 = T.alloc_fragment((block_m, kv[v[1]][1]), "float32")
     m_i, m_prev, alpha, row_sum, l_i, m1, l1 = (T.alloc_fragment((block_m,), "float32") for _ in range(7))
-    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain)
+    full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain,
+                                                                    PRODUCER + (WG if pieces > 1 else 0))
+    ck = (_Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
+          if pieces > 1 else None)
     _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace, acc_s2)
+                stages, raw_stages, plain, epilogue, trace, acc_s2, ck)
 
 
 def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
@@ -647,7 +682,7 @@ def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
 @T.macro
 def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace, acc_s2):
+                stages, raw_stages, plain, epilogue, trace, acc_s2, ck):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
@@ -660,16 +695,23 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
                            stats_s, o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats,
                            stages, plain, epilogue, trace)
     elif tx < 2 * WG:
-        _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
-                 p_free, stats, stages, epilogue, trace)
+        if ck is None:
+            _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
+                     p_free, stats, stages, epilogue, None, None, None, trace)
+        else:
+            vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
+            _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
+                     p_free, stats, stages, epilogue, ck, vals1, _staging(kv_s, ck), trace)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
             _producer_plain(steps, loads, kv_s, v, valid_rows, full, empty, tail, stages, trace)
-        else:
+        elif ck is None:
             vals = T.alloc_local((max(_chunks(b)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
                               trace, vals)
+        else:
+            _producer_converts(steps, kv_s, ck, empty, stages, trace)
 
 
 def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
@@ -704,7 +746,7 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
     elif tx < 2 * WG:
         if pieces > 1:
             ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
-            vals1 = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
+            vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
             _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
                        p_free, stats, stages, epilogue, ck, vals1, _staging(kv_s, ck), trace)
         else:
@@ -719,9 +761,5 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
             _producer_convert(steps, loads, kv_s, raw_s, value, valid_rows, full, empty, raw_full, stages, raw_stages,
                               trace, vals)
         else:
-            ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
-            vals = T.alloc_local((max(_chunks(b, b.shape[1] // pieces)[0] for b in kv_s) * CHUNK,), kv_s[0].dtype)
-            stg = _staging(kv_s, ck)
-            _first_pieces(steps, 0, ck)
-            for k in T.serial(steps):
-                _convert_share(steps, k, 0, ck, kv_s, empty, stages, vals, stg, 2, PRODUCER_BAR, trace)
+            _producer_converts(steps, kv_s, _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages,
+                                                     pieces, direct, stage_raw), empty, stages, trace)
