@@ -2,7 +2,7 @@
 # One device call's worth of checks: GPU tests (one process per test file, in parallel: the
 # host compiles on 16 cores while the GPU runs), then benchmarks, all logs under $OUT.
 # Usage on the GPU host (after unpacking the TileLang bundle and setting PYTHONPATH):
-#   DEADLINE=540 bash bench/gpu_session.sh [tests|none] [bench "op shape" ...] [model]
+#   DEADLINE=540 bash bench/gpu_session.sh [tests|none] [bench "op shape [providers]" ...] [model]
 # Every step is cut off so that the whole call ends DEADLINE seconds after it began.
 set -uo pipefail
 # Logs and results go to $OUT/session/ and are packed into $OUT/session.tgz at the end (the
@@ -39,7 +39,8 @@ for job in "$@"; do
   [[ "$job" == model ]] && { model=1; continue; }
   set -- $job
   t=$(left); (( t > 20 )) || { echo "skipped bench $job: out of time"; continue; }
-  timeout "$t" python3 -m bench.op "$1" --shape "$2" --out "$out" > "$out/bench-$1-$2.log" 2>&1
+  # a third word names the providers (comma-separated; experimental kernel variants run only when named)
+  timeout "$t" python3 -m bench.op "$1" --shape "$2" --out "$out" ${3:+--providers "$3"} > "$out/bench-$1-$2.log" 2>&1
   echo "== bench $job (rc $?)"; grep -v -E "^(Warning|  warn)" "$out/bench-$1-$2.log" | tail -14
 done
 if (( model )); then
