@@ -11,7 +11,7 @@ import sys
 import torch
 
 import ops
-from bench.suites.mla import PRESETS, make_inputs
+from bench.suites.mla import FP8_TWO_CONVERTERS, LOOKAHEAD, PRESETS, make_inputs
 from codegen.lowering.sm90_attention import EVENTS
 from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
 
@@ -25,8 +25,7 @@ def main() -> int:
     # too), b=128 h_q=128 4096
     for ci, fmt, tiling in [(1, "bf16", None), (1, "fp8", None), (1, "fp8", dict(swapped_fp8, stage_raw=True)),
                             (1, "fp8", dict(swapped_fp8, stage_raw=True, rope_direct=True)), (4, "bf16", None),
-                            (4, "bf16", dict(block_n=32, stages=4, lookahead=True)),
-                            (4, "fp8", dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4))]:
+                            (4, "bf16", LOOKAHEAD), (4, "fp8", FP8_TWO_CONVERTERS)]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]

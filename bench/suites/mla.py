@@ -71,45 +71,34 @@ def tilecraft_fp8(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
 
-def tilecraft_fp8_variant(case, i, **options):
-    """The FP8 cache through the swapped kernel with options the op does not choose yet (bench/NOTES.md
-    "MLA v9"): stage_raw (the converters read a raw chunk into registers and reload its staging before
-    converting), rope_direct (the bf16 rope goes by TMA straight into the operand tile); s_q * h_q <= 16."""
-    if "kv8" not in i:
+def tilecraft_variant(case, i, tiling):
+    """A kernel variant the op does not choose yet (bench/NOTES.md "MLA v9"), forced by its tiling;
+    the FP8 cache when tiling says kv_format="fp8"."""
+    fmt = tiling.get("kv_format", "bf16")
+    if fmt == "fp8" and "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    run = lambda: _mla_decode_impl(i["q"], i["kv8" if fmt == "fp8" else "kv"], i["table"], i["lens"],  # noqa: E731
+                                   i["scale"], True, sched, tiling=tiling, kv_format=fmt)
+    run()                                        # compiles (or says why this shape cannot take it)
+    return run
+
+
+def fp8_swapped_with(case, i, **options):
+    """The FP8 cache through the swapped kernel with stage_raw (the converters read a raw chunk into
+    registers and reload its staging before converting) and/or rope_direct (the bf16 rope goes by
+    TMA straight into the operand tile); s_q * h_q <= 16."""
     tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), **options)
     if not tiling.get("swapped"):
         raise ValueError(f"{sorted(options)} are built for the swapped kernel (s_q * h_q <= 16), got "
                          f"{case['s_q'] * case['h_q']} rows")
-    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
-                                   tiling=tiling, kv_format="fp8")
-    run()
-    return run
+    return tilecraft_variant(case, i, tiling)
 
 
-def tilecraft_lookahead(case, i):
-    """The default operand order with step k + 1's scores computed under step k's softmax (lookahead,
-    32-token steps 4 deep; not yet the op's choice: bench/NOTES.md "MLA v9"), bf16 cache."""
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
-    tiling = dict(block_n=32, stages=4, lookahead=True)
-    run = lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
-                                   tiling=tiling)
-    run()
-    return run
-
-
-def tilecraft_fp8_two_converters(case, i):
-    """The FP8 cache in the default operand order with WG1 converting half of every step (16-token raw
-    chunks, two a converter in flight; not yet the op's choice: bench/NOTES.md "MLA v9")."""
-    if "kv8" not in i:
-        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
-    tiling = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
-    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
-                                   tiling=tiling, kv_format="fp8")
-    run()
-    return run
+# lookahead: step k + 1's scores under step k's softmax, 32-token steps 4 deep (bf16 cache);
+# two converters: FP8 in the default operand order, WG1 converting half of every step (16-token chunks)
+LOOKAHEAD = dict(block_n=32, stages=4, lookahead=True)
+FP8_TWO_CONVERTERS = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
 
 
 def torch_reference(case, i):
@@ -142,12 +131,13 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
-        Provider("tilecraft-fp8-staged", lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True), experimental=True),
-        Provider("tilecraft-fp8-direct", lambda c, i: tilecraft_fp8_variant(c, i, rope_direct=True), experimental=True),
-        Provider("tilecraft-lookahead", tilecraft_lookahead, experimental=True),
-        Provider("tilecraft-fp8-two-converters", tilecraft_fp8_two_converters, experimental=True),
-        Provider("tilecraft-fp8-staged-direct",
-                 lambda c, i: tilecraft_fp8_variant(c, i, stage_raw=True, rope_direct=True), experimental=True),
+        Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True),
+        Provider("tilecraft-fp8-direct", lambda c, i: fp8_swapped_with(c, i, rope_direct=True), experimental=True),
+        Provider("tilecraft-fp8-staged-direct", lambda c, i: fp8_swapped_with(c, i, stage_raw=True, rope_direct=True),
+                 experimental=True),
+        Provider("tilecraft-lookahead", lambda c, i: tilecraft_variant(c, i, LOOKAHEAD), experimental=True),
+        Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
+                 experimental=True),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],

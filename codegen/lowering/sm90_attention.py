@@ -428,6 +428,45 @@ def _wg0_start(m_i, l_i, o0):
 
 
 @T.macro
+def _softmax_and_hand_off(k, s, slot, v0, visible, scale, p_s, alpha_s, o0, m_i, m_prev, alpha, row_sum, l_i, empty,
+                          p_ready, p_free, trace):
+    # step k's scores s -> P, handed to WG1; then O_0 += P V_0 (its wgmma wait also completes any
+    # scores left in flight) and the slot is released
+    _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace)
+    _scale_rows(o0, alpha)
+    _pv(p_s, v0, slot, o0)
+    T.mbarrier_arrive(empty[slot])
+    _stamp(trace, k, "wg0 PV+empty")
+
+
+@T.macro
+def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace):
+    # step k's scores s (rows x tokens) -> P, written to p_s with the row scales for WG1 once it is
+    # done with step k - 1's
+    online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+    _stamp(trace, k, "wg0 softmax")
+    if k > 0:
+        T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
+    _stamp(trace, k, "wg0 p_free")
+    T.copy(s, p_s)
+    T.copy(alpha, alpha_s)
+    T.fence_proxy_async()
+    T.sync_threads(WG0_BAR, WG)                                     # all of P is written (and S^T read)
+    T.mbarrier_arrive(p_ready[0])
+    _stamp(trace, k, "wg0 p_ready")
+
+
+@T.macro
+def _wg0_finish(m_i, l_i, stats_s, stats, o0, epilogue):
+    # the final row max and sum for WG1's epilogue, then WG0's own
+    for i in T.Parallel(m_i.shape[0]):
+        stats_s[0, i] = m_i[i]
+        stats_s[1, i] = l_i[i]
+    T.mbarrier_arrive(stats[0])
+    epilogue(o0, 0, l_i, m_i, True)
+
+
+@T.macro
 def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i, m_prev, alpha,
              row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
     _wg0_start(m_i, l_i, o0)
@@ -437,26 +476,9 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
         _stamp(trace, k, "wg0 ready")
         _scores(q, kv, slot, acc_s)
         _stamp(trace, k, "wg0 S")
-        online_softmax(k, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-        _stamp(trace, k, "wg0 softmax")
-        if k > 0:
-            T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
-        _stamp(trace, k, "wg0 p_free")
-        T.copy(acc_s, p_s)
-        T.copy(alpha, alpha_s)
-        T.fence_proxy_async()
-        T.sync_threads(WG0_BAR, WG)                                           # all of P is written
-        T.mbarrier_arrive(p_ready[0])
-        _stamp(trace, k, "wg0 p_ready")
-        _scale_rows(o0, alpha)
-        _pv(p_s, v0, slot, o0)
-        T.mbarrier_arrive(empty[slot])
-        _stamp(trace, k, "wg0 PV+empty")
-    for i in T.Parallel(m_i.shape[0]):
-        stats_s[0, i] = m_i[i]
-        stats_s[1, i] = l_i[i]
-    T.mbarrier_arrive(stats[0])
-    epilogue(o0, 0, l_i, m_i, True)
+        _softmax_and_hand_off(k, acc_s, slot, v0, visible, scale, p_s, alpha_s, o0, m_i, m_prev, alpha, row_sum, l_i,
+                              empty, p_ready, p_free, trace)
+    _wg0_finish(m_i, l_i, stats_s, stats, o0, epilogue)
 
 
 @T.macro
@@ -465,27 +487,13 @@ def _ahead_step(k, steps, q, kv, v0, valid_rows, visible, scale, cur, nxt, p_s, 
     # lookahead: step k, whose scores are in `cur`; step k + 1's scores go into `nxt` on the tensor
     # cores while this step's softmax and P hand-off run, and are complete (with P V_0 of step k) at
     # the step's end, so no WGMMA is in flight across the loop's back edge (ptxas C7514)
-    slot = k % stages
     _stamp(trace, k, "wg0 ready")
     if k + 1 < steps:
         _wait_step(k + 1, kv, valid_rows, full, tail, stages, plain)
         _issue_scores(q, kv, (k + 1) % stages, nxt)
     _stamp(trace, k, "wg0 S")
-    online_softmax(k, cur, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-    _stamp(trace, k, "wg0 softmax")
-    if k > 0:
-        T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)                 # WG1 is done with P of step k - 1
-    _stamp(trace, k, "wg0 p_free")
-    T.copy(cur, p_s)
-    T.copy(alpha, alpha_s)
-    T.fence_proxy_async()
-    T.sync_threads(WG0_BAR, WG)                                         # all of P is written
-    T.mbarrier_arrive(p_ready[0])
-    _stamp(trace, k, "wg0 p_ready")
-    _scale_rows(o0, alpha)
-    _pv(p_s, v0, slot, o0)                                              # waits for step k + 1's scores too
-    T.mbarrier_arrive(empty[slot])
-    _stamp(trace, k, "wg0 PV+empty")
+    _softmax_and_hand_off(k, cur, k % stages, v0, visible, scale, p_s, alpha_s, o0, m_i, m_prev, alpha, row_sum, l_i,
+                          empty, p_ready, p_free, trace)
 
 
 @T.macro
@@ -506,11 +514,7 @@ def _mma_wg0_ahead(steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, 
     if steps % 2 == 1:
         _ahead_step(steps - 1, steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, o0, m_i,
                     m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
-    for i in T.Parallel(m_i.shape[0]):
-        stats_s[0, i] = m_i[i]
-        stats_s[1, i] = l_i[i]
-    T.mbarrier_arrive(stats[0])
-    epilogue(o0, 0, l_i, m_i, True)
+    _wg0_finish(m_i, l_i, stats_s, stats, o0, epilogue)
 
 
 @T.macro
@@ -569,17 +573,7 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
         T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
         for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
             sc[i, j] = st_s[j, i]
-        online_softmax(k, sc, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-        _stamp(trace, k, "wg0 softmax")
-        if k > 0:
-            T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
-        _stamp(trace, k, "wg0 p_free")
-        T.copy(sc, p_s)
-        T.copy(alpha, alpha_s)
-        T.fence_proxy_async()
-        T.sync_threads(WG0_BAR, WG)                                     # P and alpha are written (and S^T read)
-        T.mbarrier_arrive(p_ready[0])
-        _stamp(trace, k, "wg0 p_ready")
+        _hand_off_p(k, sc, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace)
         _scale_cols(o0, alpha_s)
         _pv_t(p_s, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
