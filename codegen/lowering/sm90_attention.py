@@ -28,9 +28,14 @@ tokens are WGMMA's M instead of the query rows. WG0 computes S^T = K Q^T (block_
 through shared memory into a row-major tile for the same online softmax, and both warpgroups
 accumulate O^T += V^T P^T (their value part's columns x rows; V^T read MN-major from the cache
 tile), scaled per column by alpha. The epilogue gets O^T and the row statistics in shared memory.
-With a raw format staged in chunks (raw_rows), two warpgroups convert: the producer the first half
-of each step's chunks, WG1 the second half one step ahead of its own O^T update (WG1 has little
-else to do when the heads are few). Each converter reloads a raw slot as soon as it has read it.
+With a raw format staged in chunks (raw_rows, either operand order), two warpgroups convert: the
+producer the first half of each step's chunks, WG1 the second half one step ahead of its own O
+update. Each converter reloads a raw slot as soon as it has read it (stage_raw: read into registers
+first, then converted under the reload).
+
+lookahead=True (default operand order): WG0 issues step k + 1's scores before step k's softmax, so
+they run on the tensor cores under the softmax and P hand-off; two score tiles swap roles (the loop
+is unrolled by two) and everything is complete at the step's end (ptxas C7514).
 
 Barriers (all mbarriers; parity = use number % 2):
     full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready (swapped with
@@ -248,7 +253,7 @@ def _raw_slot(k, c, pieces, raw_stages):
 
 @dataclass(frozen=True)
 class _Chunked:
-    """What the two converters of a swapped step share (raw staging in `pieces` chunks a step)."""
+    """What the two converters share when raw staging comes in `pieces` chunks a step."""
 
     loads: Any
     raw: Any            # raw staging buffers, raw_stages slots each
