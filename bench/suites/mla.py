@@ -85,9 +85,10 @@ def tilecraft_variant(case, i, tiling):
 
 
 def fp8_swapped_with(case, i, **options):
-    """The FP8 cache through the swapped kernel with stage_raw (the converters read a raw chunk into
-    registers and reload its staging before converting) and/or rope_direct (the bf16 rope goes by
-    TMA straight into the operand tile); s_q * h_q <= 16."""
+    """The FP8 cache through the swapped kernel with its options changed from the op's choice:
+    stage_raw (the converters read a raw chunk into registers and reload its staging before
+    converting), rope_direct=False (the bf16 rope staged raw and copied, as before "MLA v10");
+    s_q * h_q <= 16."""
     tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), **options)
     if not tiling.get("swapped"):
         raise ValueError(f"{sorted(options)} are built for the swapped kernel (s_q * h_q <= 16), got "
@@ -132,9 +133,7 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True),
-        Provider("tilecraft-fp8-direct", lambda c, i: fp8_swapped_with(c, i, rope_direct=True), experimental=True),
-        Provider("tilecraft-fp8-staged-direct", lambda c, i: fp8_swapped_with(c, i, stage_raw=True, rope_direct=True),
-                 experimental=True),
+        Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True),
         Provider("tilecraft-lookahead", lambda c, i: tilecraft_variant(c, i, LOOKAHEAD), experimental=True),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True),

@@ -1,0 +1,133 @@
+"""Where an FP8 decode GEMM's time goes: each kernel's own GPU time (profiler), the gap between the
+GEMM and its split-K reduce, and a fit of kernel time = fixed + per step over K.
+
+    python -m bench.prof_gemm [--ms 64,128] [--overlap 0,1] [--out DIR]
+
+Per decode shape and K loop (v2 / v3): the plan, the op's eager time (CUDA events, as bench.op),
+the GEMM kernel's and the reduce kernel's mean GPU time and the idle gap between them (torch
+profiler, L2 flushed before every call). Then, at m = 128, n = 4096 with 4 splits (128 blocks),
+the GEMM kernel's time over K = 2048 .. 16384 (4 .. 32 steps a block) and its least-squares line:
+the intercept is the fixed cost a block pays whatever its K, the slope one K step. GPU only.
+"""
+
+import argparse
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ops
+from bench.suites.gemm import DECODE_NK
+from bench.timing import L2_FLUSH_BYTES, bench_cuda
+from ops.gemm_fp8 import _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
+
+REPS = 30
+SWEEP_K = (2048, 4096, 8192, 16384)
+
+
+def _plan(m, n, k, overlap, **override):
+    """What _launch compiles for this call (the H200's 132 SMs)."""
+    return {**plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132, overlap=bool(overlap)), **override}
+
+
+def _compile(n, k, p):
+    fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p)
+    if p["splits"] > 1:
+        fp8_gemm_reduce_program.compile("sm_90a", n=n, splits=p["splits"], out_dtype="bfloat16")
+
+
+def warm(calls, jobs=14):
+    """Compile every (n, k, plan) into the disk cache in parallel processes (one compile is
+    single-threaded; the timing loop then only loads them)."""
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_compile, n, k, p) for n, k, p in calls]:
+            f.result()
+
+
+def _inputs(m, n, k):
+    g = torch.Generator().manual_seed(0)
+    qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).cuda())
+    qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).cuda())
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+    return lambda **kw: _launch("dense", qa, sfa, qb[None], sfb[None], *aux, out, n, k,
+                                block_m=64 if m <= 64 else 128, **kw)
+
+
+def kernel_times(fn, reps=REPS):
+    """{'gemm': us, 'reduce': us or None, 'gap': us or None, 'span': us}: means over reps, each call
+    after an L2 flush, from the profiler's kernel records."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "fp8_gemm" in e.name), key=lambda e: e.time_range.start)
+    calls = []
+    for e in kernels:
+        if "reduce" in e.name:
+            calls[-1].append(e)
+        else:
+            calls.append([e])
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    gemm = mean([c[0].time_range.elapsed_us() for c in calls])
+    red = [c[1] for c in calls if len(c) > 1]
+    return dict(gemm=gemm, reduce=mean([r.time_range.elapsed_us() for r in red]),
+                gap=mean([c[1].time_range.start - c[0].time_range.end for c in calls if len(c) > 1]),
+                span=mean([c[-1].time_range.end - c[0].time_range.start for c in calls]), calls=len(calls))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ms", default="64,128")
+    p.add_argument("--overlap", default="0,1", help="K loops: 0 = v2, 1 = v3")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    rows, fit = [], []
+    ms, loops = list(map(int, args.ms.split(","))), list(map(int, args.overlap.split(",")))
+    calls = {(n, k, tuple(sorted(_plan(m, n, k, ov).items()))) for m in ms for n, k in DECODE_NK for ov in loops}
+    calls |= {(4096, k, tuple(sorted(_plan(128, 4096, k, ov, splits=4).items()))) for k in SWEEP_K for ov in loops}
+    warm([(n, k, dict(p)) for n, k, p in sorted(calls)])
+    fmt = lambda x: "   -  " if x is None else f"{x:6.1f}"  # noqa: E731
+    print("m x n x k          loop plan              eager  gemm  reduce   gap   span (us)")
+    for m in ms:
+        for n, k in DECODE_NK:
+            run = _inputs(m, n, k)
+            for ov in loops:
+                pl = _plan(m, n, k, ov)
+                fn = lambda ov=ov: run(overlap=bool(ov))  # noqa: E731
+                eager = bench_cuda(fn)["median_ms"] * 1e3
+                t = kernel_times(fn)
+                rows.append(dict(m=m, n=n, k=k, overlap=ov, plan=pl, eager_us=eager, **t))
+                print(f"{m:4d}x{n:5d}x{k:5d}  {'v3' if ov else 'v2'}  n{pl['block_n']}/s{pl['splits']}/st{pl['stages']:<2d}"
+                      f"      {eager:6.1f} {fmt(t['gemm'])} {fmt(t['reduce'])} {fmt(t['gap'])} {fmt(t['span'])}", flush=True)
+    print("\nGEMM kernel alone vs K (m=128, n=4096, 4 splits = 128 blocks):")
+    for ov in loops:
+        pts = []
+        for k in SWEEP_K:
+            run = _inputs(128, 4096, k)
+            t = kernel_times(lambda: run(overlap=bool(ov), splits=4))
+            steps = k // 128 // 4
+            pts.append((steps, t["gemm"]))
+            print(f"  {'v3' if ov else 'v2'} k={k:5d} steps/block={steps:2d}: gemm {t['gemm']:6.1f} us", flush=True)
+        xs, ys = zip(*pts)
+        xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - xm) * (y - ym) for x, y in pts) / sum((x - xm) ** 2 for x in xs)
+        fit.append(dict(overlap=ov, fixed_us=ym - slope * xm, step_us=slope, points=pts))
+        print(f"  {'v3' if ov else 'v2'} fit: fixed {ym - slope * xm:5.2f} us + {slope:5.3f} us a step "
+              f"(a step moves 128 x 16 KB of B: {128 * 16384 / slope / 1e3:5.0f} GB/s)")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prof_gemm.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "fit": fit}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
