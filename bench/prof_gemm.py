@@ -1,13 +1,15 @@
 """Where an FP8 decode GEMM's time goes: each kernel's own GPU time (profiler), the gap between the
 GEMM and its split-K reduce, and a fit of kernel time = fixed + per step over K.
 
-    python -m bench.prof_gemm [--ms 64,128] [--overlap 0,1] [--out DIR]
+    python -m bench.prof_gemm [--ms 64,128] [--variants v2,v2-fold,v3] [--out DIR]
 
-Per decode shape and K loop (v2 / v3): the plan, the op's eager time (CUDA events, as bench.op),
-the GEMM kernel's and the reduce kernel's mean GPU time and the idle gap between them (torch
-profiler, L2 flushed before every call). Then, at m = 128, n = 4096 with 4 splits (128 blocks),
-the GEMM kernel's time over K = 2048 .. 16384 (4 .. 32 steps a block) and its least-squares line:
-the intercept is the fixed cost a block pays whatever its K, the slope one K step. GPU only.
+Per decode shape and variant (v2: the K loop that waits for each step's MMA, with the split-K
+reduce kernel; v2-fold: the same, the last block of a tile adding the partials; v3: the overlapped
+loop, tile.mma_promoted_loop): the plan, the op's eager time (CUDA events, as bench.op), the GEMM
+kernel's and the reduce kernel's mean GPU time and the idle gap between them (torch profiler, L2
+flushed before every call). Then, at m = 128, n = 4096 with 4 splits (128 blocks), the GEMM
+kernel's time over K = 2048 .. 16384 (4 .. 32 steps a block) and its least-squares line: the
+intercept is the fixed cost a block pays whatever its K, the slope one K step. GPU only.
 """
 
 import argparse
@@ -26,16 +28,23 @@ from ops.gemm_fp8 import _launch, fp8_gemm_program, fp8_gemm_reduce_program, pla
 
 REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
+VARIANTS = {"v2": dict(overlap=False, fold=False), "v2-fold": dict(overlap=False, fold=True),
+            "v3": dict(overlap=True, fold=False)}
 
 
-def _plan(m, n, k, overlap, **override):
-    """What _launch compiles for this call (the H200's 132 SMs)."""
-    return {**plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132, overlap=bool(overlap)), **override}
+def _plan(m, n, k, variant, **override):
+    """What _launch compiles for this call (the H200's 132 SMs), or None where the variant does not
+    apply (a fold without splits)."""
+    v = VARIANTS[variant]
+    p = {**plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132, overlap=v["overlap"]), **override}
+    if v["fold"] and p["splits"] == 1:
+        return None
+    return {**p, "fold": v["fold"]}
 
 
 def _compile(n, k, p):
     fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p)
-    if p["splits"] > 1:
+    if p["splits"] > 1 and not p["fold"]:
         fp8_gemm_reduce_program.compile("sm_90a", n=n, splits=p["splits"], out_dtype="bfloat16")
 
 
@@ -87,41 +96,46 @@ def kernel_times(fn, reps=REPS):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="64,128")
-    p.add_argument("--overlap", default="0,1", help="K loops: 0 = v2, 1 = v3")
+    p.add_argument("--variants", default="v2,v2-fold,v3", help=f"of {sorted(VARIANTS)}")
     p.add_argument("--out", type=Path)
+    p.add_argument("--warm-only", action="store_true", help="compile into the disk cache and stop (no GPU needed)")
     args = p.parse_args(argv)
     rows, fit = [], []
-    ms, loops = list(map(int, args.ms.split(","))), list(map(int, args.overlap.split(",")))
-    calls = {(n, k, tuple(sorted(_plan(m, n, k, ov).items()))) for m in ms for n, k in DECODE_NK for ov in loops}
-    calls |= {(4096, k, tuple(sorted(_plan(128, 4096, k, ov, splits=4).items()))) for k in SWEEP_K for ov in loops}
-    warm([(n, k, dict(p)) for n, k, p in sorted(calls)])
+    ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
+    plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]
+    plans += [(4096, k, _plan(128, 4096, k, v, splits=4)) for k in SWEEP_K for v in variants]
+    warm([(n, k, dict(p)) for n, k, p in sorted({(n, k, tuple(sorted(p.items()))) for n, k, p in plans if p})])
+    if args.warm_only:
+        return
     fmt = lambda x: "   -  " if x is None else f"{x:6.1f}"  # noqa: E731
-    print("m x n x k          loop plan              eager  gemm  reduce   gap   span (us)")
+    print("m x n x k          variant plan           eager  gemm  reduce   gap   span (us)")
     for m in ms:
         for n, k in DECODE_NK:
             run = _inputs(m, n, k)
-            for ov in loops:
-                pl = _plan(m, n, k, ov)
-                fn = lambda ov=ov: run(overlap=bool(ov))  # noqa: E731
+            for v in variants:
+                pl = _plan(m, n, k, v)
+                if pl is None:
+                    continue
+                fn = lambda v=v: run(**VARIANTS[v])  # noqa: E731
                 eager = bench_cuda(fn)["median_ms"] * 1e3
                 t = kernel_times(fn)
-                rows.append(dict(m=m, n=n, k=k, overlap=ov, plan=pl, eager_us=eager, **t))
-                print(f"{m:4d}x{n:5d}x{k:5d}  {'v3' if ov else 'v2'}  n{pl['block_n']}/s{pl['splits']}/st{pl['stages']:<2d}"
-                      f"      {eager:6.1f} {fmt(t['gemm'])} {fmt(t['reduce'])} {fmt(t['gap'])} {fmt(t['span'])}", flush=True)
+                rows.append(dict(m=m, n=n, k=k, variant=v, plan=pl, eager_us=eager, **t))
+                print(f"{m:4d}x{n:5d}x{k:5d}  {v:7s} n{pl['block_n']}/s{pl['splits']}/st{pl['stages']:<2d}"
+                      f"   {eager:6.1f} {fmt(t['gemm'])} {fmt(t['reduce'])} {fmt(t['gap'])} {fmt(t['span'])}", flush=True)
     print("\nGEMM kernel alone vs K (m=128, n=4096, 4 splits = 128 blocks):")
-    for ov in loops:
+    for v in variants:
         pts = []
         for k in SWEEP_K:
             run = _inputs(128, 4096, k)
-            t = kernel_times(lambda: run(overlap=bool(ov), splits=4))
+            t = kernel_times(lambda: run(splits=4, **VARIANTS[v]))
             steps = k // 128 // 4
             pts.append((steps, t["gemm"]))
-            print(f"  {'v3' if ov else 'v2'} k={k:5d} steps/block={steps:2d}: gemm {t['gemm']:6.1f} us", flush=True)
+            print(f"  {v:7s} k={k:5d} steps/block={steps:2d}: gemm {t['gemm']:6.1f} us", flush=True)
         xs, ys = zip(*pts)
         xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - xm) * (y - ym) for x, y in pts) / sum((x - xm) ** 2 for x in xs)
-        fit.append(dict(overlap=ov, fixed_us=ym - slope * xm, step_us=slope, points=pts))
-        print(f"  {'v3' if ov else 'v2'} fit: fixed {ym - slope * xm:5.2f} us + {slope:5.3f} us a step "
+        fit.append(dict(variant=v, fixed_us=ym - slope * xm, step_us=slope, points=pts))
+        print(f"  {v:7s} fit: fixed {ym - slope * xm:5.2f} us + {slope:5.3f} us a step "
               f"(a step moves 128 x 16 KB of B: {128 * 16384 / slope / 1e3:5.0f} GB/s)")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | lane_shuffle_up(value, delta) | __shfl_up_sync | same | not lowered | not lowered |
 | lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
 | barrier() | __syncthreads | same | not lowered | nothing (one thread) |
+| last_arrival(count, index, arrivals) | __syncthreads; thread 0: __threadfence, atomicAdd, reset by the last; __syncthreads | same | not lowered | not lowered |
 | cluster_barrier() | barrier.cluster arrive (release) + wait (acquire) | same | not lowered | not lowered |
 
 The lane words are for warp-per-item programs (one warp = 32 lanes owns an item, no shared memory):
@@ -155,6 +156,7 @@ lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` hold
 lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of this warp (its own below delta); all lanes take part.")
 lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")
 barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off.")
+last_arrival = _word("last_arrival", "1 in the last of `arrivals` blocks to arrive on int32 count[index] (each arrives once, after its global stores; the last sees every earlier arriver's stores and sets the count back to 0), else 0; every thread of the block takes part.")
 cluster_barrier = _word("cluster_barrier", "Every thread of the block's cluster (cluster_grid) waits here; memory written before it is visible to the whole cluster after it.")
 
 

@@ -50,3 +50,20 @@ def bound_only(device, size=1, dtype=torch.int32):
             _BOUND_ONLY.clear()
         t = _BOUND_ONLY[key] = torch.empty(size, dtype=dtype, device=device)
     return t
+
+
+_COUNTERS: dict = {}
+
+
+def arrival_counters(device, size):
+    """At least `size` int32 zeros for kernels that count block arrivals (tile.last_arrival) and set
+    each count back to 0 before they end: one tensor per (device, stream), zeroed once, so calls on
+    one stream, which run one after another, share it; calls on other streams get their own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    t = _COUNTERS.get(key)
+    if t is None or t.numel() < size:
+        if len(_COUNTERS) >= 256:
+            _COUNTERS.clear()
+        t = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+    return t

@@ -31,7 +31,7 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
-from ops._workspace import bound_only
+from ops._workspace import arrival_counters, bound_only
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
 GROUP = 128
@@ -51,12 +51,16 @@ ALIGN_N, ALIGN_K = 64, 128
               "sorted-4096x7168": dict(n=4096, k=7168, mode="sorted", block_m=64)},
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
-                     block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False):
+                     block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
+                     fold: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
     sums K blocks [s * per, (s + 1) * per) into fp32 partials Part[s]; fp8_gemm_reduce_program adds
-    them in the order s = 0, 1, ... (deterministic) and casts.
+    them in the order s = 0, 1, ... (deterministic) and casts. fold=True (CUDA, the v2 loop): no
+    second kernel; the last of a tile's blocks to finish (tile.last_arrival on Count[tile], a zeroed
+    int32 per tile that it sets back to 0) adds the tile's partials in that same order and casts:
+    the same bits as the reduce kernel.
 
     mode "sorted": MIdx is the (items, 3) work list; block (item, tn) computes the block_m rows from
     the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
@@ -71,6 +75,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
+    if fold and (splits == 1 or overlap):
+        raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
+                         f"overlap=False, got splits={splits}, overlap={overlap}")
     kb, nb = k // GROUP, -(-n // GROUP)
     per = -(-kb // splits)                                      # K blocks per split
     n_tiles = n // block_n
@@ -84,6 +91,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     sfa_shape = (groups, max_m, kb) if masked else (rows, kb)
     c_shape = (groups, max_m, n) if masked else (rows, n)
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
+    counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
 
     @T.prim_func
     def fp8_gemm_nt(
@@ -95,6 +103,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
         C: T.Tensor(c_shape, out_dtype),
         Part: T.Tensor(part_shape, "float32"),  # split-K partials; unused when splits == 1
+        Count: T.Tensor((counts,), "int32"),    # fold: >= m_tiles * n_tiles zeros; otherwise unused
     ):
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
@@ -183,8 +192,28 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                     C[g, r, tn * block_n + j] = value
                                 else:
                                     C[r, tn * block_n + j] = value
+                if fold:
+                    if tile.last_arrival(Count, tm * n_tiles + tn, splits):
+                        _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
 
     return fp8_gemm_nt
+
+
+@T.macro
+def _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n):
+    """The tile's rows of C = cast(((Part[0] + Part[1]) + ...) in split order), as the reduce kernel."""
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height:
+                C[r, tn * block_n + j] = T.cast(_in_order([Part[s, r, tn * block_n + j] for s in range(splits)]),
+                                                out_dtype)
+
+
+def _in_order(partials):
+    """((P0 + P1) + P2) + ...: one expression built while tracing, always in this order (the reduce
+    kernel and the in-kernel fold both add this way, so they give the same bits)."""
+    return functools.reduce(operator.add, partials)
 
 
 @T.macro
@@ -225,8 +254,7 @@ def fp8_gemm_reduce_program(n: int, splits: int, out_dtype: str = "bfloat16", bl
                 if flat < rows * n:
                     r = flat // n
                     c = flat % n
-                    # one expression, built while tracing: ((P0 + P1) + P2) + ..., always in this order
-                    C[r, c] = T.cast(functools.reduce(operator.add, [Part[s, r, c] for s in range(splits)]), out_dtype)
+                    C[r, c] = T.cast(_in_order([Part[s, r, c] for s in range(splits)]), out_dtype)
 
     return fp8_gemm_reduce
 
@@ -300,6 +328,7 @@ SMEM_BUDGET = 220 * 1024
 
 OVERLAP = False        # default K loop: False = v2 (wait 0 per step), True = mma_promoted_loop (v3)
 OVERLAP_STAGES = 6     # v3 releases a stage one step later: up to this many stages where they fit
+FOLD_IN_KERNEL = True  # CUDA split-K: the last block of a tile adds the partials (no reduce kernel)
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None) -> dict:
@@ -345,24 +374,28 @@ def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> in
     return splits
 
 
-def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str):
-    """(the GEMM kernel's launcher, the fixed-order reduce's launcher or None for splits == 1)."""
+def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold: bool = False):
+    """(the GEMM kernel's launcher, the fixed-order reduce's launcher, or None for splits == 1 or a
+    kernel that folds its partials itself)."""
     reduce = (fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()
-              if splits > 1 else None)
+              if splits > 1 and not fold else None)
     return kernel.launcher(), reduce
 
 
-def launch_split_k(kernel, reduce, args, out, splits: int):
-    """Run a GEMM launcher whose last argument is its fp32 partials buffer (splits, rows, n), then,
-    for splits > 1 (2-D outputs only), the reduce launcher into `out` (rows, n). With one split the
-    kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
+def launch_split_k(kernel, reduce, args, out, splits: int, count=None):
+    """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count]),
+    then, for splits > 1 (2-D outputs only) with a reduce launcher, the reduce into `out` (rows, n);
+    without one the kernel folds its partials (count: its zeroed per-tile arrival counters). With
+    one split the kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
     n = out.shape[-1]
+    tail = () if count is None else (count,)
     if splits == 1:
-        kernel(*args, out, bound_only(out.device, n, torch.float32).view(1, 1, n))
+        kernel(*args, out, bound_only(out.device, n, torch.float32).view(1, 1, n), *tail)
         return
     part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
-    kernel(*args, out, part)
-    reduce(part, out)
+    kernel(*args, out, part, *tail)
+    if reduce is not None:
+        reduce(part, out)
 
 
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, overlap=None, **override):
@@ -375,14 +408,17 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
         p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
+        p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
-        return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype))
+        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 1
+        return (p["splits"], tiles, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, p["fold"]))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
            tuple(sorted(override.items())) if override else (), out2.dtype)
-    splits, kernel, reduce = jit.launchers(key, build)
-    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits)
+    splits, tiles, kernel, reduce = jit.launchers(key, build)
+    count = arrival_counters(a2.device, tiles) if reduce is None and splits > 1 else bound_only(a2.device)
+    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count)
 
 
 def _check_out(out, shape, device):

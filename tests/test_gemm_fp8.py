@@ -177,6 +177,32 @@ def test_reduce_lowers_for_ascend():
     assert "__simt_vf__" in fp8_gemm_reduce_program.source("ascend", n=4096, splits=4)
 
 
+def test_split_k_fold_is_one_kernel_that_counts_arrivals():
+    """fold=True: after storing its partials a block arrives on its tile's counter (fence, atomic);
+    the last adds the partials in split order and writes C, so no reduce kernel is built. It needs
+    the v2 loop with splits > 1, and a target with a rule for tile.last_arrival."""
+    from codegen.rules import NoRuleError
+    from ops.gemm_fp8 import split_k_launchers
+
+    src = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, fold=True)
+    assert "__threadfence()" in src and "AtomicAddRet(" in src and "Count[" in src
+    assert "__threadfence()" not in fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4)
+    fold = src[src.index("AtomicAddRet("):]
+    # P0 + P1 + P2 + P3 as the reduce kernel adds them: four loads of Part, then the adds in order
+    assert fold.count("Part_local_cast_") >= 4 and "*(uint2*)(C +" in fold
+    with pytest.raises(ValueError, match="fold=True"):
+        fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=1, fold=True)
+    with pytest.raises(ValueError, match="fold=True"):
+        fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=True, fold=True)
+    with pytest.raises(NoRuleError, match="last_arrival"):
+        fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, fold=True)
+
+    class Kernel:
+        def launcher(self):
+            return "kernel"
+    assert split_k_launchers(Kernel(), "sm_90a", 4096, 4, "bfloat16", fold=True) == ("kernel", None)
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -222,6 +248,48 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-3
     assert_elementwise(runs[0], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,splits", [(1, 2112, 2048, 2), (77, 256, 2048, 3), (128, 4096, 7168, 4),
+                                          (200, 512, 1536, 5), (64, 7168, 16384, 2)])
+def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
+    """The in-kernel fold (the last block of a tile adds the partials) gives the reduce kernel's bits,
+    run after run (the counters go back to zero), and inside a CUDA graph."""
+    from ops._workspace import arrival_counters
+    from ops.gemm_fp8 import _launch
+
+    g = torch.Generator().manual_seed(m + splits)
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
+    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+
+    def run(fold, out=None):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if out is None else out
+        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, splits=splits, fold=fold)
+        return out
+
+    reduced = run(False).cpu()
+    folded = [run(True).cpu() for _ in range(3)]
+    for f in folded:
+        assert torch.equal(f, reduced)
+    assert not arrival_counters(torch.device("cuda"), 1).any()       # every tile's count is back to 0
+    assert calc_diff(reduced, ref) < 1e-3
+    assert_elementwise(reduced, ref)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(True, out)                                              # compiled, counters made for this stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run(True, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out.cpu(), reduced)
 
 
 # ---- v3 K loop (overlap: tile.mma_promoted_loop) ------------------------------------------------

@@ -62,6 +62,29 @@ def barrier():
     return T.sync_threads()
 
 
+@T.macro
+def _arrive(count, index, arrivals, last):
+    T.sync_threads()                                    # every thread's global stores are issued
+    if T.get_thread_binding() == 0:
+        # release: the fence is cumulative, so it orders the whole block's stores (seen by thread 0
+        # through the barrier) before the arrival
+        T.evaluate(T.call_extern("handle", "__threadfence"))
+        prev = T.atomic_add(count[index], 1, return_prev=True)
+        last[0] = T.if_then_else(prev == arrivals - 1, 1, 0)
+        if prev == arrivals - 1:
+            count[index] = 0                            # the next launch counts from zero again
+            T.evaluate(T.call_extern("handle", "__threadfence"))   # acquire: the others' stores
+    T.sync_threads()
+
+
+@register("last_arrival", "cuda")
+def last_arrival(count, index, arrivals):
+    # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore
+    last = T.alloc_shared((1,), "int32")
+    _arrive(count, index, arrivals, last)
+    return last[0]
+
+
 @register("cluster_barrier", "cuda")
 def cluster_barrier():
     # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
