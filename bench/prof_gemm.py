@@ -2,6 +2,7 @@
 GEMM and its split-K reduce, and a fit of kernel time = fixed + per step over K.
 
     python -m bench.prof_gemm [--ms 64,128] [--variants v2,v2-fold,v3] [--out DIR]
+    python -m bench.prof_gemm --trace      # where a block's cycles go (fp8_gemm_program trace=True)
 
 Per decode shape and variant (v2: the K loop that waits for each step's MMA, with the split-K
 reduce kernel; v2-fold: the same, the last block of a tile adding the partials; v3: the overlapped
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import ops
 from bench.suites.gemm import DECODE_NK
 from bench.timing import L2_FLUSH_BYTES, bench_cuda
-from ops.gemm_fp8 import _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
+from ops.gemm_fp8 import TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
 
 REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
@@ -93,13 +94,52 @@ def kernel_times(fn, reps=REPS):
                 span=mean([c[-1].time_range.end - c[0].time_range.start for c in calls]), calls=len(calls))
 
 
+TRACE_CASES = [(128, 4096, 2048, 4), (128, 4096, 7168, 4), (128, 7168, 16384, 2)]
+
+
+def trace(out_dir):
+    """Per traced case: the GEMM kernel's time (profiler) and, over its blocks, the median SM cycles
+    between the block's events (fp8_gemm_program trace=True, the v2 loop with the reduce kernel)."""
+    rows = []
+    for m, n, k, splits in TRACE_CASES:
+        p = {**_plan(m, n, k, "v2", splits=splits), "trace": True}
+        p.pop("fold")
+        kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
+        g = torch.Generator().manual_seed(0)
+        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).cuda())
+        qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).cuda())
+        blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        part = torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
+        count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
+        aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+        fn = lambda: kernel(qa, sfa, qb[None], sfb[None], *aux, out, part, count)  # noqa: E731
+        t = kernel_times(fn)
+        stamps = count.view(blocks, 8)[:, :len(TRACE_EVENTS)].cpu().long()
+        deltas = ((stamps[:, 1:] - stamps[:, :-1]) % (1 << 32)).double().median(0).values.tolist()
+        steps = -(-(k // 128) // splits)
+        names = [f"{a} -> {b}" for a, b in zip(TRACE_EVENTS, TRACE_EVENTS[1:])]
+        print(f"{m}x{n}x{k} splits {splits} ({blocks} blocks, {steps} steps): kernel {t['gemm']:.1f} us; median cycles "
+              + ", ".join(f"{nm} {d:.0f}" for nm, d in zip(names, deltas))
+              + f"; per middle step {deltas[2] / max(steps - 2, 1):.0f}", flush=True)
+        rows.append(dict(m=m, n=n, k=k, splits=splits, kernel_us=t["gemm"], events=list(TRACE_EVENTS),
+                         median_cycles=dict(zip(names, deltas))))
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "prof_gemm_trace.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows},
+                                                                 indent=1))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="64,128")
     p.add_argument("--variants", default="v2,v2-fold,v3", help=f"of {sorted(VARIANTS)}")
     p.add_argument("--out", type=Path)
     p.add_argument("--warm-only", action="store_true", help="compile into the disk cache and stop (no GPU needed)")
+    p.add_argument("--trace", action="store_true", help="only the per-event cycle trace of TRACE_CASES")
     args = p.parse_args(argv)
+    if args.trace:
+        return trace(args.out)
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]

@@ -52,7 +52,7 @@ ALIGN_N, ALIGN_K = 64, 128
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
-                     fold: bool = False):
+                     fold: bool = False, trace: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -61,6 +61,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     second kernel; the last of a tile's blocks to finish (tile.last_arrival on Count[tile], a zeroed
     int32 per tile that it sets back to 0) adds the tile's partials in that same order and casts:
     the same bits as the reduce kernel.
+
+    trace=True (the v2 loop, splits == 1 or fold=False; bench.prof_gemm): the SM clock when block b's
+    first thread reaches each of TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits).
 
     mode "sorted": MIdx is the (items, 3) work list; block (item, tn) computes the block_m rows from
     the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
@@ -75,6 +78,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
+    if trace and (fold or overlap):
+        raise ValueError("trace=True stamps the v2 loop's block into Count: not with fold or overlap")
     if fold and (splits == 1 or overlap):
         raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
                          f"overlap=False, got splits={splits}, overlap={overlap}")
@@ -141,6 +146,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 limit = rows
             k0 = ts * per
             steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
+            if trace:
+                _stamp(Count, bid, "entry")
             # scales are loaded once, before the pipeline: a global load per K step would sit on the
             # MMA warps' critical path (they cannot be prefetched by the TMA warps from this layout)
             with tile.vector():
@@ -153,6 +160,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 if not overlap:                                  # mma_promoted_loop clears it
                     for i, j in tile.parallel(mine, block_n):
                         acc[i, j] = 0.0
+            if trace:
+                _stamp(Count, bid, "scales staged")
 
             if overlap:
                 where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
@@ -168,6 +177,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
+                    if trace:
+                        if s == 1:
+                            _stamp(Count, bid, "step 1")
+                        if s == steps - 1:
+                            _stamp(Count, bid, "last step")
                     if masked:
                         tile.copy(A[g, row0, kk * GROUP], a_s)
                     else:
@@ -177,6 +191,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                         for i in tile.parallel(mine):
                             scale[i] = sfa_s[i, s] * sfb_s[kk]
                     tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
+                if trace:
+                    _stamp(Count, bid, "loop done")
                 with tile.vector():   # as _store (kept inline: the default path's source is unchanged)
                     for i, j in tile.parallel(mine, block_n):
                         r = row0 + first + i
@@ -192,11 +208,28 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                     C[g, r, tn * block_n + j] = value
                                 else:
                                     C[r, tn * block_n + j] = value
+                if trace:
+                    _stamp(Count, bid, "stored")
                 if fold:
                     if tile.last_arrival(Count, tm * n_tiles + tn, splits):
                         _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
 
     return fp8_gemm_nt
+
+
+# "step 1": step 0's tiles have landed and been multiplied and folded; "last step": its start
+TRACE_EVENTS = ("entry", "scales staged", "step 1", "last step", "loop done", "stored")
+
+
+def _stamp(count, bid, event):
+    # the SM clock (32-bit) when the block's first thread gets here (bench.prof_gemm --trace)
+    _stamp_at(count, bid * 8 + TRACE_EVENTS.index(event))
+
+
+@T.macro
+def _stamp_at(count, at):
+    if T.get_thread_binding() == 0:
+        count[at] = T.call_extern("int32", "clock")
 
 
 @T.macro
@@ -328,7 +361,9 @@ SMEM_BUDGET = 220 * 1024
 
 OVERLAP = False        # default K loop: False = v2 (wait 0 per step), True = mma_promoted_loop (v3)
 OVERLAP_STAGES = 6     # v3 releases a stage one step later: up to this many stages where they fit
-FOLD_IN_KERNEL = True  # CUDA split-K: the last block of a tile adds the partials (no reduce kernel)
+# CUDA split-K: the last block of a tile adds the partials instead of a reduce kernel. Off: measured
+# 1-5 us slower on every split decode shape (bench/NOTES.md "GEMM v4": one block a tile folds it)
+FOLD_IN_KERNEL = False
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None) -> dict:

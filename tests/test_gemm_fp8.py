@@ -197,6 +197,11 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     with pytest.raises(NoRuleError, match="last_arrival"):
         fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, fold=True)
 
+    # trace=True: six SM-clock stamps a block into Count (bench.prof_gemm --trace), the v2 loop only
+    assert fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, trace=True).count("clock()") == 6
+    with pytest.raises(ValueError, match="trace=True"):
+        fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, fold=True, trace=True)
+
     class Kernel:
         def launcher(self):
             return "kernel"
