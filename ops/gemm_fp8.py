@@ -122,9 +122,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             if not overlap:                                     # mma_promoted_loop makes its own
                 a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
                 b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
-            sfa_s = tile.stage((mine, per), "float32")           # the block's row scales for its K range
+            if overlap:
+                sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
+                sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
             scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
-            sfb_s = tile.stage((kb,), "float32")                 # the tile's 128-row block of sfb
+            if not overlap:                                     # the next step's sfa and sfb, loaded a step early
+                ahead_a = tile.fragment((mine,))
+                ahead_b = tile.fragment((mine,))
             part = tile.accumulator((block_m, block_n))
             acc = tile.fragment((mine, block_n))
             if masked:
@@ -148,18 +152,24 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
             if trace:
                 _stamp(Count, bid, "entry")
-            # scales are loaded once, before the pipeline: a global load per K step would sit on the
-            # MMA warps' critical path (they cannot be prefetched by the TMA warps from this layout)
+            # v3 stages the scales once, before its pipeline. The v2 loop reads them from global
+            # memory one step ahead (step s loads step s + 1's into registers), so their latency
+            # hides under a step; staged, they held every thread, the TMA thread too, for ~5000
+            # cycles before the first load (bench/NOTES.md "GEMM v4").
             with tile.vector():
-                for kk in tile.parallel(kb):
-                    sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-                for i, t in tile.parallel(mine, per):
-                    r = T.min(row0 + first + i, height - 1)
-                    kk = T.min(k0 + t, kb - 1)
-                    sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
-                if not overlap:                                  # mma_promoted_loop clears it
+                if overlap:
+                    for kk in tile.parallel(kb):
+                        sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+                    for i, t in tile.parallel(mine, per):
+                        r = T.min(row0 + first + i, height - 1)
+                        kk = T.min(k0 + t, kb - 1)
+                        sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+                else:                                            # mma_promoted_loop clears it
                     for i, j in tile.parallel(mine, block_n):
                         acc[i, j] = 0.0
+                    for i in tile.parallel(mine):
+                        _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1), k0,
+                                     kb, tn, block_n)
             if trace:
                 _stamp(Count, bid, "scales staged")
 
@@ -189,7 +199,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
                     with tile.vector():
                         for i in tile.parallel(mine):
-                            scale[i] = sfa_s[i, s] * sfb_s[kk]
+                            scale[i] = ahead_a[i] * ahead_b[i]
+                            _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1),
+                                         kk + 1, kb, tn, block_n)
                     tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
                 if trace:
                     _stamp(Count, bid, "loop done")
@@ -218,6 +230,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
 
 
 # "step 1": step 0's tiles have landed and been multiplied and folded; "last step": its start
+@T.macro
+def _load_scales(sa, sb, i, SFA, SFB, masked, g, r, kk, kb, tn, block_n):
+    """sa[i] = sfa[r, kk], sb[i] = sfb[the tile's block, kk]: loads only, multiplied a step later so
+    that nothing waits for them now. K block clamped inside the scales (the step after the last
+    reads the last one, never used)."""
+    sa[i] = SFA[g, r, T.min(kk, kb - 1)] if masked else SFA[r, T.min(kk, kb - 1)]
+    sb[i] = SFB[g, (tn * block_n) // GROUP, T.min(kk, kb - 1)]
+
+
 TRACE_EVENTS = ("entry", "scales staged", "step 1", "last step", "loop done", "stored")
 
 
