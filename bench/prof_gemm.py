@@ -57,6 +57,12 @@ def warm(calls, jobs=14):
             f.result()
 
 
+def _tilelang_version():
+    import tilelang
+
+    return tilelang.__version__
+
+
 def _inputs(m, n, k):
     g = torch.Generator().manual_seed(0)
     qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).cuda())
@@ -126,8 +132,9 @@ def trace(out_dir):
                          median_cycles=dict(zip(names, deltas))))
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "prof_gemm_trace.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows},
-                                                                 indent=1))
+        (out_dir / "prof_gemm_trace.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tilelang": _tilelang_version(),
+             "rows": rows}, indent=1))
 
 
 def main(argv=None):
@@ -180,7 +187,8 @@ def main(argv=None):
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "prof_gemm.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "fit": fit}, indent=1))
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tilelang": _tilelang_version(),
+             "rows": rows, "fit": fit}, indent=1))
 
 
 if __name__ == "__main__":
