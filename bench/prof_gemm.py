@@ -16,6 +16,7 @@ intercept is the fixed cost a block pays whatever its K, the slope one K step. G
 import argparse
 import json
 import multiprocessing
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -145,6 +146,10 @@ def main(argv=None):
     p.add_argument("--warm-only", action="store_true", help="compile into the disk cache and stop (no GPU needed)")
     p.add_argument("--trace", action="store_true", help="only the per-event cycle trace of TRACE_CASES")
     args = p.parse_args(argv)
+    if not args.warm_only and not torch.cuda.is_available():
+        print("bench.prof_gemm times kernels on a CUDA GPU (sm_90a): none found (--warm-only compiles without one)",
+              file=sys.stderr)
+        return 2
     if args.trace:
         return trace(args.out)
     rows, fit = [], []
@@ -192,4 +197,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
