@@ -1,7 +1,7 @@
 """Where a step of the sm_90a MLA pipeline goes: SM clock stamps of CTA 0, per warpgroup event.
 
     python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct options), h_q=128 (bf16,
-                                         # and the lookahead loop: there "wg0 S" is step k + 1's scores issued)
+                                         # and FP8 with two converters)
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
@@ -11,7 +11,7 @@ import sys
 import torch
 
 import ops
-from bench.suites.mla import FP8_TWO_CONVERTERS, LOOKAHEAD, PRESETS, make_inputs
+from bench.suites.mla import FP8_TWO_CONVERTERS, PRESETS, make_inputs
 from codegen.lowering.sm90_attention import EVENTS
 from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
 
@@ -25,7 +25,7 @@ def main() -> int:
     # rope_direct), b=128 h_q=128 4096
     for ci, fmt, tiling in [(1, "bf16", None), (1, "fp8", None), (1, "fp8", dict(swapped_fp8, stage_raw=True)),
                             (1, "fp8", dict(swapped_fp8, rope_direct=False)), (4, "bf16", None),
-                            (4, "bf16", LOOKAHEAD), (4, "fp8", FP8_TWO_CONVERTERS)]:
+                            (4, "fp8", FP8_TWO_CONVERTERS)]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]

@@ -79,8 +79,7 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
-                       raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
-                       lookahead: bool = False):
+                       raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -252,8 +251,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None, stage_raw=stage_raw,
                 # rope_direct: step k's bf16 rope goes by TMA straight into operand part 2
                 direct=(lambda k: _page_copies(BlockTable, bi, first + k, page, block_n, num_pages,
-                                               [(KVh, FP8_ROPE_HALF, D_ROPE, 2)])) if rope_direct else None,
-                lookahead=lookahead)
+                                               [(KVh, FP8_ROPE_HALF, D_ROPE, 2)])) if rope_direct else None)
 
     return mla_decode
 

@@ -197,25 +197,6 @@ def test_fp8_two_converters_build():
     assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
 
 
-def test_lookahead_builds_without_wgmma_serialization():
-    """lookahead=True: two score tiles, step k + 1's scores issued before step k's softmax and
-    completed within the step (no WGMMA in flight across the loop's back edge: no ptxas C7514);
-    the swapped mode refuses it."""
-    from backends import ToolchainError
-    from test_gemm_fp8 import _build_with_ptxas_log
-
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, block_n=32, stages=4, lookahead=True)
-    loop = src[src.index("for (int kk = 0;"):]
-    assert loop.index("wgmma_ss") < loop.index("exp2f")             # the next scores before this softmax
-    with pytest.raises(ValueError, match="lookahead=True"):
-        mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True, lookahead=True)
-    try:
-        _, log = _build_with_ptxas_log(src)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert "C7514" not in log and "C7517" not in log
-
-
 def test_rules_ask_for_their_pass_configs():
     """The sm_90a attention_loop places its own barriers and asks for TileLang's sync pass to be off
     (tile.require_pass_configs); the generic loop on sm_100a asks for nothing."""
@@ -503,19 +484,6 @@ def test_gpu_swapped_matches_reference(b, s_q, h_q, lens):
     """The experimental swapped-operand program (mla_decode_program(swapped=True)) against the
     reference, with the same bounds as the production kernel."""
     run_gpu_case(b, s_q, h_q, lens, tiling=dict(block_n=64, stages=2, swapped=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page", [
-    (2, 1, 128, [1000, 64], 64),
-    (3, 2, 128, [4096, 1, 0], 64),      # causal multi-token, an empty and a one-token sequence
-    (2, 1, 64, [33, 97], 32),           # odd step counts (the unrolled pair's tail), 32-token pages
-    (2, 1, 128, [16384, 8000], 64),     # splits + combine
-])
-def test_gpu_lookahead_matches_reference(b, s_q, h_q, lens, page):
-    """The lookahead loop (lookahead=True, not yet the op's choice: bench/NOTES.md "MLA v9"): step
-    k + 1's scores on the tensor cores under step k's softmax, 32-token steps 4 deep."""
-    run_gpu_case(b, s_q, h_q, lens, page=page, tiling=dict(block_n=32, stages=4, lookahead=True))
 
 
 @pytest.mark.gpu

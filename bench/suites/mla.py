@@ -96,9 +96,7 @@ def fp8_swapped_with(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
-# lookahead: step k + 1's scores under step k's softmax, 32-token steps 4 deep (bf16 cache);
 # two converters: FP8 in the default operand order, WG1 converting half of every step (16-token chunks)
-LOOKAHEAD = dict(block_n=32, stages=4, lookahead=True)
 FP8_TWO_CONVERTERS = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
 
 
@@ -134,7 +132,6 @@ SUITE = Suite(
         Provider("tilecraft-fp8", tilecraft_fp8),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True),
-        Provider("tilecraft-lookahead", lambda c, i: tilecraft_variant(c, i, LOOKAHEAD), experimental=True),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),

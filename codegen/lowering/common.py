@@ -281,11 +281,11 @@ def _set_first(buf, value):
 @register("attention_loop", "*")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, lookahead=False):
+                   direct=None):
     # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step;
     # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline
-    if swapped or raw_rows is not None or stage_raw or direct is not None or lookahead:
-        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, lookahead=True) is lowered on "
+    if swapped or raw_rows is not None or stage_raw or direct is not None:
+        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=) is lowered on "
                          "cuda:sm_90a only")
     block_m, block_n = q[0].shape[0], kv[0][0]
     # the count in registers: the zeroing that reads it then lands in the MMA warps, after the copy

@@ -33,10 +33,6 @@ producer the first half of each step's chunks, WG1 the second half one step ahea
 update. Each converter reloads a raw slot as soon as it has read it (stage_raw: read into registers
 first, then converted under the reload).
 
-lookahead=True (default operand order): WG0 issues step k + 1's scores before step k's softmax, so
-they run on the tensor cores under the softmax and P hand-off; two score tiles swap roles (the loop
-is unrolled by two) and everything is complete at the step's end (ptxas C7514).
-
 Barriers (all mbarriers; parity = use number % 2):
     full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready (swapped with
                  raw chunks: producer + WG1 arrivals, one per converter and step)
@@ -95,12 +91,6 @@ def _scores(q, kv, slot, acc_s):
     for p, (qt, kt) in enumerate(zip(q, kv)):
         emit(T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
     emit(T.wait_wgmma(0))
-
-
-def _issue_scores(q, kv, slot, acc_s):
-    # S = sum_p Q_p K_p^T of a step, left in flight (the caller's next wait_wgmma(0) completes it)
-    for p, (qt, kt) in enumerate(zip(q, kv)):
-        emit(T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
 
 
 def _pv(p_s, v, slot, acc):
@@ -487,42 +477,6 @@ def _mma_wg0(steps, q, kv, v0, valid_rows, visible, scale, acc_s, p_s, alpha_s, 
 
 
 @T.macro
-def _ahead_step(k, steps, q, kv, v0, valid_rows, visible, scale, cur, nxt, p_s, alpha_s, o0, m_i, m_prev, alpha,
-                row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace):
-    # lookahead: step k, whose scores are in `cur`; step k + 1's scores go into `nxt` on the tensor
-    # cores while this step's softmax and P hand-off run, and are complete (with P V_0 of step k) at
-    # the step's end, so no WGMMA is in flight across the loop's back edge (ptxas C7514)
-    _stamp(trace, k, "wg0 ready")
-    if k + 1 < steps:
-        _wait_step(k + 1, kv, valid_rows, full, tail, stages, plain)
-        _issue_scores(q, kv, (k + 1) % stages, nxt)
-    _stamp(trace, k, "wg0 S")
-    _softmax_and_hand_off(k, cur, k % stages, v0, visible, scale, p_s, alpha_s, o0, m_i, m_prev, alpha, row_sum, l_i,
-                          empty, p_ready, p_free, trace)
-
-
-@T.macro
-def _mma_wg0_ahead(steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, stats_s, o0, m_i,
-                   m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
-                   trace):
-    # _mma_wg0 with step k + 1's scores computed under step k's softmax: two score tiles that swap
-    # roles every step (the loop is unrolled by two; registers cannot be indexed by a step number)
-    _wg0_start(m_i, l_i, o0)
-    if steps > 0:
-        _wait_step(0, kv, valid_rows, full, tail, stages, plain)
-        _scores(q, kv, 0, acc_s)
-    for kk in T.serial(steps // 2):
-        _ahead_step(2 * kk, steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, o0, m_i,
-                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
-        _ahead_step(2 * kk + 1, steps, q, kv, v0, valid_rows, visible, scale, acc_s2, acc_s, p_s, alpha_s, o0, m_i,
-                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
-    if steps % 2 == 1:
-        _ahead_step(steps - 1, steps, q, kv, v0, valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s, o0, m_i,
-                    m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stages, plain, trace)
-    _wg0_finish(m_i, l_i, stats_s, stats, o0, epilogue)
-
-
-@T.macro
 def _wg1_converts_first(steps, ck, kv, empty, stages, vals, stg, trace):
     # ck (_Chunked) or None: WG1 converts the second half of every step's raw chunks, one step ahead
     # of its own P V update (bench/NOTES.md "MLA v9"): its loads and step 0's half come first
@@ -622,7 +576,7 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, lookahead=False):
+                   direct=None):
     threads = state()["threads"]
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -650,15 +604,12 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if stage_raw and (pieces == 1 or not hasattr(value, "loads")):
         raise ValueError("attention_loop(stage_raw=True) needs raw staging in chunks (raw_rows) and a value that is "
                          f"a tile.RawValue (loads + combine), got raw_rows={raw_rows}, value={value!r}")
-    if swapped and lookahead:
-        raise ValueError("attention_loop(lookahead=True) is built for the default operand order, not swapped=True")
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
                  raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
         return
     stats_s = T.alloc_shared((2, block_m), "float32")
     acc_s = T.alloc_fragment((block_m, block_n), "float32")
-    acc_s2 = T.alloc_fragment((block_m, block_n), "float32") if lookahead else None   # the next step's scores
     o0 = T.alloc_fragment((block_m, kv[v[0]][1]), "float32")
     o1 = T.alloc_fragment((block_m, kv[v[1]][1]), "float32")
     m_i, m_prev, alpha, row_sum, l_i, m1, l1 = (T.alloc_fragment((block_m,), "float32") for _ in range(7))
@@ -668,7 +619,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
           if pieces > 1 else None)
     _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace, acc_s2, ck)
+                stages, raw_stages, plain, epilogue, trace, ck)
 
 
 def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
@@ -681,18 +632,13 @@ def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
 @T.macro
 def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
-                stages, raw_stages, plain, epilogue, trace, acc_s2, ck):
+                stages, raw_stages, plain, epilogue, trace, ck):
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
-        if acc_s2 is None:
-            _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
-                     m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
-                     trace)
-        else:
-            _mma_wg0_ahead(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, acc_s2, p_s, alpha_s,
-                           stats_s, o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats,
-                           stages, plain, epilogue, trace)
+        _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
+                 m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
+                 trace)
     elif tx < 2 * WG:
         if ck is None:
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
