@@ -152,19 +152,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
             if trace:
                 _stamp(Count, bid, "entry")
-            # v3 stages the scales once, before its pipeline. The v2 loop reads them from global
-            # memory one step ahead (step s loads step s + 1's into registers), so their latency
-            # hides under a step; staged, they held every thread, the TMA thread too, for ~5000
-            # cycles before the first load (bench/NOTES.md "GEMM v4").
-            with tile.vector():
-                if overlap:
-                    for kk in tile.parallel(kb):
-                        sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-                    for i, t in tile.parallel(mine, per):
-                        r = T.min(row0 + first + i, height - 1)
-                        kk = T.min(k0 + t, kb - 1)
-                        sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
-                else:                                            # mma_promoted_loop clears it
+            # Staged before the first loads, the scales held every thread, the TMA thread too, for
+            # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages them once in the MMA warpgroups
+            # while the producer's first loads fly (mma_promoted_loop's prologue); the v2 loop reads
+            # them from global memory one step ahead (step s loads step s + 1's into registers).
+            if not overlap:
+                with tile.vector():                              # mma_promoted_loop clears it
                     for i, j in tile.parallel(mine, block_n):
                         acc[i, j] = 0.0
                     for i in tile.parallel(mine):
@@ -181,9 +174,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
+                scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: sfa_s[row, blk] * sfb_s[k0 + blk], stages=stages,
-                                       epilogue=lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n))
+                                       epilogue=lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n),
+                                       prologue=lambda: _stage_scales(scales, mine, per))
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -230,6 +225,20 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
 
 
 # "step 1": step 0's tiles have landed and been multiplied and folded; "last step": its start
+@T.macro
+def _stage_scales(scales, mine, per):
+    """The tile's block of sfb (all K blocks) and its rows' sfa for the block's K range, into shared
+    memory (v3's prologue)."""
+    SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n = scales
+    with tile.vector():
+        for kk in tile.parallel(kb):
+            sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+        for i, t in tile.parallel(mine, per):
+            r = T.min(row0 + first + i, height - 1)
+            kk = T.min(k0 + t, kb - 1)
+            sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+
+
 @T.macro
 def _load_scales(sa, sb, i, SFA, SFB, masked, g, r, kk, kb, tn, block_n):
     """sa[i] = sfa[r, kk], sb[i] = sfb[the tile's block, kk]: loads only, multiplied a step later so

@@ -208,6 +208,23 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     assert split_k_launchers(Kernel(), "sm_90a", 4096, 4, "bfloat16", fold=True) == ("kernel", None)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scales_never_hold_the_first_loads(overlap):
+    """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
+    (bench/NOTES.md "GEMM v4"). Now every scale load is in the MMA warpgroups' branch: v3 stages
+    them there under the first loads (then a named barrier of the MMA threads), v2 loads them a step
+    ahead into registers."""
+    src = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=overlap)
+    body = src[src.index("fence_barrier_init"):]
+    split = body.index("warpgroup_reg_alloc")                   # the MMA warpgroups' branch starts here
+    assert body.index("tma_load") < split < body.index("SFA[") and body.index("SFB[") > split
+    if overlap:
+        mma = body[split:]
+        assert mma.index("SFA[") < mma.index("__sync_thread_partial(13, 256)") < mma.index("wgmma")
+    else:
+        assert "sfa_s" not in src and "ahead_a" in src
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -125,8 +125,10 @@ def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epil
 
 
 @register("mma_promoted_loop", "*")
-def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None):
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0
+    if prologue is not None:
+        prologue()                      # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
     _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
 

@@ -4,7 +4,7 @@
 import tilelang.language as T
 
 from codegen.rules import register
-from codegen.tile import Accumulator, emit, state
+from codegen.tile import Accumulator, emit, require_pass_configs, state
 
 
 def _policy(acc):
@@ -50,6 +50,7 @@ def read_accumulator(acc):
 # only be released once step s+1 has waited for MMA s.
 
 PRODUCER = 128      # one warpgroup issues the TMA loads
+PROLOGUE_BAR = 13   # named barrier of the MMA warpgroups after their prologue (TileLang reserves 0-2)
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 BURST = 4           # K blocks per iteration of the MMA warpgroups' loop (>= 2): one drain per BURST
 
@@ -155,12 +156,19 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages):
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue):
+                regs, policy, epilogue, prologue):
+    if prologue is not None:
+        T.sync_threads()                # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         tma_producer(steps, loads, a_s, b_s, full, empty, stages)
     else:
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
+        if prologue is not None:
+            # the MMA warpgroups' own staging (the scales) while the producer's first loads fly;
+            # their shared-memory writes are done before any thread of theirs reads them
+            prologue()
+            T.sync_threads(PROLOGUE_BAR, consumers)
         io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
@@ -170,9 +178,13 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
 
 
 @register("mma_promoted_loop", "cuda:sm_90a")
-def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None):
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups
     consumers = state()["threads"] - PRODUCER
+    if prologue is not None:
+        # the prologue runs in the MMA warpgroups' branch, ordered by a named barrier placed here:
+        # TileLang's sync pass would put a block-wide one there, which the producer never reaches
+        require_pass_configs({"tl.disable_thread_storage_sync": True})
     (a_shape, a_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     b_s = T.alloc_shared((stages, *b_shape), b_dtype)
@@ -182,4 +194,4 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None))
+                regs, _policy(part), epilogue or (lambda: None), prologue)
