@@ -110,6 +110,21 @@ def test_bench_provider_choice():
         choose_providers(mla, ["tilecraft-nosuch"])
 
 
+def test_fp8_cache_providers_count_their_own_bytes():
+    """The MLA FP8 cache's providers quote GB/s, %ceil and the floor on 656-byte tokens, the rest on
+    the bf16 cache's 1152."""
+    from bench import suites
+
+    mla = suites.get("mla")
+    case = mla.presets["fp8"][0]
+    tokens = sum(suites.mla.seqlens(case))
+    by_name = {p.name: p for p in mla.providers}
+    fp8 = [n for n in by_name if "fp8" in n]
+    assert fp8 and all(by_name[n].nbytes is not None for n in fp8)
+    assert all(by_name[n].nbytes is None for n in ("tilecraft", "torch", "flash_mla"))
+    assert mla.nbytes(case) - by_name["tilecraft-fp8"].nbytes(case) == tokens * (1152 - 656)
+
+
 def test_bench_result_files(tmp_path):
     from bench import suites
     from bench.op import write_results

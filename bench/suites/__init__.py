@@ -19,6 +19,7 @@ class Provider:
     peer: bool = False                                  # an external library (FlashMLA, DeepGEMM)
     calls: int = 1                                      # op calls per timed thunk (times are divided by it)
     experimental: bool = False                          # a kernel variant the op does not choose: run only when named
+    nbytes: Callable[[dict], float] | None = None       # bytes it moves when not the suite's (e.g. an FP8 cache)
 
 
 @dataclass

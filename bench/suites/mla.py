@@ -1,6 +1,7 @@
 """MLA decode (FlashMLA's shapes): the ANCHORS.md grid, varlen seqlen + 2*i, page 64, causal.
 
 bytes = (sum(seqlen) * 576 + b*s_q*h_q*576 + b*s_q*h_q*512) * 2   (cache + q + out, bf16)
+        the FP8 cache's providers: sum(seqlen) * 656 for the cache (their GB/s, %ceil and floor)
 flops = 2 * s_q * sum(seqlen) * h_q * (576 + 512)
 """
 
@@ -10,7 +11,7 @@ import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.mla_decode import _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
+from ops.mla_decode import FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
 D = 576
@@ -50,6 +51,12 @@ def nbytes(case):
     return (sum(seqlens(case)) * 576 + rows * 576 + rows * 512) * 2
 
 
+def nbytes_fp8(case):
+    """The FP8 cache's providers: 656 bytes a token (ops.mla_decode.FP8_TOKEN_BYTES) instead of 1152."""
+    rows = case["b"] * case["s_q"] * case["h_q"]
+    return sum(seqlens(case)) * FP8_TOKEN_BYTES + (rows * 576 + rows * 512) * 2
+
+
 def flops(case):
     return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
 
@@ -62,8 +69,7 @@ def tilecraft(case, i):
 
 
 def tilecraft_fp8(case, i):
-    """The same rows over the FP8 cache (656 bytes a token instead of 1152); GB/s is still quoted on
-    the bf16 byte count, so it reads as the bf16-equivalent rate."""
+    """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
@@ -129,11 +135,13 @@ SUITE = Suite(
     flops=flops,
     providers=[
         Provider("tilecraft", tilecraft),
-        Provider("tilecraft-fp8", tilecraft_fp8),
-        Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True),
-        Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True),
+        Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
+                 nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
-                 experimental=True),
+                 experimental=True, nbytes=nbytes_fp8),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
         Provider("torch", torch_reference),
     ],
