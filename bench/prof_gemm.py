@@ -64,14 +64,19 @@ def _tilelang_version():
     return tilelang.__version__
 
 
-def _inputs(m, n, k):
+def _operands(m, n, k):
+    """The kernel's leading arguments for a dense (m, n, k) call: A, SFA, B (1, n, k), SFB, MIdx,
+    MaskedM (the last two unused by dense), and a bf16 C."""
     g = torch.Generator().manual_seed(0)
     qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).cuda())
     qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).cuda())
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
-    return lambda **kw: _launch("dense", qa, sfa, qb[None], sfb[None], *aux, out, n, k,
-                                block_m=64 if m <= 64 else 128, **kw)
+    return (qa, sfa, qb[None], sfb[None], *aux), torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+
+def _inputs(m, n, k):
+    args, out = _operands(m, n, k)
+    return lambda **kw: _launch("dense", *args, out, n, k, block_m=64 if m <= 64 else 128, **kw)
 
 
 def kernel_times(fn, reps=REPS):
@@ -112,15 +117,11 @@ def trace(out_dir):
         p = {**_plan(m, n, k, "v2", splits=splits), "trace": True}
         p.pop("fold")
         kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
-        g = torch.Generator().manual_seed(0)
-        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g).cuda())
-        qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).cuda())
+        args, out = _operands(m, n, k)
         blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         part = torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
         count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
-        aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
-        fn = lambda: kernel(qa, sfa, qb[None], sfb[None], *aux, out, part, count)  # noqa: E731
+        fn = lambda: kernel(*args, out, part, count)  # noqa: E731
         t = kernel_times(fn)
         stamps = count.view(blocks, 8)[:, :len(TRACE_EVENTS)].cpu().long()
         deltas = ((stamps[:, 1:] - stamps[:, :-1]) % (1 << 32)).double().median(0).values.tolist()

@@ -164,7 +164,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                         _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1), k0,
                                      kb, tn, block_n)
             if trace:
-                _stamp(Count, bid, "scales staged")
+                _stamp(Count, bid, "prologue done")
 
             if overlap:
                 where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
@@ -224,7 +224,6 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     return fp8_gemm_nt
 
 
-# "step 1": step 0's tiles have landed and been multiplied and folded; "last step": its start
 @T.macro
 def _stage_scales(scales, mine, per):
     """The tile's block of sfb (all K blocks) and its rows' sfa for the block's K range, into shared
@@ -248,7 +247,10 @@ def _load_scales(sa, sb, i, SFA, SFB, masked, g, r, kk, kb, tn, block_n):
     sb[i] = SFB[g, (tn * block_n) // GROUP, T.min(kk, kb - 1)]
 
 
-TRACE_EVENTS = ("entry", "scales staged", "step 1", "last step", "loop done", "stored")
+# "prologue done": the acc clear and the first scale loads issued (before session 13's change the
+# scales were staged here: "scales staged" in older trace files); "step 1": step 0's tiles have
+# landed and been multiplied and folded; "last step": its start
+TRACE_EVENTS = ("entry", "prologue done", "step 1", "last step", "loop done", "stored")
 
 
 def _stamp(count, bid, event):
