@@ -1,12 +1,13 @@
 """Where an FP8 decode GEMM's time goes: each kernel's own GPU time (profiler), the gap between the
 GEMM and its split-K reduce, and a fit of kernel time = fixed + per step over K.
 
-    python -m bench.prof_gemm [--ms 64,128] [--variants v2,v2-fold,v3] [--out DIR]
+    python -m bench.prof_gemm [--ms 64,128] [--variants v2,v3,v2-cluster,v3-cluster] [--out DIR]
     python -m bench.prof_gemm --trace      # where a block's cycles go (fp8_gemm_program trace=True)
 
 Per decode shape and variant (v2: the K loop that waits for each step's MMA, with the split-K
 reduce kernel; v2-fold: the same, the last block of a tile adding the partials; v3: the overlapped
-loop, tile.mma_promoted_loop): the plan, the op's eager time (CUDA events, as bench.op), the GEMM
+loop, tile.mma_promoted_loop; -cluster: a tile's split blocks fold the partials in their cluster,
+no reduce kernel): the plan, the op's eager time (CUDA events, as bench.op), the GEMM
 kernel's and the reduce kernel's mean GPU time and the idle gap between them (torch profiler, L2
 flushed before every call). Then, at m = 128, n = 4096 with 4 splits (128 blocks), the GEMM
 kernel's time over K = 2048 .. 16384 (4 .. 32 steps a block) and its least-squares line: the
@@ -26,12 +27,15 @@ from torch.profiler import ProfilerActivity, profile
 import ops
 from bench.suites.gemm import DECODE_NK
 from bench.timing import L2_FLUSH_BYTES, bench_cuda
-from ops.gemm_fp8 import TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
+from backends.cuda.device import max_active_clusters
+from ops.gemm_fp8 import GRID_THREADS, TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
 
 REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
-VARIANTS = {"v2": dict(overlap=False, fold=False), "v2-fold": dict(overlap=False, fold=True),
-            "v3": dict(overlap=True, fold=False)}
+VARIANTS = {"v2": dict(overlap=False, fold=False, cluster=False), "v2-fold": dict(overlap=False, fold=True, cluster=False),
+            "v3": dict(overlap=True, fold=False, cluster=False),
+            "v2-cluster": dict(overlap=False, fold=False, cluster=True),
+            "v3-cluster": dict(overlap=True, fold=False, cluster=True)}
 
 
 def _plan(m, n, k, variant, **override):
@@ -39,14 +43,14 @@ def _plan(m, n, k, variant, **override):
     apply (a fold without splits)."""
     v = VARIANTS[variant]
     p = {**plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132, overlap=v["overlap"]), **override}
-    if v["fold"] and p["splits"] == 1:
+    if (v["fold"] or v["cluster"]) and p["splits"] == 1:
         return None
-    return {**p, "fold": v["fold"]}
+    return {**p, "fold": v["fold"], "cluster": v["cluster"]}
 
 
 def _compile(n, k, p):
     fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p)
-    if p["splits"] > 1 and not p["fold"]:
+    if p["splits"] > 1 and not (p["fold"] or p["cluster"]):
         fp8_gemm_reduce_program.compile("sm_90a", n=n, splits=p["splits"], out_dtype="bfloat16")
 
 
@@ -109,29 +113,32 @@ def kernel_times(fn, reps=REPS):
 TRACE_CASES = [(128, 4096, 2048, 4), (128, 4096, 7168, 4), (128, 7168, 16384, 2)]
 
 
-def trace(out_dir):
-    """Per traced case: the GEMM kernel's time (profiler) and, over its blocks, the median SM cycles
-    between the block's events (fp8_gemm_program trace=True, the v2 loop with the reduce kernel)."""
+def trace(out_dir, variants=("v2", "v2-cluster")):
+    """Per traced case and v2 variant: the GEMM kernel's time (profiler) and, over its blocks, the
+    median SM cycles between the block's events (fp8_gemm_program trace=True; v2 with the reduce
+    kernel, v2-cluster with the fold in the cluster and its "folded" event)."""
     rows = []
     for m, n, k, splits in TRACE_CASES:
-        p = {**_plan(m, n, k, "v2", splits=splits), "trace": True}
-        p.pop("fold")
-        kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
-        args, out = _operands(m, n, k)
-        blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
-        part = torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
-        count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
-        fn = lambda: kernel(*args, out, part, count)  # noqa: E731
-        t = kernel_times(fn)
-        stamps = count.view(blocks, 8)[:, :len(TRACE_EVENTS)].cpu().long()
-        deltas = ((stamps[:, 1:] - stamps[:, :-1]) % (1 << 32)).double().median(0).values.tolist()
-        steps = -(-(k // 128) // splits)
-        names = [f"{a} -> {b}" for a, b in zip(TRACE_EVENTS, TRACE_EVENTS[1:])]
-        print(f"{m}x{n}x{k} splits {splits} ({blocks} blocks, {steps} steps): kernel {t['gemm']:.1f} us; median cycles "
-              + ", ".join(f"{nm} {d:.0f}" for nm, d in zip(names, deltas))
-              + f"; per middle step {deltas[2] / max(steps - 2, 1):.0f}", flush=True)
-        rows.append(dict(m=m, n=n, k=k, splits=splits, kernel_us=t["gemm"], events=list(TRACE_EVENTS),
-                         median_cycles=dict(zip(names, deltas))))
+        for v in variants:
+            p = {**_plan(m, n, k, v, splits=splits), "trace": True}
+            p.pop("fold")
+            events = TRACE_EVENTS if p["cluster"] else TRACE_EVENTS[:-1]
+            kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
+            args, out = _operands(m, n, k)
+            blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
+            part = torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
+            count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
+            fn = lambda: kernel(*args, out, part, count)  # noqa: E731
+            t = kernel_times(fn)
+            stamps = count.view(blocks, 8)[:, :len(events)].cpu().long()
+            deltas = ((stamps[:, 1:] - stamps[:, :-1]) % (1 << 32)).double().median(0).values.tolist()
+            steps = -(-(k // 128) // splits)
+            names = [f"{a} -> {b}" for a, b in zip(events, events[1:])]
+            print(f"{m}x{n}x{k} {v} splits {splits} ({blocks} blocks, {steps} steps): kernel {t['gemm']:.1f} us; "
+                  "median cycles " + ", ".join(f"{nm} {d:.0f}" for nm, d in zip(names, deltas))
+                  + f"; per middle step {deltas[2] / max(steps - 2, 1):.0f}", flush=True)
+            rows.append(dict(m=m, n=n, k=k, variant=v, splits=splits, kernel_us=t["gemm"], events=list(events),
+                             median_cycles=dict(zip(names, deltas))))
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "prof_gemm_trace.json").write_text(json.dumps(
@@ -142,7 +149,7 @@ def trace(out_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="64,128")
-    p.add_argument("--variants", default="v2,v2-fold,v3", help=f"of {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="v2,v3,v2-cluster,v3-cluster", help=f"of {sorted(VARIANTS)}")
     p.add_argument("--out", type=Path)
     p.add_argument("--warm-only", action="store_true", help="compile into the disk cache and stop (no GPU needed)")
     p.add_argument("--trace", action="store_true", help="only the per-event cycle trace of TRACE_CASES")
@@ -151,8 +158,12 @@ def main(argv=None):
         print("bench.prof_gemm times kernels on a CUDA GPU (sm_90a): none found (--warm-only compiles without one)",
               file=sys.stderr)
         return 2
+    if not args.warm_only:
+        probe = torch.empty(1, device="cuda")
+        room = {c: max_active_clusters(probe, c, GRID_THREADS, smem) for c in (2, 4, 8) for smem in (140 << 10, 210 << 10)}
+        print(f"clusters the GPU runs at once, of {GRID_THREADS}-thread blocks (cluster, smem bytes): {room}", flush=True)
     if args.trace:
-        return trace(args.out)
+        return trace(args.out, [v for v in args.variants.split(",") if v in ("v2", "v2-cluster")])
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]

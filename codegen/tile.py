@@ -43,7 +43,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
 | barrier() | __syncthreads | same | not lowered | nothing (one thread) |
 | last_arrival(count, index, arrivals) | __syncthreads; thread 0: __threadfence, atomicAdd, reset by the last; __syncthreads | same | not lowered | not lowered |
-| cluster_barrier() | barrier.cluster arrive (release) + wait (acquire) | same | not lowered | not lowered |
+| cluster_barrier() | barrier.cluster arrive (release) + wait (acquire), CUDA's builtins (a compiler barrier too) | same | not lowered | not lowered |
 
 The lane words are for warp-per-item programs (one warp = 32 lanes owns an item, no shared memory):
 every lane of the warp must reach them together. They have no rule on the cpu target (one thread

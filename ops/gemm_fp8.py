@@ -26,7 +26,7 @@ import operator
 import tilelang.language as T
 import torch
 
-from backends.cuda.device import sm_count
+from backends.cuda.device import max_active_clusters, sm_count
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
@@ -52,7 +52,7 @@ ALIGN_N, ALIGN_K = 64, 128
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
-                     fold: bool = False, trace: bool = False):
+                     fold: bool = False, cluster: bool = False, trace: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -61,6 +61,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     second kernel; the last of a tile's blocks to finish (tile.last_arrival on Count[tile], a zeroed
     int32 per tile that it sets back to 0) adds the tile's partials in that same order and casts:
     the same bits as the reduce kernel.
+
+    cluster=True (CUDA, splits > 1, either loop): a tile's `splits` blocks are one thread-block
+    cluster (tile.cluster_grid; the hardware runs them at once, so they may wait on each other). Each
+    stores the partials of the other blocks' column slices, all meet at a cluster barrier, then block
+    ts writes columns [ts * w, (ts + 1) * w) of the tile (w = block_n / splits) as the reduce kernel
+    would: its own partial from registers, the others' from Part, added in split order. No second
+    kernel, no 1/splits of the stores, the same bits.
 
     trace=True (the v2 loop, splits == 1 or fold=False; bench.prof_gemm): the SM clock when block b's
     first thread reaches each of TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits).
@@ -83,6 +90,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if fold and (splits == 1 or overlap):
         raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
                          f"overlap=False, got splits={splits}, overlap={overlap}")
+    if cluster and (splits not in (2, 4, 8) or fold or block_n % (8 * splits)):
+        raise ValueError(f"cluster=True folds split-K partials in a cluster of the splits: it needs splits of 2, 4 "
+                         f"or 8 dividing block_n into 8-column slices and fold=False, got splits={splits}, "
+                         f"block_n={block_n}, fold={fold}")
     kb, nb = k // GROUP, -(-n // GROUP)
     per = -(-kb // splits)                                      # K blocks per split
     n_tiles = n // block_n
@@ -114,7 +125,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
         m_tiles = per_group * groups if masked else (items if by_items else per_group)
         extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
-        with tile.grid(m_tiles * n_tiles * splits, threads + extra) as bid:
+        with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else 1) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
@@ -175,10 +186,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                 scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
+                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, None)) if cluster
+                         else (lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: sfa_s[row, blk] * sfb_s[k0 + blk], stages=stages,
-                                       epilogue=lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n),
-                                       prologue=lambda: _stage_scales(scales, mine, per))
+                                       epilogue=store, prologue=lambda: _stage_scales(scales, mine, per))
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -200,28 +212,24 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
                 if trace:
                     _stamp(Count, bid, "loop done")
-                with tile.vector():   # as _store (kept inline: the default path's source is unchanged)
-                    for i, j in tile.parallel(mine, block_n):
-                        r = row0 + first + i
-                        if r < (limit if by_items else height):
-                            if splits > 1:
-                                Part[ts, r, tn * block_n + j] = acc[i, j]
-                            elif by_items:
-                                C[r, tn * block_n + j] = T.cast(acc[i, j], out_dtype)
-                            else:
-                                keep = r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-                                value = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
-                                if masked:
-                                    C[g, r, tn * block_n + j] = value
-                                else:
-                                    C[r, tn * block_n + j] = value
-                if trace:
-                    _stamp(Count, bid, "stored")
+                where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
+                if cluster:
+                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n,
+                                  (lambda event: _stamp(Count, bid, event)) if trace else None)
+                else:
+                    _store(acc, where, mine, mode, splits, out_dtype, block_n)
+                    if trace:
+                        _stamp(Count, bid, "stored")
                 if fold:
                     if tile.last_arrival(Count, tm * n_tiles + tn, splits):
                         _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
 
     return fp8_gemm_nt
+
+
+def _grid(blocks, threads, cluster):
+    # a tile's split-K blocks are consecutive ids (split index innermost): clusters of them
+    return tile.cluster_grid(blocks, threads, cluster) if cluster > 1 else tile.grid(blocks, threads)
 
 
 @T.macro
@@ -249,8 +257,9 @@ def _load_scales(sa, sb, i, SFA, SFB, masked, g, r, kk, kb, tn, block_n):
 
 # "prologue done": the acc clear and the first scale loads issued (before session 13's change the
 # scales were staged here: "scales staged" in older trace files); "step 1": step 0's tiles have
-# landed and been multiplied and folded; "last step": its start
-TRACE_EVENTS = ("entry", "prologue done", "step 1", "last step", "loop done", "stored")
+# landed and been multiplied and folded; "last step": its start; "stored": the partials (or C) issued;
+# "folded" (cluster=True only): past the cluster barrier, the block's slice of C issued
+TRACE_EVENTS = ("entry", "prologue done", "step 1", "last step", "loop done", "stored", "folded")
 
 
 def _stamp(count, bid, event):
@@ -303,6 +312,32 @@ def _store(acc, where, mine, mode, splits, out_dtype, block_n):
                         C[g, r, tn * block_n + j] = value
                     else:
                         C[r, tn * block_n + j] = value
+
+
+@T.macro
+def _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark):
+    """Split-K folded in the tile's cluster (cluster=True): partials of the other blocks' column slices
+    into Part, the cluster barrier, then this block's slice of C = cast(((P0 + P1) + ...) in split
+    order) with its own partial read from registers. Column slices: every thread of the WGMMA
+    layout holds columns of each slice, so all of them work on both halves."""
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    width = block_n // splits
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height and j // width != ts:
+                Part[ts, r, tn * block_n + j] = acc[i, j]
+    if mark is not None:
+        mark("stored")
+    tile.cluster_barrier()
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height and j // width == ts:
+                C[r, tn * block_n + j] = T.cast(_in_order([T.if_then_else(ts == s, acc[i, j], Part[s, r, tn * block_n + j])
+                                                           for s in range(splits)]), out_dtype)
+    if mark is not None:
+        mark("folded")
 
 
 @tile_program("fp8_gemm_reduce", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
@@ -391,14 +426,24 @@ def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
 SMEM_BUDGET = 220 * 1024
 
 
-OVERLAP = False        # default K loop: False = v2 (wait 0 per step), True = mma_promoted_loop (v3)
+# The K loop: True = v3 (tile.mma_promoted_loop, its scales staged under the first loads), False = v2
+# (a wait 0 per step). v3 measured faster on the H200 (bench/NOTES.md "GEMM v5", same runs): 9 of the
+# 10 decode shapes (4% in sum, two runs), prefill 815 vs 743 TFLOP/s, grouped contiguous +5%, masked +42%
+OVERLAP = True
 OVERLAP_STAGES = 6     # v3 releases a stage one step later: up to this many stages where they fit
 # CUDA split-K: the last block of a tile adds the partials instead of a reduce kernel. Off: measured
 # 1-5 us slower on every split decode shape (bench/NOTES.md "GEMM v4": one block a tile folds it)
 FOLD_IN_KERNEL = False
+# CUDA split-K: a tile's split blocks form a cluster and fold the partials among themselves
+# (fp8_gemm_program cluster=True), where the GPU holds all the grid's clusters at once. Off: measured
+# slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
+# not the 32-33 of the 4-split shapes; the 2-split fold took ~8300 cycles, latency-bound)
+CLUSTER_FOLD = False
+GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
 
 
-def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None) -> dict:
+def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
+         clusters=None) -> dict:
     """Tile sizes, pipeline depth and split-K for one call (a pure function of the shapes, so the
     same shapes always take the same path: deterministic and batch-invariant per shape).
 
@@ -411,6 +456,12 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     overlap (default OVERLAP): the v3 K loop (tile.mma_promoted_loop, bench/NOTES.md "GEMM v3"),
     with up to OVERLAP_STAGES stages; the key is returned only when it is on, so v2 plans are the
     same dicts as before.
+
+    clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
+    once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
+    plan folds its partials inside clusters of its splits ("cluster": True, no reduce kernel) when
+    every tile's cluster fits at once: the blocks of a cluster wait for each other, so a grid that
+    needed a second wave of clusters would run twice as long.
     """
     overlap = OVERLAP if overlap is None else overlap
     block_n = 128 if n % 128 == 0 else 64
@@ -429,7 +480,13 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
     p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
-    return {**p, "overlap": True} if overlap else p
+    if overlap:
+        p["overlap"] = True
+    if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
+        room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
+        if room is not None and room >= tiles:
+            p["cluster"] = True
+    return p
 
 
 def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> int:
@@ -443,7 +500,7 @@ def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> in
 
 def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold: bool = False):
     """(the GEMM kernel's launcher, the fixed-order reduce's launcher, or None for splits == 1 or a
-    kernel that folds its partials itself)."""
+    kernel that folds its partials itself: fold=True for fold or cluster plans)."""
     reduce = (fp8_gemm_reduce_program.compile(target, n=n, splits=splits, out_dtype=out_dtype).launcher()
               if splits > 1 and not fold else None)
     return kernel.launcher(), reduce
@@ -452,7 +509,8 @@ def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold:
 def launch_split_k(kernel, reduce, args, out, splits: int, count=None):
     """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count]),
     then, for splits > 1 (2-D outputs only) with a reduce launcher, the reduce into `out` (rows, n);
-    without one the kernel folds its partials (count: its zeroed per-tile arrival counters). With
+    without one the kernel folds its partials (count: the fold's zeroed per-tile arrival counters,
+    unused by a cluster fold). With
     one split the kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
     n = out.shape[-1]
     tail = () if count is None else (count,)
@@ -474,17 +532,23 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     # the plan, both compile lookups and the SM count once per shape: an eager call's host time is
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
-        p = {**plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap), **override}
-        p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and target.vendor == "cuda")
+        room = (lambda c, t, smem: max_active_clusters(a2, c, t, smem)) if target.vendor == "cuda" else None
+        p = plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap, clusters=room)
+        if "cluster" not in override and {"splits", "block_n", "stages"} & override.keys():
+            p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
+        p.update(override)
+        p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
+                     and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
-        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 1
-        return (p["splits"], tiles, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, p["fold"]))
+        counters = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 0
+        folded = p["fold"] or p.get("cluster", False)
+        return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
            tuple(sorted(override.items())) if override else (), out2.dtype)
-    splits, tiles, kernel, reduce = jit.launchers(key, build)
-    count = arrival_counters(a2.device, tiles) if reduce is None and splits > 1 else bound_only(a2.device)
+    splits, counters, kernel, reduce = jit.launchers(key, build)
+    count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
     launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count)
 
 

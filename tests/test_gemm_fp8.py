@@ -209,6 +209,61 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_split_k_cluster_fold_is_one_kernel_with_a_cluster_barrier(overlap):
+    """cluster=True: a tile's split blocks are a thread-block cluster; each stores the partials of the
+    others' column slices, waits at one cluster barrier (CUDA's builtins: a compiler barrier too),
+    then writes its own slice of C from the partials in split order. No reduce kernel, no arrival
+    counters. Splits must be 2, 4 or 8 and cut block_n into 8-column slices; no rule off CUDA."""
+    from codegen.rules import NoRuleError
+
+    src = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, cluster=True, overlap=overlap)
+    assert src.count("__cluster_barrier_arrive();") == 1 and src.count("__cluster_barrier_wait();") == 1
+    assert "AtomicAddRet(" not in src and "__threadfence()" not in src
+    fold = src[src.index("__cluster_barrier_wait();"):]
+    assert fold.count("Part_local_cast_") >= 4 and "(C +" in fold and "Part +" in src[:src.index("__cluster_barrier")]
+    assert "__cluster_barrier" not in fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=overlap)
+    for bad in (dict(splits=3), dict(splits=1), dict(splits=4, fold=True), dict(splits=8, block_n=32)):
+        with pytest.raises(ValueError, match="cluster=True"):
+            fp8_gemm_program.source("sm_90a", n=4096, k=7168, cluster=True, **bad)
+    with pytest.raises(NoRuleError, match="cluster_grid"):
+        fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, cluster=True)
+
+
+def test_plan_folds_split_k_in_clusters_only_where_they_all_fit():
+    from ops import gemm_fp8
+    from ops.gemm_fp8 import plan
+
+    asked = []
+
+    def room(n):
+        def clusters(cluster, threads, smem):
+            asked.append((cluster, threads, smem))
+            return n
+        return clusters
+    assert not gemm_fp8.CLUSTER_FOLD       # measured slower (bench/NOTES.md "GEMM v5"): an option
+    assert "cluster" not in plan("dense", 128, 4096, 7168, 128, clusters=room(99))
+    gemm_fp8.CLUSTER_FOLD = True
+    try:
+        _cluster_plans(plan, room, asked)
+    finally:
+        gemm_fp8.CLUSTER_FOLD = False
+
+
+def _cluster_plans(plan, room, asked):
+    # 128x4096x7168: 32 tiles x 4 splits; the GPU must hold 32 clusters of 4 at once
+    assert plan("dense", 128, 4096, 7168, 128, clusters=room(32))["cluster"] is True
+    assert asked[-1][:2] == (4, 384) and 130_000 < asked[-1][2] <= 227 * 1024
+    assert "cluster" not in plan("dense", 128, 4096, 7168, 128, clusters=room(31))     # a second wave
+    assert "cluster" not in plan("dense", 128, 4096, 7168, 128, clusters=room(None))   # the driver can't say
+    assert "cluster" not in plan("dense", 128, 4096, 7168, 128)                         # off CUDA
+    n = len(asked)
+    assert "cluster" not in plan("dense", 128, 24576, 1536, 128, clusters=room(99))    # no split, never asked
+    assert len(asked) == n
+    # 2112 = 33 tiles of 64 columns, 4 splits: 16-column slices
+    assert plan("dense", 64, 2112, 7168, 64, overlap=True, clusters=room(33))["cluster"] is True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_scales_never_hold_the_first_loads(overlap):
     """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
     (bench/NOTES.md "GEMM v4"). Now every scale load is in the MMA warpgroups' branch: v3 stages
@@ -470,11 +525,11 @@ def test_gpu_split_k_plans_overlap(stages, splits, m, n, k, out_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_layouts_overlap(monkeypatch):
-    """The grouped layouts through the public ops with v3 as the default K loop."""
+def test_gpu_grouped_layouts_v2(monkeypatch):
+    """The grouped layouts through the public ops with v2 as the K loop (v3 is the default)."""
     import ops.gemm_fp8 as gemm
 
-    monkeypatch.setattr(gemm, "OVERLAP", True)
+    monkeypatch.setattr(gemm, "OVERLAP", False)
     test_gpu_grouped_layouts()
 
 
@@ -717,13 +772,73 @@ def test_gpu_mxfp4_split_k_and_extreme_scales(splits):
     assert_elementwise(runs[0], ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,splits,overlap", [(1, 2112, 2048, 2, False), (77, 256, 2048, 2, True),
+                                                  (128, 4096, 7168, 4, False), (128, 4096, 7168, 4, True),
+                                                  (200, 512, 1536, 4, True), (64, 2112, 7168, 4, True),
+                                                  (64, 7168, 16384, 2, False), (100, 2048, 16384, 8, False)])
+def test_gpu_split_k_cluster_fold_matches_the_reduce_kernel(m, n, k, splits, overlap):
+    """The fold in the cluster gives the reduce kernel's bits (same loop, same splits), run after
+    run and inside a CUDA graph; m tails, 16-column slices (block_n 64 or 8 splits) included."""
+    from ops.gemm_fp8 import _launch
+
+    g = torch.Generator().manual_seed(m + splits)
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
+    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+
+    def run(cluster, out=None):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if out is None else out
+        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, overlap=overlap, splits=splits,
+                cluster=cluster)
+        return out
+
+    reduced = run(False).cpu()
+    for _ in range(3):
+        assert torch.equal(run(True).cpu(), reduced)
+    assert calc_diff(reduced, ref) < 1e-3
+    assert_elementwise(reduced, ref)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(True, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reduced)
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_room_and_the_op_path():
+    """The driver's answer is a count the SMs can hold, smaller for bigger clusters; the op then
+    folds 128x4096x7168 in clusters exactly when its 32 clusters of 4 fit, and matches the
+    reference either way."""
+    from backends.cuda.device import max_active_clusters, sm_count
+    from ops.gemm_fp8 import GRID_THREADS
+
+    x = torch.empty(1, device="cuda")
+    room = {c: max_active_clusters(x, c, GRID_THREADS, 200 << 10) for c in (2, 4, 8)}
+    sms = sm_count(x)
+    assert all(isinstance(r, int) and 0 < r * c <= sms for c, r in room.items()), room
+    assert room[2] >= room[4] >= room[8], room
+    m, n, k = 128, 4096, 7168
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, torch.Generator().manual_seed(5))
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    out = ops.fp8_gemm_nt(qa.cuda(), sfa.cuda(), qb.cuda(), sfb.cuda()).cpu()
+    assert calc_diff(out, ref) < 1e-3
+    assert_elementwise(out, ref)
+
+
 def test_plan_splits_k_only_for_small_grids():
     from ops.gemm_fp8 import plan
 
     assert plan("dense", 128, 2112, 7168, 128)["splits"] == 4         # 33 tiles: 4 x 33 = 132 blocks
     assert plan("dense", 128, 24576, 1536, 128)["splits"] == 1        # 192 tiles already fill the GPU
     # 56 tiles and 16 K blocks (too few to split): 112 half-width tiles instead
-    assert plan("dense", 128, 7168, 2048, 128) == dict(block_m=128, block_n=64, splits=1, stages=4)
+    assert plan("dense", 128, 7168, 2048, 128, overlap=False) == dict(block_m=128, block_n=64, splits=1, stages=4)
+    # the default loop is v3 (ops.gemm_fp8.OVERLAP, measured faster on every preset)
+    assert plan("dense", 128, 7168, 2048, 128) == dict(block_m=128, block_n=64, splits=1, stages=6, overlap=True)
+    assert plan("masked", 64, 4096, 7168, 64)["overlap"] is True
     assert plan("dense", 4096, 7168, 16384, 128, overlap=False) == dict(block_m=128, block_n=128, splits=1, stages=4)
     # v3 (overlap): one stage is held one step longer, so up to 6 where shared memory allows
     assert plan("dense", 128, 2112, 7168, 128, overlap=True) == dict(block_m=128, block_n=64, splits=4, stages=6,

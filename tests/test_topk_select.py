@@ -162,7 +162,7 @@ def test_cluster_kernel_builds_for_two_blocks_per_sm(target, params):
 
     src = topk_cluster_program.source(target, **params)
     assert "float4" in src and "__ldcg" in src
-    assert ("tl::cluster_sync" in src) == (params["cluster"] > 1)
+    assert ("__cluster_barrier_wait()" in src) == (params["cluster"] > 1)
     try:
         st = sass_stats(build_cubin(src, target), target)
     except ToolchainError as e:

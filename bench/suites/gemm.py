@@ -83,6 +83,23 @@ def tilecraft(case, i):
     return lambda: ops.m_grouped_fp8_gemm_nt_masked(i["qa"], i["sfa"], i["qb"], i["sfb"], i["masked_m"], case["m"])
 
 
+def tilecraft_loop(overlap):
+    """The op with its K loop forced (ops.gemm_fp8.OVERLAP): v2 or v3 against the default choice."""
+    from ops import gemm_fp8
+
+    def make(case, i):
+        fn = tilecraft(case, i)
+
+        def run():
+            old, gemm_fp8.OVERLAP = gemm_fp8.OVERLAP, overlap
+            try:
+                return fn()
+            finally:
+                gemm_fp8.OVERLAP = old
+        return run
+    return make
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -146,6 +163,8 @@ SUITE = Suite(
     nbytes=nbytes,
     flops=flops,
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
+               Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
+               Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=lambda c, t: _kernels(c),
     rate="fp8",

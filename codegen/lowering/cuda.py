@@ -3,7 +3,7 @@
 import tilelang.language as T
 
 from codegen.rules import register
-from codegen.tile import state
+from codegen.tile import emit, state
 
 
 @register("grid", "cuda")
@@ -88,5 +88,7 @@ def last_arrival(count, index, arrivals):
 @register("cluster_barrier", "cuda")
 def cluster_barrier():
     # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
-    # made before it are visible to every block of the cluster after it
-    return T.cluster_sync()
+    # made before it are visible to every block of the cluster after it. CUDA's builtins rather than
+    # T.cluster_sync: TileLang's asm has no memory clobber, so nvcc may move a load across it; the
+    # builtins are barriers to the compiler too. Exited threads count as arrived (PTX ISA).
+    emit(T.call_extern("handle", "__cluster_barrier_arrive"), T.call_extern("handle", "__cluster_barrier_wait"))
