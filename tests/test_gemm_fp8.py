@@ -327,13 +327,9 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
     assert_elementwise(runs[0], ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,splits", [(1, 2112, 2048, 2), (77, 256, 2048, 3), (128, 4096, 7168, 4),
-                                          (200, 512, 1536, 5), (64, 7168, 16384, 2)])
-def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
-    """The in-kernel fold (the last block of a tile adds the partials) gives the reduce kernel's bits,
-    run after run (the counters go back to zero), and inside a CUDA graph."""
-    from ops._workspace import arrival_counters
+def _split_k_runner(m, n, k, splits):
+    """(the exact-dequant fp32 reference of a seeded (m, n, k) problem, launch(out=None, **plan) ->
+    its bf16 result through _launch with `splits`, into `out` or a NaN-filled new tensor)."""
     from ops.gemm_fp8 import _launch
 
     g = torch.Generator().manual_seed(m + splits)
@@ -342,10 +338,23 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
     dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
     aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
 
-    def run(fold, out=None):
+    def launch(out=None, **plan):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if out is None else out
-        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, splits=splits, fold=fold)
+        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, splits=splits, **plan)
         return out
+    return ref, launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,splits", [(1, 2112, 2048, 2), (77, 256, 2048, 3), (128, 4096, 7168, 4),
+                                          (200, 512, 1536, 5), (64, 7168, 16384, 2)])
+def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
+    """The in-kernel fold (the last block of a tile adds the partials) gives the reduce kernel's bits,
+    run after run (the counters go back to zero), and inside a CUDA graph."""
+    from ops._workspace import arrival_counters
+
+    ref, launch = _split_k_runner(m, n, k, splits)
+    run = lambda fold, out=None: launch(out, overlap=False, fold=fold)  # noqa: E731  (the v2 loop's fold)
 
     reduced = run(False).cpu()
     folded = [run(True).cpu() for _ in range(3)]
@@ -780,19 +789,8 @@ def test_gpu_mxfp4_split_k_and_extreme_scales(splits):
 def test_gpu_split_k_cluster_fold_matches_the_reduce_kernel(m, n, k, splits, overlap):
     """The fold in the cluster gives the reduce kernel's bits (same loop, same splits), run after
     run and inside a CUDA graph; m tails, 16-column slices (block_n 64 or 8 splits) included."""
-    from ops.gemm_fp8 import _launch
-
-    g = torch.Generator().manual_seed(m + splits)
-    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
-    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
-    dev = [t.cuda() for t in (qa, sfa, qb.unsqueeze(0), sfb.unsqueeze(0))]
-    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
-
-    def run(cluster, out=None):
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if out is None else out
-        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, overlap=overlap, splits=splits,
-                cluster=cluster)
-        return out
+    ref, launch = _split_k_runner(m, n, k, splits)
+    run = lambda cluster, out=None: launch(out, overlap=overlap, cluster=cluster)  # noqa: E731
 
     reduced = run(False).cpu()
     for _ in range(3):
