@@ -70,7 +70,7 @@ def print_table(rows: list[dict], ref: str) -> None:
 def run_gpu(suite, cases, providers, args) -> list[dict]:
     import torch
 
-    from bench.timing import bench_cuda, measure_copy_gbps
+    from bench.timing import bench_cuda, bench_graph, measure_copy_gbps
 
     name = gpu_name()
     ceil = roofline.ceilings_for(name)
@@ -91,7 +91,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                    "bytes": nbytes, "flops": flops, "floor_ms": floor, "bound": bound}
             try:
                 fn = p.make(case, inputs)
-                t = bench_cuda(fn)
+                t = bench_graph(fn) if args.graph else bench_cuda(fn)
                 t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -113,7 +113,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 r["speedup_vs_ref"] = ref["median_ms"] / r["median_ms"]
         del inputs
         torch.cuda.empty_cache()
-    meta = {"gpu": name, "ceilings": ceil.__dict__, **versions()}
+    meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager", **versions()}
     return rows, meta
 
 
@@ -227,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="where CSV/JSON go (default bench/results)")
     ap.add_argument("--plot", action="store_true", help="also write a PNG of %% of ceiling per case")
     ap.add_argument("--measure-ceilings", action="store_true", help="measure the copy bandwidth in this run")
+    ap.add_argument("--graph", action="store_true",
+                    help="time replays of a CUDA graph of the calls (no host launch cost) instead of eager calls")
     args = ap.parse_args(argv)
     try:
         suite = suite_registry.get(args.op)
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
         run_static(suite, cases, args)
         return 0
     rows, meta = run_gpu(suite, cases, providers, args)
-    print(f"\n{suite.name} --shape {args.shape} on {meta['gpu']} (torch {meta['torch']}, tilelang {meta['tilelang']})")
+    print(f"\n{suite.name} --shape {args.shape} on {meta['gpu']} (torch {meta['torch']}, tilelang {meta['tilelang']}; "
+          f"{meta['timing']} timing)")
     print_table(rows, suite.reference)
     base = write_results(rows, meta, suite, args.shape, Path(args.out), args.plot)
     print(f"\nwrote {base}.csv and .json")

@@ -1,4 +1,5 @@
-"""GPU timing: CUDA events around each run, L2 flushed before each, median reported."""
+"""GPU timing: CUDA events around each run, L2 flushed before each, median reported (eager launches,
+or replays of a CUDA graph: bench_graph)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,56 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: 
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     return {"median_ms": statistics.median(times), "min_ms": times[0], "p20_ms": q[0], "p80_ms": q[-1], "reps": reps}
+
+
+def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 200,
+                flush_l2: bool = True) -> dict:
+    """bench_cuda's numbers with no host in the loop: `calls` x (L2 flush, fn()) captured in one CUDA
+    graph and replayed, minus a graph of the `calls` flushes alone; each quantile is (replay quantile
+    - flush-only quantile) / calls. The GPU time of a call as a model's decode graph sees it, apart
+    from launch jitter on the host (bench/NOTES.md "GEMM v5"). fn must be capturable: no host sync,
+    no allocation outside the graph's pool."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):            # compile, and make any per-stream workspace, outside capture
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    def capture(with_fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                if flush is not None:
+                    flush.zero_()
+                if with_fn:
+                    fn()
+        return graph
+
+    def replays(graph, reps):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return sorted(s.elapsed_time(e) for s, e in events)
+
+    work = capture(True)
+    est = max(statistics.median(replays(work, 3)), 1e-3)
+    reps = max(min_reps, min(max_reps, int(rep_ms / est)))
+    times = replays(work, reps)
+    base = replays(capture(False), reps) if flush is not None else [0.0] * reps
+
+    def quantiles(ts):
+        q = statistics.quantiles(ts, n=5) if len(ts) >= 5 else [ts[0]] * 4
+        return ts[0], q[0], statistics.median(ts), q[-1]
+
+    (w0, w20, w50, w80), (b0, b20, b50, b80) = quantiles(times), quantiles(base)
+    return {"median_ms": (w50 - b50) / calls, "min_ms": (w0 - b0) / calls, "p20_ms": (w20 - b20) / calls,
+            "p80_ms": (w80 - b80) / calls, "reps": reps * calls}
 
 
 def measure_copy_gbps(nbytes: int = 1 << 30) -> float:
