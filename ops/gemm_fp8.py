@@ -67,7 +67,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     stores the partials of the other blocks' column slices, all meet at a cluster barrier, then block
     ts writes columns [ts * w, (ts + 1) * w) of the tile (w = block_n / splits) as the reduce kernel
     would: its own partial from registers, the others' from Part, added in split order. No second
-    kernel, no 1/splits of the stores, the same bits.
+    kernel and 1/splits fewer partial stores, with the same bits.
 
     trace=True (the v2 loop, splits == 1 or fold=False; bench.prof_gemm): the SM clock when block b's
     first thread reaches each of TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits).
