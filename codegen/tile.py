@@ -50,7 +50,8 @@ every lane of the warp must reach them together. They have no rule on the cpu ta
 per block) or on Ascend, so programs that use them list only CUDA targets and keep a block-wide
 program for the rest (ops/moe_route.py). The cluster words are the same kind: thread-block
 clusters exist on sm_90a and sm_100a only (ops/topk_cluster.py; other targets take
-ops/topk_select.py's block-per-row program).
+ops/topk_select.py's block-per-row program; ops/gemm_fp8.py's split-K cluster fold is planned only
+where backends.cuda.device.max_active_clusters says every cluster of the grid fits at once).
 """
 
 from __future__ import annotations
