@@ -160,7 +160,8 @@ def main(argv=None):
         return 2
     if not args.warm_only:
         probe = torch.empty(1, device="cuda")
-        room = {c: max_active_clusters(probe, c, GRID_THREADS, smem) for c in (2, 4, 8) for smem in (140 << 10, 210 << 10)}
+        room = {(c, smem): max_active_clusters(probe, c, GRID_THREADS, smem) for c in (2, 4, 8)
+                for smem in (140 << 10, 210 << 10)}
         print(f"clusters the GPU runs at once, of {GRID_THREADS}-thread blocks (cluster, smem bytes): {room}", flush=True)
     if args.trace:
         return trace(args.out, [v for v in args.variants.split(",") if v in ("v2", "v2-cluster")])

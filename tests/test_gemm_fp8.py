@@ -229,7 +229,7 @@ def test_split_k_cluster_fold_is_one_kernel_with_a_cluster_barrier(overlap):
         fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, cluster=True)
 
 
-def test_plan_folds_split_k_in_clusters_only_where_they_all_fit():
+def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
     from ops import gemm_fp8
     from ops.gemm_fp8 import plan
 
@@ -242,14 +242,7 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit():
         return clusters
     assert not gemm_fp8.CLUSTER_FOLD       # measured slower (bench/NOTES.md "GEMM v5"): an option
     assert "cluster" not in plan("dense", 128, 4096, 7168, 128, clusters=room(99))
-    gemm_fp8.CLUSTER_FOLD = True
-    try:
-        _cluster_plans(plan, room, asked)
-    finally:
-        gemm_fp8.CLUSTER_FOLD = False
-
-
-def _cluster_plans(plan, room, asked):
+    monkeypatch.setattr(gemm_fp8, "CLUSTER_FOLD", True)
     # 128x4096x7168: 32 tiles x 4 splits; the GPU must hold 32 clusters of 4 at once
     assert plan("dense", 128, 4096, 7168, 128, clusters=room(32))["cluster"] is True
     assert asked[-1][:2] == (4, 384) and 130_000 < asked[-1][2] <= 227 * 1024
