@@ -134,7 +134,7 @@ mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs 
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
 mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
 mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
-mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * scale_of(row, s), then epilogue(); threads: see producer_threads.")
+mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * (the product of the factors scale_of(row, s) returns), then epilogue(); threads: see producer_threads.")
 mma_decoded_loop = _word("mma_decoded_loop", "The K loop of a GEMM whose B operand is decoded on chip: for s < steps, copy loads(s) = (A region, raw B region) into tiles of operands[0] and operands[1], decode(raw_at, b_at, s) writes the B tile of operands[2] from the raw one (raw_at(i, j), b_at(i, j): elements of this step's tiles), acc (+)= a @ b^T; prologue() before the first step (staging the decode reads; on sm_90a by the MMA threads while the first loads fly), epilogue() after the last step; threads: see producer_threads.")
 attention_loop = _word("attention_loop", "Online-softmax attention over `steps` staged KV steps: S = sum_p q[p] @ kv[p]^T (kv: (rows, d, dtype) parts, staged by loads(k) -> [(src, part, row0, rows)], or into `raw` parts converted by value(part, i, j, read)), masked by visible(k, i, j) and scaled by `scale` (log2 domain), O_i = softmax(S) @ kv[v[i]]; rows past valid_rows (counted from step 0's first) are zeroed; epilogue(o, col0, l, m, stats) per output part. swapped=True (sm_90a): the tokens are the MMA's M, o is O^T and l, m are in shared memory; raw_rows: the raw staging holds raw_rows tokens, loads(j) stages chunk j; raw_rows (sm_90a, both operand orders): the producer and WG1 each convert half of a step's chunks; stage_raw=True (sm_90a, with raw_rows; value a tile.RawValue): a chunk's raw elements go to registers first and its staging is reloaded before the conversion; direct (sm_90a, with raw_rows): k -> copies of step k straight into operand parts, which are then not converted.")
 scalar = _word("scalar", "A per-block scalar computed once and kept in a register; returns what expressions use in its place.")
@@ -192,6 +192,27 @@ def split_index(index, extents: tuple[int, ...]):
         index = index // ext
     out.append(index)
     return tuple(reversed(out))
+
+
+def panel_index(index, rows: int, cols: int, panel: int):
+    """(row, col) of block `index` on a rows x cols grid walked in panels of `panel` rows: column by
+    column inside a panel, panel after panel (the last one may be shorter). Blocks that run at once
+    then share a few rows' and columns' operands (a GEMM's A and B tiles stay in L2) instead of
+    every column's; panel = 1 is row-major, as split_index. Pure arithmetic; rows may be dynamic."""
+    if panel == 1:
+        return split_index(index, (rows, cols))
+    band = index // (panel * cols)
+    height = _min(panel, rows - band * panel)     # rows in this panel
+    within = index % (panel * cols)
+    return band * panel + within % height, within // height
+
+
+def _min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    import tilelang.language as T
+
+    return T.min(a, b)
 
 
 def __getattr__(name: str):

@@ -2,6 +2,9 @@
 
 import contextlib
 
+import functools
+import operator
+
 import tilelang.language as T
 
 from codegen import tile
@@ -119,9 +122,19 @@ def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epil
             tile.copy(src, dst)
         with tile.vector():
             for i in tile.parallel(scale.shape[0]):
-                scale[i] = scale_of(i, s)
+                scale[i] = functools.reduce(operator.mul, scale_of(i, s))
         tile.mma_promoted(tiles[0], tiles[1], part, acc, scale, step=s)
     epilogue()
+
+
+def scale_factors(scale_of):
+    """mma_promoted_loop's scale_of(row, blk) returns the factors of a row's scale for K block blk
+    (a tuple; their product is the scale). Calls it once with placeholder indices to count them."""
+    factors = scale_of(0, 0)
+    if not isinstance(factors, (tuple, list)) or not factors:
+        raise TypeError(f"mma_promoted_loop's scale_of(row, blk) must return a tuple of the scale's factors, got "
+                        f"{type(factors).__name__}")
+    return factors
 
 
 @register("mma_promoted_loop", "*")

@@ -1,15 +1,23 @@
 """Hopper (sm_90a): the accumulator lives in registers and T.gemm issues WGMMA
 (a warpgroup of 128 threads per 64 rows of the tile)."""
 
+import functools
+import operator
+
 import tilelang.language as T
 
 from codegen.rules import register
+from codegen.lowering.common import scale_factors
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
 
 def _policy(acc):
-    # 64-row tiles: every warpgroup takes all rows and a slice of the columns (WGMMA's M is 64)
-    return T.GemmWarpPolicy.FullCol if acc.shape[0] <= 64 else T.GemmWarpPolicy.Square
+    # 64-row tiles: every warpgroup takes all rows and a slice of the columns (WGMMA's M is 64).
+    # Taller tiles: each warpgroup takes 64 rows and every column, so one WGMMA spans the tile's
+    # width. (Square split a 128 x 128 tile into 64-column halves: m64n64 instructions that read
+    # 64 KB of shared memory per 128-deep K block instead of 48 KB, all of the SM's shared-memory
+    # bandwidth at the tensor cores' rate; bench/NOTES.md "GEMM v6".)
+    return T.GemmWarpPolicy.FullCol if acc.shape[0] <= 64 else T.GemmWarpPolicy.FullRow
 
 
 @register("limits", "cuda:sm_90a")
@@ -92,11 +100,29 @@ def _issue(a_s, b_s, full, part, blk, stages, policy):
 
 
 @T.macro
-def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending):
-    # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in
+def _prefetch(ahead, scale_of, blk):
+    # the factors of block blk's row scales into registers, a block before they are multiplied:
+    # loaded at the retire before (or in the prologue), so nothing waits for shared memory between
+    # one block's WGMMA issue and the next (ncu: those loads, issued between the WGMMAs, stalled the
+    # issuing warps for 1/3 of their samples; bench/NOTES.md "GEMM v6")
+    for i in T.Parallel(ahead[0].shape[0]):
+        for f, expr in zip(ahead, scale_of(i, blk)):
+            f[i] = expr
+
+
+@T.macro
+def _scale_from(scale, ahead):
     for i in T.Parallel(scale.shape[0]):
-        scale[i] = scale_of(i, blk)
+        scale[i] = functools.reduce(operator.mul, [f[i] for f in ahead])
+
+
+@T.macro
+def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps):
+    # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in with
+    # the scale whose factors were loaded a block ago; load the next block's factors meanwhile
     T.wait_wgmma(pending)
+    _scale_from(scale, ahead)
+    _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
     T.mbarrier_arrive(empty[blk % stages])       # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
@@ -107,13 +133,13 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy = io
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps = io
     parts = (ping, pong)
     _issue(a_s, b_s, full, ping, first, stages, policy)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
-        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1)
-    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps)
+    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps)
 
 
 @T.macro
@@ -156,7 +182,7 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages):
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue):
+                regs, policy, epilogue, prologue, ahead):
     if prologue is not None:
         T.sync_threads()                # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
@@ -169,7 +195,9 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
             # their shared-memory writes are done before any thread of theirs reads them
             prologue()
             T.sync_threads(PROLOGUE_BAR, consumers)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy)
+        if steps > 0:
+            _prefetch(ahead, scale_of, 0)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
@@ -193,5 +221,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
+    # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
+    ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None), prologue)
+                regs, _policy(part), epilogue or (lambda: None), prologue, ahead)
