@@ -194,27 +194,6 @@ def split_index(index, extents: tuple[int, ...]):
     return tuple(reversed(out))
 
 
-def panel_index(index, rows: int, cols: int, panel: int):
-    """(row, col) of block `index` on a rows x cols grid walked in panels of `panel` rows: column by
-    column inside a panel, panel after panel (the last one may be shorter). Blocks that run at once
-    then share a few rows' and columns' operands (a GEMM's A and B tiles stay in L2) instead of
-    every column's; panel = 1 is row-major, as split_index. Pure arithmetic; rows may be dynamic."""
-    if panel == 1:
-        return split_index(index, (rows, cols))
-    band = index // (panel * cols)
-    height = _min(panel, rows - band * panel)     # rows in this panel
-    within = index % (panel * cols)
-    return band * panel + within % height, within // height
-
-
-def _min(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return min(a, b)
-    import tilelang.language as T
-
-    return T.min(a, b)
-
-
 def __getattr__(name: str):
     # Words registered by kernel authors after import: tile.<word>(...) dispatches like the rest.
     if name.startswith("_"):

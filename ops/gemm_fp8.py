@@ -52,7 +52,7 @@ ALIGN_N, ALIGN_K = 64, 128
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
-                     fold: bool = False, cluster: bool = False, trace: bool = False, panel: int = 1):
+                     fold: bool = False, cluster: bool = False, trace: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -77,10 +77,6 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     past the end: computed, never stored) and stores only the item's rows. Items with a negative
     expert or no rows run no K steps and store nothing.
 
-    panel > 1 (splits == 1): blocks walk the (m, n) tiles in panels of `panel` m tiles, column by
-    column inside a panel (tile.panel_index), so the blocks resident at once share a few A and B
-    tiles in L2 instead of needing all of B; panel = 1 walks them row by row.
-
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -89,7 +85,6 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
-    assert panel >= 1 and (panel == 1 or splits == 1), "panels order the tiles of one-split grids"
     if trace and (fold or overlap):
         raise ValueError("trace=True stamps the v2 loop's block into Count: not with fold or overlap")
     if fold and (splits == 1 or overlap):
@@ -131,11 +126,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         m_tiles = per_group * groups if masked else (items if by_items else per_group)
         extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
         with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else 1) as bid:
-            if panel > 1:
-                tm, tn = tile.panel_index(bid, m_tiles, n_tiles, panel)
-                ts = 0
-            else:
-                tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+            tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
             mine, first = tile.split_rows(block_m)
