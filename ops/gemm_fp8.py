@@ -52,7 +52,8 @@ ALIGN_N, ALIGN_K = 64, 128
 )
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
-                     fold: bool = False, cluster: bool = False, trace: bool = False):
+                     fold: bool = False, cluster: bool = False, trace: bool = False,
+                     multicast: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -77,6 +78,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     past the end: computed, never stored) and stores only the item's rows. Items with a negative
     expert or no rows run no K steps and store nothing.
 
+    multicast=True (the v3 loop, one split, an even number of n tiles; not the sorted layout): blocks
+    run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
+    multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
+
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -94,6 +99,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         raise ValueError(f"cluster=True folds split-K partials in a cluster of the splits: it needs splits of 2, 4 "
                          f"or 8 dividing block_n into 8-column slices and fold=False, got splits={splits}, "
                          f"block_n={block_n}, fold={fold}")
+    if multicast and (not overlap or splits > 1 or cluster or mode == "sorted" or (n // block_n) % 2):
+        raise ValueError(f"multicast=True shares A between two n tiles in the v3 loop: it needs overlap=True, "
+                         f"splits=1, an even number of n tiles and a layout other than sorted, got overlap={overlap}, "
+                         f"splits={splits}, n tiles={n // block_n}, mode={mode!r}")
     kb, nb = k // GROUP, -(-n // GROUP)
     per = -(-kb // splits)                                      # K blocks per split
     n_tiles = n // block_n
@@ -125,7 +134,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
         m_tiles = per_group * groups if masked else (items if by_items else per_group)
         extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
-        with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else 1) as bid:
+        # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
+        with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else (2 if multicast else 1)) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
@@ -190,7 +200,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                          else (lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
-                                       epilogue=store, prologue=lambda: _stage_scales(scales, mine, per))
+                                       epilogue=store, prologue=lambda: _stage_scales(scales, mine, per),
+                                       share_a=2 if multicast else 1)
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -439,6 +450,9 @@ FOLD_IN_KERNEL = False
 # slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
 # not the 32-33 of the 4-split shapes; the 2-split fold took ~8300 cycles, latency-bound)
 CLUSTER_FOLD = False
+# v3, one split, at least two waves of tiles: clusters of two n-neighbours load each A tile once, by
+# TMA multicast (fp8_gemm_program multicast=True; bench/NOTES.md "GEMM v6")
+MULTICAST = True
 GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
 
 
@@ -455,7 +469,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
 
     overlap (default OVERLAP): the v3 K loop (tile.mma_promoted_loop, bench/NOTES.md "GEMM v3"),
     with up to OVERLAP_STAGES stages; the key is returned only when it is on, so v2 plans are the
-    same dicts as before.
+    same dicts as before. With it, grids of two or more waves whose n tiles pair up take
+    "multicast" (MULTICAST): the two n-neighbours of a tile share its A loads in a cluster.
 
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
@@ -482,6 +497,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
     if overlap:
         p["overlap"] = True
+        if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
+            p["multicast"] = True
     if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
         if room is not None and room >= tiles:

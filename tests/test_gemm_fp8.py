@@ -535,6 +535,63 @@ def test_gpu_grouped_layouts_v2(monkeypatch):
     test_gpu_grouped_layouts()
 
 
+@pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
+def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
+    """multicast=True: rank 0 of each cluster of two multicasts A (UTMALDG...MULTICAST in SASS), each
+    warp's lane 0 arrives on the other block's empty barrier, within the register budget, no spills."""
+    from backends import ToolchainError
+    from backends.cuda.sass import disassemble
+
+    src = fp8_gemm_program.source("sm_90a", n=512, k=1024, mode=mode, overlap=True, stages=4, multicast=True)
+    assert "tma_load_multicast" in src and "block_rank_in_cluster() ^ 1" in src
+    try:
+        cubin, log = _build_with_ptxas_log(src)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    sass = disassemble(cubin)
+    assert "UTMALDG.2D.MULTICAST" in sass or "UTMALDG.3D.MULTICAST" in sass
+    assert "0 bytes spill stores, 0 bytes spill loads" in log and "C7514" not in log
+    with pytest.raises(ValueError, match="even number of n tiles"):
+        fp8_gemm_program.source("sm_90a", n=384, k=1024, overlap=True, multicast=True)
+    with pytest.raises(ValueError, match="overlap=True"):
+        fp8_gemm_program.source("sm_90a", n=512, k=1024, multicast=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
+def test_gpu_multicast_matches_unicast(mode):
+    """A multicast in clusters of two n-neighbours: bitwise the unicast v3 result (same tiles, same
+    MMAs), for every layout, with row tails, padding rows and an empty group; stage reuse wraps the
+    barrier phases many times (56 K blocks over 4 stages)."""
+    from ops.gemm_fp8 import _launch
+
+    g = torch.Generator().manual_seed(17)
+    G, n, k = 3, 512, 7168
+    rows = {"dense": 333, "contiguous": 3 * 256, "masked": 256}[mode]
+    a = torch.randn(G * rows if mode == "masked" else rows, k, generator=g)
+    qa, sfa = ops.per_token_group_quant_fp8(a)
+    groups = G if mode != "dense" else 1
+    bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(groups)]
+    qb, sfb = torch.stack([q for q, _ in bs]).cuda(), torch.stack([s for _, s in bs]).cuda()
+    if mode == "masked":
+        qa, sfa = qa.view(G, rows, k), sfa.view(G, rows, -1)
+        aux, m_idx = torch.tensor([200, 0, 256], dtype=torch.int32), torch.empty(1, dtype=torch.int32)
+    elif mode == "contiguous":
+        m_idx = torch.tensor(sum(([e] * 200 + [-1] * 56 for e in range(G)), []), dtype=torch.int32)
+        aux = torch.empty(G, dtype=torch.int32)
+    else:
+        m_idx, aux = torch.empty(rows, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
+    dev = [t.cuda() for t in (qa, sfa)]
+    outs = []
+    for multicast in (False, True, True):
+        out = torch.full((*qa.shape[:-1], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _launch(mode, *dev, qb, sfb, m_idx.cuda(), aux.cuda(), out, n, k, overlap=True, splits=1, stages=4,
+                multicast=multicast)
+        outs.append(out.cpu())
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
 @pytest.mark.gpu
 def test_gpu_grouped_layouts():
     g = torch.Generator().manual_seed(5)
@@ -835,6 +892,12 @@ def test_plan_splits_k_only_for_small_grids():
     assert plan("dense", 128, 2112, 7168, 128, overlap=True) == dict(block_m=128, block_n=64, splits=4, stages=6,
                                                                        overlap=True)
     assert plan("dense", 4096, 7168, 16384, 128, overlap=True)["stages"] == 4     # 66 KB of sfa staging
+    # two or more waves of tiles in pairs of n-neighbours: A multicast in clusters of two (v3 only)
+    assert plan("dense", 4096, 7168, 16384, 128)["multicast"] is True
+    assert plan("contiguous", 32768, 4096, 7168, 128)["multicast"] is True
+    assert "multicast" not in plan("dense", 4096, 7168, 16384, 128, overlap=False)
+    assert "multicast" not in plan("dense", 128, 24576, 1536, 128)           # 192 tiles: under two waves
+    assert "multicast" not in plan("dense", 4096, 7168 - 128, 16384, 128)    # 55 n tiles do not pair
     assert plan("masked", 64, 4096, 7168, 64)["splits"] == 1          # grouped layouts never split
     with pytest.raises(ValueError, match="too long"):
         plan("dense", 4096, 4096, 65536, 128)

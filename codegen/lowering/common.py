@@ -138,8 +138,11 @@ def scale_factors(scale_of):
 
 
 @register("mma_promoted_loop", "*")
-def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None):
-    # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
+                      share_a=1):
+    # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
+    # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
+    # loads its own here
     if prologue is not None:
         prologue()                      # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]

@@ -8,6 +8,7 @@ import tilelang.language as T
 
 from codegen.rules import register
 from codegen.lowering.common import scale_factors
+from codegen import tile
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
 
@@ -117,13 +118,23 @@ def _scale_from(scale, ahead):
 
 
 @T.macro
-def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps):
+def _release(empty, slot, share_a):
+    # every MMA thread arrives on its own block's empty[slot]; with A multicast to a cluster of two,
+    # lane 0 of each warp also arrives on the other block's: its producer writes A into both
+    T.mbarrier_arrive(empty[slot])
+    if share_a > 1:
+        if T.get_thread_binding() % 32 == 0:
+            T.mbarrier_arrive(empty[slot], cta_id=T.block_rank_in_cluster() ^ 1)
+
+
+@T.macro
+def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps, share_a):
     # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in with
     # the scale whose factors were loaded a block ago; load the next block's factors meanwhile
     T.wait_wgmma(pending)
     _scale_from(scale, ahead)
     _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
-    T.mbarrier_arrive(empty[blk % stages])       # (the last blocks' arrivals are never waited for)
+    _release(empty, blk % stages, share_a)       # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
 
@@ -133,13 +144,13 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps = io
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a = io
     parts = (ping, pong)
     _issue(a_s, b_s, full, ping, first, stages, policy)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
-        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps)
-    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps, share_a)
+    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps, share_a)
 
 
 @T.macro
@@ -166,27 +177,36 @@ def in_bursts(steps, burst, io):
 
 
 @T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
-    the bytes)."""
+    the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
+    each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
+    once both blocks' MMA threads have released the slot."""
     T.set_max_nreg(PRODUCER_REGS, 0)
     for s in T.serial(steps):
         slot = s % stages
         T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
         src_a, src_b = loads(s)
-        T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
+        if share_a > 1:
+            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot], cluster_mask=(1 << share_a) - 1)
+        else:
+            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
         T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
         T.mbarrier_arrive(full[slot])
 
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue, ahead):
-    if prologue is not None:
+                regs, policy, epilogue, prologue, ahead, share_a):
+    if share_a > 1:
+        # both blocks' barriers initialized before either producer multicasts into the other's
+        # shared memory or an MMA thread arrives on the other's empty barriers
+        tile.cluster_barrier()
+    elif prologue is not None:
         T.sync_threads()                # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
-        tma_producer(steps, loads, a_s, b_s, full, empty, stages)
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a)
     else:
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
@@ -197,18 +217,26 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
             T.sync_threads(PROLOGUE_BAR, consumers)
         if steps > 0:
             _prefetch(ahead, scale_of, 0)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
         in_bursts(steps, _burst, io)
         epilogue()
+        if share_a > 1:
+            # neither block exits while the other may still arrive on its barriers (the producers
+            # have exited: exited threads count as arrived)
+            tile.cluster_barrier()
 
 
 @register("mma_promoted_loop", "cuda:sm_90a")
-def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None):
-    # the grid was opened with producer_threads() more threads than the MMA warpgroups
+def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
+                      share_a=1):
+    # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
+    # share_a = 2, as clusters of two blocks with the same A tiles)
     consumers = state()["threads"] - PRODUCER
+    if share_a not in (1, 2):
+        raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
     if prologue is not None:
         # the prologue runs in the MMA warpgroups' branch, ordered by a named barrier placed here:
         # TileLang's sync pass would put a block-wide one there, which the producer never reaches
@@ -217,11 +245,14 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     b_s = T.alloc_shared((stages, *b_shape), b_dtype)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
-    empty = T.alloc_barrier([consumers] * stages)
+    if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
+        empty = T.alloc_cluster_barrier([consumers + consumers // 32] * stages)
+    else:
+        empty = T.alloc_barrier([consumers] * stages)
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None), prologue, ahead)
+                regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a)
