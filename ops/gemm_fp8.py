@@ -451,8 +451,10 @@ FOLD_IN_KERNEL = False
 # not the 32-33 of the 4-split shapes; the 2-split fold took ~8300 cycles, latency-bound)
 CLUSTER_FOLD = False
 # v3, one split, at least two waves of tiles: clusters of two n-neighbours load each A tile once, by
-# TMA multicast (fp8_gemm_program multicast=True; bench/NOTES.md "GEMM v6")
-MULTICAST = True
+# TMA multicast (fp8_gemm_program multicast=True). Off: bitwise the same results but measured slower
+# on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
+# only -10%, and each block of a pair now waits for the slower one)
+MULTICAST = False
 GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
 
 

@@ -877,7 +877,8 @@ def test_gpu_cluster_room_and_the_op_path():
     assert_elementwise(out, ref)
 
 
-def test_plan_splits_k_only_for_small_grids():
+def test_plan_splits_k_only_for_small_grids(monkeypatch):
+    import ops.gemm_fp8 as gemm
     from ops.gemm_fp8 import plan
 
     assert plan("dense", 128, 2112, 7168, 128)["splits"] == 4         # 33 tiles: 4 x 33 = 132 blocks
@@ -892,7 +893,10 @@ def test_plan_splits_k_only_for_small_grids():
     assert plan("dense", 128, 2112, 7168, 128, overlap=True) == dict(block_m=128, block_n=64, splits=4, stages=6,
                                                                        overlap=True)
     assert plan("dense", 4096, 7168, 16384, 128, overlap=True)["stages"] == 4     # 66 KB of sfa staging
-    # two or more waves of tiles in pairs of n-neighbours: A multicast in clusters of two (v3 only)
+    # two or more waves of tiles in pairs of n-neighbours: A multicast in clusters of two (v3 only),
+    # where MULTICAST is on (off by default: measured slower)
+    assert "multicast" not in plan("dense", 4096, 7168, 16384, 128)
+    monkeypatch.setattr(gemm, "MULTICAST", True)
     assert plan("dense", 4096, 7168, 16384, 128)["multicast"] is True
     assert plan("contiguous", 32768, 4096, 7168, 128)["multicast"] is True
     assert "multicast" not in plan("dense", 4096, 7168, 16384, 128, overlap=False)
