@@ -144,6 +144,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
                 b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
             if overlap:
+                sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
                 sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
             scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
             if not overlap:                                     # the next step's sfa and sfb, loaded a step early
@@ -173,11 +174,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             if trace:
                 _stamp(Count, bid, "entry")
             # Staged before the first loads, the scales held every thread, the TMA thread too, for
-            # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages sfb in the MMA warpgroups while the
-            # producer's first loads fly (mma_promoted_loop's prologue) and has each step's sfa
-            # column streamed with the step's tiles (row_factor: a ring of stages x rows floats
-            # instead of rows x K blocks, 64 KB at k = 16384); the v2 loop reads both from global
-            # memory one step ahead (step s loads step s + 1's into registers).
+            # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages them once in the MMA warpgroups
+            # while the producer's first loads fly (mma_promoted_loop's prologue); the v2 loop reads
+            # them from global memory one step ahead (step s loads step s + 1's into registers).
             if not overlap:
                 with tile.vector():                              # mma_promoted_loop clears it
                     for i, j in tile.parallel(mine, block_n):
@@ -196,16 +195,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
-                # sfa[row, k0 + s] of the tile's fragment row i (rows past the end read the last one)
-                sfa_at = lambda s_, i_: (  # noqa: E731
-                    SFA[g, T.min(row0 + first + i_, height - 1), k0 + s_] if masked
-                    else SFA[T.min(row0 + first + i_, height - 1), k0 + s_])
+                scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
                 store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, None)) if cluster
                          else (lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
-                                       part, acc, scale, lambda row, blk: (sfb_s[k0 + blk],), stages=stages,
-                                       epilogue=store, prologue=lambda: _stage_sfb(SFB, sfb_s, g, tn, block_n, kb),
-                                       share_a=2 if multicast else 1, row_factor=sfa_at)
+                                       part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
+                                       epilogue=store, prologue=lambda: _stage_scales(scales, mine, per),
+                                       share_a=2 if multicast else 1)
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -248,11 +244,17 @@ def _grid(blocks, threads, cluster):
 
 
 @T.macro
-def _stage_sfb(SFB, sfb_s, g, tn, block_n, kb):
-    """The tile's block of sfb (all K blocks) into shared memory (v3's prologue)."""
+def _stage_scales(scales, mine, per):
+    """The tile's block of sfb (all K blocks) and its rows' sfa for the block's K range, into shared
+    memory (v3's prologue)."""
+    SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
         for kk in tile.parallel(kb):
             sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+        for i, t in tile.parallel(mine, per):
+            r = T.min(row0 + first + i, height - 1)
+            kk = T.min(k0 + t, kb - 1)
+            sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
 
 
 @T.macro
@@ -488,10 +490,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
         block_n = 64
     per = -(-kb // splits)
-    if overlap:     # sfb staged whole; sfa streamed with each stage (a float per row)
-        fixed, stage_bytes = kb * 4, (block_m + block_n) * GROUP + block_m * 4
-    else:           # (v2 stages nothing since session 13; kept as planned then)
-        fixed, stage_bytes = kb * 4 + block_m * per * 4, (block_m + block_n) * GROUP
+    fixed = kb * 4 + block_m * per * 4
+    stage_bytes = (block_m + block_n) * GROUP
     stages = max(2, min(OVERLAP_STAGES if overlap else 4, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "

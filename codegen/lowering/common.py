@@ -113,7 +113,7 @@ def producer_threads():
 
 
 @T.macro
-def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue, row_factor):
+def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue):
     with tile.vector():
         for i, j in tile.parallel(acc.shape[0], acc.shape[1]):
             acc[i, j] = 0.0
@@ -122,8 +122,7 @@ def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epil
             tile.copy(src, dst)
         with tile.vector():
             for i in tile.parallel(scale.shape[0]):
-                streamed = (row_factor(s, i),) if row_factor is not None else ()
-                scale[i] = functools.reduce(operator.mul, streamed + tuple(scale_of(i, s)))
+                scale[i] = functools.reduce(operator.mul, scale_of(i, s))
         tile.mma_promoted(tiles[0], tiles[1], part, acc, scale, step=s)
     epilogue()
 
@@ -140,15 +139,14 @@ def scale_factors(scale_of):
 
 @register("mma_promoted_loop", "*")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, row_factor=None):
+                      share_a=1):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
     # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
     # loads its own here
     if prologue is not None:
         prologue()                      # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
-    # row_factor(s, row): read from global memory where the scale is formed (sm_90a streams it)
-    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None), row_factor)
+    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
 
 
 # ---- mma_decoded_loop: a GEMM whose B tile is decoded on chip from a raw staged one ----------------

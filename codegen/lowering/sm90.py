@@ -100,21 +100,14 @@ def _issue(a_s, b_s, full, part, blk, stages, policy):
                  policy=policy)
 
 
-def _factors(scale_of, ring, stages, i, blk):
-    # block blk's scale factors of row i: the streamed one (ring slot blk % stages) first, if any
-    streamed = (ring[blk % stages, i],) if ring is not None else ()
-    return streamed + tuple(scale_of(i, blk))
-
-
 @T.macro
-def _prefetch(ahead, scale_of, ring, stages, blk):
-    # the factors of block blk's row scales into registers, once its full barrier has passed (a
-    # streamed factor has landed): after the wait that retires the block before (or, for a burst's
-    # first block, after its issue), and multiplied at its own retire. Loads issued between two
-    # WGMMA issues with their multiply right behind them stalled the issuing warps for 1/3 of
-    # their samples (ncu, bench/NOTES.md "GEMM v6"); after a wait, ptxas keeps the multiply there.
+def _prefetch(ahead, scale_of, blk):
+    # the factors of block blk's row scales into registers, a block before they are multiplied:
+    # loaded at the retire before (or in the prologue), so nothing waits for shared memory between
+    # one block's WGMMA issue and the next (ncu: those loads, issued between the WGMMAs, stalled the
+    # issuing warps for 1/3 of their samples; bench/NOTES.md "GEMM v6")
     for i in T.Parallel(ahead[0].shape[0]):
-        for f, expr in zip(ahead, _factors(scale_of, ring, stages, i, blk)):
+        for f, expr in zip(ahead, scale_of(i, blk)):
             f[i] = expr
 
 
@@ -135,12 +128,12 @@ def _release(empty, slot, share_a):
 
 
 @T.macro
-def _retire_fold(empty, acc, part, scale, blk, stages, regs, pending, ahead, share_a, then):
-    # wait until `pending` MMA groups are left (block blk's is done), form its scale from the factors
-    # loaded earlier, load the next block's (then()), free its stage and fold it in
+def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps, share_a):
+    # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in with
+    # the scale whose factors were loaded a block ago; load the next block's factors meanwhile
     T.wait_wgmma(pending)
     _scale_from(scale, ahead)
-    then()
+    _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
     _release(empty, blk % stages, share_a)       # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
@@ -151,18 +144,13 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, aheads, ring, share_a = io
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a = io
     parts = (ping, pong)
-    # block first + j's factors go to aheads[j % 2]; they are loaded once its full barrier has passed
-    # (its issue), after the wait that retires block first + j - 1, and used at its own retire
     _issue(a_s, b_s, full, ping, first, stages, policy)
-    _prefetch(aheads[0], scale_of, ring, stages, first)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
-        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, first + j - 1, stages, regs, 1, aheads[(j - 1) % 2],
-                     share_a, lambda: _prefetch(aheads[j % 2], scale_of, ring, stages, first + j))
-    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, first + count - 1, stages, regs, 0,
-                 aheads[(count - 1) % 2], share_a, lambda: None)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps, share_a)
+    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps, share_a)
 
 
 @T.macro
@@ -188,40 +176,14 @@ def in_bursts(steps, burst, io):
         _tail(steps, rest, burst, io)
 
 
-# tc_cp_async4(smem, gmem): a 4-byte cp.async global -> shared (tl::cp_async_gs lives in a header
-# TileLang does not include in these kernels)
-CP_ASYNC4_SOURCE = r"""
-__device__ __forceinline__ void tc_cp_async4(void* smem, const void* gmem) {
-  unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(dst), "l"(gmem) : "memory");
-}
-"""
-
-
 @T.macro
-def _stream_row(full, slot, ring, row_factor, s, consumers):
-    # producer thread t copies row t's factor of step s into ring[slot, t] (cp.async, 4 bytes) and
-    # arrives on full[slot] when it has landed (cp.async.mbarrier.arrive.noinc: one of the barrier's
-    # PRODUCER arrivals); threads past the tile's rows arrive at once
-    t = T.get_thread_binding() - consumers
-    if t < ring.shape[1]:
-        T.call_extern("handle", "tc_cp_async4", T.address_of(ring[slot, t]), T.address_of(row_factor(s, t)))
-        T.cp_async_barrier_noinc(full[slot])
-    else:
-        T.mbarrier_arrive(full[slot])
-
-
-@T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ring=None, row_factor=None, consumers=0):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
     each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
-    once both blocks' MMA threads have released the slot. ring: each step's row factors
-    (row_factor(s, t), global) streamed into ring[slot], completing on the same full barrier."""
+    once both blocks' MMA threads have released the slot."""
     T.set_max_nreg(PRODUCER_REGS, 0)
-    if ring is not None:
-        T.import_source(CP_ASYNC4_SOURCE)
     for s in T.serial(steps):
         slot = s % stages
         T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
@@ -231,15 +193,12 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ring=No
         else:
             T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
         T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
-        if ring is not None:
-            _stream_row(full, slot, ring, row_factor, s, consumers)
-        else:
-            T.mbarrier_arrive(full[slot])
+        T.mbarrier_arrive(full[slot])
 
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue, aheads, share_a, ring, row_factor):
+                regs, policy, epilogue, prologue, ahead, share_a):
     if share_a > 1:
         # both blocks' barriers initialized before either producer multicasts into the other's
         # shared memory or an MMA thread arrives on the other's empty barriers
@@ -247,7 +206,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
     elif prologue is not None:
         T.sync_threads()                # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
-        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, ring, row_factor, consumers)
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a)
     else:
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
@@ -256,7 +215,9 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
             # their shared-memory writes are done before any thread of theirs reads them
             prologue()
             T.sync_threads(PROLOGUE_BAR, consumers)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, aheads, ring, share_a)
+        if steps > 0:
+            _prefetch(ahead, scale_of, 0)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
@@ -270,7 +231,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
 
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, row_factor=None):
+                      share_a=1):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
     # share_a = 2, as clusters of two blocks with the same A tiles)
     consumers = state()["threads"] - PRODUCER
@@ -291,14 +252,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
-    # row_factor(s, row): one more factor of a row's scale for step s, in global memory: the producer
-    # streams it into a ring of shared memory with the step's tiles (no staging of all K blocks)
-    ring = T.alloc_shared((stages, part.shape[0]), "float32") if row_factor is not None else None
-    if ring is not None and part.shape[0] > PRODUCER:
-        raise ValueError(f"row_factor streams one row per producer thread: at most {PRODUCER} rows, got {part.shape[0]}")
-    # scale_of(row, blk) gives the other factors; each factor gets two register copies (the blocks
-    # whose WGMMAs are in flight)
-    count = len(scale_factors(scale_of)) + (ring is not None)
-    aheads = [[T.alloc_fragment(scale.shape, scale.dtype) for _ in range(count)] for _ in range(2)]
+    # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
+    ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None), prologue, aheads, share_a, ring, row_factor)
+                regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a)
