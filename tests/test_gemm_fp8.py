@@ -454,13 +454,18 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     TMA warpgroup), two partials in flight (wgmma wait 1 in the source). And ptxas keeps them in
     flight: no C7514 / C7517 (WGMMAs serialized, a wait injected), and the K loop waits with
     `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's QGMMAs, with one
-    `0x0` drain per burst, instead of a DEPBAR 0x0 after every QGMMA."""
+    `0x0` drain per burst, instead of a DEPBAR 0x0 after every QGMMA. 128-row tiles give each
+    warpgroup 64 rows and the whole width (m64n128, not two m64n64 that read a third more shared
+    memory: bench/NOTES.md "GEMM v6"); 64-row tiles split the width between the two."""
     from codegen.lowering.sm90 import BURST
 
     src = fp8_gemm_program.source("sm_90a", overlap=True, **params)
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
     loop = _burst_loop_of(src, "QGMMA", BURST)
     assert sum(t.startswith("QGMMA") for t in loop) >= 2 * BURST
+    block_n = params.get("block_n", 128)
+    width = block_n if params["block_m"] == 128 else block_n // 2
+    assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {f"QGMMA.64x{width}x32.F32.E4M3.E4M3"}
 
 
 @pytest.mark.parametrize("target", ["sm_100a", "ascend"])
