@@ -416,6 +416,9 @@ def m_grouped_sorted_reference(a, sfa, b, sfb, items, out, block_m=SORTED_BLOCK_
 # ---- validation and launch ----------------------------------------------------------------------
 
 def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
+    if _well_formed(a, sfa, b, sfb, grouped, masked):       # the usual call, in a few attribute reads
+        return b.shape[-2], a.shape[-1]
+    # something is off: the checks below find it and name the argument
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=3 if masked else 2, contiguous=True)
     check.tensor("b", b, dtypes=(torch.float8_e4m3fn,), ndim=3 if grouped else 2, contiguous=True)
     k = a.shape[-1]
@@ -432,6 +435,23 @@ def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
     check.shape("sfb", sfb, (*b.shape[:-2], math.ceil(n / GROUP), math.ceil(k / GROUP)), "per 128x128 block of b")
     check.same_device(a=a, sfa=sfa, b=b, sfb=sfb)
     return n, k
+
+
+def _well_formed(a, sfa, b, sfb, grouped, masked) -> bool:
+    """Every condition _check_operands checks, as one expression (an eager decode call is host-bound:
+    the named checks cost ~5 us, this ~1 us). False sends the call through the named checks."""
+    T_ = torch.Tensor
+    if not (type(a) is T_ and type(b) is T_ and type(sfa) is T_ and type(sfb) is T_):
+        return False                                 # (subclasses and fakes take the named checks)
+    if not (a.dtype is torch.float8_e4m3fn and b.dtype is torch.float8_e4m3fn and sfa.dtype is torch.float32
+            and sfb.dtype is torch.float32 and a.dim() == (3 if masked else 2) and b.dim() == (3 if grouped else 2)):
+        return False
+    sa, sb = a.shape, b.shape
+    k, n = sa[-1], sb[-2]
+    kb = -(-k // GROUP)
+    return (sb[-1] == k and k % ALIGN_K == 0 and n % ALIGN_N == 0 and sfa.shape == (*sa[:-1], kb)
+            and sfb.shape == (*sb[:-2], -(-n // GROUP), kb) and a.is_contiguous() and b.is_contiguous()
+            and sfa.is_contiguous() and sfb.is_contiguous() and a.device == b.device == sfa.device == sfb.device)
 
 
 SMEM_BUDGET = 220 * 1024

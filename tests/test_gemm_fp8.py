@@ -135,6 +135,31 @@ def test_gemm_errors():
                                              torch.full((128,), 3, dtype=torch.int32))
 
 
+def test_the_fast_operand_check_accepts_exactly_what_the_named_checks_accept():
+    """_well_formed (the eager hot path's one-expression check) is True only where every named check
+    passes: each broken variant is refused by both, each good layout accepted by both."""
+    from ops.gemm_fp8 import _check_operands, _well_formed
+
+    g = torch.Generator().manual_seed(8)
+    *_, qa, sfa, qb, sfb = quantized(4, 256, 256, g)
+    good = [(qa, sfa, qb, sfb, False, False), (qa, sfa, qb[None], sfb[None], True, False),
+            (qa[None], sfa[None], qb[None], sfb[None], True, True)]
+    for args in good:
+        assert _well_formed(*args) and _check_operands(*args) == (256, 256)
+    bad = [(qa.float(), sfa, qb, sfb), (qa, sfa.double(), qb, sfb), (qa, sfa, qb, sfb.half()),
+           (qa, sfa[:, :1].contiguous(), qb, sfb), (qa, sfa, qb, sfb[:1].contiguous()),
+           (qa, sfa, qb, sfb[:, :1].contiguous()),
+           (qa, sfa, qb[:, :128].contiguous(), sfb[:, :1].contiguous()),
+           (qa.t().contiguous().t(), sfa, qb, sfb), (qa, sfa.t().contiguous().t(), qb, sfb),
+           (qa, sfa, qb.t().contiguous().t(), sfb), (qa, sfa, qb, sfb.t().contiguous().t()),
+           (qa[:, :192].contiguous(), torch.ones(4, 2), qb[:, :192].contiguous(), torch.ones(2, 2)),   # k % 128
+           (qa[None], sfa, qb, sfb), (qa, sfa, qb, sfb.numpy())]
+    for i, (a, fa, b, fb) in enumerate(bad):
+        assert not _well_formed(a, fa, b, fb, False, False), i
+        with pytest.raises((TypeError, ValueError)):
+            _check_operands(a, fa, b, fb, False, False)
+
+
 # ---- lowering ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target,instr", [("sm_90a", "QGMMA"), ("sm_100a", "UTCQMMA")])
