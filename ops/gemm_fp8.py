@@ -438,8 +438,9 @@ def _check_operands(a, sfa, b, sfb, grouped: bool, masked: bool):
 
 
 def _well_formed(a, sfa, b, sfb, grouped, masked) -> bool:
-    """Every condition _check_operands checks, as one expression (an eager decode call is host-bound:
-    the named checks cost ~5 us, this ~1 us). False sends the call through the named checks."""
+    """Every condition _check_operands checks, as one expression: an eager decode call is host-bound,
+    and this takes _check_operands from ~4.8 to ~2.7 us on the CPU machine. False sends the call
+    through the named checks, which raise."""
     T_ = torch.Tensor
     if not (type(a) is T_ and type(b) is T_ and type(sfa) is T_ and type(sfb) is T_):
         return False                                 # (subclasses and fakes take the named checks)

@@ -1,7 +1,6 @@
 """Rules that emit the same TileLang on every target ("*")."""
 
 import contextlib
-
 import functools
 import operator
 

@@ -6,9 +6,9 @@ import operator
 
 import tilelang.language as T
 
-from codegen.rules import register
-from codegen.lowering.common import scale_factors
 from codegen import tile
+from codegen.lowering.common import scale_factors
+from codegen.rules import register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
 
@@ -149,8 +149,10 @@ def _burst(first, count, io):
     _issue(a_s, b_s, full, ping, first, stages, policy)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
-        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps, share_a)
-    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps, share_a)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps,
+                     share_a)
+    _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps,
+                 share_a)
 
 
 @T.macro
