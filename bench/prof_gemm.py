@@ -28,7 +28,8 @@ import ops
 from bench.suites.gemm import DECODE_NK
 from bench.timing import L2_FLUSH_BYTES, bench_cuda
 from backends.cuda.device import max_active_clusters
-from ops.gemm_fp8 import GRID_THREADS, TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program, plan
+from ops.gemm_fp8 import (GRID_THREADS, TRACE_EVENTS, V3_TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program,
+                          plan)
 
 REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
@@ -113,16 +114,22 @@ def kernel_times(fn, reps=REPS):
 TRACE_CASES = [(128, 4096, 2048, 4), (128, 4096, 7168, 4), (128, 7168, 16384, 2)]
 
 
-def trace(out_dir, variants=("v2", "v2-cluster")):
-    """Per traced case and v2 variant: the GEMM kernel's time (profiler) and, over its blocks, the
-    median SM cycles between the block's events (fp8_gemm_program trace=True; v2 with the reduce
-    kernel, v2-cluster with the fold in the cluster and its "folded" event)."""
+TRACEABLE = ("v2", "v2-cluster", "v3", "v3-cluster")
+
+
+def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
+    """Per traced case and variant: the GEMM kernel's time (profiler) and, over its blocks, the
+    median SM cycles between the block's events (fp8_gemm_program trace=True; the split variants
+    with the reduce kernel, -cluster with the fold in the cluster and its "folded" event; v3 stamps
+    V3_TRACE_EVENTS: its bursts have no single "last step")."""
     rows = []
     for m, n, k, splits in TRACE_CASES:
         for v in variants:
             p = {**_plan(m, n, k, v, splits=splits), "trace": True}
             p.pop("fold")
-            events = TRACE_EVENTS if p["cluster"] else TRACE_EVENTS[:-1]
+            events = V3_TRACE_EVENTS if p.get("overlap") else TRACE_EVENTS
+            events = events if p["cluster"] else events[:-1]
+            at = [TRACE_EVENTS.index(e) for e in events]          # their slots in a block's 8 stamps
             kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
             args, out = _operands(m, n, k)
             blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
@@ -130,13 +137,15 @@ def trace(out_dir, variants=("v2", "v2-cluster")):
             count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
             fn = lambda: kernel(*args, out, part, count)  # noqa: E731
             t = kernel_times(fn)
-            stamps = count.view(blocks, 8)[:, :len(events)].cpu().long()
+            stamps = count.view(blocks, 8)[:, at].cpu().long()
             deltas = ((stamps[:, 1:] - stamps[:, :-1]) % (1 << 32)).double().median(0).values.tolist()
             steps = -(-(k // 128) // splits)
             names = [f"{a} -> {b}" for a, b in zip(events, events[1:])]
+            # v2: "step 1" -> "last step" spans steps - 2 steps; v3: "step 1" -> "loop done", steps - 1
+            middle = deltas[2] / max(steps - (1 if p.get("overlap") else 2), 1)
             print(f"{m}x{n}x{k} {v} splits {splits} ({blocks} blocks, {steps} steps): kernel {t['gemm']:.1f} us; "
                   "median cycles " + ", ".join(f"{nm} {d:.0f}" for nm, d in zip(names, deltas))
-                  + f"; per middle step {deltas[2] / max(steps - 2, 1):.0f}", flush=True)
+                  + f"; per middle step {middle:.0f}", flush=True)
             rows.append(dict(m=m, n=n, k=k, variant=v, splits=splits, kernel_us=t["gemm"], events=list(events),
                              median_cycles=dict(zip(names, deltas))))
     if out_dir:
@@ -164,7 +173,7 @@ def main(argv=None):
                 for smem in (140 << 10, 210 << 10)}
         print(f"clusters the GPU runs at once, of {GRID_THREADS}-thread blocks (cluster, smem bytes): {room}", flush=True)
     if args.trace:
-        return trace(args.out, [v for v in args.variants.split(",") if v in ("v2", "v2-cluster")])
+        return trace(args.out, [v for v in args.variants.split(",") if v in TRACEABLE])
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]

@@ -70,8 +70,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     would: its own partial from registers, the others' from Part, added in split order. No second
     kernel and 1/splits fewer partial stores, with the same bits.
 
-    trace=True (the v2 loop, splits == 1 or fold=False; bench.prof_gemm): the SM clock when block b's
-    first thread reaches each of TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits).
+    trace=True (fold=False; bench.prof_gemm): the SM clock when block b's first thread reaches each of
+    TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits). The v3 loop stamps V3_TRACE_EVENTS (its
+    bursts have no single "last step").
 
     mode "sorted": MIdx is the (items, 3) work list; block (item, tn) computes the block_m rows from
     the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
@@ -90,8 +91,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
-    if trace and (fold or overlap):
-        raise ValueError("trace=True stamps the v2 loop's block into Count: not with fold or overlap")
+    if trace and fold:
+        raise ValueError("trace=True stamps a block's events into Count: not with fold=True, whose arrivals it holds")
     if fold and (splits == 1 or overlap):
         raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
                          f"overlap=False, got splits={splits}, overlap={overlap}")
@@ -184,8 +185,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     for i in tile.parallel(mine):
                         _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1), k0,
                                      kb, tn, block_n)
-            if trace:
+            if trace and not overlap:                        # (mma_promoted_loop marks v3's)
                 _stamp(Count, bid, "prologue done")
+            mark = (lambda event: _stamp(Count, bid, event)) if trace else None
 
             if overlap:
                 where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
@@ -196,12 +198,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                 scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
-                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, None)) if cluster
-                         else (lambda: _store(acc, where, mine, mode, splits, out_dtype, block_n)))
+                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)) if cluster
+                         else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
                                        epilogue=store, prologue=lambda: _stage_scales(scales, mine, per),
-                                       share_a=2 if multicast else 1)
+                                       share_a=2 if multicast else 1, mark=mark)
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -271,6 +273,10 @@ def _load_scales(sa, sb, i, SFA, SFB, masked, g, r, kk, kb, tn, block_n):
 # landed and been multiplied and folded; "last step": its start; "stored": the partials (or C) issued;
 # "folded" (cluster=True only): past the cluster barrier, the block's slice of C issued
 TRACE_EVENTS = ("entry", "prologue done", "step 1", "last step", "loop done", "stored", "folded")
+# v3 (mma_promoted_loop): "prologue done" once the MMA warpgroups have staged the scales; "step 1"
+# once block 0's fold is issued (its tiles landed, its MMA done, block 1's in flight); "loop done"
+# after the last fold (the drain included)
+V3_TRACE_EVENTS = ("entry", "prologue done", "step 1", "loop done", "stored", "folded")
 
 
 def _stamp(count, bid, event):
@@ -323,6 +329,13 @@ def _store(acc, where, mine, mode, splits, out_dtype, block_n):
                         C[g, r, tn * block_n + j] = value
                     else:
                         C[r, tn * block_n + j] = value
+
+
+@T.macro
+def _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark):
+    _store(acc, where, mine, mode, splits, out_dtype, block_n)
+    if mark is not None:
+        mark("stored")
 
 
 @T.macro

@@ -222,8 +222,11 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     with pytest.raises(NoRuleError, match="last_arrival"):
         fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, fold=True)
 
-    # trace=True: six SM-clock stamps a block into Count (bench.prof_gemm --trace), the v2 loop only
+    # trace=True: six SM-clock stamps a block into Count (bench.prof_gemm --trace) in the v2 loop; the
+    # v3 loop stamps five events, "step 1" in the main burst and each of the three tails
     assert fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, trace=True).count("clock()") == 6
+    v3 = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=True, stages=6, trace=True)
+    assert v3.count("clock()") == 8 and v3.count("* (int64_t)8) + (int64_t)2)] = clock()") == 4
     with pytest.raises(ValueError, match="trace=True"):
         fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, fold=True, trace=True)
 

@@ -138,10 +138,10 @@ def scale_factors(scale_of):
 
 @register("mma_promoted_loop", "*")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1):
+                      share_a=1, mark=None):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
     # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
-    # loads its own here
+    # loads its own here. mark (a trace's stamps): sm_90a's rule only
     if prologue is not None:
         prologue()                      # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]

@@ -144,15 +144,27 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a = io
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark = io
     parts = (ping, pong)
     _issue(a_s, b_s, full, ping, first, stages, policy)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
         _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps,
                      share_a)
+        if j == 1:
+            _mark_first(first, mark)
     _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps,
                  share_a)
+    if count == 1:
+        _mark_first(first, mark)
+
+
+@T.macro
+def _mark_first(first, mark):
+    # trace: "step 1" once block 0's fold is issued (bench.prof_gemm --trace)
+    if mark is not None:
+        if first == 0:
+            mark("step 1")
 
 
 @T.macro
@@ -200,7 +212,7 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1):
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue, ahead, share_a):
+                regs, policy, epilogue, prologue, ahead, share_a, mark):
     if share_a > 1:
         # both blocks' barriers initialized before either producer multicasts into the other's
         # shared memory or an MMA thread arrives on the other's empty barriers
@@ -217,13 +229,17 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
             # their shared-memory writes are done before any thread of theirs reads them
             prologue()
             T.sync_threads(PROLOGUE_BAR, consumers)
+        if mark is not None:
+            mark("prologue done")
         if steps > 0:
             _prefetch(ahead, scale_of, 0)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
         in_bursts(steps, _burst, io)
+        if mark is not None:
+            mark("loop done")
         epilogue()
         if share_a > 1:
             # neither block exits while the other may still arrive on its barriers (the producers
@@ -233,9 +249,10 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
 
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1):
+                      share_a=1, mark=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
-    # share_a = 2, as clusters of two blocks with the same A tiles)
+    # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
+    # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps)
     consumers = state()["threads"] - PRODUCER
     if share_a not in (1, 2):
         raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
@@ -257,4 +274,4 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
     _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a)
+                regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a, mark)
