@@ -15,18 +15,33 @@ export TILECRAFT_CACHE_DIR=${TILECRAFT_CACHE_DIR:-/tmp/tc-cache}
 start=$(date +%s)
 deadline=$((start + ${DEADLINE:-540}))
 left() { echo $((deadline - $(date +%s))); }
-# Test groups, one process each: "file" or "file:pytest -k expression" ('+' for a space).
-TESTS=${TESTS:-"tests/test_rms_norm.py tests/test_gemm_fp8.py tests/test_moe_route.py tests/test_moe_dispatch.py
-  tests/test_topk_select.py tests/test_tile_words.py tests/test_runtime.py
-  tests/test_mla_decode.py:not+(hypothesis+or+fp8) tests/test_mla_decode.py:hypothesis+or+fp8"}
+# Test groups, one process each: "file" or "file:pytest -k expression" ('+' for a space); "file@N"
+# (with or without ":expression") splits the file's selected GPU tests round-robin over N processes,
+# so that the host compiles their kernels N at a time (one process compiles one kernel at a time).
+TESTS=${TESTS:-"tests/test_rms_norm.py tests/test_gemm_fp8.py@6 tests/test_moe_route.py tests/test_moe_dispatch.py
+  tests/test_topk_select.py@3 tests/test_tile_words.py tests/test_runtime.py@3
+  tests/test_mla_decode.py@2:not+(hypothesis+or+fp8) tests/test_mla_decode.py:hypothesis+or+fp8"}
 
 if [[ "${1:-tests}" == tests ]]; then
   budget=${TEST_BUDGET:-$(( $(left) * 2 / 3 ))}
   i=0
   for t in $TESTS; do
-    f=${t%%:*}; k=${t#"$f"}; k=${k#:}; k=${k//+/ }; i=$((i + 1))
-    n=$(basename "$f" .py)-$i
-    timeout "$budget" python3 -m pytest -v -m gpu -p no:cacheprovider "$f" ${k:+-k "$k"} > "$out/$n.log" 2>&1 &
+    spec=${t%%:*}; k=${t#"$spec"}; k=${k#:}; k=${k//+/ }
+    f=${spec%@*}; shards=1; [[ "$spec" == *@* ]] && shards=${spec##*@}
+    if (( shards > 1 )); then
+      mapfile -t ids < <(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "$f" ${k:+-k "$k"} 2>/dev/null \
+                         | grep "::")
+      for ((s = 0; s < shards; s++)); do
+        group=()
+        for ((j = s; j < ${#ids[@]}; j += shards)); do group+=("${ids[j]}"); done
+        (( ${#group[@]} )) || continue
+        i=$((i + 1)); n=$(basename "$f" .py)-$i
+        timeout "$budget" python3 -m pytest -v -m gpu -p no:cacheprovider "${group[@]}" > "$out/$n.log" 2>&1 &
+      done
+    else
+      i=$((i + 1)); n=$(basename "$f" .py)-$i
+      timeout "$budget" python3 -m pytest -v -m gpu -p no:cacheprovider "$f" ${k:+-k "$k"} > "$out/$n.log" 2>&1 &
+    fi
   done
   wait
   for f in "$out"/test_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
