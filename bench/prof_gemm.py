@@ -28,15 +28,17 @@ import ops
 from bench.suites.gemm import DECODE_NK
 from bench.timing import L2_FLUSH_BYTES, bench_cuda
 from backends.cuda.device import max_active_clusters
-from ops.gemm_fp8 import (GRID_THREADS, TRACE_EVENTS, V3_TRACE_EVENTS, _launch, fp8_gemm_program, fp8_gemm_reduce_program,
-                          plan)
+from ops.gemm_fp8 import (GRID_THREADS, TRACE_EVENTS, V3_TRACE_EVENTS, _fit_exchange, _launch, fp8_gemm_program,
+                          fp8_gemm_reduce_program, plan)
 
 REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
 VARIANTS = {"v2": dict(overlap=False, fold=False, cluster=False), "v2-fold": dict(overlap=False, fold=True, cluster=False),
             "v3": dict(overlap=True, fold=False, cluster=False),
             "v2-cluster": dict(overlap=False, fold=False, cluster=True),
-            "v3-cluster": dict(overlap=True, fold=False, cluster=True)}
+            "v3-cluster": dict(overlap=True, fold=False, cluster=True),
+            # 2 splits of half-width tiles, the pair's partials exchanged in distributed shared memory
+            "v3-dsmem": dict(overlap=True, fold=False, cluster=True, cluster_smem=True)}
 
 
 def _plan(m, n, k, variant, **override):
@@ -44,6 +46,13 @@ def _plan(m, n, k, variant, **override):
     apply (a fold without splits)."""
     v = VARIANTS[variant]
     p = {**plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132, overlap=v["overlap"]), **override}
+    if v.get("cluster_smem"):
+        # 2 splits of the widest tiles whose 2 x tiles blocks fit in one wave (half-width ones first)
+        for block_n in (64, 128):
+            if n % block_n == 0 and -(-m // p["block_m"]) * (n // block_n) * 2 <= 132 and k // 128 >= 4:
+                return _fit_exchange({**p, "block_n": block_n, "splits": 2, "fold": False, "cluster": True,
+                                      "cluster_smem": True}, k)
+        return None
     if (v["fold"] or v["cluster"]) and p["splits"] == 1:
         return None
     return {**p, "fold": v["fold"], "cluster": v["cluster"]}
@@ -77,6 +86,11 @@ def _operands(m, n, k):
     qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g).cuda())
     aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
     return (qa, sfa, qb[None], sfb[None], *aux), torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+
+def _tiles(variant, p):
+    """The plan keys a variant overrides beyond its flags (v3-dsmem: half-width tiles, 2 splits)."""
+    return {"block_n": p["block_n"], "splits": p["splits"]} if VARIANTS[variant].get("cluster_smem") else {}
 
 
 def _inputs(m, n, k):
@@ -114,7 +128,7 @@ def kernel_times(fn, reps=REPS):
 TRACE_CASES = [(128, 4096, 2048, 4), (128, 4096, 7168, 4), (128, 7168, 16384, 2)]
 
 
-TRACEABLE = ("v2", "v2-cluster", "v3", "v3-cluster")
+TRACEABLE = ("v2", "v2-cluster", "v3", "v3-cluster", "v3-dsmem")
 
 
 def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
@@ -123,10 +137,14 @@ def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
     with the reduce kernel, -cluster with the fold in the cluster and its "folded" event; v3 stamps
     V3_TRACE_EVENTS: its bursts have no single "last step")."""
     rows = []
-    for m, n, k, splits in TRACE_CASES:
+    for m, n, k, case_splits in TRACE_CASES:
         for v in variants:
-            p = {**_plan(m, n, k, v, splits=splits), "trace": True}
+            p = _plan(m, n, k, v, splits=case_splits)
+            if p is None:
+                continue
+            p = {**p, "trace": True}
             p.pop("fold")
+            splits = p["splits"]                                  # (v3-dsmem plans its own)
             events = V3_TRACE_EVENTS if p.get("overlap") else TRACE_EVENTS
             events = events if p["cluster"] else events[:-1]
             at = [TRACE_EVENTS.index(e) for e in events]          # their slots in a block's 8 stamps
@@ -177,7 +195,8 @@ def main(argv=None):
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]
-    plans += [(4096, k, _plan(128, 4096, k, v, splits=4)) for k in SWEEP_K for v in variants]
+    swept = [v for v in variants if not VARIANTS[v].get("cluster_smem")]     # (2 splits only)
+    plans += [(4096, k, _plan(128, 4096, k, v, splits=4)) for k in SWEEP_K for v in swept]
     warm([(n, k, dict(p)) for n, k, p in sorted({(n, k, tuple(sorted(p.items()))) for n, k, p in plans if p})])
     if args.warm_only:
         return
@@ -190,14 +209,14 @@ def main(argv=None):
                 pl = _plan(m, n, k, v)
                 if pl is None:
                     continue
-                fn = lambda v=v: run(**VARIANTS[v])  # noqa: E731
+                fn = lambda v=v, pl=pl: run(**VARIANTS[v], **_tiles(v, pl))  # noqa: E731
                 eager = bench_cuda(fn)["median_ms"] * 1e3
                 t = kernel_times(fn)
                 rows.append(dict(m=m, n=n, k=k, variant=v, plan=pl, eager_us=eager, **t))
                 print(f"{m:4d}x{n:5d}x{k:5d}  {v:7s} n{pl['block_n']}/s{pl['splits']}/st{pl['stages']:<2d}"
                       f"   {eager:6.1f} {fmt(t['gemm'])} {fmt(t['reduce'])} {fmt(t['gap'])} {fmt(t['span'])}", flush=True)
     print("\nGEMM kernel alone vs K (m=128, n=4096, 4 splits = 128 blocks):")
-    for v in variants:
+    for v in swept:
         pts = []
         for k in SWEEP_K:
             run = _inputs(128, 4096, k)

@@ -53,7 +53,7 @@ ALIGN_N, ALIGN_K = 64, 128
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
-                     multicast: bool = False):
+                     multicast: bool = False, cluster_smem: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -69,6 +69,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     ts writes columns [ts * w, (ts + 1) * w) of the tile (w = block_n / splits) as the reduce kernel
     would: its own partial from registers, the others' from Part, added in split order. No second
     kernel and 1/splits fewer partial stores, with the same bits.
+
+    cluster_smem=True (with cluster=True, 2 splits): the pair exchanges the partials through
+    distributed shared memory instead of Part: each block stores the other's column half into that
+    block's `recv` buffer (tile.cluster_store), one cluster barrier, then each adds its own partial
+    and the received one (P0 + P1: the reduce kernel's bits) and stores C. No partials in global
+    memory, no second kernel (bench/NOTES.md "GEMM v6", the decode split-K count).
 
     trace=True (fold=False; bench.prof_gemm): the SM clock when block b's first thread reaches each of
     TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits). The v3 loop stamps V3_TRACE_EVENTS (its
@@ -100,6 +106,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         raise ValueError(f"cluster=True folds split-K partials in a cluster of the splits: it needs splits of 2, 4 "
                          f"or 8 dividing block_n into 8-column slices and fold=False, got splits={splits}, "
                          f"block_n={block_n}, fold={fold}")
+    if cluster_smem and (not cluster or splits != 2):
+        raise ValueError(f"cluster_smem=True exchanges the partials of a cluster of 2 splits: it needs cluster=True "
+                         f"and splits=2, got cluster={cluster}, splits={splits}")
     if multicast and (not overlap or splits > 1 or cluster or mode == "sorted" or (n // block_n) % 2):
         raise ValueError(f"multicast=True shares A between two n tiles in the v3 loop: it needs overlap=True, "
                          f"splits=1, an even number of n tiles and a layout other than sorted, got overlap={overlap}, "
@@ -138,6 +147,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
         with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else (2 if multicast else 1)) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+            if cluster_smem:
+                recv = tile.stage((block_m, block_n // 2), "float32")   # the other block's partial half
+                tile.cluster_barrier()            # both blocks started before either stores into the other
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
             mine, first = tile.split_rows(block_m)
@@ -198,7 +210,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                 scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
-                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)) if cluster
+                store = ((lambda: _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark)) if cluster_smem
+                         else (lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)) if cluster
                          else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
@@ -226,9 +239,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 if trace:
                     _stamp(Count, bid, "loop done")
                 where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
-                if cluster:
-                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n,
-                                  (lambda event: _stamp(Count, bid, event)) if trace else None)
+                if cluster_smem:
+                    _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark)
+                elif cluster:
+                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)
                 else:
                     _store(acc, where, mine, mode, splits, out_dtype, block_n)
                     if trace:
@@ -336,6 +350,31 @@ def _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark):
     _store(acc, where, mine, mode, splits, out_dtype, block_n)
     if mark is not None:
         mark("stored")
+
+
+@T.macro
+def _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark):
+    """Split-K (2 splits) folded in the tile's cluster through distributed shared memory
+    (cluster_smem=True): block ts stores the columns of the other block's half of the tile into that
+    block's recv, both meet at the cluster barrier, then block ts writes its half of C as
+    cast(P0 + P1): its own partial from registers, the other from recv (addition of two values is
+    commutative, so acc + recv has the reduce kernel's bits in either block)."""
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    width = block_n // 2
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            if j // width != ts:           # rows past the end too: never read
+                tile.cluster_store(recv[first + i, j % width], 1 - ts, acc[i, j])
+    if mark is not None:
+        mark("stored")
+    tile.cluster_barrier()
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height and j // width == ts:
+                C[r, tn * block_n + j] = T.cast(acc[i, j] + recv[first + i, j % width], out_dtype)
+    if mark is not None:
+        mark("folded")
 
 
 @T.macro
@@ -523,9 +562,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         # a grid under half the GPU whose K is too short to split: twice the blocks instead (H200,
         # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
         block_n = 64
-    per = -(-kb // splits)
-    fixed = kb * 4 + block_m * per * 4
-    stage_bytes = (block_m + block_n) * GROUP
+    fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(OVERLAP_STAGES if overlap else 4, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
@@ -540,6 +577,20 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         if room is not None and room >= tiles:
             p["cluster"] = True
     return p
+
+
+def _smem_layout(block_m: int, block_n: int, kb: int, splits: int) -> tuple[int, int]:
+    """(bytes a block stages once: sfb and its rows' sfa; bytes per pipeline stage: the A and B tiles)."""
+    per = -(-kb // splits)
+    return kb * 4 + block_m * per * 4, (block_m + block_n) * GROUP
+
+
+def _fit_exchange(p: dict, k: int) -> dict:
+    """A cluster_smem plan also holds the received half partial (block_m x block_n / 2 fp32) in shared
+    memory: as many stages as still fit."""
+    fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], k // GROUP, p["splits"])
+    fixed += p["block_m"] * p["block_n"] // 2 * 4
+    return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
 
 
 def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> int:
@@ -590,6 +641,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         if "cluster" not in override and {"splits", "block_n", "stages"} & override.keys():
             p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
         p.update(override)
+        if p.get("cluster_smem"):
+            p = _fit_exchange(p, k)
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]

@@ -568,6 +568,29 @@ def test_gpu_grouped_layouts_v2(monkeypatch):
     test_gpu_grouped_layouts()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_smem_fold_exchanges_partials_in_distributed_shared_memory(overlap):
+    """cluster_smem=True: no partial goes through global memory (Part is never indexed), each block
+    stores the other's half with tile.cluster_store (a generic store through a mapped pointer) between
+    two cluster barriers (start, fold); it builds for sm_90a with no spills; only 2 splits."""
+    from backends import ToolchainError
+    from backends.cuda.sass import disassemble
+
+    params = dict(n=4096, k=7168, block_m=128, block_n=64, splits=2, stages=4, overlap=overlap, cluster=True)
+    src = fp8_gemm_program.source("sm_90a", cluster_smem=True, **params)
+    assert "Part" not in src and src.count("tc_cluster_store_f32(") == 2      # the helper and its one call
+    assert src.count("__cluster_barrier_wait()") == 2
+    assert "Part" in fp8_gemm_program.source("sm_90a", **params)              # the global-memory fold
+    try:
+        cubin, log = _build_with_ptxas_log(src)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    sass = disassemble(cubin)
+    assert "UCGABAR_WAIT" in sass and "0 bytes spill stores, 0 bytes spill loads" in log
+    with pytest.raises(ValueError, match="cluster_smem=True"):
+        fp8_gemm_program.source("sm_90a", cluster_smem=True, **{**params, "splits": 4})
+
+
 @pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
 def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
     """multicast=True: rank 0 of each cluster of two multicasts A (UTMALDG...MULTICAST in SASS), each
@@ -875,6 +898,30 @@ def test_gpu_split_k_cluster_fold_matches_the_reduce_kernel(m, n, k, splits, ove
     ref, launch = _split_k_runner(m, n, k, splits)
     run = lambda cluster, out=None: launch(out, overlap=overlap, cluster=cluster)  # noqa: E731
 
+    reduced = run(False).cpu()
+    for _ in range(3):
+        assert torch.equal(run(True).cpu(), reduced)
+    assert calc_diff(reduced, ref) < 1e-3
+    assert_elementwise(reduced, ref)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(True, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reduced)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,block_n,overlap", [(1, 2112, 2048, 64, False), (77, 256, 2048, 128, True),
+                                                   (128, 4096, 7168, 64, True), (128, 4096, 7168, 64, False),
+                                                   (200, 512, 1536, 128, True), (64, 7168, 16384, 128, True)])
+def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overlap):
+    """2 splits folded through distributed shared memory (cluster_smem=True): the reduce kernel's
+    bits, run after run and inside a CUDA graph; m tails and half-width tiles included."""
+    ref, launch = _split_k_runner(m, n, k, 2)
+    run = lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n, cluster=smem,  # noqa: E731
+                                        cluster_smem=smem)
     reduced = run(False).cpu()
     for _ in range(3):
         assert torch.equal(run(True).cpu(), reduced)

@@ -85,6 +85,24 @@ def last_arrival(count, index, arrivals):
     return last[0]
 
 
+# tc_cluster_store_f32(local, rank, v): *local, in block `rank` of the cluster, = v
+CLUSTER_STORE_SOURCE = r"""
+__device__ __forceinline__ void tc_cluster_store_f32(float* local, unsigned rank, float v) {
+  *static_cast<float*>(__cluster_map_shared_rank(static_cast<void*>(local), rank)) = v;
+}
+"""
+
+
+@register("cluster_store", "cuda")
+def cluster_store(dst, rank, value):
+    if dst.buffer.dtype != "float32" or dst.buffer.scope() not in ("shared", "shared.dyn"):
+        raise TypeError(f"cluster_store writes fp32 shared memory, got {dst.buffer.dtype} in {dst.buffer.scope()}")
+    if not state().get("cluster_store_source"):        # the helper, once per program
+        T.import_source(CLUSTER_STORE_SOURCE)
+        state()["cluster_store_source"] = True
+    emit(T.call_extern("handle", "tc_cluster_store_f32", T.address_of(dst), rank, value))
+
+
 @register("cluster_barrier", "cuda")
 def cluster_barrier():
     # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
