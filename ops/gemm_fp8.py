@@ -147,8 +147,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
         with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else (2 if multicast else 1)) as bid:
             tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+            recv = None                           # cluster_smem: the other block's partial half
             if cluster_smem:
-                recv = tile.stage((block_m, block_n // 2), "float32")   # the other block's partial half
+                recv = tile.stage((block_m, block_n // 2), "float32")
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
@@ -210,8 +211,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                 scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
-                store = ((lambda: _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark)) if cluster_smem
-                         else (lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)) if cluster
+                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)) if cluster
                          else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
@@ -239,10 +239,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 if trace:
                     _stamp(Count, bid, "loop done")
                 where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
-                if cluster_smem:
-                    _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark)
-                elif cluster:
-                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark)
+                if cluster:
+                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)
                 else:
                     _store(acc, where, mine, mode, splits, out_dtype, block_n)
                     if trace:
@@ -353,43 +351,23 @@ def _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark):
 
 
 @T.macro
-def _cluster_fold_smem(acc, where, mine, out_dtype, block_n, recv, mark):
-    """Split-K (2 splits) folded in the tile's cluster through distributed shared memory
-    (cluster_smem=True): block ts stores the columns of the other block's half of the tile into that
-    block's recv, both meet at the cluster barrier, then block ts writes its half of C as
-    cast(P0 + P1): its own partial from registers, the other from recv (addition of two values is
-    commutative, so acc + recv has the reduce kernel's bits in either block)."""
-    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
-    width = block_n // 2
-    with tile.vector():
-        for i, j in tile.parallel(mine, block_n):
-            if j // width != ts:           # rows past the end too: never read
-                tile.cluster_store(recv[first + i, j % width], 1 - ts, acc[i, j])
-    if mark is not None:
-        mark("stored")
-    tile.cluster_barrier()
-    with tile.vector():
-        for i, j in tile.parallel(mine, block_n):
-            r = row0 + first + i
-            if r < height and j // width == ts:
-                C[r, tn * block_n + j] = T.cast(acc[i, j] + recv[first + i, j % width], out_dtype)
-    if mark is not None:
-        mark("folded")
-
-
-@T.macro
-def _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark):
+def _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv=None):
     """Split-K folded in the tile's cluster (cluster=True): partials of the other blocks' column slices
-    into Part, the cluster barrier, then this block's slice of C = cast(((P0 + P1) + ...) in split
-    order) with its own partial read from registers. Column slices: every thread of the WGMMA
-    layout holds columns of each slice, so all of them work on both halves."""
+    to their owners, the cluster barrier, then this block's slice of C = cast(((P0 + P1) + ...) in
+    split order) with its own partial read from registers. Column slices: every thread of the WGMMA
+    layout holds columns of each slice, so all of them work on both halves.
+    The partials go through Part in global memory, or (recv, cluster_smem=True, 2 splits) straight
+    into the owner's recv in distributed shared memory (tile.cluster_store)."""
     C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
     width = block_n // splits
     with tile.vector():
         for i, j in tile.parallel(mine, block_n):
             r = row0 + first + i
             if r < height and j // width != ts:
-                Part[ts, r, tn * block_n + j] = acc[i, j]
+                if recv is None:
+                    Part[ts, r, tn * block_n + j] = acc[i, j]
+                else:
+                    tile.cluster_store(recv[first + i, j % width], j // width, acc[i, j])
     if mark is not None:
         mark("stored")
     tile.cluster_barrier()
@@ -397,7 +375,9 @@ def _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark):
         for i, j in tile.parallel(mine, block_n):
             r = row0 + first + i
             if r < height and j // width == ts:
-                C[r, tn * block_n + j] = T.cast(_in_order([T.if_then_else(ts == s, acc[i, j], Part[s, r, tn * block_n + j])
+                theirs = [Part[s, r, tn * block_n + j] if recv is None else recv[first + i, j % width]
+                          for s in range(splits)]
+                C[r, tn * block_n + j] = T.cast(_in_order([T.if_then_else(ts == s, acc[i, j], theirs[s])
                                                            for s in range(splits)]), out_dtype)
     if mark is not None:
         mark("folded")

@@ -433,6 +433,18 @@ def _build_with_ptxas_log(src: str, arch: str = "sm_90a"):
         return out.read_bytes(), proc.stdout + proc.stderr
 
 
+def _sass_and_ptxas_log(src: str):
+    """(SASS text, ptxas -v output) of a sm_90a source; the test skips where the CUDA 13 tools are missing."""
+    from backends import ToolchainError
+    from backends.cuda.sass import disassemble
+
+    try:
+        cubin, log = _build_with_ptxas_log(src)
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    return disassemble(cubin), log
+
+
 def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
     """The instructions of the smallest range closed by a predicated backward branch that holds an
     `mma` instruction: the MMA warpgroups' K loop (the mbarrier retry trampolines after the kernel's
@@ -573,19 +585,12 @@ def test_smem_fold_exchanges_partials_in_distributed_shared_memory(overlap):
     """cluster_smem=True: no partial goes through global memory (Part is never indexed), each block
     stores the other's half with tile.cluster_store (a generic store through a mapped pointer) between
     two cluster barriers (start, fold); it builds for sm_90a with no spills; only 2 splits."""
-    from backends import ToolchainError
-    from backends.cuda.sass import disassemble
-
     params = dict(n=4096, k=7168, block_m=128, block_n=64, splits=2, stages=4, overlap=overlap, cluster=True)
     src = fp8_gemm_program.source("sm_90a", cluster_smem=True, **params)
     assert "Part" not in src and src.count("tc_cluster_store_f32(") == 2      # the helper and its one call
     assert src.count("__cluster_barrier_wait()") == 2
     assert "Part" in fp8_gemm_program.source("sm_90a", **params)              # the global-memory fold
-    try:
-        cubin, log = _build_with_ptxas_log(src)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    sass = disassemble(cubin)
+    sass, log = _sass_and_ptxas_log(src)
     assert "UCGABAR_WAIT" in sass and "0 bytes spill stores, 0 bytes spill loads" in log
     with pytest.raises(ValueError, match="cluster_smem=True"):
         fp8_gemm_program.source("sm_90a", cluster_smem=True, **{**params, "splits": 4})
@@ -595,16 +600,9 @@ def test_smem_fold_exchanges_partials_in_distributed_shared_memory(overlap):
 def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
     """multicast=True: rank 0 of each cluster of two multicasts A (UTMALDG...MULTICAST in SASS), each
     warp's lane 0 arrives on the other block's empty barrier, within the register budget, no spills."""
-    from backends import ToolchainError
-    from backends.cuda.sass import disassemble
-
     src = fp8_gemm_program.source("sm_90a", n=512, k=1024, mode=mode, overlap=True, stages=4, multicast=True)
     assert "tma_load_multicast" in src and "block_rank_in_cluster() ^ 1" in src
-    try:
-        cubin, log = _build_with_ptxas_log(src)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    sass = disassemble(cubin)
+    sass, log = _sass_and_ptxas_log(src)
     assert "UTMALDG.2D.MULTICAST" in sass or "UTMALDG.3D.MULTICAST" in sass
     assert "0 bytes spill stores, 0 bytes spill loads" in log and "C7514" not in log
     with pytest.raises(ValueError, match="even number of n tiles"):
@@ -896,8 +894,12 @@ def test_gpu_split_k_cluster_fold_matches_the_reduce_kernel(m, n, k, splits, ove
     """The fold in the cluster gives the reduce kernel's bits (same loop, same splits), run after
     run and inside a CUDA graph; m tails, 16-column slices (block_n 64 or 8 splits) included."""
     ref, launch = _split_k_runner(m, n, k, splits)
-    run = lambda cluster, out=None: launch(out, overlap=overlap, cluster=cluster)  # noqa: E731
+    _assert_fold_is_the_reduce(ref, m, n, lambda cluster, out=None: launch(out, overlap=overlap, cluster=cluster))
 
+
+def _assert_fold_is_the_reduce(ref, m, n, run):
+    """run(fold, out=None) -> the bf16 result with the fold (True) or the reduce kernel (False): the
+    fold's bits equal the reduce kernel's run after run and inside a CUDA graph, within bounds."""
     reduced = run(False).cpu()
     for _ in range(3):
         assert torch.equal(run(True).cpu(), reduced)
@@ -920,20 +922,8 @@ def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overl
     """2 splits folded through distributed shared memory (cluster_smem=True): the reduce kernel's
     bits, run after run and inside a CUDA graph; m tails and half-width tiles included."""
     ref, launch = _split_k_runner(m, n, k, 2)
-    run = lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n, cluster=smem,  # noqa: E731
-                                        cluster_smem=smem)
-    reduced = run(False).cpu()
-    for _ in range(3):
-        assert torch.equal(run(True).cpu(), reduced)
-    assert calc_diff(reduced, ref) < 1e-3
-    assert_elementwise(reduced, ref)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(True, out)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), reduced)
+    _assert_fold_is_the_reduce(ref, m, n, lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n,
+                                                                         cluster=smem, cluster_smem=smem))
 
 
 @pytest.mark.gpu
