@@ -98,10 +98,16 @@ class RawValue:
     """How attention_loop makes operand part `part`'s element (i, j) from raw staging:
     combine(part, [load(i, j, read) for load in loads(part)]), read(raw_part, i, j) reading the staged
     raw bytes. Split in two so that a target may read every raw element of a step into registers
-    first and free the staging before it computes (sm_90a's stage_raw); calling it does both."""
+    first and free the staging before it computes (sm_90a's stage_raw); calling it does both.
+
+    row_scales: None, or (count, scale, part_scale): part p's row i is further multiplied by
+    scale(part_scale[p], i, read) (float32; part_scale[p] None: not scaled), one of `count` per-row
+    scales. A target may fold them into the MMAs instead of the values (sm_90a swapped: into the
+    scores and into one scaled copy of P per value part), so combine() can stay an exact conversion."""
 
     loads: Any      # part -> [(i, j, read) -> raw expression]
-    combine: Any    # (part, [values, one per load]) -> the operand element
+    combine: Any    # (part, [values, one per load]) -> the operand element (before any row scale)
+    row_scales: Any = None
 
     def __call__(self, part, i, j, read):
         return self.combine(part, [load(i, j, read) for load in self.loads(part)])

@@ -304,6 +304,9 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if swapped or raw_rows is not None or stage_raw or direct is not None:
         raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=) is lowered on "
                          "cuda:sm_90a only")
+    if getattr(value, "row_scales", None) is not None:
+        raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "
+                         "with swapped=True only")
     block_m, block_n = q[0].shape[0], kv[0][0]
     # the count in registers: the zeroing that reads it then lands in the MMA warps, after the copy
     # (a count computed from a global read is given to the producer warps, before the data lands)

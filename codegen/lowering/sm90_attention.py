@@ -98,24 +98,60 @@ def _pv(p_s, v, slot, acc):
          T.wait_wgmma(0))
 
 
-def _scores_t(q, kv, slot, acc_st):
-    # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N
+def _scores_t(q, kv, slot, acc_st, fold=None):
+    # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N. fold (_Fold): the parts with a
+    # row scale go to their scale's own accumulator, all issued before the one wait, then
+    # S^T += sum_b acc_b * scale_b (per token: the rows of S^T)
+    if fold is None:
+        for p, (qt, kt) in enumerate(zip(q, kv)):
+            emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+        emit(T.wait_wgmma(0))
+        return
+    cleared = set()
     for p, (qt, kt) in enumerate(zip(q, kv)):
-        emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+        b = fold.part_scale[p]
+        acc = acc_st if b is None else fold.acc[b]
+        emit(T.wgmma_gemm(kt[slot, :, :], qt, acc, transpose_B=True, clear_accum=b not in cleared, policy=FULL_ROW))
+        cleared.add(b)
     emit(T.wait_wgmma(0))
+    _fold_scores(acc_st, fold.acc, fold.ss, slot, None in cleared)
 
 
-def _pv_t(p_s, v, slot, acc_t):
-    # O^T += V^T P^T: V^T from the cache tile (MN-major A), P (rows x tokens) as a K-major B
-    emit(T.wgmma_gemm(v[slot, :, :], p_s, acc_t, transpose_A=True, transpose_B=True, clear_accum=False,
-                      policy=FULL_ROW),
-         T.wait_wgmma(0))
+@T.macro
+def _fold_scores(acc_st, acc, ss, slot, has_plain):
+    for i, j in T.Parallel(acc_st.shape[0], acc_st.shape[1]):
+        if has_plain:
+            acc_st[i, j] += _scaled_sum(acc, ss, slot, i, j)
+        else:
+            acc_st[i, j] = _scaled_sum(acc, ss, slot, i, j)
+
+
+def _scaled_sum(acc, ss, slot, i, j):
+    # sum_b acc[b][i, j] * ss[slot, i, b]: token i's partial scores, each times its row scale
+    total = acc[0][i, j] * ss[slot, i, 0]
+    for b in range(1, len(acc)):
+        total = total + acc[b][i, j] * ss[slot, i, b]
+    return total
+
+
+def _pv_t(p_tiles, v, slot, outs):
+    # O^T += V^T P^T for each value part: V^T from the cache tile (MN-major A), P (rows x tokens, the
+    # part's own copy when the parts carry row scales) as a K-major B; one wait for all
+    for p_t, vt, acc_t in zip(p_tiles, v, outs):
+        emit(T.wgmma_gemm(vt[slot, :, :], p_t, acc_t, transpose_A=True, transpose_B=True, clear_accum=False,
+                          policy=FULL_ROW))
+    emit(T.wait_wgmma(0))
 
 
 @T.macro
 def _scale_cols(acc_t, scale_s):
     for i, j in T.Parallel(acc_t.shape[0], acc_t.shape[1]):
         acc_t[i, j] *= scale_s[j]
+
+
+def _scale_cols_all(outs, scale_s):
+    for acc_t in outs:
+        _scale_cols(acc_t, scale_s)
 
 
 def _zero_rows(kv, v_parts, slot, valid):
@@ -255,6 +291,20 @@ class _Chunked:
     pieces: int
     direct: Any         # None, or k -> copies of operand parts loaded without conversion
     stage_raw: bool
+    fold: Any = None    # None, or the _Fold whose row scales the converters also store
+
+
+@dataclass(frozen=True)
+class _Fold:
+    """Row scales folded into the MMAs (swapped, a tile.RawValue with row_scales): the converters
+    store each step's scales, WG0 applies them to the partial scores and to one copy of P per value
+    part; the converted operand tiles hold the unscaled values."""
+
+    ss: Any             # (stages, block_n, count) float32: step k's row scales in slot k % stages
+    scale: Any          # (b, i, read) -> row i's scale b, read from raw staging
+    part_scale: tuple   # kv part -> its scale index, or None
+    acc: Any            # WG0's partial score accumulators, one per scale (block_n x block_m)
+    p_parts: Any        # value part -> its copy of P (block_m x block_n), times that part's scale
 
 
 @T.macro
@@ -340,9 +390,11 @@ def _convert_share(steps, k, h, ck, kv, empty, stages, vals, stg, wg, bar, trace
             if valid >= kv[0].shape[1]:
                 _convert(kv, ck.raw, ck.value, slot, r, None, vals, chunk * raw_rows, raw_rows, wg,
                          _direct_parts(ck.direct))
+                _store_scales(ck.fold, ck.raw, slot, r, None, chunk * raw_rows, raw_rows, wg)
             else:
                 _convert(kv, ck.raw, ck.value, slot, r, valid, vals, chunk * raw_rows, raw_rows, wg,
                          _direct_parts(ck.direct))
+                _store_scales(ck.fold, ck.raw, slot, r, valid, chunk * raw_rows, raw_rows, wg)
             if c == ck.pieces // 2 - 1:
                 _share_done(ck.full, slot, trace, k, h)
         else:                                                           # stage_raw: the raw slot -> registers
@@ -357,6 +409,32 @@ def _convert_share(steps, k, h, ck, kv, empty, stages, vals, stg, wg, bar, trace
                 _combine(kv, ck.value, slot, valid, stg, chunk * raw_rows, raw_rows, wg)
             if c == ck.pieces // 2 - 1:
                 _share_done(ck.full, slot, trace, k, h)
+
+
+def _store_scales(fold, raw, slot, r, valid, row0, rows, wg):
+    # fold: raw slot r's row scales -> rows [row0, row0 + rows) of the step's scale tile, 0 past
+    # `valid` (a tail's scales are whatever the cache holds, NaN in the tests; P is 0 there)
+    if fold is not None:
+        def read(part, i, j):
+            return raw[part][r, i, j]
+
+        count = fold.ss.shape[2]
+        if (rows * count) % WG:
+            raise ValueError(f"attention_loop: {rows} rows x {count} row scales do not split over {WG} threads")
+        _store_scales_m(fold.ss, fold.scale, read, slot, valid, row0, rows, count,
+                        T.get_thread_binding() - wg * WG)
+
+
+@T.macro
+def _store_scales_m(ss, scale, read, slot, valid, row0, rows, count, tid):
+    for c in T.unroll(rows * count // WG):
+        if valid is None:
+            ss[slot, row0 + (c * WG + tid) // count, (c * WG + tid) % count] = scale(
+                (c * WG + tid) % count, (c * WG + tid) // count, read)
+        else:
+            ss[slot, row0 + (c * WG + tid) // count, (c * WG + tid) % count] = T.if_then_else(
+                row0 + (c * WG + tid) // count < valid,
+                scale((c * WG + tid) % count, (c * WG + tid) // count, read), T.float32(0))
 
 
 def _share_values(kv, ck):
@@ -435,20 +513,35 @@ def _softmax_and_hand_off(k, s, slot, v0, visible, scale, p_s, alpha_s, o0, m_i,
 
 
 @T.macro
-def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace):
-    # step k's scores s (rows x tokens) -> P, written to p_s with the row scales for WG1 once it is
-    # done with step k - 1's
+def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace,
+                fold=None, slot=None):
+    # step k's scores s (rows x tokens) -> P, written to p_s (fold: one copy per value part, times
+    # that part's row scales) with the row scales for WG1 once it is done with step k - 1's
     online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
     _stamp(trace, k, "wg0 softmax")
     if k > 0:
         T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
     _stamp(trace, k, "wg0 p_free")
-    T.copy(s, p_s)
+    if fold is None:
+        T.copy(s, p_s)
+    else:
+        _scaled_p_copies(s, fold, slot)
     T.copy(alpha, alpha_s)
     T.fence_proxy_async()
     T.sync_threads(WG0_BAR, WG)                                     # all of P is written (and S^T read)
     T.mbarrier_arrive(p_ready[0])
     _stamp(trace, k, "wg0 p_ready")
+
+
+def _scaled_p_copies(s, fold, slot):
+    for part, p_t in fold.p_parts:
+        _scaled_p(s, p_t, fold.ss, slot, fold.part_scale[part])
+
+
+@T.macro
+def _scaled_p(s, p_t, ss, slot, b):
+    for i, j in T.Parallel(s.shape[0], s.shape[1]):
+        p_t[i, j] = T.cast(s[i, j] * ss[slot, j, b], p_t.dtype)
 
 
 @T.macro
@@ -520,49 +613,71 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
 
 @T.macro
 def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s, o0, m_i,
-               m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace):
-    _wg0_start(m_i, l_i, o0)
+               m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue, trace,
+               fold, p0, cols0):
+    # v0, o0, p0, cols0: WG0's value parts (tiles, O^T fragments, the P tile each reads, first columns)
+    _wg0_start_t(m_i, l_i, o0)
     for k in T.serial(steps):
         slot = k % stages
         _wait_step(k, kv, valid_rows, full, tail, stages, plain)
         _stamp(trace, k, "wg0 ready")
-        _scores_t(q, kv, slot, acc_st)
+        _scores_t(q, kv, slot, acc_st, fold)
         _stamp(trace, k, "wg0 S")
         T.copy(acc_st, st_s)
         T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
         for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
             sc[i, j] = st_s[j, i]
-        _hand_off_p(k, sc, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace)
-        _scale_cols(o0, alpha_s)
-        _pv_t(p_s, v0, slot, o0)
+        _hand_off_p(k, sc, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace,
+                    fold, slot)
+        _scale_cols_all(o0, alpha_s)
+        _pv_t(p0, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
         _stamp(trace, k, "wg0 PV+empty")
     T.copy(m_i, m_s)
     T.copy(l_i, l_s)
     T.sync_threads(WG0_BAR, WG)
     T.mbarrier_arrive(stats[0])
-    epilogue(o0, 0, l_s, m_s, True)
+    _epilogues(epilogue, o0, cols0, l_s, m_s, True)
 
 
 @T.macro
-def _mma_wg1_t(steps, kv, v1, col1, p_s, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
+def _wg0_start_t(m_i, l_i, o0):
+    T.set_max_nreg(SCORE_REGS, 1)
+    T.fill(m_i, NEG_INF)
+    T.fill(l_i, 0.0)
+    _fill_all(o0)
+
+
+def _fill_all(outs):
+    for o in outs:
+        emit(T.fill(o, 0.0))
+
+
+def _epilogues(epilogue, outs, cols, l_s, m_s, stats):
+    # one epilogue per value part; the row statistics go out with the first part only
+    for n, (o, col) in enumerate(zip(outs, cols)):
+        epilogue(o, col, l_s, m_s, stats and n == 0)
+
+
+@T.macro
+def _mma_wg1_t(steps, kv, v1, cols1, p1, alpha_s, l_s, m_s, o1, empty, p_ready, p_free, stats, stages, epilogue,
                ck, vals, stg, trace):
     # ck: None, or the chunked raw staging (_Chunked) that WG1 helps convert
     T.set_max_nreg(OUT_REGS, 1)
-    T.fill(o1, 0.0)
+    _fill_all(o1)
     _wg1_converts_first(steps, ck, kv, empty, stages, vals, stg, trace)
     for k in T.serial(steps):
         slot = k % stages
         _wg1_converts_next(k, steps, ck, kv, empty, stages, vals, stg, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
-        _scale_cols(o1, alpha_s)
-        _pv_t(p_s, v1, slot, o1)
+        _scale_cols_all(o1, alpha_s)
+        _pv_t(p1, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
         T.mbarrier_arrive(empty[slot])
         _stamp(trace, k, "wg1 PV+free")
     T.mbarrier_wait_parity(stats[0], 0)
-    epilogue(o1, col1, l_s, m_s, False)
+    _epilogues(epilogue, o1, cols1, l_s, m_s, False)
 
 
 @register("scalar", "cuda:sm_90a")
@@ -583,15 +698,16 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                          f"got {threads}")
     check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
-    if len(v) != 2:
+    if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
-                         f"parts, got {v}")
+                         f"parts (swapped: an even number, half for each), got {v}")
+    fold = getattr(value, "row_scales", None) is not None
     block_m = q[0].shape[0]
     block_n = kv[0][0]
     kv_s = [T.alloc_shared((stages, rows, d), dt) for rows, d, dt in kv]
     plain = raw is None
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
-    p_s = T.alloc_shared((block_m, block_n), kv[v[0]][2])
+    p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     alpha_s = T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
     if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
@@ -604,6 +720,9 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if stage_raw and (pieces == 1 or not hasattr(value, "loads")):
         raise ValueError("attention_loop(stage_raw=True) needs raw staging in chunks (raw_rows) and a value that is "
                          f"a tile.RawValue (loads + combine), got raw_rows={raw_rows}, value={value!r}")
+    if fold and not (swapped and pieces > 1 and not stage_raw):
+        raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is built for swapped=True "
+                         "with raw staging in chunks (raw_rows) and stage_raw=False")
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
                  raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
@@ -667,36 +786,56 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
     l_s = T.alloc_shared((block_m,), "float32")
     m_s = T.alloc_shared((block_m,), "float32")
-    o0 = T.alloc_fragment((kv[v[0]][1], block_m), "float32")         # O^T of each value part
-    o1 = T.alloc_fragment((kv[v[1]][1], block_m), "float32")
+    # the value parts: the first half WG0's, the second WG1's; O^T of each
+    halves = (v[:len(v) // 2], v[len(v) // 2:])
+    o0, o1 = ([T.alloc_fragment((kv[p][1], block_m), "float32") for p in h] for h in halves)
+    cols = [sum(kv[u][1] for u in v[:n]) for n in range(len(v))]
     m_i, m_prev, alpha, row_sum, l_i = (T.alloc_fragment((block_m,), "float32") for _ in range(5))
+    fold = _fold(value, kv, v, stages, block_m, block_n)
+    p_of = dict(fold.p_parts) if fold is not None else {p: p_s for p in v}
     # chunked raw staging: the producer converts chunk 0 of each step and WG1 chunk 1
     full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain,
                                                                     PRODUCER + (WG if pieces > 1 else 0))
-    _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
+    wg = [([kv_s[p] for p in h], [p_of[p] for p in h], cols[n * len(halves[0]):][:len(h)])
+          for n, h in enumerate(halves)]
+    _warpgroups_t(steps, loads, q, kv_s, raw_s, value, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct, fold, wg, v)
+
+
+def _fold(value, kv, v, stages, block_m, block_n):
+    # value.row_scales -> a _Fold (scale tile, WG0's partial score accumulators, the P copies)
+    if getattr(value, "row_scales", None) is None:
+        return None
+    count, scale_of, part_scale = value.row_scales
+    if len(part_scale) != len(kv) or any(part_scale[p] is None for p in v):
+        raise ValueError(f"attention_loop: row_scales names a scale (or None) for each of the {len(kv)} kv parts and "
+                         f"a scale for every value part {list(v)}, got {part_scale}")
+    return _Fold(T.alloc_shared((stages, block_n, count), "float32"), scale_of, tuple(part_scale),
+                 [T.alloc_fragment((block_n, block_m), "float32") for _ in range(count)],
+                 tuple((p, T.alloc_shared((block_m, block_n), kv[p][2])) for p in v))
 
 
 @T.macro
-def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
+def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
-                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct):
+                  stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct, fold, wg, v):
+    # wg[n]: warpgroup n's value parts as (tiles, the P tile each reads, first output columns)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
-        _mma_wg0_t(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s,
+        _mma_wg0_t(steps, q, kv_s, wg[0][0], valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s,
                    o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain,
-                   epilogue, trace)
+                   epilogue, trace, fold, wg[0][1], wg[0][2])
     elif tx < 2 * WG:
         if pieces > 1:
-            ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw)
+            ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw, fold)
             vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
-            _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
-                       p_free, stats, stages, epilogue, ck, vals1, _staging(kv_s, ck), trace)
+            _mma_wg1_t(steps, kv_s, wg[1][0], wg[1][2], wg[1][1], alpha_s, l_s, m_s, o1, empty, p_ready, p_free,
+                       stats, stages, epilogue, ck, vals1, _staging(kv_s, ck), trace)
         else:
-            _mma_wg1_t(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, l_s, m_s, o1, empty, p_ready,
-                       p_free, stats, stages, epilogue, None, None, None, trace)
+            _mma_wg1_t(steps, kv_s, wg[1][0], wg[1][2], wg[1][1], alpha_s, l_s, m_s, o1, empty, p_ready, p_free,
+                       stats, stages, epilogue, None, None, None, trace)
     else:
         T.set_max_nreg(PRODUCER_REGS, 0)
         if plain:
@@ -707,4 +846,4 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, s
                               trace, vals)
         else:
             _producer_converts(steps, kv_s, _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages,
-                                                     pieces, direct, stage_raw), empty, stages, trace)
+                                                     pieces, direct, stage_raw, fold), empty, stages, trace)
