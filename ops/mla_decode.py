@@ -29,7 +29,7 @@ BLOCK_M = 64       # query rows per CTA: WGMMA's M
 # shared memory (Q^T 72 KB + 2 x 72 KB steps + the S^T transpose) and gain nothing over the default
 # tiling; the FP8 cache's raw staging leaves room for 16 rows only (with rope_direct, 32 rows miss
 # by 128 bytes: TileLang places each of the three 128-byte row-statistics buffers on its own 1 KB).
-SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,), "fp8-rope-direct": (16,)}
+SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,), "fp8-rope-direct": (16,), "fp8-fold": (16,)}
 SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
 MAX_HEADS = 128
@@ -40,6 +40,8 @@ FP8_TOKEN_BYTES = 656
 FP8_SCALE_WORD = D_V // 4                # the scales as 32-bit words of the token
 FP8_ROPE_HALF = (D_V + 16) // 2          # the rope as 16-bit words of the token
 FP8_MAX = 448.0
+FP8_BLOCK = 128                          # latent values per FP8 scale
+FP16_MAX = 65504.0                       # fold_scales: the largest latent q / cache scale the fp16 path takes
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_FORMATS = ("bf16", "fp8")
 LOG2E = 1.4426950408889634
@@ -64,6 +66,22 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
     return out
 
 
+def _query_tiles(Q, bi, mt, block_m, rows, parts):
+    """The query tile of CTA row tile mt, one operand tile per (first column, width, dtype) part;
+    rows past the sequence's s_q * h_q are zero."""
+    tiles = [tile.operand((block_m, w), dt) for _, w, dt in parts]
+    for t, (c0, w, dt) in zip(tiles, parts):
+        _load_query_part(t, Q, bi, mt, block_m, rows, c0, w, dt)
+    return tiles
+
+
+@T.macro
+def _load_query_part(t, Q, bi, mt, block_m, rows, c0, w, dt):
+    for i, j in tile.parallel(block_m, w):
+        t[i, j] = T.if_then_else(mt * BLOCK_M + i < rows, T.cast(Q[bi, T.min(mt * BLOCK_M + i, rows - 1), c0 + j], dt),
+                                 T.cast(0, dt))
+
+
 @tile_program(
     "mla_decode",
     targets=GPU_TARGETS,
@@ -79,7 +97,8 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
-                       raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False):
+                       raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
+                       fold_scales: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -98,12 +117,21 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     it for pages of 64+ tokens. Two FP8 options the op does not take yet (not run on a GPU so far):
     stage_raw (a converter reads its raw chunk into registers and reloads the staging before it
     converts, so the next chunk's load overlaps the conversion) and rope_direct (the bf16 rope goes
-    by TMA straight into the operand tile: no raw copy, no conversion, 8 KB less shared memory)."""
+    by TMA straight into the operand tile: no raw copy, no conversion, 8 KB less shared memory).
+
+    fold_scales=True (swapped FP8; bench/NOTES.md "MLA v11"): the e4m3 latent is converted exactly to
+    fp16 (one instruction per two values, no multiply) and each 128-column block's per-token scale is
+    applied where it costs little: to that block's partial scores (four K = 128 MMAs, summed with
+    the scales as the FP8 GEMM promotes) and to a copy of P per 128 output columns. The latent
+    query is rounded to fp16 for those MMAs: |q| and the cache scales must stay below 65504."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
+    if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
+        raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
+                         "kv_format='fp8' and stage_raw=False")
     if rope_direct and not (swapped and kv_format == "fp8"):
         raise ValueError("rope_direct=True (the FP8 cache's bf16 rope loaded straight into the operand tile) is built "
                          "for swapped=True with kv_format='fp8'")
-    tiles = SWAPPED_TILES["fp8-rope-direct" if rope_direct else kv_format]
+    tiles = SWAPPED_TILES["fp8-fold" if fold_scales else "fp8-rope-direct" if rope_direct else kv_format]
     if swapped and s_q * h_q > tiles[-1]:
         raise ValueError(f"swapped=True with the {kv_format} cache takes at most {tiles[-1]} query rows "
                          f"(s_q * h_q), got {s_q * h_q}")
@@ -121,6 +149,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     neg_inf = -T.infinity("float32")
     half = D_V // 2
     kv_parts = [(block_n, half, sdt), (block_n, half, sdt), (block_n, D_ROPE, sdt)]
+    # (first column, width, dtype) of each query part; the cache parts match them column for column
+    q_parts = [(0, half, sdt), (half, half, sdt), (D_V, D_ROPE, sdt)]
+    if fold_scales:   # one fp16 part per scale block, then the rope
+        q_parts = [(b * FP8_BLOCK, FP8_BLOCK, "float16") for b in range(D_V // FP8_BLOCK)] + [(D_V, D_ROPE, sdt)]
+        kv_parts = [(block_n, w, dt) for _, w, dt in q_parts]
+    n_lat = len(q_parts) - 1          # the latent parts; the rope is the last
     # swapped FP8: 64-token steps (WGMMA's M) whose raw bytes arrive in 32-token chunks (shared memory)
     raw_rows = raw_rows or (SWAPPED_RAW_ROWS if swapped and fp8 else block_n)
     raw_parts = ([((raw_rows, half), kv_dt), ((raw_rows, half), kv_dt), ((raw_rows, 4), "float32")] +
@@ -137,6 +171,14 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         loads=lambda part: ([lambda i, j, read: read(3, i, j)] if part == 2 else
                             [lambda i, j, read: read(part, i, j), lambda i, j, read: read(2, i, part * 2 + j // 128)]),
         combine=lambda part, v: v[0] if part == 2 else T.cast(T.cast(v[0], "float32") * v[1], sdt))
+    # fold_scales: latent part b (columns 128b..) is e4m3 -> fp16 exactly; its scale is row scale b
+    blocks_per_half = half // FP8_BLOCK
+    fp8_folded = tile.RawValue(
+        loads=lambda part: ([lambda i, j, read: read(3, i, j)] if part == n_lat else
+                            [lambda i, j, read: read(part // blocks_per_half, i,
+                                                      (part % blocks_per_half) * FP8_BLOCK + j)]),
+        combine=lambda part, v: v[0] if part == n_lat else T.cast(v[0], "float16"),
+        row_scales=(n_lat, lambda b, i, read: read(2, i, b), tuple(range(n_lat)) + (None,)))
 
     def limit(causal_base, mt, i):  # causal: query token q sees the cache up to seqlen - s_q + q + 1
         return causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
@@ -212,9 +254,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
             bi = tile.scalar(bid // (m_tiles * max_splits))
-            q_l = tile.operand((block_m, half), sdt)
-            q_r = tile.operand((block_m, half), sdt)
-            q_pe = tile.operand((block_m, D_ROPE), sdt)
+            q_tiles = _query_tiles(Q, bi, mt, block_m, rows, q_parts)
 
             splits = tile.scalar(Splits[bi])
             seqlen = tile.scalar(SeqLens[bi])
@@ -224,16 +264,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                 T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0))
             causal_base = seqlen - s_q + 1 if causal else seqlen
 
-            for i, j in tile.parallel(block_m, half):
-                r = mt * BLOCK_M + i
-                q_l[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), j], T.cast(0, sdt))
-                q_r[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), half + j], T.cast(0, sdt))
-            for i, j in tile.parallel(block_m, D_ROPE):
-                r = mt * BLOCK_M + i
-                q_pe[i, j] = T.if_then_else(r < rows, Q[bi, T.min(r, rows - 1), D_V + j], T.cast(0, sdt))
-
             tile.attention_loop(
-                n_iter, [q_l, q_r, q_pe], kv_parts, [0, 1],
+                n_iter, q_tiles, kv_parts, list(range(n_lat)),
                 # (raw chunks of raw_rows tokens: chunk j of this CTA starts at token first * block_n + j * raw_rows)
                 lambda k: _page_copies(BlockTable, bi, first * (block_n // raw_rows) + k, page, raw_rows, num_pages,
                                        fp8_parts(KV, KVf, KVh) if fp8 else bf16_parts(KV)),
@@ -243,7 +275,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                          splits, max_splits)) if swapped else
                 (lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
                                                        splits, max_splits)),
-                valid_rows=seqlen - first * block_n, raw=raw_parts, value=fp8_value if fp8 else None,
+                valid_rows=seqlen - first * block_n, raw=raw_parts,
+                value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
@@ -251,7 +284,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 swapped=swapped, raw_rows=raw_rows if raw_rows != block_n else None, stage_raw=stage_raw,
                 # rope_direct: step k's bf16 rope goes by TMA straight into operand part 2
                 direct=(lambda k: _page_copies(BlockTable, bi, first + k, page, block_n, num_pages,
-                                               [(KVh, FP8_ROPE_HALF, D_ROPE, 2)])) if rope_direct else None)
+                                               [(KVh, FP8_ROPE_HALF, D_ROPE, n_lat)])) if rope_direct else None)
 
     return mla_decode
 

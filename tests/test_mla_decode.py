@@ -398,7 +398,10 @@ def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
     run_fp8_case(b, s_q, h_q, lens, page)
 
 
-def run_fp8_case(b, s_q, h_q, lens, page, tiling=None):
+def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False):
+    """exact=False: the reference reads the dequantized cache rounded to bf16, as the kernels that
+    convert to bf16 multiply it; exact=True: the dequantized cache in fp32 (fold_scales: fp16
+    values exactly e4m3, the scales applied in fp32 and to P)."""
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     cache = ops.quantize_mla_kv_fp8(kv)                     # NaN tails stay NaN bytes: must not leak
     scale = D ** -0.5
@@ -409,8 +412,9 @@ def run_fp8_case(b, s_q, h_q, lens, page, tiling=None):
 
         out, lse = _mla_decode_impl(q, cache, table, seqlens, scale, True, None, tiling=tiling, kv_format="fp8")
     assert not out.isnan().any()
-    # the kernel multiplies the dequantized cache rounded to bf16: compare with exactly that
-    deq = ops.dequantize_mla_kv_fp8(cache).to(torch.bfloat16)
+    # the kernel multiplies the dequantized cache rounded to bf16 (or, exact, unrounded): compare with exactly that
+    deq = ops.dequantize_mla_kv_fp8(cache)
+    deq = deq if exact else deq.to(torch.bfloat16)
     ref, ref_lse = mla_decode_reference(q, deq, table, seqlens, softmax_scale=scale)
     bound = 8e-4 + (2.01 / 128) * ref.abs() + 6 * 2.0 ** -8 / 3 ** 0.5 * p_rounding_term(q, deq, table, seqlens, scale, True)
     assert ((out.float() - ref).abs() <= bound).all()
@@ -505,6 +509,50 @@ def test_gpu_swapped_fp8_cache(b, s_q, h_q, lens, page, stage_raw, rope_direct):
     tile. Against the reference on the dequantized cache (NaN tails must not leak)."""
     run_fp8_case(b, s_q, h_q, lens, page, tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2,
                                                       swapped=True, stage_raw=stage_raw, rope_direct=rope_direct))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
+                                                 (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128),
+                                                 (4, 1, 1, [4096, 77, 130, 2], 256)])
+def test_gpu_swapped_fp8_fold_scales(b, s_q, h_q, lens, page):
+    """fold_scales: the e4m3 latent converted exactly to fp16 and the per-128 scales applied to the
+    partial scores and to one P per 128 output columns. Against the reference on the exactly
+    dequantized cache (fp32), with the bf16 kernels' bounds; NaN tails (their scales too) must not
+    leak."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True,
+                 tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True, rope_direct=True,
+                             fold_scales=True))
+
+
+def test_fold_scales_converts_without_multiplies():
+    """fold_scales (swapped FP8): the converters' step is one e4m3 -> fp16x2 unpack per two values
+    and 16-byte stores, no scale multiply and no repacking (the plain FP8 kernel: unpack, two
+    half -> float, two multiplies and a bf16 pack); the latent MMAs are fp16 WGMMAs, the rope's bf16;
+    no spills; it refuses the layouts it is not built for."""
+    import collections
+
+    kw = dict(h_q=16, s_q=1, swapped=True, kv_format="fp8", block_n=64, stages=2, raw_stages=2, rope_direct=True)
+    src = mla_decode_program.source("sm_90a", fold_scales=True, **kw)
+    kinds = collections.Counter(re.findall(r"wgmma_ss<tl::DataType::(\w+), tl::DataType::\w+, tl::DataType::kFloat32, "
+                                           r"64, 16, 16, (true|false)", src))
+    assert kinds == {("kFloat16", "false"): 4, ("kBFloat16", "false"): 1, ("kFloat16", "true"): 4}, kinds
+    sass, log = _sass_and_log(src)
+    assert "spill" not in log or " 0 bytes spill stores" in log
+    unpacks = sass.count("F2FP.F16.E4M3.UNPACK_B")
+    plain = _sass_and_log(mla_decode_program.source("sm_90a", **kw))[0]
+    assert unpacks >= 64 and sass.count("F2FP.BF16.F32.PACK_AB") < plain.count("F2FP.BF16.F32.PACK_AB") // 4
+    assert sass.count("HADD2.F32") < plain.count("HADD2.F32") // 4
+    for bad in (dict(kw, stage_raw=True), dict(kw, swapped=False, block_n=32, raw_stages=3, rope_direct=False),
+                dict(kw, kv_format="bf16", rope_direct=False)):
+        with pytest.raises(ValueError, match="fold_scales=True"):
+            mla_decode_program.source("sm_90a", fold_scales=True, **bad)
+
+
+def _sass_and_log(src):
+    from tests.test_gemm_fp8 import _sass_and_ptxas_log
+
+    return _sass_and_ptxas_log(src)
 
 
 def test_stage_raw_and_rope_direct_build_and_say_what_they_need():

@@ -140,6 +140,8 @@ SUITE = Suite(
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
                  nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-fold", lambda c, i: fp8_swapped_with(c, i, fold_scales=True), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True, nbytes=nbytes_fp8),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
