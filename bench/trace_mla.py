@@ -1,7 +1,8 @@
 """Where a step of the sm_90a MLA pipeline goes: SM clock stamps of CTA 0, per warpgroup event.
 
-    python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct options), h_q=128 (bf16,
-                                         # and FP8 with two converters)
+    python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct / fold_scales options),
+                                         # h_q=128 (bf16, and FP8 with two converters)
+    python -m bench.trace_mla fp8-16 fp8-16-fold   # only the named cases (names: see CASES)
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
@@ -21,11 +22,18 @@ def main() -> int:
         print("bench.trace_mla needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
     swapped_fp8 = pick_tiling(16, "fp8", "sm_90a", 64)
-    # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, and without
-    # rope_direct), b=128 h_q=128 4096
-    for ci, fmt, tiling in [(1, "bf16", None), (1, "fp8", None), (1, "fp8", dict(swapped_fp8, stage_raw=True)),
-                            (1, "fp8", dict(swapped_fp8, rope_direct=False)), (4, "bf16", None),
-                            (4, "fp8", FP8_TWO_CONVERTERS)]:
+    # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, without
+    # rope_direct, with fold_scales), b=128 h_q=128 4096
+    cases = {"bf16-16": (1, "bf16", None), "fp8-16": (1, "fp8", None),
+             "fp8-16-staged": (1, "fp8", dict(swapped_fp8, stage_raw=True)),
+             "fp8-16-raw-rope": (1, "fp8", dict(swapped_fp8, rope_direct=False)),
+             "fp8-16-fold": (1, "fp8", dict(swapped_fp8, fold_scales=True)),
+             "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS)}
+    unknown = set(sys.argv[1:]) - set(cases)
+    if unknown:
+        print(f"bench.trace_mla: unknown cases {sorted(unknown)}; known: {sorted(cases)}", file=sys.stderr)
+        return 2
+    for ci, fmt, tiling in [cases[n] for n in (sys.argv[1:] or cases)]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]

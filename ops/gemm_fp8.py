@@ -150,6 +150,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             recv = None                           # cluster_smem: the other block's partial half
             if cluster_smem:
                 recv = tile.stage((block_m, block_n // 2), "float32")
+                # a store the compiler sees before the K loop: the other block writes recv through a
+                # mapped pointer while this one may still be in its loop, so recv must not share
+                # memory with the loop's tiles (TileLang merges buffers whose visible uses do not
+                # overlap: v2 put recv on a_s, and the fold raced with the last K steps)
+                _touch(recv)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
             # where each vector core gets half of every accumulator read)
@@ -348,6 +353,11 @@ def _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark):
     _store(acc, where, mine, mode, splits, out_dtype, block_n)
     if mark is not None:
         mark("stored")
+
+
+@T.macro
+def _touch(buf):
+    buf[0, 0] = T.float32(0)
 
 
 @T.macro

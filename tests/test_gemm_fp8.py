@@ -1,5 +1,7 @@
 """Quantizers and the block-scaled FP8 GEMM family (DeepGEMM layouts)."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -589,6 +591,10 @@ def test_smem_fold_exchanges_partials_in_distributed_shared_memory(overlap):
     src = fp8_gemm_program.source("sm_90a", cluster_smem=True, **params)
     assert "Part" not in src and src.count("tc_cluster_store_f32(") == 2      # the helper and its one call
     assert src.count("__cluster_barrier_wait()") == 2
+    # the other block stores into recv while this one may still be in its K loop: recv has memory of
+    # its own (v2 once had it merged onto a_s, and the fold raced with the last K steps on the GPU)
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    assert list(offsets.values()).count(offsets["recv"]) == 1, offsets
     assert "Part" in fp8_gemm_program.source("sm_90a", **params)              # the global-memory fold
     sass, log = _sass_and_ptxas_log(src)
     assert "UCGABAR_WAIT" in sass and "0 bytes spill stores, 0 bytes spill loads" in log
