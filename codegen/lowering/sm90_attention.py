@@ -305,6 +305,7 @@ class _Fold:
     part_scale: tuple   # kv part -> its scale index, or None
     acc: Any            # WG0's partial score accumulators, one per scale (block_n x block_m)
     p_parts: Any        # value part -> its copy of P (block_m x block_n), times that part's scale
+    p_regs: Any         # the copies in WG0's registers before they are stored
 
 
 @T.macro
@@ -534,14 +535,19 @@ def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum,
 
 
 def _scaled_p_copies(s, fold, slot):
-    for part, p_t in fold.p_parts:
-        _scaled_p(s, p_t, fold.ss, slot, fold.part_scale[part])
+    # every copy into registers first, then the stores: one pass (load scale, multiply, store) per
+    # element serialized each scale load behind the previous store (one shared allocation to the
+    # compiler), ~2000 cycles of WG0's step (bench.trace_mla, "MLA v11")
+    for (part, _), p_r in zip(fold.p_parts, fold.p_regs):
+        _scaled_p(s, p_r, fold.ss, slot, fold.part_scale[part])
+    for (_, p_t), p_r in zip(fold.p_parts, fold.p_regs):
+        emit(T.copy(p_r, p_t))
 
 
 @T.macro
-def _scaled_p(s, p_t, ss, slot, b):
+def _scaled_p(s, p_r, ss, slot, b):
     for i, j in T.Parallel(s.shape[0], s.shape[1]):
-        p_t[i, j] = T.cast(s[i, j] * ss[slot, j, b], p_t.dtype)
+        p_r[i, j] = T.cast(s[i, j] * ss[slot, j, b], p_r.dtype)
 
 
 @T.macro
@@ -813,7 +819,8 @@ def _fold(value, kv, v, stages, block_m, block_n):
                          f"a scale for every value part {list(v)}, got {part_scale}")
     return _Fold(T.alloc_shared((stages, block_n, count), "float32"), scale_of, tuple(part_scale),
                  [T.alloc_fragment((block_n, block_m), "float32") for _ in range(count)],
-                 tuple((p, T.alloc_shared((block_m, block_n), kv[p][2])) for p in v))
+                 tuple((p, T.alloc_shared((block_m, block_n), kv[p][2])) for p in v),
+                 [T.alloc_fragment((block_m, block_n), kv[p][2]) for p in v])
 
 
 @T.macro
