@@ -127,10 +127,10 @@ def _fold_scores(acc_st, acc, ss, slot, has_plain):
 
 
 def _scaled_sum(acc, ss, slot, i, j):
-    # sum_b acc[b][i, j] * ss[slot, i, b]: token i's partial scores, each times its row scale
-    total = acc[0][i, j] * ss[slot, i, 0]
+    # sum_b acc[b][i, j] * ss[slot, b, i]: token i's partial scores, each times its row scale
+    total = acc[0][i, j] * ss[slot, 0, i]
     for b in range(1, len(acc)):
-        total = total + acc[b][i, j] * ss[slot, i, b]
+        total = total + acc[b][i, j] * ss[slot, b, i]
     return total
 
 
@@ -300,7 +300,9 @@ class _Fold:
     store each step's scales, WG0 applies them to the partial scores and to one copy of P per value
     part; the converted operand tiles hold the unscaled values."""
 
-    ss: Any             # (stages, block_n, count) float32: step k's row scales in slot k % stages
+    ss: Any             # (stages, count, block_n) float32: step k's row scales in slot k % stages (tokens
+                        # innermost: a thread's 4 tokens of P are one 16-byte load; tokens x scales was
+                        # an 8-way bank conflict, ~900 cycles a step, ncu "MLA v11")
     scale: Any          # (b, i, read) -> row i's scale b, read from raw staging
     part_scale: tuple   # kv part -> its scale index, or None
     acc: Any            # WG0's partial score accumulators, one per scale (block_n x block_m)
@@ -419,7 +421,7 @@ def _store_scales(fold, raw, slot, r, valid, row0, rows, wg):
         def read(part, i, j):
             return raw[part][r, i, j]
 
-        count = fold.ss.shape[2]
+        count = fold.ss.shape[1]
         if (rows * count) % WG:
             raise ValueError(f"attention_loop: {rows} rows x {count} row scales do not split over {WG} threads")
         _store_scales_m(fold.ss, fold.scale, read, slot, valid, row0, rows, count,
@@ -428,14 +430,15 @@ def _store_scales(fold, raw, slot, r, valid, row0, rows, wg):
 
 @T.macro
 def _store_scales_m(ss, scale, read, slot, valid, row0, rows, count, tid):
+    # flat index f: scale f // rows of row f % rows (consecutive threads, consecutive tokens)
     for c in T.unroll(rows * count // WG):
         if valid is None:
-            ss[slot, row0 + (c * WG + tid) // count, (c * WG + tid) % count] = scale(
-                (c * WG + tid) % count, (c * WG + tid) // count, read)
+            ss[slot, (c * WG + tid) // rows, row0 + (c * WG + tid) % rows] = scale(
+                (c * WG + tid) // rows, (c * WG + tid) % rows, read)
         else:
-            ss[slot, row0 + (c * WG + tid) // count, (c * WG + tid) % count] = T.if_then_else(
-                row0 + (c * WG + tid) // count < valid,
-                scale((c * WG + tid) % count, (c * WG + tid) // count, read), T.float32(0))
+            ss[slot, (c * WG + tid) // rows, row0 + (c * WG + tid) % rows] = T.if_then_else(
+                row0 + (c * WG + tid) % rows < valid,
+                scale((c * WG + tid) // rows, (c * WG + tid) % rows, read), T.float32(0))
 
 
 def _share_values(kv, ck):
@@ -547,7 +550,7 @@ def _scaled_p_copies(s, fold, slot):
 @T.macro
 def _scaled_p(s, p_r, ss, slot, b):
     for i, j in T.Parallel(s.shape[0], s.shape[1]):
-        p_r[i, j] = T.cast(s[i, j] * ss[slot, j, b], p_r.dtype)
+        p_r[i, j] = T.cast(s[i, j] * ss[slot, b, j], p_r.dtype)
 
 
 @T.macro
@@ -817,7 +820,7 @@ def _fold(value, kv, v, stages, block_m, block_n):
     if len(part_scale) != len(kv) or any(part_scale[p] is None for p in v):
         raise ValueError(f"attention_loop: row_scales names a scale (or None) for each of the {len(kv)} kv parts and "
                          f"a scale for every value part {list(v)}, got {part_scale}")
-    return _Fold(T.alloc_shared((stages, block_n, count), "float32"), scale_of, tuple(part_scale),
+    return _Fold(T.alloc_shared((stages, count, block_n), "float32"), scale_of, tuple(part_scale),
                  [T.alloc_fragment((block_n, block_m), "float32") for _ in range(count)],
                  tuple((p, T.alloc_shared((block_m, block_n), kv[p][2])) for p in v),
                  [T.alloc_fragment((block_m, block_n), kv[p][2]) for p in v])
