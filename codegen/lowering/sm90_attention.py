@@ -98,34 +98,30 @@ def _pv(p_s, v, slot, acc):
          T.wait_wgmma(0))
 
 
-def _scores_t(q, kv, slot, acc_st):
-    # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N
-    for p, (qt, kt) in enumerate(zip(q, kv)):
-        emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
-    emit(T.wait_wgmma(0))
-
-
-def _issue_scores_fold(q, kv, slot, fold):
-    # fold (_Fold): each part's K_p Q_p^T into its scale's accumulator (the unscaled parts into
-    # fold.acc_r), issued and committed, not waited for
+def _scores_t(q, kv, slot, acc_st, fold=None):
+    # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N. fold (_Fold): the parts with a
+    # row scale go to their scale's own accumulator, all issued before the one wait, then
+    # S^T += sum_b acc_b * scale_b (per token: the rows of S^T)
+    if fold is None:
+        for p, (qt, kt) in enumerate(zip(q, kv)):
+            emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+        emit(T.wait_wgmma(0))
+        return
     cleared = set()
     for p, (qt, kt) in enumerate(zip(q, kv)):
         b = fold.part_scale[p]
-        acc = fold.acc_r if b is None else fold.acc[b]
+        acc = acc_st if b is None else fold.acc[b]
         emit(T.wgmma_gemm(kt[slot, :, :], qt, acc, transpose_B=True, clear_accum=b not in cleared, policy=FULL_ROW))
         cleared.add(b)
-
-
-def _promote_scores(acc_st, fold, slot):
-    # after the wait: S^T = acc_r + sum_b acc_b * scale_b (per token: the rows of S^T)
-    _fold_scores(acc_st, fold.acc_r, fold.acc, fold.ss, slot, None in fold.part_scale)
+    emit(T.wait_wgmma(0))
+    _fold_scores(acc_st, fold.acc, fold.ss, slot, None in cleared)
 
 
 @T.macro
-def _fold_scores(acc_st, acc_r, acc, ss, slot, has_plain):
+def _fold_scores(acc_st, acc, ss, slot, has_plain):
     for i, j in T.Parallel(acc_st.shape[0], acc_st.shape[1]):
         if has_plain:
-            acc_st[i, j] = acc_r[i, j] + _scaled_sum(acc, ss, slot, i, j)
+            acc_st[i, j] += _scaled_sum(acc, ss, slot, i, j)
         else:
             acc_st[i, j] = _scaled_sum(acc, ss, slot, i, j)
 
@@ -310,7 +306,6 @@ class _Fold:
     scale: Any          # (b, i, read) -> row i's scale b, read from raw staging
     part_scale: tuple   # kv part -> its scale index, or None
     acc: Any            # WG0's partial score accumulators, one per scale (block_n x block_m)
-    acc_r: Any          # ... and the unscaled parts' (block_n x block_m)
     p_parts: Any        # value part -> its copy of P (block_m x block_n), times that part's scale
     p_regs: Any         # the copies in WG0's registers before they are stored
 
@@ -631,17 +626,12 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
                fold, p0, cols0):
     # v0, o0, p0, cols0: WG0's value parts (tiles, O^T fragments, the P tile each reads, first columns)
     _wg0_start_t(m_i, l_i, o0)
-    if fold is not None:
-        _scores_ahead_first(steps, q, kv, acc_st, full, stages, fold, trace)
     for k in T.serial(steps):
         slot = k % stages
-        if fold is None:
-            _wait_step(k, kv, valid_rows, full, tail, stages, plain)
-            _stamp(trace, k, "wg0 ready")
-            _scores_t(q, kv, slot, acc_st)
-            _stamp(trace, k, "wg0 S")
-        else:
-            _scores_ahead_issue(k, steps, q, kv, full, stages, fold, trace)
+        _wait_step(k, kv, valid_rows, full, tail, stages, plain)
+        _stamp(trace, k, "wg0 ready")
+        _scores_t(q, kv, slot, acc_st, fold)
+        _stamp(trace, k, "wg0 S")
         T.copy(acc_st, st_s)
         T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
         for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
@@ -649,10 +639,7 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
         _hand_off_p(k, sc, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace,
                     fold, slot)
         _scale_cols_all(o0, alpha_s)
-        _pv_t(p0, v0, slot, o0)                 # (fold: its wait also completes step k + 1's scores)
-        if fold is not None:
-            if k + 1 < steps:
-                _promote_scores(acc_st, fold, (k + 1) % stages)
+        _pv_t(p0, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
         _stamp(trace, k, "wg0 PV+empty")
     T.copy(m_i, m_s)
@@ -660,30 +647,6 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
     T.sync_threads(WG0_BAR, WG)
     T.mbarrier_arrive(stats[0])
     _epilogues(epilogue, o0, cols0, l_s, m_s, True)
-
-
-@T.macro
-def _scores_ahead_first(steps, q, kv, acc_st, full, stages, fold, trace):
-    # fold: WG0 computes a step's scores one step ahead, so that step k + 1's MMAs run on the tensor
-    # cores while WG0 does step k's softmax and P copies ("MLA v11"); step 0's come first, waited for
-    if steps > 0:
-        T.mbarrier_wait_parity(full[0], 0)
-        _stamp(trace, 0, "wg0 ready")
-        _issue_scores_fold(q, kv, 0, fold)
-        T.wait_wgmma(0)
-        _promote_scores(acc_st, fold, 0)
-        _stamp(trace, 0, "wg0 S")
-
-
-@T.macro
-def _scores_ahead_issue(k, steps, q, kv, full, stages, fold, trace):
-    # step k's scores are in acc_st: issue step k + 1's (its slot is full by now, in the steady state)
-    if k > 0:
-        _stamp(trace, k, "wg0 ready")
-        _stamp(trace, k, "wg0 S")
-    if k + 1 < steps:
-        T.mbarrier_wait_parity(full[(k + 1) % stages], ((k + 1) // stages) % 2)
-        _issue_scores_fold(q, kv, (k + 1) % stages, fold)
 
 
 @T.macro
@@ -859,7 +822,6 @@ def _fold(value, kv, v, stages, block_m, block_n):
                          f"a scale for every value part {list(v)}, got {part_scale}")
     return _Fold(T.alloc_shared((stages, count, block_n), "float32"), scale_of, tuple(part_scale),
                  [T.alloc_fragment((block_n, block_m), "float32") for _ in range(count)],
-                 T.alloc_fragment((block_n, block_m), "float32"),
                  tuple((p, T.alloc_shared((block_m, block_n), kv[p][2])) for p in v),
                  [T.alloc_fragment((block_m, block_n), kv[p][2]) for p in v])
 
