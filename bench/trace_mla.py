@@ -2,7 +2,7 @@
 
     python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct / fold_scales options),
                                          # h_q=128 (bf16, and FP8 with two converters)
-    python -m bench.trace_mla fp8-16 fp8-16-fold   # only the named cases (names: see CASES)
+    python -m bench.trace_mla fp8-16 fp8-16-unfolded   # only the named cases (names: see CASES)
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
@@ -23,11 +23,11 @@ def main() -> int:
         return 2
     swapped_fp8 = pick_tiling(16, "fp8", "sm_90a", 64)
     # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, without
-    # rope_direct, with fold_scales), b=128 h_q=128 4096
+    # rope_direct, without fold_scales), b=128 h_q=128 4096
     cases = {"bf16-16": (1, "bf16", None), "fp8-16": (1, "fp8", None),
-             "fp8-16-staged": (1, "fp8", dict(swapped_fp8, stage_raw=True)),
+             "fp8-16-staged": (1, "fp8", dict(swapped_fp8, stage_raw=True, fold_scales=False)),
              "fp8-16-raw-rope": (1, "fp8", dict(swapped_fp8, rope_direct=False)),
-             "fp8-16-fold": (1, "fp8", dict(swapped_fp8, fold_scales=True)),
+             "fp8-16-unfolded": (1, "fp8", dict(swapped_fp8, fold_scales=False)),
              "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS)}
     unknown = set(sys.argv[1:]) - set(cases)
     if unknown:

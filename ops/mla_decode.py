@@ -488,7 +488,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     tokens and few query rows (s_q * h_q <= 32 bf16, <= 16 FP8) the operands are swapped: the heads
     are WGMMA's N, not padded to 64 rows (bench/NOTES.md "MLA v9"); the FP8 cache then stages its raw
     bytes in 32-token chunks that the producer and WG1 convert, and its bf16 rope goes by TMA straight
-    into the operand tile (rope_direct: 3-4% faster on the H200, "MLA v10"). Otherwise fp8: the raw bytes and the
+    into the operand tile (rope_direct: 3-4% faster on the H200, "MLA v10"), and the e4m3 latent becomes fp16 with
+    its scales folded into the MMAs (fold_scales: 8% faster, "MLA v11"). Otherwise fp8: the raw bytes and the
     bf16 operand tiles must both fit in shared memory: 32-token steps; on sm_90a 2 converted + 3 raw
     steps (the producer warpgroup converts), elsewhere 4 pipelined steps."""
     sm90 = targets.get(target).name == "cuda:sm_90a"
@@ -497,7 +498,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
         block_n = min(BLOCK_N, page) if sm90 else BLOCK_N
         return dict(block_n=block_n, stages=2, **({"swapped": True} if swapped else {}))
     if swapped:
-        return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True)
+        return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
+                    fold_scales=True)
     if sm90:
         return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
     return dict(block_n=32, stages=4, kv_format="fp8")

@@ -412,6 +412,8 @@ def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False):
 
         out, lse = _mla_decode_impl(q, cache, table, seqlens, scale, True, None, tiling=tiling, kv_format="fp8")
     assert not out.isnan().any()
+    chosen = tiling or pick_tiling(s_q * h_q, "fp8", "sm_90a", page)
+    exact = exact or chosen.get("fold_scales", False)
     # the kernel multiplies the dequantized cache rounded to bf16 (or, exact, unrounded): compare with exactly that
     deq = ops.dequantize_mla_kv_fp8(cache)
     deq = deq if exact else deq.to(torch.bfloat16)

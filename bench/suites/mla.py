@@ -96,6 +96,8 @@ def fp8_swapped_with(case, i, **options):
     converting), rope_direct=False (the bf16 rope staged raw and copied, as before "MLA v10");
     s_q * h_q <= 16."""
     tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), **options)
+    if tiling.get("stage_raw"):          # built for the bf16-operand converters only
+        tiling["fold_scales"] = False
     if not tiling.get("swapped"):
         raise ValueError(f"{sorted(options)} are built for the swapped kernel (s_q * h_q <= 16), got "
                          f"{case['s_q'] * case['h_q']} rows")
@@ -140,7 +142,7 @@ SUITE = Suite(
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
                  nbytes=nbytes_fp8),
-        Provider("tilecraft-fp8-fold", lambda c, i: fp8_swapped_with(c, i, fold_scales=True), experimental=True,
+        Provider("tilecraft-fp8-unfolded", lambda c, i: fp8_swapped_with(c, i, fold_scales=False), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True, nbytes=nbytes_fp8),
