@@ -551,6 +551,23 @@ def test_fold_scales_converts_without_multiplies():
             mla_decode_program.source("sm_90a", fold_scales=True, **bad)
 
 
+@pytest.mark.parametrize("kw", [dict(h_q=16, swapped=True, block_n=64),
+                                dict(h_q=16, swapped=True, kv_format="fp8", block_n=64, raw_stages=2),
+                                dict(h_q=16, swapped=True, kv_format="fp8", block_n=64, raw_stages=2, rope_direct=True),
+                                dict(h_q=16, swapped=True, kv_format="fp8", block_n=64, raw_stages=2, rope_direct=True,
+                                     fold_scales=True),
+                                dict(h_q=64, kv_format="fp8", block_n=32, raw_stages=3)])
+def test_wgmma_operand_tiles_are_1kb_aligned(kw):
+    """Every shared tile a WGMMA descriptor reads starts on a 1 KB boundary (its 128-byte swizzle
+    repeats every 1 KB). TileLang 0.1.15 packs the dynamic shared buffers without knowing that: a
+    64 x 17 S^T tile once put the swapped FP8 kernel's P 256 bytes off, and P V came out wrong."""
+    src = mla_decode_program.source("sm_90a", s_q=1, stages=2, **kw)
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    operands = set(re.findall(r"initialize_wgmma_descriptor<\d+, \d+, \d+>\(\w+, \(&\(\(\(\w+\*\)(\w+)\)\[0\]\)\)\)", src))
+    assert operands and operands <= set(offsets), (operands, offsets)
+    assert all(int(offsets[b]) % 1024 == 0 for b in operands), {b: int(offsets[b]) for b in operands}
+
+
 def _sass_and_log(src):
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
 

@@ -633,10 +633,10 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
         _scores_t(q, kv, slot, acc_st, fold)
         _stamp(trace, k, "wg0 S")
         for i, j in T.Parallel(acc_st.shape[0], acc_st.shape[1]):
-            st_s[i, j] = acc_st[i, j]
+            st_s[i * (acc_st.shape[1] + 1) + j] = acc_st[i, j]
         T.sync_threads(WG0_BAR, WG)                                     # all of S^T is in shared memory
         for i, j in T.Parallel(sc.shape[0], sc.shape[1]):
-            sc[i, j] = st_s[j, i]
+            sc[i, j] = st_s[j * (acc_st.shape[1] + 1) + i]
         _hand_off_p(k, sc, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace,
                     fold, slot)
         _scale_cols_all(o0, alpha_s)
@@ -793,8 +793,10 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     block_m, block_n = q[0].shape[0], kv[0][0]
     acc_st = T.alloc_fragment((block_n, block_m), "float32")         # S^T: tokens x query rows
     # S^T through shared memory, rows padded by one word: unpadded, the transposed read (a thread's
-    # consecutive tokens of one query row, 16 words apart) hit one bank ("MLA v11")
-    st_s = T.alloc_shared((block_n, block_m + 1), "float32")
+    # consecutive tokens of one query row, 16 words apart) hit one bank ("MLA v11"). Flat, and a
+    # whole number of KB: TileLang 0.1.15 places the next buffers right after it, and the WGMMA
+    # operand tiles among them must stay 1 KB aligned (a 64 x 17 tile put P 256 bytes off: wrong P V)
+    st_s = T.alloc_shared((-(-block_n * (block_m + 1) // 256) * 256,), "float32")
     sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
     l_s = T.alloc_shared((block_m,), "float32")
     m_s = T.alloc_shared((block_m,), "float32")
