@@ -68,18 +68,41 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 
 def _query_tiles(Q, bi, mt, block_m, rows, parts):
     """The query tile of CTA row tile mt, one operand tile per (first column, width, dtype) part;
-    rows past the sequence's s_q * h_q are zero."""
+    rows past the sequence's s_q * h_q are zero. Two neighbouring parts of one shape load in one
+    loop (twice the loads in flight a thread)."""
     tiles = [tile.operand((block_m, w), dt) for _, w, dt in parts]
-    for t, (c0, w, dt) in zip(tiles, parts):
-        _load_query_part(t, Q, bi, mt, block_m, rows, c0, w, dt)
+    n = 0
+    while n < len(parts):
+        if n + 1 < len(parts) and parts[n][1:] == parts[n + 1][1:]:
+            _load_query_pair(tiles[n], tiles[n + 1], Q, bi, mt, block_m, rows, parts[n][0], parts[n + 1][0], *parts[n][1:])
+            n += 2
+        else:
+            _load_query_part(tiles[n], Q, bi, mt, block_m, rows, *parts[n])
+            n += 1
     return tiles
+
+
+def _query_value(Q, bi, mt, rows, c, dt):
+    # Q[bi, row, c] for row mt * BLOCK_M + i (as dt), 0 past the last row
+    r = mt * BLOCK_M
+    return lambda i, j: T.if_then_else(r + i < rows, _as(Q[bi, T.min(r + i, rows - 1), c + j], dt), T.cast(0, dt))
+
+
+def _as(x, dt):
+    return x if x.dtype == dt else T.cast(x, dt)
 
 
 @T.macro
 def _load_query_part(t, Q, bi, mt, block_m, rows, c0, w, dt):
     for i, j in tile.parallel(block_m, w):
-        t[i, j] = T.if_then_else(mt * BLOCK_M + i < rows, T.cast(Q[bi, T.min(mt * BLOCK_M + i, rows - 1), c0 + j], dt),
-                                 T.cast(0, dt))
+        t[i, j] = _query_value(Q, bi, mt, rows, c0, dt)(i, j)
+
+
+@T.macro
+def _load_query_pair(t0, t1, Q, bi, mt, block_m, rows, c0, c1, w, dt):
+    for i, j in tile.parallel(block_m, w):
+        t0[i, j] = _query_value(Q, bi, mt, rows, c0, dt)(i, j)
+        t1[i, j] = _query_value(Q, bi, mt, rows, c1, dt)(i, j)
 
 
 @tile_program(
@@ -254,7 +277,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
             bi = tile.scalar(bid // (m_tiles * max_splits))
-            q_tiles = _query_tiles(Q, bi, mt, block_m, rows, q_parts)
 
             splits = tile.scalar(Splits[bi])
             seqlen = tile.scalar(SeqLens[bi])
@@ -263,6 +285,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             n_iter = tile.scalar(T.if_then_else(si < splits,
                                                 T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0))
             causal_base = seqlen - s_q + 1 if causal else seqlen
+            q_tiles = _query_tiles(Q, bi, mt, block_m, rows, q_parts)
 
             tile.attention_loop(
                 n_iter, q_tiles, kv_parts, list(range(n_lat)),
