@@ -66,26 +66,29 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
     return out
 
 
-def _query_tiles(Q, bi, mt, block_m, rows, parts):
-    """The query tile of CTA row tile mt, one operand tile per (first column, width, dtype) part;
-    rows past the sequence's s_q * h_q are zero. Two neighbouring parts of one shape load in one
-    loop (twice the loads in flight a thread)."""
+def _query_tiles(q_at, row_of, block_m, rows, parts):
+    """The query tile, one operand tile per (first column, width, dtype) part: row i holds query row
+    row_of(i) (q_at(row, column) reads it), zero past the sequence's rows. Two neighbouring parts of
+    one shape load in one loop (twice the loads in flight a thread). q_at and row_of are closures so
+    that the loops use the kernel's own scalars: macro arguments become copies, which cost the
+    two-converter FP8 kernel 6 spilled registers."""
     tiles = [tile.operand((block_m, w), dt) for _, w, dt in parts]
     n = 0
     while n < len(parts):
         if n + 1 < len(parts) and parts[n][1:] == parts[n + 1][1:]:
-            _load_query_pair(tiles[n], tiles[n + 1], Q, bi, mt, block_m, rows, parts[n][0], parts[n + 1][0], *parts[n][1:])
+            _load_query_pair(tiles[n], tiles[n + 1], row_of, _query_value(q_at, rows, parts[n][0], parts[n][2]),
+                             _query_value(q_at, rows, parts[n + 1][0], parts[n][2]), block_m, parts[n][1])
             n += 2
         else:
-            _load_query_part(tiles[n], Q, bi, mt, block_m, rows, *parts[n])
+            _load_query_part(tiles[n], row_of, _query_value(q_at, rows, parts[n][0], parts[n][2]), block_m,
+                             parts[n][1])
             n += 1
     return tiles
 
 
-def _query_value(Q, bi, mt, rows, c, dt):
-    # Q[bi, row, c] for row mt * BLOCK_M + i (as dt), 0 past the last row
-    r = mt * BLOCK_M
-    return lambda i, j: T.if_then_else(r + i < rows, _as(Q[bi, T.min(r + i, rows - 1), c + j], dt), T.cast(0, dt))
+def _query_value(q_at, rows, c, dt):
+    # (r, j) -> the query's row r, column c + j (as dt), 0 past the last row
+    return lambda r, j: T.if_then_else(r < rows, _as(q_at(T.min(r, rows - 1), c + j), dt), T.cast(0, dt))
 
 
 def _as(x, dt):
@@ -93,16 +96,18 @@ def _as(x, dt):
 
 
 @T.macro
-def _load_query_part(t, Q, bi, mt, block_m, rows, c0, w, dt):
+def _load_query_part(t, row_of, value, block_m, w):
     for i, j in tile.parallel(block_m, w):
-        t[i, j] = _query_value(Q, bi, mt, rows, c0, dt)(i, j)
+        r = row_of(i)
+        t[i, j] = value(r, j)
 
 
 @T.macro
-def _load_query_pair(t0, t1, Q, bi, mt, block_m, rows, c0, c1, w, dt):
+def _load_query_pair(t0, t1, row_of, value0, value1, block_m, w):
     for i, j in tile.parallel(block_m, w):
-        t0[i, j] = _query_value(Q, bi, mt, rows, c0, dt)(i, j)
-        t1[i, j] = _query_value(Q, bi, mt, rows, c1, dt)(i, j)
+        r = row_of(i)
+        t0[i, j] = value0(r, j)
+        t1[i, j] = value1(r, j)
 
 
 @tile_program(
@@ -285,7 +290,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             n_iter = tile.scalar(T.if_then_else(si < splits,
                                                 T.max(T.min(T.ceildiv(seqlen, block_n), first + chunk) - first, 0), 0))
             causal_base = seqlen - s_q + 1 if causal else seqlen
-            q_tiles = _query_tiles(Q, bi, mt, block_m, rows, q_parts)
+            q_tiles = _query_tiles(lambda r, c: Q[bi, r, c], lambda i: mt * BLOCK_M + i, block_m, rows, q_parts)
 
             tile.attention_loop(
                 n_iter, q_tiles, kv_parts, list(range(n_lat)),
