@@ -180,8 +180,6 @@ def test_lowers_to_fp8_tensor_cores(target, instr):
 @pytest.mark.parametrize("params", [dict(n=2112, k=7168, block_m=64, block_n=64), dict(n=4096, k=7168, mode="contiguous"),
                                     dict(n=4096, k=7168, mode="masked", block_m=64), dict(n=256, k=1024, block_m=64, splits=2)])
 def test_ascend_source_has_the_fp8_cube_mma_and_the_vector_fold(params):
-    import re
-
     src = fp8_gemm_program.source("ascend", **params)
     bm, bn = params.get("block_m", 128), params.get("block_n", 128)
     # the Cube multiplies the fp8 tiles straight from L1 into L0C, one 128-wide K block at a time
@@ -451,7 +449,6 @@ def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
     """The instructions of the smallest range closed by a predicated backward branch that holds an
     `mma` instruction: the MMA warpgroups' K loop (the mbarrier retry trampolines after the kernel's
     code return with unpredicated jumps, which can span less)."""
-    import re
 
     ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     best = None
@@ -762,7 +759,6 @@ def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     tcgen05 MMAs (UTCQMMA) with the E8M0 scale words copied to tensor memory (UTCCP), no spills;
     its instruction descriptor says A e4m3, B e2m1, UE8M0 scales, M = N = 128. Compiled only: no
     sm_100a device has run it. Targets without block-scaled tensor cores refuse it."""
-    import re
 
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
@@ -1004,8 +1000,6 @@ def test_mxfp4_plan():
 
 
 def test_mxfp4_plans_fit_in_shared_memory():
-    import re
-
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_gemm_program, plan, smem_bytes
 
     for m in (1, 64, 200, 4096):
