@@ -41,7 +41,6 @@ FP8_SCALE_WORD = D_V // 4                # the scales as 32-bit words of the tok
 FP8_ROPE_HALF = (D_V + 16) // 2          # the rope as 16-bit words of the token
 FP8_MAX = 448.0
 FP8_BLOCK = 128                          # latent values per FP8 scale
-FP16_MAX = 65504.0                       # fold_scales: the largest latent q / cache scale the fp16 path takes
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_FORMATS = ("bf16", "fp8")
 LOG2E = 1.4426950408889634

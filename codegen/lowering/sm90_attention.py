@@ -102,19 +102,15 @@ def _scores_t(q, kv, slot, acc_st, fold=None):
     # S^T = sum_p K_p Q_p^T: the step's tokens are M, the query rows N. fold (_Fold): the parts with a
     # row scale go to their scale's own accumulator, all issued before the one wait, then
     # S^T += sum_b acc_b * scale_b (per token: the rows of S^T)
-    if fold is None:
-        for p, (qt, kt) in enumerate(zip(q, kv)):
-            emit(T.wgmma_gemm(kt[slot, :, :], qt, acc_st, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
-        emit(T.wait_wgmma(0))
-        return
     cleared = set()
     for p, (qt, kt) in enumerate(zip(q, kv)):
-        b = fold.part_scale[p]
+        b = None if fold is None else fold.part_scale[p]
         acc = acc_st if b is None else fold.acc[b]
         emit(T.wgmma_gemm(kt[slot, :, :], qt, acc, transpose_B=True, clear_accum=b not in cleared, policy=FULL_ROW))
         cleared.add(b)
     emit(T.wait_wgmma(0))
-    _fold_scores(acc_st, fold.acc, fold.ss, slot, None in cleared)
+    if fold is not None:
+        _fold_scores(acc_st, fold.acc, fold.ss, slot, None in cleared)
 
 
 @T.macro
@@ -424,21 +420,20 @@ def _store_scales(fold, raw, slot, r, valid, row0, rows, wg):
         count = fold.ss.shape[1]
         if (rows * count) % WG:
             raise ValueError(f"attention_loop: {rows} rows x {count} row scales do not split over {WG} threads")
-        _store_scales_m(fold.ss, fold.scale, read, slot, valid, row0, rows, count,
-                        T.get_thread_binding() - wg * WG)
+
+        def value(b, i):                # scale b of raw row i; 0 past the valid rows
+            s = fold.scale(b, i, read)
+            return s if valid is None else T.if_then_else(row0 + i < valid, s, T.float32(0))
+
+        _store_scales_m(fold.ss, value, slot, row0, rows, count, T.get_thread_binding() - wg * WG)
 
 
 @T.macro
-def _store_scales_m(ss, scale, read, slot, valid, row0, rows, count, tid):
+def _store_scales_m(ss, value, slot, row0, rows, count, tid):
     # flat index f: scale f // rows of row f % rows (consecutive threads, consecutive tokens)
     for c in T.unroll(rows * count // WG):
-        if valid is None:
-            ss[slot, (c * WG + tid) // rows, row0 + (c * WG + tid) % rows] = scale(
-                (c * WG + tid) // rows, (c * WG + tid) % rows, read)
-        else:
-            ss[slot, (c * WG + tid) // rows, row0 + (c * WG + tid) % rows] = T.if_then_else(
-                row0 + (c * WG + tid) % rows < valid,
-                scale((c * WG + tid) // rows, (c * WG + tid) % rows, read), T.float32(0))
+        ss[slot, (c * WG + tid) // rows, row0 + (c * WG + tid) % rows] = value((c * WG + tid) // rows,
+                                                                               (c * WG + tid) % rows)
 
 
 def _share_values(kv, ck):
@@ -810,8 +805,8 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     # chunked raw staging: the producer converts chunk 0 of each step and WG1 chunk 1
     full, empty, tail, raw_full, p_ready, p_free, stats = _barriers(stages, raw_stages, plain,
                                                                     PRODUCER + (WG if pieces > 1 else 0))
-    wg = [([kv_s[p] for p in h], [p_of[p] for p in h], cols[n * len(halves[0]):][:len(h)])
-          for n, h in enumerate(halves)]
+    col_of = dict(zip(v, cols))
+    wg = [([kv_s[p] for p in h], [p_of[p] for p in h], [col_of[p] for p in h]) for h in halves]
     _warpgroups_t(steps, loads, q, kv_s, raw_s, value, valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s,
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
                   stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct, fold, wg, v)
