@@ -67,10 +67,12 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
 
 def _query_tiles(q_at, row_of, block_m, rows, parts):
     """The query tile, one operand tile per (first column, width, dtype) part: row i holds query row
-    row_of(i) (q_at(row, column) reads it), zero past the sequence's rows. Two neighbouring parts of
-    one shape load in one loop (twice the loads in flight a thread). q_at and row_of are closures so
-    that the loops use the kernel's own scalars: macro arguments become copies, which cost the
-    two-converter FP8 kernel 6 spilled registers."""
+    row_of(i) (q_at(row, column) reads it), zero past the sequence's rows. Loads are QV values wide
+    (8- and 16-byte loads where there were 2-byte ones: a CTA's 72 KB at h_q = 128 took ~36K cycles
+    in 43 dependent rounds, "MLA v12"), and two neighbouring parts of one shape load in one loop
+    (twice the loads in flight a thread). q_at and row_of are closures so that the loops use the
+    kernel's own scalars: macro arguments become copies, which cost the two-converter FP8 kernel 6
+    spilled registers."""
     tiles = [tile.operand((block_m, w), dt) for _, w, dt in parts]
     n = 0
     while n < len(parts):
@@ -94,19 +96,24 @@ def _as(x, dt):
     return x if x.dtype == dt else T.cast(x, dt)
 
 
+QV = 8  # query values a thread loads at once (16 bytes of bf16; TileLang may split it in two 8-byte loads)
+
+
 @T.macro
 def _load_query_part(t, row_of, value, block_m, w):
-    for i, j in tile.parallel(block_m, w):
+    for i, jv in tile.parallel(block_m, w // QV):
         r = row_of(i)
-        t[i, j] = value(r, j)
+        for v in T.vectorized(QV):
+            t[i, jv * QV + v] = value(r, jv * QV + v)
 
 
 @T.macro
 def _load_query_pair(t0, t1, row_of, value0, value1, block_m, w):
-    for i, j in tile.parallel(block_m, w):
+    for i, jv in tile.parallel(block_m, w // QV):
         r = row_of(i)
-        t0[i, j] = value0(r, j)
-        t1[i, j] = value1(r, j)
+        for v in T.vectorized(QV):
+            t0[i, jv * QV + v] = value0(r, jv * QV + v)
+            t1[i, jv * QV + v] = value1(r, jv * QV + v)
 
 
 @tile_program(
