@@ -165,6 +165,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             if overlap:
                 sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
                 sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
+                # where a producer warpgroup loads the tiles (sm_90a), the scales pass through
+                # registers: the prologue's loads all issue before the producer's first TMA
+                split_prologue = tile.producer_threads() > 0
+                sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue else None
+                sfb_r = tile.fragment((kb,)) if split_prologue else None
             scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
             if not overlap:                                     # the next step's sfa and sfb, loaded a step early
                 ahead_a = tile.fragment((mine,))
@@ -215,12 +220,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
-                scales = (SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n)
+                scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n)
                 store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)) if cluster
                          else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
-                                       epilogue=store, prologue=lambda: _stage_scales(scales, mine, per),
+                                       epilogue=store,
+                                       prologue=((lambda: _issue_scales(scales, mine, per),
+                                                  lambda: _finish_scales(scales, mine, per)) if split_prologue
+                                                 else lambda: _stage_scales(scales, mine, per)),
                                        share_a=2 if multicast else 1, mark=mark)
             else:
                 for s in tile.pipelined(steps, stages=stages):
@@ -262,18 +270,52 @@ def _grid(blocks, threads, cluster):
     return tile.cluster_grid(blocks, threads, cluster) if cluster > 1 else tile.grid(blocks, threads)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@T.macro
+def _issue_scales(scales, mine, per):
+    """v3's prologue, first half: the tile's block of sfb (all K blocks) and its rows' sfa for the
+    block's K range, from global memory into registers. The K range is padded to a power of two: a
+    thread's (row, block) by shifts, not the 64-bit divisions by `per` that took ~340 instructions
+    a thread before the loads could issue (bench/NOTES.md "GEMM v7")."""
+    SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
+    with tile.vector():
+        for kk in tile.parallel(kb):
+            sfb_r[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+        for i, t in tile.parallel(mine, _pow2(per)):
+            if t < per:
+                r = T.min(row0 + first + i, height - 1)
+                kk = T.min(k0 + t, kb - 1)
+                sfa_r[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+
+
 @T.macro
 def _stage_scales(scales, mine, per):
-    """The tile's block of sfb (all K blocks) and its rows' sfa for the block's K range, into shared
-    memory (v3's prologue)."""
-    SFA, SFB, sfa_s, sfb_s, masked, g, row0, first, height, k0, kb, tn, block_n = scales
+    """v3's prologue in one piece (targets without a producer warpgroup): global -> shared memory."""
+    SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
         for kk in tile.parallel(kb):
             sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-        for i, t in tile.parallel(mine, per):
-            r = T.min(row0 + first + i, height - 1)
-            kk = T.min(k0 + t, kb - 1)
-            sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+        for i, t in tile.parallel(mine, _pow2(per)):
+            if t < per:
+                r = T.min(row0 + first + i, height - 1)
+                kk = T.min(k0 + t, kb - 1)
+                sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+
+
+@T.macro
+def _finish_scales(scales, mine, per):
+    """v3's prologue, second half: the registers into shared memory (the same loops, so each thread
+    stores what it loaded)."""
+    SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
+    with tile.vector():
+        for kk in tile.parallel(kb):
+            sfb_s[kk] = sfb_r[kk]
+        for i, t in tile.parallel(mine, _pow2(per)):
+            if t < per:
+                sfa_s[i, t] = sfa_r[i, t]
 
 
 @T.macro

@@ -287,17 +287,25 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_scales_never_hold_the_first_loads(overlap):
     """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
-    (bench/NOTES.md "GEMM v4"). Now every scale load is in the MMA warpgroups' branch: v3 stages
-    them there under the first loads (then a named barrier of the MMA threads), v2 loads them a step
-    ahead into registers."""
+    (bench/NOTES.md "GEMM v4"); staged by the MMA warpgroups after the split, their loads queued
+    behind the grid's first tile loads (~8900 cycles, "GEMM v7"). v3 now splits its prologue: the MMA
+    threads issue the scale loads into registers and arrive on a barrier, the producer waits for that
+    arrival (not for the data) before its first TMA, and the registers go to shared memory after the
+    MMA threads' register grow, then a named barrier of theirs. The loads' addresses need no 64-bit
+    division. v2 loads them a step ahead into registers."""
     src = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=overlap)
     body = src[src.index("fence_barrier_init"):]
-    split = body.index("warpgroup_reg_alloc")                   # the MMA warpgroups' branch starts here
-    assert body.index("tma_load") < split < body.index("SFA[") and body.index("SFB[") > split
+    split = body.index("warpgroup_reg_alloc")                   # the MMA warpgroups' grow
     if overlap:
-        mma = body[split:]
-        assert mma.index("SFA[") < mma.index("__sync_thread_partial(13, 256)") < mma.index("wgmma")
+        producer = body[:body.index("tma_load")]
+        mma = body[body.rindex("} else {", 0, body.index("SFB[")):]   # the MMA warpgroups' branch
+        assert producer.index(".wait(0)") < producer.index("warpgroup_reg_dealloc")
+        loads = mma[:mma.index(".arrive()")]
+        assert "SFA" in loads and "SFB" in loads and "sfa_s" not in loads and "/ (int64_t)" not in loads
+        assert (mma.index(".arrive()") < mma.index("warpgroup_reg_alloc") < mma.index("sfa_s")
+                < mma.index("__sync_thread_partial(13, 256)") < mma.index("wgmma"))
     else:
+        assert body.index("tma_load") < split < body.index("SFA[") and body.index("SFB[") > split
         assert "sfa_s" not in src and "ahead_a" in src
 
 

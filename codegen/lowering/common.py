@@ -136,14 +136,27 @@ def scale_factors(scale_of):
     return factors
 
 
+def _prologue_parts(prologue) -> tuple:
+    """mma_promoted_loop's prologue: None, a callable, or (issue, finish): issue() starts the
+    prologue's global loads (into registers), finish() uses them (stores into shared memory)."""
+    if prologue is None:
+        return ()
+    if callable(prologue):
+        return (prologue,)
+    if isinstance(prologue, tuple) and len(prologue) == 2 and all(callable(f) for f in prologue):
+        return prologue
+    raise TypeError(f"mma_promoted_loop's prologue must be a callable or a pair (issue, finish) of callables, "
+                    f"got {prologue!r}")
+
+
 @register("mma_promoted_loop", "*")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
                       share_a=1, mark=None):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
     # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
     # loads its own here. mark (a trace's stamps): sm_90a's rule only
-    if prologue is not None:
-        prologue()                      # every thread, before the loop (the sync pass orders it)
+    for part_of in _prologue_parts(prologue):
+        part_of()                       # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
     _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
 

@@ -7,7 +7,7 @@ import operator
 import tilelang.language as T
 
 from codegen import tile
-from codegen.lowering.common import scale_factors
+from codegen.lowering.common import _prologue_parts, scale_factors
 from codegen.rules import register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
@@ -211,7 +211,7 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1):
 
 
 @T.macro
-def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, consumers,
+def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, scale, scale_of, stages, consumers,
                 regs, policy, epilogue, prologue, ahead, share_a, mark):
     if share_a > 1:
         # both blocks' barriers initialized before either producer multicasts into the other's
@@ -219,15 +219,24 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, ping, pong, acc, scale, sca
         tile.cluster_barrier()
     elif prologue is not None:
         T.sync_threads()                # barrier init (and any shared-memory writes) before the split
+    issue, finish = prologue if isinstance(prologue, tuple) else (None, prologue)
     if T.get_thread_binding() >= consumers:
+        if issue is not None:
+            # the prologue's loads go out before the first TMA: issued behind a grid's worth of
+            # tile loads they came back ~8900 cycles later (128x4096x7168, bench/NOTES.md "GEMM v7")
+            T.mbarrier_wait_parity(start[0], 0)
         tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a)
     else:
+        if issue is not None:
+            # before the register grow: that waits for the producer's shrink, which waits for this
+            issue()
+            T.mbarrier_arrive(start[0])
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.clear(acc)
-        if prologue is not None:
+        if finish is not None:
             # the MMA warpgroups' own staging (the scales) while the producer's first loads fly;
             # their shared-memory writes are done before any thread of theirs reads them
-            prologue()
+            finish()
             T.sync_threads(PROLOGUE_BAR, consumers)
         if mark is not None:
             mark("prologue done")
@@ -269,9 +278,13 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     else:
         empty = T.alloc_barrier([consumers] * stages)
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
+    prologue = _prologue_parts(prologue) or None
+    # (issue, finish): the MMA threads arrive once their loads are issued; the producer waits for it
+    start = T.alloc_barrier([consumers]) if prologue is not None and len(prologue) == 2 else None
+    prologue = prologue if prologue is None or len(prologue) == 2 else prologue[0]
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
-    _overlapped(steps, loads, a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, consumers,
+    _overlapped(steps, loads, a_s, b_s, full, empty, start, part.buf, pong, acc, scale, scale_of, stages, consumers,
                 regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a, mark)
