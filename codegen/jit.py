@@ -9,6 +9,7 @@ Dynamic dimensions are symbolic in the IR, so one kernel serves every batch size
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -236,6 +237,9 @@ def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
     t0 = time.perf_counter()
     backend = _execution_backend(t)
     tlk = tilelang.compile(prim, target=t.tvm(), execution_backend=backend, pass_configs=pass_configs or None)
+    artifact = getattr(tlk, "artifact", None)
+    if artifact is not None and getattr(artifact, "device_mod", None) is not None:
+        check_shared_memory(program, t, bound, artifact.device_mod)
     STATS["compile"] += 1
     log.info("tilecraft: compiled %s on %s in %.1f s", program.name, t.name, time.perf_counter() - t0)
     path = None
@@ -256,7 +260,29 @@ def lower_source(program, target, **params) -> str:
 
         with tvm.transform.PassContext(config=program.configs(t, bound, rule_configs)):
             art = tilelang.lower(prim, target=tv)
+    check_shared_memory(program, t, bound, art.device_mod)
     return art.kernel_source
+
+
+_DYN_SMEM = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"\)')
+
+
+def dynamic_shared_memory(device_mod) -> int:
+    """Bytes of dynamic shared memory the lowered kernels allocate (TileLang merges a kernel's
+    shared tiles into one `shared.dyn` buffer)."""
+    return sum(int(n) for n in _DYN_SMEM.findall(device_mod.script()))
+
+
+def check_shared_memory(program, t: targets.Target, bound: dict, device_mod) -> None:
+    """A kernel over the target's shared memory fails only at its first launch, with the driver's
+    "Failed to set the allowed dynamic shared memory size" (bench/NOTES.md "MLA v12"): say so at
+    build time instead, with the program and its parameters."""
+    limit = rules.lookup("limits", t).fn().get("smem_bytes")
+    need = dynamic_shared_memory(device_mod)
+    if limit is not None and need > limit:
+        raise ValueError(f"tile program {program.name!r} with {bound} needs {need} bytes of shared memory on "
+                         f"{t.name}, which allows {limit} (tile.limits()['smem_bytes']); choose fewer stages or "
+                         "smaller tiles")
 
 
 def clear_memory() -> None:

@@ -148,7 +148,8 @@ scalar = _word("scalar", "A per-block scalar computed once and kept in a registe
 mma_block_scaled_loop = _word("mma_block_scaled_loop", "The K loop of a GEMM on block-scaled tensor cores: for s < steps, copy loads(s) = (A region, B region) into tiles of operands[0] and operands[1] and scale_loads(s) = (A's, B's scale words: one 32-bit word (scale_dtype) of 4 E8M0 bytes per row, each byte scale_k K values) into scale tiles, acc (+)= (a * sfa) @ (b * sfb)^T; epilogue() after the last step; a grid of 128 threads.")
 producer_threads = _word("producer_threads", "Extra threads mma_promoted_loop and mma_decoded_loop need in the grid beyond the MMA threads (0 but on sm_90a).")
 split_rows = _word("split_rows", "(count, first): the rows of a `rows`-row tile that this core's vector code holds (all of them, or half on Ascend).")
-limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}.")
+limits = _word("limits", "Facts about the target that shape a program: {'accumulator_columns': ..., 'smem_bytes': ...}; "
+               "a kernel whose dynamic shared memory exceeds smem_bytes is refused when it is built (codegen.jit).")
 store = _word("store", "Write a tile produced by read_accumulator (or any on-chip tile) to global memory.")
 copy = _word("copy", "Copy a tile or region between global memory and on-chip buffers.")
 parallel = _word("parallel", "Elementwise map: a loop nest whose iterations are spread over the threads.")
