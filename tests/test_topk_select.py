@@ -44,7 +44,7 @@ def test_all_equal_rows_and_ties_at_the_threshold():
     x[2, 4000:] = float("inf")
     x[2, :10] = float("-inf")
     lengths = torch.tensor([5000, 4999, 5000], dtype=torch.int32)
-    for k in (1, 100, 714, 715, 716, 2048, 4096):
+    for k in (1, 714, 715, 716, 4096):    # around the 715 keys above the ties, and past them
         assert torch.equal(ops.topk_select(x, k, lengths=lengths), topk_select_reference(x, k, lengths=lengths)), k
 
 
