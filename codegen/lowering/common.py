@@ -136,7 +136,7 @@ def scale_factors(scale_of):
     return factors
 
 
-def _prologue_parts(prologue) -> tuple:
+def prologue_parts(prologue) -> tuple:
     """mma_promoted_loop's prologue: None, a callable, or (issue, finish): issue() starts the
     prologue's global loads (into registers), finish() uses them (stores into shared memory)."""
     if prologue is None:
@@ -155,7 +155,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
     # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
     # loads its own here. mark (a trace's stamps): sm_90a's rule only
-    for part_of in _prologue_parts(prologue):
+    for part_of in prologue_parts(prologue):
         part_of()                       # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
     _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))

@@ -7,7 +7,7 @@ import operator
 import tilelang.language as T
 
 from codegen import tile
-from codegen.lowering.common import _prologue_parts, scale_factors
+from codegen.lowering.common import prologue_parts, scale_factors
 from codegen.rules import register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
@@ -217,9 +217,10 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
         # both blocks' barriers initialized before either producer multicasts into the other's
         # shared memory or an MMA thread arrives on the other's empty barriers
         tile.cluster_barrier()
-    elif prologue is not None:
+    elif len(prologue) > 0:
         T.sync_threads()                # barrier init (and any shared-memory writes) before the split
-    issue, finish = prologue if isinstance(prologue, tuple) else (None, prologue)
+    # prologue: (), (stage,) or (issue, finish)
+    issue, finish = prologue if len(prologue) == 2 else (None, prologue[0] if prologue else None)
     if T.get_thread_binding() >= consumers:
         if issue is not None:
             # the prologue's loads go out before the first TMA: issued behind a grid's worth of
@@ -278,10 +279,9 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     else:
         empty = T.alloc_barrier([consumers] * stages)
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
-    prologue = _prologue_parts(prologue) or None
+    prologue = prologue_parts(prologue)
     # (issue, finish): the MMA threads arrive once their loads are issued; the producer waits for it
-    start = T.alloc_barrier([consumers]) if prologue is not None and len(prologue) == 2 else None
-    prologue = prologue if prologue is None or len(prologue) == 2 else prologue[0]
+    start = T.alloc_barrier([consumers]) if len(prologue) == 2 else None
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
