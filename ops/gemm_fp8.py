@@ -226,9 +226,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
                                        epilogue=store,
-                                       prologue=((lambda: _issue_scales(scales, mine, per),
+                                       prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                   lambda: _finish_scales(scales, mine, per)) if split_prologue
-                                                 else lambda: _stage_scales(scales, mine, per)),
+                                                 else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
                                        share_a=2 if multicast else 1, mark=mark)
             else:
                 for s in tile.pipelined(steps, stages=stages):
@@ -275,34 +275,22 @@ def _pow2(n: int) -> int:
 
 
 @T.macro
-def _issue_scales(scales, mine, per):
-    """v3's prologue, first half: the tile's block of sfb (all K blocks) and its rows' sfa for the
-    block's K range, from global memory into registers. The K range is padded to a power of two: a
-    thread's (row, block) by shifts, not the 64-bit divisions by `per` that took ~340 instructions
-    a thread before the loads could issue (bench/NOTES.md "GEMM v7")."""
+def _scales_into(scales, mine, per, sfa_dst, sfb_dst):
+    """v3's prologue loads: the tile's block of sfb (all K blocks) and its rows' sfa for the block's
+    K range, from global memory into sfb_dst / sfa_dst: registers (the first half of the split
+    prologue, sm_90a) or shared memory (in one piece, targets without a producer warpgroup). The K
+    range is padded to a power of two: a thread's (row, block) by shifts, not the 64-bit divisions
+    by `per` that took ~340 instructions a thread before the loads could issue (bench/NOTES.md
+    "GEMM v7")."""
     SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
         for kk in tile.parallel(kb):
-            sfb_r[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+            sfb_dst[kk] = SFB[g, (tn * block_n) // GROUP, kk]
         for i, t in tile.parallel(mine, _pow2(per)):
             if t < per:
                 r = T.min(row0 + first + i, height - 1)
                 kk = T.min(k0 + t, kb - 1)
-                sfa_r[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
-
-
-@T.macro
-def _stage_scales(scales, mine, per):
-    """v3's prologue in one piece (targets without a producer warpgroup): global -> shared memory."""
-    SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
-    with tile.vector():
-        for kk in tile.parallel(kb):
-            sfb_s[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-        for i, t in tile.parallel(mine, _pow2(per)):
-            if t < per:
-                r = T.min(row0 + first + i, height - 1)
-                kk = T.min(k0 + t, kb - 1)
-                sfa_s[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+                sfa_dst[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
 
 
 @T.macro
