@@ -516,27 +516,33 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
 
 
 def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a", page: int = 64) -> dict:
-    """Per-step tokens and staging depth. bf16: 64-token steps, 2 deep (measured best on H200; 32 x 4
-    paid twice the per-step softmax overhead, see bench/NOTES.md); on sm_90a a step is at most a page
+    """Per-step tokens and staging depth. bf16: on sm_90a 64-token steps, 2 deep (measured best on H200;
+    32 x 4 paid twice the per-step softmax overhead, see bench/NOTES.md), elsewhere with 128 threads
+    (with 256 the tiles do not fit sm_100a's shared memory); on sm_90a a step is at most a page
     (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile). On sm_90a with pages of 64+
     tokens and few query rows (s_q * h_q <= 32 bf16, <= 16 FP8) the operands are swapped: the heads
     are WGMMA's N, not padded to 64 rows (bench/NOTES.md "MLA v9"); the FP8 cache then stages its raw
     bytes in 32-token chunks that the producer and WG1 convert, and its bf16 rope goes by TMA straight
     into the operand tile (rope_direct: 3-4% faster on the H200, "MLA v10"), and the e4m3 latent becomes fp16 with
     its scales folded into the MMAs (fold_scales: 8% faster, "MLA v11"). Otherwise fp8: the raw bytes and the
-    bf16 operand tiles must both fit in shared memory: 32-token steps; on sm_90a 2 converted + 3 raw
-    steps (the producer warpgroup converts), elsewhere 4 pipelined steps."""
+    bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
+    (the producer warpgroup converts); elsewhere 64-token steps one stage deep, 128 threads."""
     sm90 = targets.get(target).name == "cuda:sm_90a"
     swapped = sm90 and page >= BLOCK_N and rows <= SWAPPED_TILES[kv_format][-1]
     if kv_format != "fp8":
-        block_n = min(BLOCK_N, page) if sm90 else BLOCK_N
-        return dict(block_n=block_n, stages=2, **({"swapped": True} if swapped else {}))
+        if not sm90:
+            # the generic loop with 256 threads needs 233,472 bytes of shared memory on sm_100a (the
+            # row reductions' workspaces included), over its 227 KB (codegen.jit.check_shared_memory)
+            return dict(block_n=BLOCK_N, stages=2, threads=128)
+        return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {}))
     if swapped:
         return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                     fold_scales=True)
     if sm90:
         return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
-    return dict(block_n=32, stages=4, kv_format="fp8")
+    # sm_100a (compiled, never run): TileLang 0.1.15's tcgen05 MMA takes no 32-token step ("TCGEN05
+    # meta not initialized"), and 64-token steps fit its shared memory only one stage deep
+    return dict(block_n=BLOCK_N, stages=1, threads=128, kv_format="fp8")
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,

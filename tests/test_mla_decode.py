@@ -201,7 +201,7 @@ def test_rules_ask_for_their_pass_configs():
     """The sm_90a attention_loop places its own barriers and asks for TileLang's sync pass to be off
     (tile.require_pass_configs); the generic loop on sm_100a asks for nothing."""
     _, on90 = mla_decode_program.traced("sm_90a", dict(h_q=16, s_q=1))
-    _, on100 = mla_decode_program.traced("sm_100a", dict(h_q=16, s_q=1))
+    _, on100 = mla_decode_program.traced("sm_100a", dict(h_q=16, s_q=1, **pick_tiling(16, "bf16", "sm_100a")))
     assert on90 == {"tl.disable_thread_storage_sync": True} and on100 == {}
     assert mla_decode_program.configs("sm_90a", dict(h_q=16, s_q=1), on90)["tl.disable_thread_storage_sync"]
 
@@ -216,10 +216,14 @@ def test_lowers_to_tcgen05_on_sm_100a():
     from backends.cuda.sass import build_cubin, sass_stats
 
     try:
-        hist = sass_stats(build_cubin(mla_decode_program.source("sm_100a", h_q=16, s_q=1), "sm_100a"), "sm_100a").histogram
+        src = mla_decode_program.source("sm_100a", h_q=16, s_q=1, **pick_tiling(16, "bf16", "sm_100a"))
+        hist = sass_stats(build_cubin(src, "sm_100a"), "sm_100a").histogram
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     assert hist.get("UTCHMMA", 0) > 0 and hist.get("HMMA", 0) == 0
+    # every tiling the op picks there lowers within the target's shared memory (both cache formats)
+    for rows, h_q, s_q, fmt in [(16, 16, 1, "fp8"), (256, 128, 2, "fp8"), (128, 128, 1, "bf16")]:
+        assert "tcgen05" in mla_decode_program.source("sm_100a", h_q=h_q, s_q=s_q, **pick_tiling(rows, fmt, "sm_100a"))
 
 
 def test_combine_lowers_on_both_cuda_arches():
