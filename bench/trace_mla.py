@@ -28,7 +28,9 @@ def main() -> int:
              "fp8-16-staged": (1, "fp8", dict(swapped_fp8, stage_raw=True, fold_scales=False)),
              "fp8-16-raw-rope": (1, "fp8", dict(swapped_fp8, rope_direct=False)),
              "fp8-16-unfolded": (1, "fp8", dict(swapped_fp8, fold_scales=False)),
-             "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS)}
+             "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS),
+             # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
+             "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True))}
     unknown = set(sys.argv[1:]) - set(cases)
     if unknown:
         print(f"bench.trace_mla: unknown cases {sorted(unknown)}; known: {sorted(cases)}", file=sys.stderr)

@@ -132,7 +132,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
-                       fold_scales: bool = False):
+                       fold_scales: bool = False, seesaw: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -157,7 +157,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     fp16 (one instruction per two values, no multiply) and each 128-column block's per-token scale is
     applied where it costs little: to that block's partial scores (four K = 128 MMAs, summed with
     the scales as the FP8 GEMM promotes) and to a copy of P per 128 output columns. The latent
-    query is rounded to fp16 for those MMAs: |q| and the cache scales must stay below 65504."""
+    query is rounded to fp16 for those MMAs: |q| and the cache scales must stay below 65504.
+
+    seesaw=True (sm_90a, the bf16 cache, not swapped; bench/NOTES.md "MLA v13"): the two MMA
+    warpgroups score alternate steps and pass the running row max to each other, so one's softmax
+    runs under the other's MMAs (FlashMLA's schedule); P goes over the step's rope tile."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
@@ -312,6 +316,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
+                seesaw=seesaw,
+                # no mask on a step whose last token every row sees (limit() >= causal_base)
+                all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
                 # of several 64-row tiles of a causal multi-token query
                 zero_every_step=causal and m_tiles > 1,

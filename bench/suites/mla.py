@@ -104,6 +104,16 @@ def fp8_swapped_with(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
+def seesaw(case, i):
+    """The bf16 cache through the seesaw schedule (bench/NOTES.md "MLA v13"): the two MMA warpgroups
+    score alternate steps; s_q * h_q above the swapped kernel's rows."""
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True)
+    if tiling.get("swapped"):
+        raise ValueError(f"seesaw is built for the default operand order, not for {case['s_q'] * case['h_q']} rows "
+                         "(swapped)")
+    return tilecraft_variant(case, i, tiling)
+
+
 # two converters: FP8 in the default operand order, WG1 converting half of every step (16-token chunks)
 FP8_TWO_CONVERTERS = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
 
@@ -138,6 +148,7 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
+        Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -258,21 +258,47 @@ def _pv_mmas(p_s, kv, v, outs, alpha, k):
 
 
 @T.macro
-def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
+def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=T.exp2, all_visible=None):
     """Scores s (rows, cols) of step k -> P in place, with the running row max m_i, the factor alpha
-    that rescales what was accumulated before, and the running row sum l_i (log2 domain). Shared
-    by every attention_loop rule."""
-    for i, j in tile.parallel(s.shape[0], s.shape[1]):
-        s[i, j] = T.if_then_else(visible(k, i, j), s[i, j] * scale, -T.infinity("float32"))
+    that rescales what was accumulated before, and the running row sum l_i (log2 domain; scale > 0).
+    Shared by every attention_loop rule; exp2: a target's own (e.g. sm_90a's one-instruction
+    approximation); all_visible(k): a condition under which every score of step k is visible (no
+    mask at all: most steps of a decode)."""
+    # the scale goes into the exponent's FMA (max(s) * scale is the max of the scaled scores), and a
+    # step that all_visible says is whole skips the mask's compare and select: bench/NOTES.md "MLA v13"
+    if all_visible is None:
+        _mask(k, s, visible)
+    else:
+        _mask_unless(k, s, visible, all_visible(k))
     T.copy(m_i, m_prev)
-    tile.row_reduce(s, m_i, "max", dim=1, clear=False)
+    tile.row_reduce(s, row_sum, "max", dim=1)
     for i in tile.parallel(s.shape[0]):
-        alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, T.exp2(m_prev[i] - m_i[i]))
+        m_i[i] = T.max(m_prev[i], row_sum[i] * scale)
+    # m_prev becomes the max to subtract: a row with no visible score yet (max -inf, every score -inf)
+    # subtracts 0, so exp2 gives 0 without a select per score (on sm_90a that select was a branch
+    # around every pair of MUFU.EX2, on WG0's critical path)
+    for i in tile.parallel(s.shape[0]):
+        alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, exp2(m_prev[i] - m_i[i]))
+        m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
     for i, j in tile.parallel(s.shape[0], s.shape[1]):
-        s[i, j] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, T.exp2(s[i, j] - m_i[i]))
+        s[i, j] = exp2(s[i, j] * scale - m_prev[i])
     tile.row_reduce(s, row_sum, "sum", dim=1)
     for i in tile.parallel(s.shape[0]):
         l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def _mask_unless(k, s, visible, whole):
+    if whole:
+        T.evaluate(0)
+    else:
+        _mask(k, s, visible)
+
+
+@T.macro
+def _mask(k, s, visible):
+    for i, j in tile.parallel(s.shape[0], s.shape[1]):
+        s[i, j] = T.if_then_else(visible(k, i, j), s[i, j], -T.infinity("float32"))
 
 
 @T.macro
@@ -311,11 +337,12 @@ def _set_first(buf, value):
 @register("attention_loop", "*")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None):
+                   direct=None, all_visible=None, seesaw=False):
     # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step;
-    # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline
-    if swapped or raw_rows is not None or stage_raw or direct is not None:
-        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=) is lowered on "
+    # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline;
+    # all_visible is a hint this loop does not need (it masks every step)
+    if swapped or raw_rows is not None or stage_raw or direct is not None or seesaw:
+        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True) is lowered on "
                          "cuda:sm_90a only")
     if getattr(value, "row_scales", None) is not None:
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "

@@ -33,6 +33,15 @@ producer the first half of each step's chunks, WG1 the second half one step ahea
 update. Each converter reloads a raw slot as soon as it has read it (stage_raw: read into registers
 first, then converted under the reload).
 
+seesaw=True (plain staging, not swapped; bench/NOTES.md "MLA v13"): the two MMA warpgroups take
+turns over the steps, as FlashMLA's "seesaw" schedule does. In each pair of steps (e0, e1) WG0 scores
+step e0 and WG1 step e1; the running row max passes WG0 -> WG1 -> WG0 (each softmax starts from the
+other's last max), so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy.
+Each warpgroup still owns half of O's columns and updates it with both steps' P: O *= alpha_e0,
+O += P_e0 V_e0, O *= alpha_e1, O += P_e1 V_e1. A step's P is written over that step's last kv part
+(the rope: read only by the scores, so free once they are done), which must be block_m x block_n.
+Each warpgroup keeps its own row sum; the two are added at the end.
+
 Barriers (all mbarriers; parity = use number % 2):
     full[slot]   producer arrivals (+ TMA bytes): the step's operand tiles are ready (swapped with
                  raw chunks: producer + WG1 arrivals, one per converter and step)
@@ -41,6 +50,9 @@ Barriers (all mbarriers; parity = use number % 2):
     empty[slot]  both MMA warpgroups are done reading the slot
     p_ready / p_free   WG0 -> WG1 hand-off of P and the row scales (one buffer)
     stats        WG0's final row max and sum are in shared memory for WG1's epilogue
+    seesaw: p_ready / p_free become ready0 / ready1: step e0's (resp. e1's) P, alpha and row max are
+    written (one use per pair of steps); named barrier SEESAW_BAR joins both MMA warpgroups for the
+    final row sums.
 """
 
 from dataclasses import dataclass
@@ -59,7 +71,9 @@ PRODUCER = 128
 SCORE_REGS, OUT_REGS, PRODUCER_REGS = 240, 168, 80   # 128 * (240 + 168 + 80) <= 64K registers
 NEG_INF = float("-inf")
 # named barriers of our own: TileLang reserves 0-2 and numbers any it inserts from 3 up
-WG0_BAR, PRODUCER_BAR, WG1_BAR = 15, 14, 13
+WG0_BAR, PRODUCER_BAR, WG1_BAR, SEESAW_BAR = 15, 14, 13, 12
+# seesaw: both MMA warpgroups hold a 64 x 256 accumulator and a score tile; the producer only issues TMA
+SEESAW_REGS, SEESAW_PRODUCER_REGS = 216, 56
 FULL_ROW = T.GemmWarpPolicy.FullRow
 
 
@@ -71,6 +85,38 @@ FULL_ROW = T.GemmWarpPolicy.FullRow
 # "wg1 convert": its half converted); the producer's "prod wait1" is then its first raw wait.
 EVENTS = ("wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
           "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert", "wg1 raw", "wg1 convert")
+
+
+# tc_exp2(x): 2^x in one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, results below 2^-126 flushed to 0). CUDA's
+# exp2f adds a range test, a select and two multiplies a value around it: ~4 instructions a score
+# on the softmax, the step's critical path (bench/NOTES.md "MLA v13").
+EXP2_SOURCE = r"""
+__device__ __forceinline__ float tc_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
+def _exp2(x):
+    return T.call_extern("float32", "tc_exp2", x)
+
+
+@dataclass(frozen=True)
+class _Visible:
+    """visible(k, i, j), plus all_visible(k) (or None): every score of step k is visible."""
+
+    at: Any
+    whole: Any
+
+    def __call__(self, k, i, j):
+        return self.at(k, i, j)
+
+
+def _softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
+    online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=_exp2,
+                   all_visible=visible.whole if isinstance(visible, _Visible) else None)
 
 
 @T.macro
@@ -516,7 +562,7 @@ def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum,
                 fold=None, slot=None):
     # step k's scores s (rows x tokens) -> P, written to p_s (fold: one copy per value part, times
     # that part's row scales) with the row scales for WG1 once it is done with step k - 1's
-    online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+    _softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
     _stamp(trace, k, "wg0 softmax")
     if k > 0:
         T.mbarrier_wait_parity(p_free[0], (k - 1) % 2)             # WG1 is done with P of step k - 1
@@ -696,13 +742,20 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None):
+                   direct=None, seesaw=False, all_visible=None):
     threads = state()["threads"]
+    visible = _Visible(visible, all_visible)
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
                          f"got {threads}")
-    check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
+    if seesaw:
+        check_register_split(threads, [(WG, SEESAW_REGS), (WG, SEESAW_REGS), (PRODUCER, SEESAW_PRODUCER_REGS)])
+    else:
+        check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
+    if not state().get("exp2_source"):          # the softmax's exp2 helper, once per program
+        T.import_source(EXP2_SOURCE)
+        state()["exp2_source"] = True
     if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
                          f"parts (swapped: an even number, half for each), got {v}")
@@ -712,8 +765,9 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     kv_s = [T.alloc_shared((stages, rows, d), dt) for rows, d, dt in kv]
     plain = raw is None
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
-    p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
-    alpha_s = T.alloc_shared((block_m,), "float32")
+    # fold: one P per value part; seesaw: P over the step's last kv part
+    p_s = None if fold or seesaw else T.alloc_shared((block_m, block_n), kv[v[0]][2])
+    alpha_s = None if seesaw else T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
     if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
@@ -728,6 +782,9 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if fold and not (swapped and pieces > 1 and not stage_raw):
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is built for swapped=True "
                          "with raw staging in chunks (raw_rows) and stage_raw=False")
+    if seesaw:
+        _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace)
+        return
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
                  raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
@@ -857,3 +914,255 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, valid_rows, visible, scal
         else:
             _producer_converts(steps, kv_s, _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages,
                                                      pieces, direct, stage_raw, fold), empty, stages, trace)
+
+
+# ---- seesaw (module docstring): the two MMA warpgroups take turns over the steps -----------------------
+#
+# Each kv part of each slot has its own full and empty barrier, so a part is reloaded as soon as its
+# last reader is done with it, and the scores of a step start on its first part while the others
+# land: with two slots and a pair of steps in them, whole-slot release left the next pair's loads
+# exposed (first GPU run: 8% slower than the one-scorer loop). Empty barriers take 2 * WG arrivals;
+# a part only one warpgroup reads gets both of that warpgroup's.
+#   step e0's slot: part 0 (V_0) WG0 (scores, P V); part 1 (V_1) WG0 (scores) + WG1 (P V);
+#                   the P part: WG0 (scores, then P written, P V) + WG1 (P V)
+#   step e1's slot: part 0 WG1 (scores) + WG0 (P V); part 1 WG1 (scores, P V); the P part: both (P V)
+# WG1 scores e1 only once WG0's scores of e0 are done (`scored`).
+
+@dataclass(frozen=True)
+class _Seesaw:
+    """What the two warpgroups of the seesaw schedule and the producer share."""
+
+    p_part: int         # the kv part each step's P is written over (the rope: read only by the scores)
+    parts: int          # kv parts a step has
+    alpha: Any          # (2, block_m) float32: alpha of steps e0 (row 0) and e1 (row 1) of the pair
+    m: Any              # (2, block_m) float32: the running row max after step e0 / e1
+    l: Any              # (2, block_m) float32: each warpgroup's final row sum
+    ready: Any          # ready[0]: step e0's P, alpha, max are written (WG0 -> WG1); ready[1]: e1's (WG1 -> WG0)
+    scored: Any         # WG0's scores of e0 are done: WG1 issues e1's only then, so that e0's (the head of
+                        # the pair's chain) get the tensor cores alone (trace: 1650-2500 cycles shared, 1265 alone)
+    full: Any           # full[slot * parts + part]: the part's TMA bytes landed
+    empty: Any          # empty[slot * parts + part]: its readers are done
+    tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
+
+
+@dataclass(frozen=True)
+class _SeesawRegs:
+    """One seesaw warpgroup's fragments."""
+
+    acc_s: Any          # its step's scores, then P (block_m x block_n)
+    o: Any              # its half of O (block_m x value part width)
+    m_i: Any            # the running row max
+    m_prev: Any
+    alpha: Any          # the factor of its own step (WG1: of step e1)
+    alpha0: Any         # WG1: the factor of step e0 (from WG0)
+    row_sum: Any
+    l_i: Any            # its own running row sum
+
+
+def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace):
+    block_m, block_n = q[0].shape[0], kv[0][0]
+    rest = [p for p in range(len(kv)) if p not in v]
+    if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
+        raise ValueError("attention_loop(seesaw=True) is built for plain staging (no raw format), swapped=False, two "
+                         f"value parts, a kv part that is not a value part, and an even number of stages; got "
+                         f"swapped={swapped}, raw={'set' if raw is not None else None}, v={v}, stages={stages}")
+    p_part = rest[-1]
+    if (kv[p_part][0], kv[p_part][1], kv[p_part][2]) != (block_m, block_n, kv[v[0]][2]):
+        raise ValueError(f"attention_loop(seesaw=True) writes P ({block_m} x {block_n}, {kv[v[0]][2]}) over kv part "
+                         f"{p_part}, which is {kv[p_part]}: they must match")
+    # each warpgroup its own fragments: TileLang lays a fragment out over the threads of the branch that
+    # first uses it, so one shared between the two warpgroups' branches gets no code in the other
+    f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"), T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
+                     *(T.alloc_fragment((block_m,), "float32") for _ in range(6))) for _ in range(2)]
+    n = stages * len(kv)
+    sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
+                 T.alloc_shared((2, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
+                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n), T.alloc_barrier([PRODUCER]))
+    _seesaw_warpgroups(steps, loads, q, kv_s, v, valid_rows, visible, scale, f[0], f[1], sw, stages, epilogue,
+                       kv[v[0]][1], trace)
+
+
+@T.macro
+def _seesaw_warpgroups(steps, loads, q, kv, v, valid_rows, visible, scale, f0, f1, sw, stages, epilogue, col1, trace):
+    T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
+    tx = T.get_thread_binding()
+    if tx < WG:
+        _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha,
+                    f0.row_sum, f0.l_i, sw, stages, trace)
+        _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, epilogue)
+    elif tx < 2 * WG:
+        _seesaw_wg1(steps, q, kv, v, valid_rows, visible, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha,
+                    f1.alpha0, f1.row_sum, f1.l_i, sw, stages, trace)
+        _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, epilogue)
+    else:
+        T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
+        _seesaw_producer(steps, loads, kv, v, valid_rows, sw, stages, trace)
+
+
+@T.macro
+def _seesaw_producer(steps, loads, kv, v, valid_rows, sw, stages, trace):
+    # part by part, in order, each as soon as its readers have released it
+    for k in T.serial(steps):
+        _issue_parts(loads, k, kv, stages, sw)
+        _stamp(trace, k, "prod wait2/issue")
+        if _valid(valid_rows, k, kv) < kv[0].shape[1]:
+            _wait_full(sw, k, stages, v)
+            _zero_rows(kv, v, k % stages, _valid(valid_rows, k, kv))
+            T.fence_proxy_async()                                       # generic stores -> WGMMA reads
+            T.mbarrier_arrive(sw.tail[0])
+
+
+def _issue_parts(loads, k, kv, stages, sw):
+    # step k's copies part by part, each once its slot's part is released; every producer thread
+    # arrives on the part's full barrier (TMA adds the bytes)
+    slot = k % stages
+    for part in range(len(kv)):
+        bar = sw.full[slot * len(kv) + part]
+        emit(T.mbarrier_wait_parity(sw.empty[slot * len(kv) + part], ((k // stages) % 2) ^ 1))
+        for src, p, row0, rows in loads(k):
+            if p == part:
+                emit(T.tma_copy(src, kv[p][slot, row0:row0 + rows, :], barrier=bar))
+        emit(T.mbarrier_arrive(bar))
+
+
+def _wait_full(sw, k, stages, parts):
+    for p in parts:
+        emit(T.mbarrier_wait_parity(sw.full[(k % stages) * sw.parts + p], (k // stages) % 2))
+
+
+def _seesaw_scores(q, kv, k, stages, sw, acc_s):
+    # S = sum_p Q_p K_p^T of step k, each part's MMAs issued once its bytes landed; one wait
+    slot = k % stages
+    for p, (qt, kt) in enumerate(zip(q, kv)):
+        emit(T.mbarrier_wait_parity(sw.full[slot * len(kv) + p], (k // stages) % 2),
+             T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+    emit(T.wait_wgmma(0))
+
+
+def _issue_pv(kv, sw, v_w, k, stages, acc):
+    # acc += P V_w with step k's P (written over its slot's P part), left in flight
+    emit(T.wgmma_gemm(kv[sw.p_part][k % stages, :, :], v_w[k % stages, :, :], acc, transpose_B=False,
+                      clear_accum=False, policy=FULL_ROW))
+
+
+def _release(sw, k, stages, parts, times=1):
+    # this warpgroup is done with kv parts `parts` of step k's slot
+    for p in parts:
+        for _ in range(times):
+            emit(T.mbarrier_arrive(sw.empty[(k % stages) * sw.parts + p]))
+
+
+@T.macro
+def _wait_tail(k, kv, valid_rows, sw):
+    # before a P V of the last step: its value rows past the valid ones are zeroed (P is 0 there,
+    # 0 * NaN is not)
+    if _valid(valid_rows, k, kv) < kv[0].shape[1]:
+        T.mbarrier_wait_parity(sw.tail[0], 0)
+
+
+@T.macro
+def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
+    # step k's P over its slot's P part, its alpha and the running max into row n; all of this
+    # warpgroup's threads have written before ready[n] and before its own P V reads P
+    T.copy(acc_s, kv[sw.p_part][k % stages, :, :])
+    for i in T.Parallel(alpha.shape[0]):
+        sw.alpha[n, i] = alpha[i]
+        sw.m[n, i] = m_i[i]
+    T.fence_proxy_async()
+    T.sync_threads(bar, WG)
+    T.mbarrier_arrive(sw.ready[n][0])
+
+
+@T.macro
+def _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages,
+                trace):
+    # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
+    # P over, O_0 += P V_0 of e0 (in flight while waiting for WG1's e1), then of e1
+    T.set_max_nreg(SEESAW_REGS, 1)
+    T.fill(m_i, NEG_INF)
+    T.fill(l_i, 0.0)
+    T.fill(o, 0.0)
+    for j in T.serial(T.ceildiv(steps, 2)):
+        _stamp(trace, j, "wg0 ready")
+        _seesaw_scores(q, kv, 2 * j, stages, sw, acc_s)
+        T.mbarrier_arrive(sw.scored[0])
+        _release(sw, 2 * j, stages, [v[1]])                         # WG0's read of V_1 of e0 (its scores)
+        _stamp(trace, j, "wg0 S")
+        _softmax(2 * j, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+        _stamp(trace, j, "wg0 softmax")
+        _publish(2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
+        _stamp(trace, j, "wg0 p_ready")
+        _wait_tail(2 * j, kv, valid_rows, sw)
+        _scale_rows(o, alpha)
+        _issue_pv(kv, sw, kv[v[0]], 2 * j, stages, o)
+        # released before waiting for WG1's step: V_0 of e0 then reloads ~1300 cycles earlier, under
+        # WG1's softmax, and the next pair's scores start on it (trace: they waited for the bytes)
+        T.wait_wgmma(0)
+        _release(sw, 2 * j, stages, [v[0]], 2)                      # V_0 of e0: WG0 is its only reader
+        _release(sw, 2 * j, stages, [sw.p_part])
+        _stamp(trace, j, "wg0 PV+empty")
+        if 2 * j + 1 < steps:
+            T.mbarrier_wait_parity(sw.ready[1][0], j % 2)
+            _stamp(trace, j, "wg0 p_free")
+            for i in T.Parallel(alpha.shape[0]):
+                alpha[i] = sw.alpha[1, i]
+                m_i[i] = sw.m[1, i]
+                l_i[i] *= sw.alpha[1, i]
+            _wait_tail(2 * j + 1, kv, valid_rows, sw)
+            _scale_rows(o, alpha)
+            _issue_pv(kv, sw, kv[v[0]], 2 * j + 1, stages, o)
+            T.wait_wgmma(0)
+            _release(sw, 2 * j + 1, stages, [v[0], sw.p_part])
+
+
+@T.macro
+def _seesaw_wg1(steps, q, kv, v, valid_rows, visible, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw,
+                stages, trace):
+    # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
+    # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
+    T.set_max_nreg(SEESAW_REGS, 1)
+    T.fill(m_i, NEG_INF)
+    T.fill(l_i, 0.0)
+    T.fill(o, 0.0)
+    for j in T.serial(T.ceildiv(steps, 2)):
+        if 2 * j + 1 < steps:
+            T.mbarrier_wait_parity(sw.scored[0], j % 2)
+            _seesaw_scores(q, kv, 2 * j + 1, stages, sw, acc_s)
+            _release(sw, 2 * j + 1, stages, [v[0]])                 # WG1's read of V_0 of e1 (its scores)
+            _stamp(trace, j, "wg1 raw")
+        T.mbarrier_wait_parity(sw.ready[0][0], j % 2)
+        # (already complete: orders e0's TMA bytes before this warpgroup's own reads)
+        _wait_full(sw, 2 * j, stages, [v[1]])
+        _wait_tail(2 * j, kv, valid_rows, sw)
+        _stamp(trace, j, "wg1 p_ready")
+        for i in T.Parallel(alpha0.shape[0]):
+            alpha0[i] = sw.alpha[0, i]
+            m_i[i] = sw.m[0, i]
+            l_i[i] *= sw.alpha[0, i]
+        _scale_rows(o, alpha0)
+        _issue_pv(kv, sw, kv[v[1]], 2 * j, stages, o)
+        if 2 * j + 1 < steps:
+            _softmax(2 * j + 1, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+            _publish(2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
+            _stamp(trace, j, "wg1 convert")
+        T.wait_wgmma(0)
+        _release(sw, 2 * j, stages, [v[1], sw.p_part])
+        if 2 * j + 1 < steps:
+            _wait_tail(2 * j + 1, kv, valid_rows, sw)
+            _scale_rows(o, alpha)
+            _issue_pv(kv, sw, kv[v[1]], 2 * j + 1, stages, o)
+            T.wait_wgmma(0)
+            _release(sw, 2 * j + 1, stages, [v[1]], 2)              # V_1 of e1: WG1 is its only reader
+            _release(sw, 2 * j + 1, stages, [sw.p_part])
+        _stamp(trace, j, "wg1 PV+free")
+
+
+@T.macro
+def _seesaw_finish(n, o, col, l_i, m_i, sw, epilogue):
+    # both warpgroups end on the same running max; the row sum is the sum of their two
+    for i in T.Parallel(l_i.shape[0]):
+        sw.l[n, i] = l_i[i]
+    T.sync_threads(SEESAW_BAR, 2 * WG)
+    for i in T.Parallel(l_i.shape[0]):
+        l_i[i] = sw.l[0, i] + sw.l[1, i]
+    epilogue(o, col, l_i, m_i, n == 0)
