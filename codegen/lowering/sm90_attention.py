@@ -50,9 +50,10 @@ Barriers (all mbarriers; parity = use number % 2):
     empty[slot]  both MMA warpgroups are done reading the slot
     p_ready / p_free   WG0 -> WG1 hand-off of P and the row scales (one buffer)
     stats        WG0's final row max and sum are in shared memory for WG1's epilogue
-    seesaw: p_ready / p_free become ready0 / ready1: step e0's (resp. e1's) P, alpha and row max are
-    written (one use per pair of steps); named barrier SEESAW_BAR joins both MMA warpgroups for the
-    final row sums.
+    seesaw: full / empty per kv part and slot (a part reloads as soon as its last reader is done);
+    ready[0] / ready[1]: step e0's (resp. e1's) P, alpha and row max are written; scored: WG0's
+    scores of e0 are done (one use each per pair of steps); named barrier SEESAW_BAR joins both MMA
+    warpgroups for the final row sums.
 """
 
 from dataclasses import dataclass
