@@ -5,7 +5,11 @@
     python -m bench.trace_mla fp8-16 fp8-16-unfolded   # only the named cases (names: see CASES)
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
-run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start.
+run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start;
+then every CTA's timeline (global timer and SM clock when its warpgroups start and when WG0's
+epilogue is done): the kernel's span, CTA durations, the SM clock they ran at, and how busy the
+SMs were. The trace builds are diagnostic: the timeline's stamps may spill a few registers
+outside the loop (h_q = 128 default: 8 bytes).
 """
 import sys
 
@@ -13,7 +17,7 @@ import torch
 
 import ops
 from bench.suites.mla import FP8_TWO_CONVERTERS, PRESETS, make_inputs
-from codegen.lowering.sm90_attention import EVENTS
+from codegen.lowering.sm90_attention import EVENTS, TIMELINE_COL, TIMELINE_PER_ROW
 from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
 
 
@@ -68,7 +72,30 @@ def main() -> int:
                 continue  # an event this pipeline does not have
             d = [int(st[k, e] - base[k]) for k in range(20, 28)]
             print(f"  {name:18s} rel. to wg0 ready: {d}")
+        print(timeline(o_part[0], b * -(-rows // 64), torch.cuda.get_device_properties(0).multi_processor_count))
     return 0
+
+
+def timeline(part, ctas, sms):
+    """Summary of the CTAs' timelines in `part` (trace[0]; lowering/sm90_attention.py's _timeline)."""
+    words = part.contiguous().view(torch.int32).cpu().long() & 0xFFFFFFFF
+
+    def event(cta, e):
+        flat = cta * 2 + e
+        w = words[flat // TIMELINE_PER_ROW, TIMELINE_COL + (flat % TIMELINE_PER_ROW) * 8:][:5]
+        return int(w[0] | (w[1] << 32)), int(w[2] | (w[3] << 32)), int(w[4])   # ns, SM clock, SM id
+
+    ev = [(event(c, 0), event(c, 1)) for c in range(ctas)]
+    t0 = min(a[0] for a, _ in ev)
+    dur = torch.tensor([(z[0] - a[0]) / 1e3 for a, z in ev])               # us
+    ghz = torch.tensor([(z[1] - a[1]) / max(z[0] - a[0], 1) for a, z in ev])
+    span = (max(z[0] for _, z in ev) - t0) / 1e3
+    starts = sorted((a[0] - t0) / 1e3 for a, _ in ev)
+    first_wave = sum(1 for x in starts if x < 1.0)
+    return (f"  timeline: {ctas} CTAs on {len({a[2] for a, _ in ev})} SMs; span {span:.1f} us (first start to last "
+            f"end); CTA duration mean {dur.mean():.1f} min {dur.min():.1f} max {dur.max():.1f} us; SM clock median "
+            f"{ghz.median():.3f} GHz; {first_wave} CTAs start within 1 us, the last at {starts[-1]:.1f} us; "
+            f"SMs busy {dur.sum() / (sms * span):.0%} of the span")
 
 
 if __name__ == "__main__":

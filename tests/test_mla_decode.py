@@ -174,7 +174,11 @@ def test_trace_stamps_every_event(fmt):
     swapped = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, swapped=True, block_n=64,
                                         **(dict(kv_format="fp8", raw_stages=2) if fmt == "fp8" else {}))
     assert swapped.count("clock()") == (14 if fmt == "fp8" else 10)
-    assert "clock()" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
+    # and every CTA's timeline: when its warpgroups start, when WG0's epilogue is done (the helper's
+    # definition is the third occurrence)
+    assert src.count("tc_timeline(") == 3 and swapped.count("tc_timeline(") == 3
+    plain = mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
+    assert "clock()" not in plain and "tc_timeline" not in plain
 
 
 def test_fp8_two_converters_build():

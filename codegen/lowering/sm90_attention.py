@@ -120,6 +120,32 @@ def _softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
                    all_visible=visible.whole if isinstance(visible, _Visible) else None)
 
 
+# tc_timeline(dst): the global timer (ns), the SM clock and the SM id, as 32-bit words at dst[0..4]
+TIMELINE_SOURCE = r"""
+__device__ __forceinline__ void tc_timeline(float* dst) {
+  unsigned long long t, c = clock64();
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  d[0] = unsigned(t); d[1] = unsigned(t >> 32); d[2] = unsigned(c); d[3] = unsigned(c >> 32); d[4] = sm;
+}
+"""
+# trace= also records every CTA's timeline: event 0 when its warpgroups start (its query tile
+# loaded), event 1 when WG0's epilogue is done; 8 words an event from column TIMELINE_COL of
+# trace[0], TIMELINE_PER_ROW events a row (bench/trace_mla.py reads them)
+TIMELINE_COL, TIMELINE_PER_ROW = 16, 60
+
+
+@T.macro
+def _timeline(trace, event):
+    if trace is not None:
+        if T.get_thread_binding() == 0:
+            T.call_extern("handle", "tc_timeline", T.address_of(
+                trace[0, (T.get_block_binding() * 2 + event) // TIMELINE_PER_ROW,
+                      TIMELINE_COL + ((T.get_block_binding() * 2 + event) % TIMELINE_PER_ROW) * 8]))
+
+
 @T.macro
 def _stamp(trace, k, event):
     if trace is not None:
@@ -754,8 +780,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     else:
         check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
-    if not state().get("exp2_source"):          # the softmax's exp2 helper, once per program
-        T.import_source(EXP2_SOURCE)
+    if not state().get("exp2_source"):          # the helpers, once per program (TileLang takes one source)
+        T.import_source(EXP2_SOURCE + (TIMELINE_SOURCE if trace is not None else ""))
         state()["exp2_source"] = True
     if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
@@ -815,12 +841,14 @@ def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
 def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0,
                 o1, m_i, m_prev, alpha, row_sum, l_i, m1, l1, full, tail, empty, raw_full, p_ready, p_free, stats,
                 stages, raw_stages, plain, epilogue, trace, ck):
+    _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
                  m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
                  trace)
+        _timeline(trace, 1)
     elif tx < 2 * WG:
         if ck is None:
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
@@ -889,12 +917,14 @@ def _warpgroups_t(steps, loads, q, kv_s, raw_s, value, valid_rows, visible, scal
                   l_s, m_s, o0, o1, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, raw_full, p_ready, p_free,
                   stats, stages, raw_stages, plain, epilogue, pieces, trace, stage_raw, direct, fold, wg, v):
     # wg[n]: warpgroup n's value parts as (tiles, the P tile each reads, first output columns)
+    _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0_t(steps, q, kv_s, wg[0][0], valid_rows, visible, scale, acc_st, st_s, sc, p_s, alpha_s, l_s, m_s,
                    o0, m_i, m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain,
                    epilogue, trace, fold, wg[0][1], wg[0][2])
+        _timeline(trace, 1)
     elif tx < 2 * WG:
         if pieces > 1:
             ck = _Chunked(loads, raw_s, value, valid_rows, full, raw_full, raw_stages, pieces, direct, stage_raw, fold)
@@ -985,12 +1015,14 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
 
 @T.macro
 def _seesaw_warpgroups(steps, loads, q, kv, v, valid_rows, visible, scale, f0, f1, sw, stages, epilogue, col1, trace):
+    _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
         _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha,
                     f0.row_sum, f0.l_i, sw, stages, trace)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, epilogue)
+        _timeline(trace, 1)
     elif tx < 2 * WG:
         _seesaw_wg1(steps, q, kv, v, valid_rows, visible, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha,
                     f1.alpha0, f1.row_sum, f1.l_i, sw, stages, trace)
