@@ -118,7 +118,9 @@ def _load_query_pair(t0, t1, row_of, value0, value1, block_m, w):
 
 @tile_program(
     "mla_decode",
-    targets=GPU_TARGETS,
+    # not ascend:950 yet: the online softmax's row statistics do not lower on a vector core that holds
+    # half the rows (TileLang: "Invalid reduce output shape"), so the program says so by name instead
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
     examples={
         "h16": dict(h_q=16, s_q=1, page=64),
         "h128": dict(h_q=128, s_q=1, page=64),
