@@ -3,6 +3,8 @@
     python -m bench.trace_mla            # h_q=16 (bf16, FP8 and its stage_raw / rope_direct / fold_scales options),
                                          # h_q=128 (bf16, and FP8 with two converters)
     python -m bench.trace_mla fp8-16 fp8-16-unfolded   # only the named cases (names: see CASES)
+    ncu --profile-from-start off -k regex:mla_decode --section SpeedOfLight --section WarpStateStats \
+        python -m bench.trace_mla --ncu bf16-128-seesaw   # one untraced run of each case, for a profiler
 
 Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start;
@@ -18,7 +20,7 @@ import torch
 import ops
 from bench.suites.mla import FP8_TWO_CONVERTERS, PRESETS, make_inputs
 from codegen.lowering.sm90_attention import EVENTS, TIMELINE_COL, TIMELINE_PER_ROW
-from ops.mla_decode import D_QK, D_V, LOG2E, get_mla_schedule, mla_decode_program, pick_tiling
+from ops.mla_decode import D_QK, D_V, LOG2E, _mla_decode_impl, get_mla_schedule, mla_decode_program, pick_tiling
 
 
 def main() -> int:
@@ -35,11 +37,13 @@ def main() -> int:
              "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS),
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
              "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True))}
-    unknown = set(sys.argv[1:]) - set(cases)
+    ncu = "--ncu" in sys.argv[1:]
+    names = [a for a in sys.argv[1:] if a != "--ncu"]
+    unknown = set(names) - set(cases)
     if unknown:
         print(f"bench.trace_mla: unknown cases {sorted(unknown)}; known: {sorted(cases)}", file=sys.stderr)
         return 2
-    for ci, fmt, tiling in [cases[n] for n in (sys.argv[1:] or cases)]:
+    for ci, fmt, tiling in [cases[n] for n in (names or cases)]:
         case = PRESETS["decode"][ci]
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]
@@ -49,6 +53,17 @@ def main() -> int:
         kv = ops.quantize_mla_kv_fp8(i["kv"]) if fmt == "fp8" else i["kv"]
         page = kv.shape[1]
         tiling = tiling or pick_tiling(rows, fmt, "sm_90a", page)
+        if ncu:                  # the production kernel (no stamps), once compiled, once under the profiler
+            run = lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                           tiling=tiling, kv_format=fmt)
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"== {case} {fmt} {tiling}: one run under the profiler")
+            continue
         kernel = mla_decode_program.compile("sm_90a", h_q=h_q, s_q=s_q, page=page, dtype="bfloat16", causal=True,
                                             trace=True, **tiling)
         kvv = kv.view(kv.shape[0], page, kv.shape[-1])
