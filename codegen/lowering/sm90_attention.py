@@ -1003,12 +1003,14 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                          f"{p_part}, which is {kv[p_part]}: they must match")
     # each warpgroup its own fragments: TileLang lays a fragment out over the threads of the branch that
     # first uses it, so one shared between the two warpgroups' branches gets no code in the other
-    f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"), T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
+    f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"),
+                     T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
                      *(T.alloc_fragment((block_m,), "float32") for _ in range(6))) for _ in range(2)]
     n = stages * len(kv)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
                  T.alloc_shared((2, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
-                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n), T.alloc_barrier([PRODUCER]))
+                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n),
+                 T.alloc_barrier([PRODUCER]))
     _seesaw_warpgroups(steps, loads, q, kv_s, v, valid_rows, visible, scale, f[0], f[1], sw, stages, epilogue,
                        kv[v[0]][1], trace)
 
