@@ -289,6 +289,7 @@ def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=
 
 @T.macro
 def _mask_unless(k, s, visible, whole):
+    # (an empty then-branch: `not whole` is no condition TileLang's macros turn into a runtime if)
     if whole:
         T.evaluate(0)
     else:

@@ -792,9 +792,11 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     kv_s = [T.alloc_shared((stages, rows, d), dt) for rows, d, dt in kv]
     plain = raw is None
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
-    # fold: one P per value part; seesaw: P over the step's last kv part
-    p_s = None if fold or seesaw else T.alloc_shared((block_m, block_n), kv[v[0]][2])
-    alpha_s = None if seesaw else T.alloc_shared((block_m,), "float32")
+    if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
+        _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace)
+        return
+    p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
+    alpha_s = T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
     if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
@@ -809,9 +811,6 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if fold and not (swapped and pieces > 1 and not stage_raw):
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is built for swapped=True "
                          "with raw staging in chunks (raw_rows) and stage_raw=False")
-    if seesaw:
-        _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace)
-        return
     if swapped:
         _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, scale, p_s, alpha_s, stages,
                  raw_stages, plain, epilogue, pieces, trace, stage_raw, direct)
@@ -1050,27 +1049,30 @@ def _seesaw_producer(steps, loads, kv, v, valid_rows, sw, stages, trace):
 def _issue_parts(loads, k, kv, stages, sw):
     # step k's copies part by part, each once its slot's part is released; every producer thread
     # arrives on the part's full barrier (TMA adds the bytes)
-    slot = k % stages
     for part in range(len(kv)):
-        bar = sw.full[slot * len(kv) + part]
-        emit(T.mbarrier_wait_parity(sw.empty[slot * len(kv) + part], ((k // stages) % 2) ^ 1))
+        bar = sw.full[_part(sw, k, stages, part)]
+        emit(T.mbarrier_wait_parity(sw.empty[_part(sw, k, stages, part)], ((k // stages) % 2) ^ 1))
         for src, p, row0, rows in loads(k):
             if p == part:
-                emit(T.tma_copy(src, kv[p][slot, row0:row0 + rows, :], barrier=bar))
+                emit(T.tma_copy(src, kv[p][k % stages, row0:row0 + rows, :], barrier=bar))
         emit(T.mbarrier_arrive(bar))
+
+
+def _part(sw, k, stages, p):
+    # the index of step k's kv part p in the per-part barriers (full, empty)
+    return (k % stages) * sw.parts + p
 
 
 def _wait_full(sw, k, stages, parts):
     for p in parts:
-        emit(T.mbarrier_wait_parity(sw.full[(k % stages) * sw.parts + p], (k // stages) % 2))
+        emit(T.mbarrier_wait_parity(sw.full[_part(sw, k, stages, p)], (k // stages) % 2))
 
 
 def _seesaw_scores(q, kv, k, stages, sw, acc_s):
     # S = sum_p Q_p K_p^T of step k, each part's MMAs issued once its bytes landed; one wait
-    slot = k % stages
     for p, (qt, kt) in enumerate(zip(q, kv)):
-        emit(T.mbarrier_wait_parity(sw.full[slot * len(kv) + p], (k // stages) % 2),
-             T.wgmma_gemm(qt, kt[slot, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
+        _wait_full(sw, k, stages, [p])
+        emit(T.wgmma_gemm(qt, kt[k % stages, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
     emit(T.wait_wgmma(0))
 
 
@@ -1084,7 +1086,7 @@ def _release(sw, k, stages, parts, times=1):
     # this warpgroup is done with kv parts `parts` of step k's slot
     for p in parts:
         for _ in range(times):
-            emit(T.mbarrier_arrive(sw.empty[(k % stages) * sw.parts + p]))
+            emit(T.mbarrier_arrive(sw.empty[_part(sw, k, stages, p)]))
 
 
 @T.macro
@@ -1112,7 +1114,7 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 def _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages,
                 trace):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
-    # P over, O_0 += P V_0 of e0 (in flight while waiting for WG1's e1), then of e1
+    # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1
     T.set_max_nreg(SEESAW_REGS, 1)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
