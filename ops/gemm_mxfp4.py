@@ -74,6 +74,30 @@ __device__ __forceinline__ void tc_e2m1x32_store(void* d0, void* d1, void* d2, v
   tc_e2m1x8_store(d3, w3, s);
 }
 """
+# The swapped decode kernel's helper: one thread's A fragment of a 128-deep K step (WGMMA's register
+# layout: 4 words per k16 WGMMA j = (row r, pair h=0), (r+8, h=0), (r, h=1), (r+8, h=1)) from the 16
+# code bytes of each of its two rows (K values 32c .. 32c+31 of the step: byte 2j + h holds the pair
+# of WGMMA j's half h) and the rows' E8M0 bytes c of the step's scale words.
+E2M1_FRAGMENT_SOURCE = r"""
+__device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* raw_r, const void* raw_r8, int sw_r,
+                                                 int sw_r8, int c) {
+  const uint4 w = *reinterpret_cast<const uint4*>(raw_r);
+  const uint4 v = *reinterpret_cast<const uint4*>(raw_r8);
+  const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * c)) & 0xFFu);
+  const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * c)) & 0xFFu);
+  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
+  const unsigned vr[4] = {v.x, v.y, v.z, v.w};
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int q = j >> 1, p = (j & 1) * 2;
+    d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[q], p, s);
+    d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[q], p, t);
+    d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[q], p + 1, s);
+    d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[q], p + 1, t);
+  }
+}
+"""
 BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 bytes per row and step
 DECODE_WORDS = (8, 4)   # 32-bit code words a thread decodes a step: 64 values at 256 MMA threads, 32 at 512
 
@@ -177,6 +201,75 @@ def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
                 Part[ts, r, tn * block_n + j] = T.if_then_else(steps > 0, out[i, j], 0.0)
             else:
                 C[r, tn * block_n + j] = T.cast(out[i, j], "bfloat16")
+
+
+SWAPPED_TOKENS = (8, 16, 32, 64)   # token tiles (the WGMMA's N) of the swapped kernel; m up to 64
+
+
+@T.macro
+def _decode_fragment(raw_at, rows, group, step, dst, sw):
+    # this thread's A fragment of the step: its two rows' 16 code bytes of group `group`
+    r, r8 = rows
+    T.evaluate(T.call_extern("handle", "tc_e2m1_fragment", dst, T.access_ptr(raw_at(r, 4 * group), "r", 4),
+                             T.access_ptr(raw_at(r8, 4 * group), "r", 4), sw[step, r], sw[step, r8], group))
+
+
+@tile_program(
+    "mxfp4_gemm_nt_swapped",
+    targets=("cuda:sm_90a",),
+    examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=64, splits=4),
+              "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
+)
+def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
+                          splits: int = 1):
+    """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
+    M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
+    straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
+    decoded tile, no barrier between the decode and the MMA. A arrives with K permuted into the
+    fragment order (sm90_decoded.FRAGMENT_K_ORDER, within each 128 columns), loaded by TMA as the
+    (tokens, 128) shared operand (rows past m zero-filled). splits > 1: fp32 partials per split,
+    summed in order by ops.gemm_fp8.fp8_gemm_reduce_program."""
+    assert k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    m = T.dynamic("m")
+    n_tiles, kb = n // block_n, k // BLOCK_K
+    per = -(-kb // splits)
+    part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
+
+    @T.prim_func
+    def mxfp4_gemm_nt_swapped(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
+                              SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
+                              Part: T.Tensor(part_shape, "float32")):
+        with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
+            tn, ts = tile.split_index(bid, (n_tiles, splits))
+            sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
+            acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
+            k0 = ts * per
+            steps = T.max(T.min(per, kb - k0), 0)
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
+            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+            loads = lambda blk: (  # noqa: E731
+                A[0:tokens, (k0 + blk) * BLOCK_K:(k0 + blk + 1) * BLOCK_K],
+                B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (BLOCK_K // 8):(k0 + blk + 1) * (BLOCK_K // 8)])
+            tile.mma_register_decoded_loop(
+                steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
+                               ((block_n, BLOCK_K), "bfloat16")], acc,
+                lambda raw_at, rows, group, blk, dst: _decode_fragment(raw_at, rows, group, blk, dst, sw),
+                stages=stages,
+                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
+                epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
+
+    return mxfp4_gemm_nt_swapped
+
+
+@T.macro
+def _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens):
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m:
+            if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
+                Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, out[i, j], 0.0)
+            else:
+                C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
 
 
 @tile_program(
@@ -497,8 +590,58 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        _launch(a, b, sfb, out)
+        if SWAPPED and m <= SWAPPED_TOKENS[-1] and targets.resolve(a).name == "cuda:sm_90a":
+            _launch_swapped(a, b, sfb, out)
+        else:
+            _launch(a, b, sfb, out)
     return out
+
+
+SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
+
+
+def fragment_k_order(a):
+    """a (m, k) with K permuted within each 128 columns into the order the swapped kernel's register
+    fragments take it (codegen.lowering.sm90_decoded.FRAGMENT_K_ORDER): position 16j + 8h + 2c + e
+    holds column 32c + 4j + 2h + e. One copy of a (m <= 64 rows)."""
+    m, k = a.shape
+    # (m, step, c, j, h, e) -> (m, step, j, h, c, e)
+    return a.view(m, k // 128, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+def plan_swapped(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), split-K (a step is
+    one 128 x 128 weight tile: split while the blocks fit the SMs and keep 8 steps) and as many
+    pipeline stages as fit, up to 8 (a block holds ~8 KB of weights a stage in flight)."""
+    from ops.gemm_fp8 import split_k_count
+
+    tokens = next(t for t in SWAPPED_TOKENS if t >= m)
+    kb = k // BLOCK_K
+    splits = split_k_count(n // 128, kb, sms, min_steps=8)
+    per = -(-kb // splits)
+    stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
+    stages = max(2, min(8, (SMEM_BUDGET - 128 * per * 4) // stage))
+    return dict(tokens=tokens, splits=splits, stages=stages)
+
+
+def _launch_swapped(a, b, sfb, out):
+    from ops.gemm_fp8 import launch_split_k
+
+    m, k = a.shape
+    n = b.shape[0]
+    target = targets.resolve(a)
+    key = ("mxfp4_gemm_nt_swapped", target.name, a.device.index, m, n, k)
+    splits, kernel, reduce = jit.launchers(key, lambda: _swapped_launchers(a, target, m, n, k))
+    launch_split_k(kernel, reduce, (fragment_k_order(a), _code_words(b), _scale_words(sfb)), out, splits)
+
+
+def _swapped_launchers(a, target, m, n, k):
+    from backends.cuda.device import sm_count
+    from ops.gemm_fp8 import split_k_launchers
+
+    p = plan_swapped(m, n, k, sms=sm_count(a))
+    kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
+    return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
 
 
 SMEM_BUDGET = 227 * 1024 - 4096    # dynamic shared memory a block may use on sm_90a, less static and slack

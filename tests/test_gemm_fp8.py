@@ -775,6 +775,45 @@ def test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma(params):
     _burst_loop_of(mxfp4_gemm_program.source("sm_90a", **params), "HGMMA", BURST, params.get("threads", 256) + 128)
 
 
+@pytest.mark.parametrize("params", [dict(n=4096, k=7168, tokens=64, splits=4), dict(n=7168, k=2048, tokens=8)])
+def test_mxfp4_swapped_decodes_into_wgmma_registers(params):
+    """The swapped program (tile.mma_register_decoded_loop): WGMMA with A from registers (wgmma_rs),
+    the WGMMA of a step in flight while the next decodes, no spills; and the K loop holds no shared
+    store, no block or named barrier and no proxy fence: the decode goes from the staged codes into
+    the fragments, never through shared memory."""
+    from codegen.lowering.sm90 import BURST
+    from ops.gemm_mxfp4 import mxfp4_swapped_program
+
+    src = mxfp4_swapped_program.source("sm_90a", **params)
+    assert "tl::wgmma_rs<" in src and "tc_e2m1_fragment(" in src
+    loop = _burst_loop_of(src, "HGMMA", BURST)
+    ops_in_loop = {t.split()[0] for t in loop}
+    assert not {op for op in ops_in_loop if op.startswith(("STS", "BAR", "FENCE"))}, sorted(ops_in_loop)
+    assert sum(t.startswith("LDS.128") for t in loop) == 2 * BURST       # a thread's two rows a step
+
+
+def test_mxfp4_swapped_fragment_order_and_plan():
+    """The op's K permutation of a is the lowering's fragment order in every 128 columns; the plans
+    fit in shared memory; the program lowers only where the MMA reads registers (sm_90a)."""
+    from codegen.lowering.sm90_decoded import FRAGMENT_K_ORDER
+    from ops.gemm_mxfp4 import (SMEM_BUDGET, SWAPPED_TOKENS, fragment_k_order, mxfp4_swapped_program,
+                                plan_swapped)
+
+    assert sorted(FRAGMENT_K_ORDER) == list(range(128))
+    a = torch.randn(3, 384)
+    order = torch.tensor(FRAGMENT_K_ORDER)
+    assert torch.equal(fragment_k_order(a), torch.cat([a[:, 128 * c + order] for c in range(3)], dim=1))
+    for m in (1, 8, 9, 33, 64):
+        for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 128)):
+            p = plan_swapped(m, n, k)
+            assert p["tokens"] == min(t for t in SWAPPED_TOKENS if t >= m)
+            per = -(-(k // 128) // p["splits"])
+            assert p["stages"] * (p["tokens"] * 256 + 128 * 64) + 128 * per * 4 <= SMEM_BUDGET, (m, n, k, p)
+    assert plan_swapped(1, 4096, 7168)["splits"] == 4 and plan_swapped(64, 24576, 1536)["splits"] == 1
+    with pytest.raises(ValueError, match="sm_100a"):
+        mxfp4_swapped_program.source("sm_100a", n=256, k=512)
+
+
 def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     """The sm_100a native MXFP4 program (tile.mma_block_scaled_loop): e4m3 x e2m1 block-scaled
     tcgen05 MMAs (UTCQMMA) with the E8M0 scale words copied to tensor memory (UTCCP), no spills;
@@ -882,6 +921,38 @@ def test_gpu_mxfp4(m, n, k):
     ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
     assert calc_diff(out.cpu(), ref) < 1e-5
     assert_elementwise(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (5, 256, 1536), (16, 4096, 7168), (33, 384, 2048),
+                                   (64, 4096, 7168), (64, 24576, 1536)])
+def test_gpu_mxfp4_swapped_register_decode(m, n, k):
+    """The swapped kernel (decode-sized m on sm_90a: weights decoded into WGMMA register fragments,
+    tokens as N, A's K permuted): every e2m1 code (random bytes), scales from the subnormal 2^-127
+    up, each token tile (8 .. 64) with m tails, split-K or not; exact against fp32 and bitwise the
+    same run to run; and within the same bounds as the decoded-tile kernel."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(m * 7 + n)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 254 - 100], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126, 2^27
+    scales[n - 1, -1] = 0
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    assert gemm_mxfp4.SWAPPED and m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
+    gemm_mxfp4.SWAPPED = False
+    try:
+        tiled = ops.mxfp4_gemm_nt(*args).cpu()
+    finally:
+        gemm_mxfp4.SWAPPED = True
+    assert calc_diff(tiled, ref) < 1e-5
+    assert_elementwise(tiled, ref)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,8 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.gemm_fp8 import fp8_gemm_program
-from ops.gemm_mxfp4 import mxfp4_gemm_program, mxfp4_grouped_program
-from ops.gemm_mxfp4 import plan as mxfp4_plan
+from ops.gemm_mxfp4 import SWAPPED_TOKENS, mxfp4_gemm_program, mxfp4_grouped_program, mxfp4_swapped_program
+from ops.gemm_mxfp4 import plan as mxfp4_plan, plan_swapped
 
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
 PRESETS = {
@@ -100,6 +100,22 @@ def tilecraft_loop(overlap):
     return make
 
 
+def tilecraft_tile(case, i):
+    """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
+    previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
+    from ops import gemm_mxfp4
+
+    fn = tilecraft(case, i)
+
+    def run():
+        old, gemm_mxfp4.SWAPPED = gemm_mxfp4.SWAPPED, False
+        try:
+            return fn()
+        finally:
+            gemm_mxfp4.SWAPPED = old
+    return run
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -144,8 +160,10 @@ def deep_gemm(case, i):
     return lambda: dg.fp8_gemm_nt((i["qa"], i["sfa"]), (i["qb"][0], i["sfb"][0]), out)
 
 
-def _kernels(c):
+def _kernels(c, t="cuda:sm_90a"):
     """The tile programs a case runs, with their parameters (static stats without a GPU)."""
+    if c["kind"] == "mxfp4" and c["m"] <= SWAPPED_TOKENS[-1] and t == "cuda:sm_90a":
+        return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
     if c["kind"] == "mxfp4":
         return [(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], **mxfp4_plan(c["m"], c["n"], c["k"])))]
     if c["kind"] in MXFP4_KINDS:
@@ -165,8 +183,9 @@ SUITE = Suite(
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
+               Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
-    kernels=lambda c, t: _kernels(c),
+    kernels=_kernels,
     rate="fp8",
     label=lambda c: f"{c['kind']} {'%dx' % c['groups'] if 'groups' in c else ''}{c['m']}x{c['n']}x{c['k']}",
 )
