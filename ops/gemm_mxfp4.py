@@ -74,27 +74,29 @@ __device__ __forceinline__ void tc_e2m1x32_store(void* d0, void* d1, void* d2, v
   tc_e2m1x8_store(d3, w3, s);
 }
 """
-# The swapped decode kernel's helper: one thread's A fragment of a 128-deep K step (WGMMA's register
-# layout: 4 words per k16 WGMMA j = (row r, pair h=0), (r+8, h=0), (r, h=1), (r+8, h=1)) from the 16
-# code bytes of each of its two rows (K values 32c .. 32c+31 of the step: byte 2j + h holds the pair
-# of WGMMA j's half h) and the rows' E8M0 bytes c of the step's scale words.
+# The swapped kernel's helper: one thread's A fragment of a 128-deep K step (WGMMA's register
+# layout: 4 words per k16 WGMMA j = (row r, K 16j + 2c..), (r + 8, same), (r, K 16j + 8 + 2c..),
+# (r + 8, same)) from the 16 code words of each of its two rows (w: row r's, four 16-byte pieces;
+# v: row r + 8's): byte c of words 2j and 2j + 1, scaled by byte j / 2 of the row's scale word.
 E2M1_FRAGMENT_SOURCE = r"""
-__device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* raw_r, const void* raw_r8, int sw_r,
-                                                 int sw_r8, int c) {
-  const uint4 w = *reinterpret_cast<const uint4*>(raw_r);
-  const uint4 v = *reinterpret_cast<const uint4*>(raw_r8);
-  const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * c)) & 0xFFu);
-  const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * c)) & 0xFFu);
-  const unsigned wr[4] = {w.x, w.y, w.z, w.w};
-  const unsigned vr[4] = {v.x, v.y, v.z, v.w};
+__device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
+                                                 const void* w3, const void* v0, const void* v1, const void* v2,
+                                                 const void* v3, int sw_r, int sw_r8, int c) {
+  const uint4 wq[4] = {*reinterpret_cast<const uint4*>(w0), *reinterpret_cast<const uint4*>(w1),
+                       *reinterpret_cast<const uint4*>(w2), *reinterpret_cast<const uint4*>(w3)};
+  const uint4 vq[4] = {*reinterpret_cast<const uint4*>(v0), *reinterpret_cast<const uint4*>(v1),
+                       *reinterpret_cast<const uint4*>(v2), *reinterpret_cast<const uint4*>(v3)};
+  const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
+  const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int q = j >> 1, p = (j & 1) * 2;
-    d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[q], p, s);
-    d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[q], p, t);
-    d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[q], p + 1, s);
-    d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[q], p + 1, t);
+    const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
+    const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
+    d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[2 * j], c, s);
+    d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[2 * j], c, t);
+    d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[2 * j + 1], c, s);
+    d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[2 * j + 1], c, t);
   }
 }
 """
@@ -207,11 +209,12 @@ SWAPPED_TOKENS = (8, 16, 32, 64)   # token tiles (the WGMMA's N) of the swapped 
 
 
 @T.macro
-def _decode_fragment(raw_at, rows, group, step, dst, sw):
-    # this thread's A fragment of the step: its two rows' 16 code bytes of group `group`
+def _decode_fragment(raw_at, rows, place, step, dst, sw):
+    # this thread's A fragment of the step: byte `place` of every code word of its two rows
     r, r8 = rows
-    T.evaluate(T.call_extern("handle", "tc_e2m1_fragment", dst, T.access_ptr(raw_at(r, 4 * group), "r", 4),
-                             T.access_ptr(raw_at(r8, 4 * group), "r", 4), sw[step, r], sw[step, r8], group))
+    T.evaluate(T.call_extern("handle", "tc_e2m1_fragment", dst,
+                             *[T.access_ptr(raw_at(row, 4 * q), "r", 4) for row in (r, r8) for q in range(4)],
+                             sw[step, r], sw[step, r8], place))
 
 
 @tile_program(
@@ -225,9 +228,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
-    decoded tile, no barrier between the decode and the MMA. A arrives with K permuted into the
-    fragment order (sm90_decoded.FRAGMENT_K_ORDER, within each 128 columns), loaded by TMA as the
-    (tokens, 128) shared operand (rows past m zero-filled). splits > 1: fp32 partials per split,
+    decoded tile, no barrier between the decode and the MMA. A is the (tokens, 128) shared operand
+    of a step, loaded by TMA (rows past m zero-filled). splits > 1: fp32 partials per split,
     summed in order by ops.gemm_fp8.fp8_gemm_reduce_program."""
     assert k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     m = T.dynamic("m")
@@ -253,7 +255,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
-                lambda raw_at, rows, group, blk, dst: _decode_fragment(raw_at, rows, group, blk, dst, sw),
+                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
                 stages=stages,
                 prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
@@ -600,15 +602,6 @@ def _mxfp4_impl(a, b, sfb):
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 
 
-def fragment_k_order(a):
-    """a (m, k) with K permuted within each 128 columns into the order the swapped kernel's register
-    fragments take it (codegen.lowering.sm90_decoded.FRAGMENT_K_ORDER): position 16j + 8h + 2c + e
-    holds column 32c + 4j + 2h + e. One copy of a (m <= 64 rows)."""
-    m, k = a.shape
-    # (m, step, c, j, h, e) -> (m, step, j, h, c, e)
-    return a.view(m, k // 128, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
-
-
 def plan_swapped(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), split-K (a step is
     one 128 x 128 weight tile: split while the blocks fit the SMs and keep 8 steps) and as many
@@ -632,7 +625,7 @@ def _launch_swapped(a, b, sfb, out):
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_swapped", target.name, a.device.index, m, n, k)
     splits, kernel, reduce = jit.launchers(key, lambda: _swapped_launchers(a, target, m, n, k))
-    launch_split_k(kernel, reduce, (fragment_k_order(a), _code_words(b), _scale_words(sfb)), out, splits)
+    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
 
 
 def _swapped_launchers(a, target, m, n, k):

@@ -24,6 +24,7 @@ block's first barrier, so the producer's first loads are in flight meanwhile.
 """
 
 import tilelang.language as T
+from tilelang.layout import make_half_bank_swizzled_layout
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
@@ -104,35 +105,28 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
 # ---- mma_register_decoded_loop: the decoded operand goes from registers into the WGMMA ---------
 # The decoded tile is the WGMMA's A operand, read from registers (wgmma ... RS): no decoded tile in
 # shared memory, no fence.proxy.async or named barrier between the decode and the MMA, and each
-# warpgroup runs on its own. A thread decodes, each K step, one 32-value group of K (16 bytes) of
-# its two fragment rows (r and r + 8), straight into its A fragment (bench/NOTES.md "MXFP4 v6").
+# warpgroup runs on its own (bench/NOTES.md "MXFP4 v6").
 #
-# That fixes which K values a thread holds, so the other operand's K is permuted to match: within
-# each 128-wide K step, position 16j + 8h + 2c + e of the shared operand holds K value
-# 32c + 4j + 2h + e (j: the k16 WGMMA of the step, c: the thread's column group in its quad, h and
-# e: the fragment's two halves and a pair's two values). FRAGMENT_K_ORDER lists it; the op applies it
-# to the (small) shared operand before the launch.
+# A thread's fragment of a 128-deep K step (WGMMA's register layout) is, for each k16 WGMMA j, the
+# value pairs at K 16j + 2c and 16j + 8 + 2c (c: the thread's place in its quad) of its two rows r
+# and r + 8. With two e2m1 codes a byte, that is byte c of the raw row's 32-bit words 2j and 2j + 1:
+# each thread reads all 16 words of its two rows (a quad's four threads read the same 16 bytes at
+# once, a broadcast) and decodes the bytes at its place. So the other operand keeps its natural K
+# order. The raw tile is 64-byte swizzled (TMA), so that the 8 rows a warp reads at once fall in
+# different banks.
 
 FRAGMENT_K = 128
-
-
-def _fragment_k(p: int) -> int:
-    j, h, c, e = p // 16, p // 8 % 2, p // 2 % 4, p % 2
-    return 32 * c + 4 * j + 2 * h + e
-
-
-FRAGMENT_K_ORDER = tuple(_fragment_k(p) for p in range(FRAGMENT_K))
 
 
 def _reg_step(j, first, io):
     """Step first + j of a burst: wait for its tiles, decode into fragment j % 2 (its last reader,
     step first + j - 2, is done: step first + j - 1 waited for it), issue the WGMMA, retire the
     previous step's (wait 1)."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, group, policy = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy = io
     s = first + j
     slot = s % stages
     emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
-    decode(lambda i, w: r_s[slot, i, w], rows, group, s, frags[j % 2].data)
+    decode(lambda i, w: r_s[slot, i, w], rows, place, s, frags[j % 2].data)
     emit(T.wgmma_gemm(frags[j % 2], s_s[slot, :, :], acc, transpose_B=True, clear_accum=False, policy=policy))
     if j > 0:
         emit(T.wait_wgmma(1))
@@ -159,8 +153,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         prologue()
         T.sync_threads(DECODE_BAR, consumers)          # the prologue's shared-memory writes are done
         tid = T.get_thread_binding()
-        # the thread's fragment rows (WGMMA A layout: warp w holds rows 16w .. 16w + 15) and its
-        # column group in the quad: the 32 K values of a step it decodes
+        # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy)
         in_bursts(steps, _reg_burst, io)
@@ -169,17 +162,19 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None):
-    # operands: the shared operand (cols, FRAGMENT_K) with K in FRAGMENT_K_ORDER, the raw tile
-    # (rows, FRAGMENT_K / 8) int32 words and the decoded tile (rows, FRAGMENT_K), in registers
+    # operands: the shared operand (cols, FRAGMENT_K), the raw tile (rows, FRAGMENT_K / 8) int32
+    # words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K), in registers
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
-    if s_shape[1] != FRAGMENT_K or d_shape[1] != FRAGMENT_K or d_shape[0] != consumers // 2:
-        raise ValueError(f"mma_register_decoded_loop takes {FRAGMENT_K}-deep K steps and 16 rows a warp: "
-                         f"operands {operands} at {consumers} MMA threads")
+    if (s_shape[1] != FRAGMENT_K or tuple(raw_shape) != (d_shape[0], FRAGMENT_K // 8) or d_shape[1] != FRAGMENT_K
+            or d_shape[0] != consumers // 2):
+        raise ValueError(f"mma_register_decoded_loop takes {FRAGMENT_K}-deep K steps, raw rows of "
+                         f"{FRAGMENT_K // 8} words and 16 rows a warp: operands {operands} at {consumers} MMA threads")
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, consumer_regs(consumers))])
     require_pass_configs(PASS_CONFIGS)
     s_s = T.alloc_shared((stages, *s_shape), s_dtype)
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
+    T.annotate_layout({r_s: make_half_bank_swizzled_layout(r_s)})
     frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(2)]
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)

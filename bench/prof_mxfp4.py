@@ -1,0 +1,69 @@
+"""Where an MXFP4 decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before
+every call): the swapped register-decode path (a's K permutation, the kernel, the split-K reduce)
+against the decoded-tile path (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
+
+    python -m bench.prof_mxfp4 [--out DIR]
+
+Prints one line per (case, path, kernel): mean GPU microseconds per call. GPU only.
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ops
+from bench.suites.gemm import PRESETS, make_inputs
+from bench.timing import L2_FLUSH_BYTES
+from ops import gemm_mxfp4
+
+REPS = 30
+
+
+def kernel_times(fn, reps=REPS):
+    """{kernel name: mean GPU us per call} over reps calls, each after an L2 flush."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in ev.name and "zero" not in ev.name:
+            total[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return {name: t / reps for name, t in total.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the table as JSON here")
+    args = ap.parse_args(argv)
+    rows = []
+    for case in PRESETS["mxfp4"]:
+        i = make_inputs(case, "cuda")
+        a, b, s = i["a"][0], i["packed"][0], i["scales"][0]
+        for path, swapped in (("swapped", True), ("tile", False)):
+            gemm_mxfp4.SWAPPED = swapped
+            try:
+                times = kernel_times(lambda: ops.mxfp4_gemm_nt(a, b, s))
+            finally:
+                gemm_mxfp4.SWAPPED = True
+            label = f"{case['m']}x{case['n']}x{case['k']}"
+            for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+                print(f"{label:14s} {path:8s} {us:8.2f} us  {name}")
+                rows.append(dict(case=label, path=path, kernel=name, us=us))
+            print(f"{label:14s} {path:8s} {sum(times.values()):8.2f} us  (sum)")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "prof-mxfp4.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
