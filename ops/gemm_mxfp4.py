@@ -78,7 +78,21 @@ __device__ __forceinline__ void tc_e2m1x32_store(void* d0, void* d1, void* d2, v
 # layout: 4 words per k16 WGMMA j = (row r, K 16j + 2c..), (r + 8, same), (r, K 16j + 8 + 2c..),
 # (r + 8, same)) from the 16 code words of each of its two rows (w: row r's, four 16-byte pieces;
 # v: row r + 8's): byte c of words 2j and 2j + 1, scaled by byte j / 2 of the row's scale word.
+# When no scale byte of the warp's rows exceeds 128 (real weights: scales ~ max|w| / 6, so e8 <=
+# 127), 2^126 and the scale are one factor 2^(e8 - 1), a bf16 whose exponent field is e8 + 126:
+# one multiply a pair, and the four factors of a row come from one add (no byte carries) and a
+# permute each. Otherwise each pair is multiplied twice (tc_e2m1x2_bf16x2).
 E2M1_FRAGMENT_SOURCE = r"""
+__device__ __forceinline__ unsigned tc_scale_over_128(unsigned sw) {
+  // a byte > 128 has its top bit and a low bit set
+  return sw & 0x80808080u & ((sw & 0x7F7F7F7Fu) + 0x7F7F7F7Fu);
+}
+__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2_once(unsigned w, int p, unsigned factor2) {
+  unsigned b = __byte_perm(w, 0u, 0x4440u + (unsigned)p);
+  unsigned v = ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
+  __nv_bfloat162 x = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v), *reinterpret_cast<__nv_bfloat162*>(&factor2));
+  return *reinterpret_cast<unsigned*>(&x);
+}
 __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
                                                  const void* w3, const void* v0, const void* v1, const void* v2,
                                                  const void* v3, int sw_r, int sw_r8, int c) {
@@ -89,14 +103,27 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
   const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
   const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
+  if (__all_sync(0xFFFFFFFFu, (tc_scale_over_128((unsigned)sw_r) | tc_scale_over_128((unsigned)sw_r8)) == 0u)) {
+    const unsigned er = (unsigned)sw_r + 0x7E7E7E7Eu, er8 = (unsigned)sw_r8 + 0x7E7E7E7Eu;   // e8 + 126
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
-    const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
-    d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[2 * j], c, s);
-    d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[2 * j], c, t);
-    d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[2 * j + 1], c, s);
-    d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[2 * j + 1], c, t);
+    for (int j = 0; j < 8; ++j) {
+      const unsigned sel = 0x4040u | (unsigned)(j >> 1) * 0x0101u;   // byte j / 2 into both lanes
+      const unsigned s = __byte_perm(er, 0u, sel) << 7, t = __byte_perm(er8, 0u, sel) << 7;
+      d[4 * j + 0] = tc_e2m1x2_bf16x2_once(wr[2 * j], c, s);
+      d[4 * j + 1] = tc_e2m1x2_bf16x2_once(vr[2 * j], c, t);
+      d[4 * j + 2] = tc_e2m1x2_bf16x2_once(wr[2 * j + 1], c, s);
+      d[4 * j + 3] = tc_e2m1x2_bf16x2_once(vr[2 * j + 1], c, t);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
+      const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
+      d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[2 * j], c, s);
+      d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[2 * j], c, t);
+      d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[2 * j + 1], c, s);
+      d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[2 * j + 1], c, t);
+    }
   }
 }
 """

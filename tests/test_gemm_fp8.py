@@ -918,20 +918,22 @@ def test_gpu_mxfp4(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (5, 256, 1536), (16, 4096, 7168), (33, 384, 2048),
-                                   (64, 4096, 7168), (64, 24576, 1536)])
-def test_gpu_mxfp4_swapped_register_decode(m, n, k):
+@pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (5, 256, 1536, True), (16, 4096, 7168, True),
+                                       (33, 384, 2048, True), (64, 4096, 7168, True), (64, 24576, 1536, True),
+                                       (16, 4096, 7168, False), (64, 512, 2048, False)])
+def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     """The swapped kernel (decode-sized m on sm_90a: weights decoded into WGMMA register fragments,
-    tokens as N): every e2m1 code (random bytes), scales from the subnormal 2^-127
-    up, each token tile (8 .. 64) with m tails, split-K or not; exact against fp32 and bitwise the
-    same run to run; and within the same bounds as the decoded-tile kernel."""
+    tokens as N): every e2m1 code (random bytes), scales from the subnormal 2^-127 up (big: some
+    over 2^1, the two-multiply decode; else at most 2^1 = byte 128, the one-factor decode), each
+    token tile (8 .. 64) with m tails, split-K or not; exact against fp32 and bitwise the same run
+    to run; and within the same bounds as the decoded-tile kernel."""
     from ops import gemm_mxfp4
 
     g = torch.Generator().manual_seed(m * 7 + n)
     a = torch.randn(m, k, generator=g).bfloat16()
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 254 - 100], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126, 2^27
+    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 254 if big else 128], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126
     scales[n - 1, -1] = 0
     ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
     assert gemm_mxfp4.SWAPPED and m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
