@@ -1,6 +1,6 @@
 """Where an MXFP4 decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before
-every call): the swapped register-decode path (a's K permutation, the kernel, the split-K reduce)
-against the decoded-tile path (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
+every call): the swapped register-decode kernel (one or two blocks an SM) and its split-K reduce
+against the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
 
     python -m bench.prof_mxfp4 [--out DIR]
 
@@ -21,6 +21,28 @@ from bench.timing import L2_FLUSH_BYTES
 from ops import gemm_mxfp4
 
 REPS = 30
+
+
+def _swapped(blocks_per_sm):
+    def make(a, b, s):
+        def run():
+            out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+            gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm)
+            return out
+        return run
+    return make
+
+
+def _tile(a, b, s):
+    def run():
+        out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+        gemm_mxfp4._launch(a, b, s, out)
+        return out
+    return run
+
+
+# the swapped kernel at one or two blocks an SM, and the decoded-tile kernel (SWAPPED off)
+PATHS = {"swapped-1": _swapped(1), "swapped-2": _swapped(2), "tile": _tile}
 
 
 def kernel_times(fn, reps=REPS):
@@ -49,12 +71,8 @@ def main(argv=None):
     for case in PRESETS["mxfp4"]:
         i = make_inputs(case, "cuda")
         a, b, s = i["a"][0], i["packed"][0], i["scales"][0]
-        for path, swapped in (("swapped", True), ("tile", False)):
-            gemm_mxfp4.SWAPPED = swapped
-            try:
-                times = kernel_times(lambda: ops.mxfp4_gemm_nt(a, b, s))
-            finally:
-                gemm_mxfp4.SWAPPED = True
+        for path in PATHS:
+            times = kernel_times(PATHS[path](a, b, s))
             label = f"{case['m']}x{case['n']}x{case['k']}"
             for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 print(f"{label:14s} {path:8s} {us:8.2f} us  {name}")

@@ -251,7 +251,7 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                          splits: int = 1):
+                          splits: int = 1, blocks_per_sm: int = 1):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -283,7 +283,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
-                stages=stages,
+                stages=stages, blocks_per_sm=blocks_per_sm,
                 prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
@@ -629,37 +629,42 @@ def _mxfp4_impl(a, b, sfb):
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 
 
-def plan_swapped(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), split-K (a step is
-    one 128 x 128 weight tile: split while the blocks fit the SMs and keep 8 steps) and as many
-    pipeline stages as fit, up to 8 (a block holds ~8 KB of weights a stage in flight)."""
+def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | None = None) -> dict:
+    """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (two
+    hide the decode's latencies better, in half the registers: one fragment; up to 32 tokens, whose
+    accumulators fit next to it in 104 registers), split-K (a step is
+    one 128 x 128 weight tile: split while the blocks fit on the SMs at once and keep 4 steps) and
+    as many pipeline stages as fit in the block's share of shared memory, up to 8."""
     from ops.gemm_fp8 import split_k_count
 
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
+    if blocks_per_sm is None:
+        blocks_per_sm = 2 if tokens <= 32 else 1
     kb = k // BLOCK_K
-    splits = split_k_count(n // 128, kb, sms, min_steps=8)
+    splits = split_k_count(n // 128, kb, sms * blocks_per_sm, min_steps=4)
     per = -(-kb // splits)
     stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
-    stages = max(2, min(8, (SMEM_BUDGET - 128 * per * 4) // stage))
-    return dict(tokens=tokens, splits=splits, stages=stages)
+    budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
+    stages = max(2, min(8, (budget - 128 * per * 4) // stage))
+    return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm)
 
 
-def _launch_swapped(a, b, sfb, out):
+def _launch_swapped(a, b, sfb, out, **override):
     from ops.gemm_fp8 import launch_split_k
 
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_swapped", target.name, a.device.index, m, n, k)
-    splits, kernel, reduce = jit.launchers(key, lambda: _swapped_launchers(a, target, m, n, k))
+    key = ("mxfp4_gemm_nt_swapped", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
+    splits, kernel, reduce = jit.launchers(key, lambda: _swapped_launchers(a, target, m, n, k, override))
     launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
 
 
-def _swapped_launchers(a, target, m, n, k):
+def _swapped_launchers(a, target, m, n, k, override):
     from backends.cuda.device import sm_count
     from ops.gemm_fp8 import split_k_launchers
 
-    p = plan_swapped(m, n, k, sms=sm_count(a))
+    p = plan_swapped(m, n, k, sms=sm_count(a), **override)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
     return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
 

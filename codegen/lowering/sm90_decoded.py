@@ -119,36 +119,42 @@ FRAGMENT_K = 128
 
 
 def _reg_step(j, first, io):
-    """Step first + j of a burst: wait for its tiles, decode into fragment j % 2 (its last reader,
-    step first + j - 2, is done: step first + j - 1 waited for it), issue the WGMMA, retire the
-    previous step's (wait 1)."""
+    """Step first + j of a burst: wait for its tiles, decode into a fragment, issue the WGMMA, retire
+    the previous step's (wait 1: fragment j % 2's last reader, step first + j - 2, is then done).
+    One fragment (two blocks an SM): the step waits for its own WGMMA (wait 0) before the next
+    decode overwrites the registers."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy = io
     s = first + j
     slot = s % stages
+    frag = frags[j % len(frags)]
     emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
-    decode(lambda i, w: r_s[slot, i, w], rows, place, s, frags[j % 2].data)
-    emit(T.wgmma_gemm(frags[j % 2], s_s[slot, :, :], acc, transpose_B=True, clear_accum=False, policy=policy))
-    if j > 0:
+    decode(lambda i, w: r_s[slot, i, w], rows, place, s, frag.data)
+    emit(T.wgmma_gemm(frag, s_s[slot, :, :], acc, transpose_B=True, clear_accum=False, policy=policy))
+    if len(frags) == 1:
+        emit(T.wait_wgmma(0))
+        emit(T.mbarrier_arrive(empty[slot]))
+    elif j > 0:
         emit(T.wait_wgmma(1))
         emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
 
 
 def _reg_burst(first, count, io):
-    empty, stages = io[4], io[7]
+    frags, empty, stages = io[2], io[4], io[7]
     for j in range(count):
         _reg_step(j, first, io)
-    emit(T.wait_wgmma(0))
-    emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
+    if len(frags) > 1:
+        emit(T.wait_wgmma(0))
+        emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
 
 
 @T.macro
-def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, policy, prologue,
-                    epilogue):
+def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
+                    prologue, epilogue):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         tma_producer(steps, loads, s_s, r_s, full, empty, stages)
     else:
-        T.set_max_nreg(consumer_regs(consumers), 1)
+        T.set_max_nreg(grow, 1)
         T.clear(acc)
         prologue()
         T.sync_threads(DECODE_BAR, consumers)          # the prologue's shared-memory writes are done
@@ -161,22 +167,33 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
-def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None):
+def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
+                              blocks_per_sm=1):
     # operands: the shared operand (cols, FRAGMENT_K), the raw tile (rows, FRAGMENT_K / 8) int32
-    # words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K), in registers
+    # words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K), in registers.
+    # blocks_per_sm = 2: twice the warps an SM to hide the decode's latencies, in half the registers
+    # (one fragment, each step's WGMMA waited for before the next decode)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     if (s_shape[1] != FRAGMENT_K or tuple(raw_shape) != (d_shape[0], FRAGMENT_K // 8) or d_shape[1] != FRAGMENT_K
             or d_shape[0] != consumers // 2):
         raise ValueError(f"mma_register_decoded_loop takes {FRAGMENT_K}-deep K steps, raw rows of "
                          f"{FRAGMENT_K // 8} words and 16 rows a warp: operands {operands} at {consumers} MMA threads")
-    check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, consumer_regs(consumers))])
+    if blocks_per_sm not in (1, 2):
+        raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
+    threads = consumers + PRODUCER
+    have = launch_registers(threads * blocks_per_sm)
+    grow = min(CONSUMER_REGS, (have * threads - PRODUCER_REGS * PRODUCER) // consumers // 8 * 8)
+    check_register_split(threads * blocks_per_sm, [(PRODUCER * blocks_per_sm, PRODUCER_REGS),
+                                                   (consumers * blocks_per_sm, grow)])
     require_pass_configs(PASS_CONFIGS)
+    if blocks_per_sm > 1:
+        emit(T.annotate_min_blocks_per_sm(blocks_per_sm))   # __launch_bounds__(threads, 2)
     s_s = T.alloc_shared((stages, *s_shape), s_dtype)
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
     T.annotate_layout({r_s: make_half_bank_swizzled_layout(r_s)})
-    frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(2)]
+    frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)
-    _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers,
+    _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue or (lambda: None), epilogue or (lambda: None))
