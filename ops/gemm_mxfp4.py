@@ -233,6 +233,7 @@ def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
 
 
 SWAPPED_TOKENS = (8, 16, 32, 64)   # token tiles (the WGMMA's N) of the swapped kernel; m up to 64
+SWAPPED_STAGE_K = (512, 256, 128)  # K depths of a swapped pipeline stage, most preferred first
 
 
 @T.macro
@@ -251,17 +252,17 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                          splits: int = 1, blocks_per_sm: int = 1):
+                          splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
     decoded tile, no barrier between the decode and the MMA. A is the (tokens, 128) shared operand
     of a step, loaded by TMA (rows past m zero-filled). splits > 1: fp32 partials per split,
     summed in order by ops.gemm_fp8.fp8_gemm_reduce_program."""
-    assert k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     m = T.dynamic("m")
-    n_tiles, kb = n // block_n, k // BLOCK_K
-    per = -(-kb // splits)
+    n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
+    per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
@@ -272,19 +273,21 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tn, ts = tile.split_index(bid, (n_tiles, splits))
             sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
-            k0 = ts * per
-            steps = T.max(T.min(per, kb - k0), 0)
+            spl = per * BLOCK_K // stage_k                # stages of stage_k a split
+            k0 = ts * spl
+            steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731
-                A[0:tokens, (k0 + blk) * BLOCK_K:(k0 + blk + 1) * BLOCK_K],
-                B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (BLOCK_K // 8):(k0 + blk + 1) * (BLOCK_K // 8)])
+                A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
+                B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (stage_k // 8):(k0 + blk + 1) * (stage_k // 8)])
             tile.mma_register_decoded_loop(
-                steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
+                steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
-                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
+                prologue=lambda: _stage_scales(
+                    sw, lambda si, i: SFB[tn * block_n + i, T.min(ts * per + si, kb - 1)]),
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
@@ -629,24 +632,29 @@ def _mxfp4_impl(a, b, sfb):
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 
 
-def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | None = None) -> dict:
+def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | None = None,
+                 stage_k: int | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (two
     hide the decode's latencies better, in half the registers: one fragment; up to 32 tokens, whose
-    accumulators fit next to it in 104 registers), split-K (a step is
-    one 128 x 128 weight tile: split while the blocks fit on the SMs at once and keep 4 steps) and
-    as many pipeline stages as fit in the block's share of shared memory, up to 8."""
+    accumulators fit next to it in 104 registers), the K depth of a pipeline stage (the most of
+    SWAPPED_STAGE_K that divides k: each weight row then arrives in runs of stage_k / 2 bytes),
+    split-K (split while the blocks fit on the SMs at once and keep 4 128-deep steps) and as many
+    stages as fit in the block's share of shared memory, up to 8."""
     from ops.gemm_fp8 import split_k_count
 
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
     if blocks_per_sm is None:
         blocks_per_sm = 2 if tokens <= 32 else 1
-    kb = k // BLOCK_K
-    splits = split_k_count(n // 128, kb, sms * blocks_per_sm, min_steps=4)
-    per = -(-kb // splits)
-    stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
+    if stage_k is None:
+        stage_k = next(d for d in SWAPPED_STAGE_K if k % d == 0)
+    parts = stage_k // BLOCK_K
+    sk = k // stage_k
+    splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
+    per = -(-sk // splits) * parts
+    stage = tokens * stage_k * 2 + 128 * stage_k // 2
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
     stages = max(2, min(8, (budget - 128 * per * 4) // stage))
-    return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm)
+    return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k)
 
 
 def _launch_swapped(a, b, sfb, out, **override):

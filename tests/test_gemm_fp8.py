@@ -828,8 +828,10 @@ def test_mxfp4_swapped_plan_and_targets():
         for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 128)):
             p = plan_swapped(m, n, k)
             assert p["tokens"] == min(t for t in SWAPPED_TOKENS if t >= m)
-            per = -(-(k // 128) // p["splits"])
-            smem = p["stages"] * (p["tokens"] * 256 + 128 * 64) + 128 * per * 4
+            parts = p["stage_k"] // 128
+            assert k % p["stage_k"] == 0 and p["stage_k"] == max(d for d in (128, 256, 512) if k % d == 0)
+            per = -(-(k // p["stage_k"]) // p["splits"]) * parts
+            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * per * 4
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
             assert p["blocks_per_sm"] == (2 if p["tokens"] <= 32 else 1)
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them

@@ -24,7 +24,7 @@ block's first barrier, so the producer's first loads are in flight meanwhile.
 """
 
 import tilelang.language as T
-from tilelang.layout import make_half_bank_swizzled_layout
+from tilelang.layout import make_full_bank_swizzled_layout, make_half_bank_swizzled_layout
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
@@ -119,23 +119,30 @@ FRAGMENT_K = 128
 
 
 def _reg_step(j, first, io):
-    """Step first + j of a burst: wait for its tiles, decode into a fragment, issue the WGMMA, retire
-    the previous step's (wait 1: fragment j % 2's last reader, step first + j - 2, is then done).
-    One fragment (two blocks an SM): the step waits for its own WGMMA (wait 0) before the next
-    decode overwrites the registers."""
+    """Stage first + j of a burst: wait for its tiles, then for each 128-deep part of it decode into a
+    fragment, issue the WGMMA and retire the previous part's (wait 1: the fragment's last reader, two
+    parts back, is then done; the previous stage's slot is free once its last part is). One fragment
+    (two blocks an SM): each part waits for its own WGMMA (wait 0) before the next decode overwrites
+    the registers."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy = io
+    parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
-    frag = frags[j % len(frags)]
     emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
-    decode(lambda i, w: r_s[slot, i, w], rows, place, s, frag.data)
-    emit(T.wgmma_gemm(frag, s_s[slot, :, :], acc, transpose_B=True, clear_accum=False, policy=policy))
-    if len(frags) == 1:
-        emit(T.wait_wgmma(0))
-        emit(T.mbarrier_arrive(empty[slot]))
-    elif j > 0:
-        emit(T.wait_wgmma(1))
-        emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+    for u in range(parts):
+        idx = j * parts + u
+        frag = frags[idx % len(frags)]
+        decode(lambda i, w, u=u: r_s[slot, i, u * FRAGMENT_K // 8 + w], rows, place, s * parts + u, frag.data)
+        emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
+                          clear_accum=False, policy=policy))
+        if len(frags) == 1:
+            emit(T.wait_wgmma(0))
+            if u == parts - 1:
+                emit(T.mbarrier_arrive(empty[slot]))
+        elif idx > 0:
+            emit(T.wait_wgmma(1))
+            if u == 0:
+                emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
 
 
 def _reg_burst(first, count, io):
@@ -175,10 +182,12 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # (one fragment, each step's WGMMA waited for before the next decode)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
-    if (s_shape[1] != FRAGMENT_K or tuple(raw_shape) != (d_shape[0], FRAGMENT_K // 8) or d_shape[1] != FRAGMENT_K
-            or d_shape[0] != consumers // 2):
-        raise ValueError(f"mma_register_decoded_loop takes {FRAGMENT_K}-deep K steps, raw rows of "
-                         f"{FRAGMENT_K // 8} words and 16 rows a warp: operands {operands} at {consumers} MMA threads")
+    parts = s_shape[1] // FRAGMENT_K
+    if (parts not in (1, 2, 4) or s_shape[1] != parts * FRAGMENT_K or d_shape[1] != FRAGMENT_K
+            or tuple(raw_shape) != (d_shape[0], parts * FRAGMENT_K // 8) or d_shape[0] != consumers // 2):
+        raise ValueError(f"mma_register_decoded_loop takes K stages of 1, 2 or 4 parts of {FRAGMENT_K}, raw rows "
+                         f"of {FRAGMENT_K // 8} words a part and 16 rows a warp: operands {operands} at "
+                         f"{consumers} MMA threads")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
     threads = consumers + PRODUCER
@@ -191,7 +200,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
         emit(T.annotate_min_blocks_per_sm(blocks_per_sm))   # __launch_bounds__(threads, 2)
     s_s = T.alloc_shared((stages, *s_shape), s_dtype)
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
-    T.annotate_layout({r_s: make_half_bank_swizzled_layout(r_s)})
+    # a warp reads 8 rows' same 16 bytes at once: swizzled (TMA), they fall in different banks
+    swizzle = make_half_bank_swizzled_layout if parts == 1 else make_full_bank_swizzled_layout
+    T.annotate_layout({r_s: swizzle(r_s)})
     frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)
