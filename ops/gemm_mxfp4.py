@@ -645,15 +645,21 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | No
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
     if blocks_per_sm is None:
         blocks_per_sm = 2 if tokens <= 32 else 1
-    if stage_k is None:
-        stage_k = next(d for d in SWAPPED_STAGE_K if k % d == 0)
-    parts = stage_k // BLOCK_K
-    sk = k // stage_k
-    splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
-    per = -(-sk // splits) * parts
-    stage = tokens * stage_k * 2 + 128 * stage_k // 2
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
-    stages = max(2, min(8, (budget - 128 * per * 4) // stage))
+    for depth in [stage_k] if stage_k else SWAPPED_STAGE_K:
+        if k % depth:
+            continue
+        parts = depth // BLOCK_K
+        sk = k // depth
+        splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
+        per = -(-sk // splits) * parts
+        stage = tokens * depth * 2 + 128 * depth // 2
+        stages = min(8, (budget - 128 * per * 4) // stage)
+        if stages >= 2:         # else a shallower stage (the staged scales and two stages must fit)
+            stage_k = depth
+            break
+    else:
+        raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k)
 
 

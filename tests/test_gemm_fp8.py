@@ -829,7 +829,7 @@ def test_mxfp4_swapped_plan_and_targets():
             p = plan_swapped(m, n, k)
             assert p["tokens"] == min(t for t in SWAPPED_TOKENS if t >= m)
             parts = p["stage_k"] // 128
-            assert k % p["stage_k"] == 0 and p["stage_k"] == max(d for d in (128, 256, 512) if k % d == 0)
+            assert k % p["stage_k"] == 0
             per = -(-(k // p["stage_k"]) // p["splits"]) * parts
             smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * per * 4
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
