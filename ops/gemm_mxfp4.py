@@ -233,7 +233,7 @@ def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
 
 
 SWAPPED_TOKENS = (8, 16, 32, 64)   # token tiles (the WGMMA's N) of the swapped kernel; m up to 64
-SWAPPED_STAGE_K = (512, 256, 128)  # K depths of a swapped pipeline stage, most preferred first
+SWAPPED_STAGE_K = (128, 256, 512)  # K depths of a swapped pipeline stage, most preferred first (128: measured best)
 
 
 @T.macro
@@ -634,17 +634,17 @@ SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench p
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | None = None,
                  stage_k: int | None = None) -> dict:
-    """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (two
-    hide the decode's latencies better, in half the registers: one fragment; up to 32 tokens, whose
-    accumulators fit next to it in 104 registers), the K depth of a pipeline stage (the most of
-    SWAPPED_STAGE_K that divides k: each weight row then arrives in runs of stage_k / 2 bytes),
-    split-K (split while the blocks fit on the SMs at once and keep 4 128-deep steps) and as many
-    stages as fit in the block's share of shared memory, up to 8."""
+    """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
+    2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
+    (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
+    the SMs at once and keep 4 128-deep steps) and as many stages as fit in the block's share of
+    shared memory, up to 8. Deeper stages and two blocks an SM were measured slower or no faster
+    (bench/NOTES.md "MXFP4 v6")."""
     from ops.gemm_fp8 import split_k_count
 
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
     if blocks_per_sm is None:
-        blocks_per_sm = 2 if tokens <= 32 else 1
+        blocks_per_sm = 1       # two measured no faster (bench/NOTES.md "MXFP4 v6")
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
     for depth in [stage_k] if stage_k else SWAPPED_STAGE_K:
         if k % depth:

@@ -833,10 +833,13 @@ def test_mxfp4_swapped_plan_and_targets():
             per = -(-(k // p["stage_k"]) // p["splits"]) * parts
             smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * per * 4
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
-            assert p["blocks_per_sm"] == (2 if p["tokens"] <= 32 else 1)
+            assert p["blocks_per_sm"] == 1 and p["stage_k"] == 128
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them
-    assert plan_swapped(64, 4096, 7168)["splits"] == 4 and plan_swapped(1, 4096, 7168)["splits"] == 8
+    assert plan_swapped(64, 4096, 7168)["splits"] == 4 and plan_swapped(1, 4096, 7168, blocks_per_sm=2)["splits"] == 8
     assert plan_swapped(64, 24576, 1536)["splits"] == 1
+    # an asked-for stage depth whose two stages and staged scales do not fit is refused, not shrunk
+    with pytest.raises(ValueError, match="no swapped MXFP4 plan fits for m=9, n=7168, k=16384, stage_k=512"):
+        plan_swapped(9, 7168, 16384, blocks_per_sm=2, stage_k=512)
     with pytest.raises(ValueError, match="sm_100a"):
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
 
