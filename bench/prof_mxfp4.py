@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import ops
 from bench.suites.gemm import PRESETS, make_inputs
 from bench.timing import L2_FLUSH_BYTES
 from ops import gemm_mxfp4

@@ -664,14 +664,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | No
 
 
 def _launch_swapped(a, b, sfb, out, **override):
-    from ops.gemm_fp8 import launch_split_k
-
-    m, k = a.shape
-    n = b.shape[0]
-    target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_swapped", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
-    splits, kernel, reduce = jit.launchers(key, lambda: _swapped_launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
+    """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override)."""
+    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override)
 
 
 def _swapped_launchers(a, target, m, n, k, override):
@@ -725,6 +719,11 @@ def _scale_words(sfb):
 
 
 def _launch(a, b, sfb, out, **override):
+    """mxfp4_gemm_program, planned by plan (+ override)."""
+    _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, override)
+
+
+def _launch_planned(name, launchers, a, b, sfb, out, override):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
     from ops.gemm_fp8 import launch_split_k
@@ -732,8 +731,8 @@ def _launch(a, b, sfb, out, **override):
     m, k = a.shape
     n = b.shape[0]
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt", target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
-    splits, kernel, reduce = jit.launchers(key, lambda: _launchers(a, target, m, n, k, override))
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
+    splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
 
 

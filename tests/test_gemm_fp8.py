@@ -483,16 +483,12 @@ def _innermost_mma_loop(sass: str, mma: str = "QGMMA") -> list[str]:
     return best
 
 
-def _burst_loop_of(src: str, mma: str, burst: int, block_threads: int = 384) -> list[str]:
-    """Build a kernel whose K loop keeps one WGMMA group in flight (TMA warpgroup + 2 MMA
-    warpgroups, or 4 at block_threads=640; bursts of `burst` steps) and check that ptxas kept it so: `mma` and TMA in the SASS,
-    no spills, no C7514 / C7517 (WGMMAs serialized, a wait injected), and the loop waits with
-    `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's MMAs, with one
-    `0x0` drain per burst. Returns the loop's instructions."""
+def _tma_wgmma_sass(src: str, mma: str) -> str:
+    """The SASS of a TMA-fed WGMMA kernel, checked: `mma` and TMA loads in it, no spills, and no
+    C7514 / C7517 from ptxas (WGMMAs serialized, a wait injected)."""
     from backends import ToolchainError
     from backends.cuda.sass import disassemble, histogram
 
-    assert f"__launch_bounds__({block_threads}, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
     try:
         cubin, log = _build_with_ptxas_log(src)
         sass = disassemble(cubin)
@@ -502,6 +498,17 @@ def _burst_loop_of(src: str, mma: str, burst: int, block_threads: int = 384) -> 
     assert hist.get(mma, 0) > 0 and hist.get("UTMALDG", 0) > 0
     assert hist.get("STL", 0) == 0 and hist.get("LDL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
     assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    return sass
+
+
+def _burst_loop_of(src: str, mma: str, burst: int, block_threads: int = 384) -> list[str]:
+    """Build a kernel whose K loop keeps one WGMMA group in flight (TMA warpgroup + 2 MMA
+    warpgroups, or 4 at block_threads=640; bursts of `burst` steps) and check that ptxas kept it so: `mma` and TMA in the SASS,
+    no spills, no C7514 / C7517 (WGMMAs serialized, a wait injected), and the loop waits with
+    `WARPGROUP.DEPBAR.LE gsb0, 0x1` (one group left running) between its burst's MMAs, with one
+    `0x0` drain per burst. Returns the loop's instructions."""
+    assert f"__launch_bounds__({block_threads}, 1)" in src and "tl::wait_wgmma<1>();" in src and "tl::wait_wgmma<0>();" in src
+    sass = _tma_wgmma_sass(src, mma)
     loop = _innermost_mma_loop(sass, mma)
     waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
     assert waits == ["0x1"] * (burst - 1) + ["0x0"], waits      # burst - 1 waits 1, a drain
@@ -803,18 +810,7 @@ def _single_fragment_kernel(src: str) -> None:
     """The two-blocks-an-SM kernel: HGMMA and TMA, no spills or WGMMA serialization, and every
     WGMMA wait a drain (DEPBAR 0x0: a step's WGMMA is done before the next decode writes the one
     fragment)."""
-    from backends import ToolchainError
-    from backends.cuda.sass import disassemble, histogram
-
-    try:
-        cubin, log = _build_with_ptxas_log(src)
-        sass = disassemble(cubin)
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    hist = histogram(sass)
-    assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0
-    assert hist.get("STL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
-    assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    sass = _tma_wgmma_sass(src, "HGMMA")
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert waits and set(waits) == {"0x0"}, waits
 
