@@ -145,7 +145,9 @@ def _load_entry(entry: cache.Entry, prim, t: targets.Target, pass_configs: dict)
 def key_inputs(program, prim, t: targets.Target, pass_configs: dict) -> dict:
     import tilelang
 
-    ir = prim.script()
+    # with its metadata: an imported CUDA helper's text (T.import_source) and annotated layouts are
+    # only references in the plain script, so a changed helper would hit the old kernel
+    ir = prim.script(show_meta=True)
     return {
         "program": program.name,
         "ir_sha256": cache.hashlib.sha256(ir.encode()).hexdigest(),

@@ -65,6 +65,25 @@ def test_key_covers_parameters_target_and_versions(fresh_cache, monkeypatch):
         assert cache.digest({**inputs, field: value}) != base, field
 
 
+def test_key_covers_imported_helper_source(monkeypatch):
+    """A program's CUDA helpers (T.import_source) are part of the key: with a changed helper the
+    kernel is rebuilt, not served from the cache (the plain IR script only references them)."""
+    from codegen import targets
+    from ops import gemm_mxfp4
+
+    t = targets.get("cuda:sm_90a")
+    params = dict(n=256, k=256, tokens=8)
+
+    def ir_hash():
+        prim = gemm_mxfp4.mxfp4_swapped_program.trace(t, **params)
+        return jit.key_inputs(gemm_mxfp4.mxfp4_swapped_program, prim, t, {})["ir_sha256"]
+
+    base = ir_hash()
+    assert ir_hash() == base
+    monkeypatch.setattr(gemm_mxfp4, "E2M1_FRAGMENT_SOURCE", gemm_mxfp4.E2M1_FRAGMENT_SOURCE + "\n// changed\n")
+    assert ir_hash() != base
+
+
 def test_corrupt_entry_is_detected_and_rebuilt(fresh_cache, caplog):
     k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
     lib = k.entry / "kernel.so"
