@@ -631,7 +631,8 @@ def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold:
 
 
 def launch_split_k(kernel, reduce, args, out, splits: int, count=None):
-    """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count]),
+    """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count: or
+    any last argument the kernel takes, e.g. a trace buffer]),
     then, for splits > 1 (2-D outputs only) with a reduce launcher, the reduce into `out` (rows, n);
     without one the kernel folds its partials (count: the fold's zeroed per-tile arrival counters,
     unused by a cluster fold). With

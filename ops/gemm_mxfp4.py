@@ -252,13 +252,17 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                          splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K):
+                          splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
     decoded tile, no barrier between the decode and the MMA. A is the (tokens, 128) shared operand
     of a step, loaded by TMA (rows past m zero-filled). splits > 1: fp32 partials per split,
-    summed in order by ops.gemm_fp8.fp8_gemm_reduce_program."""
+    summed in order by ops.gemm_fp8.fp8_gemm_reduce_program.
+
+    trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
+    each of SWAPPED_TRACE_EVENTS goes to Trace[b, event]; step s's "data" and "issued" (s < 64) to
+    Trace[b, 4 + 2s] and Trace[b, 5 + 2s]. Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
@@ -268,7 +272,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     @T.prim_func
     def mxfp4_gemm_nt_swapped(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
                               SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
-                              Part: T.Tensor(part_shape, "float32")):
+                              Part: T.Tensor(part_shape, "float32"),
+                              Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32")):
         with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))
             sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
@@ -286,11 +291,33 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
+                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 prologue=lambda: _stage_scales(
                     sw, lambda si, i: SFB[tn * block_n + i, T.min(ts * per + si, kb - 1)]),
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
+
+
+SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored")   # then "data", "issued" per step
+SWAPPED_TRACE_STEPS = 64
+SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + 2 * SWAPPED_TRACE_STEPS
+
+
+def _trace_stamp(Trace, bid, event, step):
+    if event in SWAPPED_TRACE_EVENTS:
+        _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1)
+    else:
+        _stamp_clock(Trace, bid, len(SWAPPED_TRACE_EVENTS) + 2 * step + (event == "issued"),
+                     step < SWAPPED_TRACE_STEPS)
+
+
+@T.macro
+def _stamp_clock(Trace, bid, at, keep):
+    # the SM clock when the block's first MMA thread gets here
+    if T.get_thread_binding() == 0:
+        if keep:
+            Trace[bid, at] = T.call_extern("int32", "clock")
 
 
 @T.macro
@@ -664,8 +691,10 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | No
 
 
 def _launch_swapped(a, b, sfb, out, **override):
-    """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override)."""
-    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override)
+    """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
+    Trace is bound, never touched (trace=False)."""
+    trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
+    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace)
 
 
 def _swapped_launchers(a, target, m, n, k, override):
@@ -723,7 +752,7 @@ def _launch(a, b, sfb, out, **override):
     _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, override)
 
 
-def _launch_planned(name, launchers, a, b, sfb, out, override):
+def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
     from ops.gemm_fp8 import launch_split_k
@@ -733,7 +762,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override):
     target = targets.resolve(a)
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits)
+    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits, count=tail)
 
 
 def _launchers(a, target, m, n, k, override):

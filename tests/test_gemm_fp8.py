@@ -815,6 +815,22 @@ def _single_fragment_kernel(src: str) -> None:
     assert waits and set(waits) == {"0x0"}, waits
 
 
+def test_mxfp4_swapped_trace_stamps_only_when_asked():
+    """trace=True (bench.trace_mxfp4): the first MMA thread stamps the SM clock at the block's events
+    and each step's data arrival and WGMMA issue into Trace[block]; without it no clock is read and
+    the kernel is the production one."""
+    from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_WORDS, mxfp4_swapped_program
+
+    params = dict(n=256, k=1024, tokens=8, splits=2, stages=4)
+    plain = mxfp4_swapped_program.source("sm_90a", **params)
+    traced = mxfp4_swapped_program.source("sm_90a", **params, trace=True)
+    assert "clock()" not in plain
+    stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
+    # 4 block events + 2 a step; the burst and the tails are separate code paths, each stamped
+    assert len(stamps) >= len(SWAPPED_TRACE_EVENTS) + 2 * 4, stamps
+    assert f"* {SWAPPED_TRACE_WORDS})" in traced
+
+
 def test_mxfp4_swapped_plan_and_targets():
     """The swapped kernel's plans fit in shared memory; it lowers only where the MMA reads an
     operand from registers (sm_90a)."""

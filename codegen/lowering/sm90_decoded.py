@@ -124,11 +124,13 @@ def _reg_step(j, first, io):
     parts back, is then done; the previous stage's slot is free once its last part is). One fragment
     (two blocks an SM): each part waits for its own WGMMA (wait 0) before the next decode overwrites
     the registers."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
     emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
+    if mark is not None:
+        mark("data", s)
     for u in range(parts):
         idx = j * parts + u
         frag = frags[idx % len(frags)]
@@ -143,6 +145,8 @@ def _reg_step(j, first, io):
             emit(T.wait_wgmma(1))
             if u == 0:
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+    if mark is not None:
+        mark("issued", s)
 
 
 def _reg_burst(first, count, io):
@@ -156,30 +160,41 @@ def _reg_burst(first, count, io):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue):
+                    prologue, epilogue, mark):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         tma_producer(steps, loads, s_s, r_s, full, empty, stages)
     else:
         T.set_max_nreg(grow, 1)
+        if mark is not None:
+            mark("entry", 0)
         T.clear(acc)
         prologue()
         T.sync_threads(DECODE_BAR, consumers)          # the prologue's shared-memory writes are done
+        if mark is not None:
+            mark("prologue done", 0)
         tid = T.get_thread_binding()
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
-        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy)
+        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark)
         in_bursts(steps, _reg_burst, io)
+        if mark is not None:
+            mark("loop done", 0)
         epilogue()
+        if mark is not None:
+            mark("stored", 0)
 
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1):
+                              blocks_per_sm=1, mark=None):
     # operands: the shared operand (cols, FRAGMENT_K), the raw tile (rows, FRAGMENT_K / 8) int32
     # words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K), in registers.
     # blocks_per_sm = 2: twice the warps an SM to hide the decode's latencies, in half the registers
-    # (one fragment, each step's WGMMA waited for before the next decode)
+    # (one fragment, each step's WGMMA waited for before the next decode).
+    # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
+    # step's "data" (its tiles have arrived) and "issued" (decoded, its WGMMAs issued), "loop done"
+    # and "stored" (after the epilogue)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -207,4 +222,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
-                    T.GemmWarpPolicy.FullRow, prologue or (lambda: None), epilogue or (lambda: None))
+                    T.GemmWarpPolicy.FullRow, prologue or (lambda: None), epilogue or (lambda: None), mark)

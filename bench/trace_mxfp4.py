@@ -1,0 +1,85 @@
+"""Where a swapped MXFP4 block's time goes (mxfp4_gemm_nt_swapped with trace=True): the SM clock
+of each block's first MMA thread at entry, prologue done, each K step's data arrival ("data": its
+tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
+
+    python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode]
+
+Per case it prints, as medians over the blocks, in SM cycles: the prologue, the wait for the first
+step's data, then per step the wait for data (data of step s - issued of step s-1: the tiles came
+later than the MMA threads were ready for them) and the work (issued - data: the decode and the
+WGMMA issue, including the wait for the step before's WGMMA), and the epilogue. A block that
+waits for data is fed too slowly; one whose work is the step is bound by its own MMA threads.
+--no-decode swaps the decode out (bench.prof_mxfp4's diagnostic; wrong results). GPU only.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from ops import gemm_mxfp4
+from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_STEPS, SWAPPED_TRACE_WORDS
+
+CASES = ("1x7168x2048", "16x4096x7168", "64x4096x7168")
+
+
+def _delta(a, b):
+    return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
+
+
+def trace_case(m, n, k):
+    """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
+    p = gemm_mxfp4.plan_swapped(m, n, k)
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
+    kern = gemm_mxfp4.mxfp4_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
+                                                    **p).launcher()
+    blocks = n // 128 * p["splits"]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    part = torch.empty(max(p["splits"], 1), m if p["splits"] > 1 else 1, n, dtype=torch.float32, device="cuda")
+    trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        kern(a, b.view(torch.int32), s.view(torch.int32), out, part, trace)
+    torch.cuda.synchronize()
+    return p, trace.cpu().tolist()
+
+
+def summarize(p, rows, k):
+    e = {name: i for i, name in enumerate(SWAPPED_TRACE_EVENTS)}
+    base = len(SWAPPED_TRACE_EVENTS)
+    steps = min(-(-(k // p["stage_k"]) // p["splits"]), SWAPPED_TRACE_STEPS)
+    full = [r for r in rows if r[base + 2 * (steps - 1) + 1] != 0]       # blocks that ran every step
+    med = lambda xs: statistics.median(xs) if xs else float("nan")      # noqa: E731
+    out = {"blocks": len(full), "steps": steps,
+           "prologue": med([_delta(r[e["entry"]], r[e["prologue done"]]) for r in full]),
+           "first data": med([_delta(r[e["prologue done"]], r[base]) for r in full]),
+           "epilogue": med([_delta(r[e["loop done"]], r[e["stored"]]) for r in full]),
+           "total": med([_delta(r[e["entry"]], r[e["stored"]]) for r in full])}
+    out["work"] = [med([_delta(r[base + 2 * i], r[base + 2 * i + 1]) for r in full]) for i in range(steps)]
+    out["wait"] = [med([_delta(r[base + 2 * i - 1], r[base + 2 * i]) for r in full]) for i in range(1, steps)]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", nargs="*", default=list(CASES), help="MxNxK (m <= 64)")
+    ap.add_argument("--no-decode", action="store_true", help="the kernel without its decode (wrong results)")
+    args = ap.parse_args(argv)
+    if args.no_decode:
+        from bench.prof_mxfp4 import NO_DECODE_SOURCE
+
+        gemm_mxfp4.E2M1_FRAGMENT_SOURCE = NO_DECODE_SOURCE
+    for case in args.case:
+        m, n, k = map(int, case.split("x"))
+        p, rows = trace_case(m, n, k)
+        t = summarize(p, rows, k)
+        print(f"{case} {p}{' no-decode' if args.no_decode else ''}: {t['blocks']} blocks, {t['steps']} steps; "
+              f"cycles (median over blocks): total {t['total']:.0f}, prologue {t['prologue']:.0f}, "
+              f"first data {t['first data']:.0f}, epilogue {t['epilogue']:.0f}")
+        print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
+        print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
+
+
+if __name__ == "__main__":
+    main()
