@@ -299,6 +299,67 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     return mxfp4_gemm_nt_swapped
 
 
+@tile_program(
+    "mxfp4_gemm_nt_masked_swapped",
+    targets=("cuda:sm_90a",),
+    examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
+)
+def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6):
+    """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
+    first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
+    a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
+    split-K). A group with no rows loads nothing and stores zeros."""
+    assert k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    groups, max_m = T.dynamic("groups, max_m")
+    n_tiles, kb = n // block_n, k // BLOCK_K
+
+    @T.prim_func
+    def mxfp4_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "bfloat16"),
+                                     B: T.Tensor((groups, n, k // 8), "int32"),
+                                     SFB: T.Tensor((groups, n, kb), "int32"), MaskedM: T.Tensor((groups,), "int32"),
+                                     C: T.Tensor((groups, max_m, n), "bfloat16")):
+        with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
+            g, tn = tile.split_index(bid, (groups, n_tiles))
+            sw = tile.stage((kb, block_n), "int32")       # E8M0 bytes of (step, row), step-major
+            acc = tile.accumulator((block_n, tokens))     # C^T of the group: weight rows x tokens
+            rows = MaskedM[g]
+            steps = T.if_then_else(rows > 0, kb, 0)
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
+            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+            loads = lambda blk: (  # noqa: E731
+                A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
+                B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
+            tile.mma_register_decoded_loop(
+                steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
+                               ((block_n, BLOCK_K), "bfloat16")], acc,
+                lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw),
+                stages=stages,
+                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[g, tn * block_n + i, si]),
+                epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens))
+
+    return mxfp4_gemm_nt_masked_swapped
+
+
+@T.macro
+def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens):
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(block_n, tokens):
+        if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
+            C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
+                                                       T.cast(0, "bfloat16"))
+
+
+def plan_masked_swapped(max_m: int, k: int) -> dict:
+    """The masked swapped kernel's token tile and stages (the block stages its whole K range of
+    scale words: k / 128 x 128 words)."""
+    tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
+    stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
+    stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
+    if stages < 2:
+        raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
+    return dict(tokens=tokens, stages=stages)
+
+
 SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored")   # then "data", "issued" per step
 SWAPPED_TRACE_STEPS = 64
 SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + 2 * SWAPPED_TRACE_STEPS
@@ -615,6 +676,9 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
 
 
+SWAPPED_MASKED = False   # masked groups of <= 64 rows on the swapped kernel: off until run on a GPU
+
+
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     if a.device.type == "cpu":
         return m_grouped_mxfp4_reference(a, b, sfb, aux, mode)
@@ -623,6 +687,13 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
         return out
     target = targets.resolve(a)
     G, n, k = b.shape[0], b.shape[1], a.shape[-1]
+    if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1]
+            and target.name == "cuda:sm_90a"):
+        p = plan_masked_swapped(a.shape[1], k)
+        kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"]), lambda: (
+            mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
+        kernel(a, _code_words(b), _scale_words(sfb), aux, out)
+        return out
     kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m), lambda: (
         mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
     m_idx = aux if mode == "contiguous" else bound_only(a.device, 1)

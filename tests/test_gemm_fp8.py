@@ -1375,6 +1375,48 @@ def test_gpu_grouped_mxfp4(mode):
     assert (out[ref == 0] == 0).all()           # padding rows and rows past masked_m stay zeros
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_m,masked", [(1, [1, 0, 1, 1]), (37, [37, 0, 5, 20]), (64, [64, 63, 0, 1])])
+def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
+    """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED, off until this passes
+    on a GPU): exact per group; rows past masked_m (NaN here) never leak into another row and come
+    out zeros; a group with no rows is all zeros."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(max_m)
+    G, n, k = 4, 256, 1024
+    b, sfb = mxfp4_groups(G, n, k, g)
+    aux = torch.tensor(masked, dtype=torch.int32)
+    a = torch.randn(G, max_m, k, generator=g).bfloat16()
+    for gi, mm in enumerate(masked):
+        a[gi, mm:] = float("nan")
+    ref = ops.m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, aux).float()
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_MASKED", True)
+    out = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+    assert not out.isnan().any()
+    assert calc_diff(out, ref) < 1e-5
+    assert_elementwise(out, ref)
+    for gi, mm in enumerate(masked):
+        assert (out[gi, mm:] == 0).all()
+
+
+def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
+    """The masked swapped program builds: WGMMA from registers, TMA, no spills or serialization; its
+    plan stages the whole K range of scales next to the pipeline, and a K too long for that is
+    refused."""
+    from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
+
+    p = plan_masked_swapped(64, 7168)
+    assert p == dict(tokens=64, stages=8)
+    assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
+    assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8
+    with pytest.raises(ValueError, match="too long"):
+        plan_masked_swapped(64, 128 * 420)
+    src = mxfp4_masked_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, stages=4)
+    assert "tl::wgmma_rs<" in src
+    _tma_wgmma_sass(src, "HGMMA")
+
+
 @settings(max_examples=12, deadline=None)
 @given(G=st.integers(1, 3), max_m=st.integers(0, 33), k=st.sampled_from([128, 256]), seed=st.integers(0, 2 ** 16),
        segments=st.lists(st.integers(0, 128), min_size=1, max_size=3))
