@@ -856,6 +856,21 @@ def test_mxfp4_swapped_plan_and_targets():
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
 
 
+def test_burst_loop_is_guarded_where_a_split_has_no_full_burst():
+    """sm90.in_bursts guards its loop of 4-step bursts: 128 x 2048 x 6272 plans 8 splits of 7 K steps
+    and an empty last one, and TileLang, bounding steps // 4 by 1, emits the loop's body once; unguarded
+    the empty split's MMA threads waited for tiles never loaded (a hang; bench/NOTES.md "MXFP4 v6")."""
+    from ops.gemm_mxfp4 import mxfp4_gemm_program, plan
+
+    p = plan(128, 2048, 6272)
+    assert p["splits"] == 8 and 49 - 7 * 7 == 0           # the last split has no K step
+    lines = mxfp4_gemm_program.source("sm_90a", n=2048, k=6272, **p).splitlines()
+    mma = next(i for i, line in enumerate(lines) if "warpgroup_reg_alloc" in line)
+    first_wait = next(i for i in range(mma, len(lines)) if re.search(r"\]\.wait\(0\);", lines[i]))
+    assert any(line.strip().startswith("if (") for line in lines[first_wait - 2:first_wait]), \
+        "\n".join(lines[first_wait - 4:first_wait + 1])
+
+
 def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     """The sm_100a native MXFP4 program (tile.mma_block_scaled_loop): e4m3 x e2m1 block-scaled
     tcgen05 MMAs (UTCQMMA) with the E8M0 scale words copied to tensor memory (UTCCP), no spills;
