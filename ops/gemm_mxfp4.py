@@ -688,7 +688,7 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     target = targets.resolve(a)
     G, n, k = b.shape[0], b.shape[1], a.shape[-1]
     if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1]
-            and target.name == "cuda:sm_90a"):
+            and target.name == "cuda:sm_90a" and k // BLOCK_K * 128 * 4 <= SMEM_BUDGET // 2):
         p = plan_masked_swapped(a.shape[1], k)
         kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"]), lambda: (
             mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
@@ -749,13 +749,16 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | No
             continue
         parts = depth // BLOCK_K
         sk = k // depth
-        splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
-        per = -(-sk // splits) * parts
         stage = tokens * depth * 2 + 128 * depth // 2
+        if 2 * stage + 128 * parts * 4 > budget:
+            continue            # not even two stages fit: a shallower stage
+        splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
+        while (budget - 128 * -(-sk // splits) * parts * 4) // stage < 2:
+            splits += 1         # a block stages its K range's scale words: split a long K until they fit
+        per = -(-sk // splits) * parts
         stages = min(8, (budget - 128 * per * 4) // stage)
-        if stages >= 2:         # else a shallower stage (the staged scales and two stages must fit)
-            stage_k = depth
-            break
+        stage_k = depth
+        break
     else:
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k)

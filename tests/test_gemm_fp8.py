@@ -837,7 +837,7 @@ def test_mxfp4_swapped_plan_and_targets():
     from ops.gemm_mxfp4 import SMEM_BUDGET, SWAPPED_TOKENS, mxfp4_swapped_program, plan_swapped
 
     for m in (1, 8, 9, 33, 64):
-        for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 128)):
+        for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 128), (24576, 57344)):
             p = plan_swapped(m, n, k)
             assert p["tokens"] == min(t for t in SWAPPED_TOKENS if t >= m)
             parts = p["stage_k"] // 128
@@ -849,9 +849,12 @@ def test_mxfp4_swapped_plan_and_targets():
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them
     assert plan_swapped(64, 4096, 7168)["splits"] == 4 and plan_swapped(1, 4096, 7168, blocks_per_sm=2)["splits"] == 8
     assert plan_swapped(64, 24576, 1536)["splits"] == 1
-    # an asked-for stage depth whose two stages and staged scales do not fit is refused, not shrunk
-    with pytest.raises(ValueError, match="no swapped MXFP4 plan fits for m=9, n=7168, k=16384, stage_k=512"):
-        plan_swapped(9, 7168, 16384, blocks_per_sm=2, stage_k=512)
+    # a K whose scale words would not fit next to two stages is split further, not refused
+    long_k = plan_swapped(1, 24576, 57344)
+    assert long_k["splits"] > 1 and long_k["stages"] >= 2
+    # an asked-for stage depth of which not even two stages fit is refused, not shrunk
+    with pytest.raises(ValueError, match="no swapped MXFP4 plan fits for m=64, n=7168, k=16384, stage_k=512"):
+        plan_swapped(64, 7168, 16384, blocks_per_sm=2, stage_k=512)
     with pytest.raises(ValueError, match="sm_100a"):
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
 
