@@ -22,11 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import ops
 from bench.suites.gemm import DECODE_NK
-from bench.timing import L2_FLUSH_BYTES, bench_cuda
+from bench.timing import bench_cuda, profiled_kernels
 from backends.cuda.device import max_active_clusters
 from ops.gemm_fp8 import (GRID_THREADS, TRACE_EVENTS, V3_TRACE_EVENTS, _fit_exchange, _launch, fp8_gemm_program,
                           fp8_gemm_reduce_program, plan)
@@ -101,16 +100,7 @@ def _inputs(m, n, k):
 def kernel_times(fn, reps=REPS):
     """{'gemm': us, 'reduce': us or None, 'gap': us or None, 'span': us}: means over reps, each call
     after an L2 flush, from the profiler's kernel records."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and "fp8_gemm" in e.name), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in profiled_kernels(fn, reps) if "fp8_gemm" in e.name), key=lambda e: e.time_range.start)
     calls = []
     for e in kernels:
         if "reduce" in e.name:

@@ -16,36 +16,20 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench.suites.gemm import PRESETS, make_inputs
-from bench.timing import L2_FLUSH_BYTES
+from bench.timing import profiled_kernels
 from ops import gemm_mxfp4
 
 REPS = 30
 
-# the swapped kernel's helper with the decode taken out: the raw words go into the fragments as
-# they are (mixed with the scale words and the byte position, so that nothing is optimized away)
-NO_DECODE_SOURCE = r"""
-__device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
-                                                 const void* w3, const void* v0, const void* v1, const void* v2,
-                                                 const void* v3, int sw_r, int sw_r8, int c) {
-  const uint4 wq[4] = {*reinterpret_cast<const uint4*>(w0), *reinterpret_cast<const uint4*>(w1),
-                       *reinterpret_cast<const uint4*>(w2), *reinterpret_cast<const uint4*>(w3)};
-  const uint4 vq[4] = {*reinterpret_cast<const uint4*>(v0), *reinterpret_cast<const uint4*>(v1),
-                       *reinterpret_cast<const uint4*>(v2), *reinterpret_cast<const uint4*>(v3)};
-  const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
-  const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    d[4 * j + 0] = wr[2 * j] ^ (unsigned)sw_r;
-    d[4 * j + 1] = vr[2 * j] ^ (unsigned)sw_r8;
-    d[4 * j + 2] = wr[2 * j + 1] ^ (unsigned)c;
-    d[4 * j + 3] = vr[2 * j + 1];
-  }
-}
-"""
+
+def no_decode():
+    """From here on the swapped kernel is built without its decode (its helper's TC_E2M1_NO_DECODE
+    branch: the raw words go into the fragments as they are; wrong results). The helper text is in
+    the JIT cache key, so this is a kernel of its own."""
+    if "TC_E2M1_NO_DECODE 1" not in gemm_mxfp4.E2M1_FRAGMENT_SOURCE:
+        gemm_mxfp4.E2M1_FRAGMENT_SOURCE = "#define TC_E2M1_NO_DECODE 1\n" + gemm_mxfp4.E2M1_FRAGMENT_SOURCE
 
 
 def _swapped(blocks_per_sm):
@@ -72,18 +56,9 @@ PATHS = {"swapped-1": _swapped(1), "swapped-2": _swapped(2), "tile": _tile}
 
 def kernel_times(fn, reps=REPS):
     """{kernel name: mean GPU us per call} over reps calls, each after an L2 flush."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
     total = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "fill" not in ev.name and "zero" not in ev.name:
+    for ev in profiled_kernels(fn, reps, warmup=3):
+        if "elementwise" not in ev.name:        # the L2 flush
             total[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
     return {name: t / reps for name, t in total.items()}
 
@@ -95,7 +70,7 @@ def main(argv=None):
                     help="diagnostic: the swapped kernel without its decode (wrong results; its own cache key)")
     args = ap.parse_args(argv)
     if args.no_decode:
-        gemm_mxfp4.E2M1_FRAGMENT_SOURCE = NO_DECODE_SOURCE
+        no_decode()
     rows = []
     for case in PRESETS["mxfp4"]:
         i = make_inputs(case, "cuda")

@@ -96,3 +96,20 @@ def measure_copy_gbps(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     r = bench_cuda(lambda: dst.copy_(src), flush_l2=False)
     return 2 * nbytes / (r["median_ms"] * 1e-3) / 1e9
+
+
+def profiled_kernels(fn, reps: int, warmup: int = 1):
+    """The CUDA kernel events of reps calls of fn (torch profiler), each call after an L2 flush (the
+    flush's own kernel included: callers filter by name), after warmup unprofiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -67,9 +67,9 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true", help="the kernel without its decode (wrong results)")
     args = ap.parse_args(argv)
     if args.no_decode:
-        from bench.prof_mxfp4 import NO_DECODE_SOURCE
+        from bench.prof_mxfp4 import no_decode
 
-        gemm_mxfp4.E2M1_FRAGMENT_SOURCE = NO_DECODE_SOURCE
+        no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
         p, rows = trace_case(m, n, k)

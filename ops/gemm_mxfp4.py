@@ -103,6 +103,18 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
   const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
   const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
+#ifdef TC_E2M1_NO_DECODE
+  // bench.prof_mxfp4 --no-decode (a diagnostic, wrong results): the raw words go into the
+  // fragments as they are, mixed with the scale words so that nothing is optimized away
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    d[4 * j + 0] = wr[2 * j] ^ (unsigned)sw_r;
+    d[4 * j + 1] = vr[2 * j] ^ (unsigned)sw_r8;
+    d[4 * j + 2] = wr[2 * j + 1] ^ (unsigned)c;
+    d[4 * j + 3] = vr[2 * j + 1];
+  }
+  return;
+#endif
   if (__all_sync(0xFFFFFFFFu, (tc_scale_over_128((unsigned)sw_r) | tc_scale_over_128((unsigned)sw_r8)) == 0u)) {
     const unsigned er = (unsigned)sw_r + 0x7E7E7E7Eu, er8 = (unsigned)sw_r8 + 0x7E7E7E7Eu;   // e8 + 126
 #pragma unroll
