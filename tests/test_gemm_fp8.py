@@ -831,6 +831,40 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
+def test_trace_mxfp4_summary_reads_the_stamps():
+    """bench.trace_mxfp4's summary on a made-up trace: per-step work (issued - data) and data waits
+    (data - previous issued) as medians over the blocks that ran every step, across the 32-bit
+    clock's wrap; a block that ran no step is left out."""
+    from bench.trace_mxfp4 import summarize
+    from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_WORDS
+
+    base = len(SWAPPED_TRACE_EVENTS)
+    p = dict(stage_k=128, splits=1)
+
+    def block(t0, work, wait):
+        row = [0] * SWAPPED_TRACE_WORDS
+        t = t0
+        row[0] = t
+        t += 100
+        row[1] = t                                  # prologue done
+        t += 500                                    # the first data wait
+        for s in range(3):
+            if s:
+                t += wait
+            row[base + 2 * s] = t % 2 ** 32
+            t += work
+            row[base + 2 * s + 1] = t % 2 ** 32
+        row[2] = t % 2 ** 32                        # loop done
+        row[3] = (t + 40) % 2 ** 32                 # stored
+        return [v - 2 ** 32 if v >= 2 ** 31 else v for v in row]   # int32 as the kernel writes it
+
+    rows = [block(2 ** 32 - 700, 1000, 10), block(5, 1000, 10), block(9, 1200, 30), [0] * SWAPPED_TRACE_WORDS]
+    t = summarize(p, rows, k=384)
+    assert t["blocks"] == 3 and t["steps"] == 3
+    assert t["prologue"] == 100 and t["first data"] == 500 and t["epilogue"] == 40
+    assert t["work"] == [1000, 1000, 1000] and t["wait"] == [10, 10]
+
+
 def test_mxfp4_swapped_plan_and_targets():
     """The swapped kernel's plans fit in shared memory; it lowers only where the MMA reads an
     operand from registers (sm_90a)."""
