@@ -83,21 +83,28 @@ def tilecraft(case, i):
     return lambda: ops.m_grouped_fp8_gemm_nt_masked(i["qa"], i["sfa"], i["qb"], i["sfb"], i["masked_m"], case["m"])
 
 
-def tilecraft_loop(overlap):
-    """The op with its K loop forced (ops.gemm_fp8.OVERLAP): v2 or v3 against the default choice."""
-    from ops import gemm_fp8
-
+def _with_flag(module, name, value):
+    """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value
+    for each call (put back after it)."""
     def make(case, i):
         fn = tilecraft(case, i)
 
         def run():
-            old, gemm_fp8.OVERLAP = gemm_fp8.OVERLAP, overlap
+            old = getattr(module, name)
+            setattr(module, name, value)
             try:
                 return fn()
             finally:
-                gemm_fp8.OVERLAP = old
+                setattr(module, name, old)
         return run
     return make
+
+
+def tilecraft_loop(overlap):
+    """The op with its K loop forced (ops.gemm_fp8.OVERLAP): v2 or v3 against the default choice."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "OVERLAP", overlap)
 
 
 def tilecraft_tile(case, i):
@@ -105,15 +112,7 @@ def tilecraft_tile(case, i):
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
     from ops import gemm_mxfp4
 
-    fn = tilecraft(case, i)
-
-    def run():
-        old, gemm_mxfp4.SWAPPED = gemm_mxfp4.SWAPPED, False
-        try:
-            return fn()
-        finally:
-            gemm_mxfp4.SWAPPED = old
-    return run
+    return _with_flag(gemm_mxfp4, "SWAPPED", False)(case, i)
 
 
 def torch_scaled_mm(case, i):
