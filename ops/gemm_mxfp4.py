@@ -742,7 +742,7 @@ def _mxfp4_impl(a, b, sfb):
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 
 
-def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | None = None,
+def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
@@ -753,8 +753,6 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int | No
     from ops.gemm_fp8 import split_k_count
 
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
-    if blocks_per_sm is None:
-        blocks_per_sm = 1       # two measured no faster (bench/NOTES.md "MXFP4 v6")
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
     for depth in [stage_k] if stage_k else SWAPPED_STAGE_K:
         if k % depth:

@@ -200,7 +200,7 @@ def mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=32, 
 # ---- mma_register_decoded_loop: only where the MMA takes an operand from registers ---------------
 
 @register("mma_register_decoded_loop", "*")
-def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None):
+def mma_register_decoded_loop(steps, loads, operands, acc, decode, **options):
     raise ValueError("mma_register_decoded_loop needs an MMA that reads an operand from registers in a fixed "
                      "fragment layout (cuda:sm_90a); elsewhere decode into a tile (tile.mma_decoded_loop)")
 

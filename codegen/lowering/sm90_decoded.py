@@ -112,8 +112,8 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
 # and r + 8. With two e2m1 codes a byte, that is byte c of the raw row's 32-bit words 2j and 2j + 1:
 # each thread reads all 16 words of its two rows (a quad's four threads read the same 16 bytes at
 # once, a broadcast) and decodes the bytes at its place. So the other operand keeps its natural K
-# order. The raw tile is 64-byte swizzled (TMA), so that the 8 rows a warp reads at once fall in
-# different banks.
+# order. The raw tile is swizzled by TMA (64-byte rows: 64-byte swizzle, longer rows: 128-byte), so
+# that the 8 rows a warp reads at once fall in different banks.
 
 FRAGMENT_K = 128
 
@@ -188,8 +188,9 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
                               blocks_per_sm=1, mark=None):
-    # operands: the shared operand (cols, FRAGMENT_K), the raw tile (rows, FRAGMENT_K / 8) int32
-    # words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K), in registers.
+    # operands: the shared operand (cols, parts * FRAGMENT_K), the raw tile (rows, parts *
+    # FRAGMENT_K / 8) int32 words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K),
+    # in registers; a stage's parts are decoded and multiplied one after the other.
     # blocks_per_sm = 2: twice the warps an SM to hide the decode's latencies, in half the registers
     # (one fragment, each step's WGMMA waited for before the next decode).
     # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
