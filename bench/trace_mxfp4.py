@@ -2,9 +2,12 @@
 of each block's first MMA thread at entry, prologue done, each K step's data arrival ("data": its
 tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
 
-    python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode]
+    python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm]
 
-Per case it prints, as medians over the blocks, in SM cycles: the prologue, the wait for the first
+The traced run follows an L2 flush (as in a model, and as bench.op and bench.prof_mxfp4 time it;
+--warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
+the kernel's span (first block's entry to last block's stored), the spread of the blocks' entries
+and the longest block; then, as medians over the blocks, in SM cycles: the prologue, the wait for the first
 step's data, then per step the wait for data (data of step s - issued of step s-1: the tiles came
 later than the MMA threads were ready for them) and the work (issued - data: the decode and the
 WGMMA issue, including the wait for the step before's WGMMA), and the epilogue. A block that
@@ -17,6 +20,7 @@ import statistics
 
 import torch
 
+from bench.timing import L2_FLUSH_BYTES
 from ops import gemm_mxfp4
 from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_STEPS, SWAPPED_TRACE_WORDS
 
@@ -27,7 +31,7 @@ def _delta(a, b):
     return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
 
 
-def trace_case(m, n, k):
+def trace_case(m, n, k, warm=False):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
     p = gemm_mxfp4.plan_swapped(m, n, k)
     a = torch.randn(m, k, device="cuda").bfloat16()
@@ -39,7 +43,10 @@ def trace_case(m, n, k):
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     part = torch.empty(max(p["splits"], 1), m if p["splits"] > 1 else 1, n, dtype=torch.float32, device="cuda")
     trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     for _ in range(3):
+        if flush is not None:
+            flush.zero_()
         kern(a, b.view(torch.int32), s.view(torch.int32), out, part, trace)
     torch.cuda.synchronize()
     return p, trace.cpu().tolist()
@@ -56,6 +63,15 @@ def summarize(p, rows, k):
            "first data": med([_delta(r[e["prologue done"]], r[base]) for r in full]),
            "epilogue": med([_delta(r[e["loop done"]], r[e["stored"]]) for r in full]),
            "total": med([_delta(r[e["entry"]], r[e["stored"]]) for r in full])}
+    # the global timer's low 32 bits, as offsets from the first block's entry (wrap-safe: the blocks'
+    # stamps lie within 2^31 ns of each other)
+    ref = full[0][e["entry ns"]] if full else 0
+    signed = lambda v: (_delta(ref, v) + 2 ** 31) % 2 ** 32 - 2 ** 31     # noqa: E731
+    first = min((signed(r[e["entry ns"]]) for r in full), default=0)
+    ns = lambda r, ev: signed(r[e[ev]]) - first     # noqa: E731
+    out["span ns"] = max((ns(r, "stored ns") for r in full), default=float("nan"))
+    out["entry spread ns"] = max((ns(r, "entry ns") for r in full), default=float("nan"))
+    out["longest block ns"] = max((_delta(r[e["entry ns"]], r[e["stored ns"]]) for r in full), default=float("nan"))
     out["work"] = [med([_delta(r[base + 2 * i], r[base + 2 * i + 1]) for r in full]) for i in range(steps)]
     out["wait"] = [med([_delta(r[base + 2 * i - 1], r[base + 2 * i]) for r in full]) for i in range(1, steps)]
     return out
@@ -65,6 +81,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", nargs="*", default=list(CASES), help="MxNxK (m <= 64)")
     ap.add_argument("--no-decode", action="store_true", help="the kernel without its decode (wrong results)")
+    ap.add_argument("--warm", action="store_true", help="no L2 flush before the traced run")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -72,11 +89,14 @@ def main(argv=None):
         no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
-        p, rows = trace_case(m, n, k)
+        p, rows = trace_case(m, n, k, warm=args.warm)
         t = summarize(p, rows, k)
-        print(f"{case} {p}{' no-decode' if args.no_decode else ''}: {t['blocks']} blocks, {t['steps']} steps; "
+        tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
+        print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "
               f"cycles (median over blocks): total {t['total']:.0f}, prologue {t['prologue']:.0f}, "
               f"first data {t['first data']:.0f}, epilogue {t['epilogue']:.0f}")
+        print(f"  global timer: span {t['span ns']} ns, entries spread over {t['entry spread ns']} ns, "
+              f"longest block {t['longest block ns']} ns")
         print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
 

@@ -83,6 +83,11 @@ __device__ __forceinline__ void tc_e2m1x32_store(void* d0, void* d1, void* d2, v
 # one multiply a pair, and the four factors of a row come from one add (no byte carries) and a
 # permute each. Otherwise each pair is multiplied twice (tc_e2m1x2_bf16x2).
 E2M1_FRAGMENT_SOURCE = r"""
+__device__ __forceinline__ int tc_globaltimer_lo() {   // ns, low 32 bits (trace=True)
+  unsigned t;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
+  return (int)t;
+}
 __device__ __forceinline__ unsigned tc_scale_over_128(unsigned sw) {
   // a byte > 128 has its top bit and a low bit set
   return sw & 0x80808080u & ((sw & 0x7F7F7F7Fu) + 0x7F7F7F7Fu);
@@ -273,8 +278,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     summed in order by ops.gemm_fp8.fp8_gemm_reduce_program.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
-    each of SWAPPED_TRACE_EVENTS goes to Trace[b, event]; step s's "data" and "issued" (s < 64) to
-    Trace[b, 4 + 2s] and Trace[b, 5 + 2s]. Without it, Trace is bound but never touched."""
+    each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
+    "stored ns"); step s's "data" and "issued" (s < 64) to Trace[b, 6 + 2s] and Trace[b, 7 + 2s].
+    Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
@@ -372,25 +378,29 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
     return dict(tokens=tokens, stages=stages)
 
 
-SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored")   # then "data", "issued" per step
+# SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then
+# "data", "issued" (SM clock) per step
+SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
 SWAPPED_TRACE_STEPS = 64
 SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + 2 * SWAPPED_TRACE_STEPS
 
 
 def _trace_stamp(Trace, bid, event, step):
     if event in SWAPPED_TRACE_EVENTS:
-        _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1)
+        if event + " ns" in SWAPPED_TRACE_EVENTS:
+            _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event + " ns"), 1, "tc_globaltimer_lo")
+        _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1, "clock")
     else:
         _stamp_clock(Trace, bid, len(SWAPPED_TRACE_EVENTS) + 2 * step + (event == "issued"),
-                     step < SWAPPED_TRACE_STEPS)
+                     step < SWAPPED_TRACE_STEPS, "clock")
 
 
 @T.macro
-def _stamp_clock(Trace, bid, at, keep):
-    # the SM clock when the block's first MMA thread gets here
+def _stamp_clock(Trace, bid, at, keep, timer):
+    # the SM clock (or the global timer) when the block's first MMA thread gets here
     if T.get_thread_binding() == 0:
         if keep:
-            Trace[bid, at] = T.call_extern("int32", "clock")
+            Trace[bid, at] = T.call_extern("int32", timer)
 
 
 @T.macro

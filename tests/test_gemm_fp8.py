@@ -824,10 +824,12 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     params = dict(n=256, k=1024, tokens=8, splits=2, stages=4)
     plain = mxfp4_swapped_program.source("sm_90a", **params)
     traced = mxfp4_swapped_program.source("sm_90a", **params, trace=True)
-    assert "clock()" not in plain
+    assert "= clock()" not in plain and "= tc_globaltimer_lo()" not in plain
     stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
-    # 4 block events + 2 a step; the burst and the tails are separate code paths, each stamped
-    assert len(stamps) >= len(SWAPPED_TRACE_EVENTS) + 2 * 4, stamps
+    ns = re.findall(r"Trace\[.*?\] = tc_globaltimer_lo\(\);", traced)
+    # 4 block events + 2 a step (the burst and the tails are separate code paths, each stamped);
+    # the global timer at entry and stored
+    assert len(stamps) >= 4 + 2 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
@@ -841,7 +843,9 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     base = len(SWAPPED_TRACE_EVENTS)
     p = dict(stage_k=128, splits=1)
 
-    def block(t0, work, wait):
+    NS0 = 2 ** 32 - 150
+
+    def block(t0, work, wait, start_ns):
         row = [0] * SWAPPED_TRACE_WORDS
         t = t0
         row[0] = t
@@ -856,13 +860,18 @@ def test_trace_mxfp4_summary_reads_the_stamps():
             row[base + 2 * s + 1] = t % 2 ** 32
         row[2] = t % 2 ** 32                        # loop done
         row[3] = (t + 40) % 2 ** 32                 # stored
+        row[4] = (NS0 + start_ns) % 2 ** 32         # entry ns: the global timer wraps between blocks
+        row[5] = (NS0 + start_ns + (t + 40 - t0) // 2) % 2 ** 32    # stored ns (a 2 GHz SM clock)
         return [v - 2 ** 32 if v >= 2 ** 31 else v for v in row]   # int32 as the kernel writes it
 
-    rows = [block(2 ** 32 - 700, 1000, 10), block(5, 1000, 10), block(9, 1200, 30), [0] * SWAPPED_TRACE_WORDS]
+    rows = [block(2 ** 32 - 700, 1000, 10, 60), block(5, 1000, 10, 0), block(9, 1200, 30, 200),
+            [0] * SWAPPED_TRACE_WORDS]
     t = summarize(p, rows, k=384)
     assert t["blocks"] == 3 and t["steps"] == 3
     assert t["prologue"] == 100 and t["first data"] == 500 and t["epilogue"] == 40
     assert t["work"] == [1000, 1000, 1000] and t["wait"] == [10, 10]
+    # ns: block 1 enters first, block 2 last and it is the longest (4300 cycles at 2 GHz)
+    assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
 
 
 def test_mxfp4_swapped_plan_and_targets():

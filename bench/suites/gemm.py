@@ -115,6 +115,14 @@ def tilecraft_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED", False)(case, i)
 
 
+def tilecraft_masked_swapped(case, i):
+    """The op with masked groups of <= 64 rows on the swapped register-decode kernel
+    (ops.gemm_mxfp4.SWAPPED_MASKED on), against the default in the same run."""
+    from ops import gemm_mxfp4
+
+    return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", True)(case, i)
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -183,6 +191,7 @@ SUITE = Suite(
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
+               Provider("tilecraft-masked-swapped", tilecraft_masked_swapped, experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",
