@@ -250,6 +250,7 @@ def _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n):
 
 
 SWAPPED_TOKENS = (8, 16, 32, 64)   # token tiles (the WGMMA's N) of the swapped kernel; m up to 64
+SWAPPED_K_ALIGN = 512   # the swapped kernels TMA their scale rows: k / 128 words a row, 16-byte strides
 SWAPPED_STAGE_K = (128, 256, 512)  # K depths of a swapped pipeline stage, most preferred first (128: measured best)
 
 
@@ -259,7 +260,7 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
     r, r8 = rows
     T.evaluate(T.call_extern("handle", "tc_e2m1_fragment", dst,
                              *[T.access_ptr(raw_at(row, 4 * q), "r", 4) for row in (r, r8) for q in range(4)],
-                             sw[step, r], sw[step, r8], place))
+                             sw[r, step], sw[r8, step], place))
 
 
 @tile_program(
@@ -282,9 +283,11 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     "stored ns"); step s's "data" and "issued" (s < 64) to Trace[b, 6 + 2s] and Trace[b, 7 + 2s].
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    assert k % SWAPPED_K_ALIGN == 0
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
+    per_pad = -(-per // 4) * 4                          # TMA: 16-byte rows
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
@@ -294,7 +297,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                               Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32")):
         with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))
-            sw = tile.stage((per, block_n), "int32")      # E8M0 bytes of (step, row), step-major
+            sw = tile.stage((block_n, per_pad), "int32")  # E8M0 bytes of (row, step) of the split
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
             k0 = ts * spl
@@ -310,8 +313,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
-                prologue=lambda: _stage_scales(
-                    sw, lambda si, i: SFB[tn * block_n + i, T.min(ts * per + si, kb - 1)]),
+                # the split's scale words by TMA ahead of the stages (words past k zero-filled)
+                preload=[(SFB[tn * block_n:(tn + 1) * block_n, ts * per:ts * per + per_pad], sw)],
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
@@ -327,7 +330,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros."""
-    assert k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
 
@@ -338,7 +341,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                                      C: T.Tensor((groups, max_m, n), "bfloat16")):
         with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
             g, tn = tile.split_index(bid, (groups, n_tiles))
-            sw = tile.stage((kb, block_n), "int32")       # E8M0 bytes of (step, row), step-major
+            sw = tile.stage((block_n, kb), "int32")       # E8M0 bytes of (row, step)
             acc = tile.accumulator((block_n, tokens))     # C^T of the group: weight rows x tokens
             rows = MaskedM[g]
             steps = T.if_then_else(rows > 0, kb, 0)
@@ -352,7 +355,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw),
                 stages=stages,
-                prologue=lambda: _stage_scales(sw, lambda si, i: SFB[g, tn * block_n + i, si]),
+                preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)],      # by TMA, ahead of the stages
                 epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens))
 
     return mxfp4_gemm_nt_masked_swapped
@@ -370,6 +373,8 @@ def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens):
 def plan_masked_swapped(max_m: int, k: int) -> dict:
     """The masked swapped kernel's token tile and stages (the block stages its whole K range of
     scale words: k / 128 x 128 words)."""
+    if k % SWAPPED_K_ALIGN:
+        raise ValueError(f"the masked swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
     stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
     stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
@@ -698,7 +703,7 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
 
 
-SWAPPED_MASKED = False   # masked groups of <= 64 rows on the swapped kernel: off until run on a GPU
+SWAPPED_MASKED = True    # masked groups of <= 64 rows on the swapped kernel (bench provider tilecraft-masked-tile: off)
 
 
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
@@ -709,12 +714,12 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
         return out
     target = targets.resolve(a)
     G, n, k = b.shape[0], b.shape[1], a.shape[-1]
-    if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1]
+    if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
             and target.name == "cuda:sm_90a" and k // BLOCK_K * 128 * 4 <= SMEM_BUDGET // 2):
         p = plan_masked_swapped(a.shape[1], k)
         kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"]), lambda: (
             mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
-        kernel(a, _code_words(b), _scale_words(sfb), aux, out)
+        kernel(a, _code_words(b), _tma_scale_words(sfb), aux, out)
         return out
     kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m), lambda: (
         mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
@@ -742,7 +747,8 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        if SWAPPED and m <= SWAPPED_TOKENS[-1] and targets.resolve(a).name == "cuda:sm_90a":
+        if (SWAPPED and m <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
+                and targets.resolve(a).name == "cuda:sm_90a"):
             _launch_swapped(a, b, sfb, out)
         else:
             _launch(a, b, sfb, out)
@@ -762,6 +768,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (bench/NOTES.md "MXFP4 v6")."""
     from ops.gemm_fp8 import split_k_count
 
+    if k % SWAPPED_K_ALIGN:
+        raise ValueError(f"the swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
     for depth in [stage_k] if stage_k else SWAPPED_STAGE_K:
@@ -770,13 +778,16 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         parts = depth // BLOCK_K
         sk = k // depth
         stage = tokens * depth * 2 + 128 * depth // 2
-        if 2 * stage + 128 * parts * 4 > budget:
+        if 2 * stage + 128 * 4 * 4 > budget:
             continue            # not even two stages fit: a shallower stage
+
+        def scale_bytes(splits):    # the split's scale words, staged (rows padded to 16 bytes for TMA)
+            return 128 * -(-(-(-sk // splits) * parts) // 4) * 4 * 4
+
         splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
-        while (budget - 128 * -(-sk // splits) * parts * 4) // stage < 2:
+        while (budget - scale_bytes(splits)) // stage < 2:
             splits += 1         # a block stages its K range's scale words: split a long K until they fit
-        per = -(-sk // splits) * parts
-        stages = min(8, (budget - 128 * per * 4) // stage)
+        stages = min(8, (budget - scale_bytes(splits)) // stage)
         stage_k = depth
         break
     else:
@@ -788,7 +799,8 @@ def _launch_swapped(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
-    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace)
+    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace,
+                    scale_words=_tma_scale_words)
 
 
 def _swapped_launchers(a, target, m, n, k, override):
@@ -841,12 +853,19 @@ def _scale_words(sfb):
     return sfb.view(torch.int32)
 
 
+def _tma_scale_words(sfb):
+    """_scale_words for the swapped kernels, which load them by TMA: a view that does not start
+    16-byte aligned is copied (the copy is)."""
+    words = _scale_words(sfb)
+    return words if words.data_ptr() % 16 == 0 else words.clone()
+
+
 def _launch(a, b, sfb, out, **override):
     """mxfp4_gemm_program, planned by plan (+ override)."""
     _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, override)
 
 
-def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None):
+def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None, scale_words=_scale_words):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
     from ops.gemm_fp8 import launch_split_k
@@ -856,7 +875,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None):
     target = targets.resolve(a)
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, _code_words(b), _scale_words(sfb)), out, splits, count=tail)
+    launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail)
 
 
 def _launchers(a, target, m, n, k, override):

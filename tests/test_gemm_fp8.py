@@ -875,18 +875,19 @@ def test_trace_mxfp4_summary_reads_the_stamps():
 
 
 def test_mxfp4_swapped_plan_and_targets():
-    """The swapped kernel's plans fit in shared memory; it lowers only where the MMA reads an
-    operand from registers (sm_90a)."""
+    """The swapped kernel's plans fit in shared memory (the staged scale rows padded to 16 bytes);
+    it needs k % 512 (its scale rows are TMA'd: 16-byte strides), and it lowers only where the MMA
+    reads an operand from registers (sm_90a)."""
     from ops.gemm_mxfp4 import SMEM_BUDGET, SWAPPED_TOKENS, mxfp4_swapped_program, plan_swapped
 
     for m in (1, 8, 9, 33, 64):
-        for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 128), (24576, 57344)):
+        for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 512), (24576, 57344)):
             p = plan_swapped(m, n, k)
             assert p["tokens"] == min(t for t in SWAPPED_TOKENS if t >= m)
             parts = p["stage_k"] // 128
             assert k % p["stage_k"] == 0
             per = -(-(k // p["stage_k"]) // p["splits"]) * parts
-            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * per * 4
+            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * -(-per // 4) * 16
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
             assert p["blocks_per_sm"] == 1 and p["stage_k"] == 128
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them
@@ -900,6 +901,8 @@ def test_mxfp4_swapped_plan_and_targets():
         plan_swapped(64, 7168, 16384, blocks_per_sm=2, stage_k=512)
     with pytest.raises(ValueError, match="sm_100a"):
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
+    with pytest.raises(ValueError, match="k % 512 == 0"):
+        plan_swapped(8, 256, 1152)
 
 
 def test_burst_loop_is_guarded_where_a_split_has_no_full_burst():
@@ -1058,6 +1061,26 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
         gemm_mxfp4.SWAPPED = True
     assert calc_diff(tiled, ref) < 1e-5
     assert_elementwise(tiled, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_swapped_scale_rows_by_tma():
+    """The swapped kernel TMAs its scale rows: a scale view that starts 4- but not 16-byte aligned
+    gives the same output as an aligned copy, and k % 512 != 0 (rows of 16-byte strides impossible)
+    is computed by the decoded-tile kernel, exactly."""
+    g = torch.Generator().manual_seed(11)
+    for m, n, k in ((5, 256, 1536), (3, 256, 640)):
+        a = torch.randn(m, k, generator=g).bfloat16()
+        packed, scales = ops.quant_mxfp4(torch.randn(n, k, generator=g))
+        ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+        buf = torch.zeros(scales.numel() + 4, dtype=torch.uint8, device="cuda")
+        buf[4:] = scales.flatten().cuda()
+        shifted = buf[4:].view(n, k // 32)
+        assert shifted.data_ptr() % 16 == 4
+        out = ops.mxfp4_gemm_nt(a.cuda(), packed.cuda(), shifted)
+        assert torch.equal(out, ops.mxfp4_gemm_nt(a.cuda(), packed.cuda(), scales.cuda()))
+        assert calc_diff(out.cpu(), ref) < 1e-5
+        assert_elementwise(out.cpu(), ref)
 
 
 @pytest.mark.gpu
@@ -1439,8 +1462,7 @@ def test_gpu_grouped_mxfp4(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_m,masked", [(1, [1, 0, 1, 1]), (37, [37, 0, 5, 20]), (64, [64, 63, 0, 1])])
 def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
-    """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED, off until this passes
-    on a GPU): exact per group; rows past masked_m (NaN here) never leak into another row and come
+    """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group; rows past masked_m (NaN here) never leak into another row and come
     out zeros; a group with no rows is all zeros."""
     from ops import gemm_mxfp4
 

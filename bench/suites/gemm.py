@@ -10,7 +10,8 @@ import torch
 import ops
 from bench.suites import Provider, Suite
 from ops.gemm_fp8 import fp8_gemm_program
-from ops.gemm_mxfp4 import SWAPPED_TOKENS, mxfp4_gemm_program, mxfp4_grouped_program, mxfp4_swapped_program
+from ops.gemm_mxfp4 import (SWAPPED_K_ALIGN, SWAPPED_TOKENS, mxfp4_gemm_program, mxfp4_grouped_program,
+                            mxfp4_masked_swapped_program, mxfp4_swapped_program, plan_masked_swapped)
 from ops.gemm_mxfp4 import plan as mxfp4_plan, plan_swapped
 
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -115,12 +116,12 @@ def tilecraft_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED", False)(case, i)
 
 
-def tilecraft_masked_swapped(case, i):
-    """The op with masked groups of <= 64 rows on the swapped register-decode kernel
-    (ops.gemm_mxfp4.SWAPPED_MASKED on), against the default in the same run."""
+def tilecraft_masked_tile(case, i):
+    """The op with masked groups of <= 64 rows kept on the decoded-tile kernel
+    (ops.gemm_mxfp4.SWAPPED_MASKED off): the previous path, against the swapped kernel in the same run."""
     from ops import gemm_mxfp4
 
-    return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", True)(case, i)
+    return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", False)(case, i)
 
 
 def torch_scaled_mm(case, i):
@@ -169,8 +170,11 @@ def deep_gemm(case, i):
 
 def _kernels(c, t="cuda:sm_90a"):
     """The tile programs a case runs, with their parameters (static stats without a GPU)."""
-    if c["kind"] == "mxfp4" and c["m"] <= SWAPPED_TOKENS[-1] and t == "cuda:sm_90a":
+    swapped = c["m"] <= SWAPPED_TOKENS[-1] and c["k"] % SWAPPED_K_ALIGN == 0 and t == "cuda:sm_90a"
+    if c["kind"] == "mxfp4" and swapped:
         return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
+    if c["kind"] == "mxfp4-masked" and swapped:
+        return [(mxfp4_masked_swapped_program, dict(n=c["n"], k=c["k"], **plan_masked_swapped(c["m"], c["k"])))]
     if c["kind"] == "mxfp4":
         return [(mxfp4_gemm_program, dict(n=c["n"], k=c["k"], **mxfp4_plan(c["m"], c["n"], c["k"])))]
     if c["kind"] in MXFP4_KINDS:
@@ -191,7 +195,7 @@ SUITE = Suite(
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
-               Provider("tilecraft-masked-swapped", tilecraft_masked_swapped, experimental=True),
+               Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",

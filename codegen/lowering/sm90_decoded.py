@@ -158,19 +158,31 @@ def _reg_burst(first, count, io):
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
 
 
+def _preload(preload, pre):
+    # the producer's first TMA copies, ahead of the stages (they reach the memory system first)
+    for src, dst in preload:
+        emit(T.tma_copy(src, dst, barrier=pre[0]))
+    emit(T.mbarrier_arrive(pre[0]))
+
+
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark):
+                    prologue, epilogue, mark, preload, pre):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
+        if pre is not None:
+            _preload(preload, pre)
         tma_producer(steps, loads, s_s, r_s, full, empty, stages)
     else:
         T.set_max_nreg(grow, 1)
         if mark is not None:
             mark("entry", 0)
         T.clear(acc)
-        prologue()
-        T.sync_threads(DECODE_BAR, consumers)          # the prologue's shared-memory writes are done
+        if prologue is not None:
+            prologue()
+            T.sync_threads(DECODE_BAR, consumers)      # the prologue's shared-memory writes are done
+        if pre is not None:
+            T.mbarrier_wait_parity(pre[0], 0)           # the preloaded tiles are in shared memory
         if mark is not None:
             mark("prologue done", 0)
         tid = T.get_thread_binding()
@@ -187,7 +199,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None):
+                              blocks_per_sm=1, mark=None, preload=()):
     # operands: the shared operand (cols, parts * FRAGMENT_K), the raw tile (rows, parts *
     # FRAGMENT_K / 8) int32 words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K),
     # in registers; a stage's parts are decoded and multiplied one after the other.
@@ -195,7 +207,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # (one fragment, each step's WGMMA waited for before the next decode).
     # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
     # step's "data" (its tiles have arrived) and "issued" (decoded, its WGMMAs issued), "loop done"
-    # and "stored" (after the epilogue)
+    # and "stored" (after the epilogue).
+    # preload: (global region, shared buffer) pairs the producer copies by TMA before the first
+    # stage, so that their requests reach memory ahead of the stages' (a prologue's loads by the MMA
+    # threads queue behind them: bench/NOTES.md "MXFP4 v7"); the MMA threads wait for them after
+    # the prologue
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -222,5 +238,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)
+    pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
-                    T.GemmWarpPolicy.FullRow, prologue or (lambda: None), epilogue or (lambda: None), mark)
+                    T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre)
