@@ -301,6 +301,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
             k0 = ts * spl
+            w0 = ts * per                                 # the split's first scale word (128-deep step)
+            s0 = T.min(w0, kb - per_pad)                  # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
@@ -310,11 +312,12 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
-                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk, dst, sw),
+                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
-                # the split's scale words by TMA ahead of the stages (words past k zero-filled)
-                preload=[(SFB[tn * block_n:(tn + 1) * block_n, ts * per:ts * per + per_pad], sw)],
+                # the split's scale words by TMA ahead of the stages: per_pad words from s0, the box
+                # kept inside the rows (the last split's starts early)
+                preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + per_pad], sw)],
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
