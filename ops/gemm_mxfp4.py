@@ -287,7 +287,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
-    per_pad = -(-per // 4) * 4                          # TMA: 16-byte rows
+    box = swapped_scale_box(per, kb)                    # scale words a block stages (TMA)
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
@@ -297,12 +297,12 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                               Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32")):
         with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))
-            sw = tile.stage((block_n, per_pad), "int32")  # E8M0 bytes of (row, step) of the split
+            sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
             k0 = ts * spl
             w0 = ts * per                                 # the split's first scale word (128-deep step)
-            s0 = T.min(w0, kb - per_pad)                  # where its staged words start
+            s0 = T.min(w0 // 4 * 4, kb - box)             # where its staged words start (16-byte aligned)
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
@@ -315,9 +315,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
-                # the split's scale words by TMA ahead of the stages: per_pad words from s0, the box
-                # kept inside the rows (the last split's starts early)
-                preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + per_pad], sw)],
+                # the split's scale words by TMA ahead of the stages: `box` words from s0
+                preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)],
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
@@ -371,6 +370,14 @@ def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens):
         if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
             C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
                                                        T.cast(0, "bfloat16"))
+
+
+def swapped_scale_box(per: int, kb: int) -> int:
+    """Scale words a row the swapped kernel stages for a split of `per` 128-deep steps (k / 128 = kb
+    words a row, kb % 4 == 0): TMA boxes start 16-byte aligned in the row (a box starting
+    elsewhere faulted on the H200: illegal instruction) and end inside it, so a split whose words
+    start mid-group takes up to 3 words before them, and the last split's box ends at the row's end."""
+    return per if per % 4 == 0 else min(kb, -(-(per + 3) // 4) * 4)
 
 
 def plan_masked_swapped(max_m: int, k: int) -> dict:
@@ -784,8 +791,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         if 2 * stage + 128 * 4 * 4 > budget:
             continue            # not even two stages fit: a shallower stage
 
-        def scale_bytes(splits):    # the split's scale words, staged (rows padded to 16 bytes for TMA)
-            return 128 * -(-(-(-sk // splits) * parts) // 4) * 4 * 4
+        def scale_bytes(splits):    # the split's scale words, staged
+            return 128 * swapped_scale_box(-(-sk // splits) * parts, k // BLOCK_K) * 4
 
         splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
         while (budget - scale_bytes(splits)) // stage < 2:

@@ -878,7 +878,7 @@ def test_mxfp4_swapped_plan_and_targets():
     """The swapped kernel's plans fit in shared memory (the staged scale rows padded to 16 bytes);
     it needs k % 512 (its scale rows are TMA'd: 16-byte strides), and it lowers only where the MMA
     reads an operand from registers (sm_90a)."""
-    from ops.gemm_mxfp4 import SMEM_BUDGET, SWAPPED_TOKENS, mxfp4_swapped_program, plan_swapped
+    from ops.gemm_mxfp4 import SMEM_BUDGET, SWAPPED_TOKENS, mxfp4_swapped_program, plan_swapped, swapped_scale_box
 
     for m in (1, 8, 9, 33, 64):
         for n, k in ((7168, 2048), (4096, 7168), (24576, 1536), (7168, 16384), (128, 512), (24576, 57344)):
@@ -887,7 +887,7 @@ def test_mxfp4_swapped_plan_and_targets():
             parts = p["stage_k"] // 128
             assert k % p["stage_k"] == 0
             per = -(-(k // p["stage_k"]) // p["splits"]) * parts
-            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * -(-per // 4) * 16
+            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * swapped_scale_box(per, k // 128) * 4
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
             assert p["blocks_per_sm"] == 1 and p["stage_k"] == 128
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them
@@ -903,6 +903,25 @@ def test_mxfp4_swapped_plan_and_targets():
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
     with pytest.raises(ValueError, match="k % 512 == 0"):
         plan_swapped(8, 256, 1152)
+
+
+def test_swapped_scale_boxes_start_aligned_and_stay_in_the_row():
+    """Each split's staged scale box (TMA) starts 16-byte aligned in the row (a box starting mid-group
+    faulted on the GPU), ends inside it, and holds the split's words: the kernel's start formula."""
+    from ops.gemm_mxfp4 import swapped_scale_box
+
+    for kb in (4, 8, 12, 16, 56, 128):
+        for splits in range(1, kb + 1):
+            per = -(-kb // splits)
+            box = swapped_scale_box(per, kb)
+            assert box % 4 == 0 and box <= kb, (kb, splits, box)
+            for ts in range(splits):
+                w0 = ts * per
+                steps = max(0, min(per, kb - w0))
+                s0 = min(w0 // 4 * 4, kb - box)
+                assert s0 % 4 == 0 and 0 <= s0 and s0 + box <= kb, (kb, splits, ts)
+                if steps:
+                    assert s0 <= w0 and w0 - s0 + steps <= box, (kb, splits, ts, s0, box)
 
 
 def test_burst_loop_is_guarded_where_a_split_has_no_full_burst():
