@@ -1,8 +1,9 @@
 """Where an MXFP4 decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before
-every call): the swapped register-decode kernel (one or two blocks an SM) and its split-K reduce
-against the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
+every call): the swapped register-decode kernel (one or two blocks an SM; swapped-ldg: its scale
+rows loaded by the MMA threads instead of by TMA) and its split-K reduce against the decoded-tile
+kernel (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
 
-    python -m bench.prof_mxfp4 [--out DIR] [--no-decode]
+    python -m bench.prof_mxfp4 [--out DIR] [--no-decode] [--paths swapped-1 swapped-ldg ...]
 
 Prints one line per (case, path, kernel): mean GPU microseconds per call. GPU only.
 --no-decode (a diagnostic, wrong results): the swapped kernel's helper copies the raw code words
@@ -32,11 +33,11 @@ def no_decode():
         gemm_mxfp4.E2M1_FRAGMENT_SOURCE = "#define TC_E2M1_NO_DECODE 1\n" + gemm_mxfp4.E2M1_FRAGMENT_SOURCE
 
 
-def _swapped(blocks_per_sm):
+def _swapped(blocks_per_sm, scale_tma=True):
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
-            gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm)
+            gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma)
             return out
         return run
     return make
@@ -51,7 +52,8 @@ def _tile(a, b, s):
 
 
 # the swapped kernel at one or two blocks an SM, and the decoded-tile kernel (SWAPPED off)
-PATHS = {"swapped-1": _swapped(1), "swapped-2": _swapped(2), "tile": _tile}
+PATHS = {"swapped-1": _swapped(1), "swapped-ldg": _swapped(1, scale_tma=False), "swapped-2": _swapped(2),
+         "tile": _tile}
 
 
 def kernel_times(fn, reps=REPS):
@@ -68,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     ap.add_argument("--no-decode", action="store_true",
                     help="diagnostic: the swapped kernel without its decode (wrong results; its own cache key)")
+    ap.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
     args = ap.parse_args(argv)
     if args.no_decode:
         no_decode()
@@ -75,7 +78,7 @@ def main(argv=None):
     for case in PRESETS["mxfp4"]:
         i = make_inputs(case, "cuda")
         a, b, s = i["a"][0], i["packed"][0], i["scales"][0]
-        for path in PATHS:
+        for path in args.paths:
             times = kernel_times(PATHS[path](a, b, s))
             label = f"{case['m']}x{case['n']}x{case['k']}"
             for name, us in sorted(times.items(), key=lambda kv: -kv[1]):

@@ -180,6 +180,13 @@ def _stage_scales(sw, word_at):
 
 
 @T.macro
+def _stage_scale_rows(sw, word_at):
+    # sw (block_n, steps): the block's E8M0 scale words, row-major (word_at(row, step) in global)
+    for i, si in tile.parallel(sw.shape[0], sw.shape[1]):
+        sw[i, si] = word_at(i, si)
+
+
+@T.macro
 def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words):
     # a (block_n, block_k) tile: each thread decodes 8 * words values of one row
     for i, q in tile.parallel(block_n, block_k // (8 * words)):
@@ -270,7 +277,8 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                          splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False):
+                          splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
+                          scale_tma: bool = True):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -287,7 +295,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
-    box = swapped_scale_box(per, kb)                    # scale words a block stages (TMA)
+    box = swapped_scale_box(per, kb) if scale_tma else per     # scale words a block stages
     part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
 
     @T.prim_func
@@ -302,7 +310,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
             k0 = ts * spl
             w0 = ts * per                                 # the split's first scale word (128-deep step)
-            s0 = T.min(w0 // 4 * 4, kb - box)             # where its staged words start (16-byte aligned)
+            s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
@@ -315,8 +323,11 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw),
                 stages=stages, blocks_per_sm=blocks_per_sm,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
-                # the split's scale words by TMA ahead of the stages: `box` words from s0
-                preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)],
+                # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
+                # aligned), or loaded by the MMA threads while the first stages fly
+                preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
+                prologue=None if scale_tma else lambda: _stage_scale_rows(
+                    sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
 
     return mxfp4_gemm_nt_swapped
@@ -766,10 +777,11 @@ def _mxfp4_impl(a, b, sfb):
 
 
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
+SWAPPED_SCALE_TMA = True    # its scale rows by TMA ahead of the stages, else by its MMA threads (bench.prof_mxfp4)
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
-                 stage_k: int | None = None) -> dict:
+                 stage_k: int | None = None, scale_tma: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -802,13 +814,15 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         break
     else:
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
-    return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k)
+    return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
+                scale_tma=SWAPPED_SCALE_TMA if scale_tma is None else scale_tma)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
+    override = {"scale_tma": SWAPPED_SCALE_TMA, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace,
                     scale_words=_tma_scale_words)
 

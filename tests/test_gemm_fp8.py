@@ -1073,6 +1073,13 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
+    # the scale rows by TMA or by the MMA threads (SWAPPED_SCALE_TMA): the same bits
+    flag = gemm_mxfp4.SWAPPED_SCALE_TMA
+    gemm_mxfp4.SWAPPED_SCALE_TMA = not flag
+    try:
+        assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0])
+    finally:
+        gemm_mxfp4.SWAPPED_SCALE_TMA = flag
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()
