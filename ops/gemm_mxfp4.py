@@ -777,7 +777,10 @@ def _mxfp4_impl(a, b, sfb):
 
 
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
-SWAPPED_SCALE_TMA = True    # its scale rows by TMA ahead of the stages, else by its MMA threads (bench.prof_mxfp4)
+# its scale rows by TMA ahead of the stages, or by its MMA threads while the first stages fly. None:
+# by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14
+# words; at k = 2048, 8 words, 0.2-1.8 us slower: bench/NOTES.md "MXFP4 v7"); True / False force it
+SWAPPED_SCALE_TMA = None
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -814,8 +817,10 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         break
     else:
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
+    if scale_tma is None:
+        scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=SWAPPED_SCALE_TMA if scale_tma is None else scale_tma)
+                scale_tma=scale_tma)
 
 
 def _launch_swapped(a, b, sfb, out, **override):

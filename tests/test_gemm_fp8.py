@@ -890,6 +890,8 @@ def test_mxfp4_swapped_plan_and_targets():
             smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * swapped_scale_box(per, k // 128) * 4
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
             assert p["blocks_per_sm"] == 1 and p["stage_k"] == 128
+    # scale rows by TMA where a split stages more than 8 words a row
+    assert plan_swapped(16, 4096, 7168)["scale_tma"] and not plan_swapped(64, 7168, 2048)["scale_tma"]
     # 32 (n) tiles over 132 SMs: 4 splits at one block an SM, 8 at two; no split where the tiles fill them
     assert plan_swapped(64, 4096, 7168)["splits"] == 4 and plan_swapped(1, 4096, 7168, blocks_per_sm=2)["splits"] == 8
     assert plan_swapped(64, 24576, 1536)["splits"] == 1
@@ -1075,9 +1077,10 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     assert_elementwise(runs[0], ref)
     # the scale rows by TMA or by the MMA threads (SWAPPED_SCALE_TMA): the same bits
     flag = gemm_mxfp4.SWAPPED_SCALE_TMA
-    gemm_mxfp4.SWAPPED_SCALE_TMA = not flag
     try:
-        assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0])
+        for forced in (True, False):
+            gemm_mxfp4.SWAPPED_SCALE_TMA = forced
+            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), forced
     finally:
         gemm_mxfp4.SWAPPED_SCALE_TMA = flag
     gemm_mxfp4.SWAPPED = False
