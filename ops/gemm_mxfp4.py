@@ -278,7 +278,7 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
-                          scale_tma: bool = True):
+                          scale_tma: bool = True, ramp: int = 0):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -321,7 +321,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw),
-                stages=stages, blocks_per_sm=blocks_per_sm,
+                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
                 # aligned), or loaded by the MMA threads while the first stages fly
@@ -784,7 +784,7 @@ SWAPPED_SCALE_TMA = None
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
-                 stage_k: int | None = None, scale_tma: bool | None = None) -> dict:
+                 stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -820,7 +820,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma)
+                scale_tma=scale_tma, ramp=ramp)
 
 
 def _launch_swapped(a, b, sfb, out, **override):

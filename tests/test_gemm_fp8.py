@@ -907,6 +907,20 @@ def test_mxfp4_swapped_plan_and_targets():
         plan_swapped(8, 256, 1152)
 
 
+def test_swapped_ramp_asks_for_the_first_stages_alone():
+    """ramp=2 (an experiment): the producer waits for step 0's tiles before it asks for step 2's;
+    ramp=0 (the default) leaves the producer loop as it was; a ramp of `stages` or more is refused."""
+    from ops.gemm_mxfp4 import mxfp4_swapped_program
+
+    params = dict(n=256, k=2048, tokens=16, splits=2, stages=4)
+    plain = mxfp4_swapped_program.source("sm_90a", **params)
+    ramped = mxfp4_swapped_program.source("sm_90a", **params, ramp=2)
+    assert "if (s == 2)" not in plain
+    assert re.search(r"if \(s == 2\) \{\s*v_\d+\[0\]\.wait\(0\);", ramped), ramped[:3000]
+    with pytest.raises(ValueError, match="ramp must be in"):
+        mxfp4_swapped_program.source("sm_90a", **params, ramp=4)
+
+
 def test_swapped_scale_boxes_start_aligned_and_stay_in_the_row():
     """Each split's staged scale box (TMA) starts 16-byte aligned in the row (a box starting mid-group
     faulted on the GPU), ends inside it, and holds the split's words: the kernel's start formula."""

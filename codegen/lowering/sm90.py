@@ -195,15 +195,20 @@ def in_bursts(steps, burst, io):
 
 
 @T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
     each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
-    once both blocks' MMA threads have released the slot."""
+    once both blocks' MMA threads have released the slot. ramp > 0: the first `ramp` steps are
+    asked for alone, the rest once step 0's tiles have landed (every block's first tiles then
+    queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7")."""
     T.set_max_nreg(PRODUCER_REGS, 0)
     for s in T.serial(steps):
         slot = s % stages
+        if ramp > 0:
+            if s == ramp:
+                T.mbarrier_wait_parity(full[0], 0)
         T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
         src_a, src_b = loads(s)
         if share_a > 1:

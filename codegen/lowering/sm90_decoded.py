@@ -167,12 +167,12 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre):
+                    prologue, epilogue, mark, preload, pre, ramp):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
             _preload(preload, pre)
-        tma_producer(steps, loads, s_s, r_s, full, empty, stages)
+        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp)
     else:
         T.set_max_nreg(grow, 1)
         if mark is not None:
@@ -199,7 +199,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=()):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0):
     # operands: the shared operand (cols, parts * FRAGMENT_K), the raw tile (rows, parts *
     # FRAGMENT_K / 8) int32 words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K),
     # in registers; a stage's parts are decoded and multiplied one after the other.
@@ -211,7 +211,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # preload: (global region, shared buffer) pairs the producer copies by TMA before the first
     # stage, so that their requests reach memory ahead of the stages' (a prologue's loads by the MMA
     # threads queue behind them: bench/NOTES.md "MXFP4 v7"); the MMA threads wait for them after
-    # the prologue
+    # the prologue.
+    # ramp > 0 (< stages): the producer asks for the first `ramp` stages alone, the rest once the
+    # first has landed (sm90.tma_producer)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -222,6 +224,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"{consumers} MMA threads")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
+    if not 0 <= ramp < stages:
+        raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
     have = launch_registers(threads * blocks_per_sm)
     grow = min(CONSUMER_REGS, (have * threads - PRODUCER_REGS * PRODUCER) // consumers // 8 * 8)
@@ -240,4 +244,5 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
-                    T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre)
+                    T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
+                    ramp)
