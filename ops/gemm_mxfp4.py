@@ -790,7 +790,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
     the SMs at once and keep 4 128-deep steps) and as many stages as fit in the block's share of
     shared memory, up to 8. Deeper stages and two blocks an SM were measured slower or no faster
-    (bench/NOTES.md "MXFP4 v6")."""
+    (bench/NOTES.md "MXFP4 v6"). scale_tma: the scale rows by TMA (None: SWAPPED_SCALE_TMA's rule);
+    ramp: the producer's first stages asked for alone (an experiment, 0: off; "MXFP4 v7")."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -804,7 +805,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         sk = k // depth
         stage = tokens * depth * 2 + 128 * depth // 2
         if 2 * stage + 128 * 4 * 4 > budget:
-            continue            # not even two stages fit: a shallower stage
+            continue            # not even two stages (and the least scale rows) fit: a shallower stage
 
         def scale_bytes(splits):    # the split's scale words, staged
             return 128 * swapped_scale_box(-(-sk // splits) * parts, k // BLOCK_K) * 4
