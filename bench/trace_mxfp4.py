@@ -2,7 +2,8 @@
 of each block's first MMA thread at entry, prologue done, each K step's data arrival ("data": its
 tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
 
-    python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm]
+    python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm] [--decode v6|v7]
+                                [--scale-tma auto|on|off] [--ramp N]
 
 The traced run follows an L2 flush (as in a model, and as bench.op and bench.prof_mxfp4 time it;
 --warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
@@ -31,9 +32,9 @@ def _delta(a, b):
     return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
 
 
-def trace_case(m, n, k, warm=False):
+def trace_case(m, n, k, warm=False, **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
-    p = gemm_mxfp4.plan_swapped(m, n, k)
+    p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
     a = torch.randn(m, k, device="cuda").bfloat16()
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
@@ -82,6 +83,9 @@ def main(argv=None):
     ap.add_argument("--case", nargs="*", default=list(CASES), help="MxNxK (m <= 64)")
     ap.add_argument("--no-decode", action="store_true", help="the kernel without its decode (wrong results)")
     ap.add_argument("--warm", action="store_true", help="no L2 flush before the traced run")
+    ap.add_argument("--decode", choices=gemm_mxfp4.SWAPPED_DECODES, default=None, help="the fragment decode")
+    ap.add_argument("--scale-tma", choices=("auto", "on", "off"), default="auto", help="scale rows by TMA")
+    ap.add_argument("--ramp", type=int, default=0, help="stages the producer asks for alone first (0: off)")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -89,7 +93,8 @@ def main(argv=None):
         no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
-        p, rows = trace_case(m, n, k, warm=args.warm)
+        p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
+                             scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

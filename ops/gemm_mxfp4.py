@@ -92,12 +92,27 @@ __device__ __forceinline__ unsigned tc_scale_over_128(unsigned sw) {
   // a byte > 128 has its top bit and a low bit set
   return sw & 0x80808080u & ((sw & 0x7F7F7F7Fu) + 0x7F7F7F7Fu);
 }
-__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2_once(unsigned w, int p, unsigned factor2) {
-  unsigned b = __byte_perm(w, 0u, 0x4440u + (unsigned)p);
-  unsigned v = ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
-  __nv_bfloat162 x = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v), *reinterpret_cast<__nv_bfloat162*>(&factor2));
-  return *reinterpret_cast<unsigned*>(&x);
+// The bf16x2 bit pattern of codes 2c and 2c + 1 (byte c of w) as e2m1 * 2^-126, before scaling.
+// kPrmtSign ("v7"): one permute P = [byte c of w << 4, its sign replicated, byte c of w, its sign
+// replicated] (prmt's sign mode), then << 2 puts the low code's magnitude at bits 6-8 and its sign
+// at 15, the high code's at 22-24 and 31: one mask (5 instructions a pair with the multiply, ALU 2).
+// Otherwise ("v6", as tc_e2m1x2_bf16x2): the byte alone, two multiplies place magnitudes and signs,
+// two masks (6 instructions, ALU 3).
+template <bool kPrmtSign>
+__device__ __forceinline__ unsigned tc_e2m1x2_bits(unsigned w, int c, unsigned sel) {
+  if (kPrmtSign) {
+    unsigned p;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w * 16u), "r"(w), "r"(sel));
+    return (p * 4u) & 0x81C081C0u;
+  }
+  unsigned b = __byte_perm(w, 0u, 0x4440u + (unsigned)c);
+  return ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
 }
+__device__ __forceinline__ unsigned tc_bf16x2_mul(unsigned x, unsigned y) {
+  __nv_bfloat162 z = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
+  return *reinterpret_cast<unsigned*>(&z);
+}
+template <bool kPrmtSign>
 __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
                                                  const void* w3, const void* v0, const void* v1, const void* v2,
                                                  const void* v3, int sw_r, int sw_r8, int c) {
@@ -108,6 +123,7 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
   const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
   const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
+  const unsigned sel = (unsigned)c * 0x1111u + 0xC480u;   // v7's selector: c, c | 8, 4 + c, (4 + c) | 8
 #ifdef TC_E2M1_NO_DECODE
   // bench.prof_mxfp4 --no-decode (a diagnostic, wrong results): the raw words go into the
   // fragments as they are, mixed with the scale words so that nothing is optimized away
@@ -116,7 +132,7 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
     d[4 * j + 0] = wr[2 * j] ^ (unsigned)sw_r;
     d[4 * j + 1] = vr[2 * j] ^ (unsigned)sw_r8;
     d[4 * j + 2] = wr[2 * j + 1] ^ (unsigned)c;
-    d[4 * j + 3] = vr[2 * j + 1];
+    d[4 * j + 3] = vr[2 * j + 1] ^ sel;
   }
   return;
 #endif
@@ -124,22 +140,23 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
     const unsigned er = (unsigned)sw_r + 0x7E7E7E7Eu, er8 = (unsigned)sw_r8 + 0x7E7E7E7Eu;   // e8 + 126
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const unsigned sel = 0x4040u | (unsigned)(j >> 1) * 0x0101u;   // byte j / 2 into both lanes
-      const unsigned s = __byte_perm(er, 0u, sel) << 7, t = __byte_perm(er8, 0u, sel) << 7;
-      d[4 * j + 0] = tc_e2m1x2_bf16x2_once(wr[2 * j], c, s);
-      d[4 * j + 1] = tc_e2m1x2_bf16x2_once(vr[2 * j], c, t);
-      d[4 * j + 2] = tc_e2m1x2_bf16x2_once(wr[2 * j + 1], c, s);
-      d[4 * j + 3] = tc_e2m1x2_bf16x2_once(vr[2 * j + 1], c, t);
+      const unsigned bsel = 0x4040u | (unsigned)(j >> 1) * 0x0101u;   // byte j / 2 into both lanes
+      const unsigned s = __byte_perm(er, 0u, bsel) << 7, t = __byte_perm(er8, 0u, bsel) << 7;
+      d[4 * j + 0] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j], c, sel), s);
+      d[4 * j + 1] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j], c, sel), t);
+      d[4 * j + 2] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j + 1], c, sel), s);
+      d[4 * j + 3] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j + 1], c, sel), t);
     }
   } else {
+    const unsigned k126 = 0x7E807E80u;   // 2^126 in both bf16 lanes
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
       const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
-      d[4 * j + 0] = tc_e2m1x2_bf16x2(wr[2 * j], c, s);
-      d[4 * j + 1] = tc_e2m1x2_bf16x2(vr[2 * j], c, t);
-      d[4 * j + 2] = tc_e2m1x2_bf16x2(wr[2 * j + 1], c, s);
-      d[4 * j + 3] = tc_e2m1x2_bf16x2(vr[2 * j + 1], c, t);
+      d[4 * j + 0] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j], c, sel), k126), s);
+      d[4 * j + 1] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j], c, sel), k126), t);
+      d[4 * j + 2] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j + 1], c, sel), k126), s);
+      d[4 * j + 3] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j + 1], c, sel), k126), t);
     }
   }
 }
@@ -261,11 +278,14 @@ SWAPPED_K_ALIGN = 512   # the swapped kernels TMA their scale rows: k / 128 word
 SWAPPED_STAGE_K = (128, 256, 512)  # K depths of a swapped pipeline stage, most preferred first (128: measured best)
 
 
+SWAPPED_DECODES = ("v6", "v7")   # tc_e2m1x2_bits: two multiplies, two masks; or a permute (sign mode), one mask
+
+
 @T.macro
-def _decode_fragment(raw_at, rows, place, step, dst, sw):
+def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v6"):
     # this thread's A fragment of the step: byte `place` of every code word of its two rows
     r, r8 = rows
-    T.evaluate(T.call_extern("handle", "tc_e2m1_fragment", dst,
+    T.evaluate(T.call_extern("handle", f"tc_e2m1_fragment<{'true' if decode == 'v7' else 'false'}>", dst,
                              *[T.access_ptr(raw_at(row, 4 * q), "r", 4) for row in (r, r8) for q in range(4)],
                              sw[r, step], sw[r8, step], place))
 
@@ -278,7 +298,7 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw):
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
-                          scale_tma: bool = True, ramp: int = 0):
+                          scale_tma: bool = True, ramp: int = 0, decode: str = "v6"):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -291,7 +311,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     "stored ns"); step s's "data" and "issued" (s < 64) to Trace[b, 6 + 2s] and Trace[b, 7 + 2s].
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
-    assert k % SWAPPED_K_ALIGN == 0
+    assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
     m = T.dynamic("m")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
@@ -320,7 +340,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
-                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw),
+                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
+                                                                       decode),
                 stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
@@ -338,12 +359,13 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     targets=("cuda:sm_90a",),
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
-def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6):
+def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
+                                 decode: str = "v6"):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros."""
-    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
 
@@ -366,7 +388,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
-                lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw),
+                lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw, decode),
                 stages=stages,
                 preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)],      # by TMA, ahead of the stages
                 epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens))
@@ -401,7 +423,7 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
     stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
     if stages < 2:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
-    return dict(tokens=tokens, stages=stages)
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE)
 
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then
@@ -738,7 +760,7 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
             and target.name == "cuda:sm_90a" and k // BLOCK_K * 128 * 4 <= SMEM_BUDGET // 2):
         p = plan_masked_swapped(a.shape[1], k)
-        kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"]), lambda: (
+        kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"], p["decode"]), lambda: (
             mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
         kernel(a, _code_words(b), _tma_scale_words(sfb), aux, out)
         return out
@@ -781,17 +803,20 @@ SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench p
 # by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14
 # words; at k = 2048, 8 words, 0.2-1.8 us slower: bench/NOTES.md "MXFP4 v7"); True / False force it
 SWAPPED_SCALE_TMA = None
+SWAPPED_DECODE = "v6"   # "v7" (one permute, one mask a pair) is built, not yet run on a GPU ("MXFP4 v7")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
-                 stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0) -> dict:
+                 stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
+                 decode: str | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
     the SMs at once and keep 4 128-deep steps) and as many stages as fit in the block's share of
     shared memory, up to 8. Deeper stages and two blocks an SM were measured slower or no faster
     (bench/NOTES.md "MXFP4 v6"). scale_tma: the scale rows by TMA (None: SWAPPED_SCALE_TMA's rule);
-    ramp: the producer's first stages asked for alone (an experiment, 0: off; "MXFP4 v7")."""
+    ramp: the producer's first stages asked for alone (an experiment, 0: off; "MXFP4 v7"); decode:
+    one of SWAPPED_DECODES (None: SWAPPED_DECODE)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -821,14 +846,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp)
+                scale_tma=scale_tma, ramp=ramp, decode=decode or SWAPPED_DECODE)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
-    override = {"scale_tma": SWAPPED_SCALE_TMA, **override}      # in the launchers' key
+    override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace,
                     scale_words=_tma_scale_words)
 

@@ -921,6 +921,62 @@ def test_swapped_ramp_asks_for_the_first_stages_alone():
         mxfp4_swapped_program.source("sm_90a", **params, ramp=4)
 
 
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode) on Python ints: byte i of the result is byte (sel nibble i) & 7 of
+    b:a, or that byte's sign bit replicated when the nibble's bit 3 is set."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+    return out
+
+
+def test_v7_decode_bits_equal_v6_for_every_byte_and_place():
+    """The v7 fragment decode (one permute in sign mode, a shift, one mask) gives the v6 bits (the
+    byte alone, two multiplies, two masks; exact on the GPU) for every code byte at every place c,
+    whatever the word's other bytes are: emulated here bit for bit from the helper's C."""
+    import random
+
+    rnd = random.Random(0)
+    M = 0xFFFFFFFF
+    for c in range(4):
+        sel = (c * 0x1111 + 0xC480) & 0xFFFF
+        for x in range(256):
+            for other in (0x00000000, 0xFFFFFFFF, 0x88888888, *(rnd.getrandbits(32) for _ in range(6))):
+                w = (other & ~(0xFF << (8 * c)) & M) | (x << (8 * c))
+                b = x                                                   # __byte_perm(w, 0, 0x4440 + c)
+                v6 = (((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)) & M
+                v7 = ((_prmt((w * 16) & M, w, sel) * 4) & M) & 0x81C081C0
+                assert v7 == v6, (c, x, hex(w))
+    # and the bits are e2m1 * 2^-126 in bf16 (lane 0 the low code): read back through bf16
+    import struct
+
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for x in range(256):
+        v = ((x * 0x40040) & 0x01C001C0) | ((x * 0x1001000) & 0x80008000)
+        for lane, code in ((0, x & 0xF), (1, x >> 4)):
+            half = (v >> (16 * lane)) & 0xFFFF
+            val = struct.unpack(">f", struct.pack(">I", half << 16))[0] * 2.0 ** 126
+            assert val == (-1 if code & 8 else 1) * e2m1[code & 7], (x, lane)
+
+
+def test_swapped_v7_decode_builds_with_fewer_alu_ops():
+    """decode="v7" (built, not yet run on a GPU): the swapped kernel's K loop keeps its WGMMAs from
+    registers with no spills, and has fewer LOP3 than v6's."""
+    from ops.gemm_mxfp4 import mxfp4_swapped_program
+
+    params = dict(n=256, k=1024, tokens=16, splits=1, stages=4)
+    counts = {}
+    for decode in ("v6", "v7"):
+        src = mxfp4_swapped_program.source("sm_90a", **params, decode=decode)
+        assert f"tc_e2m1_fragment<{'true' if decode == 'v7' else 'false'}>(" in src
+        loop = _innermost_mma_loop(_tma_wgmma_sass(src, "HGMMA"), "HGMMA")
+        counts[decode] = sum(t.split()[0].startswith("LOP3") or " LOP3" in t for t in loop)
+    assert counts["v7"] < counts["v6"] * 0.7, counts
+
+
 def test_swapped_scale_boxes_start_aligned_and_stay_in_the_row():
     """Each split's staged scale box (TMA) starts 16-byte aligned in the row (a box starting mid-group
     faulted on the GPU), ends inside it, and holds the split's words: the kernel's start formula."""
@@ -1089,14 +1145,16 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
-    # the scale rows by TMA or by the MMA threads (SWAPPED_SCALE_TMA): the same bits
-    flag = gemm_mxfp4.SWAPPED_SCALE_TMA
+    # the scale rows by TMA or by the MMA threads (SWAPPED_SCALE_TMA), the v6 or v7 decode
+    # (SWAPPED_DECODE): the same bits
+    flags = gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE
     try:
         for forced in (True, False):
-            gemm_mxfp4.SWAPPED_SCALE_TMA = forced
-            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), forced
+            for decode in gemm_mxfp4.SWAPPED_DECODES:
+                gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = forced, decode
+                assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (forced, decode)
     finally:
-        gemm_mxfp4.SWAPPED_SCALE_TMA = flag
+        gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = flags
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()
@@ -1526,6 +1584,10 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     assert_elementwise(out, ref)
     for gi, mm in enumerate(masked):
         assert (out[gi, mm:] == 0).all()
+    for decode in gemm_mxfp4.SWAPPED_DECODES:       # the same bits with either decode
+        monkeypatch.setattr(gemm_mxfp4, "SWAPPED_DECODE", decode)
+        again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+        assert torch.equal(again, out), decode
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -1535,7 +1597,7 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8)
+    assert p == dict(tokens=64, stages=8, decode="v6")
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8
     with pytest.raises(ValueError, match="too long"):
