@@ -619,7 +619,8 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     per-token-group scales (per_token_group_quant_fp8's) or (m, k/32) uint8 E8M0 (OCP MX),
     dequantized to bf16 first. k % 128 == 0, n % 128 == 0, any m.
     On sm_90a, m <= 64 with k % 512 == 0 takes the swapped register-decode kernel
-    (mxfp4_gemm_nt_swapped), other shapes the decoded-tile kernel; the same exact products either way.
+    (mxfp4_gemm_nt_swapped), other shapes the decoded-tile kernel: both multiply the exactly
+    dequantized weights in fp32 accumulators (their sums may differ in the last bits).
     On sm_100a, e4m3 a with MX scales takes the native block-scaled kernel (mxfp4_gemm_nt_native:
     compiled, never run on a device)."""
     if sfa is not None and sfa.dtype == torch.uint8 and a.is_cuda and targets.resolve(a).name == "cuda:sm_100a":
