@@ -418,6 +418,8 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
     scale words: k / 128 x 128 words)."""
     if k % SWAPPED_K_ALIGN:
         raise ValueError(f"the masked swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
+    if SWAPPED_DECODE not in SWAPPED_DECODES:
+        raise ValueError(f"ops.gemm_mxfp4.SWAPPED_DECODE must be one of {SWAPPED_DECODES}, got {SWAPPED_DECODE!r}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
     stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
     stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
@@ -824,6 +826,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
 
     if k % SWAPPED_K_ALIGN:
         raise ValueError(f"the swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
+    decode = decode or SWAPPED_DECODE
+    if decode not in SWAPPED_DECODES:
+        raise ValueError(f"decode must be one of {SWAPPED_DECODES} (or None: SWAPPED_DECODE), got {decode!r}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= m)
     budget = SMEM_BUDGET if blocks_per_sm == 1 else SMEM_BUDGET // 2 - 1024
     for depth in [stage_k] if stage_k else SWAPPED_STAGE_K:
@@ -849,7 +854,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp, decode=decode or SWAPPED_DECODE)
+                scale_tma=scale_tma, ramp=ramp, decode=decode)
 
 
 def _launch_swapped(a, b, sfb, out, **override):

@@ -905,6 +905,8 @@ def test_mxfp4_swapped_plan_and_targets():
         mxfp4_swapped_program.source("sm_100a", n=256, k=512)
     with pytest.raises(ValueError, match="k % 512 == 0"):
         plan_swapped(8, 256, 1152)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        plan_swapped(8, 256, 1024, decode="v8")
 
 
 def test_swapped_ramp_asks_for_the_first_stages_alone():
