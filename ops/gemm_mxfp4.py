@@ -360,11 +360,12 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v6"):
+                                 decode: str = "v6", scale_tma: bool = True):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
-    split-K). A group with no rows loads nothing and stores zeros."""
+    split-K). A group with no rows loads nothing and stores zeros. scale_tma: the scale rows by TMA
+    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -390,7 +391,9 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw, decode),
                 stages=stages,
-                preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)],      # by TMA, ahead of the stages
+                preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] if scale_tma else (),
+                prologue=None if scale_tma else lambda: _stage_scale_rows(
+                    sw, lambda i, si: SFB[g, tn * block_n + i, si]),
                 epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens))
 
     return mxfp4_gemm_nt_masked_swapped
@@ -425,7 +428,9 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
     stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
     if stages < 2:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
-    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE)
+    # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
+    scale_tma = True if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma)
 
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then
@@ -765,7 +770,7 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
             and target.name == "cuda:sm_90a" and k // BLOCK_K * 128 * 4 <= SMEM_BUDGET // 2):
         p = plan_masked_swapped(a.shape[1], k)
-        kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, p["tokens"], p["decode"]), lambda: (
+        kernel = jit.launchers(("mxfp4_gemm_nt_masked_swapped", target.name, n, k, *sorted(p.items())), lambda: (
             mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
         kernel(a, _code_words(b), _tma_scale_words(sfb), aux, out)
         return out

@@ -887,7 +887,8 @@ def test_mxfp4_swapped_plan_and_targets():
             parts = p["stage_k"] // 128
             assert k % p["stage_k"] == 0
             per = -(-(k // p["stage_k"]) // p["splits"]) * parts
-            smem = p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2) + 128 * swapped_scale_box(per, k // 128) * 4
+            smem = (p["stages"] * (p["tokens"] * p["stage_k"] * 2 + 128 * p["stage_k"] // 2)
+                    + 128 * swapped_scale_box(per, k // 128) * 4)
             assert smem * p["blocks_per_sm"] <= SMEM_BUDGET, (m, n, k, p)
             assert p["blocks_per_sm"] == 1 and p["stage_k"] == 128
     # scale rows by TMA where a split stages more than 8 words a row
@@ -1567,8 +1568,9 @@ def test_gpu_grouped_mxfp4(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_m,masked", [(1, [1, 0, 1, 1]), (37, [37, 0, 5, 20]), (64, [64, 63, 0, 1])])
 def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
-    """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group; rows past masked_m (NaN here) never leak into another row and come
-    out zeros; a group with no rows is all zeros."""
+    """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group;
+    rows past masked_m (NaN here) never leak into another row and come out zeros; a group with no
+    rows is all zeros; either decode and either scale-row path give the same bits."""
     from ops import gemm_mxfp4
 
     g = torch.Generator().manual_seed(max_m)
@@ -1586,10 +1588,12 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     assert_elementwise(out, ref)
     for gi, mm in enumerate(masked):
         assert (out[gi, mm:] == 0).all()
-    for decode in gemm_mxfp4.SWAPPED_DECODES:       # the same bits with either decode
-        monkeypatch.setattr(gemm_mxfp4, "SWAPPED_DECODE", decode)
-        again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
-        assert torch.equal(again, out), decode
+    for decode in gemm_mxfp4.SWAPPED_DECODES:       # the same bits with either decode and scale-row path
+        for scale_tma in (True, False):
+            monkeypatch.setattr(gemm_mxfp4, "SWAPPED_DECODE", decode)
+            monkeypatch.setattr(gemm_mxfp4, "SWAPPED_SCALE_TMA", scale_tma)
+            again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+            assert torch.equal(again, out), (decode, scale_tma)
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -1599,7 +1603,8 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v6")
+    assert p == dict(tokens=64, stages=8, decode="v6", scale_tma=True)
+    assert plan_masked_swapped(16, 1024)["scale_tma"]
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8
     with pytest.raises(ValueError, match="too long"):

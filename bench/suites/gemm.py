@@ -23,7 +23,8 @@ PRESETS = {
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
     # m rows per group: MoE prefill (contiguous, 128-aligned segments) and decode (masked)
     "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
-                      dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168)],
+                      dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
+                      dict(kind="mxfp4-masked", groups=8, m=64, n=7168, k=2048)],   # an expert's down projection
 }
 MXFP4_KINDS = ("mxfp4", "mxfp4-contiguous", "mxfp4-masked")
 
