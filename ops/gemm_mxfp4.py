@@ -112,6 +112,17 @@ __device__ __forceinline__ unsigned tc_bf16x2_mul(unsigned x, unsigned y) {
   __nv_bfloat162 z = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
   return *reinterpret_cast<unsigned*>(&z);
 }
+// the two-multiply decode (a scale byte over 128): bits * 2^126, then * 2^(e8 - 127), as
+// tc_e2m1x2_bf16x2 does (v6 is that function)
+template <bool kPrmtSign>
+__device__ __forceinline__ unsigned tc_e2m1x2_times_2_126(unsigned w, int c, unsigned sel, unsigned scale2) {
+  if (!kPrmtSign) return tc_e2m1x2_bf16x2(w, c, scale2);
+  unsigned v = tc_e2m1x2_bits<true>(w, c, sel);
+  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&v);
+  x = __hmul2(x, __floats2bfloat162_rn(0x1p126f, 0x1p126f));
+  x = __hmul2(x, *reinterpret_cast<__nv_bfloat162*>(&scale2));
+  return *reinterpret_cast<unsigned*>(&x);
+}
 template <bool kPrmtSign>
 __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
                                                  const void* w3, const void* v0, const void* v1, const void* v2,
@@ -148,15 +159,14 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
       d[4 * j + 3] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j + 1], c, sel), t);
     }
   } else {
-    const unsigned k126 = 0x7E807E80u;   // 2^126 in both bf16 lanes
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
       const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
-      d[4 * j + 0] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j], c, sel), k126), s);
-      d[4 * j + 1] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j], c, sel), k126), t);
-      d[4 * j + 2] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j + 1], c, sel), k126), s);
-      d[4 * j + 3] = tc_bf16x2_mul(tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j + 1], c, sel), k126), t);
+      d[4 * j + 0] = tc_e2m1x2_times_2_126<kPrmtSign>(wr[2 * j], c, sel, s);
+      d[4 * j + 1] = tc_e2m1x2_times_2_126<kPrmtSign>(vr[2 * j], c, sel, t);
+      d[4 * j + 2] = tc_e2m1x2_times_2_126<kPrmtSign>(wr[2 * j + 1], c, sel, s);
+      d[4 * j + 3] = tc_e2m1x2_times_2_126<kPrmtSign>(vr[2 * j + 1], c, sel, t);
     }
   }
 }
