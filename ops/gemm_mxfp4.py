@@ -38,16 +38,22 @@ __device__ __forceinline__ unsigned tc_e8m0_bf16x2(unsigned e8) {
   unsigned h = e8 == 0u ? 0x0040u : (e8 == 255u ? 0x7FC0u : e8 << 7);
   return h | (h << 16);
 }
-__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2(unsigned w, int p, unsigned scale2) {
-  // codes 2p (low nibble of byte p) and 2p+1 -> bf16 lanes 0 and 1 of e2m1 * 2^-126:
+__device__ __forceinline__ unsigned tc_e2m1x2_bits_v6(unsigned w, int p) {
+  // codes 2p (low nibble of byte p) and 2p+1 -> the bits of bf16 lanes 0 and 1 of e2m1 * 2^-126:
   // b * 0x40040 puts code & 7 at bits 6-8 and 22-24 (exponent lsbs + mantissa msb of each lane),
   // b * 0x1001000 puts the sign bits at 15 and 31; e = 0, m = 1 lands on the subnormal 0.5 * 2^-126
   unsigned b = __byte_perm(w, 0u, 0x4440u + (unsigned)p);
-  unsigned v = ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
+  return ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
+}
+__device__ __forceinline__ unsigned tc_e2m1x2_scaled(unsigned v, unsigned scale2) {
+  // the bits of e2m1 * 2^-126 -> e2m1 * 2^(e8-127), in two exact multiplies
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&v);
   x = __hmul2(x, __floats2bfloat162_rn(0x1p126f, 0x1p126f));   // exact: a power of two
   x = __hmul2(x, *reinterpret_cast<__nv_bfloat162*>(&scale2));  // exact: 2^(e8-127), subnormals kept
   return *reinterpret_cast<unsigned*>(&x);
+}
+__device__ __forceinline__ unsigned tc_e2m1x2_bf16x2(unsigned w, int p, unsigned scale2) {
+  return tc_e2m1x2_scaled(tc_e2m1x2_bits_v6(w, p), scale2);
 }
 __device__ __forceinline__ void tc_e2m1x8_store(void* dst, int w, unsigned scale2) {
   // the 8 codes of word w (low nibble first) -> 8 bf16 values at dst (16 bytes)
@@ -96,32 +102,18 @@ __device__ __forceinline__ unsigned tc_scale_over_128(unsigned sw) {
 // kPrmtSign ("v7"): one permute P = [byte c of w << 4, its sign replicated, byte c of w, its sign
 // replicated] (prmt's sign mode), then << 2 puts the low code's magnitude at bits 6-8 and its sign
 // at 15, the high code's at 22-24 and 31: one mask (5 instructions a pair with the multiply, ALU 2).
-// Otherwise ("v6", as tc_e2m1x2_bf16x2): the byte alone, two multiplies place magnitudes and signs,
+// Otherwise ("v6", tc_e2m1x2_bits_v6): the byte alone, two multiplies place magnitudes and signs,
 // two masks (6 instructions, ALU 3).
 template <bool kPrmtSign>
 __device__ __forceinline__ unsigned tc_e2m1x2_bits(unsigned w, int c, unsigned sel) {
-  if (kPrmtSign) {
-    unsigned p;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w * 16u), "r"(w), "r"(sel));
-    return (p * 4u) & 0x81C081C0u;
-  }
-  unsigned b = __byte_perm(w, 0u, 0x4440u + (unsigned)c);
-  return ((b * 0x40040u) & 0x01C001C0u) | ((b * 0x1001000u) & 0x80008000u);
+  if (!kPrmtSign) return tc_e2m1x2_bits_v6(w, c);
+  unsigned p;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(p) : "r"(w * 16u), "r"(w), "r"(sel));
+  return (p * 4u) & 0x81C081C0u;
 }
 __device__ __forceinline__ unsigned tc_bf16x2_mul(unsigned x, unsigned y) {
   __nv_bfloat162 z = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
   return *reinterpret_cast<unsigned*>(&z);
-}
-// the two-multiply decode (a scale byte over 128): bits * 2^126, then * 2^(e8 - 127), as
-// tc_e2m1x2_bf16x2 does (v6 is that function)
-template <bool kPrmtSign>
-__device__ __forceinline__ unsigned tc_e2m1x2_times_2_126(unsigned w, int c, unsigned sel, unsigned scale2) {
-  if (!kPrmtSign) return tc_e2m1x2_bf16x2(w, c, scale2);
-  unsigned v = tc_e2m1x2_bits<true>(w, c, sel);
-  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&v);
-  x = __hmul2(x, __floats2bfloat162_rn(0x1p126f, 0x1p126f));
-  x = __hmul2(x, *reinterpret_cast<__nv_bfloat162*>(&scale2));
-  return *reinterpret_cast<unsigned*>(&x);
 }
 template <bool kPrmtSign>
 __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
@@ -163,10 +155,10 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
     for (int j = 0; j < 8; ++j) {
       const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
       const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
-      d[4 * j + 0] = tc_e2m1x2_times_2_126<kPrmtSign>(wr[2 * j], c, sel, s);
-      d[4 * j + 1] = tc_e2m1x2_times_2_126<kPrmtSign>(vr[2 * j], c, sel, t);
-      d[4 * j + 2] = tc_e2m1x2_times_2_126<kPrmtSign>(wr[2 * j + 1], c, sel, s);
-      d[4 * j + 3] = tc_e2m1x2_times_2_126<kPrmtSign>(vr[2 * j + 1], c, sel, t);
+      d[4 * j + 0] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j], c, sel), s);
+      d[4 * j + 1] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j], c, sel), t);
+      d[4 * j + 2] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(wr[2 * j + 1], c, sel), s);
+      d[4 * j + 3] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(vr[2 * j + 1], c, sel), t);
     }
   }
 }
