@@ -39,7 +39,7 @@ def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode or gemm_mxfp4.SWAPPED_DECODE)
+                                       decode=decode)
             return out
         return run
     return make
