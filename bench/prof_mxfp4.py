@@ -34,12 +34,12 @@ def no_decode():
         gemm_mxfp4.E2M1_FRAGMENT_SOURCE = "#define TC_E2M1_NO_DECODE 1\n" + gemm_mxfp4.E2M1_FRAGMENT_SOURCE
 
 
-def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None):
+def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None):
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode)
+                                       decode=decode, fold=fold)
             return out
         return run
     return make
@@ -56,7 +56,8 @@ def _tile(a, b, s):
 # the swapped kernel at one or two blocks an SM, and the decoded-tile kernel (SWAPPED off)
 PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-ldg": _swapped(1, scale_tma=False), "swapped-ramp2": _swapped(1, ramp=2),
-         "swapped-v7": _swapped(1, decode="v7"), "swapped-2": _swapped(2), "tile": _tile}
+         "swapped-v6": _swapped(1, decode="v6"), "swapped-fold": _swapped(1, fold=True),
+         "swapped-reduce": _swapped(1, fold=False), "swapped-2": _swapped(2), "tile": _tile}
 
 
 def kernel_times(fn, reps=REPS):

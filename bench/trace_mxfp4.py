@@ -44,11 +44,12 @@ def trace_case(m, n, k, warm=False, **plan):
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     part = torch.empty(max(p["splits"], 1), m if p["splits"] > 1 else 1, n, dtype=torch.float32, device="cuda")
     trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
     flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     for _ in range(3):
         if flush is not None:
             flush.zero_()
-        kern(a, b.view(torch.int32), s.view(torch.int32), out, part, trace)
+        kern(a, b.view(torch.int32), s.view(torch.int32), out, part, trace, count)
     torch.cuda.synchronize()
     return p, trace.cpu().tolist()
 
@@ -86,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--decode", choices=gemm_mxfp4.SWAPPED_DECODES, default=None, help="the fragment decode")
     ap.add_argument("--scale-tma", choices=("auto", "on", "off"), default="auto", help="scale rows by TMA")
     ap.add_argument("--ramp", type=int, default=0, help="stages the producer asks for alone first (0: off)")
+    ap.add_argument("--fold", choices=("auto", "on", "off"), default="auto", help="split-K partials added in the kernel")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -94,7 +96,8 @@ def main(argv=None):
     for case in args.case:
         m, n, k = map(int, case.split("x"))
         p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
-                             scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma])
+                             scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
+                             fold={"auto": None, "on": True, "off": False}[args.fold])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

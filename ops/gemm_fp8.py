@@ -632,13 +632,13 @@ def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold:
 
 def launch_split_k(kernel, reduce, args, out, splits: int, count=None):
     """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count: or
-    any last argument the kernel takes, e.g. a trace buffer]),
+    any last argument(s) the kernel takes, e.g. a trace buffer; a tuple for several]),
     then, for splits > 1 (2-D outputs only) with a reduce launcher, the reduce into `out` (rows, n);
     without one the kernel folds its partials (count: the fold's zeroed per-tile arrival counters,
     unused by a cluster fold). With
     one split the kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
     n = out.shape[-1]
-    tail = () if count is None else (count,)
+    tail = () if count is None else count if isinstance(count, tuple) else (count,)
     if splits == 1:
         kernel(*args, out, bound_only(out.device, n, torch.float32).view(1, 1, n), *tail)
         return

@@ -17,8 +17,9 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
-from ops._workspace import bound_only
+from ops._workspace import arrival_counters, bound_only
 from ops import _validate as check
+from ops.gemm_fp8 import _in_order
 from ops.quant import dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4
 
 MX = 32
@@ -284,7 +285,7 @@ SWAPPED_DECODES = ("v6", "v7")   # tc_e2m1x2_bits: two multiplies, two masks; or
 
 
 @T.macro
-def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v6"):
+def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v7"):
     # this thread's A fragment of the step: byte `place` of every code word of its two rows
     r, r8 = rows
     T.evaluate(T.call_extern("handle", f"tc_e2m1_fragment<{'true' if decode == 'v7' else 'false'}>", dst,
@@ -300,13 +301,15 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v6"):
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
-                          scale_tma: bool = True, ramp: int = 0, decode: str = "v6"):
+                          scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
     decoded tile, no barrier between the decode and the MMA. A is the (tokens, 128) shared operand
     of a step, loaded by TMA (rows past m zero-filled). splits > 1: fp32 partials per split,
-    summed in order by ops.gemm_fp8.fp8_gemm_reduce_program.
+    summed in order by ops.gemm_fp8.fp8_gemm_reduce_program, or (fold=True) by the last of a tile's
+    split blocks to arrive on Count[tile] (tile.last_arrival): the same order, the same bits, no
+    reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -314,7 +317,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
-    m = T.dynamic("m")
+    if fold and splits == 1:
+        raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
+    m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
     box = swapped_scale_box(per, kb) if scale_tma else per     # scale words a block stages
@@ -324,7 +329,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     def mxfp4_gemm_nt_swapped(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
                               SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
                               Part: T.Tensor(part_shape, "float32"),
-                              Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32")):
+                              Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
+                              Count: T.Tensor((counts,), "int32")):
         with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))
             sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
@@ -351,7 +357,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=lambda: _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens))
+                epilogue=lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens,
+                                                fold))
 
     return mxfp4_gemm_nt_swapped
 
@@ -362,7 +369,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v6", scale_tma: bool = True):
+                                 decode: str = "v7", scale_tma: bool = True):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
@@ -461,7 +468,7 @@ def _stamp_clock(Trace, bid, at, keep, timer):
 
 
 @T.macro
-def _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens):
+def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold):
     out = tile.read_accumulator(acc)
     for i, j in tile.parallel(block_n, tokens):
         if j < m:
@@ -469,6 +476,12 @@ def _store_swapped(acc, C, Part, tn, ts, m, steps, splits, block_n, tokens):
                 Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, out[i, j], 0.0)
             else:
                 C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
+    if fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
+        if tile.last_arrival(Count, tn, splits, threads=2 * block_n):
+            for j, i in tile.parallel(tokens, block_n):
+                if j < m:
+                    C[j, tn * block_n + i] = T.cast(_in_order([Part[s, j, tn * block_n + i] for s in range(splits)]),
+                                                    "bfloat16")
 
 
 @tile_program(
@@ -815,20 +828,27 @@ SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench p
 # by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14
 # words; at k = 2048, 8 words, 0.2-1.8 us slower: bench/NOTES.md "MXFP4 v7"); True / False force it
 SWAPPED_SCALE_TMA = None
-SWAPPED_DECODE = "v6"   # "v7" (one permute, one mask a pair) is built, not yet run on a GPU ("MXFP4 v7")
+# split-K partials added by the tile's last split block in the kernel, not by the reduce kernel. None: where
+# a block's partial tile is at most 16 tokens (its fold reads splits x 8 KB; FP8's fold of 64 KB
+# tiles measured slower, bench/NOTES.md "GEMM v4"); True / False force it for every split plan
+SWAPPED_FOLD = None
+SWAPPED_FOLD_TOKENS = 16
+SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
-                 decode: str | None = None) -> dict:
+                 decode: str | None = None, fold: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
     the SMs at once and keep 4 128-deep steps) and as many stages as fit in the block's share of
     shared memory, up to 8. Deeper stages and two blocks an SM were measured slower or no faster
     (bench/NOTES.md "MXFP4 v6"). scale_tma: the scale rows by TMA (None: SWAPPED_SCALE_TMA's rule);
-    ramp: the producer's first stages asked for alone (an experiment, 0: off; "MXFP4 v7"); decode:
-    one of SWAPPED_DECODES (None: SWAPPED_DECODE)."""
+    ramp: the producer's first stages asked for alone (an experiment, 0: off; measured 0.0-0.4 us
+    slower, "MXFP4 v8"); decode:
+    one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K partials added in the kernel (None:
+    SWAPPED_FOLD's rule; never without a split)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -860,17 +880,20 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
+    if fold is None:
+        fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp, decode=decode)
+                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
-    override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, **override}      # in the launchers' key
-    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=trace,
-                    scale_words=_tma_scale_words)
+    override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
+                **override}      # in the launchers' key
+    _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
+                    scale_words=_tma_scale_words, counts=True)
 
 
 def _swapped_launchers(a, target, m, n, k, override):
@@ -879,7 +902,7 @@ def _swapped_launchers(a, target, m, n, k, override):
 
     p = plan_swapped(m, n, k, sms=sm_count(a), **override)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
-    return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
+    return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
 
 SMEM_BUDGET = 227 * 1024 - 4096    # dynamic shared memory a block may use on sm_90a, less static and slack
@@ -935,9 +958,11 @@ def _launch(a, b, sfb, out, **override):
     _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, override)
 
 
-def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None, scale_words=_scale_words):
+def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_words=_scale_words, counts=False):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
-    launchers are kept per call shape (an eager decode call is otherwise host-bound)."""
+    launchers are kept per call shape (an eager decode call is otherwise host-bound). tail: the
+    kernel's last arguments; counts: and then its split-K arrival counters (one a 128-column tile:
+    zeros where the kernel folds its own partials, no reduce launcher; otherwise bound only)."""
     from ops.gemm_fp8 import launch_split_k
 
     m, k = a.shape
@@ -945,7 +970,9 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=None, scale_
     target = targets.resolve(a)
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
-    launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail)
+    if counts:
+        tail = (*tail, arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device))
+    launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None)
 
 
 def _launchers(a, target, m, n, k, override):

@@ -815,6 +815,40 @@ def _single_fragment_kernel(src: str) -> None:
     assert waits and set(waits) == {"0x0"}, waits
 
 
+def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
+    """fold=True: the tile's last split block adds the partials in split order inside the kernel.
+    The arrival is ordered by a named barrier of the 256 MMA threads (the producer warps have exited:
+    a block-wide barrier would never complete), the counter is set back to 0 by the last block, and
+    no other barrier is added. The plan folds where a partial tile is at most 16 tokens and K is
+    split; SWAPPED_FOLD forces it; a kernel with one split cannot fold."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped
+
+    params = dict(n=256, k=1024, tokens=16, splits=2, stages=4)
+    plain = mxfp4_swapped_program.source("sm_90a", **params)
+    folded = mxfp4_swapped_program.source("sm_90a", **params, fold=True)
+    assert "AtomicAddRet" not in plain and folded.count("AtomicAddRet(") == 1
+    assert folded.count("tl::__sync_thread_partial(11, 256);") == 2
+    assert folded.count("__syncthreads()") == plain.count("__syncthreads()")
+    assert re.search(r"Count\[.*?\] = 0;", folded)
+    # the fold reads each split's partial of the tile, in order, 16 bytes a load
+    assert len(re.findall(r"\*\(float4\*\)\(Part_local_cast_\d \+ 0\) = \*\(float4\*\)\(Part \+", folded)) == 2
+    assert plan_swapped(16, 4096, 7168)["fold"] and plan_swapped(1, 7168, 2048)["fold"]
+    assert not plan_swapped(64, 4096, 7168)["fold"] and not plan_swapped(32, 4096, 7168)["fold"]
+    assert not plan_swapped(8, 24576, 1536)["fold"]                   # one split: nothing to fold
+    saved = gemm_mxfp4.SWAPPED_FOLD
+    try:
+        gemm_mxfp4.SWAPPED_FOLD = True
+        assert plan_swapped(64, 4096, 7168)["fold"] and not plan_swapped(64, 24576, 1536)["fold"]
+        gemm_mxfp4.SWAPPED_FOLD = False
+        assert not plan_swapped(16, 4096, 7168)["fold"]
+    finally:
+        gemm_mxfp4.SWAPPED_FOLD = saved
+    assert plan_swapped(64, 4096, 7168, fold=True)["fold"]
+    with pytest.raises(ValueError, match="needs splits > 1"):
+        mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=1, stages=4, fold=True)
+
+
 def test_mxfp4_swapped_trace_stamps_only_when_asked():
     """trace=True (bench.trace_mxfp4): the first MMA thread stamps the SM clock at the block's events
     and each step's data arrival and WGMMA issue into Trace[block]; without it no clock is read and
@@ -1158,6 +1192,14 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
                 assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (forced, decode)
     finally:
         gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = flags
+    # split-K partials added in the kernel (the tile's last block) or by the reduce kernel: the same bits
+    saved = gemm_mxfp4.SWAPPED_FOLD
+    try:
+        for fold in (True, False):
+            gemm_mxfp4.SWAPPED_FOLD = fold
+            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), fold
+    finally:
+        gemm_mxfp4.SWAPPED_FOLD = saved
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()
@@ -1165,6 +1207,35 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
         gemm_mxfp4.SWAPPED = True
     assert calc_diff(tiled, ref) < 1e-5
     assert_elementwise(tiled, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
+    """The in-kernel split-K fold replayed in a CUDA graph: every replay gives the reduce kernel's
+    bits (the arrival counters go back to 0 after each run), with the m tail of a 16-token tile."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(5)
+    m, n, k = 13, 4096, 7168
+    a = torch.randn(m, k, generator=g).bfloat16().cuda()
+    packed, scales = (t.cuda() for t in ops.quant_mxfp4(torch.randn(n, k, generator=g)))
+    saved = gemm_mxfp4.SWAPPED_FOLD
+    try:
+        gemm_mxfp4.SWAPPED_FOLD = False
+        want = ops.mxfp4_gemm_nt(a, packed, scales)
+        gemm_mxfp4.SWAPPED_FOLD = True
+        assert gemm_mxfp4.plan_swapped(m, n, k)["splits"] > 1
+        ops.mxfp4_gemm_nt(a, packed, scales)            # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.mxfp4_gemm_nt(a, packed, scales)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+    finally:
+        gemm_mxfp4.SWAPPED_FOLD = saved
 
 
 @pytest.mark.gpu
@@ -1603,7 +1674,7 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v6", scale_tma=True)
+    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True)
     assert plan_masked_swapped(16, 1024)["scale_tma"]
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8

@@ -125,6 +125,16 @@ def tilecraft_masked_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", False)(case, i)
 
 
+def tilecraft_fold(fold):
+    """The op with its swapped MXFP4 kernel's split-K partials added in the kernel (fold=True) or by
+    the reduce kernel (False), on every split plan (ops.gemm_mxfp4.SWAPPED_FOLD): both in one run."""
+    def make(case, i):
+        from ops import gemm_mxfp4
+
+        return _with_flag(gemm_mxfp4, "SWAPPED_FOLD", fold)(case, i)
+    return make
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -197,6 +207,8 @@ SUITE = Suite(
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
+               Provider("tilecraft-fold", tilecraft_fold(True), experimental=True),
+               Provider("tilecraft-reduce", tilecraft_fold(False), experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",

@@ -62,9 +62,12 @@ def barrier():
     return T.sync_threads()
 
 
+ARRIVE_BAR = 11    # named barrier of last_arrival(threads=...) (TileLang reserves 0-2; the sm90 loops use 12-15)
+
+
 @T.macro
-def _arrive(count, index, arrivals, last):
-    T.sync_threads()                                    # every thread's global stores are issued
+def _arrive(count, index, arrivals, last, threads):
+    _arrive_barrier(threads)                            # every thread's global stores are issued
     if T.get_thread_binding() == 0:
         # release: the fence is cumulative, so it orders the whole block's stores (seen by thread 0
         # through the barrier) before the arrival
@@ -74,14 +77,22 @@ def _arrive(count, index, arrivals, last):
         if prev == arrivals - 1:
             count[index] = 0                            # the next launch counts from zero again
             T.evaluate(T.call_extern("handle", "__threadfence"))   # acquire: the others' stores
-    T.sync_threads()
+    _arrive_barrier(threads)
+
+
+def _arrive_barrier(threads):
+    # the whole block, or its first `threads` (a warp-specialized kernel's MMA threads, once its
+    # producer warps have exited: they would never reach a block-wide barrier)
+    emit(T.sync_threads(ARRIVE_BAR, threads) if threads else T.sync_threads())
 
 
 @register("last_arrival", "cuda")
-def last_arrival(count, index, arrivals):
+def last_arrival(count, index, arrivals, threads=None):
     # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore
+    if threads is not None and (threads % 32 or not 0 < threads <= 1024):
+        raise ValueError(f"last_arrival: threads must be whole warps (a multiple of 32 up to 1024), got {threads}")
     last = T.alloc_shared((1,), "int32")
-    _arrive(count, index, arrivals, last)
+    _arrive(count, index, arrivals, last, threads or 0)
     return last[0]
 
 
