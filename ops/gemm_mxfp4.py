@@ -828,9 +828,10 @@ SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench p
 # by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14
 # words; at k = 2048, 8 words, 0.2-1.8 us slower: bench/NOTES.md "MXFP4 v7"); True / False force it
 SWAPPED_SCALE_TMA = None
-# split-K partials added by the tile's last split block in the kernel, not by the reduce kernel. None: where
-# a block's partial tile is at most 16 tokens (its fold reads splits x 8 KB; FP8's fold of 64 KB
-# tiles measured slower, bench/NOTES.md "GEMM v4"); True / False force it for every split plan
+# split-K partials added by the tile's last split block in the kernel, not by the reduce kernel. None:
+# where the token tile is at most SWAPPED_FOLD_TOKENS (its fold reads splits x 8 KB: 0.2-0.3 us
+# faster in CUDA graphs; at 64 tokens 0.7-1.3 us slower, bench/NOTES.md "MXFP4 v8"); True / False
+# force it for every split plan
 SWAPPED_FOLD = None
 SWAPPED_FOLD_TOKENS = 16
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
@@ -846,9 +847,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     shared memory, up to 8. Deeper stages and two blocks an SM were measured slower or no faster
     (bench/NOTES.md "MXFP4 v6"). scale_tma: the scale rows by TMA (None: SWAPPED_SCALE_TMA's rule);
     ramp: the producer's first stages asked for alone (an experiment, 0: off; measured 0.0-0.4 us
-    slower, "MXFP4 v8"); decode:
-    one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K partials added in the kernel (None:
-    SWAPPED_FOLD's rule; never without a split)."""
+    slower, "MXFP4 v8"); decode: one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K
+    partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
