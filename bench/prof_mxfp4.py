@@ -1,7 +1,9 @@
 """Where an MXFP4 decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before
 every call): the swapped register-decode kernel (one or two blocks an SM; swapped-tma /
 swapped-ldg: its scale rows forced by TMA / by the MMA threads; swapped-ramp2: the first two
-stages asked for alone; swapped-v7: the v7 decode) and its split-K reduce against the decoded-tile kernel
+stages asked for alone; swapped-v6: the v6 decode; swapped-fold / -reduce: split-K folded in the kernel or
+by the reduce kernel; swapped-ahead / -now: raw words loaded a step ahead of their decode or not) and its
+split-K reduce against the decoded-tile kernel
 (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
 
     python -m bench.prof_mxfp4 [--out DIR] [--no-decode] [--paths swapped-1 swapped-ldg ...]
@@ -34,12 +36,12 @@ def no_decode():
         gemm_mxfp4.E2M1_FRAGMENT_SOURCE = "#define TC_E2M1_NO_DECODE 1\n" + gemm_mxfp4.E2M1_FRAGMENT_SOURCE
 
 
-def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None):
+def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None, ahead=None):
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode, fold=fold)
+                                       decode=decode, fold=fold, ahead=ahead)
             return out
         return run
     return make
@@ -57,7 +59,8 @@ def _tile(a, b, s):
 PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-ldg": _swapped(1, scale_tma=False), "swapped-ramp2": _swapped(1, ramp=2),
          "swapped-v6": _swapped(1, decode="v6"), "swapped-fold": _swapped(1, fold=True),
-         "swapped-reduce": _swapped(1, fold=False), "swapped-2": _swapped(2), "tile": _tile}
+         "swapped-reduce": _swapped(1, fold=False), "swapped-ahead": _swapped(1, ahead=True),
+         "swapped-now": _swapped(1, ahead=False), "swapped-2": _swapped(2), "tile": _tile}
 
 
 def kernel_times(fn, reps=REPS):

@@ -116,6 +116,28 @@ __device__ __forceinline__ unsigned tc_bf16x2_mul(unsigned x, unsigned y) {
   __nv_bfloat162 z = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
   return *reinterpret_cast<unsigned*>(&z);
 }
+// A thread's two rows of a 128-deep step, 16 code words each (4 x 16 bytes a row, shared memory),
+// into raw[0..15] (row r) and raw[16..31] (row r + 8): registers, one step ahead of their decode
+__device__ __forceinline__ void tc_e2m1_rows_load(void* raw, const void* w0, const void* w1, const void* w2,
+                                                  const void* w3, const void* v0, const void* v1, const void* v2,
+                                                  const void* v3) {
+  const void* at[8] = {w0, w1, w2, w3, v0, v1, v2, v3};
+  unsigned* r = reinterpret_cast<unsigned*>(raw);   // word stores: raw is a plain int[32]
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint4 x = *reinterpret_cast<const uint4*>(at[q]);
+    r[4 * q] = x.x, r[4 * q + 1] = x.y, r[4 * q + 2] = x.z, r[4 * q + 3] = x.w;
+  }
+}
+template <bool kPrmtSign>
+__device__ __forceinline__ void tc_e2m1_fragment_of(void* dst, const unsigned* wr, const unsigned* vr, int sw_r,
+                                                    int sw_r8, int c);
+// this thread's fragment of a step from raw words already in registers (tc_e2m1_rows_load)
+template <bool kPrmtSign>
+__device__ __forceinline__ void tc_e2m1_fragment_from(void* dst, const void* raw, int sw_r, int sw_r8, int c) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(raw);
+  tc_e2m1_fragment_of<kPrmtSign>(dst, r, r + 16, sw_r, sw_r8, c);
+}
 template <bool kPrmtSign>
 __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, const void* w1, const void* w2,
                                                  const void* w3, const void* v0, const void* v1, const void* v2,
@@ -124,8 +146,13 @@ __device__ __forceinline__ void tc_e2m1_fragment(void* dst, const void* w0, cons
                        *reinterpret_cast<const uint4*>(w2), *reinterpret_cast<const uint4*>(w3)};
   const uint4 vq[4] = {*reinterpret_cast<const uint4*>(v0), *reinterpret_cast<const uint4*>(v1),
                        *reinterpret_cast<const uint4*>(v2), *reinterpret_cast<const uint4*>(v3)};
-  const unsigned* wr = reinterpret_cast<const unsigned*>(wq);
-  const unsigned* vr = reinterpret_cast<const unsigned*>(vq);
+  tc_e2m1_fragment_of<kPrmtSign>(dst, reinterpret_cast<const unsigned*>(wq), reinterpret_cast<const unsigned*>(vq),
+                                 sw_r, sw_r8, c);
+}
+// wr, vr: the 16 code words of rows r and r + 8
+template <bool kPrmtSign>
+__device__ __forceinline__ void tc_e2m1_fragment_of(void* dst, const unsigned* wr, const unsigned* vr, int sw_r,
+                                                    int sw_r8, int c) {
   unsigned* d = reinterpret_cast<unsigned*>(dst);
   const unsigned sel = (unsigned)c * 0x1111u + 0xC480u;   // v7's selector: c, c | 8, 4 + c, (4 + c) | 8
 #ifdef TC_E2M1_NO_DECODE
@@ -293,6 +320,22 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v7"):
                              sw[r, step], sw[r8, step], place))
 
 
+@T.macro
+def _load_rows(raw_at, rows, buf):
+    # this thread's two rows of the step's raw words into registers (buf: 32 words), a step ahead
+    r, r8 = rows
+    T.evaluate(T.call_extern("handle", "tc_e2m1_rows_load", buf,
+                             *[T.access_ptr(raw_at(row, 4 * q), "r", 4) for row in (r, r8) for q in range(4)]))
+
+
+@T.macro
+def _decode_from(raw, rows, place, step, dst, sw, decode="v7"):
+    # _decode_fragment from the raw words _load_rows put in registers
+    r, r8 = rows
+    T.evaluate(T.call_extern("handle", f"tc_e2m1_fragment_from<{'true' if decode == 'v7' else 'false'}>", dst, raw,
+                             sw[r, step], sw[r8, step], place))
+
+
 @tile_program(
     "mxfp4_gemm_nt_swapped",
     targets=("cuda:sm_90a",),
@@ -301,7 +344,8 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v7"):
 )
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
-                          scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False):
+                          scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
+                          ahead: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -310,6 +354,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     summed in order by ops.gemm_fp8.fp8_gemm_reduce_program, or (fold=True) by the last of a tile's
     split blocks to arrive on Count[tile] (tile.last_arrival): the same order, the same bits, no
     reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block.
+    ahead=True: each MMA thread loads its raw words of step s + 1 into registers before it decodes
+    step s (the loads' latency under the decode; stage_k = 128 only).
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -345,11 +391,16 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
                 B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (stage_k // 8):(k0 + blk + 1) * (stage_k // 8)])
+            if ahead:     # (raw words to registers a step ahead, decode from them)
+                decoder = (lambda raw_at, rows, buf: _load_rows(raw_at, rows, buf),
+                           lambda raw, rows, place, blk, dst: _decode_from(raw, rows, place, blk + w0 - s0, dst, sw,
+                                                                           decode))
+            else:
+                decoder = lambda raw_at, rows, place, blk, dst: _decode_fragment(  # noqa: E731
+                    raw_at, rows, place, blk + w0 - s0, dst, sw, decode)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
-                               ((block_n, BLOCK_K), "bfloat16")], acc,
-                lambda raw_at, rows, place, blk, dst: _decode_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
-                                                                       decode),
+                               ((block_n, BLOCK_K), "bfloat16")], acc, decoder,
                 stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
@@ -834,12 +885,15 @@ SWAPPED_SCALE_TMA = None
 # force it for every split plan
 SWAPPED_FOLD = None
 SWAPPED_FOLD_TOKENS = 16
+# each MMA thread loads its raw words of step s + 1 into registers before it decodes step s (built
+# session 21, measured in "MXFP4 v8"); True / False: on / off for every swapped plan
+SWAPPED_AHEAD = False
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
-                 decode: str | None = None, fold: bool | None = None) -> dict:
+                 decode: str | None = None, fold: bool | None = None, ahead: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -848,7 +902,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (bench/NOTES.md "MXFP4 v6"). scale_tma: the scale rows by TMA (None: SWAPPED_SCALE_TMA's rule);
     ramp: the producer's first stages asked for alone (an experiment, 0: off; measured 0.0-0.4 us
     slower, "MXFP4 v8"); decode: one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K
-    partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split)."""
+    partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split); ahead: raw words
+    loaded a step ahead of their decode (None: SWAPPED_AHEAD)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -883,7 +938,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1)
+                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1,
+                ahead=SWAPPED_AHEAD if ahead is None else ahead)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -891,7 +947,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
-                **override}      # in the launchers' key
+                "ahead": SWAPPED_AHEAD, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 

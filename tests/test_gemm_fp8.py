@@ -849,6 +849,24 @@ def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=1, stages=4, fold=True)
 
 
+def test_mxfp4_swapped_raw_words_a_step_ahead():
+    """ahead=True: each MMA thread loads its raw words of step s + 1 into registers (two buffers of 32
+    words) before it decodes step s from the ones loaded a step earlier. The buffers stay in
+    registers at the largest token tile (no local memory, no spills); a stage of more than one
+    128-deep part is refused."""
+    from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped
+
+    p = dict(plan_swapped(64, 4096, 7168), ahead=True)
+    src = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, **p)
+    assert "tc_e2m1_rows_load(raw" in src and "tc_e2m1_fragment_from<true>(" in src
+    assert "tc_e2m1_fragment<" not in src.split("extern \"C\" __global__")[-1]
+    sass, log = _sass_and_ptxas_log(src)
+    assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    with pytest.raises(ValueError, match="stages of one part"):
+        mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=8, stages=2, stage_k=256, ahead=True)
+
+
 def test_mxfp4_swapped_trace_stamps_only_when_asked():
     """trace=True (bench.trace_mxfp4): the first MMA thread stamps the SM clock at the block's events
     and each step's data arrival and WGMMA issue into Trace[block]; without it no clock is read and
@@ -1192,14 +1210,15 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
                 assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (forced, decode)
     finally:
         gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = flags
-    # split-K partials added in the kernel (the tile's last block) or by the reduce kernel: the same bits
-    saved = gemm_mxfp4.SWAPPED_FOLD
+    # split-K partials added in the kernel (the tile's last block) or by the reduce kernel, raw words
+    # loaded a step ahead of their decode or not: the same bits
+    saved = gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD
     try:
-        for fold in (True, False):
-            gemm_mxfp4.SWAPPED_FOLD = fold
-            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), fold
+        for fold, ahead in ((True, False), (False, False), (None, True)):
+            gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD = fold, ahead
+            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (fold, ahead)
     finally:
-        gemm_mxfp4.SWAPPED_FOLD = saved
+        gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD = saved
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()

@@ -28,8 +28,8 @@ from tilelang.layout import make_full_bank_swizzled_layout, make_half_bank_swizz
 
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
-from codegen.lowering.sm90 import (CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split, in_bursts,
-                                   launch_registers, tma_producer)
+from codegen.lowering.sm90 import (BURST, CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split,
+                                   in_bursts, launch_registers, tma_producer)
 
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
@@ -123,18 +123,26 @@ def _reg_step(j, first, io):
     fragment, issue the WGMMA and retire the previous part's (wait 1: the fragment's last reader, two
     parts back, is then done; the previous stage's slot is free once its last part is). One fragment
     (two blocks an SM): each part waits for its own WGMMA (wait 0) before the next decode overwrites
-    the registers."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark = io
+    the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
+    into the other register buffer, then decode stage s from the words loaded a step earlier (the
+    loads' latency hides under this decode)."""
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
-    emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
+    if regs is None:
+        emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
+    else:   # first is a multiple of BURST (even): buffer j % 2 holds step s
+        _fetch_raw(s + 1, steps, full, r_s, stages, regs[(j + 1) % 2], decode[0], rows)
     if mark is not None:
         mark("data", s)
     for u in range(parts):
         idx = j * parts + u
         frag = frags[idx % len(frags)]
-        decode(lambda i, w, u=u: r_s[slot, i, u * FRAGMENT_K // 8 + w], rows, place, s * parts + u, frag.data)
+        if regs is None:
+            decode(lambda i, w, u=u: r_s[slot, i, u * FRAGMENT_K // 8 + w], rows, place, s * parts + u, frag.data)
+        else:
+            decode[1](regs[j % 2].data, rows, place, s, frag.data)
         emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                           clear_accum=False, policy=policy))
         if len(frags) == 1:
@@ -147,6 +155,22 @@ def _reg_step(j, first, io):
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
     if mark is not None:
         mark("issued", s)
+
+
+def _fetch_raw(s, steps, full, r_s, stages, buf, load, rows):
+    # stage s's raw words of this thread's rows into registers `buf`, once its tiles have landed
+    _when(s < steps, lambda: _fetch_raw_now(s, full, r_s, stages, buf, load, rows))
+
+
+def _fetch_raw_now(s, full, r_s, stages, buf, load, rows):
+    emit(T.mbarrier_wait_parity(full[s % stages], (s // stages) % 2))
+    load(lambda i, w: r_s[s % stages, i, w], rows, buf.data)
+
+
+@T.macro
+def _when(cond, body):
+    if cond:
+        body()
 
 
 def _reg_burst(first, count, io):
@@ -167,7 +191,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp):
+                    prologue, epilogue, mark, preload, pre, ramp, regs):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -188,7 +212,9 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         tid = T.get_thread_binding()
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
-        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark)
+        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps)
+        if regs is not None:
+            _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
         in_bursts(steps, _reg_burst, io)
         if mark is not None:
             mark("loop done", 0)
@@ -200,6 +226,10 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
                               blocks_per_sm=1, mark=None, preload=(), ramp=0):
+    # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
+    # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
+    # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
+    # (stages of one part, one block an SM)
     # operands: the shared operand (cols, parts * FRAGMENT_K), the raw tile (rows, parts *
     # FRAGMENT_K / 8) int32 words (two e2m1 codes a byte) and the decoded tile (rows, FRAGMENT_K),
     # in registers; a stage's parts are decoded and multiplied one after the other.
@@ -240,9 +270,15 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     swizzle = make_half_bank_swizzled_layout if parts == 1 else make_full_bank_swizzled_layout
     T.annotate_layout({r_s: swizzle(r_s)})
     frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
+    regs = None
+    if isinstance(decode, tuple):
+        if parts != 1 or blocks_per_sm != 1 or BURST % 2:
+            raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even BURST), "
+                             f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
+        regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
     full = T.alloc_barrier([PRODUCER] * stages)
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp)
+                    ramp, regs)
