@@ -135,6 +135,14 @@ def tilecraft_fold(fold):
     return make
 
 
+def tilecraft_ahead(case, i):
+    """The op with its swapped MXFP4 kernel's raw words loaded a step ahead of their decode
+    (ops.gemm_mxfp4.SWAPPED_AHEAD on), against the default in the same run."""
+    from ops import gemm_mxfp4
+
+    return _with_flag(gemm_mxfp4, "SWAPPED_AHEAD", True)(case, i)
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -209,6 +217,7 @@ SUITE = Suite(
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-fold", tilecraft_fold(True), experimental=True),
                Provider("tilecraft-reduce", tilecraft_fold(False), experimental=True),
+               Provider("tilecraft-ahead", tilecraft_ahead, experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",
