@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from bench import roofline
+from bench.timing import FLUSH_MODES
 from bench import suites as suite_registry
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,7 +92,8 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                    "bytes": nbytes, "flops": flops, "floor_ms": floor, "bound": bound}
             try:
                 fn = p.make(case, inputs)
-                t = bench_graph(fn) if args.graph else bench_cuda(fn)
+                t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
+                     bench_cuda(fn, flush_mode=args.flush))
                 t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -113,7 +115,8 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 r["speedup_vs_ref"] = ref["median_ms"] / r["median_ms"]
         del inputs
         torch.cuda.empty_cache()
-    meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager", **versions()}
+    meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager",
+            "l2_flush": args.flush, **versions()}
     return rows, meta
 
 
@@ -229,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-ceilings", action="store_true", help="measure the copy bandwidth in this run")
     ap.add_argument("--graph", action="store_true",
                     help="time replays of a CUDA graph of the calls (no host launch cost) instead of eager calls")
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="write",
+                    help="how the L2 is flushed before each call: write (zero-fill; the committed results) or "
+                         "read (a sum: no dirty lines left to write back during the call)")
     args = ap.parse_args(argv)
     try:
         suite = suite_registry.get(args.op)

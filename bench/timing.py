@@ -8,12 +8,30 @@ import statistics
 import torch
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+# How the L2 is flushed before each timed call: "write" zero-fills the buffer (as every committed
+# result so far, and triton's do_bench); it leaves up to an L2 of dirty lines that are written back
+# during the timed call (measured +10 us on a 148 us memory-bound MLA decode; bench/NOTES.md "flush
+# methodology"). "read" sums the buffer instead: the L2 holds only clean lines of it.
+FLUSH_MODES = ("write", "read")
+
+
+def _flusher(flush_l2, mode):
+    """A function that evicts the L2 (None: no flush)."""
+    if not flush_l2:
+        return None
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"flush mode must be one of {FLUSH_MODES}, got {mode!r}")
+    buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    if mode == "write":
+        return buf.zero_
+    words, sink = buf.view(torch.int64), torch.empty((), dtype=torch.int64, device="cuda")
+    return lambda: torch.sum(words, dim=0, out=sink)
 
 
 def bench_cuda(fn, *, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: int = 10, max_reps: int = 2000,
-               flush_l2: bool = True) -> dict:
+               flush_l2: bool = True, flush_mode: str = "write") -> dict:
     """Median / min / p20 / p80 milliseconds of fn() on the current stream."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+    flush = _flusher(flush_l2, flush_mode)
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -30,7 +48,7 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: 
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         if flush is not None:
-            flush.zero_()
+            flush()
         starts[i].record()
         fn()
         ends[i].record()
@@ -41,13 +59,13 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: 
 
 
 def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 200,
-                flush_l2: bool = True) -> dict:
+                flush_l2: bool = True, flush_mode: str = "write") -> dict:
     """bench_cuda's numbers with no host in the loop: `calls` x (L2 flush, fn()) captured in one CUDA
     graph and replayed, minus a graph of the `calls` flushes alone; each quantile is (replay quantile
     - flush-only quantile) / calls. The GPU time of a call as a model's decode graph sees it, apart
     from launch jitter on the host (bench/NOTES.md "GEMM v5"). fn must be capturable: no host sync,
     no allocation outside the graph's pool."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+    flush = _flusher(flush_l2, flush_mode)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):            # compile, and make any per-stream workspace, outside capture
@@ -61,7 +79,7 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 if flush is not None:
-                    flush.zero_()
+                    flush()
                 if with_fn:
                     fn()
         return graph
