@@ -89,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--ramp", type=int, default=0, help="stages the producer asks for alone first (0: off)")
     ap.add_argument("--fold", choices=("auto", "on", "off"), default="auto", help="split-K partials added in the kernel")
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
+    ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -99,7 +100,8 @@ def main(argv=None):
         p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
                              scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                              fold={"auto": None, "on": True, "off": False}[args.fold],
-                             ahead={"auto": None, "on": True, "off": False}[args.ahead])
+                             ahead={"auto": None, "on": True, "off": False}[args.ahead],
+                             pair={"auto": None, "on": True, "off": False}[args.pair])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

@@ -19,7 +19,7 @@ from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops._workspace import arrival_counters, bound_only
 from ops import _validate as check
-from ops.gemm_fp8 import _in_order
+from ops.gemm_fp8 import _in_order, _touch
 from ops.quant import dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4
 
 MX = 32
@@ -345,7 +345,7 @@ def _decode_from(raw, rows, place, step, dst, sw, decode="v7"):
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
                           scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
-                          ahead: bool = False):
+                          ahead: bool = False, pair: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -356,6 +356,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block.
     ahead=True: each MMA thread loads its raw words of step s + 1 into registers before it decodes
     step s (the loads' latency under the decode; stage_k = 128 only).
+    pair=True (splits == 2): a tile's two split blocks are a cluster; each stores the half of its
+    partial that the other owns (half of the tokens) into the other's `recv` in distributed shared
+    memory, then one cluster barrier, then each adds and stores its half of C: no Part, no reduce
+    kernel, the reduce kernel's bits (P0 + P1 == P1 + P0 in fp32). Part is then bound, never touched.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -365,11 +369,14 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
+    if pair and (splits != 2 or fold):
+        raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
+                         f"fold=False, got splits={splits}, fold={fold}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
     box = swapped_scale_box(per, kb) if scale_tma else per     # scale words a block stages
-    part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
+    part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
 
     @T.prim_func
     def mxfp4_gemm_nt_swapped(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -377,8 +384,13 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                               Part: T.Tensor(part_shape, "float32"),
                               Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
                               Count: T.Tensor((counts,), "int32")):
-        with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
-            tn, ts = tile.split_index(bid, (n_tiles, splits))
+        with _swapped_grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), pair) as bid:
+            tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
+            recv = None
+            if pair:   # the other split's partial of this block's half of the tokens
+                recv = tile.stage((block_n, tokens // 2), "float32")
+                _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
+                tile.cluster_barrier()            # both blocks started before either stores into the other
             sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
@@ -386,7 +398,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             w0 = ts * per                                 # the split's first scale word (128-deep step)
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
@@ -408,8 +420,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens,
-                                                fold))
+                epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens)) if pair else
+                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold)))
 
     return mxfp4_gemm_nt_swapped
 
@@ -516,6 +528,26 @@ def _stamp_clock(Trace, bid, at, keep, timer):
     if T.get_thread_binding() == 0:
         if keep:
             Trace[bid, at] = T.call_extern("int32", timer)
+
+
+def _swapped_grid(blocks, threads, pair):
+    # pair: a tile's two split blocks (consecutive ids, split innermost) are a cluster
+    return tile.cluster_grid(blocks, threads, 2) if pair else tile.grid(blocks, threads)
+
+
+@T.macro
+def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens):
+    # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
+    # of K (steps == 0) contributes zeros
+    half = tokens // 2
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m and j // half != ts:
+            tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
+    tile.cluster_barrier()
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m and j // half == ts:
+            C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
 
 
 @T.macro
@@ -888,12 +920,16 @@ SWAPPED_FOLD_TOKENS = 16
 # each MMA thread loads its raw words of step s + 1 into registers before it decodes step s (built
 # session 21, measured in "MXFP4 v8"); True / False: on / off for every swapped plan
 SWAPPED_AHEAD = False
+# a 2-split plan's two blocks a cluster, folding their partials through distributed shared memory (no
+# partials in global memory, no reduce kernel; built session 21, not yet run on a GPU: "MXFP4 v8")
+SWAPPED_PAIR = False
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
-                 decode: str | None = None, fold: bool | None = None, ahead: bool | None = None) -> dict:
+                 decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
+                 pair: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -903,7 +939,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     ramp: the producer's first stages asked for alone (an experiment, 0: off; measured 0.0-0.4 us
     slower, "MXFP4 v8"); decode: one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K
     partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split); ahead: raw words
-    loaded a step ahead of their decode (None: SWAPPED_AHEAD)."""
+    loaded a step ahead of their decode (None: SWAPPED_AHEAD); pair: a 2-split plan folds in clusters
+    of its two blocks (None: SWAPPED_PAIR; only where splits == 2, and then no fold; the received
+    half partial, 128 x tokens / 2 fp32, takes its room from the stages)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -935,11 +973,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
+    pair = (SWAPPED_PAIR if pair is None else pair) and splits == 2
+    if pair:
+        stages = min(stages, (budget - scale_bytes(splits) - 128 * tokens // 2 * 4) // stage)
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1,
-                ahead=SWAPPED_AHEAD if ahead is None else ahead)
+                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
+                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -947,7 +988,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
-                "ahead": SWAPPED_AHEAD, **override}      # in the launchers' key
+                "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 
@@ -958,6 +999,8 @@ def _swapped_launchers(a, target, m, n, k, override):
 
     p = plan_swapped(m, n, k, sms=sm_count(a), **override)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
+    if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
+        return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
     return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
 

@@ -867,6 +867,35 @@ def test_mxfp4_swapped_raw_words_a_step_ahead():
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=8, stages=2, stage_k=256, ahead=True)
 
 
+def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two():
+    """pair=True (2-split plans): the tile's two split blocks are a cluster; each stores the other's
+    half of the tokens of its partial into the other's shared memory (tc_cluster_store_f32), one
+    cluster barrier at the start and one before the sum, and no partials in global memory. The
+    helper comes in the program's own import (one import_source a program). Plans pair only 2-split
+    shapes, never fold then, and keep the received half within shared memory."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_swapped_program, plan_swapped, swapped_scale_box
+
+    p = plan_swapped(64, 7168, 2048, pair=True)
+    assert p["pair"] and p["splits"] == 2 and not p["fold"]
+    src = mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **p)
+    body = src.split('extern "C" __global__')[-1]
+    assert body.count("tc_cluster_store_f32(") == 1 and src.count("__device__ __forceinline__ void tc_cluster_store_f32") == 1
+    assert body.count("__cluster_barrier_arrive();") == 2 and body.count("__cluster_barrier_wait();") == 2
+    assert "Part[" not in body
+    sass, log = _sass_and_ptxas_log(src)
+    assert "0 bytes spill stores, 0 bytes spill loads" in log
+    for m in (1, 16, 64):
+        q = plan_swapped(m, 7168, 2048, pair=True)
+        smem = (q["stages"] * (q["tokens"] * 128 * 2 + 128 * 64) + 128 * swapped_scale_box(8, 16) * 4
+                + 128 * q["tokens"] // 2 * 4)
+        assert q["pair"] and smem <= SMEM_BUDGET, (m, q)
+    assert not plan_swapped(16, 4096, 7168, pair=True)["pair"]          # 4 splits: not a pair
+    assert not plan_swapped(64, 7168, 2048)["pair"] or gemm_mxfp4.SWAPPED_PAIR
+    with pytest.raises(ValueError, match="needs splits == 2"):
+        mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=4, stages=4, pair=True)
+
+
 def test_mxfp4_swapped_trace_stamps_only_when_asked():
     """trace=True (bench.trace_mxfp4): the first MMA thread stamps the SM clock at the block's events
     and each step's data arrival and WGMMA issue into Trace[block]; without it no clock is read and
@@ -1255,6 +1284,34 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
             assert torch.equal(out, want)
     finally:
         gemm_mxfp4.SWAPPED_FOLD = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (13, 7168, 2048), (64, 7168, 2048), (5, 256, 1536),
+                                   (40, 1024, 1024)])
+def test_gpu_mxfp4_swapped_pair_fold(m, n, k):
+    """2-split plans folding in clusters of two (SWAPPED_PAIR): the reduce kernel's bits, exact against
+    fp32, every e2m1 code, m tails of each token tile."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(m + n)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(110, 135, (n, k // 32), generator=g, dtype=torch.uint8)
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    assert gemm_mxfp4.plan_swapped(m, n, k)["splits"] == 2
+    saved = gemm_mxfp4.SWAPPED_PAIR, gemm_mxfp4.SWAPPED_FOLD
+    try:
+        gemm_mxfp4.SWAPPED_PAIR, gemm_mxfp4.SWAPPED_FOLD = False, False
+        want = ops.mxfp4_gemm_nt(*args).cpu()
+        gemm_mxfp4.SWAPPED_PAIR = True
+        runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    finally:
+        gemm_mxfp4.SWAPPED_PAIR, gemm_mxfp4.SWAPPED_FOLD = saved
+    assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu

@@ -114,6 +114,19 @@ def cluster_store(dst, rank, value):
     emit(T.call_extern("handle", "tc_cluster_store_f32", T.address_of(dst), rank, value))
 
 
+_HELPER_SOURCES = {"cluster_store": CLUSTER_STORE_SOURCE}
+
+
+@register("helper_source", "cuda")
+def helper_source(*words):
+    unknown = [w for w in words if w not in _HELPER_SOURCES]
+    if unknown:
+        raise ValueError(f"helper_source: no CUDA helper source for {unknown}; known: {sorted(_HELPER_SOURCES)}")
+    for w in words:                 # the program's own import_source carries them: the rules import nothing
+        state()[f"{w}_source"] = True
+    return "".join(_HELPER_SOURCES[w] for w in words)
+
+
 @register("cluster_barrier", "cuda")
 def cluster_barrier():
     # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
