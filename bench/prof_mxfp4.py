@@ -3,7 +3,8 @@ every call): the swapped register-decode kernel (one or two blocks an SM; swappe
 swapped-ldg: its scale rows forced by TMA / by the MMA threads; swapped-ramp2: the first two
 stages asked for alone; swapped-v6: the v6 decode; swapped-fold / -reduce: split-K folded in the kernel or
 by the reduce kernel; swapped-ahead / -now: raw words loaded a step ahead of their decode or not;
-swapped-pair / -unpaired: a 2-split plan's blocks folding in clusters of two, or not) and its
+swapped-pair / -unpaired: a 2-split plan's blocks folding in clusters of two, or not; swapped-staged /
+-unstaged: the partials out through shared memory as whole rows, or from the accumulator layout) and its
 split-K reduce against the decoded-tile kernel
 (ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
 
@@ -37,12 +38,13 @@ def no_decode():
         gemm_mxfp4.E2M1_FRAGMENT_SOURCE = "#define TC_E2M1_NO_DECODE 1\n" + gemm_mxfp4.E2M1_FRAGMENT_SOURCE
 
 
-def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None, ahead=None, pair=None):
+def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None, ahead=None, pair=None,
+             stage_out=None):
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode, fold=fold, ahead=ahead, pair=pair)
+                                       decode=decode, fold=fold, ahead=ahead, pair=pair, stage_out=stage_out)
             return out
         return run
     return make
@@ -62,7 +64,8 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-v6": _swapped(1, decode="v6"), "swapped-fold": _swapped(1, fold=True),
          "swapped-reduce": _swapped(1, fold=False), "swapped-ahead": _swapped(1, ahead=True),
          "swapped-now": _swapped(1, ahead=False), "swapped-pair": _swapped(1, pair=True),
-         "swapped-unpaired": _swapped(1, pair=False), "swapped-2": _swapped(2), "tile": _tile}
+         "swapped-unpaired": _swapped(1, pair=False), "swapped-staged": _swapped(1, stage_out=True),
+         "swapped-unstaged": _swapped(1, stage_out=False), "swapped-2": _swapped(2), "tile": _tile}
 
 
 def kernel_times(fn, reps=REPS):

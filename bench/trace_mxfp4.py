@@ -90,6 +90,7 @@ def main(argv=None):
     ap.add_argument("--fold", choices=("auto", "on", "off"), default="auto", help="split-K partials added in the kernel")
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
+    ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -101,7 +102,8 @@ def main(argv=None):
                              scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                              fold={"auto": None, "on": True, "off": False}[args.fold],
                              ahead={"auto": None, "on": True, "off": False}[args.ahead],
-                             pair={"auto": None, "on": True, "off": False}[args.pair])
+                             pair={"auto": None, "on": True, "off": False}[args.pair],
+                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

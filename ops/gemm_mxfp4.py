@@ -345,7 +345,7 @@ def _decode_from(raw, rows, place, step, dst, sw, decode="v7"):
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
                           scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
-                          ahead: bool = False, pair: bool = False):
+                          ahead: bool = False, pair: bool = False, stage_out: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -360,6 +360,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     partial that the other owns (half of the tokens) into the other's `recv` in distributed shared
     memory, then one cluster barrier, then each adds and stores its half of C: no Part, no reduce
     kernel, the reduce kernel's bits (P0 + P1 == P1 + P0 in fp32). Part is then bound, never touched.
+    stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
+    to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
+    4-byte stores from the accumulator layout.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -391,6 +394,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 recv = tile.stage((block_n, tokens // 2), "float32")
                 _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
+            staged = None
+            if stage_out and splits > 1 and not pair:    # the partial, token-major, for whole-row stores
+                staged = tile.stage((tokens, block_n + 4), "float32")
             sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
@@ -421,7 +427,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens)) if pair else
-                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold)))
+                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                        staged)))
 
     return mxfp4_gemm_nt_swapped
 
@@ -551,14 +558,22 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens):
 
 
 @T.macro
-def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold):
+def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None):
     out = tile.read_accumulator(acc)
-    for i, j in tile.parallel(block_n, tokens):
-        if j < m:
-            if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
-                Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, out[i, j], 0.0)
-            else:
-                C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
+    if staged is not None:   # through shared memory, then whole token rows of the tile
+        for i, j in tile.parallel(block_n, tokens):
+            staged[j, i] = T.if_then_else(steps > 0, out[i, j], 0.0)
+        tile.barrier(threads=2 * block_n)
+        for j, i in tile.parallel(tokens, block_n):
+            if j < m:
+                Part[ts, j, tn * block_n + i] = staged[j, i]
+    else:
+        for i, j in tile.parallel(block_n, tokens):
+            if j < m:
+                if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
+                    Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, out[i, j], 0.0)
+                else:
+                    C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
     if fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
         if tile.last_arrival(Count, tn, splits, threads=2 * block_n):
             for j, i in tile.parallel(tokens, block_n):
@@ -923,13 +938,16 @@ SWAPPED_AHEAD = False
 # a 2-split plan's two blocks a cluster, folding their partials through distributed shared memory (no
 # partials in global memory, no reduce kernel; built session 21, not yet run on a GPU: "MXFP4 v8")
 SWAPPED_PAIR = False
+# split plans write their fp32 partial through shared memory as whole token rows (16-byte stores)
+# instead of 4-byte stores from the accumulator layout (built session 21, not yet run: "MXFP4 v8")
+SWAPPED_STAGE_OUT = False
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
-                 pair: bool | None = None) -> dict:
+                 pair: bool | None = None, stage_out: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -941,7 +959,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split); ahead: raw words
     loaded a step ahead of their decode (None: SWAPPED_AHEAD); pair: a 2-split plan folds in clusters
     of its two blocks (None: SWAPPED_PAIR; only where splits == 2, and then no fold; the received
-    half partial, 128 x tokens / 2 fp32, takes its room from the stages)."""
+    half partial, 128 x tokens / 2 fp32, takes its room from the stages); stage_out: a split plan's
+    partial goes out through shared memory (None: SWAPPED_STAGE_OUT; tokens x 132 fp32 taken from
+    the stages: TileLang does not overlap it with the pipeline's tiles)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -976,11 +996,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     pair = (SWAPPED_PAIR if pair is None else pair) and splits == 2
     if pair:
         stages = min(stages, (budget - scale_bytes(splits) - 128 * tokens // 2 * 4) // stage)
+    stage_out = (SWAPPED_STAGE_OUT if stage_out is None else stage_out) and splits > 1 and not pair
+    if stage_out:
+        stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
-                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair)
+                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -988,7 +1011,8 @@ def _launch_swapped(a, b, sfb, out, **override):
     Trace is bound, never touched (trace=False)."""
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
-                "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, **override}      # in the launchers' key
+                "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
+                **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 

@@ -896,6 +896,28 @@ def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two():
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=4, stages=4, pair=True)
 
 
+def test_mxfp4_swapped_partials_out_through_shared_memory():
+    """stage_out=True (split plans): the partial goes into shared memory token-major (rows padded to
+    132 words), one named barrier of the MMA threads (not a block-wide one: the producer warps have
+    exited), then 16-byte stores of whole token rows; the plan takes its room from the stages."""
+    from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_swapped_program, plan_swapped, swapped_scale_box
+
+    p = plan_swapped(64, 4096, 7168, stage_out=True)
+    assert p["stage_out"] and p["stages"] == 7
+    assert (p["stages"] * (64 * 256 + 128 * 64) + 128 * swapped_scale_box(14, 56) * 4 + 64 * 132 * 4
+            <= SMEM_BUDGET)
+    src = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, **p)
+    body = src.split('extern "C" __global__')[-1]
+    plain = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, **dict(p, stage_out=False))
+    assert body.count("tl::__sync_thread_partial(11, 256);") == 1 and src.count("__syncthreads()") == plain.count(
+        "__syncthreads()")
+    assert re.search(r"\*\(float4\*\)\(Part \+ .*\) = \*\(float4\*\)\(\(\(float\*\)staged\)", body)
+    sass, log = _sass_and_ptxas_log(src)
+    assert "0 bytes spill stores, 0 bytes spill loads" in log
+    assert not plan_swapped(64, 24576, 1536, stage_out=True)["stage_out"]      # one split: C is written directly
+    assert not plan_swapped(64, 7168, 2048, stage_out=True, pair=True)["stage_out"]
+
+
 def test_mxfp4_swapped_trace_stamps_only_when_asked():
     """trace=True (bench.trace_mxfp4): the first MMA thread stamps the SM clock at the block's events
     and each step's data arrival and WGMMA issue into Trace[block]; without it no clock is read and
@@ -1241,13 +1263,15 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
         gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = flags
     # split-K partials added in the kernel (the tile's last block) or by the reduce kernel, raw words
     # loaded a step ahead of their decode or not: the same bits
-    saved = gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD
+    # (and the partials out through shared memory, with the reduce kernel or the fold)
+    saved = gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT
     try:
-        for fold, ahead in ((True, False), (False, False), (None, True)):
-            gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD = fold, ahead
-            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (fold, ahead)
+        for flags in ((True, False, False), (False, False, False), (None, True, False), (False, False, True),
+                      (True, False, True)):
+            gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT = flags
+            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), flags
     finally:
-        gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD = saved
+        gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT = saved
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()

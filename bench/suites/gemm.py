@@ -151,6 +151,14 @@ def tilecraft_pair(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED_PAIR", True)(case, i)
 
 
+def tilecraft_staged(case, i):
+    """The op with split swapped MXFP4 plans writing their partials through shared memory as whole
+    rows (ops.gemm_mxfp4.SWAPPED_STAGE_OUT on), against the default in the same run."""
+    from ops import gemm_mxfp4
+
+    return _with_flag(gemm_mxfp4, "SWAPPED_STAGE_OUT", True)(case, i)
+
+
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
     rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
@@ -227,6 +235,7 @@ SUITE = Suite(
                Provider("tilecraft-reduce", tilecraft_fold(False), experimental=True),
                Provider("tilecraft-ahead", tilecraft_ahead, experimental=True),
                Provider("tilecraft-pair", tilecraft_pair, experimental=True),
+               Provider("tilecraft-staged", tilecraft_staged, experimental=True),
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",

@@ -57,12 +57,22 @@ def lane_ballot(pred):
     return T.cast(T.ballot_sync(pred), "uint32")  # zero-extended by TileLang: the low 32 bits are the warp
 
 
+# named barrier of the block's first `threads`: barrier(threads=), last_arrival(threads=) (TileLang
+# reserves 0-2; the sm90 loops use 12-15)
+ARRIVE_BAR = 11
+
+
 @register("barrier", "cuda")
-def barrier():
-    return T.sync_threads()
+def barrier(threads=None):
+    if threads is None:
+        return T.sync_threads()
+    _check_threads("barrier", threads)
+    return T.sync_threads(ARRIVE_BAR, threads)
 
 
-ARRIVE_BAR = 11    # named barrier of last_arrival(threads=...) (TileLang reserves 0-2; the sm90 loops use 12-15)
+def _check_threads(word, threads):
+    if threads % 32 or not 0 < threads <= 1024:
+        raise ValueError(f"{word}: threads must be whole warps (a multiple of 32 up to 1024), got {threads}")
 
 
 @T.macro
@@ -89,8 +99,8 @@ def _arrive_barrier(threads):
 @register("last_arrival", "cuda")
 def last_arrival(count, index, arrivals, threads=None):
     # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore
-    if threads is not None and (threads % 32 or not 0 < threads <= 1024):
-        raise ValueError(f"last_arrival: threads must be whole warps (a multiple of 32 up to 1024), got {threads}")
+    if threads is not None:
+        _check_threads("last_arrival", threads)
     last = T.alloc_shared((1,), "int32")
     _arrive(count, index, arrivals, last, threads or 0)
     return last[0]
