@@ -315,7 +315,7 @@ SWAPPED_DECODES = ("v6", "v7")   # tc_e2m1x2_bits: two multiplies, two masks; or
 def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v7"):
     # this thread's A fragment of the step: byte `place` of every code word of its two rows
     r, r8 = rows
-    T.evaluate(T.call_extern("handle", f"tc_e2m1_fragment<{'true' if decode == 'v7' else 'false'}>", dst,
+    T.evaluate(T.call_extern("handle", _fragment_helper("tc_e2m1_fragment", decode), dst,
                              *[T.access_ptr(raw_at(row, 4 * q), "r", 4) for row in (r, r8) for q in range(4)],
                              sw[r, step], sw[r8, step], place))
 
@@ -332,8 +332,13 @@ def _load_rows(raw_at, rows, buf):
 def _decode_from(raw, rows, place, step, dst, sw, decode="v7"):
     # _decode_fragment from the raw words _load_rows put in registers
     r, r8 = rows
-    T.evaluate(T.call_extern("handle", f"tc_e2m1_fragment_from<{'true' if decode == 'v7' else 'false'}>", dst, raw,
-                             sw[r, step], sw[r8, step], place))
+    T.evaluate(T.call_extern("handle", _fragment_helper("tc_e2m1_fragment_from", decode), dst, raw, sw[r, step],
+                             sw[r8, step], place))
+
+
+def _fragment_helper(name, decode):
+    # the decode helper's instance: v7 is its prmt sign-mode bit placement
+    return f"{name}<{'true' if decode == 'v7' else 'false'}>"
 
 
 @tile_program(
@@ -375,6 +380,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     if pair and (splits != 2 or fold):
         raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
                          f"fold=False, got splits={splits}, fold={fold}")
+    if stage_out and (splits == 1 or pair):
+        raise ValueError(f"stage_out=True writes split-K partials: it needs splits > 1 and pair=False, got "
+                         f"splits={splits}, pair={pair}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
@@ -395,7 +403,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             staged = None
-            if stage_out and splits > 1 and not pair:    # the partial, token-major, for whole-row stores
+            if stage_out:    # the partial, token-major, for whole-row stores
                 staged = tile.stage((tokens, block_n + 4), "float32")
             sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
             acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens

@@ -916,6 +916,8 @@ def test_mxfp4_swapped_partials_out_through_shared_memory():
     assert "0 bytes spill stores, 0 bytes spill loads" in log
     assert not plan_swapped(64, 24576, 1536, stage_out=True)["stage_out"]      # one split: C is written directly
     assert not plan_swapped(64, 7168, 2048, stage_out=True, pair=True)["stage_out"]
+    with pytest.raises(ValueError, match="needs splits > 1 and pair=False"):
+        mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=1, stages=4, stage_out=True)
 
 
 def test_mxfp4_swapped_trace_stamps_only_when_asked():

@@ -125,38 +125,17 @@ def tilecraft_masked_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", False)(case, i)
 
 
-def tilecraft_fold(fold):
-    """The op with its swapped MXFP4 kernel's split-K partials added in the kernel (fold=True) or by
-    the reduce kernel (False), on every split plan (ops.gemm_mxfp4.SWAPPED_FOLD): both in one run."""
+def tilecraft_mxfp4_with(flag, value):
+    """The op with the swapped MXFP4 kernel's switch ops.gemm_mxfp4.<flag> set to value, against the
+    default in the same run: SWAPPED_FOLD (split-K partials added in the kernel, True, or by the
+    reduce kernel, False), SWAPPED_AHEAD (raw words a step ahead of their decode), SWAPPED_PAIR
+    (2-split plans folding in clusters of two), SWAPPED_STAGE_OUT (partials out through shared memory
+    as whole rows); bench/NOTES.md "MXFP4 v8"."""
     def make(case, i):
         from ops import gemm_mxfp4
 
-        return _with_flag(gemm_mxfp4, "SWAPPED_FOLD", fold)(case, i)
+        return _with_flag(gemm_mxfp4, flag, value)(case, i)
     return make
-
-
-def tilecraft_ahead(case, i):
-    """The op with its swapped MXFP4 kernel's raw words loaded a step ahead of their decode
-    (ops.gemm_mxfp4.SWAPPED_AHEAD on), against the default in the same run."""
-    from ops import gemm_mxfp4
-
-    return _with_flag(gemm_mxfp4, "SWAPPED_AHEAD", True)(case, i)
-
-
-def tilecraft_pair(case, i):
-    """The op with 2-split swapped MXFP4 plans folding in clusters of two (ops.gemm_mxfp4.SWAPPED_PAIR
-    on), against the default in the same run."""
-    from ops import gemm_mxfp4
-
-    return _with_flag(gemm_mxfp4, "SWAPPED_PAIR", True)(case, i)
-
-
-def tilecraft_staged(case, i):
-    """The op with split swapped MXFP4 plans writing their partials through shared memory as whole
-    rows (ops.gemm_mxfp4.SWAPPED_STAGE_OUT on), against the default in the same run."""
-    from ops import gemm_mxfp4
-
-    return _with_flag(gemm_mxfp4, "SWAPPED_STAGE_OUT", True)(case, i)
 
 
 def torch_scaled_mm(case, i):
@@ -231,11 +210,12 @@ SUITE = Suite(
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
-               Provider("tilecraft-fold", tilecraft_fold(True), experimental=True),
-               Provider("tilecraft-reduce", tilecraft_fold(False), experimental=True),
-               Provider("tilecraft-ahead", tilecraft_ahead, experimental=True),
-               Provider("tilecraft-pair", tilecraft_pair, experimental=True),
-               Provider("tilecraft-staged", tilecraft_staged, experimental=True),
+               *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
+                 for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
+                                           ("tilecraft-reduce", "SWAPPED_FOLD", False),
+                                           ("tilecraft-ahead", "SWAPPED_AHEAD", True),
+                                           ("tilecraft-pair", "SWAPPED_PAIR", True),
+                                           ("tilecraft-staged", "SWAPPED_STAGE_OUT", True))],
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",

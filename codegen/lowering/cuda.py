@@ -59,7 +59,7 @@ def lane_ballot(pred):
 
 # named barrier of the block's first `threads`: barrier(threads=), last_arrival(threads=) (TileLang
 # reserves 0-2; the sm90 loops use 12-15)
-ARRIVE_BAR = 11
+FIRST_THREADS_BAR = 11
 
 
 @register("barrier", "cuda")
@@ -67,7 +67,7 @@ def barrier(threads=None):
     if threads is None:
         return T.sync_threads()
     _check_threads("barrier", threads)
-    return T.sync_threads(ARRIVE_BAR, threads)
+    return T.sync_threads(FIRST_THREADS_BAR, threads)
 
 
 def _check_threads(word, threads):
@@ -93,7 +93,7 @@ def _arrive(count, index, arrivals, last, threads):
 def _arrive_barrier(threads):
     # the whole block, or its first `threads` (a warp-specialized kernel's MMA threads, once its
     # producer warps have exited: they would never reach a block-wide barrier)
-    emit(T.sync_threads(ARRIVE_BAR, threads) if threads else T.sync_threads())
+    emit(T.sync_threads(FIRST_THREADS_BAR, threads) if threads else T.sync_threads())
 
 
 @register("last_arrival", "cuda")
