@@ -137,3 +137,41 @@ def test_bench_result_files(tmp_path):
     assert data["meta"]["gpu"] == "NVIDIA H200" and len(data["rows"]) == 2
     csv_text = Path(f"{base}.csv").read_text()
     assert "# gpu: NVIDIA H200" in csv_text and "tilecraft" in csv_text
+
+
+def test_bench_output_agreement():
+    """bench.op compares every provider's output with the first provider's on the same inputs."""
+    import torch
+
+    from bench.op import agreement
+
+    y = torch.randn(4, 8, dtype=torch.bfloat16)
+    same = agreement((y.clone(), torch.zeros(4)), (y, torch.ones(4)))   # MLA's (out, lse): the first tensor
+    assert same["max_abs_diff"] == 0.0 and same["rel_diff"] == 0.0 and "agree_note" not in same
+    off = y.clone()
+    off[1, 2] += 1.0
+    d = agreement(off, y)
+    assert abs(d["max_abs_diff"] - (off[1, 2].float() - y[1, 2].float()).item()) < 1e-6 and d["rel_diff"] > 0
+    nan = y.clone()
+    nan[0, 0] = float("nan")
+    d = agreement(nan, y)
+    assert d["agree_note"] == "non-finite output" and d["max_abs_diff"] == float("inf")
+    assert agreement(y[:2], y)["agree_note"].startswith("shape")
+    assert agreement(None, y) == {"agree_note": "no tensor returned"}
+
+
+def test_bench_times_without_value_checks(monkeypatch):
+    """The timed calls skip the device-syncing value checks; the setting is put back after."""
+    import os
+
+    from bench.op import values_unchecked
+    from ops import _values
+
+    monkeypatch.setenv("TILECRAFT_CHECK_VALUES", "1")
+    with values_unchecked():
+        assert not _values.enabled()
+    assert _values.enabled() and os.environ["TILECRAFT_CHECK_VALUES"] == "1"
+    monkeypatch.delenv("TILECRAFT_CHECK_VALUES")
+    with values_unchecked():
+        assert not _values.enabled()
+    assert "TILECRAFT_CHECK_VALUES" not in os.environ

@@ -174,12 +174,24 @@ def _deep_gemm_missing():
 
 
 def deep_gemm(case, i):
+    """DeepGEMM's FP8 GEMMs on the same inputs. Its sm_90 kernels read sfa MN-major and TMA-aligned: an
+    engine's quantizer writes that layout, so it is converted once here, outside the timing (given
+    row-major, DeepGEMM would transpose it on every call)."""
     import deep_gemm as dg
 
-    if case["kind"] != "dense":
-        raise ValueError("only the dense shape is wired for deep_gemm")
-    out = torch.empty(case["m"], case["n"], dtype=torch.bfloat16, device=i["qa"].device)
-    return lambda: dg.fp8_gemm_nt((i["qa"], i["sfa"]), (i["qb"][0], i["sfb"][0]), out)
+    if case["kind"] not in ("dense", "contiguous", "masked"):
+        raise ValueError(f"deep_gemm has no {case['kind']} GEMM (its FP4 path is sm_100's)")
+    a, b, sfb = i["qa"], i["qb"], i["sfb"]
+    sfa = dg.get_mn_major_tma_aligned_tensor(i["sfa"])
+    n = case["n"]
+    if case["kind"] == "dense":
+        out = torch.empty(case["m"], n, dtype=torch.bfloat16, device=a.device)
+        return lambda: (dg.fp8_gemm_nt((a, sfa), (b[0], sfb[0]), out), out)[1]
+    if case["kind"] == "contiguous":
+        out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
+        return lambda: (dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), out, i["m_indices"]), out)[1]
+    out = torch.empty(*a.shape[:2], n, dtype=torch.bfloat16, device=a.device)
+    return lambda: (dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), out, i["masked_m"], case["m"]), out)[1]
 
 
 def _kernels(c, t="cuda:sm_90a"):
