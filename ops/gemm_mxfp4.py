@@ -944,11 +944,17 @@ SWAPPED_FOLD_TOKENS = 16
 # session 21, measured in "MXFP4 v8"); True / False: on / off for every swapped plan
 SWAPPED_AHEAD = False
 # a 2-split plan's two blocks a cluster, folding their partials through distributed shared memory (no
-# partials in global memory, no reduce kernel; built session 21, not yet run on a GPU: "MXFP4 v8")
-SWAPPED_PAIR = False
+# partials in global memory, no reduce kernel). None: where the token tile is at most
+# SWAPPED_FOLD_TOKENS (in place of the fold: 0.5-1.0 us faster in CUDA graphs with the read flush,
+# 0.1-0.3 us slower with the write flush; at 64 tokens 1.3 us slower with the write flush, bench/NOTES.md
+# "MXFP4 v9"); True / False force it for every 2-split plan
+SWAPPED_PAIR = None
 # split plans write their fp32 partial through shared memory as whole token rows (16-byte stores)
-# instead of 4-byte stores from the accumulator layout (built session 21, not yet run: "MXFP4 v8")
-SWAPPED_STAGE_OUT = False
+# instead of 4-byte stores from the accumulator layout. None: where the token tile is at least
+# SWAPPED_STAGE_OUT_TOKENS and K is split 4+ ways (64x4096x7168: 0.5-0.6 us faster, both flushes; at
+# 2 splits 0.2-0.7 us slower, "MXFP4 v9"); True / False force it for every split plan without a pair
+SWAPPED_STAGE_OUT = None
+SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 
 
@@ -1001,10 +1007,15 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         raise ValueError(f"no swapped MXFP4 plan fits for m={m}, n={n}, k={k}, stage_k={stage_k}")
     if scale_tma is None:
         scale_tma = -(-sk // splits) * parts > 8 if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
-    pair = (SWAPPED_PAIR if pair is None else pair) and splits == 2
+    if pair is None:
+        pair = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_PAIR is None else SWAPPED_PAIR
+    pair = pair and splits == 2
     if pair:
         stages = min(stages, (budget - scale_bytes(splits) - 128 * tokens // 2 * 4) // stage)
-    stage_out = (SWAPPED_STAGE_OUT if stage_out is None else stage_out) and splits > 1 and not pair
+    if stage_out is None:
+        stage_out = (tokens >= SWAPPED_STAGE_OUT_TOKENS and splits >= 4 if SWAPPED_STAGE_OUT is None
+                     else SWAPPED_STAGE_OUT)
+    stage_out = stage_out and splits > 1 and not pair
     if stage_out:
         stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
     if fold is None:

@@ -833,7 +833,8 @@ def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
     assert re.search(r"Count\[.*?\] = 0;", folded)
     # the fold reads each split's partial of the tile, in order, 16 bytes a load
     assert len(re.findall(r"\*\(float4\*\)\(Part_local_cast_\d \+ 0\) = \*\(float4\*\)\(Part \+", folded)) == 2
-    assert plan_swapped(16, 4096, 7168)["fold"] and plan_swapped(1, 7168, 2048)["fold"]
+    assert plan_swapped(16, 4096, 7168)["fold"] and plan_swapped(1, 4096, 7168)["fold"]
+    assert not plan_swapped(1, 7168, 2048)["fold"] and plan_swapped(1, 7168, 2048)["pair"]   # 2 splits: a pair
     assert not plan_swapped(64, 4096, 7168)["fold"] and not plan_swapped(32, 4096, 7168)["fold"]
     assert not plan_swapped(8, 24576, 1536)["fold"]                   # one split: nothing to fold
     saved = gemm_mxfp4.SWAPPED_FOLD
@@ -892,6 +893,10 @@ def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two():
         assert q["pair"] and smem <= SMEM_BUDGET, (m, q)
     assert not plan_swapped(16, 4096, 7168, pair=True)["pair"]          # 4 splits: not a pair
     assert not plan_swapped(64, 7168, 2048)["pair"] or gemm_mxfp4.SWAPPED_PAIR
+    # the rule (SWAPPED_PAIR None): 2-split plans of <= 16 tokens pair, where they would otherwise fold
+    if gemm_mxfp4.SWAPPED_PAIR is None:
+        assert all(plan_swapped(m, 7168, 2048)["pair"] for m in (1, 16))
+        assert not any(plan_swapped(m, 7168, 2048)["pair"] for m in (17, 64))
     with pytest.raises(ValueError, match="needs splits == 2"):
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=4, stages=4, pair=True)
 
@@ -900,6 +905,7 @@ def test_mxfp4_swapped_partials_out_through_shared_memory():
     """stage_out=True (split plans): the partial goes into shared memory token-major (rows padded to
     132 words), one named barrier of the MMA threads (not a block-wide one: the producer warps have
     exited), then 16-byte stores of whole token rows; the plan takes its room from the stages."""
+    from ops import gemm_mxfp4
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_swapped_program, plan_swapped, swapped_scale_box
 
     p = plan_swapped(64, 4096, 7168, stage_out=True)
@@ -915,6 +921,10 @@ def test_mxfp4_swapped_partials_out_through_shared_memory():
     sass, log = _sass_and_ptxas_log(src)
     assert "0 bytes spill stores, 0 bytes spill loads" in log
     assert not plan_swapped(64, 24576, 1536, stage_out=True)["stage_out"]      # one split: C is written directly
+    # the rule (SWAPPED_STAGE_OUT None): 64-token tiles with K split 4+ ways (measured faster there only)
+    if gemm_mxfp4.SWAPPED_STAGE_OUT is None:
+        assert plan_swapped(64, 4096, 7168)["stage_out"] and plan_swapped(64, 2112, 7168)["stage_out"]
+        assert not plan_swapped(64, 7168, 2048)["stage_out"] and not plan_swapped(32, 4096, 7168)["stage_out"]
     assert not plan_swapped(64, 7168, 2048, stage_out=True, pair=True)["stage_out"]
     with pytest.raises(ValueError, match="needs splits > 1 and pair=False"):
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=1, stages=4, stage_out=True)
@@ -1263,17 +1273,20 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
                 assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), (forced, decode)
     finally:
         gemm_mxfp4.SWAPPED_SCALE_TMA, gemm_mxfp4.SWAPPED_DECODE = flags
-    # split-K partials added in the kernel (the tile's last block) or by the reduce kernel, raw words
-    # loaded a step ahead of their decode or not: the same bits
-    # (and the partials out through shared memory, with the reduce kernel or the fold)
-    saved = gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT
+    # split-K partials added in the kernel (the tile's last block), by the reduce kernel or by a cluster
+    # pair (the default for 2-split plans of <= 16 tokens), raw words loaded a step ahead of their decode
+    # or not, the partials out through shared memory or not: the same bits
+    names = "SWAPPED_FOLD", "SWAPPED_AHEAD", "SWAPPED_STAGE_OUT", "SWAPPED_PAIR"
+    saved = [getattr(gemm_mxfp4, f) for f in names]
     try:
-        for flags in ((True, False, False), (False, False, False), (None, True, False), (False, False, True),
-                      (True, False, True)):
-            gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT = flags
+        for flags in ((True, False, False, False), (False, False, False, False), (None, True, False, None),
+                      (False, False, True, False), (True, False, True, False), (None, False, None, None)):
+            for f, v in zip(names, flags):
+                setattr(gemm_mxfp4, f, v)
             assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), flags
     finally:
-        gemm_mxfp4.SWAPPED_FOLD, gemm_mxfp4.SWAPPED_AHEAD, gemm_mxfp4.SWAPPED_STAGE_OUT = saved
+        for f, v in zip(names, saved):
+            setattr(gemm_mxfp4, f, v)
     gemm_mxfp4.SWAPPED = False
     try:
         tiled = ops.mxfp4_gemm_nt(*args).cpu()
