@@ -549,6 +549,13 @@ CLUSTER_FOLD = False
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
 GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
+# v3, dense, where the default plan would split K: thin tiles instead (block_m 64, block_n down to 16,
+# chosen so that the tiles fill one wave of SMs as fully as they can) with up to THIN_STAGES stages, no
+# split-K and no reduce kernel: what DeepGEMM's sm_90 heuristic picks for the decode shapes (it was
+# 1.2-1.5x faster than our split-K plans at 64/128 x 4096 x 7168 and 128 x 2112 x 7168, same run,
+# bench/NOTES.md "Peers side by side"). Built session 22, not yet run on a GPU: off
+THIN_TILES = False
+THIN_STAGES = 16
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -582,8 +589,13 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         # a grid under half the GPU whose K is too short to split: twice the blocks instead (H200,
         # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
         block_n = 64
+    most = OVERLAP_STAGES if overlap else 4
+    if THIN_TILES and overlap and mode == "dense" and splits > 1:
+        thin = thin_tiles(rows, n, sms)
+        if thin is not None:
+            (block_m, block_n), splits, most = thin, 1, THIN_STAGES
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
-    stages = max(2, min(OVERLAP_STAGES if overlap else 4, (SMEM_BUDGET - fixed) // stage_bytes))
+    stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
@@ -597,6 +609,19 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         if room is not None and room >= tiles:
             p["cluster"] = True
     return p
+
+
+def thin_tiles(rows: int, n: int, sms: int) -> tuple[int, int] | None:
+    """(block_m, block_n) whose tiles fill one wave of `sms` SMs most fully (at least half of it), with
+    block_n dividing 128 (one sfb block a tile) and n; ties go to block_m 64, then the wider block_n.
+    None where no such tiling exists (the plan keeps split-K)."""
+    best = None
+    for bm in (64,) if rows <= 64 else (64, 128):
+        for bn in (128, 64, 32, 16):
+            tiles = -(-rows // bm) * (n // bn)
+            if n % bn == 0 and sms // 2 <= tiles <= sms and (best is None or tiles > best[0]):
+                best = (tiles, bm, bn)
+    return None if best is None else best[1:]
 
 
 def _smem_layout(block_m: int, block_n: int, kb: int, splits: int) -> tuple[int, int]:
@@ -672,7 +697,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

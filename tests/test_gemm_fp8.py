@@ -297,6 +297,41 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
     assert plan("dense", 64, 2112, 7168, 64, overlap=True, clusters=room(33))["cluster"] is True
 
 
+def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
+    """THIN_TILES (off until measured): where the default plan splits K, DeepGEMM-like thin tiles that
+    fill one wave of SMs instead (no split, no reduce kernel, deep pipelines); elsewhere nothing changes.
+    The thinnest tiles compile to m64n8 WGMMAs with no spills."""
+    from ops import gemm_fp8
+    from ops.gemm_fp8 import fp8_gemm_program, plan, thin_tiles
+
+    assert not gemm_fp8.THIN_TILES
+    assert thin_tiles(128, 4096, 132) == (64, 64)        # 2 x 64 = 128 tiles (128 x 32 ties: 64 rows first)
+    assert thin_tiles(64, 4096, 132) == (64, 32)         # 128 tiles
+    assert thin_tiles(64, 2112, 132) == (64, 16)         # 132
+    assert thin_tiles(128, 2112, 132) == (64, 32)        # 2 x 66
+    assert thin_tiles(64, 7168, 132) == (64, 64)         # 112
+    assert thin_tiles(64, 24576, 132) is None            # 192 tiles even at 128 wide: more than a wave
+    assert thin_tiles(64, 256, 132) is None              # 16 tiles at most: under half the GPU
+    default = plan("dense", 128, 4096, 7168, 128)
+    assert default["splits"] == 4 and default["block_m"] == 128
+    monkeypatch.setattr(gemm_fp8, "THIN_TILES", True)
+    p = plan("dense", 128, 4096, 7168, 128)
+    assert (p["block_m"], p["block_n"], p["splits"]) == (64, 64, 1) and p["stages"] == 12
+    fixed, stage = gemm_fp8._smem_layout(64, 64, 56, 1)
+    assert fixed + p["stages"] * stage <= gemm_fp8.SMEM_BUDGET < fixed + (p["stages"] + 1) * stage
+    assert plan("dense", 64, 4096, 7168, 64)["stages"] == gemm_fp8.THIN_STAGES
+    for args in (("dense", 128, 24576, 1536, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),
+                 ("contiguous", 1024, 4096, 7168, 128)):
+        monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)
+        before = plan(*args)
+        monkeypatch.setattr(gemm_fp8, "THIN_TILES", True)
+        assert plan(*args) == before, args                # no split to replace: the same plan
+    assert plan("dense", 128, 4096, 7168, 128, overlap=False)["splits"] == 4   # the v2 loop keeps split-K
+    src = fp8_gemm_program.source("sm_90a", n=2112, k=7168, block_m=64, block_n=16, stages=16, overlap=True)
+    sass, log = _sass_and_ptxas_log(src)
+    assert "QGMMA.64x8x32.F32.E4M3.E4M3" in sass and " 0 bytes spill stores" in log
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_scales_never_hold_the_first_loads(overlap):
     """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
@@ -367,6 +402,28 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-3
     assert_elementwise(runs[0], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (64, 2112, 7168), (128, 2112, 7168),
+                                   (37, 7168, 16384)])
+def test_gpu_thin_tiles(monkeypatch, m, n, k):
+    """THIN_TILES plans (block_m 64, block_n 16-128, up to 16 stages, no split-K) against the exact
+    reference, bitwise run to run, and within the bounds of the split-K plan they replace."""
+    from ops import gemm_fp8
+
+    g = torch.Generator().manual_seed(m + n)
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    split = ops.fp8_gemm_nt(*dev).cpu()
+    monkeypatch.setattr(gemm_fp8, "THIN_TILES", True)
+    assert gemm_fp8.plan("dense", m, n, k, 64 if m <= 64 else 128)["splits"] == 1
+    runs = [ops.fp8_gemm_nt(*dev).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    for out in (runs[0], split):
+        assert calc_diff(out, ref) < 1e-3
+        assert_elementwise(out, ref)
 
 
 def _split_k_runner(m, n, k, splits):
