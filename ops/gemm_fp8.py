@@ -553,7 +553,9 @@ GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2'
 # chosen so that the tiles fill one wave of SMs as fully as they can) with up to THIN_STAGES stages, no
 # split-K and no reduce kernel: what DeepGEMM's sm_90 heuristic picks for the decode shapes (it was
 # 1.2-1.5x faster than our split-K plans at 64/128 x 4096 x 7168 and 128 x 2112 x 7168, same run,
-# bench/NOTES.md "Peers side by side"). Built session 22, not yet run on a GPU: off
+# bench/NOTES.md "Peers side by side"); and where more than a wave of 128-wide tiles leaves the last
+# wave mostly idle (x 24576 x 1536: 192 tiles), 64-wide ones (384 tiles, 97% of 3 waves). Built
+# session 22, not yet run on a GPU: off
 THIN_TILES = False
 THIN_STAGES = 16
 
@@ -594,6 +596,12 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         thin = thin_tiles(rows, n, sms)
         if thin is not None:
             (block_m, block_n), splits, most = thin, 1, THIN_STAGES
+    elif THIN_TILES and overlap and mode == "dense" and tiles > sms and _waves_used(tiles, sms) < 0.9:
+        # more than a wave of tiles, the last one mostly idle (128 x 24576: 192 tiles, 73%): half-width
+        # tiles where they fill their waves better (384 tiles, 97%)
+        half = -(-rows // block_m) * (n // 64) if n % 64 == 0 and block_n == 128 else 0
+        if half and _waves_used(half, sms) >= 0.9:
+            block_n = 64
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
@@ -609,6 +617,11 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         if room is not None and room >= tiles:
             p["cluster"] = True
     return p
+
+
+def _waves_used(tiles: int, sms: int) -> float:
+    """The share of the SMs' wave slots that `tiles` blocks (one an SM) keep busy."""
+    return tiles / (-(-tiles // sms) * sms)
 
 
 def thin_tiles(rows: int, n: int, sms: int) -> tuple[int, int] | None:

@@ -299,7 +299,8 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
 
 def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     """THIN_TILES (off until measured): where the default plan splits K, DeepGEMM-like thin tiles that
-    fill one wave of SMs instead (no split, no reduce kernel, deep pipelines); elsewhere nothing changes.
+    fill one wave of SMs instead (no split, no reduce kernel, deep pipelines); where more than a wave of
+    tiles leaves the last one mostly idle, half-width tiles; elsewhere nothing changes.
     The thinnest tiles compile to m64n8 WGMMAs with no spills."""
     from ops import gemm_fp8
     from ops.gemm_fp8 import fp8_gemm_program, plan, thin_tiles
@@ -320,7 +321,11 @@ def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     fixed, stage = gemm_fp8._smem_layout(64, 64, 56, 1)
     assert fixed + p["stages"] * stage <= gemm_fp8.SMEM_BUDGET < fixed + (p["stages"] + 1) * stage
     assert plan("dense", 64, 4096, 7168, 64)["stages"] == gemm_fp8.THIN_STAGES
-    for args in (("dense", 128, 24576, 1536, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),
+    # more than a wave of 128-wide tiles with the last wave mostly idle: 64-wide tiles (192 -> 384 tiles)
+    for m in (64, 128):
+        q = plan("dense", m, 24576, 1536, 64 if m <= 64 else 128)
+        assert (q["block_n"], q["splits"]) == (64, 1), q
+    for args in (("dense", 4096, 7168, 16384, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),
                  ("contiguous", 1024, 4096, 7168, 128)):
         monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)
         before = plan(*args)
@@ -406,10 +411,11 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (64, 2112, 7168), (128, 2112, 7168),
-                                   (37, 7168, 16384)])
+                                   (37, 7168, 16384), (128, 24576, 1536)])
 def test_gpu_thin_tiles(monkeypatch, m, n, k):
-    """THIN_TILES plans (block_m 64, block_n 16-128, up to 16 stages, no split-K) against the exact
-    reference, bitwise run to run, and within the bounds of the split-K plan they replace."""
+    """THIN_TILES plans (block_m 64, block_n 16-128, up to 16 stages, no split-K; 64-wide tiles where
+    128-wide ones leave a wave mostly idle) against the exact reference, bitwise run to run, and within
+    the bounds of the default plan they replace."""
     from ops import gemm_fp8
 
     g = torch.Generator().manual_seed(m + n)
