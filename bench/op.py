@@ -5,13 +5,14 @@
     python -m bench.op OP --shape PRESET --providers tilecraft,flash_mla --out bench/results
 
 On a GPU: median and min of CUDA-event-timed runs (L2 flushed before each; a wide gap between the
-two usually means host work inside the timed region; the timed calls skip the checks that read
-tensor values, TILECRAFT_CHECK_VALUES=0, after a first checked call), TFLOP/s, GB/s, % of the card's ceiling, the
-floor and what sets it, each provider's speed relative to the reference provider, and how far each
-provider's output is from the first provider's on the same inputs (`rel err`: a peer that is fast
-because it computes something else shows here); CSV + JSON with GPU name, versions and time. Without a GPU: builds the kernels for --target, prints
-their static stats (registers, shared memory, tensor-core and memory instructions) and each
-shape's roofline floor on the reference GPU, and says that timing needs a GPU.
+two usually means host work inside the timed region; timed calls skip the checks that read tensor
+values, TILECRAFT_CHECK_VALUES=0, after one checked call), TFLOP/s, GB/s, % of the card's ceiling,
+the floor and what sets it, each provider's speed relative to the reference provider, and how far
+each provider's output is from the first provider's on the same inputs (`rel err`: a peer that is
+fast because it computes something else shows here); CSV + JSON with GPU name, versions and time.
+Without a GPU: builds the kernels for --target, prints their static stats (registers, shared
+memory, tensor-core and memory instructions) and each shape's roofline floor on the reference GPU,
+and says that timing needs a GPU.
 """
 
 from __future__ import annotations

@@ -576,6 +576,10 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     same dicts as before. With it, grids of two or more waves whose n tiles pair up take
     "multicast" (MULTICAST): the two n-neighbours of a tile share its A loads in a cluster.
 
+    THIN_TILES (off until measured): where split-K would be used, thin one-wave tiles instead
+    (thin_tiles: block_m 64 even for 128 rows, block_n down to 16, up to THIN_STAGES stages); where
+    more than a wave of 128-wide tiles leaves the last wave mostly idle, 64-wide tiles.
+
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
     plan folds its partials inside clusters of its splits ("cluster": True, no reduce kernel) when

@@ -972,10 +972,11 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     slower, "MXFP4 v8"); decode: one of SWAPPED_DECODES (None: SWAPPED_DECODE); fold: split-K
     partials added in the kernel (None: SWAPPED_FOLD's rule; never without a split); ahead: raw words
     loaded a step ahead of their decode (None: SWAPPED_AHEAD); pair: a 2-split plan folds in clusters
-    of its two blocks (None: SWAPPED_PAIR; only where splits == 2, and then no fold; the received
-    half partial, 128 x tokens / 2 fp32, takes its room from the stages); stage_out: a split plan's
-    partial goes out through shared memory (None: SWAPPED_STAGE_OUT; tokens x 132 fp32 taken from
-    the stages: TileLang does not overlap it with the pipeline's tiles)."""
+    of its two blocks (None: SWAPPED_PAIR's rule, tiles of <= SWAPPED_FOLD_TOKENS; only where
+    splits == 2, and then no fold; the received half partial, 128 x tokens / 2 fp32, takes its room
+    from the stages); stage_out: a split plan's partial goes out through shared memory (None:
+    SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
+    taken from the stages: TileLang does not overlap it with the pipeline's tiles)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
