@@ -6,7 +6,8 @@
     ncu --profile-from-start off -k regex:mla_decode --section SpeedOfLight --section WarpStateStats \
         python -m bench.trace_mla --ncu bf16-128-seesaw   # one untraced run of each case, for a profiler
 
-Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps into the unsplit
+Builds mla_decode with trace=True (lowering/sm90_attention.py writes the stamps of CTA 0, and of
+CTA 1, its sibling 64-row tile of the same sequence, when there are two, into the unsplit
 run's unused partials buffer) and prints, for steps 20-27, each event relative to the step's start;
 then every CTA's timeline (global timer and SM clock when its warpgroups start and when WG0's
 epilogue is done): the kernel's span, CTA durations, the SM clock they ran at, and how busy the
@@ -87,6 +88,11 @@ def main() -> int:
                 continue  # an event this pipeline does not have
             d = [int(st[k, e] - base[k]) for k in range(20, 28)]
             print(f"  {name:18s} rel. to wg0 ready: {d}")
+        if o_part.shape[1] >= 128:   # CTA 1: the other 64-row tile of sequence 0 (lowering's _stamp)
+            sib = o_part[0, 64:128, :1].contiguous().view(torch.int32).long().cpu()[:, 0]
+            print("  CTA 1 (sibling tile) step period:", [int(x) for x in (sib[1:33] - sib[:32])])
+            print("  CTA 1 wg0 ready - CTA 0 wg0 ready (clocks of two SMs, offset unknown but fixed):",
+                  [int(x) for x in (sib[:32] - base[:32])])
         print(timeline(o_part[0], b * -(-rows // 64), torch.cuda.get_device_properties(0).multi_processor_count))
     return 0
 

@@ -146,11 +146,18 @@ def _timeline(trace, event):
                       TIMELINE_COL + ((T.get_block_binding() * 2 + event) % TIMELINE_PER_ROW) * 8]))
 
 
-@T.macro
 def _stamp(trace, k, event):
+    # the SM clock when a warpgroup reaches `event` of step k (k < 64): CTA 0 into rows 0-63 of
+    # trace[0], and where trace[0] has 128+ rows (two 64-row tiles of query rows) CTA 1, CTA 0's
+    # sibling tile of the same sequence, into rows 64-127
     if trace is not None:
-        if T.get_thread_binding() % WG == 0 and T.get_block_binding() == 0 and k < 64:
-            trace[0, k, EVENTS.index(event)] = T.reinterpret(T.call_extern("int32", "clock"), "float32")
+        _stamp_ctas(trace, k, EVENTS.index(event), 2 if int(trace.shape[1]) >= 128 else 1)
+
+
+@T.macro
+def _stamp_ctas(trace, k, event, ctas):
+    if T.get_thread_binding() % WG == 0 and T.get_block_binding() < ctas and k < 64:
+        trace[0, T.get_block_binding() * 64 + k, event] = T.reinterpret(T.call_extern("int32", "clock"), "float32")
 
 
 def _issue_loads(loads, k, dst, slot, bar):
