@@ -18,11 +18,9 @@ and says that timing needs a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime as dt
 import json
-import os
 import platform
 import re
 import sys
@@ -62,20 +60,13 @@ def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
-@contextlib.contextmanager
 def values_unchecked():
     """TILECRAFT_CHECK_VALUES=0 inside: the checks that read tensor values (m_indices, masked_m,
     block_table ranges) cost a device sync per call, which an engine's hot path (a CUDA graph) never
     pays; each provider's first call, outside the timing, runs with them."""
-    old = os.environ.get("TILECRAFT_CHECK_VALUES")
-    os.environ["TILECRAFT_CHECK_VALUES"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TILECRAFT_CHECK_VALUES"]
-        else:
-            os.environ["TILECRAFT_CHECK_VALUES"] = old
+    from tilecraft import env
+
+    return env.overridden("TILECRAFT_CHECK_VALUES", "0")
 
 
 def first_tensor(out):

@@ -38,3 +38,13 @@ def test_set_takes_only_known_variables(monkeypatch):
     assert not env.flag("TILECRAFT_CHECK_VALUES")
     with pytest.raises(KeyError):
         env.set("TILECRAFT_NO_SUCH_VARIABLE", "1")
+
+
+def test_overridden_puts_the_value_back(monkeypatch):
+    monkeypatch.setenv("TILECRAFT_VERBOSE", "1")
+    with env.overridden("TILECRAFT_VERBOSE", "0"):
+        assert not env.flag("TILECRAFT_VERBOSE")
+    assert env.flag("TILECRAFT_VERBOSE")
+    with pytest.raises(KeyError):
+        with env.overridden("TILECRAFT_NO_SUCH_VARIABLE", "1"):
+            pass

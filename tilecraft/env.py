@@ -5,6 +5,7 @@ Read values through `get(name)`; never call os.environ for a TILECRAFT_* variabl
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,21 @@ def set(name: str, value: str) -> None:
     """Set a Tilecraft variable for this process (tools that need, e.g., value checks off)."""
     VARS[name]        # a KeyError names an unknown variable
     os.environ[name] = value
+
+
+@contextlib.contextmanager
+def overridden(name: str, value: str):
+    """`name` set to `value` inside the block, put back as it was (unset included) after it."""
+    VARS[name]
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def flag(name: str) -> bool:
