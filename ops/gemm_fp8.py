@@ -600,12 +600,11 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         thin = thin_tiles(rows, n, sms)
         if thin is not None:
             (block_m, block_n), splits, most = thin, 1, THIN_STAGES
-    elif THIN_TILES and overlap and mode == "dense" and tiles > sms and _waves_used(tiles, sms) < 0.9:
+    elif (THIN_TILES and overlap and mode == "dense" and block_n == 128 and n % 64 == 0 and tiles > sms
+          and _waves_used(tiles, sms) < 0.9 <= _waves_used(2 * tiles, sms)):
         # more than a wave of tiles, the last one mostly idle (128 x 24576: 192 tiles, 73%): half-width
-        # tiles where they fill their waves better (384 tiles, 97%)
-        half = -(-rows // block_m) * (n // 64) if n % 64 == 0 and block_n == 128 else 0
-        if half and _waves_used(half, sms) >= 0.9:
-            block_n = 64
+        # tiles, which fill their waves better (384 tiles, 97%)
+        block_n = 64
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:

@@ -931,7 +931,7 @@ def test_mxfp4_swapped_raw_words_a_step_ahead():
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=8, stages=2, stage_k=256, ahead=True)
 
 
-def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two():
+def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
     """pair=True (2-split plans): the tile's two split blocks are a cluster; each stores the other's
     half of the tokens of its partial into the other's shared memory (tc_cluster_store_f32), one
     cluster barrier at the start and one before the sum, and no partials in global memory. The
@@ -956,15 +956,15 @@ def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two():
         assert q["pair"] and smem <= SMEM_BUDGET, (m, q)
     assert not plan_swapped(16, 4096, 7168, pair=True)["pair"]          # 4 splits: not a pair
     assert not plan_swapped(64, 7168, 2048)["pair"] or gemm_mxfp4.SWAPPED_PAIR
-    # the rule (SWAPPED_PAIR None): 2-split plans of <= 16 tokens pair, where they would otherwise fold
-    if gemm_mxfp4.SWAPPED_PAIR is None:
-        assert all(plan_swapped(m, 7168, 2048)["pair"] for m in (1, 16))
-        assert not any(plan_swapped(m, 7168, 2048)["pair"] for m in (17, 64))
+    # the rule (SWAPPED_PAIR None, the default): 2-split plans of <= 16 tokens pair, where they would fold
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_PAIR", None)
+    assert all(plan_swapped(m, 7168, 2048)["pair"] for m in (1, 16))
+    assert not any(plan_swapped(m, 7168, 2048)["pair"] for m in (17, 64))
     with pytest.raises(ValueError, match="needs splits == 2"):
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=4, stages=4, pair=True)
 
 
-def test_mxfp4_swapped_partials_out_through_shared_memory():
+def test_mxfp4_swapped_partials_out_through_shared_memory(monkeypatch):
     """stage_out=True (split plans): the partial goes into shared memory token-major (rows padded to
     132 words), one named barrier of the MMA threads (not a block-wide one: the producer warps have
     exited), then 16-byte stores of whole token rows; the plan takes its room from the stages."""
@@ -984,10 +984,11 @@ def test_mxfp4_swapped_partials_out_through_shared_memory():
     sass, log = _sass_and_ptxas_log(src)
     assert "0 bytes spill stores, 0 bytes spill loads" in log
     assert not plan_swapped(64, 24576, 1536, stage_out=True)["stage_out"]      # one split: C is written directly
-    # the rule (SWAPPED_STAGE_OUT None): 64-token tiles with K split 4+ ways (measured faster there only)
-    if gemm_mxfp4.SWAPPED_STAGE_OUT is None:
-        assert plan_swapped(64, 4096, 7168)["stage_out"] and plan_swapped(64, 2112, 7168)["stage_out"]
-        assert not plan_swapped(64, 7168, 2048)["stage_out"] and not plan_swapped(32, 4096, 7168)["stage_out"]
+    # the rule (SWAPPED_STAGE_OUT None, the default): 64-token tiles with K split 4+ ways (measured faster
+    # there only)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_STAGE_OUT", None)
+    assert plan_swapped(64, 4096, 7168)["stage_out"] and plan_swapped(64, 2112, 7168)["stage_out"]
+    assert not plan_swapped(64, 7168, 2048)["stage_out"] and not plan_swapped(32, 4096, 7168)["stage_out"]
     assert not plan_swapped(64, 7168, 2048, stage_out=True, pair=True)["stage_out"]
     with pytest.raises(ValueError, match="needs splits > 1 and pair=False"):
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, splits=1, stages=4, stage_out=True)
