@@ -549,14 +549,15 @@ CLUSTER_FOLD = False
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
 GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
-# v3, dense, where the default plan would split K: thin tiles instead (block_m 64, block_n down to 16,
+# v3, dense, where the default plan would split K: thin tiles instead (block_m 64, block_n 32 or 64,
 # chosen so that the tiles fill one wave of SMs as fully as they can) with up to THIN_STAGES stages, no
-# split-K and no reduce kernel: what DeepGEMM's sm_90 heuristic picks for the decode shapes (it was
-# 1.2-1.5x faster than our split-K plans at 64/128 x 4096 x 7168 and 128 x 2112 x 7168, same run,
-# bench/NOTES.md "Peers side by side"); and where more than a wave of 128-wide tiles leaves the last
-# wave mostly idle (x 24576 x 1536: 192 tiles), 64-wide ones (384 tiles, 97% of 3 waves). Built
-# session 22, not yet run on a GPU: off
-THIN_TILES = False
+# split-K and no reduce kernel: what DeepGEMM's sm_90 heuristic picks for the decode shapes. Measured
+# on the H200 (CUDA graphs, write / read flush, bench/NOTES.md "THIN_TILES measured"): 64x4096x7168
+# 16.1/15.4 -> 14.1/13.5 us, 128x4096x7168 18.4/19.1 -> 17.3/16.7, 64x7168x16384 42.7/37.1 ->
+# 40.7/33.5, 128x2112x7168 12.6/13.6 -> 13.1/13.1 (even). Where the one-wave tiling is 16 wide (64x2112:
+# 9.6 -> 12.1) or 128 wide at 128 rows (128x7168x16384: 47.5 -> 49.8) it lost, so split-K stays there
+THIN_TILES = True
+THIN_WIDTHS = (32, 64)
 THIN_STAGES = 16
 
 
@@ -576,9 +577,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     same dicts as before. With it, grids of two or more waves whose n tiles pair up take
     "multicast" (MULTICAST): the two n-neighbours of a tile share its A loads in a cluster.
 
-    THIN_TILES (off until measured): where split-K would be used, thin one-wave tiles instead
-    (thin_tiles: block_m 64 even for 128 rows, block_n down to 16, up to THIN_STAGES stages); where
-    more than a wave of 128-wide tiles leaves the last wave mostly idle, 64-wide tiles.
+    THIN_TILES: where split-K would be used and the one-wave thin tiling (thin_tiles: block_m 64 even
+    for 128 rows) is THIN_WIDTHS wide, those tiles instead, with up to THIN_STAGES stages.
 
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
@@ -598,13 +598,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     most = OVERLAP_STAGES if overlap else 4
     if THIN_TILES and overlap and mode == "dense" and splits > 1:
         thin = thin_tiles(rows, n, sms)
-        if thin is not None:
+        if thin is not None and thin[1] in THIN_WIDTHS:
             (block_m, block_n), splits, most = thin, 1, THIN_STAGES
-    elif (THIN_TILES and overlap and mode == "dense" and block_n == 128 and n % 64 == 0 and tiles > sms
-          and _waves_used(tiles, sms) < 0.9 <= _waves_used(2 * tiles, sms)):
-        # more than a wave of tiles, the last one mostly idle (128 x 24576: 192 tiles, 73%): half-width
-        # tiles, which fill their waves better (384 tiles, 97%)
-        block_n = 64
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
@@ -620,11 +615,6 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         if room is not None and room >= tiles:
             p["cluster"] = True
     return p
-
-
-def _waves_used(tiles: int, sms: int) -> float:
-    """The share of the SMs' wave slots that `tiles` blocks (one an SM) keep busy."""
-    return tiles / (-(-tiles // sms) * sms)
 
 
 def thin_tiles(rows: int, n: int, sms: int) -> tuple[int, int] | None:

@@ -282,6 +282,7 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
             return n
         return clusters
     assert not gemm_fp8.CLUSTER_FOLD       # measured slower (bench/NOTES.md "GEMM v5"): an option
+    monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)     # its one-wave tiles replace split-K there
     assert "cluster" not in plan("dense", 128, 4096, 7168, 128, clusters=room(99))
     monkeypatch.setattr(gemm_fp8, "CLUSTER_FOLD", True)
     # 128x4096x7168: 32 tiles x 4 splits; the GPU must hold 32 clusters of 4 at once
@@ -298,14 +299,13 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
 
 
 def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
-    """THIN_TILES (off until measured): where the default plan splits K, DeepGEMM-like thin tiles that
-    fill one wave of SMs instead (no split, no reduce kernel, deep pipelines); where more than a wave of
-    tiles leaves the last one mostly idle, half-width tiles; elsewhere nothing changes.
-    The thinnest tiles compile to m64n8 WGMMAs with no spills."""
+    """THIN_TILES: where the default plan splits K and the one-wave thin tiling is 32 or 64 wide,
+    DeepGEMM-like thin tiles instead (no split, no reduce kernel, deep pipelines); 16-wide tilings and
+    128-wide ones keep split-K (both measured slower); elsewhere nothing changes.
+    16-wide tiles (left to split-K by the plan, still a valid launch) compile to m64n8 WGMMAs, no spills."""
     from ops import gemm_fp8
     from ops.gemm_fp8 import fp8_gemm_program, plan, thin_tiles
 
-    assert not gemm_fp8.THIN_TILES
     assert thin_tiles(128, 4096, 132) == (64, 64)        # 2 x 64 = 128 tiles (128 x 32 ties: 64 rows first)
     assert thin_tiles(64, 4096, 132) == (64, 32)         # 128 tiles
     assert thin_tiles(64, 2112, 132) == (64, 16)         # 132
@@ -313,18 +313,20 @@ def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     assert thin_tiles(64, 7168, 132) == (64, 64)         # 112
     assert thin_tiles(64, 24576, 132) is None            # 192 tiles even at 128 wide: more than a wave
     assert thin_tiles(64, 256, 132) is None              # 16 tiles at most: under half the GPU
+    monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)
     default = plan("dense", 128, 4096, 7168, 128)
     assert default["splits"] == 4 and default["block_m"] == 128
+    split_kept = {args: plan(*args) for args in (("dense", 64, 2112, 7168, 64), ("dense", 128, 7168, 16384, 128))}
+    assert all(p["splits"] > 1 for p in split_kept.values())
     monkeypatch.setattr(gemm_fp8, "THIN_TILES", True)
     p = plan("dense", 128, 4096, 7168, 128)
     assert (p["block_m"], p["block_n"], p["splits"]) == (64, 64, 1) and p["stages"] == 12
     fixed, stage = gemm_fp8._smem_layout(64, 64, 56, 1)
     assert fixed + p["stages"] * stage <= gemm_fp8.SMEM_BUDGET < fixed + (p["stages"] + 1) * stage
     assert plan("dense", 64, 4096, 7168, 64)["stages"] == gemm_fp8.THIN_STAGES
-    # more than a wave of 128-wide tiles with the last wave mostly idle: 64-wide tiles (192 -> 384 tiles)
-    for m in (64, 128):
-        q = plan("dense", m, 24576, 1536, 64 if m <= 64 else 128)
-        assert (q["block_n"], q["splits"]) == (64, 1), q
+    assert (plan("dense", 64, 7168, 16384, 64)["block_n"], plan("dense", 128, 2112, 7168, 128)["block_n"]) == (64, 32)
+    for args, before in split_kept.items():               # 16 wide (64 x 2112) and 128 wide: split-K stays
+        assert plan(*args) == before, args
     for args in (("dense", 4096, 7168, 16384, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),
                  ("contiguous", 1024, 4096, 7168, 128)):
         monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)
@@ -410,18 +412,17 @@ def test_gpu_split_k_plans(splits, m, n, k, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (64, 2112, 7168), (128, 2112, 7168),
-                                   (37, 7168, 16384), (128, 24576, 1536)])
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (128, 2112, 7168), (37, 7168, 16384)])
 def test_gpu_thin_tiles(monkeypatch, m, n, k):
-    """THIN_TILES plans (block_m 64, block_n 16-128, up to 16 stages, no split-K; 64-wide tiles where
-    128-wide ones leave a wave mostly idle) against the exact reference, bitwise run to run, and within
-    the bounds of the default plan they replace."""
+    """THIN_TILES plans (block_m 64, block_n 32 or 64, up to 16 stages, no split-K) against the exact
+    reference, bitwise run to run, and within the bounds of the split-K plan they replace."""
     from ops import gemm_fp8
 
     g = torch.Generator().manual_seed(m + n)
     *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
     ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
     dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    monkeypatch.setattr(gemm_fp8, "THIN_TILES", False)
     split = ops.fp8_gemm_nt(*dev).cpu()
     monkeypatch.setattr(gemm_fp8, "THIN_TILES", True)
     assert gemm_fp8.plan("dense", m, n, k, 64 if m <= 64 else 128)["splits"] == 1
@@ -1527,6 +1528,7 @@ def test_plan_splits_k_only_for_small_grids(monkeypatch):
     import ops.gemm_fp8 as gemm
     from ops.gemm_fp8 import plan
 
+    monkeypatch.setattr(gemm, "THIN_TILES", False)   # the split-K rule alone (its one-wave tiles replace it)
     assert plan("dense", 128, 2112, 7168, 128)["splits"] == 4         # 33 tiles: 4 x 33 = 132 blocks
     assert plan("dense", 128, 24576, 1536, 128)["splits"] == 1        # 192 tiles already fill the GPU
     # 56 tiles and 16 K blocks (too few to split): 112 half-width tiles instead

@@ -109,12 +109,12 @@ def tilecraft_loop(overlap):
     return _with_flag(gemm_fp8, "OVERLAP", overlap)
 
 
-def tilecraft_thin(case, i):
-    """The op with ops.gemm_fp8.THIN_TILES on: thin one-wave tiles instead of split-K where the default
-    plan splits (DeepGEMM's choice for those shapes), against the default in the same run."""
+def tilecraft_split(case, i):
+    """The op with ops.gemm_fp8.THIN_TILES off: split-K wherever the tiles leave most SMs idle (the
+    plans before session 23), against the default's one-wave thin tiles in the same run."""
     from ops import gemm_fp8
 
-    return _with_flag(gemm_fp8, "THIN_TILES", True)(case, i)
+    return _with_flag(gemm_fp8, "THIN_TILES", False)(case, i)
 
 
 def tilecraft_tile(case, i):
@@ -229,7 +229,7 @@ SUITE = Suite(
     providers=[Provider("tilecraft", tilecraft), Provider("torch", torch_scaled_mm),
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
-               Provider("tilecraft-thin", tilecraft_thin, experimental=True),
+               Provider("tilecraft-split", tilecraft_split, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
