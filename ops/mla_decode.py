@@ -12,7 +12,7 @@ flops = 2 * s_q * h_q * seqlen * (576 + 512).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tilelang.language as T
 import torch
@@ -134,7 +134,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
-                       fold_scales: bool = False, seesaw: bool = False):
+                       fold_scales: bool = False, seesaw: bool = False, persistent: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -163,8 +163,19 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
     seesaw=True (sm_90a, the bf16 cache, not swapped; bench/NOTES.md "MLA v13"): the two MMA
     warpgroups score alternate steps and pass the running row max to each other, so one's softmax
-    runs under the other's MMAs (FlashMLA's schedule); P goes over the step's rope tile."""
+    runs under the other's MMAs (FlashMLA's schedule); P goes over the step's rope tile.
+
+    persistent=True (with seesaw, the bf16 cache, s_q * h_q a multiple of 64; bench/NOTES.md "MLA
+    persistent seesaw"): one wave of CTAs, m_tiles per part; each runs its part's units (a sequence's
+    split, listed by MlaSchedule.persistent_units) back to back, the query by TMA, so that the next
+    unit's query and first steps load while the last unit's output is written. Each unit computes
+    exactly what the CTA of that (sequence, split) computes without persistent."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
+    if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
+                           and not trace and block_n == BLOCK_N):
+        raise ValueError("persistent=True is built for seesaw=True with the bf16 cache, swapped=False, 64-token steps, "
+                         f"no trace and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, kv_format={kv_format!r}, "
+                         f"swapped={swapped}, block_n={block_n}, trace={trace}, s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")
@@ -273,6 +284,42 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     for i in tile.parallel(block_m):
                         LsePart[slot, i] = T.if_then_else(l_s[i] > 0.0, m_s[i] + T.log2(l_s[i]), neg_inf)
 
+    if persistent:
+        parts1, unit_slots = T.dynamic("parts1, unit_slots")
+
+        @T.prim_func
+        def mla_decode_persistent(
+            Q: T.Tensor((batch, rows, D_QK), sdt),
+            KV: T.Tensor((num_pages, page, width), kv_dt),
+            KVf: T.Tensor((num_pages, page, width * 2 // 4), "float32"),
+            KVh: T.Tensor((num_pages, page, width), sdt),
+            BlockTable: T.Tensor((batch, max_blocks), "int32"),
+            SeqLens: T.Tensor((batch,), "int32"),
+            Splits: T.Tensor((batch,), "int32"),
+            Out: T.Tensor((batch, rows, D_V), sdt),
+            Lse: T.Tensor((batch, h_q, s_q), "float32"),
+            OPart: T.Tensor((slots, rows_pad, D_V), "float32"),
+            LsePart: T.Tensor((slots, rows_pad), "float32"),
+            UnitList: T.Tensor((unit_slots,), "int32"),
+            PartStart: T.Tensor((parts1,), "int32"),
+            max_splits: T.int32,
+            scale_log2: T.float32,
+        ):
+            with tile.grid((parts1 - 1) * m_tiles, threads + tile.producer_threads()) as bid:
+                mt = tile.scalar(bid % m_tiles)
+                begin = tile.scalar(PartStart[bid // m_tiles])
+                end = tile.scalar(PartStart[bid // m_tiles + 1])
+                q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
+                tile.attention_loop(
+                    None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
+                    stages=stages, seesaw=True,
+                    units=tile.Units(begin, end, lambda: _MlaUnit(
+                        Q, KV, BlockTable, SeqLens, Splits, UnitList, max_splits, mt, q_parts, num_pages, page,
+                        h_q, s_q, causal, lambda u, o, col0, l, m, stats: epilogue(
+                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, u.bi, mt, u.si, u.splits, max_splits))))
+
+        return mla_decode_persistent
+
     @T.prim_func
     def mla_decode(
         Q: T.Tensor((batch, rows, D_QK), sdt),
@@ -330,6 +377,41 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                [(KVh, FP8_ROPE_HALF, D_ROPE, n_lat)])) if rope_direct else None)
 
     return mla_decode
+
+
+class _MlaUnit:
+    """A persistent CTA's binding of its current unit (tile.Units.bind): the (sequence, split) scalars
+    of one unit and the copies, mask and epilogue of its attention loop, as the CTA of that unit
+    computes them without persistent (64-token steps, the bf16 cache)."""
+
+    def __init__(self, Q, KV, BlockTable, SeqLens, Splits, UnitList, max_splits, mt, q_parts, num_pages, page, h_q,
+                 s_q, causal, epilogue):
+        vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
+        # the scalars as expressions (reads of the variables that load() sets)
+        self.bi, self.si, self.splits, self.seqlen, first, self.steps = (v[0] for v in vars_)
+        self.valid_rows = self.seqlen - first * BLOCK_N
+        base = self.seqlen - s_q + 1 if causal else self.seqlen
+        self.load = lambda u: _load_unit(UnitList, Splits, SeqLens, max_splits, u, *vars_)
+        self.loads = lambda k: _page_copies(BlockTable, self.bi, first + k, page, BLOCK_N, num_pages,
+                                            [(KV, 0, D_V // 2, 0), (KV, D_V // 2, D_V // 2, 1), (KV, D_V, D_ROPE, 2)])
+        self.visible = lambda k, i, j: ((first + k) * BLOCK_N + j <
+                                        (base + (mt * BLOCK_M + i) // h_q if causal else base))
+        self.all_visible = lambda k: (first + k + 1) * BLOCK_N <= base
+        self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
+        self.query = lambda: [(Q[self.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
+                              for n, (c0, w, _) in enumerate(q_parts)]
+
+
+@T.macro
+def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen, first, steps):
+    # unit u of the list = (sequence bi, split si); its first 64-token block and its step count
+    bi = UnitList[u] // max_splits
+    si = UnitList[u] % max_splits
+    splits = Splits[bi]
+    seqlen = SeqLens[bi]
+    steps = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1))        # the split's blocks (chunk)
+    first = si * steps
+    steps = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, BLOCK_N), first + steps) - first, 0), 0)
 
 
 @tile_program(
@@ -398,11 +480,54 @@ class MlaSchedule:
     max_splits: int
     rows: int
     batch_invariant: bool
+    cache_seqlens: torch.Tensor | None = None
+    _units: dict = field(default_factory=dict, repr=False)
 
     def check(self, b: int, rows: int) -> None:
         if self.splits.shape != (b,) or self.rows != rows:
             raise ValueError(f"sched was made for batch {tuple(self.splits.shape)} and {self.rows} query rows, "
                              f"but this call has batch ({b},) and {rows} rows (s_q * h_q)")
+
+    def persistent_units(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unit_list (b * max_splits,) int32, part_start (parts + 1,) int32) for persistent CTAs, made once
+        per schedule and part count: unit ids (bi * max_splits + si, the splits that exist, in order) dealt
+        to `parts` contiguous runs of about equal cost, a unit costing its 64-token blocks + UNIT_COST
+        (FlashMLA's cost model: a unit's fixed work is worth ~5 blocks). Part p runs
+        unit_list[part_start[p]:part_start[p + 1]]. On the device, no host sync (CUDA graphs)."""
+        if parts not in self._units:
+            if self.cache_seqlens is None:
+                raise ValueError("this MlaSchedule has no cache_seqlens (make it with get_mla_schedule)")
+            self._units[parts] = _persistent_units(self.splits, self.max_splits, self.cache_seqlens, parts)
+        return self._units[parts]
+
+
+UNIT_COST = 5   # a unit's fixed cost in 64-token blocks (query, pipeline fill, epilogue), as FlashMLA counts it
+
+
+def _persistent_units(splits, max_splits, seqlens, parts):
+    dev, b = splits.device, splits.shape[0]
+    n = b * max_splits
+    nblk = (seqlens.long() + BLOCK_N - 1) // BLOCK_N                                  # (b,)
+    sp = splits.long().clamp(min=1)
+    chunk = (nblk + sp - 1) // sp
+    si = torch.arange(max_splits, device=dev)
+    first = si[None, :] * chunk[:, None]                                               # (b, max_splits)
+    blocks = (torch.minimum(nblk[:, None], first + chunk[:, None]) - first).clamp(min=0)
+    valid = (si[None, :] < splits.long()[:, None]).reshape(-1)
+    cost = torch.where(valid, blocks.reshape(-1) + UNIT_COST, 0)
+    # the existing units, compacted in order (invalid ones go to a dump slot n)
+    dst = torch.where(valid, torch.cumsum(valid.long(), 0) - 1, n)
+    ids = torch.arange(n, device=dev, dtype=torch.int32)
+    unit_list = torch.full((n + 1,), -1, dtype=torch.int32, device=dev).scatter_(0, dst, ids)[:n]
+    ccost = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_(0, dst, cost)[:n]
+    # unit i goes to the part its cost midpoint falls in: contiguous runs, non-decreasing parts
+    end = torch.cumsum(ccost, 0)
+    total = end[-1:].clamp(min=1)
+    part = torch.minimum((2 * end - ccost) * parts // (2 * total), torch.tensor(parts - 1, device=dev))
+    part = torch.where(ccost > 0, part, parts)
+    counts = torch.zeros(parts + 1, dtype=torch.long, device=dev).scatter_add_(0, part, torch.ones_like(part))
+    part_start = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:parts], 0)]).to(torch.int32)
+    return unit_list.contiguous(), part_start.contiguous()
 
 
 def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks: int, *,
@@ -432,7 +557,8 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
         max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // 4, 32))
         # shorter sequences get fewer splits: at least 4 blocks per split
         splits = ((nblk + 3) // 4).clamp_(min=1, max=max_splits)
-    return MlaSchedule(splits.to(torch.int32).contiguous(), int(max_splits), rows, bool(batch_invariant))
+    return MlaSchedule(splits.to(torch.int32).contiguous(), int(max_splits), rows, bool(batch_invariant),
+                       cache_seqlens)
 
 
 # ---- reference ---------------------------------------------------------------------------------------
@@ -554,6 +680,10 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     return dict(block_n=BLOCK_N, stages=1, threads=128, kv_format="fp8")
 
 
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
                      kv_format="bf16"):
     b, s_q, h_q, _ = q.shape
@@ -579,8 +709,11 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         kv = kv.view(torch.float8_e4m3fn)
     # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)
     kv_f32, kv_16 = kv.view(torch.float32), kv.view(q.dtype)
+    units = ()
+    if tiling.get("persistent"):
+        units = sched.persistent_units(_sm_count(q.device) // (rows_pad // BLOCK_M))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
-                    sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, sched.max_splits,
+                    sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:
         combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype)

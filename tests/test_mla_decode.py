@@ -432,6 +432,68 @@ def test_seesaw_builds_and_says_what_it_needs():
         mla_decode_program.source("sm_100a", h_q=64, s_q=1, block_n=64, stages=1, threads=128, seesaw=True)
 
 
+def _unit_cost(sched, lens):
+    # (bi, si) -> 64-token blocks + UNIT_COST of each split that exists, as the kernel splits
+    from ops.mla_decode import UNIT_COST
+
+    costs = {}
+    for bi, n in enumerate(lens):
+        sp = int(sched.splits[bi])
+        nblk = -(-int(n) // 64)
+        chunk = -(-nblk // max(sp, 1))
+        for si in range(sp):
+            costs[bi * sched.max_splits + si] = max(min(nblk, si * chunk + chunk) - si * chunk, 0) + UNIT_COST
+    return costs
+
+
+@pytest.mark.parametrize("lens,s_q,h_q,invariant", [
+    ([4096] * 128, 1, 128, False),                   # one unit a sequence, ~2 a part
+    ([16384] * 32, 1, 128, False),                   # split sequences
+    ([4096] * 128, 2, 128, False),
+    ([0, 1, 65, 4097, 300, 64, 0, 9000, 2049], 1, 64, False),
+    ([0, 1, 65, 4097, 300, 64, 0, 9000, 2049], 1, 128, True),   # batch-invariant 16-block chunks
+])
+def test_persistent_units_cover_every_split_once_in_balanced_runs(lens, s_q, h_q, invariant):
+    """MlaSchedule.persistent_units: every split that exists (zero-length sequences included) exactly
+    once, in order, dealt to parts as contiguous runs whose costs stay within one unit of the even
+    share; uniform b=128 lengths give at most two units a part (FlashMLA's 64 parts x 2 sequences)."""
+    from ops.mla_decode import get_mla_schedule
+
+    t = torch.tensor(lens, dtype=torch.int32)
+    sched = get_mla_schedule(t, s_q, h_q, max(1, -(-max(lens) // 64)), num_sms=132, batch_invariant=invariant)
+    costs = _unit_cost(sched, lens)
+    expected = sorted(costs)
+    for parts in (132 // -(-(s_q * h_q) // 64), 7, 1):
+        unit_list, start = sched.persistent_units(parts)
+        assert unit_list.dtype == start.dtype == torch.int32 and start.shape == (parts + 1,)
+        assert start[0] == 0 and start[-1] == len(expected) and bool((start[1:] >= start[:-1]).all())
+        assert unit_list[:len(expected)].tolist() == expected
+        share, most = sum(costs.values()) / parts, max(costs.values())
+        for p in range(parts):
+            run = unit_list[int(start[p]):int(start[p + 1])].tolist()
+            assert sum(costs[u] for u in run) <= share + most, (p, run)
+        if lens == [4096] * 128 and s_q == 1 and parts == 66:
+            assert int((start[1:] - start[:-1]).max()) == 2
+    assert sched.persistent_units(7)[0] is sched.persistent_units(7)[0]      # made once per part count
+
+
+def test_persistent_builds_and_says_what_it_needs():
+    """persistent=True lowers on sm_90a within the seesaw's registers (no spills): one wave of CTAs each
+    running its units back to back, the query by TMA (no query stores by the threads); it names what it
+    is built for everywhere else."""
+    from tests.test_gemm_fp8 import _sass_and_ptxas_log
+
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True)
+    assert "Q_desc" in src and "PartStart" in src and "UnitList" in src
+    body = src[src.index("mla_decode_persistent_kernel("):]
+    assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
+    _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+    assert "0 bytes spill stores" in log, log
+    for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(trace=True)):
+        with pytest.raises(ValueError, match="persistent=True is built for"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 2, 128, [4096, 1, 0], 64),
                                                   (2, 1, 64, [16384, 8000], 64), (3, 1, 16, [53, 1, 700], 16)])
@@ -547,6 +609,40 @@ def test_gpu_seesaw_matches_reference(b, s_q, h_q, lens, page):
     """The seesaw schedule (the two MMA warpgroups score alternate steps) against the reference, with
     the production kernel's bounds."""
     run_gpu_case(b, s_q, h_q, lens, page=page, tiling=dict(block_n=64, stages=2, seesaw=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
+    (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
+    (2, 1, 64, [16384, 8000], 64, 132),         # splits + combine
+    (5, 1, 128, [129, 4096, 1, 777, 64], 16, 10),
+    (4, 1, 64, [1000, 300, 5000, 63], 256, 6),
+])
+def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
+    """The persistent seesaw gives each unit exactly the bits of the seesaw CTA of that (sequence,
+    split), however its units are dealt to parts (the part count forced low through the SM count, so a
+    CTA runs several units back to back), within the reference's bounds, and the same from a CUDA graph."""
+    from ops import mla_decode as mla
+
+    monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    tiling = dict(block_n=64, stages=2, seesaw=True)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**tiling, "persistent": True})
+    out, lse = run()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    run()                                          # warm (no compile inside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
 
 
 @pytest.mark.gpu

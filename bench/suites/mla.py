@@ -114,6 +114,15 @@ def seesaw(case, i):
     return tilecraft_variant(case, i, tiling)
 
 
+def persistent(case, i):
+    """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
+    units back to back, the next unit's query and first steps loading under the last one's output."""
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True)
+    if tiling.get("swapped") or (case["s_q"] * case["h_q"]) % 64:
+        raise ValueError(f"persistent is built for s_q * h_q a multiple of 64, not {case['s_q'] * case['h_q']}")
+    return tilecraft_variant(case, i, tiling)
+
+
 # two converters: FP8 in the default operand order, WG1 converting half of every step (16-token chunks)
 FP8_TWO_CONVERTERS = dict(kv_format="fp8", block_n=32, stages=2, raw_rows=16, raw_stages=4)
 
@@ -149,6 +158,7 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
+        Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -776,8 +776,10 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None):
+                   direct=None, seesaw=False, all_visible=None, units=None):
     threads = state()["threads"]
+    if units is not None and not seesaw:
+        raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
     visible = _Visible(visible, all_visible)
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -800,7 +802,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     plain = raw is None
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
-        _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace)
+        _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
+                units)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     alpha_s = T.alloc_shared((block_m,), "float32")
@@ -973,13 +976,15 @@ class _Seesaw:
     parts: int          # kv parts a step has
     alpha: Any          # (2, block_m) float32: alpha of steps e0 (row 0) and e1 (row 1) of the pair
     m: Any              # (2, block_m) float32: the running row max after step e0 / e1
-    l: Any              # (2, block_m) float32: each warpgroup's final row sum
+    l: Any              # (4, block_m) float32: each warpgroup's final row sum (rows 2b, 2b + 1: unit parity b)
     ready: Any          # ready[0]: step e0's P, alpha, max are written (WG0 -> WG1); ready[1]: e1's (WG1 -> WG0)
     scored: Any         # WG0's scores of e0 are done: WG1 issues e1's only then, so that e0's (the head of
                         # the pair's chain) get the tensor cores alone (trace: 1650-2500 cycles shared, 1265 alone)
     full: Any           # full[slot * parts + part]: the part's TMA bytes landed
     empty: Any          # empty[slot * parts + part]: its readers are done
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
+    q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
+    q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
 
 
 @dataclass(frozen=True)
@@ -996,7 +1001,34 @@ class _SeesawRegs:
     l_i: Any            # its own running row sum
 
 
-def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace):
+@dataclass(frozen=True)
+class _At:
+    """Where a unit's steps sit in the CTA's run of steps (units=): step k of the unit is global step
+    g + k (its slot and barrier phases); its pairs are the CTA's pairs from J (ready[0], scored), its
+    whole pairs from F (ready[1]); tp: tail barrier phases used before; b: the unit's parity. Without
+    units, all 0."""
+
+    g: Any = 0
+    J: Any = 0
+    F: Any = 0
+    tp: Any = 0
+    b: Any = 0
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One unit's work as the seesaw's roles see it (attention_loop's arguments, or a tile.Units
+    binding's)."""
+
+    steps: Any
+    loads: Any
+    valid_rows: Any
+    visible: Any
+    epilogue: Any
+
+
+def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
+            units=None):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1007,6 +1039,8 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     if (kv[p_part][0], kv[p_part][1], kv[p_part][2]) != (block_m, block_n, kv[v[0]][2]):
         raise ValueError(f"attention_loop(seesaw=True) writes P ({block_m} x {block_n}, {kv[v[0]][2]}) over kv part "
                          f"{p_part}, which is {kv[p_part]}: they must match")
+    if units is not None and trace is not None:
+        raise ValueError("attention_loop(units=...) takes no trace")
     # each warpgroup its own fragments: TileLang lays a fragment out over the threads of the branch that
     # first uses it, so one shared between the two warpgroups' branches gets no code in the other
     f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"),
@@ -1014,54 +1048,145 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                      *(T.alloc_fragment((block_m,), "float32") for _ in range(6))) for _ in range(2)]
     n = stages * len(kv)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
-                 T.alloc_shared((2, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
+                 T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
                  T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n),
-                 T.alloc_barrier([PRODUCER]))
-    _seesaw_warpgroups(steps, loads, q, kv_s, v, valid_rows, visible, scale, f[0], f[1], sw, stages, epilogue,
-                       kv[v[0]][1], trace)
+                 T.alloc_barrier([PRODUCER]),
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
+    if units is None:
+        unit = _Unit(steps, loads, valid_rows, visible, epilogue)
+        _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
+        return
+    # one set of scalars serves every role (each thread runs one role's code on its own registers)
+    u = units.bind()
+    cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(6)))
+    unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue)
+    _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt)
 
 
 @T.macro
-def _seesaw_warpgroups(steps, loads, q, kv, v, valid_rows, visible, scale, f0, f1, sw, stages, epilogue, col1, trace):
+def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
     tx = T.get_thread_binding()
     if tx < WG:
-        _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha,
-                    f0.row_sum, f0.l_i, sw, stages, trace)
-        _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, epilogue)
+        T.set_max_nreg(SEESAW_REGS, 1)
+        _seesaw_wg0(unit, _At(), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha, f0.row_sum, f0.l_i,
+                    sw, stages, trace)
+        _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
     elif tx < 2 * WG:
-        _seesaw_wg1(steps, q, kv, v, valid_rows, visible, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha,
-                    f1.alpha0, f1.row_sum, f1.l_i, sw, stages, trace)
-        _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, epilogue)
+        T.set_max_nreg(SEESAW_REGS, 1)
+        _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
+                    f1.row_sum, f1.l_i, sw, stages, trace)
+        _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
-        _seesaw_producer(steps, loads, kv, v, valid_rows, sw, stages, trace)
+        _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
+
+
+# ---- units (tile.Units): a persistent CTA runs the seesaw over a list of units back to back ----------
+#
+# Every step-indexed barrier takes the CTA's global step g + k (slot (g + k) % stages, its parity), the
+# pair barriers the CTA's pair count, the tail barrier the count of earlier units with a partial last
+# step: so the producer runs on into the next unit's query and first steps while the MMA warpgroups
+# finish the last one's P V and write its output. The query comes by TMA (q_full), issued once both
+# MMA warpgroups have done the last unit's scores (q_empty).
+
+@dataclass(frozen=True)
+class _Counts:
+    """A persistent CTA's running counts (int32 variables, each thread its own role's): steps, pairs and
+    whole pairs of the units before, tail phases used, units done; partial: the last unit's tail."""
+
+    g: Any
+    J: Any
+    F: Any
+    tp: Any
+    done: Any
+    partial: Any
+
+
+def _unit_at(cnt):
+    return _At(cnt.g[0], cnt.J[0], cnt.F[0], cnt.tp[0], cnt.done[0] % 2)
+
+
+def _advance(unit, block_n, cnt):
+    _advance_counts(unit.steps, unit.valid_rows, block_n, cnt.g, cnt.J, cnt.F, cnt.tp, cnt.done, cnt.partial)
 
 
 @T.macro
-def _seesaw_producer(steps, loads, kv, v, valid_rows, sw, stages, trace):
+def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, block_n, cnt):
+    T.sync_threads()                    # barrier initialization is visible to every role
+    tx = T.get_thread_binding()
+    if tx < WG:
+        T.set_max_nreg(SEESAW_REGS, 1)
+        for x in T.serial(units.end - units.begin):
+            u.load(units.begin + x)
+            T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
+            _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev,
+                        f0.alpha, f0.row_sum, f0.l_i, sw, stages, None)
+            T.mbarrier_arrive(sw.q_empty[0])
+            _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, cnt.done[0] % 2)
+            _advance(unit, block_n, cnt)
+    elif tx < 2 * WG:
+        T.set_max_nreg(SEESAW_REGS, 1)
+        for x in T.serial(units.end - units.begin):
+            u.load(units.begin + x)
+            T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
+            _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev,
+                        f1.alpha, f1.alpha0, f1.row_sum, f1.l_i, sw, stages, None)
+            T.mbarrier_arrive(sw.q_empty[0])
+            _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, cnt.done[0] % 2)
+            _advance(unit, block_n, cnt)
+    else:
+        T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
+        for x in T.serial(units.end - units.begin):
+            u.load(units.begin + x)
+            T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's scores are issued
+            _issue_query(u.query(), q, sw.q_full[0])
+            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, None)
+            _advance(unit, block_n, cnt)
+
+
+def _issue_query(copies, q, bar):
+    # the unit's query tiles by TMA; every producer thread then arrives (TMA adds the bytes)
+    for src, part in copies:
+        emit(T.tma_copy(src, q[part][0:q[part].shape[0], :], barrier=bar))
+    emit(T.mbarrier_arrive(bar))
+
+
+@T.macro
+def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done, partial):
+    # the unit is done: move every role's count past its steps, pairs and tail phase
+    partial = T.if_then_else(T.And(steps > 0, valid_rows < steps * block_n), 1, 0)
+    g = g + steps
+    J = J + T.ceildiv(steps, 2)
+    F = F + steps // 2
+    tp = tp + partial
+    done = done + 1
+
+
+@T.macro
+def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
     # part by part, in order, each as soon as its readers have released it
-    for k in T.serial(steps):
-        _issue_parts(loads, k, kv, stages, sw)
+    for k in T.serial(unit.steps):
+        _issue_parts(unit.loads, k, at.g, kv, stages, sw)
         _stamp(trace, k, "prod wait2/issue")
-        if _valid(valid_rows, k, kv) < kv[0].shape[1]:
-            _wait_full(sw, k, stages, v)
-            _zero_rows(kv, v, k % stages, _valid(valid_rows, k, kv))
+        if _valid(unit.valid_rows, k, kv) < kv[0].shape[1]:
+            _wait_full(sw, at.g + k, stages, v)
+            _zero_rows(kv, v, (at.g + k) % stages, _valid(unit.valid_rows, k, kv))
             T.fence_proxy_async()                                       # generic stores -> WGMMA reads
             T.mbarrier_arrive(sw.tail[0])
 
 
-def _issue_parts(loads, k, kv, stages, sw):
-    # step k's copies part by part, each once its slot's part is released; every producer thread
-    # arrives on the part's full barrier (TMA adds the bytes)
+def _issue_parts(loads, k, g, kv, stages, sw):
+    # step k's copies (the CTA's step g + k) part by part, each once its slot's part is released; every
+    # producer thread arrives on the part's full barrier (TMA adds the bytes)
     for part in range(len(kv)):
-        bar = sw.full[_part(sw, k, stages, part)]
-        emit(T.mbarrier_wait_parity(sw.empty[_part(sw, k, stages, part)], ((k // stages) % 2) ^ 1))
+        bar = sw.full[_part(sw, g + k, stages, part)]
+        emit(T.mbarrier_wait_parity(sw.empty[_part(sw, g + k, stages, part)], (((g + k) // stages) % 2) ^ 1))
         for src, p, row0, rows in loads(k):
             if p == part:
-                emit(T.tma_copy(src, kv[p][k % stages, row0:row0 + rows, :], barrier=bar))
+                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar))
         emit(T.mbarrier_arrive(bar))
 
 
@@ -1097,11 +1222,11 @@ def _release(sw, k, stages, parts, times=1):
 
 
 @T.macro
-def _wait_tail(k, kv, valid_rows, sw):
+def _wait_tail(k, kv, valid_rows, sw, tp):
     # before a P V of the last step: its value rows past the valid ones are zeroed (P is 0 there,
-    # 0 * NaN is not)
+    # 0 * NaN is not); tp: the tail phases used before
     if _valid(valid_rows, k, kv) < kv[0].shape[1]:
-        T.mbarrier_wait_parity(sw.tail[0], 0)
+        T.mbarrier_wait_parity(sw.tail[0], tp % 2)
 
 
 @T.macro
@@ -1118,95 +1243,93 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 
 
 @T.macro
-def _seesaw_wg0(steps, q, kv, v, valid_rows, visible, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages,
-                trace):
+def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
-    # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1
-    T.set_max_nreg(SEESAW_REGS, 1)
+    # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
+    # slots and barrier phases from `at`)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
-    for j in T.serial(T.ceildiv(steps, 2)):
+    for j in T.serial(T.ceildiv(unit.steps, 2)):
         _stamp(trace, j, "wg0 ready")
-        _seesaw_scores(q, kv, 2 * j, stages, sw, acc_s)
+        _seesaw_scores(q, kv, at.g + 2 * j, stages, sw, acc_s)
         T.mbarrier_arrive(sw.scored[0])
-        _release(sw, 2 * j, stages, [v[1]])                         # WG0's read of V_1 of e0 (its scores)
+        _release(sw, at.g + 2 * j, stages, [v[1]])                  # WG0's read of V_1 of e0 (its scores)
         _stamp(trace, j, "wg0 S")
-        _softmax(2 * j, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+        _softmax(2 * j, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
         _stamp(trace, j, "wg0 softmax")
-        _publish(2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
+        _publish(at.g + 2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
         _stamp(trace, j, "wg0 p_ready")
-        _wait_tail(2 * j, kv, valid_rows, sw)
+        _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
         _scale_rows(o, alpha)
-        _issue_pv(kv, sw, kv[v[0]], 2 * j, stages, o)
+        _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j, stages, o)
         # released before waiting for WG1's step: V_0 of e0 then reloads ~1300 cycles earlier, under
         # WG1's softmax, and the next pair's scores start on it (trace: they waited for the bytes)
         T.wait_wgmma(0)
-        _release(sw, 2 * j, stages, [v[0]], 2)                      # V_0 of e0: WG0 is its only reader
-        _release(sw, 2 * j, stages, [sw.p_part])
+        _release(sw, at.g + 2 * j, stages, [v[0]], 2)               # V_0 of e0: WG0 is its only reader
+        _release(sw, at.g + 2 * j, stages, [sw.p_part])
         _stamp(trace, j, "wg0 PV+empty")
-        if 2 * j + 1 < steps:
-            T.mbarrier_wait_parity(sw.ready[1][0], j % 2)
+        if 2 * j + 1 < unit.steps:
+            T.mbarrier_wait_parity(sw.ready[1][0], (at.F + j) % 2)
             _stamp(trace, j, "wg0 p_free")
             for i in T.Parallel(alpha.shape[0]):
                 alpha[i] = sw.alpha[1, i]
                 m_i[i] = sw.m[1, i]
                 l_i[i] *= sw.alpha[1, i]
-            _wait_tail(2 * j + 1, kv, valid_rows, sw)
+            _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
             _scale_rows(o, alpha)
-            _issue_pv(kv, sw, kv[v[0]], 2 * j + 1, stages, o)
+            _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j + 1, stages, o)
             T.wait_wgmma(0)
-            _release(sw, 2 * j + 1, stages, [v[0], sw.p_part])
+            _release(sw, at.g + 2 * j + 1, stages, [v[0], sw.p_part])
 
 
 @T.macro
-def _seesaw_wg1(steps, q, kv, v, valid_rows, visible, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw,
-                stages, trace):
+def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
     # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
-    T.set_max_nreg(SEESAW_REGS, 1)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
-    for j in T.serial(T.ceildiv(steps, 2)):
-        if 2 * j + 1 < steps:
-            T.mbarrier_wait_parity(sw.scored[0], j % 2)
-            _seesaw_scores(q, kv, 2 * j + 1, stages, sw, acc_s)
-            _release(sw, 2 * j + 1, stages, [v[0]])                 # WG1's read of V_0 of e1 (its scores)
+    for j in T.serial(T.ceildiv(unit.steps, 2)):
+        if 2 * j + 1 < unit.steps:
+            T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
+            _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s)
+            _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
             _stamp(trace, j, "wg1 raw")
-        T.mbarrier_wait_parity(sw.ready[0][0], j % 2)
+        T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
         # (already complete: orders e0's TMA bytes before this warpgroup's own reads)
-        _wait_full(sw, 2 * j, stages, [v[1]])
-        _wait_tail(2 * j, kv, valid_rows, sw)
+        _wait_full(sw, at.g + 2 * j, stages, [v[1]])
+        _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
         _stamp(trace, j, "wg1 p_ready")
         for i in T.Parallel(alpha0.shape[0]):
             alpha0[i] = sw.alpha[0, i]
             m_i[i] = sw.m[0, i]
             l_i[i] *= sw.alpha[0, i]
         _scale_rows(o, alpha0)
-        _issue_pv(kv, sw, kv[v[1]], 2 * j, stages, o)
-        if 2 * j + 1 < steps:
-            _softmax(2 * j + 1, acc_s, visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-            _publish(2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
+        _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
+        if 2 * j + 1 < unit.steps:
+            _softmax(2 * j + 1, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
+            _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
             _stamp(trace, j, "wg1 convert")
         T.wait_wgmma(0)
-        _release(sw, 2 * j, stages, [v[1], sw.p_part])
-        if 2 * j + 1 < steps:
-            _wait_tail(2 * j + 1, kv, valid_rows, sw)
+        _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])
+        if 2 * j + 1 < unit.steps:
+            _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
             _scale_rows(o, alpha)
-            _issue_pv(kv, sw, kv[v[1]], 2 * j + 1, stages, o)
+            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j + 1, stages, o)
             T.wait_wgmma(0)
-            _release(sw, 2 * j + 1, stages, [v[1]], 2)              # V_1 of e1: WG1 is its only reader
-            _release(sw, 2 * j + 1, stages, [sw.p_part])
+            _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)       # V_1 of e1: WG1 is its only reader
+            _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
         _stamp(trace, j, "wg1 PV+free")
 
 
 @T.macro
-def _seesaw_finish(n, o, col, l_i, m_i, sw, epilogue):
-    # both warpgroups end on the same running max; the row sum is the sum of their two
+def _seesaw_finish(n, o, col, l_i, m_i, sw, epilogue, b):
+    # both warpgroups end on the same running max; the row sum is the sum of their two (rows of
+    # parity b: a warpgroup a unit ahead writes the other pair of rows)
     for i in T.Parallel(l_i.shape[0]):
-        sw.l[n, i] = l_i[i]
+        sw.l[2 * b + n, i] = l_i[i]
     T.sync_threads(SEESAW_BAR, 2 * WG)
     for i in T.Parallel(l_i.shape[0]):
-        l_i[i] = sw.l[0, i] + sw.l[1, i]
+        l_i[i] = sw.l[2 * b, i] + sw.l[2 * b + 1, i]
     epilogue(o, col, l_i, m_i, n == 0)
