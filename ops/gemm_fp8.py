@@ -562,7 +562,7 @@ THIN_STAGES = 16
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
-         clusters=None) -> dict:
+         clusters=None, thin: bool | None = None) -> dict:
     """Tile sizes, pipeline depth and split-K for one call (a pure function of the shapes, so the
     same shapes always take the same path: deterministic and batch-invariant per shape).
 
@@ -577,8 +577,9 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     same dicts as before. With it, grids of two or more waves whose n tiles pair up take
     "multicast" (MULTICAST): the two n-neighbours of a tile share its A loads in a cluster.
 
-    THIN_TILES: where split-K would be used and the one-wave thin tiling (thin_tiles: block_m 64 even
-    for 128 rows) is THIN_WIDTHS wide, those tiles instead, with up to THIN_STAGES stages.
+    THIN_TILES (thin, default THIN_TILES): where split-K would be used and the one-wave thin tiling
+    (thin_tiles: block_m 64 even for 128 rows) is THIN_WIDTHS wide, those tiles instead, with up to
+    THIN_STAGES stages.
 
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
@@ -587,6 +588,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     needed a second wave of clusters would run twice as long.
     """
     overlap = OVERLAP if overlap is None else overlap
+    thin = THIN_TILES if thin is None else thin
     block_n = 128 if n % 128 == 0 else 64
     kb = k // GROUP
     tiles = -(-rows // block_m) * (n // block_n)
@@ -596,7 +598,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
         block_n = 64
     most = OVERLAP_STAGES if overlap else 4
-    if THIN_TILES and overlap and mode == "dense" and splits > 1:
+    if thin and overlap and mode == "dense" and splits > 1:
         thin = thin_tiles(rows, n, sms)
         if thin is not None and thin[1] in THIN_WIDTHS:
             (block_m, block_n), splits, most = thin, 1, THIN_STAGES
@@ -689,8 +691,12 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
         room = (lambda c, t, smem: max_active_clusters(a2, c, t, smem)) if target.vendor == "cuda" else None
-        p = plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap, clusters=room)
-        if "cluster" not in override and {"splits", "block_n", "stages"} & override.keys():
+        # a caller that sets the tiles or the split gets them on the split-K plan (its block_m and
+        # stages), not on the thin one-wave plan
+        forced = {"splits", "block_n", "stages"} & override.keys()
+        p = plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap, clusters=room,
+                 thin=False if forced else None)
+        if "cluster" not in override and forced:
             p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
         p.update(override)
         if p.get("cluster_smem"):

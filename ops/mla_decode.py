@@ -172,10 +172,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     exactly what the CTA of that (sequence, split) computes without persistent."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
-                           and not trace and block_n == BLOCK_N):
+                           and not trace and block_n == BLOCK_N and page >= BLOCK_N):
+        # (pages under 64 tokens: TileLang 0.1.15 cannot TMA a page into part of the swizzled step tile)
         raise ValueError("persistent=True is built for seesaw=True with the bf16 cache, swapped=False, 64-token steps, "
-                         f"no trace and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, kv_format={kv_format!r}, "
-                         f"swapped={swapped}, block_n={block_n}, trace={trace}, s_q * h_q={s_q * h_q}")
+                         f"pages of 64+ tokens, no trace and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
+                         f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, trace={trace}, "
+                         f"s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")

@@ -325,6 +325,7 @@ def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     assert fixed + p["stages"] * stage <= gemm_fp8.SMEM_BUDGET < fixed + (p["stages"] + 1) * stage
     assert plan("dense", 64, 4096, 7168, 64)["stages"] == gemm_fp8.THIN_STAGES
     assert (plan("dense", 64, 7168, 16384, 64)["block_n"], plan("dense", 128, 2112, 7168, 128)["block_n"]) == (64, 32)
+    assert plan("dense", 128, 4096, 7168, 128, thin=False) == default   # what a launch with its split forced gets
     for args, before in split_kept.items():               # 16 wide (64 x 2112) and 128 wide: split-K stays
         assert plan(*args) == before, args
     for args in (("dense", 4096, 7168, 16384, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),

@@ -1,5 +1,6 @@
 """ops.mla_decode: FlashMLA's interface and thresholds, one tile program for every GPU target."""
 
+import importlib
 import math
 import re
 
@@ -489,7 +490,7 @@ def test_persistent_builds_and_says_what_it_needs():
     assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
     _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
     assert "0 bytes spill stores" in log, log
-    for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(trace=True)):
+    for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(trace=True), dict(page=32)):
         with pytest.raises(ValueError, match="persistent=True is built for"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
 
@@ -616,15 +617,14 @@ def test_gpu_seesaw_matches_reference(b, s_q, h_q, lens, page):
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
     (2, 1, 64, [16384, 8000], 64, 132),         # splits + combine
-    (5, 1, 128, [129, 4096, 1, 777, 64], 16, 10),
+    (5, 1, 128, [129, 4096, 1, 777, 64], 128, 10),
     (4, 1, 64, [1000, 300, 5000, 63], 256, 6),
 ])
 def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
     """The persistent seesaw gives each unit exactly the bits of the seesaw CTA of that (sequence,
     split), however its units are dealt to parts (the part count forced low through the SM count, so a
     CTA runs several units back to back), within the reference's bounds, and the same from a CUDA graph."""
-    from ops import mla_decode as mla
-
+    mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     scale = D ** -0.5
