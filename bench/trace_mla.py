@@ -37,7 +37,9 @@ def main() -> int:
              "fp8-16-unfolded": (1, "fp8", dict(swapped_fp8, fold_scales=False)),
              "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS),
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
-             "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True))}
+             "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True)),
+             # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2)
+             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True))}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)
@@ -74,15 +76,22 @@ def main() -> int:
         lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
         o_part = torch.zeros(1, 64 * -(-rows // 64), D_V, dtype=torch.float32, device="cuda")
         lse_part = torch.empty(1, 64 * -(-rows // 64), dtype=torch.float32, device="cuda")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        units, ctas = (), b * -(-rows // 64)
+        if tiling.get("persistent"):        # one wave: sms // m_tiles parts of m_tiles CTAs
+            units = sched.persistent_units(sms // -(-rows // 64))
+            ctas = (units[1].shape[0] - 1) * -(-rows // 64)
         for _ in range(3):
             kernel.launcher()(i["q"].view(b, rows, D_QK), kvv, kvv.view(torch.float32), kvv.view(torch.bfloat16),
-                              i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, 1,
-                              float(i["scale"] * LOG2E))
+                              i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part,
+                              *units, 1, float(i["scale"] * LOG2E))
         torch.cuda.synchronize()
         st = o_part[0, :64, :16].contiguous().view(torch.int32).long().cpu()
         base = st[:, 0]
         print(f"== {case} {fmt} {tiling}: step period (wg0 ready k+1 - k), cycles:",
               [int(x) for x in (base[1:33] - base[:32])])
+        if units:
+            print("  persistent, pairs 28-63 (the second unit from 32):", [int(x) for x in (base[29:64] - base[28:63])])
         for e, name in enumerate(EVENTS):
             if not st[20:28, e].any():
                 continue  # an event this pipeline does not have
@@ -93,7 +102,7 @@ def main() -> int:
             print("  CTA 1 (sibling tile) step period:", [int(x) for x in (sib[1:33] - sib[:32])])
             print("  CTA 1 wg0 ready - CTA 0 wg0 ready (clocks of two SMs, offset unknown but fixed):",
                   [int(x) for x in (sib[:32] - base[:32])])
-        print(timeline(o_part[0], b * -(-rows // 64), torch.cuda.get_device_properties(0).multi_processor_count))
+        print(timeline(o_part[0], ctas, sms))
     return 0
 
 

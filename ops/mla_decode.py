@@ -172,11 +172,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     exactly what the CTA of that (sequence, split) computes without persistent."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
-                           and not trace and block_n == BLOCK_N and page >= BLOCK_N):
+                           and block_n == BLOCK_N and page >= BLOCK_N):
         # (pages under 64 tokens: TileLang 0.1.15 cannot TMA a page into part of the swizzled step tile)
         raise ValueError("persistent=True is built for seesaw=True with the bf16 cache, swapped=False, 64-token steps, "
-                         f"pages of 64+ tokens, no trace and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
-                         f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, trace={trace}, "
+                         f"pages of 64+ tokens and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
+                         f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, "
                          f"s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
@@ -314,11 +314,16 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
-                    stages=stages, seesaw=True,
+                    stages=stages, seesaw=True, trace=OPart if trace else None,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
-                        Q, KV, BlockTable, SeqLens, Splits, UnitList, max_splits, mt, q_parts, num_pages, page,
-                        h_q, s_q, causal, lambda u, o, col0, l, m, stats: epilogue(
-                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, u.bi, mt, u.si, u.splits, max_splits))))
+                        UnitList, Splits, SeqLens, max_splits, s_q, causal,
+                        loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
+                                                        bf16_parts(KV)),
+                        limit=lambda base, i: limit(base, mt, i),
+                        epilogue=lambda u, o, col0, l, m, stats: epilogue(
+                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, u.bi, mt, u.si, u.splits, max_splits),
+                        query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
+                                         for n, (c0, w, _) in enumerate(q_parts)])))
 
         return mla_decode_persistent
 
@@ -383,25 +388,22 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
 class _MlaUnit:
     """A persistent CTA's binding of its current unit (tile.Units.bind): the (sequence, split) scalars
-    of one unit and the copies, mask and epilogue of its attention loop, as the CTA of that unit
-    computes them without persistent (64-token steps, the bf16 cache)."""
+    of one unit, and its attention loop's copies, mask, epilogue and query copies from the program's
+    own closures (each taking the binding first), as the CTA of that (sequence, split) computes them
+    without persistent (64-token steps)."""
 
-    def __init__(self, Q, KV, BlockTable, SeqLens, Splits, UnitList, max_splits, mt, q_parts, num_pages, page, h_q,
-                 s_q, causal, epilogue):
+    def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, limit, epilogue, query):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
         # the scalars as expressions (reads of the variables that load() sets)
-        self.bi, self.si, self.splits, self.seqlen, first, self.steps = (v[0] for v in vars_)
-        self.valid_rows = self.seqlen - first * BLOCK_N
+        self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
+        self.valid_rows = self.seqlen - self.first * BLOCK_N
         base = self.seqlen - s_q + 1 if causal else self.seqlen
         self.load = lambda u: _load_unit(UnitList, Splits, SeqLens, max_splits, u, *vars_)
-        self.loads = lambda k: _page_copies(BlockTable, self.bi, first + k, page, BLOCK_N, num_pages,
-                                            [(KV, 0, D_V // 2, 0), (KV, D_V // 2, D_V // 2, 1), (KV, D_V, D_ROPE, 2)])
-        self.visible = lambda k, i, j: ((first + k) * BLOCK_N + j <
-                                        (base + (mt * BLOCK_M + i) // h_q if causal else base))
-        self.all_visible = lambda k: (first + k + 1) * BLOCK_N <= base
+        self.loads = lambda k: loads(self, k)
+        self.visible = lambda k, i, j: (self.first + k) * BLOCK_N + j < limit(base, i)
+        self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
-        self.query = lambda: [(Q[self.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
-                              for n, (c0, w, _) in enumerate(q_parts)]
+        self.query = lambda: query(self)
 
 
 @T.macro

@@ -1039,8 +1039,6 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     if (kv[p_part][0], kv[p_part][1], kv[p_part][2]) != (block_m, block_n, kv[v[0]][2]):
         raise ValueError(f"attention_loop(seesaw=True) writes P ({block_m} x {block_n}, {kv[v[0]][2]}) over kv part "
                          f"{p_part}, which is {kv[p_part]}: they must match")
-    if units is not None and trace is not None:
-        raise ValueError("attention_loop(units=...) takes no trace")
     # each warpgroup its own fragments: TileLang lays a fragment out over the threads of the branch that
     # first uses it, so one shared between the two warpgroups' branches gets no code in the other
     f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"),
@@ -1060,7 +1058,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     u = units.bind()
     cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(6)))
     unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue)
-    _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt)
+    _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt, trace)
 
 
 @T.macro
@@ -1114,7 +1112,9 @@ def _advance(unit, block_n, cnt):
 
 
 @T.macro
-def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, block_n, cnt):
+def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, block_n, cnt, trace):
+    # trace: the stamps go by the CTA's pair (producer: step) count, across its units
+    _timeline(trace, 0)
     T.sync_threads()                    # barrier initialization is visible to every role
     tx = T.get_thread_binding()
     if tx < WG:
@@ -1123,17 +1123,18 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
             u.load(units.begin + x)
             T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev,
-                        f0.alpha, f0.row_sum, f0.l_i, sw, stages, None)
+                        f0.alpha, f0.row_sum, f0.l_i, sw, stages, trace)
             T.mbarrier_arrive(sw.q_empty[0])
             _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, cnt.done[0] % 2)
             _advance(unit, block_n, cnt)
+        _timeline(trace, 1)
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         for x in T.serial(units.end - units.begin):
             u.load(units.begin + x)
             T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
             _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev,
-                        f1.alpha, f1.alpha0, f1.row_sum, f1.l_i, sw, stages, None)
+                        f1.alpha, f1.alpha0, f1.row_sum, f1.l_i, sw, stages, trace)
             T.mbarrier_arrive(sw.q_empty[0])
             _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, cnt.done[0] % 2)
             _advance(unit, block_n, cnt)
@@ -1143,7 +1144,7 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
             u.load(units.begin + x)
             T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's scores are issued
             _issue_query(u.query(), q, sw.q_full[0])
-            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, None)
+            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace)
             _advance(unit, block_n, cnt)
 
 
@@ -1170,7 +1171,7 @@ def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
     # part by part, in order, each as soon as its readers have released it
     for k in T.serial(unit.steps):
         _issue_parts(unit.loads, k, at.g, kv, stages, sw)
-        _stamp(trace, k, "prod wait2/issue")
+        _stamp(trace, at.g + k, "prod wait2/issue")
         if _valid(unit.valid_rows, k, kv) < kv[0].shape[1]:
             _wait_full(sw, at.g + k, stages, v)
             _zero_rows(kv, v, (at.g + k) % stages, _valid(unit.valid_rows, k, kv))
@@ -1251,15 +1252,15 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
     for j in T.serial(T.ceildiv(unit.steps, 2)):
-        _stamp(trace, j, "wg0 ready")
+        _stamp(trace, at.J + j, "wg0 ready")
         _seesaw_scores(q, kv, at.g + 2 * j, stages, sw, acc_s)
         T.mbarrier_arrive(sw.scored[0])
         _release(sw, at.g + 2 * j, stages, [v[1]])                  # WG0's read of V_1 of e0 (its scores)
-        _stamp(trace, j, "wg0 S")
+        _stamp(trace, at.J + j, "wg0 S")
         _softmax(2 * j, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-        _stamp(trace, j, "wg0 softmax")
+        _stamp(trace, at.J + j, "wg0 softmax")
         _publish(at.g + 2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
-        _stamp(trace, j, "wg0 p_ready")
+        _stamp(trace, at.J + j, "wg0 p_ready")
         _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
         _scale_rows(o, alpha)
         _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j, stages, o)
@@ -1268,10 +1269,10 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
         T.wait_wgmma(0)
         _release(sw, at.g + 2 * j, stages, [v[0]], 2)               # V_0 of e0: WG0 is its only reader
         _release(sw, at.g + 2 * j, stages, [sw.p_part])
-        _stamp(trace, j, "wg0 PV+empty")
+        _stamp(trace, at.J + j, "wg0 PV+empty")
         if 2 * j + 1 < unit.steps:
             T.mbarrier_wait_parity(sw.ready[1][0], (at.F + j) % 2)
-            _stamp(trace, j, "wg0 p_free")
+            _stamp(trace, at.J + j, "wg0 p_free")
             for i in T.Parallel(alpha.shape[0]):
                 alpha[i] = sw.alpha[1, i]
                 m_i[i] = sw.m[1, i]
@@ -1295,12 +1296,12 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
             T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
             _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s)
             _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
-            _stamp(trace, j, "wg1 raw")
+            _stamp(trace, at.J + j, "wg1 raw")
         T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
         # (already complete: orders e0's TMA bytes before this warpgroup's own reads)
         _wait_full(sw, at.g + 2 * j, stages, [v[1]])
         _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
-        _stamp(trace, j, "wg1 p_ready")
+        _stamp(trace, at.J + j, "wg1 p_ready")
         for i in T.Parallel(alpha0.shape[0]):
             alpha0[i] = sw.alpha[0, i]
             m_i[i] = sw.m[0, i]
@@ -1310,7 +1311,7 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
         if 2 * j + 1 < unit.steps:
             _softmax(2 * j + 1, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
             _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
-            _stamp(trace, j, "wg1 convert")
+            _stamp(trace, at.J + j, "wg1 convert")
         T.wait_wgmma(0)
         _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])
         if 2 * j + 1 < unit.steps:
@@ -1320,7 +1321,7 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
             T.wait_wgmma(0)
             _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)       # V_1 of e1: WG1 is its only reader
             _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
-        _stamp(trace, j, "wg1 PV+free")
+        _stamp(trace, at.J + j, "wg1 PV+free")
 
 
 @T.macro
