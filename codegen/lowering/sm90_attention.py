@@ -1005,14 +1005,12 @@ class _SeesawRegs:
 class _At:
     """Where a unit's steps sit in the CTA's run of steps (units=): step k of the unit is global step
     g + k (its slot and barrier phases); its pairs are the CTA's pairs from J (ready[0], scored), its
-    whole pairs from F (ready[1]); tp: tail barrier phases used before; b: the unit's parity. Without
-    units, all 0."""
+    whole pairs from F (ready[1]); tp: tail barrier phases used before. Without units, all 0."""
 
     g: Any = 0
     J: Any = 0
     F: Any = 0
     tp: Any = 0
-    b: Any = 0
 
 
 @dataclass(frozen=True)
@@ -1056,7 +1054,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
         return
     # one set of scalars serves every role (each thread runs one role's code on its own registers)
     u = units.bind()
-    cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(6)))
+    cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(5)))
     unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue)
     _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt, trace)
 
@@ -1093,22 +1091,21 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
 @dataclass(frozen=True)
 class _Counts:
     """A persistent CTA's running counts (int32 variables, each thread its own role's): steps, pairs and
-    whole pairs of the units before, tail phases used, units done; partial: the last unit's tail."""
+    whole pairs of the units before, tail phases used, units done."""
 
     g: Any
     J: Any
     F: Any
     tp: Any
     done: Any
-    partial: Any
 
 
 def _unit_at(cnt):
-    return _At(cnt.g[0], cnt.J[0], cnt.F[0], cnt.tp[0], cnt.done[0] % 2)
+    return _At(cnt.g[0], cnt.J[0], cnt.F[0], cnt.tp[0])
 
 
 def _advance(unit, block_n, cnt):
-    _advance_counts(unit.steps, unit.valid_rows, block_n, cnt.g, cnt.J, cnt.F, cnt.tp, cnt.done, cnt.partial)
+    _advance_counts(unit.steps, unit.valid_rows, block_n, cnt.g, cnt.J, cnt.F, cnt.tp, cnt.done)
 
 
 @T.macro
@@ -1118,26 +1115,10 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
     T.sync_threads()                    # barrier initialization is visible to every role
     tx = T.get_thread_binding()
     if tx < WG:
-        T.set_max_nreg(SEESAW_REGS, 1)
-        for x in T.serial(units.end - units.begin):
-            u.load(units.begin + x)
-            T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
-            _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev,
-                        f0.alpha, f0.row_sum, f0.l_i, sw, stages, trace)
-            T.mbarrier_arrive(sw.q_empty[0])
-            _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, cnt.done[0] % 2)
-            _advance(unit, block_n, cnt)
+        _seesaw_units_mma(0, units, u, unit, q, kv, v, scale, f0, sw, stages, 0, block_n, cnt, trace)
         _timeline(trace, 1)
     elif tx < 2 * WG:
-        T.set_max_nreg(SEESAW_REGS, 1)
-        for x in T.serial(units.end - units.begin):
-            u.load(units.begin + x)
-            T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
-            _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev,
-                        f1.alpha, f1.alpha0, f1.row_sum, f1.l_i, sw, stages, trace)
-            T.mbarrier_arrive(sw.q_empty[0])
-            _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, cnt.done[0] % 2)
-            _advance(unit, block_n, cnt)
+        _seesaw_units_mma(1, units, u, unit, q, kv, v, scale, f1, sw, stages, col1, block_n, cnt, trace)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
@@ -1148,6 +1129,24 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
             _advance(unit, block_n, cnt)
 
 
+@T.macro
+def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, block_n, cnt, trace):
+    # MMA warpgroup n's units: each once its query has landed; q_empty once its last scores are issued
+    T.set_max_nreg(SEESAW_REGS, 1)
+    for x in T.serial(units.end - units.begin):
+        u.load(units.begin + x)
+        T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
+        if n == 0:
+            _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
+                        f.l_i, sw, stages, trace)
+        else:
+            _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
+                        f.row_sum, f.l_i, sw, stages, trace)
+        T.mbarrier_arrive(sw.q_empty[0])
+        _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
+        _advance(unit, block_n, cnt)
+
+
 def _issue_query(copies, q, bar):
     # the unit's query tiles by TMA; every producer thread then arrives (TMA adds the bytes)
     for src, part in copies:
@@ -1156,13 +1155,13 @@ def _issue_query(copies, q, bar):
 
 
 @T.macro
-def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done, partial):
-    # the unit is done: move every role's count past its steps, pairs and tail phase
-    partial = T.if_then_else(T.And(steps > 0, valid_rows < steps * block_n), 1, 0)
+def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done):
+    # the unit is done: move every role's count past its steps, pairs and tail phase (a unit whose last
+    # step is partial used one)
+    tp = tp + T.if_then_else(T.And(steps > 0, valid_rows < steps * block_n), 1, 0)
     g = g + steps
     J = J + T.ceildiv(steps, 2)
     F = F + steps // 2
-    tp = tp + partial
     done = done + 1
 
 
