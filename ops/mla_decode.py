@@ -534,7 +534,7 @@ def _persistent_units(splits, max_splits, seqlens, parts):
     # unit i goes to the part its cost midpoint falls in: contiguous runs, non-decreasing parts
     end = torch.cumsum(ccost, 0)
     total = end[-1:].clamp(min=1)
-    part = torch.minimum((2 * end - ccost) * parts // (2 * total), torch.tensor(parts - 1, device=dev))
+    part = ((2 * end - ccost) * parts // (2 * total)).clamp(max=parts - 1)   # (no host tensor: graph-safe)
     part = torch.where(ccost > 0, part, parts)
     counts = torch.zeros(parts + 1, dtype=torch.long, device=dev).scatter_add_(0, part, torch.ones_like(part))
     part_start = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:parts], 0)]).to(torch.int32)
