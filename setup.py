@@ -23,7 +23,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest==9.0.3", "hypothesis==6.155.2", "transformers==5.17.0", "safetensors==0.8.0"],
+        "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "hypothesis==6.155.2", "transformers==5.17.0", "safetensors==0.8.0"],
         # nvcc + headers + disassemblers from pip: build and inspect kernels with no CUDA toolkit
         "cuda": ["nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-cccl==13.0.85",
                  "nvidia-cuda-cuobjdump==13.2.86", "nvidia-cuda-nvdisasm==13.2.86"],
