@@ -79,10 +79,11 @@ def main() -> int:
         o_part = torch.zeros(1, 64 * -(-rows // 64), D_V, dtype=torch.float32, device="cuda")
         lse_part = torch.empty(1, 64 * -(-rows // 64), dtype=torch.float32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        units, ctas = (), b * -(-rows // 64)
+        m_tiles = -(-rows // 64)
+        units, ctas = (), b * m_tiles
         if tiling.get("persistent"):        # one wave: sms // m_tiles parts of m_tiles CTAs
-            units = sched.persistent_units(sms // -(-rows // 64))
-            ctas = (units[1].shape[0] - 1) * -(-rows // 64)
+            units = sched.persistent_units(sms // m_tiles)
+            ctas = (units[1].shape[0] - 1) * m_tiles
         for _ in range(3):
             kernel.launcher()(i["q"].view(b, rows, D_QK), kvv, kvv.view(torch.float32), kvv.view(torch.bfloat16),
                               i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part,

@@ -599,9 +599,9 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         block_n = 64
     most = OVERLAP_STAGES if overlap else 4
     if thin and overlap and mode == "dense" and splits > 1:
-        thin = thin_tiles(rows, n, sms)
-        if thin is not None and thin[1] in THIN_WIDTHS:
-            (block_m, block_n), splits, most = thin, 1, THIN_STAGES
+        one_wave = thin_tiles(rows, n, sms)
+        if one_wave is not None and one_wave[1] in THIN_WIDTHS:
+            (block_m, block_n), splits, most = one_wave, 1, THIN_STAGES
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
