@@ -497,21 +497,6 @@ def test_persistent_builds_and_says_what_it_needs():
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
 
 
-def test_box_waits_build_nine_boxes_a_step():
-    """box_waits=True: each step's KV lands as nine 64-column boxes (8 KB; the rope is one) behind their
-    own barriers, the scores issue box by box (the same 36 MMAs in the same order), within the seesaw's
-    registers (the persistent build: the loop is the same rule's); only with the seesaw."""
-    from tests.test_gemm_fp8 import _sass_and_ptxas_log
-
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, box_waits=True, persistent=True)
-    assert src.count("tma_load(KV_desc") == 9 and src.count(".init(128)") >= 2 * 9
-    assert src.count("64, 64, 16, false, false") == 2 * 9                   # WG0's and WG1's scores, by box
-    _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-    assert "0 bytes spill stores" in log, log
-    with pytest.raises(ValueError, match="box_waits=True"):
-        mla_decode_program.source("sm_90a", h_q=128, s_q=1, box_waits=True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 2, 128, [4096, 1, 0], 64),
                                                   (2, 1, 64, [16384, 8000], 64), (3, 1, 16, [53, 1, 700], 16)])
@@ -660,28 +645,6 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,persistent", [
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, True),
-    (3, 2, 64, [300, 2049, 7], 128, True),
-    (2, 1, 64, [16384, 8000], 64, False),       # splits + combine
-    (2, 2, 128, [300, 2049], 256, False),
-])
-def test_gpu_box_waits_match_part_waits_bitwise(b, s_q, h_q, lens, page, persistent):
-    """Per-box waits (box_waits=True) issue the same MMAs in the same order as per-part waits: the same
-    bits, persistent or not, within the reference's bounds."""
-    from ops.mla_decode import _mla_decode_impl, get_mla_schedule
-
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    tiling = dict(block_n=64, stages=2, seesaw=True, **({"persistent": True} if persistent else {}))
-    ref_out, ref_lse = _mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
-    out, lse = _mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling={**tiling, "box_waits": True})
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
 
 
 @pytest.mark.gpu

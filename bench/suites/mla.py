@@ -117,7 +117,7 @@ def seesaw(case, i):
 def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
     units back to back, the next unit's query and first steps loading under the last one's output;
-    options: box_waits (the scores wait for each 8 KB box, not each 32 KB part)."""
+    options: the seesaw's (mla_decode_program's keywords)."""
     tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True,
                   **options)
     return tilecraft_variant(case, i, tiling)   # (the program says which shapes it is built for)
@@ -159,7 +159,6 @@ SUITE = Suite(
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
-        Provider("tilecraft-persistent-box", lambda c, i: persistent(c, i, box_waits=True), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -50,8 +50,7 @@ Barriers (all mbarriers; parity = use number % 2):
     empty[slot]  both MMA warpgroups are done reading the slot
     p_ready / p_free   WG0 -> WG1 hand-off of P and the row scales (one buffer)
     stats        WG0's final row max and sum are in shared memory for WG1's epilogue
-    seesaw: full / empty per kv part and slot (a part reloads as soon as its last reader is done;
-    box_cols: full per box of box_cols columns, the scores waiting box by box);
+    seesaw: full / empty per kv part and slot (a part reloads as soon as its last reader is done);
     ready[0] / ready[1]: step e0's (resp. e1's) P, alpha and row max are written; scored: WG0's
     scores of e0 are done (one use each per pair of steps); named barrier SEESAW_BAR joins both MMA
     warpgroups for the final row sums.
@@ -777,11 +776,10 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, box_cols=None):
+                   direct=None, seesaw=False, all_visible=None, units=None):
     threads = state()["threads"]
-    if (units is not None or box_cols is not None) and not seesaw:
-        raise ValueError("attention_loop(units=..., box_cols=...) (a persistent CTA's work list, per-box waits) are "
-                         "built for seesaw=True")
+    if units is not None and not seesaw:
+        raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
     visible = _Visible(visible, all_visible)
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -805,7 +803,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, box_cols)
+                units)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     alpha_s = T.alloc_shared((block_m,), "float32")
@@ -987,16 +985,6 @@ class _Seesaw:
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
     q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
-    boxes: tuple = ()   # box_cols: each kv part's boxes (full barriers each); () = one box a part
-    box_cols: int = 0
-
-    def box_count(self, p):
-        return self.boxes[p] if self.boxes else 1
-
-    def full_at(self, k, stages, p, b=0):
-        # the full barrier of box b of step k's kv part p
-        per = sum(self.boxes) if self.boxes else self.parts
-        return self.full[(k % stages) * per + (sum(self.boxes[:p]) if self.boxes else p) + b]
 
 
 @dataclass(frozen=True)
@@ -1038,7 +1026,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, box_cols=None):
+            units=None):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1055,18 +1043,11 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                      T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
                      *(T.alloc_fragment((block_m,), "float32") for _ in range(6))) for _ in range(2)]
     n = stages * len(kv)
-    boxes = ()
-    if box_cols is not None:
-        if any(d % box_cols for _, d, _ in kv):
-            raise ValueError(f"attention_loop(box_cols={box_cols}): every kv part's width must be a multiple of it, "
-                             f"got {[d for _, d, _ in kv]}")
-        boxes = tuple(d // box_cols for _, d, _ in kv)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
-                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * (stages * sum(boxes) if boxes else n)),
-                 T.alloc_barrier([2 * WG] * n), T.alloc_barrier([PRODUCER]),
-                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)),
-                 boxes, box_cols or 0)
+                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n),
+                 T.alloc_barrier([PRODUCER]),
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1199,52 +1180,31 @@ def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
 
 def _issue_parts(loads, k, g, kv, stages, sw):
     # step k's copies (the CTA's step g + k) part by part, each once its slot's part is released; every
-    # producer thread arrives on each box's full barrier (TMA adds the bytes)
+    # producer thread arrives on the part's full barrier (TMA adds the bytes)
     for part in range(len(kv)):
+        bar = sw.full[_part(sw, g + k, stages, part)]
         emit(T.mbarrier_wait_parity(sw.empty[_part(sw, g + k, stages, part)], (((g + k) // stages) % 2) ^ 1))
-        for b in range(sw.box_count(part)):
-            bar = sw.full_at(g + k, stages, part, b)
-            for src, p, row0, rows in loads(k):
-                if p == part:
-                    dst = kv[p][(g + k) % stages, row0:row0 + rows, :]
-                    if sw.boxes:
-                        src, dst = _columns(src, b * sw.box_cols, sw.box_cols), _columns(dst, b * sw.box_cols,
-                                                                                          sw.box_cols)
-                    emit(T.tma_copy(src, dst, barrier=bar))
-            emit(T.mbarrier_arrive(bar))
-
-
-def _columns(region, c0, width):
-    # columns [c0, c0 + width) of a buffer region, counted from its first column
-    from tvm import ir, tirx
-
-    last = region.region[-1]
-    return tirx.BufferRegion(region.buffer, [*region.region[:-1], ir.Range.from_min_extent(last.min + c0, width)])
+        for src, p, row0, rows in loads(k):
+            if p == part:
+                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar))
+        emit(T.mbarrier_arrive(bar))
 
 
 def _part(sw, k, stages, p):
-    # the index of step k's kv part p in the per-part barriers (empty; full without boxes)
+    # the index of step k's kv part p in the per-part barriers (full, empty)
     return (k % stages) * sw.parts + p
 
 
 def _wait_full(sw, k, stages, parts):
     for p in parts:
-        for b in range(sw.box_count(p)):
-            emit(T.mbarrier_wait_parity(sw.full_at(k, stages, p, b), (k // stages) % 2))
+        emit(T.mbarrier_wait_parity(sw.full[_part(sw, k, stages, p)], (k // stages) % 2))
 
 
 def _seesaw_scores(q, kv, k, stages, sw, acc_s):
-    # S = sum_p Q_p K_p^T of step k, each part's (box's) MMAs issued once its bytes landed; one wait
+    # S = sum_p Q_p K_p^T of step k, each part's MMAs issued once its bytes landed; one wait
     for p, (qt, kt) in enumerate(zip(q, kv)):
-        for b in range(sw.box_count(p)):
-            emit(T.mbarrier_wait_parity(sw.full_at(k, stages, p, b), (k // stages) % 2))
-            if sw.boxes:
-                c = slice(b * sw.box_cols, (b + 1) * sw.box_cols)
-                emit(T.wgmma_gemm(qt[:, c], kt[k % stages, :, c], acc_s, transpose_B=True,
-                                  clear_accum=(p == 0 and b == 0), policy=FULL_ROW))
-            else:
-                emit(T.wgmma_gemm(qt, kt[k % stages, :, :], acc_s, transpose_B=True, clear_accum=(p == 0),
-                                  policy=FULL_ROW))
+        _wait_full(sw, k, stages, [p])
+        emit(T.wgmma_gemm(qt, kt[k % stages, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
     emit(T.wait_wgmma(0))
 
 
