@@ -39,7 +39,9 @@ def main() -> int:
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
              "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True)),
              # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2)
-             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True))}
+             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True)),
+             "bf16-128-persistent-early": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True,
+                                                           early_pv=True))}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)
@@ -96,6 +98,11 @@ def main() -> int:
         for e, name in enumerate(EVENTS):
             if not st[20:28, e].any():
                 continue  # an event this pipeline does not have
+            if tiling.get("seesaw") and name.startswith("prod"):   # stamped by step: pair k's two steps
+                for h in range(2):
+                    d = [int(st[2 * k + h, e] - base[k]) for k in range(20, 28)]
+                    print(f"  {name + ' e' + str(h):18s} rel. to wg0 ready: {d}")
+                continue
             d = [int(st[k, e] - base[k]) for k in range(20, 28)]
             print(f"  {name:18s} rel. to wg0 ready: {d}")
         if o_part.shape[1] >= 128:   # CTA 1: the other 64-row tile of sequence 0 (lowering's _stamp)

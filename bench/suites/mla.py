@@ -159,6 +159,7 @@ SUITE = Suite(
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
+        Provider("tilecraft-persistent-early", lambda c, i: persistent(c, i, early_pv=True), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
