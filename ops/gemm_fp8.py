@@ -559,6 +559,13 @@ GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2'
 THIN_TILES = True
 THIN_WIDTHS = (32, 64)
 THIN_STAGES = 16
+# dense plans of 64-row tiles and one split (the thin ones among them): their MMA threads, 256 (two
+# warpgroups, each a column half of the tile, both reading its A tile from shared memory) or 128 (one
+# warpgroup, the whole tile: a quarter fewer shared-memory bytes a K block at 64 x 64, 32 KB against 40
+# with the TMA writes); and whether n-neighbour pairs of them share A by TMA multicast (half the A bytes
+# from L2). Measurement pending (bench/NOTES.md "64-row tiles: one warpgroup, A multicast")
+ROWS64_THREADS = 256
+ROWS64_MULTICAST = False
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -608,9 +615,14 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
     p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
+    rows64 = mode == "dense" and block_m == 64 and splits == 1
+    if rows64 and ROWS64_THREADS != 256:
+        p["threads"] = ROWS64_THREADS
     if overlap:
         p["overlap"] = True
         if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
+            p["multicast"] = True
+        if rows64 and ROWS64_MULTICAST and (n // block_n) % 2 == 0:
             p["multicast"] = True
     if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
@@ -709,7 +721,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, ROWS64_THREADS,
+           ROWS64_MULTICAST,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -88,16 +88,24 @@ def tilecraft(case, i):
 def _with_flag(module, name, value):
     """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value
     for each call (put back after it)."""
+    return _with_flags(module, **{name: value})
+
+
+def _with_flags(module, **flags):
+    """A provider: the op (tilecraft) with module-level switches of `module` set for each call (put
+    back after it)."""
     def make(case, i):
         fn = tilecraft(case, i)
 
         def run():
-            old = getattr(module, name)
-            setattr(module, name, value)
+            old = {name: getattr(module, name) for name in flags}
+            for name, value in flags.items():
+                setattr(module, name, value)
             try:
                 return fn()
             finally:
-                setattr(module, name, old)
+                for name, value in old.items():
+                    setattr(module, name, value)
         return run
     return make
 
@@ -115,6 +123,14 @@ def tilecraft_split(case, i):
     from ops import gemm_fp8
 
     return _with_flag(gemm_fp8, "THIN_TILES", False)(case, i)
+
+
+def tilecraft_rows64(threads, multicast):
+    """The op with its one-split 64-row tiles' MMA threads (ops.gemm_fp8.ROWS64_THREADS) and A
+    multicast (ROWS64_MULTICAST) set, against the default in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flags(gemm_fp8, ROWS64_THREADS=threads, ROWS64_MULTICAST=multicast)
 
 
 def tilecraft_tile(case, i):
@@ -230,6 +246,9 @@ SUITE = Suite(
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-split", tilecraft_split, experimental=True),
+               Provider("tilecraft-1wg", tilecraft_rows64(128, False), experimental=True),
+               Provider("tilecraft-mc", tilecraft_rows64(256, True), experimental=True),
+               Provider("tilecraft-1wg-mc", tilecraft_rows64(128, True), experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
