@@ -39,9 +39,7 @@ def main() -> int:
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
              "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True)),
              # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2)
-             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True)),
-             "bf16-128-persistent-early": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True,
-                                                           early_pv=True))}
+             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True))}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)

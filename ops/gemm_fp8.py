@@ -559,13 +559,15 @@ GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2'
 THIN_TILES = True
 THIN_WIDTHS = (32, 64)
 THIN_STAGES = 16
-# dense plans of 64-row tiles and one split (the thin ones among them): their MMA threads, 256 (two
-# warpgroups, each a column half of the tile, both reading its A tile from shared memory) or 128 (one
-# warpgroup, the whole tile: a quarter fewer shared-memory bytes a K block at 64 x 64, 32 KB against 40
-# with the TMA writes); and whether n-neighbour pairs of them share A by TMA multicast (half the A bytes
-# from L2). Measurement pending (bench/NOTES.md "64-row tiles: one warpgroup, A multicast")
-ROWS64_THREADS = 256
-ROWS64_MULTICAST = False
+# the thin plans' MMA threads: one warpgroup takes the whole 64-row tile (128) rather than two taking a
+# column half each (256), which both read the tile's A from shared memory: a quarter fewer shared-memory
+# bytes a K block at 64 x 64 (32 KB against 40 with the TMA writes). Measured on the H200 against
+# DeepGEMM in the same run (bench/NOTES.md "Thin tiles, one warpgroup"), read flush: 64x4096x7168
+# 13.3 -> 11.3 us (DeepGEMM 11.8), 128x2112x7168 13.0 -> 11.0 (11.0), 128x4096x7168 15.9 -> 14.3 (13.1),
+# 64x7168x16384 even. Not for the other 64-row tiles (64x24576x1536 18.1 -> 19.2, 64x7168x2048 7.9 ->
+# 8.3: short K, twice the promotion work a thread), nor with A multicast between n-neighbours (slower
+# on every shape, with one warpgroup or two)
+THIN_THREADS = 128
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -586,7 +588,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
 
     THIN_TILES (thin, default THIN_TILES): where split-K would be used and the one-wave thin tiling
     (thin_tiles: block_m 64 even for 128 rows) is THIN_WIDTHS wide, those tiles instead, with up to
-    THIN_STAGES stages.
+    THIN_STAGES stages and THIN_THREADS MMA threads ("threads" in the plan when not 256).
 
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
@@ -604,25 +606,22 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         # a grid under half the GPU whose K is too short to split: twice the blocks instead (H200,
         # bench/NOTES.md "FP8 decode tiles": 128x7168x2048 18.0 -> 15.2 us, 64x7168x2048 14.0 -> 13.0)
         block_n = 64
-    most = OVERLAP_STAGES if overlap else 4
+    most, thin_plan = (OVERLAP_STAGES if overlap else 4), False
     if thin and overlap and mode == "dense" and splits > 1:
         one_wave = thin_tiles(rows, n, sms)
         if one_wave is not None and one_wave[1] in THIN_WIDTHS:
-            (block_m, block_n), splits, most = one_wave, 1, THIN_STAGES
+            (block_m, block_n), splits, most, thin_plan = one_wave, 1, THIN_STAGES, True
     fixed, stage_bytes = _smem_layout(block_m, block_n, kb, splits)
     stages = max(2, min(most, (SMEM_BUDGET - fixed) // stage_bytes))
     if fixed + stages * stage_bytes > SMEM_BUDGET:
         raise ValueError(f"k={k} is too long for one pass of this kernel's scale staging "
                          f"({fixed} bytes of scales); split the GEMM along k")
     p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
-    rows64 = mode == "dense" and block_m == 64 and splits == 1
-    if rows64 and ROWS64_THREADS != 256:
-        p["threads"] = ROWS64_THREADS
+    if thin_plan and THIN_THREADS != 256:
+        p["threads"] = THIN_THREADS
     if overlap:
         p["overlap"] = True
         if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
-            p["multicast"] = True
-        if rows64 and ROWS64_MULTICAST and (n // block_n) % 2 == 0:
             p["multicast"] = True
     if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
@@ -721,8 +720,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, ROWS64_THREADS,
-           ROWS64_MULTICAST,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -134,8 +134,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
-                       fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       early_pv: bool = False):
+                       fold_scales: bool = False, seesaw: bool = False, persistent: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -170,14 +169,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     persistent seesaw"): one wave of CTAs, m_tiles per part; each runs its part's units (a sequence's
     split, listed by MlaSchedule.persistent_units) back to back, the query by TMA, so that the next
     unit's query and first steps load while the last unit's output is written. Each unit computes
-    exactly what the CTA of that (sequence, split) computes without persistent.
-
-    early_pv=True (with seesaw): WG1 multiplies step e0's P before it scores e1, so that e0's kv slot
-    is released right after e1's scores and e1's softmax, hand-over and P V follow them directly (the
-    same MMAs in the same order: the same bits)."""
+    exactly what the CTA of that (sequence, split) computes without persistent."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
-    if early_pv and not seesaw:
-        raise ValueError("early_pv=True (the seesaw's WG1 order) is built for seesaw=True")
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
         # (pages under 64 tokens: TileLang 0.1.15 cannot TMA a page into part of the swizzled step tile)
@@ -321,7 +314,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
-                    stages=stages, seesaw=True, trace=OPart if trace else None, early_pv=early_pv,
+                    stages=stages, seesaw=True, trace=OPart if trace else None,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
@@ -379,7 +372,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
-                seesaw=seesaw, **({"early_pv": True} if early_pv else {}),
+                seesaw=seesaw,
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one

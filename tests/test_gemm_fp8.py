@@ -326,13 +326,8 @@ def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     assert plan("dense", 64, 4096, 7168, 64)["stages"] == gemm_fp8.THIN_STAGES
     assert (plan("dense", 64, 7168, 16384, 64)["block_n"], plan("dense", 128, 2112, 7168, 128)["block_n"]) == (64, 32)
     assert plan("dense", 128, 4096, 7168, 128, thin=False) == default   # what a launch with its split forced gets
-    monkeypatch.setattr(gemm_fp8, "ROWS64_THREADS", 128)
-    monkeypatch.setattr(gemm_fp8, "ROWS64_MULTICAST", True)
-    assert plan("dense", 128, 4096, 7168, 128) == {**p, "threads": 128, "multicast": True}
-    assert plan("dense", 128, 4096, 7168, 128, thin=False) == default   # split plans keep both warpgroups
-    assert plan("dense", 64, 7168, 2048, 64)["threads"] == 128            # one split, 64 rows, not thin
-    monkeypatch.setattr(gemm_fp8, "ROWS64_THREADS", 256)
-    monkeypatch.setattr(gemm_fp8, "ROWS64_MULTICAST", False)
+    assert p["threads"] == gemm_fp8.THIN_THREADS == 128                   # one MMA warpgroup a thin tile
+    assert "threads" not in default and "threads" not in plan("dense", 64, 7168, 2048, 64)   # not thin: two
     for args, before in split_kept.items():               # 16 wide (64 x 2112) and 128 wide: split-K stays
         assert plan(*args) == before, args
     for args in (("dense", 4096, 7168, 16384, 128), ("dense", 64, 7168, 2048, 64), ("masked", 128, 4096, 7168, 128),
@@ -442,30 +437,25 @@ def test_gpu_thin_tiles(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads,multicast", [(128, False), (256, True), (128, True)])
-@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (37, 7168, 16384), (64, 24576, 1536),
-                                   (50, 7168, 2048)])
-def test_gpu_rows64_one_warpgroup_and_multicast(monkeypatch, m, n, k, threads, multicast):
-    """One-split 64-row tiles (the thin plans among them) with one MMA warpgroup a tile
-    (ROWS64_THREADS=128) and/or n-neighbour pairs sharing A by TMA multicast (ROWS64_MULTICAST): within the exact reference's bounds, bitwise run to run, and
-    the same bits as the two-warpgroup plan (each output element's products go through the same
-    K-block order and the same promotion)."""
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (128, 4096, 7168), (37, 7168, 16384), (128, 2112, 7168)])
+def test_gpu_thin_tiles_one_warpgroup_matches_two(monkeypatch, m, n, k):
+    """The thin plans on one MMA warpgroup a tile (THIN_THREADS=128, the default) give the bits of two
+    warpgroups each a column half (each output element's products go through the same K-block order
+    and the same promotion), bitwise run to run, within the exact reference's bounds."""
     from ops import gemm_fp8
 
     g = torch.Generator().manual_seed(m + n)
     *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
     ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
     dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
-    base = ops.fp8_gemm_nt(*dev).cpu()
-    monkeypatch.setattr(gemm_fp8, "ROWS64_THREADS", threads)
-    monkeypatch.setattr(gemm_fp8, "ROWS64_MULTICAST", multicast)
-    p = gemm_fp8.plan("dense", m, n, k, 64 if m <= 64 else 128)
-    assert p.get("threads", 256) == threads and p.get("multicast", False) == multicast
+    monkeypatch.setattr(gemm_fp8, "THIN_THREADS", 256)
+    two = ops.fp8_gemm_nt(*dev).cpu()
+    monkeypatch.setattr(gemm_fp8, "THIN_THREADS", 128)
+    assert gemm_fp8.plan("dense", m, n, k, 64 if m <= 64 else 128)["threads"] == 128
     runs = [ops.fp8_gemm_nt(*dev).cpu() for _ in range(2)]
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], two)
     assert calc_diff(runs[0], ref) < 1e-3
     assert_elementwise(runs[0], ref)
-    assert torch.equal(runs[0], base)
 
 
 def _split_k_runner(m, n, k, splits):

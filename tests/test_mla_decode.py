@@ -497,19 +497,6 @@ def test_persistent_builds_and_says_what_it_needs():
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
 
 
-def test_early_pv_puts_wg1s_first_pv_before_its_scores():
-    """early_pv=True: WG1's P V of the pair's first step (m64n256) is issued before its scores of the
-    second (m64n64 from the query), where the default order issues them after; only with the seesaw."""
-    def wg1_order(src):
-        body = src[src.index("for (int j_1 = 0"):]
-        return body.index("64, 256, 16, false, true") < body.index("64, 64, 16, false, false")
-
-    assert not wg1_order(mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True))
-    assert wg1_order(mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, early_pv=True))
-    with pytest.raises(ValueError, match="early_pv=True"):
-        mla_decode_program.source("sm_90a", h_q=128, s_q=1, early_pv=True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 2, 128, [4096, 1, 0], 64),
                                                   (2, 1, 64, [16384, 8000], 64), (3, 1, 16, [53, 1, 700], 16)])
@@ -658,28 +645,6 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,persistent", [
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, True),   # odd steps, tails, empty
-    (3, 2, 64, [300, 2049, 7], 128, True),      # causal, two row tiles
-    (2, 1, 64, [16384, 8000], 64, False),       # splits + combine
-    (2, 2, 128, [300, 2049], 256, False),
-])
-def test_gpu_early_pv_matches_the_seesaw_bitwise(b, s_q, h_q, lens, page, persistent):
-    """WG1's early P V (early_pv=True) issues the same MMAs on the same operands in the same order per
-    accumulator: the same bits, persistent or not, within the reference's bounds."""
-    from ops.mla_decode import _mla_decode_impl, get_mla_schedule
-
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    tiling = dict(block_n=64, stages=2, seesaw=True, **({"persistent": True} if persistent else {}))
-    ref_out, ref_lse = _mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
-    out, lse = _mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling={**tiling, "early_pv": True})
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
 
 
 @pytest.mark.gpu

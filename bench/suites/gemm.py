@@ -125,12 +125,12 @@ def tilecraft_split(case, i):
     return _with_flag(gemm_fp8, "THIN_TILES", False)(case, i)
 
 
-def tilecraft_rows64(threads, multicast):
-    """The op with its one-split 64-row tiles' MMA threads (ops.gemm_fp8.ROWS64_THREADS) and A
-    multicast (ROWS64_MULTICAST) set, against the default in the same run."""
+def tilecraft_thin2wg(case, i):
+    """The op with its thin plans on two MMA warpgroups a tile (ops.gemm_fp8.THIN_THREADS = 256, the
+    plans of session 23), against the default's one in the same run."""
     from ops import gemm_fp8
 
-    return _with_flags(gemm_fp8, ROWS64_THREADS=threads, ROWS64_MULTICAST=multicast)
+    return _with_flag(gemm_fp8, "THIN_THREADS", 256)(case, i)
 
 
 def tilecraft_tile(case, i):
@@ -246,9 +246,7 @@ SUITE = Suite(
                Provider("tilecraft-v2", tilecraft_loop(False), experimental=True),
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-split", tilecraft_split, experimental=True),
-               Provider("tilecraft-1wg", tilecraft_rows64(128, False), experimental=True),
-               Provider("tilecraft-mc", tilecraft_rows64(256, True), experimental=True),
-               Provider("tilecraft-1wg-mc", tilecraft_rows64(128, True), experimental=True),
+               Provider("tilecraft-thin2wg", tilecraft_thin2wg, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

@@ -114,12 +114,10 @@ def seesaw(case, i):
     return tilecraft_variant(case, i, tiling)
 
 
-def persistent(case, i, **options):
+def persistent(case, i):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
-    units back to back, the next unit's query and first steps loading under the last one's output;
-    options: the seesaw's (mla_decode_program's keywords)."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True,
-                  **options)
+    units back to back, the next unit's query and first steps loading under the last one's output."""
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True)
     return tilecraft_variant(case, i, tiling)   # (the program says which shapes it is built for)
 
 
@@ -159,7 +157,6 @@ SUITE = Suite(
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
-        Provider("tilecraft-persistent-early", lambda c, i: persistent(c, i, early_pv=True), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -777,11 +777,10 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, early_pv=False):
+                   direct=None, seesaw=False, all_visible=None, units=None):
     threads = state()["threads"]
-    if (units is not None or early_pv) and not seesaw:
-        raise ValueError("attention_loop(units=..., early_pv=True) (a persistent CTA's work list, WG1's order) are "
-                         "built for seesaw=True")
+    if units is not None and not seesaw:
+        raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
     visible = _Visible(visible, all_visible)
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -805,7 +804,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, early_pv)
+                units)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     alpha_s = T.alloc_shared((block_m,), "float32")
@@ -987,7 +986,6 @@ class _Seesaw:
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
     q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
-    early_pv: bool = False  # WG1 multiplies e0's P before it scores e1 (_seesaw_wg1_early)
 
 
 @dataclass(frozen=True)
@@ -1029,7 +1027,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, early_pv=False):
+            units=None):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1050,8 +1048,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
                  T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n),
                  T.alloc_barrier([PRODUCER]),
-                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)),
-                 early_pv)
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1076,9 +1073,8 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
         _timeline(trace, 1)
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
-        (_seesaw_wg1_early if sw.early_pv else _seesaw_wg1)(
-            unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0, f1.row_sum, f1.l_i,
-            sw, stages, trace)
+        _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
+                    f1.row_sum, f1.l_i, sw, stages, trace)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
@@ -1145,9 +1141,8 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
                         f.l_i, sw, stages, trace)
         else:
-            (_seesaw_wg1_early if sw.early_pv else _seesaw_wg1)(
-                unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0, f.row_sum,
-                f.l_i, sw, stages, trace)
+            _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
+                        f.row_sum, f.l_i, sw, stages, trace)
         T.mbarrier_arrive(sw.q_empty[0])
         _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
         _advance(unit, block_n, cnt)
@@ -1329,46 +1324,6 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
             T.wait_wgmma(0)
             _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)       # V_1 of e1: WG1 is its only reader
             _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
-        _stamp(trace, at.J + j, "wg1 PV+free")
-
-
-@T.macro
-def _seesaw_wg1_early(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages,
-                      trace):
-    # early_pv, pair j: once WG0 hands e0 over, O_1 += P V_1 of e0 goes in flight before e1's scores (it
-    # runs while e1's bytes land), so e0's slot is released right after them, and e1's softmax, hand-over
-    # and P V follow its scores back to back (the order WG0 waits on; the same MMAs, the same bits)
-    T.fill(m_i, NEG_INF)
-    T.fill(l_i, 0.0)
-    T.fill(o, 0.0)
-    for j in T.serial(T.ceildiv(unit.steps, 2)):
-        T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
-        _wait_full(sw, at.g + 2 * j, stages, [v[1]])                  # (complete: orders e0's TMA bytes first)
-        _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
-        _stamp(trace, at.J + j, "wg1 p_ready")
-        for i in T.Parallel(alpha0.shape[0]):
-            alpha0[i] = sw.alpha[0, i]
-            m_i[i] = sw.m[0, i]
-            l_i[i] *= sw.alpha[0, i]
-        _scale_rows(o, alpha0)
-        _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
-        if 2 * j + 1 < unit.steps:
-            _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"))
-            _release(sw, at.g + 2 * j + 1, stages, [v[0]])              # WG1's read of V_0 of e1 (its scores)
-            _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])        # e0's P V (waited with the scores)
-            _stamp(trace, at.J + j, "wg1 raw")
-            _softmax(2 * j + 1, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-            _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
-            _stamp(trace, at.J + j, "wg1 convert")
-            _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
-            _scale_rows(o, alpha)
-            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j + 1, stages, o)
-            T.wait_wgmma(0)
-            _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)           # V_1 of e1: WG1 is its only reader
-            _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
-        else:
-            T.wait_wgmma(0)
-            _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])
         _stamp(trace, at.J + j, "wg1 PV+free")
 
 
