@@ -169,7 +169,18 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
         torch.cuda.empty_cache()
     meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager",
             "l2_flush": args.flush, **versions()}
+    peers = {p.name: peer_version(p.name) for p in providers if p.peer}
+    if peers:
+        meta["peers"] = peers
     return rows, meta
+
+
+def peer_version(module: str) -> str | None:
+    """A peer library's version as its module states it (FlashMLA's and DeepGEMM's names are their
+    providers'), None when it states none."""
+    import importlib
+
+    return getattr(importlib.import_module(module), "__version__", None)
 
 
 def choose_providers(suite, wanted: list[str] | None) -> list:
