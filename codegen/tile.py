@@ -127,7 +127,8 @@ class Units:
     steps, valid_rows (expressions of them), loads(k), visible(k, i, j), all_visible(k),
     epilogue(o, col0, l, m, stats) as attention_loop takes them, and query() -> [(src, q part)], the
     copies that stage the unit's query tiles (the q tiles passed to attention_loop are then not
-    written by the program)."""
+    written by the program); optionally prefetch(k), which reads what step k's copies index by (a
+    cache page) into registers: a target's producer calls it before it waits for step k's slots."""
 
     begin: Any
     end: Any

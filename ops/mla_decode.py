@@ -48,12 +48,14 @@ LN2 = 0.6931471805599453
 GPU_TARGETS = ("cuda:sm_90a", "cuda:sm_100a", "ascend:950")
 
 
-def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
+def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts, pidx=None):
     """The copies that stage cache tokens [blk*block_n, (blk+1)*block_n) of sequence bi:
-    [(src, part, row0, rows)] for every (tensor, first column, width, part) in `parts`."""
+    [(src, part, row0, rows)] for every (tensor, first column, width, part) in `parts`; pidx (pages
+    of block_n tokens or more): the page's index read beforehand (_load_page), else read here."""
     out = []
     if page >= block_n:
-        pidx = T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
+        if pidx is None:
+            pidx = _page_index(BlockTable, bi, blk, page, block_n, num_pages)
         off = (blk * block_n) % page
         for src, c0, width, part in parts:
             out.append((src[pidx, off:off + block_n, c0:c0 + width], part, 0, block_n))
@@ -63,6 +65,19 @@ def _page_copies(BlockTable, bi, blk, page, block_n, num_pages, parts):
             for src, c0, width, part in parts:
                 out.append((src[pidx, 0:page, c0:c0 + width], part, sub * page, page))
     return out
+
+
+def _page_index(BlockTable, bi, blk, page, block_n, num_pages):
+    # the cache page holding tokens [blk * block_n, (blk + 1) * block_n) of sequence bi (page >= block_n)
+    return T.min(T.max(BlockTable[bi, (blk * block_n) // page], 0), num_pages - 1)
+
+
+@T.macro
+def _load_page(BlockTable, bi, blk, page, num_pages, pidx):
+    # the step's page index into a register before the producer waits for the step's slots: a global
+    # load after those waits (compiler barriers) was issued after them, once per kv part, on the
+    # critical path of every reload (~900 cycles a step under load, bench/NOTES.md "Session 24")
+    pidx = _page_index(BlockTable, bi, blk, page, BLOCK_N, num_pages)
 
 
 def _query_tiles(q_at, row_of, block_m, rows, parts):
@@ -318,7 +333,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
-                                                        bf16_parts(KV)),
+                                                        bf16_parts(KV), pidx=u.page_index),
+                        prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
+                                                         u.page_var),
                         limit=lambda base, i: limit(base, mt, i),
                         epilogue=lambda u, o, col0, l, m, stats: epilogue(
                             o, col0, l, m, stats, Out, Lse, OPart, LsePart, u.bi, mt, u.si, u.splits, max_splits),
@@ -392,10 +409,15 @@ class _MlaUnit:
     own closures (each taking the binding first), as the CTA of that (sequence, split) computes them
     without persistent (64-token steps)."""
 
-    def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, limit, epilogue, query):
+    def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, prefetch, limit, epilogue,
+                 query):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
+        # the current step's page index, set by prefetch(k) before the step's copies read it
+        self.page_var = T.alloc_var("int32", init=0)
+        self.page_index = self.page_var[0]
+        self.prefetch = lambda k: prefetch(self, k)
         self.valid_rows = self.seqlen - self.first * BLOCK_N
         base = self.seqlen - s_q + 1 if causal else self.seqlen
         self.load = lambda u: _load_unit(UnitList, Splits, SeqLens, max_splits, u, *vars_)

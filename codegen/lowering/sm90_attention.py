@@ -1024,6 +1024,7 @@ class _Unit:
     valid_rows: Any
     visible: Any
     epilogue: Any
+    prefetch: Any = None    # prefetch(k): what step k's copies index by, into registers, before the waits
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
@@ -1056,7 +1057,8 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     # one set of scalars serves every role (each thread runs one role's code on its own registers)
     u = units.bind()
     cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(5)))
-    unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue)
+    unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue,
+                 getattr(u, "prefetch", None))
     _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt, trace)
 
 
@@ -1170,6 +1172,8 @@ def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done):
 def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
     # part by part, in order, each as soon as its readers have released it
     for k in T.serial(unit.steps):
+        if unit.prefetch is not None:
+            unit.prefetch(k)
         _issue_parts(unit.loads, k, at.g, kv, stages, sw)
         _stamp(trace, at.g + k, "prod wait2/issue")
         if _valid(unit.valid_rows, k, kv) < kv[0].shape[1]:
