@@ -562,7 +562,7 @@ THIN_STAGES = 16
 # the thin plans' MMA threads: one warpgroup takes the whole 64-row tile (128) rather than two taking a
 # column half each (256), which both read the tile's A from shared memory: a quarter fewer shared-memory
 # bytes a K block at 64 x 64 (32 KB against 40 with the TMA writes). Measured on the H200 against
-# DeepGEMM in the same run (bench/NOTES.md "Thin tiles, one warpgroup"), read flush: 64x4096x7168
+# DeepGEMM in the same run (bench/NOTES.md "Session 24"), read flush: 64x4096x7168
 # 13.3 -> 11.3 us (DeepGEMM 11.8), 128x2112x7168 13.0 -> 11.0 (11.0), 128x4096x7168 15.9 -> 14.3 (13.1),
 # 64x7168x16384 even. Not for the other 64-row tiles (64x24576x1536 18.1 -> 19.2, 64x7168x2048 7.9 ->
 # 8.3: short K, twice the promotion work a thread), nor with A multicast between n-neighbours (slower

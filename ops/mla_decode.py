@@ -75,8 +75,8 @@ def _page_index(BlockTable, bi, blk, page, block_n, num_pages):
 @T.macro
 def _load_page(BlockTable, bi, blk, page, num_pages, pidx):
     # the step's page index into a register before the producer waits for the step's slots: a global
-    # load after those waits (compiler barriers) was issued after them, once per kv part, on the
-    # critical path of every reload (~900 cycles a step under load, bench/NOTES.md "Session 24")
+    # load after those waits (compiler barriers) was issued after them, once per kv part, between a
+    # slot's release and its reload (~300 cycles of the ~900 there under load, bench/NOTES.md "Session 24")
     pidx = _page_index(BlockTable, bi, blk, page, BLOCK_N, num_pages)
 
 
