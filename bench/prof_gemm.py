@@ -141,7 +141,7 @@ def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
             kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
             args, out = _operands(m, n, k)
             blocks = -(-m // p["block_m"]) * (n // p["block_n"]) * splits
-            part = torch.empty(splits, m, n, dtype=torch.float32, device="cuda")
+            part = torch.empty(*((splits, m, n) if splits > 1 else (1, 1, n)), dtype=torch.float32, device="cuda")
             count = torch.zeros(blocks * 8, dtype=torch.int32, device="cuda")
             fn = lambda: kernel(*args, out, part, count)  # noqa: E731
             t = kernel_times(fn)
