@@ -548,7 +548,9 @@ CLUSTER_FOLD = False
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
-GRID_THREADS = 384     # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang)
+# both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang); the thin plans run 128
+# MMA threads (THIN_THREADS) and never ask for cluster room, the one use of this count
+GRID_THREADS = 384
 # v3, dense, where the default plan would split K: thin tiles instead (block_m 64, block_n 32 or 64,
 # chosen so that the tiles fill one wave of SMs as fully as they can) with up to THIN_STAGES stages, no
 # split-K and no reduce kernel: what DeepGEMM's sm_90 heuristic picks for the decode shapes. Measured

@@ -88,24 +88,16 @@ def tilecraft(case, i):
 def _with_flag(module, name, value):
     """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value
     for each call (put back after it)."""
-    return _with_flags(module, **{name: value})
-
-
-def _with_flags(module, **flags):
-    """A provider: the op (tilecraft) with module-level switches of `module` set for each call (put
-    back after it)."""
     def make(case, i):
         fn = tilecraft(case, i)
 
         def run():
-            old = {name: getattr(module, name) for name in flags}
-            for name, value in flags.items():
-                setattr(module, name, value)
+            old = getattr(module, name)
+            setattr(module, name, value)
             try:
                 return fn()
             finally:
-                for name, value in old.items():
-                    setattr(module, name, value)
+                setattr(module, name, old)
         return run
     return make
 
