@@ -34,6 +34,8 @@ REPS = 30
 SWEEP_K = (2048, 4096, 8192, 16384)
 VARIANTS = {"v2": dict(overlap=False, fold=False, cluster=False), "v2-fold": dict(overlap=False, fold=True, cluster=False),
             "v3": dict(overlap=True, fold=False, cluster=False),
+            # one split only: the epilogue staged through shared memory (ops.gemm_fp8.STAGE_C, stage_c=True)
+            "v3-stagec": dict(overlap=True, fold=False, cluster=False, stage_c=True),
             "v2-cluster": dict(overlap=False, fold=False, cluster=True),
             "v3-cluster": dict(overlap=True, fold=False, cluster=True),
             # 2 splits of half-width tiles, the pair's partials exchanged in distributed shared memory
@@ -52,9 +54,9 @@ def _plan(m, n, k, variant, **override):
                 return _fit_exchange({**p, "block_n": block_n, "splits": 2, "fold": False, "cluster": True,
                                       "cluster_smem": True}, k)
         return None
-    if (v["fold"] or v["cluster"]) and p["splits"] == 1:
+    if (v["fold"] or v["cluster"]) and p["splits"] == 1 or v.get("stage_c") and p["splits"] > 1:
         return None
-    return {**p, "fold": v["fold"], "cluster": v["cluster"]}
+    return {**p, "fold": v["fold"], "cluster": v["cluster"], **({"stage_c": True} if v.get("stage_c") else {})}
 
 
 def _compile(n, k, p):
@@ -118,7 +120,7 @@ def kernel_times(fn, reps=REPS):
 TRACE_CASES = [(128, 4096, 2048, 4), (128, 4096, 7168, 4), (128, 7168, 16384, 2)]
 
 
-TRACEABLE = ("v2", "v2-cluster", "v3", "v3-cluster", "v3-dsmem")
+TRACEABLE = ("v2", "v2-cluster", "v3", "v3-stagec", "v3-cluster", "v3-dsmem")
 
 
 def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
@@ -185,7 +187,7 @@ def main(argv=None):
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]
-    swept = [v for v in variants if not VARIANTS[v].get("cluster_smem")]     # (2 splits only)
+    swept = [v for v in variants if not VARIANTS[v].get("cluster_smem") and not VARIANTS[v].get("stage_c")]  # (4 splits)
     plans += [(4096, k, _plan(128, 4096, k, v, splits=4)) for k in SWEEP_K for v in swept]
     warm([(n, k, dict(p)) for n, k, p in sorted({(n, k, tuple(sorted(p.items()))) for n, k, p in plans if p})])
     if args.warm_only:

@@ -39,6 +39,7 @@ MODES = ("dense", "contiguous", "masked", "sorted")
 SORTED_BLOCK_M = 64   # rows per work item of the sorted layout (moe_tile_items' block_m)
 OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 ALIGN_N, ALIGN_K = 64, 128
+C_PAD = 8       # stage_c: elements of padding a staged row of C (16 bytes in bf16)
 
 
 @tile_program(
@@ -53,7 +54,7 @@ ALIGN_N, ALIGN_K = 64, 128
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
-                     multicast: bool = False, cluster_smem: bool = False):
+                     multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -89,6 +90,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
     multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
 
+    stage_c=True (one split, no cluster; CUDA: it orders the MMA threads with tile.barrier): the
+    epilogue writes the tile of C (zeros and all, as the layout wants) into a shared staging tile,
+    then copies it out row by row, 16 bytes a thread, instead of storing 4-byte pieces of rows from
+    the accumulator's register layout. The staging rows are padded by C_PAD elements, so that the
+    accumulator layout's eight rows a warp write land in different banks.
+
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -109,6 +116,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if cluster_smem and (not cluster or splits != 2):
         raise ValueError(f"cluster_smem=True exchanges the partials of a cluster of 2 splits: it needs cluster=True "
                          f"and splits=2, got cluster={cluster}, splits={splits}")
+    if stage_c and (splits > 1 or cluster or not overlap):
+        raise ValueError(f"stage_c=True stages C in the v3 loop's epilogue: it needs splits=1, cluster=False and "
+                         f"overlap=True, got splits={splits}, cluster={cluster}, overlap={overlap}")
     if multicast and (not overlap or splits > 1 or cluster or mode == "sorted" or (n // block_n) % 2):
         raise ValueError(f"multicast=True shares A between two n tiles in the v3 loop: it needs overlap=True, "
                          f"splits=1, an even number of n tiles and a layout other than sorted, got overlap={overlap}, "
@@ -222,6 +232,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                 scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n)
                 store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)) if cluster
+                         else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
+                                                         mark))
+                         if stage_c
                          else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                 tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                        part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
@@ -229,7 +242,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                        prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                   lambda: _finish_scales(scales, mine, per)) if split_prologue
                                                  else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
-                                       share_a=2 if multicast else 1, mark=mark)
+                                       share_a=2 if multicast else 1, mark=mark,
+                                       # the tile of C in the out dtype, rows padded (stage_c)
+                                       epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype) if stage_c else None)
             else:
                 for s in tile.pipelined(steps, stages=stages):
                     kk = k0 + s
@@ -376,6 +391,35 @@ def _store(acc, where, mine, mode, splits, out_dtype, block_n):
                         C[g, r, tn * block_n + j] = value
                     else:
                         C[r, tn * block_n + j] = value
+
+
+@T.macro
+def _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, mark):
+    """_store for one split through the staging tile c_s (stage_c=True): every value C gets, in the
+    accumulator's layout, into c_s; the `threads` MMA threads meet; then whole rows out, 16 bytes a
+    thread (TileLang vectorizes the row loop: its condition does not depend on the column)."""
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    by_items = mode == "sorted"
+    width = block_n + C_PAD                                # c_s: (block_m, width) row-major, flat
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if by_items:                                   # rows past the item's are never copied out
+                c_s[(first + i) * width + j] = T.cast(acc[i, j], out_dtype)
+            else:
+                keep = r < limit and (MIdx[T.min(r, limit - 1)] >= 0 if mode == "contiguous" else True)
+                c_s[(first + i) * width + j] = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+    tile.barrier(threads=threads)
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < (limit if by_items else height):
+                if mode == "masked":
+                    C[g, r, tn * block_n + j] = c_s[(first + i) * width + j]
+                else:
+                    C[r, tn * block_n + j] = c_s[(first + i) * width + j]
+    if mark is not None:
+        mark("stored")
 
 
 @T.macro
@@ -570,6 +614,11 @@ THIN_STAGES = 16
 # 8.3: short K, twice the promotion work a thread), nor with A multicast between n-neighbours (slower
 # on every shape, with one warpgroup or two)
 THIN_THREADS = 128
+# CUDA, the v3 loop, one split, no cluster fold: the epilogue stages the tile of C in shared memory (over
+# the A stages, free by then) and writes whole rows, 16 bytes a thread (fp8_gemm_program stage_c=True),
+# instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
+# spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
+STAGE_C = True
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -714,6 +763,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         p.update(override)
         if p.get("cluster_smem"):
             p = _fit_exchange(p, k)
+        p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
+                     and not p.get("cluster"))
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
@@ -722,7 +773,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -342,6 +342,19 @@ def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     assert "QGMMA.64x8x32.F32.E4M3.E4M3" in sass and " 0 bytes spill stores" in log
 
 
+def test_staged_c_writes_whole_rows_from_shared_memory():
+    """stage_c=True: the MMA threads put C into shared memory laid over the A stages, meet at a
+    named barrier of theirs (the producer has exited), then write 16 bytes a thread out of it;
+    every store into C is of that kind. Asked for with split-K or the v2 loop, it is refused."""
+    src = lowered(fp8_gemm_program, "sm_90a", n=24576, k=1536, overlap=True, stage_c=True, stages=6)
+    epilogue = src[src.rindex("__sync_thread_partial(11, 256)"):]
+    assert epilogue.count("*(uint4*)(C + ") == 1 and src.count("C + ") == 1
+    assert "*(uint1*)(((bfloat16_t*)" in src[:src.rindex("__sync_thread_partial(11, 256)")]
+    for bad in (dict(splits=2, overlap=True), dict(overlap=False)):
+        with pytest.raises(ValueError, match="stage_c=True"):
+            fp8_gemm_program.source("sm_90a", n=4096, k=7168, stage_c=True, **bad)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_scales_never_hold_the_first_loads(overlap):
     """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
@@ -764,6 +777,63 @@ def test_gpu_multicast_matches_unicast(mode):
         outs.append(out.cpu())
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense-128", "dense-64", "thin", "contiguous", "masked", "sorted", "fp32"])
+def test_gpu_staged_c_matches_register_store(monkeypatch, case):
+    """The staged epilogue (STAGE_C, the default) writes the bits the register store wrote, to the same
+    elements: padding rows of the contiguous layout as zeros, unlisted rows of the sorted one untouched
+    (NaN-filled outs), masked rows past their count as zeros, tails past m not at all."""
+    from ops import gemm_fp8
+
+    g = torch.Generator().manual_seed(len(case))
+    out_dtype = torch.float32 if case == "fp32" else torch.bfloat16
+
+    def both(call):
+        outs = []
+        for staged in (False, True):
+            monkeypatch.setattr(gemm_fp8, "STAGE_C", staged)
+            outs.append(call().cpu())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+        return outs[1]
+
+    if case in ("dense-128", "dense-64", "thin", "fp32"):
+        m, n, k = {"dense-128": (1000, 1024, 1536), "dense-64": (37, 7168, 2048), "thin": (100, 4096, 7168),
+                   "fp32": (129, 512, 1024)}[case]
+        *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+        ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+        dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+        out = both(lambda: ops.fp8_gemm_nt(*dev, out_dtype=out_dtype))
+        assert calc_diff(out, ref) < 1e-3
+        assert_elementwise(out, ref)
+    elif case == "sorted":
+        a, sfa, qb, sfb, m, items = moe_case(72, 8, 32, 512, 1024, seed=14)
+        dev = [t.cuda() for t in (a, sfa, qb, sfb)]
+        keep = (items[:, 0] >= 0) & (items[:, 0] % 2 == 1)
+        half = torch.where(keep[:, None], items, torch.tensor([-1, 0, 0], dtype=torch.int32)).cuda()
+        out = both(lambda: ops.m_grouped_fp8_gemm_nt_sorted(
+            *dev, half, out=torch.full((a.shape[0], 512), float("nan"), dtype=torch.bfloat16, device="cuda")))
+        listed = (m.m_indices >= 0) & (m.m_indices % 2 == 1)
+        assert out[~listed].isnan().all() and not out[listed].isnan().any()
+    else:
+        G, n, k = 3, 512, 1024
+        m_indices = torch.tensor(sum(([e] * 100 + [-1] * 28 for e in range(G)), []), dtype=torch.int32)
+        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m_indices.numel(), k, generator=g))
+        bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
+        qb, sfb = (torch.stack(t).cuda() for t in zip(*bs))
+        if case == "contiguous":
+            out = both(lambda: ops.m_grouped_fp8_gemm_nt_contiguous(
+                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
+                out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda")))
+            assert (out[m_indices == -1] == 0).all() and not out.isnan().any()
+        else:
+            masked_m = torch.tensor([100, 0, 77], dtype=torch.int32).cuda()
+            am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
+            out = both(lambda: ops.m_grouped_fp8_gemm_nt_masked(
+                am, sm, qb, sfb, masked_m,
+                out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda")))
+            assert (out[1] == 0).all() and (out[0, 100:] == 0).all() and not out.isnan().any()
 
 
 @pytest.mark.gpu

@@ -125,6 +125,14 @@ def tilecraft_thin2wg(case, i):
     return _with_flag(gemm_fp8, "THIN_THREADS", 256)(case, i)
 
 
+def tilecraft_regstore(case, i):
+    """The op with ops.gemm_fp8.STAGE_C off: C stored from the accumulator's registers (the epilogue
+    before session 25), against the default's staged rows in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "STAGE_C", False)(case, i)
+
+
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -239,6 +247,7 @@ SUITE = Suite(
                Provider("tilecraft-v3", tilecraft_loop(True), experimental=True),
                Provider("tilecraft-split", tilecraft_split, experimental=True),
                Provider("tilecraft-thin2wg", tilecraft_thin2wg, experimental=True),
+               Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

@@ -126,6 +126,14 @@ def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epil
     epilogue()
 
 
+def epilogue_call(epilogue, stage):
+    """mma_promoted_loop's epilogue as a no-argument callable: epilogue(stage) where the loop was asked
+    for an epilogue_stage (stage is its tile), epilogue() otherwise, nothing for None."""
+    if epilogue is None:
+        return lambda: None
+    return epilogue if stage is None else (lambda: epilogue(stage))
+
+
 def scale_factors(scale_of):
     """mma_promoted_loop's scale_of(row, blk) returns the factors of a row's scale for K block blk
     (a tuple; their product is the scale). Calls it once with placeholder indices to count them."""
@@ -151,14 +159,16 @@ def prologue_parts(prologue) -> tuple:
 
 @register("mma_promoted_loop", "*")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None):
+                      share_a=1, mark=None, epilogue_stage=None):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
     # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
-    # loads its own here. mark (a trace's stamps): sm_90a's rule only
+    # loads its own here. mark (a trace's stamps): sm_90a's rule only. epilogue_stage: a tile of its
+    # own here (sm_90a lays it over the operand stages)
     for part_of in prologue_parts(prologue):
         part_of()                       # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
-    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue or (lambda: None))
+    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages,
+                   epilogue_call(epilogue, None if epilogue_stage is None else tile.stage(*epilogue_stage)))
 
 
 # ---- mma_decoded_loop: a GEMM whose B tile is decoded on chip from a raw staged one ----------------

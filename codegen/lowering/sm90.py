@@ -7,7 +7,7 @@ import operator
 import tilelang.language as T
 
 from codegen import tile
-from codegen.lowering.common import prologue_parts, scale_factors
+from codegen.lowering.common import epilogue_call, prologue_parts, scale_factors
 from codegen.rules import register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
@@ -268,10 +268,13 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
 
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None):
+                      share_a=1, mark=None, epilogue_stage=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
     # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
-    # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps)
+    # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
+    # epilogue_stage (shape, dtype): epilogue(stage) gets a shared tile laid over the A stages where
+    # it fits (every TMA write into them has been waited for and every WGMMA reading them has
+    # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise
     consumers = state()["threads"] - PRODUCER
     if share_a not in (1, 2):
         raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
@@ -282,6 +285,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     (a_shape, a_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     b_s = T.alloc_shared((stages, *b_shape), b_dtype)
+    c_stage = None if epilogue_stage is None else overlaid(a_s, *epilogue_stage)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
         empty = T.alloc_cluster_barrier([consumers + consumers // 32] * stages)
@@ -296,4 +300,20 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
     _overlapped(steps, loads, a_s, b_s, full, empty, start, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue or (lambda: None), prologue, ahead, share_a, mark)
+                regs, _policy(part), epilogue_call(epilogue, c_stage), prologue, ahead, share_a, mark)
+
+
+def _bytes(shape, dtype) -> int:
+    return functools.reduce(operator.mul, shape, 1) * T.dtype(dtype).bits // 8
+
+
+def overlaid(buf, shape, dtype):
+    """A 1-D shared tile of `shape` (elements,) and `dtype` on the memory of shared buffer `buf` where it
+    fits, else a new one. TileLang gives a view of a buffer the buffer's own layout (an operand's
+    swizzle), so the view spans all of `buf`: its elements past `shape` are not used. The caller
+    guarantees that nothing uses `buf` any more wherever the tile is used."""
+    (count,) = shape
+    total = _bytes(buf.shape, buf.dtype)
+    if _bytes(shape, dtype) > total:
+        return T.alloc_shared(shape, dtype)
+    return T.view(buf, (total * 8 // T.dtype(dtype).bits,), dtype)
