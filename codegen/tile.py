@@ -135,6 +135,28 @@ class Units:
     bind: Any
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """mma_promoted_loop(tiles=...): a persistent CTA's tiles, bid, bid + blocks, ... below count (blocks: a
+    Python int, the grid's CTAs wherever a CTA has more than one tile), each a
+    whole K loop of its own, run back to back so that a target may keep its pipeline full across them
+    (sm_90a: the producer loads the next tile's K blocks while the MMA warpgroups store the last).
+    of(t) (called while tracing, once in each warpgroup's branch) gives tile t's
+    {"steps", "loads", "prologue", "epilogue"} as mma_promoted_loop takes them; the prologue an
+    (issue, finish) pair whose finish() may run long after issue() (sm_90a issues a tile's scale
+    loads before the previous tile's epilogue). scale_of must not depend on the tile (the prologue
+    restages what it reads)."""
+
+    count: Any
+    bid: Any
+    blocks: Any
+    of: Any
+    spare: Any = None   # a shared buffer only the prologues write and the folds read (the staged scales):
+                        # a target may lay epilogue_stage over it
+    early: bool = True  # issue() of the next tile before this tile's epilogue (its registers live across
+                        # the epilogue), not after it
+
+
 def _dispatch(word: str, *args, **kwargs):
     return rules.lookup(word, targets.current()).fn(*args, **kwargs)
 
@@ -163,7 +185,7 @@ mma = _word("mma", "acc (+)= a @ b^T (transpose_b=True) or a @ b; `step` = MMAs 
 read_accumulator = _word("read_accumulator", "The accumulator's values as a tile that vector code can read.")
 mma_rescaled = _word("mma_rescaled", "acc = acc * row_scale[:, None] + a @ b (acc is taken as 0 at step 0): online-softmax accumulate.")
 mma_promoted = _word("mma_promoted", "acc += (a @ b^T) * scale[:, None] through the scratch accumulator `part`: two-level (promoted) accumulation.")
-mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * (the product of the factors scale_of(row, s) returns), then epilogue(); prologue=: a callable run before the first step, or (issue, finish): issue() starts global loads into registers (on sm_90a before the producer's first TMA), finish() uses them; epilogue_stage=(shape, dtype) of a 1-D tile: epilogue(stage) gets such an on-chip tile for staging its output (sm_90a: over the A stages, free by then); threads: see producer_threads; share_a=2 (sm_90a, a grid of clusters of two blocks with the same A tiles): A is loaded once, by TMA multicast.")
+mma_promoted_loop = _word("mma_promoted_loop", "The whole K loop of a promoted GEMM: for s < steps, copy loads(s) into operand tiles of `operands` (shape, dtype), acc += (a @ b^T) * (the product of the factors scale_of(row, s) returns), then epilogue(); prologue=: a callable run before the first step, or (issue, finish): issue() starts global loads into registers (on sm_90a before the producer's first TMA), finish() uses them; epilogue_stage=(shape, dtype) of a 1-D tile: epilogue(stage) gets such an on-chip tile for staging its output (sm_90a: over the A stages, free by then); threads: see producer_threads; share_a=2 (sm_90a, a grid of clusters of two blocks with the same A tiles): A is loaded once, by TMA multicast; tiles=tile.Tiles (sm_90a): a persistent CTA's tiles, each with its own steps, loads, prologue and epilogue (those arguments then None).")
 mma_decoded_loop = _word("mma_decoded_loop", "The K loop of a GEMM whose B operand is decoded on chip: for s < steps, copy loads(s) = (A region, raw B region) into tiles of operands[0] and operands[1], decode(raw_at, b_at, s) writes the B tile of operands[2] from the raw one (raw_at(i, j), b_at(i, j): elements of this step's tiles), acc (+)= a @ b^T; prologue() before the first step (staging the decode reads; on sm_90a by the MMA threads while the first loads fly), epilogue() after the last step; threads: see producer_threads.")
 mma_register_decoded_loop = _word("mma_register_decoded_loop", "The K loop of a GEMM whose decoded operand feeds the MMA from registers (sm_90a: WGMMA with A in registers): for s < steps, copy loads(s) = (shared operand region, raw region) into tiles of operands[0] ((cols, 128 * parts), parts 1, 2 or 4) and operands[1] ((rows, 16 * parts) int32 words), then for each 128-deep part decode(raw_at, rows, place, step, dst) writes this thread's WGMMA fragment of the decoded tile operands[2] ((rows, 128): rows (r, r + 8), byte `place` of each raw word of the two rows) at dst (or decode = (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words go into registers a step ahead of their decode), acc (+)= decoded @ shared^T; prologue() before the first step, epilogue() after the last; preload: (global region, shared buffer) pairs copied once before the first step (sm_90a: by the producer's TMA, ahead of the stages); ramp: the first `ramp` stages asked for alone; blocks_per_sm (1, or 2 with one fragment); mark(event, step) for traces; 16 rows a warp; threads: see producer_threads.")
 attention_loop = _word("attention_loop", "Online-softmax attention over `steps` staged KV steps: S = sum_p q[p] @ kv[p]^T (kv: (rows, d, dtype) parts, staged by loads(k) -> [(src, part, row0, rows)], or into `raw` parts converted by value(part, i, j, read)), masked by visible(k, i, j) and scaled by `scale` (log2 domain), O_i = softmax(S) @ kv[v[i]]; rows past valid_rows (counted from step 0's first) are zeroed; epilogue(o, col0, l, m, stats) per output part. swapped=True (sm_90a): the tokens are the MMA's M, o is O^T and l, m are in shared memory; raw_rows: the raw staging holds raw_rows tokens, loads(j) stages chunk j; raw_rows (sm_90a, both operand orders): the producer and WG1 each convert half of a step's chunks; stage_raw=True (sm_90a, with raw_rows; value a tile.RawValue): a chunk's raw elements go to registers first and its staging is reloaded before the conversion; direct (sm_90a, with raw_rows): k -> copies of step k straight into operand parts, which are then not converted; a value with row_scales (tile.RawValue; sm_90a swapped with raw_rows, no stage_raw): the scales go into the scores and into one P copy per value part instead of the converted values; swapped value parts: an even number, half per MMA warpgroup; all_visible (optional): k -> a condition under which every score of step k is visible (sm_90a then skips the mask); seesaw=True (sm_90a, plain staging, two value parts, a further kv part of block_m x block_n): the two MMA warpgroups score alternate steps; units=tile.Units (sm_90a, seesaw): steps, loads, visible, valid_rows, epilogue and the query tiles' contents come per unit from the binding, and one CTA runs its units back to back (steps/loads/visible/epilogue/valid_rows arguments then None).")

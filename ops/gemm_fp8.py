@@ -54,7 +54,8 @@ C_PAD = 8       # stage_c: elements of padding a staged row of C (16 bytes in bf
 def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bfloat16", block_m: int = 128,
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
-                     multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False):
+                     multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
+                     persistent: bool = False, sms: int = 132):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -96,6 +97,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     the accumulator's register layout. The staging rows are padded by C_PAD elements, so that the
     accumulator layout's eight rows a warp write land in different banks.
 
+    persistent=True (sm_90a, the v3 loop, one split, stage_c, not sorted): min(tiles, sms) CTAs, CTA c
+    computing tiles c, c + sms, ... (tile.mma_promoted_loop tiles=tile.Tiles): the producer loads a
+    tile's K blocks while the MMA warpgroups fold the last tile's and store its C, so the first loads'
+    latency and the epilogue are paid about once a CTA, not once a tile. The staged tile of C then goes
+    over the staged sfa where that is as large, else into memory of its own (the A stages are being
+    refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel.
+
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -116,6 +124,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if cluster_smem and (not cluster or splits != 2):
         raise ValueError(f"cluster_smem=True exchanges the partials of a cluster of 2 splits: it needs cluster=True "
                          f"and splits=2, got cluster={cluster}, splits={splits}")
+    if persistent and (not overlap or splits > 1 or cluster or multicast or trace or fold or not stage_c
+                       or mode == "sorted"):
+        raise ValueError(f"persistent=True runs the v3 loop's one-split tiles back to back: it needs overlap=True, "
+                         f"splits=1, stage_c=True, no cluster, multicast, trace or fold and a layout other than "
+                         f"sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, cluster={cluster}, "
+                         f"multicast={multicast}, trace={trace}, fold={fold}, mode={mode!r}")
     if stage_c and (splits > 1 or cluster or not overlap):
         raise ValueError(f"stage_c=True stages C in the v3 loop's epilogue: it needs splits=1, cluster=False and "
                          f"overlap=True, got splits={splits}, cluster={cluster}, overlap={overlap}")
@@ -137,6 +151,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     c_shape = (groups, max_m, n) if masked else (rows, n)
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
     counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
+    if persistent:
+        return _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms,
+                                   (rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape))
 
     @T.prim_func
     def fp8_gemm_nt(
@@ -278,6 +295,95 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                         _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
 
     return fp8_gemm_nt
+
+
+def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, shapes):
+    """fp8_gemm_program(persistent=True): the same signature, min(tiles, sms) CTAs each running its
+    tiles through one tile.mma_promoted_loop(tiles=...)."""
+    rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape = shapes
+    kb, nb = k // GROUP, -(-n // GROUP)
+    n_tiles = n // block_n
+    masked = mode == "masked"
+
+    @T.prim_func
+    def fp8_gemm_nt(
+        A: T.Tensor(a_shape, "float8_e4m3fn"),
+        SFA: T.Tensor(sfa_shape, "float32"),
+        B: T.Tensor((groups, n, k), "float8_e4m3fn"),
+        SFB: T.Tensor((groups, nb, kb), "float32"),
+        MIdx: T.Tensor(midx_shape, "int32"),
+        MaskedM: T.Tensor((groups,), "int32"),
+        C: T.Tensor(c_shape, out_dtype),
+        Part: T.Tensor(part_shape, "float32"),
+        Count: T.Tensor((counts,), "int32"),
+    ):
+        height = max_m if masked else rows
+        per_group = T.max(T.ceildiv(height, block_m), 1)
+        count = (per_group * groups if masked else per_group) * n_tiles      # tiles of the whole grid
+        blocks = T.min(count, sms)
+        with tile.grid(blocks, threads + tile.producer_threads()) as bid:
+            mine, first = tile.split_rows(block_m)
+            sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
+            sfb_s = tile.stage((kb,), "float32")                 # its 128-row block of sfb
+            sfa_r = tile.fragment((mine, _pow2(kb)))             # the next tile's, loaded under this one
+            sfb_r = tile.fragment((kb,))
+            scale = tile.fragment((mine,))
+            part = tile.accumulator((block_m, block_n))
+            acc = tile.fragment((mine, block_n))
+
+            of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
+                            (A, SFA, B, SFB, MIdx, MaskedM, C, Part), (sfa_s, sfb_s, sfa_r, sfb_r, acc), rows, groups)
+            tile.mma_promoted_loop(None, None, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
+                                   part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
+                                   epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
+                                   # (sms: the stride wherever one CTA has two tiles or more)
+                                   tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s,
+                                                    early=early_scales(block_m, kb, threads)))
+
+    return fp8_gemm_nt
+
+
+def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first, tensors, bufs,
+               rows, groups):
+    """The persistent program's tile.Tiles.of: tile t's steps, loads, (issue, finish) scale prologue and
+    staged epilogue, as the one-tile kernel builds them for its block."""
+    A, SFA, B, SFB, MIdx, MaskedM, C, Part = tensors
+    sfa_s, sfb_s, sfa_r, sfb_r, acc = bufs
+    masked = mode == "masked"
+
+    def of(t):
+        tm, tn = t // n_tiles, t % n_tiles
+        g, row0, limit = _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups)
+        where = (C, Part, MIdx, row0, first, limit, height, g, tn, 0)
+        scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, 0, kb, tn, block_n)
+        return {"steps": T.if_then_else(row0 < limit, kb, 0),
+                "loads": lambda blk: (
+                    A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
+                    else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
+                    B[g, tn * block_n:(tn + 1) * block_n, blk * GROUP:(blk + 1) * GROUP]),
+                "prologue": (lambda: _scales_into(scales, mine, kb, sfa_r, sfb_r),
+                             lambda: _finish_scales(scales, mine, kb)),
+                "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None)}
+    return of
+
+
+def early_scales(block_m: int, kb: int, threads: int) -> bool:
+    """Whether a persistent CTA loads the next tile's scales before this tile's epilogue (their
+    registers live across it): up to 16 a thread (k <= 4096 at 128 rows). Later, after the epilogue,
+    they queue behind the producer's loads of the next tile, which the MMA warpgroups then wait out."""
+    return block_m * _pow2(kb) // threads <= 16
+
+
+def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
+    """(group, first row within it, rows at or past which nothing is computed) of m tile tm, as
+    expressions (the dense, contiguous and masked layouts)."""
+    if mode == "masked":
+        g = tm // per_group
+        return g, (tm % per_group) * block_m, MaskedM[g]
+    row0 = tm * block_m
+    if mode == "contiguous":
+        return T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1), row0, rows   # unchecked ids stay inside B
+    return 0, row0, rows
 
 
 def _grid(blocks, threads, cluster):
@@ -619,6 +725,14 @@ THIN_THREADS = 128
 # instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
 # spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
 STAGE_C = True
+# sm_90a, staged C (STAGE_C), one split, more tiles than SMs, not the sorted layout, K short enough for
+# the next tile's scales to load under the last tile's epilogue (early_scales: k <= 4096 at 128 rows):
+# min(tiles, SMs) persistent CTAs run their tiles back to back (fp8_gemm_program persistent=True), a
+# tile's first loads going out under the last tile's folds and epilogue. Measured on the H200 against
+# one tile a CTA (bench/NOTES.md "Session 25"): 128x24576x1536 21.2 -> 18.6 us, 64x24576x1536 16.8 ->
+# 15.1 (DeepGEMM 16.4 / 15.6); with the scales loaded after the epilogue (k = 7168, 16384) it lost:
+# prefill 1017 -> 1006 TFLOP/s, grouped contiguous 976 -> 920, masked 847 -> 731
+PERSISTENT = True
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -708,6 +822,15 @@ def _fit_exchange(p: dict, k: int) -> dict:
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
 
 
+def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
+    """A persistent plan also holds its staged tile of C (the A stages are refilled under the epilogue;
+    it goes over the staged sfa where that is as large): as many stages as still fit."""
+    kb = k // GROUP
+    fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], kb, p["splits"])
+    fixed += max(0, p["block_m"] * (p["block_n"] + C_PAD) * out_bytes - p["block_m"] * kb * 4)  # (over the sfa)
+    return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
+
+
 def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> int:
     """Splits of K (a power of two) for a grid of `tiles` (m, n) tiles: doubled while the blocks
     still cover at most the SMs and every split keeps at least `min_steps` K steps."""
@@ -756,7 +879,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         # a caller that sets the tiles or the split gets them on the split-K plan (its block_m and
         # stages), not on the thin one-wave plan
         forced = {"splits", "block_n", "stages"} & override.keys()
-        p = plan(mode, rows, n, k, block_m, sms=sm_count(a2), overlap=overlap, clusters=room,
+        sms = sm_count(a2)
+        p = plan(mode, rows, n, k, block_m, sms=sms, overlap=overlap, clusters=room,
                  thin=False if forced else None)
         if "cluster" not in override and forced:
             p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
@@ -765,6 +889,14 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p = _fit_exchange(p, k)
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
+        # more tiles than SMs (sm_90a, staged C): persistent CTAs, each running its tiles back to back
+        waves = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1) > sms
+        p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
+                     and not p.get("multicast") and mode != "sorted"
+                     and early_scales(p["block_m"], k // GROUP, p.get("threads", 256)))
+        if p["persistent"]:
+            p.setdefault("sms", sms)
+            p = _fit_persistent(p, k, out2.element_size())
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
@@ -773,7 +905,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -355,6 +355,23 @@ def test_staged_c_writes_whole_rows_from_shared_memory():
             fp8_gemm_program.source("sm_90a", n=4096, k=7168, stage_c=True, **bad)
 
 
+def test_persistent_plans_and_refusals():
+    """A persistent plan keeps the staged C over the staged sfa where that is as large (prefill keeps its
+    4 stages), else gives up what the tile needs; the program refuses layouts and loops it cannot run."""
+    from ops.gemm_fp8 import _fit_persistent, early_scales, plan
+
+    assert early_scales(128, 12, 256) and early_scales(128, 32, 256) and not early_scales(128, 56, 256)
+
+    prefill = plan("dense", 4096, 7168, 16384, 128)
+    assert prefill["splits"] == 1 and _fit_persistent(prefill, 16384, 2)["stages"] == prefill["stages"] == 4
+    short = plan("dense", 128, 24576, 1536, 128)
+    assert short["stages"] == 6 and _fit_persistent(short, 1536, 2)["stages"] == 5
+    for bad in (dict(mode="sorted", block_m=64), dict(splits=2), dict(stage_c=False), dict(overlap=False)):
+        params = dict(dict(overlap=True, stage_c=True), **bad)
+        with pytest.raises(ValueError, match="persistent=True"):
+            fp8_gemm_program.source("sm_90a", n=4096, k=7168, persistent=True, **params)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_scales_never_hold_the_first_loads(overlap):
     """Staging the scales before the producer/MMA split held the TMA warpgroup ~5000 cycles
@@ -834,6 +851,64 @@ def test_gpu_staged_c_matches_register_store(monkeypatch, case):
                 am, sm, qb, sfb, masked_m,
                 out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda")))
             assert (out[1] == 0).all() and (out[0, 100:] == 0).all() and not out.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "dense-fp32-tail", "128x24576x1536", "contiguous", "masked"])
+def test_gpu_persistent_matches_one_tile(monkeypatch, case):
+    """Persistent CTAs (PERSISTENT, the default where tiles outnumber the SMs; here also forced onto a
+    few CTAs, so that each runs many tiles and its stages' phases carry across them) give the bits of
+    one tile a CTA, to the same elements: contiguous padding rows as zeros, masked rows past their
+    count as zeros, an empty group's tiles too."""
+    from ops import gemm_fp8
+
+    launch = gemm_fp8._launch
+
+    def run(call, **force):
+        monkeypatch.setattr(gemm_fp8, "_launch", lambda *a, **kw: launch(*a, **kw, **force))
+        try:
+            return call().cpu()
+        finally:
+            monkeypatch.setattr(gemm_fp8, "_launch", launch)
+
+    g = torch.Generator().manual_seed(len(case))
+    if case in ("dense", "dense-fp32-tail", "128x24576x1536"):
+        m, n, k, sms = {"dense": (1000, 2112, 7168, 7), "dense-fp32-tail": (77, 1024, 1536, 3),
+                        "128x24576x1536": (128, 24576, 1536, None)}[case]
+        out_dtype = torch.float32 if "fp32" in case else torch.bfloat16
+        *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+        ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+        dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+        call = lambda: ops.fp8_gemm_nt(*dev, out_dtype=out_dtype)  # noqa: E731
+        if sms is None:
+            assert gemm_fp8.PERSISTENT
+            many = call().cpu()                              # the default plan: 192 tiles on 132 CTAs
+        else:
+            many = run(call, persistent=True, sms=sms)
+        assert calc_diff(many, ref) < 1e-3
+        assert_elementwise(many, ref)
+    else:
+        G, n, k = 3, 512, 1024
+        m_indices = torch.tensor(sum(([e] * 100 + [-1] * 28 for e in range(G)), []), dtype=torch.int32)
+        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m_indices.numel(), k, generator=g))
+        bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
+        qb, sfb = (torch.stack(t).cuda() for t in zip(*bs))
+        if case == "contiguous":
+            call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
+                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
+                out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
+            many = run(call, persistent=True, sms=5)
+            assert (many[m_indices == -1] == 0).all() and not many.isnan().any()
+        else:
+            masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
+            am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
+            call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
+                am, sm, qb, sfb, masked_m, expected_m=64,       # 64-row tiles: two a group
+                out=torch.full((G, 128, n), float("nan"), dtype=torch.float32, device="cuda"))
+            many = run(call, persistent=True, sms=4)
+            assert (many[1] == 0).all() and (many[0, 60:] == 0).all() and not many.isnan().any()
+    one = run(call, persistent=False)
+    torch.testing.assert_close(one, many, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

@@ -133,6 +133,14 @@ def tilecraft_regstore(case, i):
     return _with_flag(gemm_fp8, "STAGE_C", False)(case, i)
 
 
+def tilecraft_onetile(case, i):
+    """The op with ops.gemm_fp8.PERSISTENT off: one tile a CTA, against the default's persistent CTAs
+    in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "PERSISTENT", False)(case, i)
+
+
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -248,6 +256,7 @@ SUITE = Suite(
                Provider("tilecraft-split", tilecraft_split, experimental=True),
                Provider("tilecraft-thin2wg", tilecraft_thin2wg, experimental=True),
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
+               Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

@@ -93,10 +93,11 @@ def _fold(acc, p, scale):
 
 
 @T.macro
-def _issue(a_s, b_s, full, part, blk, stages, policy):
-    # block blk's MMA into its own cleared partial, left in flight
-    T.mbarrier_wait_parity(full[blk % stages], (blk // stages) % 2)
-    T.wgmma_gemm(a_s[blk % stages, :, :], b_s[blk % stages, :, :], part, transpose_B=True, clear_accum=True,
+def _issue(a_s, b_s, full, part, at, stages, policy):
+    # the MMA of the CTA's K block `at` (a tile's block + the blocks of its tiles before) into its own
+    # cleared partial, left in flight
+    T.mbarrier_wait_parity(full[at % stages], (at // stages) % 2)
+    T.wgmma_gemm(a_s[at % stages, :, :], b_s[at % stages, :, :], part, transpose_B=True, clear_accum=True,
                  policy=policy)
 
 
@@ -128,13 +129,13 @@ def _release(empty, slot, share_a):
 
 
 @T.macro
-def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps, share_a):
+def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps, share_a, base):
     # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in with
     # the scale whose factors were loaded a block ago; load the next block's factors meanwhile
     T.wait_wgmma(pending)
     _scale_from(scale, ahead)
     _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
-    _release(empty, blk % stages, share_a)       # (the last blocks' arrivals are never waited for)
+    _release(empty, (base + blk) % stages, share_a)     # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
 
@@ -144,17 +145,17 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark = io
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark, base = io
     parts = (ping, pong)
-    _issue(a_s, b_s, full, ping, first, stages, policy)
+    _issue(a_s, b_s, full, ping, base + first, stages, policy)
     for j in range(1, count):
-        _issue(a_s, b_s, full, parts[j % 2], first + j, stages, policy)
+        _issue(a_s, b_s, full, parts[j % 2], base + first + j, stages, policy)
         _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps,
-                     share_a)
+                     share_a, base)
         if j == 1:
             _mark_first(first, mark)
     _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps,
-                 share_a)
+                 share_a, base)
     if count == 1:
         _mark_first(first, mark)
 
@@ -252,7 +253,8 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             mark("prologue done")
         if steps > 0:
             _prefetch(ahead, scale_of, 0)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
+              0)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
@@ -266,9 +268,108 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             tile.cluster_barrier()
 
 
+# ---- the persistent form (tiles=tile.Tiles): one CTA's tiles back to back ------------------------
+# `base` is a local variable (T.alloc_var) in each warpgroup branch: the CTA's K blocks before this
+# tile, from which slots and phases continue. TileLang hands a macro a variable as its value unless
+# the parameter is annotated T.Ref; plain Python helpers get the value (a read of it).
+
+@T.macro
+def _produce_steps(steps, loads, a_s, b_s, full, empty, stages, base: T.Ref):
+    # tma_producer's loop for one tile: its block s is the CTA's block base + s
+    for s in T.serial(steps):
+        at = base + s
+        T.mbarrier_wait_parity(empty[at % stages], ((at // stages) % 2) ^ 1)
+        src_a, src_b = loads(s)
+        T.tma_copy(src_a, a_s[at % stages, :, :], barrier=full[at % stages])
+        T.tma_copy(src_b, b_s[at % stages, :, :], barrier=full[at % stages])
+        T.mbarrier_arrive(full[at % stages])
+    base = base + steps
+
+
+def _produce_tile(work, a_s, b_s, full, empty, stages, base):
+    _produce_steps(work["steps"], work["loads"], a_s, b_s, full, empty, stages, base)
+
+
+@T.macro
+def _tiles_producer(tiles, a_s, b_s, full, empty, stages, start, base: T.Ref):
+    T.mbarrier_wait_parity(start[0], 0)      # the first tile's scale loads are issued
+    T.set_max_nreg(PRODUCER_REGS, 0)
+    base = 0
+    for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
+        _produce_tile(tiles.of(t), a_s, b_s, full, empty, stages, base)
+
+
+def _then_issue(t, tiles):
+    # the next tile's scale loads, into registers, before this tile's epilogue (tiles.early) or after
+    # it; finish() stores them at the next tile's start. After the CTA's last tile they load that
+    # tile's again, unused: loaded on every path, the registers are dead from finish() to here (a
+    # load under a condition kept them live across the whole loop: 123 spilled stores at k = 16384)
+    tiles.of(T.min(t + tiles.blocks, tiles.count - 1))["prologue"][0]()
+
+
+@T.macro
+def _advance(base: T.Ref, steps):
+    base = base + steps
+
+
+@T.macro
+def _set(var: T.Ref, value):
+    var = value
+
+
+@T.macro
+def _first_factors(steps, ahead, scale_of):
+    if steps > 0:
+        _prefetch(ahead, scale_of, 0)
+
+
+def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
+    """One tile of a persistent CTA in the MMA warpgroups: its scales (loaded into registers before
+    the last tile's epilogue) into shared memory once every MMA thread is past that epilogue, its
+    bursts from the CTA's block `base`, the next tile's scale loads, then its epilogue. base and
+    steps: reads of the branch's variables (the tile's step count is set once, here)."""
+    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead = loop
+    work = tiles.of(t)
+    _set(steps, work["steps"])
+    emit(T.sync_threads(PROLOGUE_BAR, consumers))   # the last tile's reads of the scales and of c_stage done
+    emit(T.clear(acc))
+    work["prologue"][1]()
+    emit(T.sync_threads(PROLOGUE_BAR, consumers))
+    _first_factors(steps, ahead, scale_of)
+    io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base)
+    in_bursts(steps, _burst, io)
+    if tiles.early:
+        _then_issue(t, tiles)
+    _met(epilogue_call(work["epilogue"], c_stage), c_stage, consumers)()
+    if not tiles.early:
+        _then_issue(t, tiles)
+    _advance(base, steps)
+
+
+@T.macro
+def _tiles_consumer(tiles, loop, c_stage, start, base: T.Ref, steps: T.Ref, consumers):
+    tiles.of(tiles.bid)["prologue"][0]()     # the first tile's scale loads, before the producer's first TMA
+    T.mbarrier_arrive(start[0])
+    T.set_max_nreg(CONSUMER_REGS, 1)
+    base = 0
+    for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
+        _consume_tile(t, tiles, loop, c_stage, base, steps, consumers)
+
+
+@T.macro
+def _persistent(tiles, loop, c_stage, start, consumers):
+    T.sync_threads()                         # barrier init before the split
+    base = T.alloc_var("int32")              # the CTA's K blocks before this tile: slots and phases
+    steps = T.alloc_var("int32")             # the MMA warpgroups' current tile's K blocks
+    if T.get_thread_binding() >= consumers:
+        _tiles_producer(tiles, loop[0], loop[1], loop[2], loop[3], loop[9], start, base)
+    else:
+        _tiles_consumer(tiles, loop, c_stage, start, base, steps, consumers)
+
+
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None, epilogue_stage=None):
+                      share_a=1, mark=None, epilogue_stage=None, tiles=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
     # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
     # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
@@ -282,10 +383,20 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
         # the prologue runs in the MMA warpgroups' branch, ordered by a named barrier placed here:
         # TileLang's sync pass would put a block-wide one there, which the producer never reaches
         require_pass_configs({"tl.disable_thread_storage_sync": True})
+    if tiles is not None:
+        if share_a != 1 or mark is not None or any(x is not None for x in (steps, loads, epilogue, prologue)):
+            raise ValueError("mma_promoted_loop(tiles=...) takes each tile's steps, loads, prologue and epilogue from "
+                             "tiles.of(t): pass None for those, and no share_a or mark")
+        require_pass_configs({"tl.disable_thread_storage_sync": True})
     (a_shape, a_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     b_s = T.alloc_shared((stages, *b_shape), b_dtype)
-    c_stage = None if epilogue_stage is None else overlaid(a_s, *epilogue_stage)
+    # the producer fills the next tile's stages while a persistent CTA's epilogue runs: there the stage
+    # goes over tiles.spare (or is memory of its own); else over the A stages. Either way the MMA
+    # threads meet first: the other warpgroup may still read the memory (its last WGMMA, its last
+    # scale loads)
+    over = a_s if tiles is None else tiles.spare
+    c_stage = None if epilogue_stage is None else overlaid(over, *epilogue_stage)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
         empty = T.alloc_cluster_barrier([consumers + consumers // 32] * stages)
@@ -294,13 +405,30 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     prologue = prologue_parts(prologue)
     # (issue, finish): the MMA threads arrive once their loads are issued; the producer waits for it
-    start = T.alloc_barrier([consumers]) if len(prologue) == 2 else None
+    start = T.alloc_barrier([consumers]) if len(prologue) == 2 or tiles is not None else None
     pong = T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
+    if tiles is not None:
+        loop = (a_s, b_s, full, empty, part.buf, pong, acc, scale, scale_of, stages, regs, _policy(part), ahead)
+        _persistent(tiles, loop, c_stage, start, consumers)
+        return
     _overlapped(steps, loads, a_s, b_s, full, empty, start, part.buf, pong, acc, scale, scale_of, stages, consumers,
-                regs, _policy(part), epilogue_call(epilogue, c_stage), prologue, ahead, share_a, mark)
+                regs, _policy(part), _met(epilogue_call(epilogue, c_stage), c_stage, consumers), prologue, ahead,
+                share_a, mark)
+
+
+def _met(epilogue, c_stage, consumers):
+    """The epilogue, after a named barrier of the MMA threads where it has a staging tile (laid over
+    memory that the other warpgroup may still be reading)."""
+    if c_stage is None:
+        return epilogue
+
+    def run():
+        emit(T.sync_threads(PROLOGUE_BAR, consumers))
+        epilogue()
+    return run
 
 
 def _bytes(shape, dtype) -> int:
@@ -309,11 +437,11 @@ def _bytes(shape, dtype) -> int:
 
 def overlaid(buf, shape, dtype):
     """A 1-D shared tile of `shape` (elements,) and `dtype` on the memory of shared buffer `buf` where it
-    fits, else a new one. TileLang gives a view of a buffer the buffer's own layout (an operand's
-    swizzle), so the view spans all of `buf`: its elements past `shape` are not used. The caller
-    guarantees that nothing uses `buf` any more wherever the tile is used."""
+    fits, else (or for buf None) a new one. TileLang gives a view of a buffer the buffer's own layout
+    (an operand's swizzle), so the view spans all of `buf`: its elements past `shape` are not used.
+    The caller guarantees that nothing uses `buf` any more wherever the tile is used."""
     (count,) = shape
-    total = _bytes(buf.shape, buf.dtype)
+    total = 0 if buf is None else _bytes(buf.shape, buf.dtype)
     if _bytes(shape, dtype) > total:
         return T.alloc_shared(shape, dtype)
     return T.view(buf, (total * 8 // T.dtype(dtype).bits,), dtype)
