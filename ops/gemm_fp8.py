@@ -55,7 +55,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
-                     persistent: bool = False, sms: int = 132):
+                     persistent: bool = False, sms: int = 132, early: bool = True):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -102,7 +102,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     tile's K blocks while the MMA warpgroups fold the last tile's and store its C, so the first loads'
     latency and the epilogue are paid about once a CTA, not once a tile. The staged tile of C then goes
     over the staged sfa where that is as large, else into memory of its own (the A stages are being
-    refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel.
+    refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel. early: the next
+    tile's scales load into registers before this tile's epilogue (else after it; early_scales).
 
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
@@ -152,7 +153,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
     counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
     if persistent:
-        return _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms,
+        return _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, early,
                                    (rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape))
 
     @T.prim_func
@@ -297,7 +298,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     return fp8_gemm_nt
 
 
-def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, shapes):
+def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, early, shapes):
     """fp8_gemm_program(persistent=True): the same signature, min(tiles, sms) CTAs each running its
     tiles through one tile.mma_promoted_loop(tiles=...)."""
     rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape = shapes
@@ -338,7 +339,7 @@ def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads
                                    epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
                                    # (sms: the stride wherever one CTA has two tiles or more)
                                    tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s,
-                                                    early=early_scales(block_m, kb, threads)))
+                                                    early=early))
 
     return fp8_gemm_nt
 
@@ -367,11 +368,17 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
     return of
 
 
+# persistent CTAs load the next tile's scales before this tile's epilogue where they take at most this
+# many registers a thread (early_scales)
+EARLY_SCALE_REGS = 16
+
+
 def early_scales(block_m: int, kb: int, threads: int) -> bool:
     """Whether a persistent CTA loads the next tile's scales before this tile's epilogue (their
-    registers live across it): up to 16 a thread (k <= 4096 at 128 rows). Later, after the epilogue,
-    they queue behind the producer's loads of the next tile, which the MMA warpgroups then wait out."""
-    return block_m * _pow2(kb) // threads <= 16
+    registers live across it): up to EARLY_SCALE_REGS a thread (k <= 4096 at 128 rows). Later, after
+    the epilogue, they queue behind the producer's loads of the next tile, which the MMA warpgroups
+    then wait out."""
+    return block_m * _pow2(kb) // threads <= EARLY_SCALE_REGS
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -896,6 +903,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
                      and early_scales(p["block_m"], k // GROUP, p.get("threads", 256)))
         if p["persistent"]:
             p.setdefault("sms", sms)
+            p.setdefault("early", early_scales(p["block_m"], k // GROUP, p.get("threads", 256)))
             p = _fit_persistent(p, k, out2.element_size())
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
@@ -905,7 +913,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT, EARLY_SCALE_REGS,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
