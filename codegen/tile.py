@@ -138,23 +138,22 @@ class Units:
 @dataclass(frozen=True)
 class Tiles:
     """mma_promoted_loop(tiles=...): a persistent CTA's tiles, bid, bid + blocks, ... below count (blocks: a
-    Python int, the grid's CTAs wherever a CTA has more than one tile), each a
-    whole K loop of its own, run back to back so that a target may keep its pipeline full across them
-    (sm_90a: the producer loads the next tile's K blocks while the MMA warpgroups store the last).
-    of(t) (called while tracing, once in each warpgroup's branch) gives tile t's
-    {"steps", "loads", "prologue", "epilogue"} as mma_promoted_loop takes them; the prologue an
-    (issue, finish) pair whose finish() may run long after issue() (sm_90a issues a tile's scale
-    loads before the previous tile's epilogue). scale_of must not depend on the tile (the prologue
-    restages what it reads)."""
+    Python int, the grid's CTAs wherever a CTA has more than one tile), each a whole K loop of its own,
+    run back to back so that a target may keep its pipeline full across them (sm_90a: the producer
+    loads the next tile's K blocks while the MMA warpgroups store the last). of(t) (called while
+    tracing, once in each warpgroup's branch) gives tile t's {"steps", "loads", "prologue",
+    "epilogue"}: steps, loads and epilogue as mma_promoted_loop takes them, prologue() issuing
+    asynchronous copies (T.async_copy: cp.async) of what the tile's scale_of reads into shared
+    memory; the target waits for them (and meets) before the tile's first block. scale_of must not
+    depend on the tile."""
 
     count: Any
     bid: Any
     blocks: Any
     of: Any
-    spare: Any = None   # a shared buffer only the prologues write and the folds read (the staged scales):
-                        # a target may lay epilogue_stage over it
-    early: bool = True  # issue() of the next tile before this tile's epilogue (its registers live across
-                        # the epilogue), not after it
+    spare: Any = None   # the shared buffer the prologues fill: a target may lay epilogue_stage over it
+    early: bool = True  # the next tile's prologue before this tile's epilogue (its copies land under it;
+                        # the epilogue's tile then has memory of its own), else after it
 
 
 def _dispatch(word: str, *args, **kwargs):

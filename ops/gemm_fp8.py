@@ -103,7 +103,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     latency and the epilogue are paid about once a CTA, not once a tile. The staged tile of C then goes
     over the staged sfa where that is as large, else into memory of its own (the A stages are being
     refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel. early: the next
-    tile's scales load into registers before this tile's epilogue (else after it; early_scales).
+    tile's scales are copied (cp.async) before this tile's epilogue, else after it (early_scales).
 
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
@@ -326,14 +326,12 @@ def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads
             mine, first = tile.split_rows(block_m)
             sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
             sfb_s = tile.stage((kb,), "float32")                 # its 128-row block of sfb
-            sfa_r = tile.fragment((mine, _pow2(kb)))             # the next tile's, loaded under this one
-            sfb_r = tile.fragment((kb,))
             scale = tile.fragment((mine,))
             part = tile.accumulator((block_m, block_n))
             acc = tile.fragment((mine, block_n))
 
             of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
-                            (A, SFA, B, SFB, MIdx, MaskedM, C, Part), (sfa_s, sfb_s, sfa_r, sfb_r, acc), rows, groups)
+                            (A, SFA, B, SFB, MIdx, MaskedM, C, Part), (sfa_s, sfb_s, acc), rows, groups)
             tile.mma_promoted_loop(None, None, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
                                    part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
                                    epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
@@ -349,36 +347,39 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
     """The persistent program's tile.Tiles.of: tile t's steps, loads, (issue, finish) scale prologue and
     staged epilogue, as the one-tile kernel builds them for its block."""
     A, SFA, B, SFB, MIdx, MaskedM, C, Part = tensors
-    sfa_s, sfb_s, sfa_r, sfb_r, acc = bufs
+    sfa_s, sfb_s, acc = bufs
     masked = mode == "masked"
 
     def of(t):
         tm, tn = t // n_tiles, t % n_tiles
         g, row0, limit = _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups)
         where = (C, Part, MIdx, row0, first, limit, height, g, tn, 0)
-        scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, 0, kb, tn, block_n)
         return {"steps": T.if_then_else(row0 < limit, kb, 0),
                 "loads": lambda blk: (
                     A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, blk * GROUP:(blk + 1) * GROUP]),
-                "prologue": (lambda: _scales_into(scales, mine, kb, sfa_r, sfb_r),
-                             lambda: _finish_scales(scales, mine, kb)),
+                "prologue": lambda: _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb),
                 "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None)}
     return of
 
 
-# persistent CTAs load the next tile's scales before this tile's epilogue where they take at most this
-# many registers a thread (early_scales)
-EARLY_SCALE_REGS = 16
+@T.macro
+def _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb):
+    """A persistent tile's scales into shared memory by cp.async (no registers; waited for at the tile's
+    start): its rows' sfa for every K block and its block of sfb. Rows past the tensor's are not read."""
+    if masked:
+        T.async_copy(SFA[g, row0:row0 + block_m, 0:kb], sfa_s)
+    else:
+        T.async_copy(SFA[row0:row0 + block_m, 0:kb], sfa_s)
+    T.async_copy(SFB[g, (tn * block_n) // GROUP, 0:kb], sfb_s)
 
 
-def early_scales(block_m: int, kb: int, threads: int) -> bool:
-    """Whether a persistent CTA loads the next tile's scales before this tile's epilogue (their
-    registers live across it): up to EARLY_SCALE_REGS a thread (k <= 4096 at 128 rows). Later, after
-    the epilogue, they queue behind the producer's loads of the next tile, which the MMA warpgroups
-    then wait out."""
-    return block_m * _pow2(kb) // threads <= EARLY_SCALE_REGS
+def early_scales(block_m: int, block_n: int, kb: int, out_bytes: int) -> bool:
+    """Whether a persistent CTA copies the next tile's scales into shared memory before this tile's
+    epilogue (under it): where the staged C cannot go over the staged sfa anyway (k < 8704 at 128 x
+    128 bf16). Else after the epilogue, the C tile over the sfa: one stage more (prefill keeps 4)."""
+    return block_m * kb * 4 < block_m * (block_n + C_PAD) * out_bytes
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -685,6 +686,9 @@ def _well_formed(a, sfa, b, sfb, grouped, masked) -> bool:
 
 
 SMEM_BUDGET = 220 * 1024
+# the persistent plans' budget: nearer the 227 KB a block may have (less the ~2 KB of static shared
+# memory: barriers): 5 stages at k = 7168 with the staged C in memory of its own, as one tile a CTA has
+PERSISTENT_SMEM = 224 * 1024
 
 
 # The K loop: True = v3 (tile.mma_promoted_loop, its scales staged under the first loads), False = v2
@@ -732,13 +736,10 @@ THIN_THREADS = 128
 # instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
 # spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
 STAGE_C = True
-# sm_90a, staged C (STAGE_C), one split, more tiles than SMs, not the sorted layout, K short enough for
-# the next tile's scales to load under the last tile's epilogue (early_scales: k <= 4096 at 128 rows):
-# min(tiles, SMs) persistent CTAs run their tiles back to back (fp8_gemm_program persistent=True), a
-# tile's first loads going out under the last tile's folds and epilogue. Measured on the H200 against
-# one tile a CTA (bench/NOTES.md "Session 25"): 128x24576x1536 21.2 -> 18.6 us, 64x24576x1536 16.8 ->
-# 15.1 (DeepGEMM 16.4 / 15.6); with the scales loaded after the epilogue (k = 7168, 16384) it lost:
-# prefill 1017 -> 1006 TFLOP/s, grouped contiguous 976 -> 920, masked 847 -> 731
+# sm_90a, staged C (STAGE_C), one split, more tiles than SMs, not the sorted layout: min(tiles, SMs)
+# persistent CTAs run their tiles back to back (fp8_gemm_program persistent=True), a tile's first loads
+# going out under the last tile's folds and epilogue and its scales copied into shared memory by
+# cp.async (early_scales). Measured on the H200 (bench/NOTES.md "Session 25"): see there
 PERSISTENT = True
 
 
@@ -830,12 +831,14 @@ def _fit_exchange(p: dict, k: int) -> dict:
 
 
 def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
-    """A persistent plan also holds its staged tile of C (the A stages are refilled under the epilogue;
-    it goes over the staged sfa where that is as large): as many stages as still fit."""
+    """A persistent plan also holds its staged tile of C (the A stages are refilled under the epilogue):
+    over the staged sfa where the next tile's scales are copied after the epilogue (p["early"] False),
+    else memory of its own. As many stages as still fit."""
     kb = k // GROUP
     fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], kb, p["splits"])
-    fixed += max(0, p["block_m"] * (p["block_n"] + C_PAD) * out_bytes - p["block_m"] * kb * 4)  # (over the sfa)
-    return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
+    c_bytes = p["block_m"] * (p["block_n"] + C_PAD) * out_bytes
+    fixed += c_bytes if p.get("early", True) else max(0, c_bytes - p["block_m"] * kb * 4)
+    return {**p, "stages": max(2, min(p["stages"], (PERSISTENT_SMEM - fixed) // stage_bytes))}
 
 
 def split_k_count(tiles: int, k_steps: int, sms: int, min_steps: int = 12) -> int:
@@ -899,11 +902,10 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         # more tiles than SMs (sm_90a, staged C): persistent CTAs, each running its tiles back to back
         waves = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1) > sms
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
-                     and not p.get("multicast") and mode != "sorted"
-                     and early_scales(p["block_m"], k // GROUP, p.get("threads", 256)))
+                     and not p.get("multicast") and mode != "sorted")
         if p["persistent"]:
             p.setdefault("sms", sms)
-            p.setdefault("early", early_scales(p["block_m"], k // GROUP, p.get("threads", 256)))
+            p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
             p = _fit_persistent(p, k, out2.element_size())
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
@@ -913,7 +915,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT, EARLY_SCALE_REGS,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

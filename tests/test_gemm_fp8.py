@@ -356,16 +356,17 @@ def test_staged_c_writes_whole_rows_from_shared_memory():
 
 
 def test_persistent_plans_and_refusals():
-    """A persistent plan keeps the staged C over the staged sfa where that is as large (prefill keeps its
-    4 stages), else gives up what the tile needs; the program refuses layouts and loops it cannot run."""
+    """A persistent plan keeps the staged C over the staged sfa where its next scales are copied after the
+    epilogue (prefill keeps its 4 stages), else gives up what the tile needs; the program refuses
+    layouts and loops it cannot run."""
     from ops.gemm_fp8 import _fit_persistent, early_scales, plan
 
-    assert early_scales(128, 12, 256) and early_scales(128, 32, 256) and not early_scales(128, 56, 256)
-
+    assert early_scales(128, 128, 56, 2) and not early_scales(128, 128, 128, 2) and early_scales(128, 128, 128, 4)
     prefill = plan("dense", 4096, 7168, 16384, 128)
-    assert prefill["splits"] == 1 and _fit_persistent(prefill, 16384, 2)["stages"] == prefill["stages"] == 4
+    late = {**prefill, "early": early_scales(128, 128, 128, 2)}
+    assert prefill["splits"] == 1 and _fit_persistent(late, 16384, 2)["stages"] == prefill["stages"] == 4
     short = plan("dense", 128, 24576, 1536, 128)
-    assert short["stages"] == 6 and _fit_persistent(short, 1536, 2)["stages"] == 5
+    assert short["stages"] == 6 and _fit_persistent({**short, "early": True}, 1536, 2)["stages"] == 5
     for bad in (dict(mode="sorted", block_m=64), dict(splits=2), dict(stage_c=False), dict(overlap=False)):
         params = dict(dict(overlap=True, stage_c=True), **bad)
         with pytest.raises(ValueError, match="persistent=True"):
@@ -854,11 +855,11 @@ def test_gpu_staged_c_matches_register_store(monkeypatch, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "dense-fp32-tail", "128x24576x1536", "contiguous", "masked"])
+@pytest.mark.parametrize("case", ["dense", "dense-late", "dense-fp32-tail", "128x24576x1536", "contiguous", "masked"])
 def test_gpu_persistent_matches_one_tile(monkeypatch, case):
     """Persistent CTAs (PERSISTENT, the default where tiles outnumber the SMs; here also forced onto a
-    few CTAs, so that each runs many tiles and its stages' phases carry across them) give the bits of
-    one tile a CTA, to the same elements: contiguous padding rows as zeros, masked rows past their
+    few CTAs, so that each runs many tiles and its stages' phases carry across them, with the next
+    scales copied before or after the epilogue) give the bits of one tile a CTA, to the same elements: contiguous padding rows as zeros, masked rows past their
     count as zeros, an empty group's tiles too."""
     from ops import gemm_fp8
 
@@ -872,9 +873,9 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
             monkeypatch.setattr(gemm_fp8, "_launch", launch)
 
     g = torch.Generator().manual_seed(len(case))
-    if case in ("dense", "dense-fp32-tail", "128x24576x1536"):
-        m, n, k, sms = {"dense": (1000, 2112, 7168, 7), "dense-fp32-tail": (77, 1024, 1536, 3),
-                        "128x24576x1536": (128, 24576, 1536, None)}[case]
+    if case in ("dense", "dense-late", "dense-fp32-tail", "128x24576x1536"):
+        m, n, k, sms = {"dense": (1000, 2112, 7168, 7), "dense-late": (300, 1024, 1536, 3),
+                        "dense-fp32-tail": (77, 1024, 1536, 3), "128x24576x1536": (128, 24576, 1536, None)}[case]
         out_dtype = torch.float32 if "fp32" in case else torch.bfloat16
         *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
         ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
@@ -883,8 +884,8 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
         if sms is None:
             assert gemm_fp8.PERSISTENT
             many = call().cpu()                              # the default plan: 192 tiles on 132 CTAs
-        else:
-            many = run(call, persistent=True, sms=sms)
+        else:       # dense-late: the next tile's scales copied after the epilogue (as prefill's)
+            many = run(call, persistent=True, sms=sms, **({"early": False} if case == "dense-late" else {}))
         assert calc_diff(many, ref) < 1e-3
         assert_elementwise(many, ref)
     else:

@@ -141,15 +141,6 @@ def tilecraft_onetile(case, i):
     return _with_flag(gemm_fp8, "PERSISTENT", False)(case, i)
 
 
-def tilecraft_early(case, i):
-    """The op with persistent CTAs wherever the next tile's scales fit in 64 registers a thread
-    (ops.gemm_fp8.EARLY_SCALE_REGS = 64: k up to 16384), loaded under each epilogue: an experiment
-    against the default, which runs one tile a CTA past k = 4096."""
-    from ops import gemm_fp8
-
-    return _with_flag(gemm_fp8, "EARLY_SCALE_REGS", 64)(case, i)
-
-
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -266,7 +257,6 @@ SUITE = Suite(
                Provider("tilecraft-thin2wg", tilecraft_thin2wg, experimental=True),
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
-               Provider("tilecraft-early", tilecraft_early, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

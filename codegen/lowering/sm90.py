@@ -300,11 +300,15 @@ def _tiles_producer(tiles, a_s, b_s, full, empty, stages, start, base: T.Ref):
 
 
 def _then_issue(t, tiles):
-    # the next tile's scale loads, into registers, before this tile's epilogue (tiles.early) or after
-    # it; finish() stores them at the next tile's start. After the CTA's last tile they load that
-    # tile's again, unused: loaded on every path, the registers are dead from finish() to here (a
-    # load under a condition kept them live across the whole loop: 123 spilled stores at k = 16384)
-    tiles.of(T.min(t + tiles.blocks, tiles.count - 1))["prologue"][0]()
+    # the next tile's staging copies (cp.async into shared memory, no registers); after the CTA's last
+    # tile none (their wait at the next tile's start never comes)
+    _issue_if(t + tiles.blocks < tiles.count, tiles.of(T.min(t + tiles.blocks, tiles.count - 1))["prologue"])
+
+
+@T.macro
+def _issue_if(cond, issue):
+    if cond:
+        issue()
 
 
 @T.macro
@@ -324,31 +328,35 @@ def _first_factors(steps, ahead, scale_of):
 
 
 def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
-    """One tile of a persistent CTA in the MMA warpgroups: its scales (loaded into registers before
-    the last tile's epilogue) into shared memory once every MMA thread is past that epilogue, its
-    bursts from the CTA's block `base`, the next tile's scale loads, then its epilogue. base and
-    steps: reads of the branch's variables (the tile's step count is set once, here)."""
+    """One tile of a persistent CTA in the MMA warpgroups: wait for its staging copies (issued under
+    the last tile), meet, run its bursts from the CTA's block `base`, meet (every fold has read the
+    staging), then the next tile's staging copies and this tile's epilogue, in that order where the
+    epilogue's tile has memory of its own (tiles.early), else the other way round. base and steps:
+    reads of the branch's variables (the tile's step count is set once, here)."""
     a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead = loop
     work = tiles.of(t)
     _set(steps, work["steps"])
-    emit(T.sync_threads(PROLOGUE_BAR, consumers))   # the last tile's reads of the scales and of c_stage done
+    emit(T.ptx_wait_group(0))
+    emit(T.sync_threads(PROLOGUE_BAR, consumers))   # everyone's copies landed; the last epilogue is done
     emit(T.clear(acc))
-    work["prologue"][1]()
-    emit(T.sync_threads(PROLOGUE_BAR, consumers))
     _first_factors(steps, ahead, scale_of)
     io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base)
     in_bursts(steps, _burst, io)
+    emit(T.sync_threads(PROLOGUE_BAR, consumers))   # every fold is done with the staging (and the A stages)
+    epilogue = epilogue_call(work["epilogue"], c_stage)
     if tiles.early:
         _then_issue(t, tiles)
-    _met(epilogue_call(work["epilogue"], c_stage), c_stage, consumers)()
-    if not tiles.early:
+        epilogue()
+    else:
+        epilogue()
+        emit(T.sync_threads(PROLOGUE_BAR, consumers))   # the epilogue's reads of its tile (over the staging)
         _then_issue(t, tiles)
     _advance(base, steps)
 
 
 @T.macro
 def _tiles_consumer(tiles, loop, c_stage, start, base: T.Ref, steps: T.Ref, consumers):
-    tiles.of(tiles.bid)["prologue"][0]()     # the first tile's scale loads, before the producer's first TMA
+    tiles.of(tiles.bid)["prologue"]()         # the first tile's staging copies, before the producer's first TMA
     T.mbarrier_arrive(start[0])
     T.set_max_nreg(CONSUMER_REGS, 1)
     base = 0
@@ -395,7 +403,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # goes over tiles.spare (or is memory of its own); else over the A stages. Either way the MMA
     # threads meet first: the other warpgroup may still read the memory (its last WGMMA, its last
     # scale loads)
-    over = a_s if tiles is None else tiles.spare
+    over = a_s if tiles is None else (None if tiles.early else tiles.spare)
     c_stage = None if epilogue_stage is None else overlaid(over, *epilogue_stage)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
