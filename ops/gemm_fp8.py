@@ -736,11 +736,15 @@ THIN_THREADS = 128
 # instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
 # spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
 STAGE_C = True
-# sm_90a, staged C (STAGE_C), one split, more tiles than SMs, not the sorted layout: min(tiles, SMs)
-# persistent CTAs run their tiles back to back (fp8_gemm_program persistent=True), a tile's first loads
-# going out under the last tile's folds and epilogue and its scales copied into shared memory by
-# cp.async (early_scales). Measured on the H200 (bench/NOTES.md "Session 25"): see there
+# sm_90a, staged C (STAGE_C), one split, not the sorted layout, more tiles than SMs but at most
+# PERSISTENT_WAVES waves of them: min(tiles, SMs) persistent CTAs run their tiles back to back
+# (fp8_gemm_program persistent=True), a tile's first loads going out under the last tile's folds and
+# epilogue, its scales copied into shared memory by cp.async (early_scales). Measured on the H200
+# against one tile a CTA (bench/NOTES.md "Session 25", profiler): 128x24576x1536 22.5 -> 19.5 us,
+# masked 1x1024x4096x7168 67.6 -> 62.5 us (both under 2 waves); over many waves 1-2% slower
+# (contiguous 4x8192x4096x7168 1760 -> 1792 us, 62 waves; prefill 875 -> 886, 13.6 waves)
 PERSISTENT = True
+PERSISTENT_WAVES = 2
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -900,7 +904,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
         # more tiles than SMs (sm_90a, staged C): persistent CTAs, each running its tiles back to back
-        waves = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1) > sms
+        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1)
+        waves = sms < tiles <= PERSISTENT_WAVES * sms
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
                      and not p.get("multicast") and mode != "sorted")
         if p["persistent"]:
@@ -915,7 +920,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT, PERSISTENT_WAVES,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

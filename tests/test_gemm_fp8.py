@@ -857,10 +857,11 @@ def test_gpu_staged_c_matches_register_store(monkeypatch, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "dense-late", "dense-fp32-tail", "128x24576x1536", "contiguous", "masked"])
 def test_gpu_persistent_matches_one_tile(monkeypatch, case):
-    """Persistent CTAs (PERSISTENT, the default where tiles outnumber the SMs; here also forced onto a
-    few CTAs, so that each runs many tiles and its stages' phases carry across them, with the next
-    scales copied before or after the epilogue) give the bits of one tile a CTA, to the same elements: contiguous padding rows as zeros, masked rows past their
-    count as zeros, an empty group's tiles too."""
+    """Persistent CTAs (PERSISTENT, the default where the tiles make one to two waves; here also forced
+    onto a few CTAs, so that each runs many tiles and its stages' phases carry across them, with the
+    next scales copied before or after the epilogue) give the bits of one tile a CTA, to the same
+    elements: contiguous padding rows as zeros, masked rows past their count as zeros, an empty
+    group's tiles too."""
     from ops import gemm_fp8
 
     launch = gemm_fp8._launch
