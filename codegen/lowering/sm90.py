@@ -292,7 +292,7 @@ def _produce_tile(work, a_s, b_s, full, empty, stages, base):
 
 @T.macro
 def _tiles_producer(tiles, a_s, b_s, full, empty, stages, start, base: T.Ref):
-    T.mbarrier_wait_parity(start[0], 0)      # the first tile's scale loads are issued
+    T.mbarrier_wait_parity(start[0], 0)      # the first tile's staging copies are issued
     T.set_max_nreg(PRODUCER_REGS, 0)
     base = 0
     for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
@@ -383,7 +383,9 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
     # epilogue_stage (shape, dtype): epilogue(stage) gets a shared tile laid over the A stages where
     # it fits (every TMA write into them has been waited for and every WGMMA reading them has
-    # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise
+    # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise.
+    # tiles (tile.Tiles): a persistent CTA's tiles, each its own steps, loads, staging copies and
+    # epilogue, through one pipeline whose slots and phases carry on from tile to tile
     consumers = state()["threads"] - PRODUCER
     if share_a not in (1, 2):
         raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
