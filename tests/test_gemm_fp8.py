@@ -797,6 +797,18 @@ def test_gpu_multicast_matches_unicast(mode):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
 
 
+def _three_experts(g):
+    """(G, n, k, m_indices, qa, sfa, qb, sfb): 3 experts of 100 rows + 28 padding rows each (the
+    contiguous layout's 128-aligned segments; as (3, 128, k) the masked layout's), quantized; the
+    weights on the GPU."""
+    G, n, k = 3, 512, 1024
+    m_indices = torch.tensor(sum(([e] * 100 + [-1] * 28 for e in range(G)), []), dtype=torch.int32)
+    qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m_indices.numel(), k, generator=g))
+    bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
+    qb, sfb = (torch.stack(t).cuda() for t in zip(*bs))
+    return G, n, k, m_indices, qa, sfa, qb, sfb
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense-128", "dense-64", "thin", "contiguous", "masked", "sorted", "fp32"])
 def test_gpu_staged_c_matches_register_store(monkeypatch, case):
@@ -835,11 +847,7 @@ def test_gpu_staged_c_matches_register_store(monkeypatch, case):
         listed = (m.m_indices >= 0) & (m.m_indices % 2 == 1)
         assert out[~listed].isnan().all() and not out[listed].isnan().any()
     else:
-        G, n, k = 3, 512, 1024
-        m_indices = torch.tensor(sum(([e] * 100 + [-1] * 28 for e in range(G)), []), dtype=torch.int32)
-        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m_indices.numel(), k, generator=g))
-        bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
-        qb, sfb = (torch.stack(t).cuda() for t in zip(*bs))
+        G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
         if case == "contiguous":
             out = both(lambda: ops.m_grouped_fp8_gemm_nt_contiguous(
                 qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
@@ -890,11 +898,7 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
         assert calc_diff(many, ref) < 1e-3
         assert_elementwise(many, ref)
     else:
-        G, n, k = 3, 512, 1024
-        m_indices = torch.tensor(sum(([e] * 100 + [-1] * 28 for e in range(G)), []), dtype=torch.int32)
-        qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m_indices.numel(), k, generator=g))
-        bs = [ops.per_block_quant_fp8(torch.randn(n, k, generator=g)) for _ in range(G)]
-        qb, sfb = (torch.stack(t).cuda() for t in zip(*bs))
+        G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
         if case == "contiguous":
             call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
                 qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
