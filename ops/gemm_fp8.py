@@ -332,19 +332,19 @@ def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads
 
             of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
                             (A, SFA, B, SFB, MIdx, MaskedM, C, Part), (sfa_s, sfb_s, acc), rows, groups)
-            tile.mma_promoted_loop(None, None, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
-                                   part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
+            operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
+            tile.mma_promoted_loop(None, None, operands, part, acc, scale,
+                                   lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
                                    epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
                                    # (sms: the stride wherever one CTA has two tiles or more)
-                                   tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s,
-                                                    early=early))
+                                   tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s, early=early))
 
     return fp8_gemm_nt
 
 
 def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first, tensors, bufs,
                rows, groups):
-    """The persistent program's tile.Tiles.of: tile t's steps, loads, (issue, finish) scale prologue and
+    """The persistent program's tile.Tiles.of: tile t's steps, loads, scale staging (cp.async) and
     staged epilogue, as the one-tile kernel builds them for its block."""
     A, SFA, B, SFB, MIdx, MaskedM, C, Part = tensors
     sfa_s, sfb_s, acc = bufs
@@ -903,7 +903,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p = _fit_exchange(p, k)
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
-        # more tiles than SMs (sm_90a, staged C): persistent CTAs, each running its tiles back to back
+        # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
         tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1)
         waves = sms < tiles <= PERSISTENT_WAVES * sms
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
@@ -920,7 +920,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         folded = p["fold"] or p.get("cluster", False)
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
-    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS, STAGE_C, PERSISTENT, PERSISTENT_WAVES,
+    key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

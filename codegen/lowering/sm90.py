@@ -145,7 +145,8 @@ def _burst(first, count, io):
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
-    a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark, base = io
+    (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
+     base) = io
     parts = (ping, pong)
     _issue(a_s, b_s, full, ping, base + first, stages, policy)
     for j in range(1, count):
@@ -253,8 +254,8 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             mark("prologue done")
         if steps > 0:
             _prefetch(ahead, scale_of, 0)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
-              0)
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a,
+              mark, 0)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
