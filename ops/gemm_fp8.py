@@ -152,10 +152,6 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     c_shape = (groups, max_m, n) if masked else (rows, n)
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
     counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
-    if persistent:
-        return _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, early,
-                                   (rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape))
-
     @T.prim_func
     def fp8_gemm_nt(
         A: T.Tensor(a_shape, "float8_e4m3fn"),
@@ -171,175 +167,163 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         height = max_m if masked else rows                     # rows a group's tiles walk over
         per_group = T.max(T.ceildiv(height, block_m), 1)       # m tiles per group (never 0: it divides)
         m_tiles = per_group * groups if masked else (items if by_items else per_group)
-        extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
-        # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
-        with _grid(m_tiles * n_tiles * splits, threads + extra, splits if cluster else (2 if multicast else 1)) as bid:
-            tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
-            recv = None                           # cluster_smem: the other block's partial half
-            if cluster_smem:
-                recv = tile.stage((block_m, block_n // 2), "float32")
-                # a store the compiler sees before the K loop: the other block writes recv through a
-                # mapped pointer while this one may still be in its loop, so recv must not share
-                # memory with the loop's tiles (TileLang merges buffers whose visible uses do not
-                # overlap: v2 put recv on a_s, and the fold raced with the last K steps)
-                _touch(recv)
-                tile.cluster_barrier()            # both blocks started before either stores into the other
-            # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
-            # where each vector core gets half of every accumulator read)
-            mine, first = tile.split_rows(block_m)
-            if not overlap:                                     # mma_promoted_loop makes its own
-                a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
-                b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
-            if overlap:
-                sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
-                sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
-                # where a producer warpgroup loads the tiles (sm_90a), the scales pass through
-                # registers: the prologue's loads all issue before the producer's first TMA
-                split_prologue = tile.producer_threads() > 0
-                sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue else None
-                sfb_r = tile.fragment((kb,)) if split_prologue else None
-            scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
-            if not overlap:                                     # the next step's sfa and sfb, loaded a step early
-                ahead_a = tile.fragment((mine,))
-                ahead_b = tile.fragment((mine,))
-            part = tile.accumulator((block_m, block_n))
-            acc = tile.fragment((mine, block_n))
-            if masked:
-                g = tm // per_group
-                row0 = (tm % per_group) * block_m                  # within the group
-                limit = MaskedM[g]                                 # rows at or past this are not computed
-            elif mode == "contiguous":
-                row0 = tm * block_m
-                g = T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1)   # unchecked ids stay inside B
-                limit = rows
-            elif by_items:
-                g = T.min(T.max(MIdx[tm, 0], 0), groups - 1)
-                row0 = T.max(MIdx[tm, 1], 0)
-                # rows at or past this are not stored (the item's rows, at most block_m; none for padding)
-                limit = T.if_then_else(MIdx[tm, 0] >= 0, T.min(row0 + T.min(MIdx[tm, 2], block_m), rows), 0)
-            else:
-                row0 = tm * block_m
-                g = 0
-                limit = rows
-            k0 = ts * per
-            steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
-            if trace:
-                _stamp(Count, bid, "entry")
-            # Staged before the first loads, the scales held every thread, the TMA thread too, for
-            # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages them once in the MMA warpgroups
-            # while the producer's first loads fly (mma_promoted_loop's prologue); the v2 loop reads
-            # them from global memory one step ahead (step s loads step s + 1's into registers).
-            if not overlap:
-                with tile.vector():                              # mma_promoted_loop clears it
-                    for i, j in tile.parallel(mine, block_n):
-                        acc[i, j] = 0.0
-                    for i in tile.parallel(mine):
-                        _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1), k0,
-                                     kb, tn, block_n)
-            if trace and not overlap:                        # (mma_promoted_loop marks v3's)
-                _stamp(Count, bid, "prologue done")
-            mark = (lambda event: _stamp(Count, bid, event)) if trace else None
-
-            if overlap:
-                where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
-                # one step's tiles of A and B (TMA zero-fills rows past the end)
-                # (lambda parameters are named apart from every loop variable: the DSL tracks names)
-                loads = lambda blk: (  # noqa: E731
-                    A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
-                    else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
-                    B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
-                scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n)
-                store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)) if cluster
-                         else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
-                                                         mark))
-                         if stage_c
-                         else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
-                tile.mma_promoted_loop(steps, loads, [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")],
-                                       part, acc, scale, lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
-                                       epilogue=store,
-                                       prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
-                                                  lambda: _finish_scales(scales, mine, per)) if split_prologue
-                                                 else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
-                                       share_a=2 if multicast else 1, mark=mark,
-                                       # the tile of C in the out dtype, rows padded (stage_c)
-                                       epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype) if stage_c else None)
-            else:
-                for s in tile.pipelined(steps, stages=stages):
-                    kk = k0 + s
-                    if trace:
-                        if s == 1:
-                            _stamp(Count, bid, "step 1")
-                        if s == steps - 1:
-                            _stamp(Count, bid, "last step")
-                    if masked:
-                        tile.copy(A[g, row0, kk * GROUP], a_s)
-                    else:
-                        tile.copy(A[row0, kk * GROUP], a_s)
-                    tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
-                    with tile.vector():
-                        for i in tile.parallel(mine):
-                            scale[i] = ahead_a[i] * ahead_b[i]
-                            _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g, T.min(row0 + first + i, height - 1),
-                                         kk + 1, kb, tn, block_n)
-                    tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
-                if trace:
-                    _stamp(Count, bid, "loop done")
-                where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
-                if cluster:
-                    _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)
+        if persistent:                                         # min(tiles, sms) CTAs, tiles back to back
+            _persistent_grid((A, SFA, B, SFB, MIdx, MaskedM, C, Part), mode, out_dtype, block_m, block_n, kb, n_tiles,
+                             stages, threads, sms, early, height, per_group, rows, groups)
+        else:
+            extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
+            # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
+            with _grid(m_tiles * n_tiles * splits, threads + extra,
+                       splits if cluster else (2 if multicast else 1)) as bid:
+                tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+                recv = None                           # cluster_smem: the other block's partial half
+                if cluster_smem:
+                    recv = tile.stage((block_m, block_n // 2), "float32")
+                    # a store the compiler sees before the K loop: the other block writes recv through a
+                    # mapped pointer while this one may still be in its loop, so recv must not share
+                    # memory with the loop's tiles (TileLang merges buffers whose visible uses do not
+                    # overlap: v2 put recv on a_s, and the fold raced with the last K steps)
+                    _touch(recv)
+                    tile.cluster_barrier()            # both blocks started before either stores into the other
+                # vector code holds rows [first, first + mine) of the tile (all of them except on Ascend,
+                # where each vector core gets half of every accumulator read)
+                mine, first = tile.split_rows(block_m)
+                if not overlap:                                     # mma_promoted_loop makes its own
+                    a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
+                    b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
+                if overlap:
+                    sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
+                    sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
+                    # where a producer warpgroup loads the tiles (sm_90a), the scales pass through
+                    # registers: the prologue's loads all issue before the producer's first TMA
+                    split_prologue = tile.producer_threads() > 0
+                    sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue else None
+                    sfb_r = tile.fragment((kb,)) if split_prologue else None
+                scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
+                if not overlap:                                     # the next step's sfa and sfb, loaded a step early
+                    ahead_a = tile.fragment((mine,))
+                    ahead_b = tile.fragment((mine,))
+                part = tile.accumulator((block_m, block_n))
+                acc = tile.fragment((mine, block_n))
+                if masked:
+                    g = tm // per_group
+                    row0 = (tm % per_group) * block_m                  # within the group
+                    limit = MaskedM[g]                                 # rows at or past this are not computed
+                elif mode == "contiguous":
+                    row0 = tm * block_m
+                    g = T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1)   # unchecked ids stay inside B
+                    limit = rows
+                elif by_items:
+                    g = T.min(T.max(MIdx[tm, 0], 0), groups - 1)
+                    row0 = T.max(MIdx[tm, 1], 0)
+                    # rows at or past this are not stored (the item's rows, at most block_m; none for padding)
+                    limit = T.if_then_else(MIdx[tm, 0] >= 0, T.min(row0 + T.min(MIdx[tm, 2], block_m), rows), 0)
                 else:
-                    _store(acc, where, mine, mode, splits, out_dtype, block_n)
+                    row0 = tm * block_m
+                    g = 0
+                    limit = rows
+                k0 = ts * per
+                steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
+                if trace:
+                    _stamp(Count, bid, "entry")
+                # Staged before the first loads, the scales held every thread, the TMA thread too, for
+                # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages them once in the MMA warpgroups
+                # while the producer's first loads fly (mma_promoted_loop's prologue); the v2 loop reads
+                # them from global memory one step ahead (step s loads step s + 1's into registers).
+                if not overlap:
+                    with tile.vector():                              # mma_promoted_loop clears it
+                        for i, j in tile.parallel(mine, block_n):
+                            acc[i, j] = 0.0
+                        for i in tile.parallel(mine):
+                            _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g,
+                                         T.min(row0 + first + i, height - 1), k0, kb, tn, block_n)
+                if trace and not overlap:                        # (mma_promoted_loop marks v3's)
+                    _stamp(Count, bid, "prologue done")
+                mark = (lambda event: _stamp(Count, bid, event)) if trace else None
+
+                if overlap:
+                    where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
+                    # one step's tiles of A and B (TMA zero-fills rows past the end)
+                    # (lambda parameters are named apart from every loop variable: the DSL tracks names)
+                    loads = lambda blk: (  # noqa: E731
+                        A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
+                        else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
+                        B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
+                    scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n)
+                    store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv))
+                             if cluster
+                             else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
+                                                             mark))
+                             if stage_c
+                             else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
+                    operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
+                    tile.mma_promoted_loop(steps, loads, operands, part, acc, scale,
+                                           lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
+                                           epilogue=store,
+                                           prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
+                                                      lambda: _finish_scales(scales, mine, per)) if split_prologue
+                                                     else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
+                                           share_a=2 if multicast else 1, mark=mark,
+                                           # the tile of C in the out dtype, rows padded (stage_c)
+                                           epilogue_stage=(((block_m * (block_n + C_PAD),), out_dtype) if stage_c
+                                                           else None))
+                else:
+                    for s in tile.pipelined(steps, stages=stages):
+                        kk = k0 + s
+                        if trace:
+                            if s == 1:
+                                _stamp(Count, bid, "step 1")
+                            if s == steps - 1:
+                                _stamp(Count, bid, "last step")
+                        if masked:
+                            tile.copy(A[g, row0, kk * GROUP], a_s)
+                        else:
+                            tile.copy(A[row0, kk * GROUP], a_s)
+                        tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
+                        with tile.vector():
+                            for i in tile.parallel(mine):
+                                scale[i] = ahead_a[i] * ahead_b[i]
+                                _load_scales(ahead_a, ahead_b, i, SFA, SFB, masked, g,
+                                             T.min(row0 + first + i, height - 1), kk + 1, kb, tn, block_n)
+                        tile.mma_promoted(a_s, b_s, part, acc, scale, step=s)
                     if trace:
-                        _stamp(Count, bid, "stored")
-                if fold:
-                    if tile.last_arrival(Count, tm * n_tiles + tn, splits):
-                        _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
+                        _stamp(Count, bid, "loop done")
+                    where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
+                    if cluster:
+                        _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv)
+                    else:
+                        _store(acc, where, mine, mode, splits, out_dtype, block_n)
+                        if trace:
+                            _stamp(Count, bid, "stored")
+                    if fold:
+                        if tile.last_arrival(Count, tm * n_tiles + tn, splits):
+                            _fold_partials(C, Part, row0, first, height, tn, mine, splits, out_dtype, block_n)
 
     return fp8_gemm_nt
 
 
-def _persistent_program(n, k, mode, out_dtype, block_m, block_n, stages, threads, sms, early, shapes):
-    """fp8_gemm_program(persistent=True): the same signature, min(tiles, sms) CTAs each running its
-    tiles through one tile.mma_promoted_loop(tiles=...)."""
-    rows, groups, max_m, counts, a_shape, sfa_shape, c_shape, part_shape, midx_shape = shapes
-    kb, nb = k // GROUP, -(-n // GROUP)
-    n_tiles = n // block_n
-    masked = mode == "masked"
-
-    @T.prim_func
-    def fp8_gemm_nt(
-        A: T.Tensor(a_shape, "float8_e4m3fn"),
-        SFA: T.Tensor(sfa_shape, "float32"),
-        B: T.Tensor((groups, n, k), "float8_e4m3fn"),
-        SFB: T.Tensor((groups, nb, kb), "float32"),
-        MIdx: T.Tensor(midx_shape, "int32"),
-        MaskedM: T.Tensor((groups,), "int32"),
-        C: T.Tensor(c_shape, out_dtype),
-        Part: T.Tensor(part_shape, "float32"),
-        Count: T.Tensor((counts,), "int32"),
-    ):
-        height = max_m if masked else rows
-        per_group = T.max(T.ceildiv(height, block_m), 1)
-        count = (per_group * groups if masked else per_group) * n_tiles      # tiles of the whole grid
-        blocks = T.min(count, sms)
-        with tile.grid(blocks, threads + tile.producer_threads()) as bid:
-            mine, first = tile.split_rows(block_m)
-            sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
-            sfb_s = tile.stage((kb,), "float32")                 # its 128-row block of sfb
-            scale = tile.fragment((mine,))
-            part = tile.accumulator((block_m, block_n))
-            acc = tile.fragment((mine, block_n))
-
-            of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
-                            (A, SFA, B, SFB, MIdx, MaskedM, C, Part), (sfa_s, sfb_s, acc), rows, groups)
-            operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
-            tile.mma_promoted_loop(None, None, operands, part, acc, scale,
-                                   lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
-                                   epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
-                                   # (sms: the stride wherever one CTA has two tiles or more)
-                                   tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s, early=early))
-
-    return fp8_gemm_nt
+@T.macro
+def _persistent_grid(tensors, mode, out_dtype, block_m, block_n, kb, n_tiles, stages, threads, sms, early, height,
+                     per_group, rows, groups):
+    """fp8_gemm_program(persistent=True)'s kernel: min(tiles, sms) CTAs each running its tiles through
+    one tile.mma_promoted_loop(tiles=...)."""
+    count = (per_group * groups if mode == "masked" else per_group) * n_tiles     # tiles of the whole grid
+    blocks = T.min(count, sms)
+    with tile.grid(blocks, threads + tile.producer_threads()) as bid:
+        mine, first = tile.split_rows(block_m)
+        sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
+        sfb_s = tile.stage((kb,), "float32")                 # its 128-row block of sfb
+        scale = tile.fragment((mine,))
+        part = tile.accumulator((block_m, block_n))
+        acc = tile.fragment((mine, block_n))
+        of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
+                        tensors, (sfa_s, sfb_s, acc), rows, groups)
+        operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
+        tile.mma_promoted_loop(None, None, operands, part, acc, scale,
+                               lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
+                               epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
+                               # (sms: the stride wherever one CTA has two tiles or more)
+                               tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s, early=early))
 
 
 def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first, tensors, bufs,

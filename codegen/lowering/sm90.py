@@ -313,11 +313,6 @@ def _issue_if(cond, issue):
 
 
 @T.macro
-def _advance(base: T.Ref, steps):
-    base = base + steps
-
-
-@T.macro
 def _set(var: T.Ref, value):
     var = value
 
@@ -352,7 +347,7 @@ def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
         epilogue()
         emit(T.sync_threads(PROLOGUE_BAR, consumers))   # the epilogue's reads of its tile (over the staging)
         _then_issue(t, tiles)
-    _advance(base, steps)
+    _set(base, base + steps)
 
 
 @T.macro
