@@ -111,7 +111,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     pipelined loop with one tile.mma_promoted per step.
     """
     assert mode in MODES, mode
-    assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128) and GROUP % block_n == 0
+    assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128)
+    columns = block_n // GROUP if block_n > GROUP else 1       # wide tiles: one MMA pass per 128 columns
+    if block_n % GROUP if columns > 1 else GROUP % block_n:
+        raise ValueError(f"block_n must divide {GROUP} or be a multiple of it, got {block_n}")
+    if columns > 1 and (not stage_c or persistent or out_dtype != "bfloat16"):
+        # (stage_c: the v3 loop, one split, no cluster; its bf16 tile of C fits over 3 B stages, fp32's would not)
+        raise ValueError(f"block_n={block_n} (column passes) runs in the v3 loop's one-split tiles with the staged "
+                         f"epilogue and bf16 out: it needs stage_c=True, persistent=False and out_dtype bfloat16, got "
+                         f"stage_c={stage_c}, persistent={persistent}, out_dtype={out_dtype!r}")
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
     if trace and fold:
         raise ValueError("trace=True stamps a block's events into Count: not with fold=True, whose arrivals it holds")
@@ -193,18 +201,20 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
                 if overlap:
                     sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
-                    sfb_s = tile.stage((kb,), "float32")             # the tile's 128-row block of sfb
+                    sfb_s = tile.stage(_sfb_shape(columns, kb), "float32")  # the tile's 128-row block(s) of sfb
                     # where a producer warpgroup loads the tiles (sm_90a), the scales pass through
                     # registers: the prologue's loads all issue before the producer's first TMA
                     split_prologue = tile.producer_threads() > 0
                     sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue else None
-                    sfb_r = tile.fragment((kb,)) if split_prologue else None
+                    sfb_r = tile.fragment(_sfb_shape(columns, kb)) if split_prologue else None
                 scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
                 if not overlap:                                     # the next step's sfa and sfb, loaded a step early
                     ahead_a = tile.fragment((mine,))
                     ahead_b = tile.fragment((mine,))
-                part = tile.accumulator((block_m, block_n))
-                acc = tile.fragment((mine, block_n))
+                part = tile.accumulator((block_m, min(block_n, GROUP)))
+                # (mine, block_n), or one (mine, 128) fragment a column pass
+                acc = tile.fragment((mine, block_n)) if columns == 1 else tuple(
+                    tile.fragment((mine, GROUP)) for _ in range(columns))
                 if masked:
                     g = tm // per_group
                     row0 = (tm % per_group) * block_m                  # within the group
@@ -258,7 +268,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                              else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                     operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
                     tile.mma_promoted_loop(steps, loads, operands, part, acc, scale,
-                                           lambda row, blk: (sfa_s[row, blk], sfb_s[k0 + blk]), stages=stages,
+                                           lambda row, blk: _scale_factors(sfa_s, sfb_s, row, k0, blk, columns),
+                                           stages=stages,
                                            epilogue=store,
                                            prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                       lambda: _finish_scales(scales, mine, per)) if split_prologue
@@ -383,6 +394,19 @@ def _grid(blocks, threads, cluster):
     return tile.cluster_grid(blocks, threads, cluster) if cluster > 1 else tile.grid(blocks, threads)
 
 
+def _sfb_shape(columns: int, kb: int) -> tuple:
+    # the tile's sfb: (kb,) for one 128-row block of B, (columns, kb) for column passes
+    return (kb,) if columns == 1 else (columns, kb)
+
+
+def _scale_factors(sfa_s, sfb_s, row, k0, blk, columns):
+    """mma_promoted_loop's scale_of: (sfa, sfb) of K block k0 + blk; with column passes (sfa, then each
+    pass's sfb)."""
+    if columns == 1:
+        return sfa_s[row, blk], sfb_s[k0 + blk]
+    return (sfa_s[row, blk], *[sfb_s[c, k0 + blk] for c in range(columns)])
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -397,8 +421,12 @@ def _scales_into(scales, mine, per, sfa_dst, sfb_dst):
     "GEMM v7")."""
     SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
-        for kk in tile.parallel(kb):
-            sfb_dst[kk] = SFB[g, (tn * block_n) // GROUP, kk]
+        if block_n > GROUP:                                  # column passes: one row of sfb each
+            for c, kk in tile.parallel(block_n // GROUP, kb):
+                sfb_dst[c, kk] = SFB[g, tn * (block_n // GROUP) + c, kk]
+        else:
+            for kk in tile.parallel(kb):
+                sfb_dst[kk] = SFB[g, (tn * block_n) // GROUP, kk]
         for i, t in tile.parallel(mine, _pow2(per)):
             if t < per:
                 r = T.min(row0 + first + i, height - 1)
@@ -412,8 +440,12 @@ def _finish_scales(scales, mine, per):
     stores what it loaded)."""
     SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
-        for kk in tile.parallel(kb):
-            sfb_s[kk] = sfb_r[kk]
+        if block_n > GROUP:
+            for c, kk in tile.parallel(block_n // GROUP, kb):
+                sfb_s[c, kk] = sfb_r[c, kk]
+        else:
+            for kk in tile.parallel(kb):
+                sfb_s[kk] = sfb_r[kk]
         for i, t in tile.parallel(mine, _pow2(per)):
             if t < per:
                 sfa_s[i, t] = sfa_r[i, t]
@@ -491,33 +523,54 @@ def _store(acc, where, mine, mode, splits, out_dtype, block_n):
                         C[r, tn * block_n + j] = value
 
 
-@T.macro
 def _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, mark):
     """_store for one split through the staging tile c_s (stage_c=True): every value C gets, in the
-    accumulator's layout, into c_s; the `threads` MMA threads meet; then whole rows out, 16 bytes a
-    thread (TileLang vectorizes the row loop: its condition does not depend on the column)."""
-    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
-    by_items = mode == "sorted"
+    accumulator's layout (each column pass's accumulator at its columns), into c_s; the `threads` MMA
+    threads meet; then whole rows out, 16 bytes a thread (TileLang vectorizes the row loop: its
+    condition does not depend on the column)."""
     width = block_n + C_PAD                                # c_s: (block_m, width) row-major, flat
-    with tile.vector():
-        for i, j in tile.parallel(mine, block_n):
-            r = row0 + first + i
-            if by_items:                                   # rows past the item's are never copied out
-                c_s[(first + i) * width + j] = T.cast(acc[i, j], out_dtype)
-            else:
-                keep = r < limit and (MIdx[T.min(r, limit - 1)] >= 0 if mode == "contiguous" else True)
-                c_s[(first + i) * width + j] = T.if_then_else(keep, T.cast(acc[i, j], out_dtype), T.cast(0, out_dtype))
+    for col0, part_acc in _column_parts(acc):
+        _stage_rows(part_acc, c_s, where, mine, mode, out_dtype, width, col0)
+    _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, mark)
+
+
+@T.macro
+def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, mark):
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
     tile.barrier(threads=threads)
     with tile.vector():
         for i, j in tile.parallel(mine, block_n):
             r = row0 + first + i
-            if r < (limit if by_items else height):
+            if r < (limit if mode == "sorted" else height):
                 if mode == "masked":
                     C[g, r, tn * block_n + j] = c_s[(first + i) * width + j]
                 else:
                     C[r, tn * block_n + j] = c_s[(first + i) * width + j]
     if mark is not None:
         mark("stored")
+
+
+def _column_parts(acc):
+    # (first column, fragment) of each column pass's accumulator, or of the one accumulator
+    if isinstance(acc, tuple):
+        return [(p * GROUP, a) for p, a in enumerate(acc)]
+    return [(0, acc)]
+
+
+@T.macro
+def _stage_rows(acc, c_s, where, mine, mode, out_dtype, width, col0):
+    # acc's columns of every value C gets (zeros for rows past the limit and padding rows) into the
+    # staging tile from column col0, in the accumulator's layout
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    with tile.vector():
+        for i, j in tile.parallel(mine, acc.shape[1]):
+            r = row0 + first + i
+            if mode == "sorted":                           # rows past the item's are never copied out
+                c_s[(first + i) * width + col0 + j] = T.cast(acc[i, j], out_dtype)
+            else:
+                keep = r < limit and (MIdx[T.min(r, limit - 1)] >= 0 if mode == "contiguous" else True)
+                c_s[(first + i) * width + col0 + j] = T.if_then_else(keep, T.cast(acc[i, j], out_dtype),
+                                                                     T.cast(0, out_dtype))
 
 
 @T.macro
@@ -729,6 +782,14 @@ STAGE_C = True
 # (contiguous 4x8192x4096x7168 1760 -> 1792 us, 62 waves; prefill 875 -> 886, 13.6 waves)
 PERSISTENT = True
 PERSISTENT_WAVES = 2
+# sm_90a, the v3 loop, one split, n % 256 == 0 and more than PERSISTENT_WAVES waves of 128 x 256 tiles
+# (prefill, grouped contiguous): 128 x 256 tiles, each K block's MMA in two column passes of 128
+# (fp8_gemm_program block_n=256; DeepGEMM's schedule: a pass waited for and folded while the other
+# warpgroup's runs, no ping-pong partial). A quarter fewer operand bytes from L2 a flop than 128 x 128
+# tiles, whose prefill ran the L2 at ~81% of its throughput (bench/NOTES.md "GEMM v6"). Stages as
+# fit in WIDE_SMEM (the staged C goes over the B stages)
+WIDE_TILES = True
+WIDE_SMEM = 224 * 1024
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -818,6 +879,21 @@ def _fit_exchange(p: dict, k: int) -> dict:
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
 
 
+def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
+    """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles with more than
+    PERSISTENT_WAVES waves of 128 x 256 tiles takes those, with as many stages as fit in WIDE_SMEM (at
+    least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B stages, fp32's
+    would not."""
+    if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
+            and n % 256 == 0 and mode != "sorted" and out_bytes == 2 and not p.get("multicast")
+            and -(-rows // 128) * (n // 256) * groups > PERSISTENT_WAVES * sms):
+        return p
+    kb = k // GROUP
+    fixed = 2 * kb * 4 + p["block_m"] * kb * 4                     # both sfb rows, the rows' sfa
+    stages = min(OVERLAP_STAGES, (WIDE_SMEM - fixed) // ((p["block_m"] + 256) * GROUP))
+    return {**p, "block_n": 256, "stages": stages} if stages >= 3 else p
+
+
 def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
     """A persistent plan also holds its staged tile of C (the A stages are refilled under the epilogue):
     over the staged sfa where the next tile's scales are copied after the epilogue (p["early"] False),
@@ -885,10 +961,13 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         p.update(override)
         if p.get("cluster_smem"):
             p = _fit_exchange(p, k)
+        groups = a2.shape[0] if mode == "masked" else 1
+        if not forced and target.name == "cuda:sm_90a":
+            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size())
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
         # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
-        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * (a2.shape[0] if mode == "masked" else 1)
+        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
         waves = sms < tiles <= PERSISTENT_WAVES * sms
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
                      and not p.get("multicast") and mode != "sorted")
@@ -905,7 +984,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, PERSISTENT, PERSISTENT_WAVES,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

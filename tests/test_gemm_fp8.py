@@ -655,6 +655,38 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {f"QGMMA.64x{width}x32.F32.E4M3.E4M3"}
 
 
+def test_wide_tiles_plan_and_column_passes():
+    """WIDE_TILES: one-split plans with more than two waves of 128 x 256 tiles (prefill, grouped
+    contiguous, masked with many groups) take them, bf16 out only, with as many stages as fit; thin,
+    split, sorted and few-wave plans keep theirs. A 128 x 256 tile runs each K block as two m64n128
+    passes over the halves of B's stage (the second at 128 rows = 16 KB in), each waited for (wgmma
+    wait 0) and folded, with no spills and no serialized WGMMAs; the staged C goes over the B
+    stages. block_n past 128 needs the staged epilogue, bf16 out and no persistence; it is refused
+    otherwise, as are widths that neither divide 128 nor are a multiple of it."""
+    from ops.gemm_fp8 import plan, widened
+
+    def wide(mode, rows, n, k, groups=1, out_bytes=2):
+        return widened(plan(mode, rows, n, k, 128), mode, rows, n, k, groups, 132, out_bytes)
+
+    assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
+    assert wide("contiguous", 32768, 4096, 7168)["block_n"] == 256 and wide("contiguous", 32768, 4096, 7168)["stages"] == 4
+    assert wide("masked", 1024, 4096, 7168, groups=8)["block_n"] == 256
+    for narrow in (wide("masked", 1024, 4096, 7168), wide("dense", 4096, 7168, 16384, out_bytes=4),
+                   wide("dense", 128, 24576, 1536), wide("dense", 64, 7168, 16384), wide("dense", 4096, 2112, 7168)):
+        assert narrow["block_n"] <= 128
+    src = fp8_gemm_program.source("sm_90a", n=512, k=1024, block_n=256, overlap=True, stage_c=True, stages=3)
+    b_offsets = re.findall(r"increase_descriptor_offset<int>\(desc_b\w*, (.*)\);", src)
+    assert len(b_offsets) == 2 * sum(o.endswith(" + 16384)") for o in b_offsets) > 0      # every other pass
+    assert "tl::wait_wgmma<1>" not in src
+    loop = _innermost_mma_loop(_tma_wgmma_sass(src, "QGMMA"))
+    waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
+    assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {"QGMMA.64x128x32.F32.E4M3.E4M3"}
+    assert waits == ["0x0"] * len(waits) and len(waits) >= 4
+    for bad in (dict(stage_c=False), dict(stage_c=True, out_dtype="float32"), dict(stage_c=True, block_n=192)):
+        with pytest.raises(ValueError, match="block_n"):
+            fp8_gemm_program.source("sm_90a", n=768, k=1024, overlap=True, **dict(dict(block_n=256), **bad))
+
+
 @pytest.mark.parametrize("target", ["sm_100a", "ascend"])
 def test_overlap_falls_back_to_the_plain_loop_elsewhere(target):
     """Other targets lower mma_promoted_loop as the pipelined loop: the same kernel as overlap=False
@@ -915,6 +947,53 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
             assert (many[1] == 0).all() and (many[0, 60:] == 0).all() and not many.isnan().any()
     one = run(call, persistent=False)
     torch.testing.assert_close(one, many, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "dense-short", "contiguous", "masked"])
+def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
+    """128 x 256 tiles (two column passes, WIDE_TILES; here forced onto small shapes) give the bits of
+    128 x 128 tiles, to the same elements: row tails, contiguous padding rows as zeros, masked rows
+    past their count and an empty group as zeros; K block counts that leave each burst tail."""
+    from ops import gemm_fp8
+
+    launch = gemm_fp8._launch
+
+    def run(call, **force):
+        monkeypatch.setattr(gemm_fp8, "_launch", lambda *a, **kw: launch(*a, **kw, **force))
+        try:
+            return call().cpu()
+        finally:
+            monkeypatch.setattr(gemm_fp8, "_launch", launch)
+
+    g = torch.Generator().manual_seed(len(case))
+    if case.startswith("dense"):
+        m, n, k = (1000, 1024, 1664) if case == "dense" else (129, 768, 1792)
+        *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+        ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+        dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+        call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
+        wide = run(call, block_n=256, stages=3, persistent=False)
+        assert calc_diff(wide, ref) < 1e-3
+        assert_elementwise(wide, ref)
+    else:
+        G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
+        if case == "contiguous":
+            call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
+                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
+                out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
+            wide = run(call, block_n=256, stages=4, persistent=False)
+            assert (wide[m_indices == -1] == 0).all() and not wide.isnan().any()
+        else:
+            masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
+            am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
+            call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
+                am, sm, qb, sfb, masked_m,
+                out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
+            wide = run(call, block_n=256, stages=4, persistent=False)
+            assert (wide[1] == 0).all() and (wide[0, 60:] == 0).all() and not wide.isnan().any()
+    narrow = run(call, block_n=128, persistent=False)
+    torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

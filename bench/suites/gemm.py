@@ -141,6 +141,14 @@ def tilecraft_onetile(case, i):
     return _with_flag(gemm_fp8, "PERSISTENT", False)(case, i)
 
 
+def tilecraft_narrow(case, i):
+    """The op with ops.gemm_fp8.WIDE_TILES off: 128 x 128 tiles where the default takes 128 x 256 (two
+    column passes), against the default in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "WIDE_TILES", False)(case, i)
+
+
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -257,6 +265,7 @@ SUITE = Suite(
                Provider("tilecraft-thin2wg", tilecraft_thin2wg, experimental=True),
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
+               Provider("tilecraft-narrow", tilecraft_narrow, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

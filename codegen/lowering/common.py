@@ -126,6 +126,51 @@ def _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epil
     epilogue()
 
 
+@T.macro
+def _promoted_columns_loop(steps, loads, tiles, part, acc, scale, scale_of, stages, epilogue):
+    # _promoted_loop for a tile of len(acc) column passes: B's stage in len(acc) slices, each
+    # multiplied into `part` and promoted into its own acc[p] with that pass's scale
+    _zero_all(acc)
+    for s in tile.pipelined(steps, stages=stages):
+        for src, dst in zip(loads(s), tiles):
+            tile.copy(src, dst)
+        _column_passes(tiles, part, acc, scale, scale_of, s)
+    epilogue()
+
+
+def _zero_all(acc):
+    for a in acc:
+        _zero(a)
+
+
+@T.macro
+def _zero(acc):
+    with tile.vector():
+        for i, j in tile.parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] = 0.0
+
+
+def _column_passes(tiles, part, acc, scale, scale_of, s):
+    a_s, b_s = tiles
+    width = b_s.shape[0] // len(acc)
+    for p, acc_p in enumerate(acc):
+        _pass_scale(scale, scale_of, s, len(acc), p)
+        tile.mma_promoted(a_s, b_s[p * width:(p + 1) * width, :], part, acc_p, scale, step=s)
+
+
+@T.macro
+def _pass_scale(scale, scale_of, s, columns, p):
+    with tile.vector():
+        for i in tile.parallel(scale.shape[0]):
+            scale[i] = pass_scale(scale_of(i, s), columns, p)
+
+
+def pass_scale(factors, columns: int, p: int):
+    """Column pass p's scale from scale_of's factors where a tile runs `columns` column passes: the
+    common factors (all but the last `columns`) times pass p's own (the last `columns`, one a pass)."""
+    return functools.reduce(operator.mul, list(factors[:len(factors) - columns]) + [factors[len(factors) - columns + p]])
+
+
 def epilogue_call(epilogue, stage):
     """mma_promoted_loop's epilogue as a no-argument callable: epilogue(stage) where the loop was asked
     for an epilogue_stage (stage is its tile), epilogue() otherwise, nothing for None."""
@@ -167,8 +212,10 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     for part_of in prologue_parts(prologue):
         part_of()                       # every thread, before the loop (the sync pass orders it)
     tiles = [tile.operand(shape, dtype) for shape, dtype in operands]
-    _promoted_loop(steps, loads, tiles, part, acc, scale, scale_of, stages,
-                   epilogue_call(epilogue, None if epilogue_stage is None else tile.stage(*epilogue_stage)))
+    # acc a tuple: column passes over B's stage (one slice a fragment)
+    loop = _promoted_columns_loop if isinstance(acc, tuple) else _promoted_loop
+    loop(steps, loads, tiles, part, acc, scale, scale_of, stages,
+         epilogue_call(epilogue, None if epilogue_stage is None else tile.stage(*epilogue_stage)))
 
 
 # ---- mma_decoded_loop: a GEMM whose B tile is decoded on chip from a raw staged one ----------------

@@ -142,11 +142,15 @@ def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, 
 
 def _burst(first, count, io):
     """Blocks first .. first + count - 1 (count >= 1, a Python int), leaving no MMA in flight.
+    acc a tuple (column passes): _burst_columns.
     Block first + j goes into ping (even j) or pong (odd j) and is issued before block
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
     (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
      base) = io
+    if isinstance(acc, tuple):
+        _burst_columns(first, count, io)
+        return
     parts = (ping, pong)
     _issue(a_s, b_s, full, ping, base + first, stages, policy)
     for j in range(1, count):
@@ -167,6 +171,42 @@ def _mark_first(first, mark):
     if mark is not None:
         if first == 0:
             mark("step 1")
+
+
+def _burst_columns(first, count, io):
+    """_burst for a tile of len(acc) column passes (DeepGEMM's schedule): each K block's MMA runs as
+    one pass per column slice of B's stage, each into `ping` and waited for (wgmma wait 0), then
+    folded into its own acc[p] with that pass's scale; the stage is released after the last pass.
+    No second partial: a 128 x 256 tile holds 2 x 64 accumulator registers + 64 a thread, the
+    ping-pong's 3 x 128 would not fit. The other MMA warpgroup's passes keep the tensor cores busy
+    while this one folds. Per element the same products in the same fold order as the 128-wide
+    tiles: the same bits."""
+    (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
+     base) = io
+    width = b_s.shape[1] // len(acc)
+    for j in range(count):
+        blk = first + j
+        at = base + blk
+        emit(T.mbarrier_wait_parity(full[at % stages], (at // stages) % 2))
+        for p, acc_p in enumerate(acc):
+            emit(T.wgmma_gemm(a_s[at % stages, :, :], b_s[at % stages, p * width:(p + 1) * width, :], ping,
+                              transpose_B=True, clear_accum=True, policy=policy))
+            emit(T.wait_wgmma(0))
+            # the common factors (scale_of returns those first) and pass p's own (one a pass, last)
+            _scale_from(scale, ahead[:len(ahead) - len(acc)] + [ahead[len(ahead) - len(acc) + p]])
+            if p == len(acc) - 1:
+                _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
+                _release(empty, at % stages, share_a)
+            emit(T.warpgroup_fence_operand(ping, 0, num_regs=regs))
+            _fold(acc_p, ping, scale)
+        if j == 0:
+            _mark_first(first, mark)
+
+
+def _clear_all(acc):
+    # the accumulator, or each column pass's
+    for a in (acc if isinstance(acc, tuple) else (acc,)):
+        emit(T.clear(a))
 
 
 @T.macro
@@ -244,7 +284,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             issue()
             T.mbarrier_arrive(start[0])
         T.set_max_nreg(CONSUMER_REGS, 1)
-        T.clear(acc)
+        _clear_all(acc)
         if finish is not None:
             # the MMA warpgroups' own staging (the scales) while the producer's first loads fly;
             # their shared-memory writes are done before any thread of theirs reads them
@@ -334,7 +374,7 @@ def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
     _set(steps, work["steps"])
     emit(T.ptx_wait_group(0))
     emit(T.sync_threads(PROLOGUE_BAR, consumers))   # everyone's copies landed; the last epilogue is done
-    emit(T.clear(acc))
+    _clear_all(acc)
     _first_factors(steps, ahead, scale_of)
     io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base)
     in_bursts(steps, _burst, io)
@@ -401,7 +441,8 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # goes over tiles.spare (or is memory of its own); else over the A stages. Either way the MMA
     # threads meet first: the other warpgroup may still read the memory (its last WGMMA, its last
     # scale loads)
-    over = a_s if tiles is None else (None if tiles.early else tiles.spare)
+    over = (_roomiest(a_s, b_s, *epilogue_stage) if epilogue_stage is not None else a_s) if tiles is None \
+        else (None if tiles.early else tiles.spare)
     c_stage = None if epilogue_stage is None else overlaid(over, *epilogue_stage)
     full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
@@ -412,7 +453,8 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     prologue = prologue_parts(prologue)
     # (issue, finish): the MMA threads arrive once their loads are issued; the producer waits for it
     start = T.alloc_barrier([consumers]) if len(prologue) == 2 or tiles is not None else None
-    pong = T.alloc_fragment(part.shape, part.dtype)
+    # column passes (acc a tuple: a tile as wide as B's stage, in len(acc) slices) need no second partial
+    pong = None if isinstance(acc, tuple) else T.alloc_fragment(part.shape, part.dtype)
     regs = part.shape[0] * part.shape[1] // consumers  # fp32 partial registers per thread
     # scale_of(row, blk) gives the factors of a row's scale; each gets a register copy, a block ahead
     ahead = [T.alloc_fragment(scale.shape, scale.dtype) for _ in scale_factors(scale_of)]
@@ -439,6 +481,12 @@ def _met(epilogue, c_stage, consumers):
 
 def _bytes(shape, dtype) -> int:
     return functools.reduce(operator.mul, shape, 1) * T.dtype(dtype).bits // 8
+
+
+def _roomiest(a_s, b_s, shape, dtype):
+    """The operand stages a staged epilogue tile goes over: A's where it fits (B's are free as well,
+    but A's were always chosen), else B's (a 128 x 256 tile's C is more than three A stages)."""
+    return a_s if _bytes(shape, dtype) <= _bytes(a_s.shape, a_s.dtype) else b_s
 
 
 def overlaid(buf, shape, dtype):
