@@ -55,7 +55,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
-                     persistent: bool = False, sms: int = 132, early: bool = True):
+                     persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -105,6 +105,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel. early: the next
     tile's scales are copied (cp.async) before this tile's epilogue, else after it (early_scales).
 
+    raster > 1 (one split, not sorted or persistent): blocks take their tiles in groups of `raster` m
+    tiles, down the group's m tiles first, then across n (n-neighbours of a multicast pair stay
+    consecutive), so that a wave's blocks read fewer distinct A and B tiles from L2 and DRAM; the last
+    group has the m tiles that are left. raster=1: row-major (n fastest).
+
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -139,6 +144,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                          f"splits=1, stage_c=True, no cluster, multicast, trace or fold and a layout other than "
                          f"sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, cluster={cluster}, "
                          f"multicast={multicast}, trace={trace}, fold={fold}, mode={mode!r}")
+    if raster > 1 and (splits > 1 or persistent or mode == "sorted"):
+        raise ValueError(f"raster={raster} groups one-split tiles of a one-tile-a-block grid: it needs splits=1, "
+                         f"persistent=False and a layout other than sorted, got splits={splits}, "
+                         f"persistent={persistent}, mode={mode!r}")
     if stage_c and (splits > 1 or cluster or not overlap):
         raise ValueError(f"stage_c=True stages C in the v3 loop's epilogue: it needs splits=1, cluster=False and "
                          f"overlap=True, got splits={splits}, cluster={cluster}, overlap={overlap}")
@@ -183,7 +192,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
             with _grid(m_tiles * n_tiles * splits, threads + extra,
                        splits if cluster else (2 if multicast else 1)) as bid:
-                tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
+                if raster > 1:
+                    (tm, tn), ts = _rastered(bid, m_tiles, n_tiles, raster, 2 if multicast else 1), 0
+                else:
+                    tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
                 recv = None                           # cluster_smem: the other block's partial half
                 if cluster_smem:
                     recv = tile.stage((block_m, block_n // 2), "float32")
@@ -387,6 +399,17 @@ def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
     if mode == "contiguous":
         return T.min(T.max(MIdx[T.min(row0, rows - 1)], 0), groups - 1), row0, rows   # unchecked ids stay inside B
     return 0, row0, rows
+
+
+def _rastered(bid, m_tiles, n_tiles, raster, pair):
+    """(m tile, n tile) of block bid in groups of `raster` m tiles (fp8_gemm_program raster): units of
+    `pair` n-neighbours (consecutive blocks), down the group's m tiles first."""
+    unit, j = bid // pair, bid % pair
+    per = raster * (n_tiles // pair)                     # units a whole group
+    first = (unit // per) * raster                       # the group's first m tile
+    rows = T.min(raster, m_tiles - first)                # its m tiles (fewer in the last group)
+    r = unit % per
+    return first + r % rows, (r // rows) * pair + j
 
 
 def _grid(blocks, threads, cluster):
@@ -790,6 +813,13 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
+# one tile a block, one split, not sorted, more tiles than SMs: blocks take their tiles in groups of
+# RASTER m tiles, down each group's m tiles first (fp8_gemm_program raster), instead of row-major
+# order, in which a wave reads every n tile of B. 1 (row-major): at 8, prefill read 656 MB from DRAM
+# instead of 905 (DeepGEMM 579) but ran no faster (1102 vs 1092 TFLOP/s, same run) and contiguous
+# 1058 vs 1134 (noise-sized), so L2 misses are not what holds the wide tiles back (bench/NOTES.md
+# "Session 26")
+RASTER = 1
 
 
 def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, overlap: bool | None = None,
@@ -883,9 +913,9 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles with more than
     PERSISTENT_WAVES waves of 128 x 256 tiles takes those, with as many stages as fit in WIDE_SMEM (at
     least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B stages, fp32's
-    would not."""
+    would not. A multicast plan (A shared by n-neighbours) stays one where the wide n tiles pair up."""
     if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
-            and n % 256 == 0 and mode != "sorted" and out_bytes == 2 and not p.get("multicast")
+            and n % (512 if p.get("multicast") else 256) == 0 and mode != "sorted" and out_bytes == 2
             and -(-rows // 128) * (n // 256) * groups > PERSISTENT_WAVES * sms):
         return p
     kb = k // GROUP
@@ -975,6 +1005,9 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p.setdefault("sms", sms)
             p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
             p = _fit_persistent(p, k, out2.element_size())
+        if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
+                and -(-rows // p["block_m"]) * groups > RASTER):
+            p.setdefault("raster", RASTER)
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
@@ -984,7 +1017,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, RASTER, MULTICAST, CLUSTER_FOLD, FOLD_IN_KERNEL,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -685,6 +685,9 @@ def test_wide_tiles_plan_and_column_passes():
     for bad in (dict(stage_c=False), dict(stage_c=True, out_dtype="float32"), dict(stage_c=True, block_n=192)):
         with pytest.raises(ValueError, match="block_n"):
             fp8_gemm_program.source("sm_90a", n=768, k=1024, overlap=True, **dict(dict(block_n=256), **bad))
+    for bad in (dict(splits=2), dict(mode="sorted", block_m=64), dict(persistent=True, stage_c=True)):
+        with pytest.raises(ValueError, match="raster"):
+            fp8_gemm_program.source("sm_90a", n=768, k=1024, overlap=True, raster=8, **bad)
 
 
 @pytest.mark.parametrize("target", ["sm_100a", "ascend"])
@@ -950,11 +953,13 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "dense-short", "contiguous", "masked"])
+@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "contiguous", "masked"])
 def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     """128 x 256 tiles (two column passes, WIDE_TILES; here forced onto small shapes) give the bits of
     128 x 128 tiles, to the same elements: row tails, contiguous padding rows as zeros, masked rows
-    past their count and an empty group as zeros; K block counts that leave each burst tail."""
+    past their count and an empty group as zeros; K block counts that leave each burst tail; A
+    shared by TMA multicast between n-neighbours; tiles taken in groups of m tiles (raster), the last
+    group short."""
     from ops import gemm_fp8
 
     launch = gemm_fp8._launch
@@ -968,12 +973,13 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
 
     g = torch.Generator().manual_seed(len(case))
     if case.startswith("dense"):
-        m, n, k = (1000, 1024, 1664) if case == "dense" else (129, 768, 1792)
+        m, n, k = (129, 768, 1792) if case == "dense-short" else (1000, 1024, 1664)
         *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
         ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
         dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
         call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
-        wide = run(call, block_n=256, stages=3, persistent=False)
+        # (tiles in groups of 3 m tiles: 3, 3 and 2 of the 8; with multicast pairs kept together)
+        wide = run(call, block_n=256, stages=3, persistent=False, multicast=case == "dense-multicast", raster=3)
         assert calc_diff(wide, ref) < 1e-3
         assert_elementwise(wide, ref)
     else:
@@ -982,7 +988,7 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
             call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
                 qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
                 out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=4, persistent=False)
+            wide = run(call, block_n=256, stages=4, persistent=False, raster=2)
             assert (wide[m_indices == -1] == 0).all() and not wide.isnan().any()
         else:
             masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
@@ -990,7 +996,7 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
             call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
                 am, sm, qb, sfb, masked_m,
                 out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=4, persistent=False)
+            wide = run(call, block_n=256, stages=4, persistent=False, raster=2)
             assert (wide[1] == 0).all() and (wide[0, 60:] == 0).all() and not wide.isnan().any()
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)

@@ -149,6 +149,22 @@ def tilecraft_narrow(case, i):
     return _with_flag(gemm_fp8, "WIDE_TILES", False)(case, i)
 
 
+def tilecraft_multicast(case, i):
+    """The op with ops.gemm_fp8.MULTICAST on: clusters of two n-neighbours share each A tile by TMA
+    multicast (where the plan has two waves of tiles or more), against the default in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
+
+
+def tilecraft_rowmajor(case, i):
+    """The op with ops.gemm_fp8.RASTER = 1: blocks take their tiles row-major (n fastest), against the
+    default's groups of m tiles in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "RASTER", 1)(case, i)
+
+
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -266,6 +282,8 @@ SUITE = Suite(
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
                Provider("tilecraft-narrow", tilecraft_narrow, experimental=True),
+               Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
+               Provider("tilecraft-rowmajor", tilecraft_rowmajor, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
