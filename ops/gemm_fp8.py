@@ -103,7 +103,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     latency and the epilogue are paid about once a CTA, not once a tile. The staged tile of C then goes
     over the staged sfa where that is as large, else into memory of its own (the A stages are being
     refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel. early: the next
-    tile's scales are copied (cp.async) before this tile's epilogue, else after it (early_scales).
+    tile's scales are copied (cp.async) before this tile's epilogue, else after it (early_scales). With
+    column passes the staged C holds one pass's 128 columns at a time (staged_columns).
 
     raster > 1 (one split, not sorted or persistent): blocks take their tiles in groups of `raster` m
     tiles, down the group's m tiles first, then across n (n-neighbours of a multicast pair stay
@@ -120,11 +121,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     columns = block_n // GROUP if block_n > GROUP else 1       # wide tiles: one MMA pass per 128 columns
     if block_n % GROUP if columns > 1 else GROUP % block_n:
         raise ValueError(f"block_n must divide {GROUP} or be a multiple of it, got {block_n}")
-    if columns > 1 and (not stage_c or persistent or out_dtype != "bfloat16"):
+    if columns > 1 and (not stage_c or out_dtype != "bfloat16"):
         # (stage_c: the v3 loop, one split, no cluster; its bf16 tile of C fits over 3 B stages, fp32's would not)
         raise ValueError(f"block_n={block_n} (column passes) runs in the v3 loop's one-split tiles with the staged "
-                         f"epilogue and bf16 out: it needs stage_c=True, persistent=False and out_dtype bfloat16, got "
-                         f"stage_c={stage_c}, persistent={persistent}, out_dtype={out_dtype!r}")
+                         f"epilogue and bf16 out: it needs stage_c=True and out_dtype bfloat16, got "
+                         f"stage_c={stage_c}, out_dtype={out_dtype!r}")
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
     if trace and fold:
         raise ValueError("trace=True stamps a block's events into Count: not with fold=True, whose arrivals it holds")
@@ -334,17 +335,19 @@ def _persistent_grid(tensors, mode, out_dtype, block_m, block_n, kb, n_tiles, st
     blocks = T.min(count, sms)
     with tile.grid(blocks, threads + tile.producer_threads()) as bid:
         mine, first = tile.split_rows(block_m)
+        columns = block_n // GROUP if block_n > GROUP else 1
         sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
-        sfb_s = tile.stage((kb,), "float32")                 # its 128-row block of sfb
+        sfb_s = tile.stage(_sfb_shape(columns, kb), "float32")   # its 128-row block(s) of sfb
         scale = tile.fragment((mine,))
-        part = tile.accumulator((block_m, block_n))
-        acc = tile.fragment((mine, block_n))
+        part = tile.accumulator((block_m, min(block_n, GROUP)))
+        acc = tile.fragment((mine, block_n)) if columns == 1 else tuple(
+            tile.fragment((mine, GROUP)) for _ in range(columns))
         of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
                         tensors, (sfa_s, sfb_s, acc), rows, groups)
         operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
         tile.mma_promoted_loop(None, None, operands, part, acc, scale,
-                               lambda row, blk: (sfa_s[row, blk], sfb_s[blk]), stages=stages,
-                               epilogue_stage=((block_m * (block_n + C_PAD),), out_dtype),
+                               lambda row, blk: _scale_factors(sfa_s, sfb_s, row, 0, blk, columns), stages=stages,
+                               epilogue_stage=((block_m * (staged_columns(block_n) + C_PAD),), out_dtype),
                                # (sms: the stride wherever one CTA has two tiles or more)
                                tiles=tile.Tiles(count, bid, sms, of, spare=sfa_s, early=early))
 
@@ -367,7 +370,8 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
                     B[g, tn * block_n:(tn + 1) * block_n, blk * GROUP:(blk + 1) * GROUP]),
                 "prologue": lambda: _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb),
-                "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None)}
+                "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None,
+                                                      by_pass=True)}
     return of
 
 
@@ -379,14 +383,23 @@ def _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n,
         T.async_copy(SFA[g, row0:row0 + block_m, 0:kb], sfa_s)
     else:
         T.async_copy(SFA[row0:row0 + block_m, 0:kb], sfa_s)
-    T.async_copy(SFB[g, (tn * block_n) // GROUP, 0:kb], sfb_s)
+    if block_n > GROUP:                                  # column passes: a row of sfb each
+        T.async_copy(SFB[g, tn * (block_n // GROUP):(tn + 1) * (block_n // GROUP), 0:kb], sfb_s)
+    else:
+        T.async_copy(SFB[g, (tn * block_n) // GROUP, 0:kb], sfb_s)
 
 
 def early_scales(block_m: int, block_n: int, kb: int, out_bytes: int) -> bool:
     """Whether a persistent CTA copies the next tile's scales into shared memory before this tile's
     epilogue (under it): where the staged C cannot go over the staged sfa anyway (k < 8704 at 128 x
     128 bf16). Else after the epilogue, the C tile over the sfa: one stage more (prefill keeps 4)."""
-    return block_m * kb * 4 < block_m * (block_n + C_PAD) * out_bytes
+    return block_m * kb * 4 < block_m * (staged_columns(block_n) + C_PAD) * out_bytes
+
+
+def staged_columns(block_n: int) -> int:
+    """Columns of C a persistent CTA stages at once: the tile's, or one column pass's 128 (the staged C
+    of a 128 x 256 tile would not fit beside the stages being refilled)."""
+    return min(block_n, GROUP)
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -546,31 +559,42 @@ def _store(acc, where, mine, mode, splits, out_dtype, block_n):
                         C[r, tn * block_n + j] = value
 
 
-def _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, mark):
+def _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, mark, by_pass=False):
     """_store for one split through the staging tile c_s (stage_c=True): every value C gets, in the
     accumulator's layout (each column pass's accumulator at its columns), into c_s; the `threads` MMA
     threads meet; then whole rows out, 16 bytes a thread (TileLang vectorizes the row loop: its
-    condition does not depend on the column)."""
-    width = block_n + C_PAD                                # c_s: (block_m, width) row-major, flat
-    for col0, part_acc in _column_parts(acc):
-        _stage_rows(part_acc, c_s, where, mine, mode, out_dtype, width, col0)
-    _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, mark)
+    condition does not depend on the column). by_pass (column passes of a persistent CTA): c_s holds
+    one pass's columns; each pass is staged and copied out in turn, the threads meeting between."""
+    parts = _column_parts(acc)
+    if by_pass and len(parts) > 1:
+        width = GROUP + C_PAD
+        for p, (col0, part_acc) in enumerate(parts):
+            if p > 0:
+                tile.emit(tile.barrier(threads=threads))   # every read of the last pass's rows is done
+            _stage_rows(part_acc, c_s, where, mine, mode, out_dtype, width, 0)
+            _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, GROUP)
+    else:
+        width = block_n + C_PAD                            # c_s: (block_m, width) row-major, flat
+        for col0, part_acc in parts:
+            _stage_rows(part_acc, c_s, where, mine, mode, out_dtype, width, col0)
+        _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, 0, block_n)
+    if mark is not None:
+        mark("stored")
 
 
 @T.macro
-def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, mark):
+def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, cols):
+    # columns [col0, col0 + cols) of the tile, staged from column 0 of c_s's rows
     C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
     tile.barrier(threads=threads)
     with tile.vector():
-        for i, j in tile.parallel(mine, block_n):
+        for i, j in tile.parallel(mine, cols):
             r = row0 + first + i
             if r < (limit if mode == "sorted" else height):
                 if mode == "masked":
-                    C[g, r, tn * block_n + j] = c_s[(first + i) * width + j]
+                    C[g, r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
                 else:
-                    C[r, tn * block_n + j] = c_s[(first + i) * width + j]
-    if mark is not None:
-        mark("stored")
+                    C[r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
 
 
 def _column_parts(acc):
@@ -813,6 +837,11 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
+# wide tiles as persistent CTAs (PERSISTENT) whatever their waves, a 128 x 256 tile's staged C one
+# column pass at a time, over the staged sfa (prefill) or in memory of its own. Off: no faster than one
+# tile a CTA (H200 profiler kernel times, bench/NOTES.md "Session 26": prefill 762 vs 764 us; contiguous
+# 1534 us on 3 stages vs 1471 for one tile a CTA, whose 4 stages fit)
+WIDE_PERSISTENT = False
 # one tile a block, one split, not sorted, more tiles than SMs: blocks take their tiles in groups of
 # RASTER m tiles, down each group's m tiles first (fp8_gemm_program raster), instead of row-major
 # order, in which a wave reads every n tile of B. 1 (row-major): at 8, prefill read 656 MB from DRAM
@@ -930,7 +959,8 @@ def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
     else memory of its own. As many stages as still fit."""
     kb = k // GROUP
     fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], kb, p["splits"])
-    c_bytes = p["block_m"] * (p["block_n"] + C_PAD) * out_bytes
+    fixed += (max(1, p["block_n"] // GROUP) - 1) * kb * 4           # column passes: a row of sfb each
+    c_bytes = p["block_m"] * (staged_columns(p["block_n"]) + C_PAD) * out_bytes
     fixed += c_bytes if p.get("early", True) else max(0, c_bytes - p["block_m"] * kb * 4)
     return {**p, "stages": max(2, min(p["stages"], (PERSISTENT_SMEM - fixed) // stage_bytes))}
 
@@ -998,7 +1028,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
                      and not p.get("cluster"))
         # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
         tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
-        waves = sms < tiles <= PERSISTENT_WAVES * sms
+        waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
                      and not p.get("multicast") and mode != "sorted")
         if p["persistent"]:
@@ -1017,7 +1047,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, RASTER, MULTICAST, CLUSTER_FOLD, FOLD_IN_KERNEL,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST, CLUSTER_FOLD, FOLD_IN_KERNEL,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

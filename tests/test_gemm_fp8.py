@@ -953,13 +953,15 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "contiguous", "masked"])
+@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "dense-persistent", "dense-persistent-late",
+                                  "contiguous", "contiguous-persistent", "masked", "masked-persistent"])
 def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     """128 x 256 tiles (two column passes, WIDE_TILES; here forced onto small shapes) give the bits of
     128 x 128 tiles, to the same elements: row tails, contiguous padding rows as zeros, masked rows
     past their count and an empty group as zeros; K block counts that leave each burst tail; A
     shared by TMA multicast between n-neighbours; tiles taken in groups of m tiles (raster), the last
-    group short."""
+    group short; persistent CTAs (a few, each running many tiles), their C staged a column pass at a
+    time, the next scales copied before or after the epilogue (late: C over the staged sfa)."""
     from ops import gemm_fp8
 
     launch = gemm_fp8._launch
@@ -978,8 +980,10 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
         ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
         dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
         call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
-        # (tiles in groups of 3 m tiles: 3, 3 and 2 of the 8; with multicast pairs kept together)
-        wide = run(call, block_n=256, stages=3, persistent=False, multicast=case == "dense-multicast", raster=3)
+        if "persistent" in case:
+            wide = run(call, block_n=256, stages=3, persistent=True, sms=5, early=case != "dense-persistent-late")
+        else:   # (tiles in groups of 3 m tiles: 3, 3 and 2 of the 8; with multicast pairs kept together)
+            wide = run(call, block_n=256, stages=3, persistent=False, multicast=case == "dense-multicast", raster=3)
         assert calc_diff(wide, ref) < 1e-3
         assert_elementwise(wide, ref)
     else:
@@ -988,7 +992,7 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
             call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
                 qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
                 out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=4, persistent=False, raster=2)
+            wide = run(call, block_n=256, stages=3, **_wide_grid(case))
             assert (wide[m_indices == -1] == 0).all() and not wide.isnan().any()
         else:
             masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
@@ -996,10 +1000,15 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
             call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
                 am, sm, qb, sfb, masked_m,
                 out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=4, persistent=False, raster=2)
+            wide = run(call, block_n=256, stages=3, **_wide_grid(case))
             assert (wide[1] == 0).all() and (wide[0, 60:] == 0).all() and not wide.isnan().any()
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
+
+
+def _wide_grid(case):
+    # a few persistent CTAs (every CTA several tiles), or one tile a block in groups of 2 m tiles
+    return dict(persistent=True, sms=3) if "persistent" in case else dict(persistent=False, raster=2)
 
 
 @pytest.mark.gpu

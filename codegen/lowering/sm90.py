@@ -62,6 +62,7 @@ PRODUCER = 128      # one warpgroup issues the TMA loads
 PROLOGUE_BAR = 13   # named barrier of the MMA warpgroups after their prologue (TileLang reserves 0-2)
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 BURST = 4           # K blocks per iteration of the MMA warpgroups' loop (>= 2): one drain per BURST
+COLUMN_BURST = 4    # the same for tiles of column passes (each block drains anyway: this is only unrolling)
 
 
 def launch_registers(threads: int) -> int:
@@ -203,6 +204,10 @@ def _burst_columns(first, count, io):
             _mark_first(first, mark)
 
 
+def _burst_size(acc):
+    return COLUMN_BURST if isinstance(acc, tuple) else BURST
+
+
 def _clear_all(acc):
     # the accumulator, or each column pass's
     for a in (acc if isinstance(acc, tuple) else (acc,)):
@@ -210,30 +215,30 @@ def _clear_all(acc):
 
 
 @T.macro
-def _bursts_of(steps, burst, io):
-    # the guard is not redundant: where TileLang can bound steps // BURST by 1 (a split of 4 .. 7
+def _bursts_of(steps, burst, io, size):
+    # the guard is not redundant: where TileLang can bound steps // size by 1 (a split of 4 .. 7
     # steps) it emits the loop's body once, unconditionally, and a shorter last split then waits
     # for tiles that never come (a hang; bench/NOTES.md "MXFP4 v6")
-    if steps >= BURST:
-        for q in T.serial(steps // BURST):
-            burst(q * BURST, BURST, io)
+    if steps >= size:
+        for q in T.serial(steps // size):
+            burst(q * size, size, io)
 
 
 @T.macro
-def _tail(steps, rest, burst, io):
-    if steps % BURST == rest:
+def _tail(steps, rest, burst, io, size):
+    if steps % size == rest:
         burst(steps - rest, rest, io)
 
 
-def in_bursts(steps, burst, io):
-    """Steps 0 .. steps - 1 as bursts of BURST (`burst(first, count, io)` emits count steps, a Python
-    int, unrolled, and leaves no WGMMA in flight), then the last 1 .. BURST - 1 as one burst.
+def in_bursts(steps, burst, io, size=BURST):
+    """Steps 0 .. steps - 1 as bursts of `size` (`burst(first, count, io)` emits count steps, a Python
+    int, unrolled, and leaves no WGMMA in flight), then the last 1 .. size - 1 as one burst.
     ptxas (13.x) does not follow a WGMMA group across a loop back edge: one still in flight there
     makes it serialize every WGMMA of the kernel (C7514), so nothing may be in flight at the back
     edge or at any join."""
-    _bursts_of(steps, burst, io)
-    for rest in range(1, BURST):        # a Python loop: a T.macro would make it a T.serial
-        _tail(steps, rest, burst, io)
+    _bursts_of(steps, burst, io, size)
+    for rest in range(1, size):         # a Python loop: a T.macro would make it a T.serial
+        _tail(steps, rest, burst, io, size)
 
 
 @T.macro
@@ -299,7 +304,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
-        in_bursts(steps, _burst, io)
+        in_bursts(steps, _burst, io, _burst_size(acc))
         if mark is not None:
             mark("loop done")
         epilogue()
@@ -377,7 +382,7 @@ def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
     _clear_all(acc)
     _first_factors(steps, ahead, scale_of)
     io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base)
-    in_bursts(steps, _burst, io)
+    in_bursts(steps, _burst, io, _burst_size(acc))
     emit(T.sync_threads(PROLOGUE_BAR, consumers))   # every fold is done with the staging (and the A stages)
     epilogue = epilogue_call(work["epilogue"], c_stage)
     if tiles.early:
