@@ -837,6 +837,9 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
+# ... and where one wave of 128 x 256 tiles replaces two of 128 x 128 at long K: masked 1x1024x4096x7168
+# 62.5 -> 51.5 us, 2x512 62.8 -> 52.4 (profiler, H200); at k = 1536 it lost (128x24576x1536 19.1 -> 19.9)
+WIDE_ONE_WAVE_K = 4096
 # wide tiles as persistent CTAs (PERSISTENT) whatever their waves, a 128 x 256 tile's staged C one
 # column pass at a time, over the staged sfa (prefill) or in memory of its own. Off: no faster than one
 # tile a CTA (H200 profiler kernel times, bench/NOTES.md "Session 26": prefill 762 vs 764 us; contiguous
@@ -939,13 +942,17 @@ def _fit_exchange(p: dict, k: int) -> dict:
 
 
 def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
-    """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles with more than
-    PERSISTENT_WAVES waves of 128 x 256 tiles takes those, with as many stages as fit in WIDE_SMEM (at
-    least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B stages, fp32's
-    would not. A multicast plan (A shared by n-neighbours) stays one where the wide n tiles pair up."""
+    """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 256
+    tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
+    wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
+    WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B
+    stages, fp32's would not. A multicast plan (A shared by n-neighbours) stays one where the wide n
+    tiles pair up."""
+    wide = -(-rows // 128) * (n // 256) * groups
+    one_wave = sms // 2 < wide <= sms < 2 * wide and k >= WIDE_ONE_WAVE_K
     if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
             and n % (512 if p.get("multicast") else 256) == 0 and mode != "sorted" and out_bytes == 2
-            and -(-rows // 128) * (n // 256) * groups > PERSISTENT_WAVES * sms):
+            and (wide > PERSISTENT_WAVES * sms or one_wave)):
         return p
     kb = k // GROUP
     fixed = 2 * kb * 4 + p["block_m"] * kb * 4                     # both sfb rows, the rows' sfa

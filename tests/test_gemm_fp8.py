@@ -657,8 +657,9 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
 
 def test_wide_tiles_plan_and_column_passes():
     """WIDE_TILES: one-split plans with more than two waves of 128 x 256 tiles (prefill, grouped
-    contiguous, masked with many groups) take them, bf16 out only, with as many stages as fit; thin,
-    split, sorted and few-wave plans keep theirs. A 128 x 256 tile runs each K block as two m64n128
+    contiguous, masked with many groups), or one wave of them at long K where 128-wide tiles need two
+    (masked 1 x 1024), take them, bf16 out only, with as many stages as fit; thin, split, sorted,
+    short-K and one-wave 128-wide plans keep theirs. A 128 x 256 tile runs each K block as two m64n128
     passes over the halves of B's stage (the second at 128 rows = 16 KB in), each waited for (wgmma
     wait 0) and folded, with no spills and no serialized WGMMAs; the staged C goes over the B
     stages. block_n past 128 needs the staged epilogue, bf16 out and no persistence; it is refused
@@ -671,7 +672,8 @@ def test_wide_tiles_plan_and_column_passes():
     assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
     assert wide("contiguous", 32768, 4096, 7168)["block_n"] == 256 and wide("contiguous", 32768, 4096, 7168)["stages"] == 4
     assert wide("masked", 1024, 4096, 7168, groups=8)["block_n"] == 256
-    for narrow in (wide("masked", 1024, 4096, 7168), wide("dense", 4096, 7168, 16384, out_bytes=4),
+    assert wide("masked", 1024, 4096, 7168) == dict(block_m=128, block_n=256, splits=1, stages=4, overlap=True)
+    for narrow in (wide("masked", 512, 4096, 7168), wide("dense", 4096, 7168, 16384, out_bytes=4),
                    wide("dense", 128, 24576, 1536), wide("dense", 64, 7168, 16384), wide("dense", 4096, 2112, 7168)):
         assert narrow["block_n"] <= 128
     src = fp8_gemm_program.source("sm_90a", n=512, k=1024, block_n=256, overlap=True, stage_c=True, stages=3)
