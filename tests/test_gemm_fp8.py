@@ -1,5 +1,6 @@
 """Quantizers and the block-scaled FP8 GEMM family (DeepGEMM layouts)."""
 
+import functools
 import re
 
 import pytest
@@ -834,6 +835,48 @@ def test_gpu_multicast_matches_unicast(mode):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
 
 
+def _forced(monkeypatch, call, **force):
+    """call().cpu() with ops.gemm_fp8._launch given the plan keys `force` (over the plan's own)."""
+    from ops import gemm_fp8
+
+    launch = gemm_fp8._launch
+    monkeypatch.setattr(gemm_fp8, "_launch", lambda *a, **kw: launch(*a, **kw, **force))
+    try:
+        return call().cpu()
+    finally:
+        monkeypatch.setattr(gemm_fp8, "_launch", launch)
+
+
+def _grouped_case(layout, g, out_dtype=torch.bfloat16, expected_m=None):
+    """(call, check) on _three_experts, the out NaN-filled: the contiguous layout (check: padding rows
+    zero) or the masked one with counts 60, 0, 77 (check: rows past the counts and the empty group
+    zero). check(out) asserts, then returns out."""
+    G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
+    if layout == "contiguous":
+        def call():
+            return ops.m_grouped_fp8_gemm_nt_contiguous(
+                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
+                out=torch.full((m_indices.numel(), n), float("nan"), dtype=out_dtype, device="cuda"))
+
+        def check(out):
+            assert (out[m_indices == -1] == 0).all() and not out.isnan().any()
+            return out
+        return call, check
+    assert layout == "masked", layout
+    masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
+    am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
+
+    def call():
+        return ops.m_grouped_fp8_gemm_nt_masked(am, sm, qb, sfb, masked_m, expected_m=expected_m,
+                                                out=torch.full((G, 128, n), float("nan"), dtype=out_dtype,
+                                                               device="cuda"))
+
+    def check(out):
+        assert (out[1] == 0).all() and (out[0, 60:] == 0).all() and not out.isnan().any()
+        return out
+    return call, check
+
+
 def _three_experts(g):
     """(G, n, k, m_indices, qa, sfa, qb, sfb): 3 experts of 100 rows + 28 padding rows each (the
     contiguous layout's 128-aligned segments; as (3, 128, k) the masked layout's), quantized; the
@@ -909,14 +952,7 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
     group's tiles too."""
     from ops import gemm_fp8
 
-    launch = gemm_fp8._launch
-
-    def run(call, **force):
-        monkeypatch.setattr(gemm_fp8, "_launch", lambda *a, **kw: launch(*a, **kw, **force))
-        try:
-            return call().cpu()
-        finally:
-            monkeypatch.setattr(gemm_fp8, "_launch", launch)
+    run = functools.partial(_forced, monkeypatch)
 
     g = torch.Generator().manual_seed(len(case))
     if case in ("dense", "dense-late", "dense-fp32-tail", "128x24576x1536"):
@@ -934,22 +970,12 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
             many = run(call, persistent=True, sms=sms, **({"early": False} if case == "dense-late" else {}))
         assert calc_diff(many, ref) < 1e-3
         assert_elementwise(many, ref)
-    else:
-        G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
-        if case == "contiguous":
-            call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
-                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
-                out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            many = run(call, persistent=True, sms=5)
-            assert (many[m_indices == -1] == 0).all() and not many.isnan().any()
-        else:
-            masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
-            am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
-            call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
-                am, sm, qb, sfb, masked_m, expected_m=64,       # 64-row tiles: two a group
-                out=torch.full((G, 128, n), float("nan"), dtype=torch.float32, device="cuda"))
-            many = run(call, persistent=True, sms=4)
-            assert (many[1] == 0).all() and (many[0, 60:] == 0).all() and not many.isnan().any()
+    elif case == "contiguous":
+        call, check = _grouped_case("contiguous", g)
+        many = check(run(call, persistent=True, sms=5))
+    else:                   # fp32 out, 64-row tiles: two a group
+        call, check = _grouped_case("masked", g, torch.float32, expected_m=64)
+        many = check(run(call, persistent=True, sms=4))
     one = run(call, persistent=False)
     torch.testing.assert_close(one, many, rtol=0, atol=0, equal_nan=True)
 
@@ -964,16 +990,7 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     shared by TMA multicast between n-neighbours; tiles taken in groups of m tiles (raster), the last
     group short; persistent CTAs (a few, each running many tiles), their C staged a column pass at a
     time, the next scales copied before or after the epilogue (late: C over the staged sfa)."""
-    from ops import gemm_fp8
-
-    launch = gemm_fp8._launch
-
-    def run(call, **force):
-        monkeypatch.setattr(gemm_fp8, "_launch", lambda *a, **kw: launch(*a, **kw, **force))
-        try:
-            return call().cpu()
-        finally:
-            monkeypatch.setattr(gemm_fp8, "_launch", launch)
+    run = functools.partial(_forced, monkeypatch)
 
     g = torch.Generator().manual_seed(len(case))
     if case.startswith("dense"):
@@ -989,21 +1006,8 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
         assert calc_diff(wide, ref) < 1e-3
         assert_elementwise(wide, ref)
     else:
-        G, n, k, m_indices, qa, sfa, qb, sfb = _three_experts(g)
-        if case == "contiguous":
-            call = lambda: ops.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
-                qa.cuda(), sfa.cuda(), qb, sfb, m_indices.cuda(),
-                out=torch.full((m_indices.numel(), n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=3, **_wide_grid(case))
-            assert (wide[m_indices == -1] == 0).all() and not wide.isnan().any()
-        else:
-            masked_m = torch.tensor([60, 0, 77], dtype=torch.int32).cuda()
-            am, sm = qa.view(G, 128, k).cuda(), sfa.view(G, 128, -1).cuda()
-            call = lambda: ops.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
-                am, sm, qb, sfb, masked_m,
-                out=torch.full((G, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda"))
-            wide = run(call, block_n=256, stages=3, **_wide_grid(case))
-            assert (wide[1] == 0).all() and (wide[0, 60:] == 0).all() and not wide.isnan().any()
+        call, check = _grouped_case(case.split("-")[0], g)
+        wide = check(run(call, block_n=256, stages=3, **_wide_grid(case)))
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
 
