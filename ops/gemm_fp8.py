@@ -1054,7 +1054,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST, CLUSTER_FOLD, FOLD_IN_KERNEL,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST, CLUSTER_FOLD,
+           FOLD_IN_KERNEL,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

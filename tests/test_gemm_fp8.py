@@ -671,7 +671,8 @@ def test_wide_tiles_plan_and_column_passes():
         return widened(plan(mode, rows, n, k, 128), mode, rows, n, k, groups, 132, out_bytes)
 
     assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
-    assert wide("contiguous", 32768, 4096, 7168)["block_n"] == 256 and wide("contiguous", 32768, 4096, 7168)["stages"] == 4
+    contiguous = wide("contiguous", 32768, 4096, 7168)
+    assert contiguous["block_n"] == 256 and contiguous["stages"] == 4
     assert wide("masked", 1024, 4096, 7168, groups=8)["block_n"] == 256
     assert wide("masked", 1024, 4096, 7168) == dict(block_m=128, block_n=256, splits=1, stages=4, overlap=True)
     for narrow in (wide("masked", 512, 4096, 7168), wide("dense", 4096, 7168, 16384, out_bytes=4),
@@ -981,8 +982,9 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "dense-persistent", "dense-persistent-late",
-                                  "contiguous", "contiguous-persistent", "masked", "masked-persistent"])
+@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "dense-persistent",
+                                  "dense-persistent-late", "contiguous", "contiguous-persistent", "masked",
+                                  "masked-persistent"])
 def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     """128 x 256 tiles (two column passes, WIDE_TILES; here forced onto small shapes) give the bits of
     128 x 128 tiles, to the same elements: row tails, contiguous padding rows as zeros, masked rows

@@ -162,13 +162,15 @@ def _column_passes(tiles, part, acc, scale, scale_of, s):
 def _pass_scale(scale, scale_of, s, columns, p):
     with tile.vector():
         for i in tile.parallel(scale.shape[0]):
-            scale[i] = pass_scale(scale_of(i, s), columns, p)
+            scale[i] = functools.reduce(operator.mul, pass_factors(scale_of(i, s), columns, p))
 
 
-def pass_scale(factors, columns: int, p: int):
-    """Column pass p's scale from scale_of's factors where a tile runs `columns` column passes: the
-    common factors (all but the last `columns`) times pass p's own (the last `columns`, one a pass)."""
-    return functools.reduce(operator.mul, list(factors[:len(factors) - columns]) + [factors[len(factors) - columns + p]])
+def pass_factors(factors, columns: int, p: int) -> list:
+    """The factors of column pass p's scale, of scale_of's factors where a tile runs `columns` column
+    passes: the common ones (all but the last `columns`) and pass p's own (the last `columns`, one a
+    pass)."""
+    common = len(factors) - columns
+    return [*factors[:common], factors[common + p]]
 
 
 def epilogue_call(epilogue, stage):

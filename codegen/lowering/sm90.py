@@ -7,7 +7,7 @@ import operator
 import tilelang.language as T
 
 from codegen import tile
-from codegen.lowering.common import epilogue_call, prologue_parts, scale_factors
+from codegen.lowering.common import epilogue_call, pass_factors, prologue_parts, scale_factors
 from codegen.rules import register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
@@ -193,8 +193,7 @@ def _burst_columns(first, count, io):
             emit(T.wgmma_gemm(a_s[at % stages, :, :], b_s[at % stages, p * width:(p + 1) * width, :], ping,
                               transpose_B=True, clear_accum=True, policy=policy))
             emit(T.wait_wgmma(0))
-            # the common factors (scale_of returns those first) and pass p's own (one a pass, last)
-            _scale_from(scale, ahead[:len(ahead) - len(acc)] + [ahead[len(ahead) - len(acc) + p]])
+            _scale_from(scale, pass_factors(ahead, len(acc), p))       # (ahead: a register copy a factor)
             if p == len(acc) - 1:
                 _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
                 _release(empty, at % stages, share_a)
