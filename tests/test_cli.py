@@ -17,6 +17,19 @@ def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
+def run_main(main, capsys, *argv):
+    """(exit code, stdout, stderr) of a command's main(argv) run in this process: the refusals are the
+    same code path as `python -m ...` without another interpreter start (each test keeps one real
+    command line)."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def need_cuda_tools():
     try:
         find_toolchain()
@@ -39,20 +52,24 @@ def test_show_sass_histogram_on_sm_90a():
     assert "LDG" in r.stdout and "STG" in r.stdout
 
 
-def test_show_rules_and_list():
+def test_show_rules_and_list(capsys):
+    from codegen.show import main
+
     r = run("codegen.show", "--rules")
     assert r.returncode == 0 and "mma" in r.stdout and "cuda:sm_100a <- codegen.lowering.sm100" in r.stdout
-    r = run("codegen.show", "--list")
-    assert r.returncode == 0 and "rmsnorm" in r.stdout
+    code, out, _ = run_main(main, capsys, "--list")
+    assert code == 0 and "rmsnorm" in out
 
 
-def test_show_errors_are_clear():
+def test_show_errors_are_clear(capsys):
+    from codegen.show import main
+
     r = run("codegen.show", "nosuchop")
     assert r.returncode == 2 and "no tile program 'nosuchop'" in r.stderr
-    r = run("codegen.show", "rmsnorm", "--target", "ascend", "--sass")
-    assert r.returncode == 2 and "--sass needs a CUDA target" in r.stderr
-    r = run("codegen.show", "rmsnorm", "--target", "tpu")
-    assert r.returncode == 2 and "unknown target 'tpu'" in r.stderr
+    code, _, err = run_main(main, capsys, "rmsnorm", "--target", "ascend", "--sass")
+    assert code == 2 and "--sass needs a CUDA target" in err
+    code, _, err = run_main(main, capsys, "rmsnorm", "--target", "tpu")
+    assert code == 2 and "unknown target 'tpu'" in err
 
 
 def test_warmup_fills_the_disk_cache(tmp_path):
@@ -65,7 +82,7 @@ def test_warmup_fills_the_disk_cache(tmp_path):
     assert len(list((tmp_path / "v1").glob("??/*/manifest.json"))) == 1
 
 
-def test_warmup_grid_in_parallel(tmp_path):
+def test_warmup_grid_in_parallel(tmp_path, capsys):
     """--grid varies parameters over the example (cartesian product), --jobs compiles in processes;
     a name the program does not take fails before any compile."""
     import os
@@ -76,8 +93,10 @@ def test_warmup_grid_in_parallel(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "4 kernels ready for cpu" in r.stdout
     assert len(list((tmp_path / "v1").glob("??/*/manifest.json"))) == 4
-    bad = run("codegen.warmup", "rmsnorm", "--target", "cpu", "--grid", "width=1,2", env=env)
-    assert bad.returncode == 2 and "width" in bad.stderr
+    from codegen.warmup import main
+
+    code, _, err = run_main(main, capsys, "rmsnorm", "--target", "cpu", "--grid", "width=1,2")
+    assert code == 2 and "width" in err
 
 
 def test_bench_without_gpu_reports_floors_and_static_stats():
@@ -88,11 +107,13 @@ def test_bench_without_gpu_reports_floors_and_static_stats():
     assert "floor" in r.stdout and "memory-bound" in r.stdout and "registers/thread" in r.stdout
 
 
-def test_bench_errors_are_clear():
+def test_bench_errors_are_clear(capsys):
+    from bench.op import main
+
     r = run("bench.op", "rms_norm", "--shape", "huge")
     assert r.returncode == 2 and "no preset 'huge'" in r.stderr
-    r = run("bench.op", "nosuch", "--shape", "x")
-    assert r.returncode == 2 and "no benchmark for op 'nosuch'" in r.stderr
+    code, _, err = run_main(main, capsys, "nosuch", "--shape", "x")
+    assert code == 2 and "no benchmark for op 'nosuch'" in err
 
 
 def test_bench_provider_choice():

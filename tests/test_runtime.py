@@ -14,6 +14,7 @@ import ops
 from model import kernels
 from model import reference as ref
 from model.make_tiny import YARN
+from model.make_tiny import main as make_tiny_main
 from runtime import LLM, BlockAllocator, OutOfBlocks, PagedLatentCache, SamplingParams
 from runtime.cuda_graph import DecodeGraphs, ReplayRecorder, bucket_sizes
 from runtime.llm import _Seq
@@ -377,7 +378,7 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_make_tiny_command_line(tmp_path):
+def test_make_tiny_command_line(tmp_path, capsys):
     out = tmp_path / "tiny-fp8"
     r = run("model.make_tiny", str(out), "--arch", "deepseek_v3", "--fp8", "--layers", "2", "--q-lora-rank", "0",
             "--yarn")
@@ -388,10 +389,13 @@ def test_make_tiny_command_line(tmp_path):
     assert cfg["rope_scaling"]["type"] == "yarn" and cfg["num_hidden_layers"] == 2
     llm = LLM(out, max_model_len=32)
     assert len(llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
-    r = run("model.make_tiny", str(tmp_path / "x"), "--arch", "llama")
-    assert r.returncode == 2 and "invalid choice: 'llama'" in r.stderr
-    r = run("model.make_tiny", str(tmp_path / "x"), "--experts", "6")
-    assert r.returncode == 2 and "'n_group' must be a divisor of n_routed_experts (6)" in r.stderr
+    # the refusals in-process (the same main(), exit codes and messages, without two more interpreter starts)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        make_tiny_main([str(tmp_path / "x"), "--arch", "llama"])
+    assert exit_.value.code == 2 and "invalid choice: 'llama'" in capsys.readouterr().err
+    assert make_tiny_main([str(tmp_path / "x"), "--experts", "6"]) == 2
+    assert "'n_group' must be a divisor of n_routed_experts (6)" in capsys.readouterr().err
 
 
 def test_bench_model_command_line(tiny, tmp_path):
