@@ -118,7 +118,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     """
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128)
-    columns = block_n // GROUP if block_n > GROUP else 1       # wide tiles: one MMA pass per 128 columns
+    columns = column_passes(block_n)
     if block_n % GROUP if columns > 1 else GROUP % block_n:
         raise ValueError(f"block_n must divide {GROUP} or be a multiple of it, got {block_n}")
     if columns > 1 and (not stage_c or out_dtype != "bfloat16"):
@@ -224,10 +224,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 if not overlap:                                     # the next step's sfa and sfb, loaded a step early
                     ahead_a = tile.fragment((mine,))
                     ahead_b = tile.fragment((mine,))
-                part = tile.accumulator((block_m, min(block_n, GROUP)))
-                # (mine, block_n), or one (mine, 128) fragment a column pass
-                acc = tile.fragment((mine, block_n)) if columns == 1 else tuple(
-                    tile.fragment((mine, GROUP)) for _ in range(columns))
+                part, acc = _accumulators(block_m, block_n, mine)
                 if masked:
                     g = tm // per_group
                     row0 = (tm % per_group) * block_m                  # within the group
@@ -335,13 +332,11 @@ def _persistent_grid(tensors, mode, out_dtype, block_m, block_n, kb, n_tiles, st
     blocks = T.min(count, sms)
     with tile.grid(blocks, threads + tile.producer_threads()) as bid:
         mine, first = tile.split_rows(block_m)
-        columns = block_n // GROUP if block_n > GROUP else 1
+        columns = column_passes(block_n)
         sfa_s = tile.stage((mine, kb), "float32")            # the current tile's row scales, all K blocks
         sfb_s = tile.stage(_sfb_shape(columns, kb), "float32")   # its 128-row block(s) of sfb
         scale = tile.fragment((mine,))
-        part = tile.accumulator((block_m, min(block_n, GROUP)))
-        acc = tile.fragment((mine, block_n)) if columns == 1 else tuple(
-            tile.fragment((mine, GROUP)) for _ in range(columns))
+        part, acc = _accumulators(block_m, block_n, mine)
         of = _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_group, height, mine, first,
                         tensors, (sfa_s, sfb_s, acc), rows, groups)
         operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
@@ -428,6 +423,21 @@ def _rastered(bid, m_tiles, n_tiles, raster, pair):
 def _grid(blocks, threads, cluster):
     # a tile's split-K blocks are consecutive ids (split index innermost): clusters of them
     return tile.cluster_grid(blocks, threads, cluster) if cluster > 1 else tile.grid(blocks, threads)
+
+
+def column_passes(block_n: int) -> int:
+    """MMA passes a K block of a tile takes: one per 128 columns of a wide tile (block_n > 128), else 1."""
+    return block_n // GROUP if block_n > GROUP else 1
+
+
+def _accumulators(block_m, block_n, mine):
+    """(the MMA's partial, the promoted accumulator): (block_m, block_n) and (mine, block_n) fragments, or
+    for column passes a (block_m, 128) partial and one (mine, 128) accumulator a pass (a tuple)."""
+    columns = column_passes(block_n)
+    part = tile.accumulator((block_m, min(block_n, GROUP)))
+    if columns == 1:
+        return part, tile.fragment((mine, block_n))
+    return part, tuple(tile.fragment((mine, GROUP)) for _ in range(columns))
 
 
 def _sfb_shape(columns: int, kb: int) -> tuple:
@@ -955,7 +965,7 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
             and (wide > PERSISTENT_WAVES * sms or one_wave)):
         return p
     kb = k // GROUP
-    fixed = 2 * kb * 4 + p["block_m"] * kb * 4                     # both sfb rows, the rows' sfa
+    fixed = column_passes(256) * kb * 4 + p["block_m"] * kb * 4    # both sfb rows, the rows' sfa
     stages = min(OVERLAP_STAGES, (WIDE_SMEM - fixed) // ((p["block_m"] + 256) * GROUP))
     return {**p, "block_n": 256, "stages": stages} if stages >= 3 else p
 
@@ -966,7 +976,7 @@ def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
     else memory of its own. As many stages as still fit."""
     kb = k // GROUP
     fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], kb, p["splits"])
-    fixed += (max(1, p["block_n"] // GROUP) - 1) * kb * 4           # column passes: a row of sfb each
+    fixed += (column_passes(p["block_n"]) - 1) * kb * 4             # column passes: a row of sfb each
     c_bytes = p["block_m"] * (staged_columns(p["block_n"]) + C_PAD) * out_bytes
     fixed += c_bytes if p.get("early", True) else max(0, c_bytes - p["block_m"] * kb * 4)
     return {**p, "stages": max(2, min(p["stages"], (PERSISTENT_SMEM - fixed) // stage_bytes))}
