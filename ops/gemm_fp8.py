@@ -55,7 +55,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      block_n: int = 128, stages: int = 4, threads: int = 256, splits: int = 1, overlap: bool = False,
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
-                     persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1):
+                     persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1,
+                     sfa_ring: int = 0):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -111,6 +112,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     consecutive), so that a wave's blocks read fewer distinct A and B tiles from L2 and DRAM; the last
     group has the m tiles that are left. raster=1: row-major (n fastest).
 
+    sfa_ring = P > 0 (sm_90a, the v3 loop, one split, one tile a CTA): the tile's sfa is not staged
+    whole in the prologue (128 rows x kb fp32: 64 KB at k = 16384, a pipeline stage's worth) but
+    loaded by the producer's TMA in chunks of P K blocks into a ring of SFA_RING_SLOTS (mma_promoted_loop
+    side=): 12 KB at P = 8. The same factors, so the same bits.
+
     overlap: the K loop is tile.mma_promoted_loop (sm_90a: a producer warpgroup and the MMA of
     block s in flight while block s-1 is promoted, in bursts of 4 blocks that drain at their end;
     same products, same order of folding, so the same bits as overlap=False); otherwise the
@@ -149,6 +155,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         raise ValueError(f"raster={raster} groups one-split tiles of a one-tile-a-block grid: it needs splits=1, "
                          f"persistent=False and a layout other than sorted, got splits={splits}, "
                          f"persistent={persistent}, mode={mode!r}")
+    if sfa_ring and (not overlap or splits > 1 or persistent or cluster or sfa_ring + 2 < stages
+                     or (k // GROUP) % 4 or sfa_ring % 4):
+        raise ValueError(f"sfa_ring={sfa_ring} loads sfa in chunks by the v3 loop's producer's TMA: it needs "
+                         f"overlap=True, splits=1, persistent=False, cluster=False, stages <= sfa_ring + 2 and "
+                         f"16-byte rows and chunks (k // 128 and sfa_ring multiples of 4), got overlap={overlap}, "
+                         f"splits={splits}, persistent={persistent}, cluster={cluster}, stages={stages}, k={k}")
     if stage_c and (splits > 1 or cluster or not overlap):
         raise ValueError(f"stage_c=True stages C in the v3 loop's epilogue: it needs splits=1, cluster=False and "
                          f"overlap=True, got splits={splits}, cluster={cluster}, overlap={overlap}")
@@ -156,6 +168,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         raise ValueError(f"multicast=True shares A between two n tiles in the v3 loop: it needs overlap=True, "
                          f"splits=1, an even number of n tiles and a layout other than sorted, got overlap={overlap}, "
                          f"splits={splits}, n tiles={n // block_n}, mode={mode!r}")
+    if sfa_ring and tile.producer_threads() == 0:
+        raise ValueError(f"sfa_ring={sfa_ring} needs a TMA producer warpgroup that loads the tile's rows "
+                         f"(cuda:sm_90a); this target has none")
     kb, nb = k // GROUP, -(-n // GROUP)
     per = -(-kb // splits)                                      # K blocks per split
     n_tiles = n // block_n
@@ -213,12 +228,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     a_s = tile.operand((block_m, GROUP), "float8_e4m3fn")
                     b_s = tile.operand((block_n, GROUP), "float8_e4m3fn")
                 if overlap:
-                    sfa_s = tile.stage((mine, per), "float32")       # the block's row scales for its K range
+                    split_prologue = tile.producer_threads() > 0
+                    # the block's row scales for its K range (sfa_ring: a ring of chunks the producer fills)
+                    sfa_s = tile.stage((SFA_RING_SLOTS, block_m, sfa_ring) if sfa_ring else (mine, per), "float32")
                     sfb_s = tile.stage(_sfb_shape(columns, kb), "float32")  # the tile's 128-row block(s) of sfb
                     # where a producer warpgroup loads the tiles (sm_90a), the scales pass through
                     # registers: the prologue's loads all issue before the producer's first TMA
-                    split_prologue = tile.producer_threads() > 0
-                    sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue else None
+                    sfa_r = tile.fragment((mine, _pow2(per))) if split_prologue and not sfa_ring else None
                     sfb_r = tile.fragment(_sfb_shape(columns, kb)) if split_prologue else None
                 scale = tile.fragment((mine,))                      # sfa[row] * sfb[block], in registers
                 if not overlap:                                     # the next step's sfa and sfb, loaded a step early
@@ -269,7 +285,16 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                         A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                         else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
                         B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
-                    scales = (SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n)
+                    scales = (SFA, SFB, None if sfa_ring else sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first,
+                              height, k0, kb, tn, block_n)
+                    last_chunk = (kb - 1) // max(sfa_ring, 1)
+                    # sfa_ring: chunk c of the tile's sfa (K blocks [c * P, (c + 1) * P); rows and blocks
+                    # past the tensor's are TMA's zero fill, never used)
+                    chunk = lambda c: (  # noqa: E731
+                        SFA[g, row0:row0 + block_m, T.min(c, last_chunk) * sfa_ring:
+                            (T.min(c, last_chunk) + 1) * sfa_ring] if masked
+                        else SFA[row0:row0 + block_m, T.min(c, last_chunk) * sfa_ring:
+                                 (T.min(c, last_chunk) + 1) * sfa_ring])
                     store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv))
                              if cluster
                              else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
@@ -278,13 +303,15 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                              else (lambda: _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark)))
                     operands = [((block_m, GROUP), "float8_e4m3fn"), ((block_n, GROUP), "float8_e4m3fn")]
                     tile.mma_promoted_loop(steps, loads, operands, part, acc, scale,
-                                           lambda row, blk: _scale_factors(sfa_s, sfb_s, row, k0, blk, columns),
+                                           lambda row, blk: _scale_factors(sfa_s, sfb_s, row, k0, blk, columns,
+                                                                           sfa_ring),
                                            stages=stages,
                                            epilogue=store,
                                            prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                       lambda: _finish_scales(scales, mine, per)) if split_prologue
                                                      else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
                                            share_a=2 if multicast else 1, mark=mark,
+                                           side=(sfa_ring, chunk, sfa_s) if sfa_ring else None,
                                            # the tile of C in the out dtype, rows padded (stage_c)
                                            epilogue_stage=(((block_m * (block_n + C_PAD),), out_dtype) if stage_c
                                                            else None))
@@ -445,12 +472,13 @@ def _sfb_shape(columns: int, kb: int) -> tuple:
     return (kb,) if columns == 1 else (columns, kb)
 
 
-def _scale_factors(sfa_s, sfb_s, row, k0, blk, columns):
+def _scale_factors(sfa_s, sfb_s, row, k0, blk, columns, ring=0):
     """mma_promoted_loop's scale_of: (sfa, sfb) of K block k0 + blk; with column passes (sfa, then each
-    pass's sfb)."""
+    pass's sfb). ring = P: sfa_s is the ring of P-block chunks (fp8_gemm_program sfa_ring; k0 is 0)."""
+    sfa = sfa_s[(blk // ring) % SFA_RING_SLOTS, row, blk % ring] if ring else sfa_s[row, blk]
     if columns == 1:
-        return sfa_s[row, blk], sfb_s[k0 + blk]
-    return (sfa_s[row, blk], *[sfb_s[c, k0 + blk] for c in range(columns)])
+        return sfa, sfb_s[k0 + blk]
+    return (sfa, *[sfb_s[c, k0 + blk] for c in range(columns)])
 
 
 def _pow2(n: int) -> int:
@@ -473,11 +501,12 @@ def _scales_into(scales, mine, per, sfa_dst, sfb_dst):
         else:
             for kk in tile.parallel(kb):
                 sfb_dst[kk] = SFB[g, (tn * block_n) // GROUP, kk]
-        for i, t in tile.parallel(mine, _pow2(per)):
-            if t < per:
-                r = T.min(row0 + first + i, height - 1)
-                kk = T.min(k0 + t, kb - 1)
-                sfa_dst[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
+        if sfa_dst is not None:                              # (None: the producer loads sfa, sfa_ring)
+            for i, t in tile.parallel(mine, _pow2(per)):
+                if t < per:
+                    r = T.min(row0 + first + i, height - 1)
+                    kk = T.min(k0 + t, kb - 1)
+                    sfa_dst[i, t] = SFA[g, r, kk] if masked else SFA[r, kk]
 
 
 @T.macro
@@ -492,9 +521,10 @@ def _finish_scales(scales, mine, per):
         else:
             for kk in tile.parallel(kb):
                 sfb_s[kk] = sfb_r[kk]
-        for i, t in tile.parallel(mine, _pow2(per)):
-            if t < per:
-                sfa_s[i, t] = sfa_r[i, t]
+        if sfa_s is not None:
+            for i, t in tile.parallel(mine, _pow2(per)):
+                if t < per:
+                    sfa_s[i, t] = sfa_r[i, t]
 
 
 @T.macro
@@ -855,6 +885,11 @@ WIDE_ONE_WAVE_K = 4096
 # tile a CTA (H200 profiler kernel times, bench/NOTES.md "Session 26": prefill 762 vs 764 us; contiguous
 # 1534 us on 3 stages vs 1471 for one tile a CTA, whose 4 stages fit)
 WIDE_PERSISTENT = False
+# wide one-tile-a-CTA plans whose sfa staged whole (128 rows x kb fp32) costs a pipeline stage: the
+# producer loads sfa in chunks of SFA_RING K blocks into a ring of SFA_RING_SLOTS (fp8_gemm_program
+# sfa_ring; 12 KB instead of 64 KB at k = 16384: 4 stages instead of 3). 0: staged whole
+SFA_RING = 8
+SFA_RING_SLOTS = 3
 # one tile a block, one split, not sorted, more tiles than SMs: blocks take their tiles in groups of
 # RASTER m tiles, down each group's m tiles first (fp8_gemm_program raster), instead of row-major
 # order, in which a wave reads every n tile of B. 1 (row-major): at 8, prefill read 656 MB from DRAM
@@ -951,13 +986,16 @@ def _fit_exchange(p: dict, k: int) -> dict:
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
 
 
-def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
+def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int,
+            ring: bool = True) -> dict:
     """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 256
     tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
     wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
     WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B
     stages, fp32's would not. A multicast plan (A shared by n-neighbours) stays one where the wide n
-    tiles pair up."""
+    tiles pair up. Where sfa staged whole costs a stage, the producer loads it in chunks instead
+    ("sfa_ring": SFA_RING; TMA needs 16-byte rows, k a multiple of 512, and ring=True: a 16-byte aligned
+    sfa)."""
     wide = -(-rows // 128) * (n // 256) * groups
     one_wave = sms // 2 < wide <= sms < 2 * wide and k >= WIDE_ONE_WAVE_K
     if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
@@ -965,9 +1003,17 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
             and (wide > PERSISTENT_WAVES * sms or one_wave)):
         return p
     kb = k // GROUP
-    fixed = column_passes(256) * kb * 4 + p["block_m"] * kb * 4    # both sfb rows, the rows' sfa
-    stages = min(OVERLAP_STAGES, (WIDE_SMEM - fixed) // ((p["block_m"] + 256) * GROUP))
-    return {**p, "block_n": 256, "stages": stages} if stages >= 3 else p
+    stage_bytes = (p["block_m"] + 256) * GROUP
+    fits = lambda sfa_bytes: min(OVERLAP_STAGES, (WIDE_SMEM - column_passes(256) * kb * 4 - sfa_bytes)  # noqa: E731
+                                 // stage_bytes)                   # (both sfb rows staged whole)
+    stages = fits(p["block_m"] * kb * 4)                           # the rows' sfa staged whole
+    if stages < 3:
+        return p
+    ringed = (fits(SFA_RING_SLOTS * p["block_m"] * SFA_RING * 4)
+              if SFA_RING and ring and kb % 4 == 0 and not WIDE_PERSISTENT else 0)
+    if ringed > stages and ringed <= SFA_RING + 2:
+        return {**p, "block_n": 256, "stages": ringed, "sfa_ring": SFA_RING}
+    return {**p, "block_n": 256, "stages": stages}
 
 
 def _fit_persistent(p: dict, k: int, out_bytes: int) -> dict:
@@ -1023,6 +1069,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     if rows == 0:               # nothing to compute (and TMA descriptors cannot describe an empty tensor)
         return
     overlap = OVERLAP if overlap is None else overlap
+    ring_ok = sfa2.data_ptr() % 16 == 0      # TMA reads sfa (sfa_ring) from a 16-byte aligned address only
     # the plan, both compile lookups and the SM count once per shape: an eager call's host time is
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
@@ -1040,7 +1087,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p = _fit_exchange(p, k)
         groups = a2.shape[0] if mode == "masked" else 1
         if not forced and target.name == "cuda:sm_90a":
-            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size())
+            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size(), ring=ring_ok)
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
         # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
@@ -1049,6 +1096,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
                      and not p.get("multicast") and mode != "sorted")
         if p["persistent"]:
+            p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
             p.setdefault("sms", sms)
             p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
             p = _fit_persistent(p, k, out2.element_size())
@@ -1065,7 +1113,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST, CLUSTER_FOLD,
-           FOLD_IN_KERNEL,
+           FOLD_IN_KERNEL, SFA_RING, ring_ok,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -656,7 +656,7 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {f"QGMMA.64x{width}x32.F32.E4M3.E4M3"}
 
 
-def test_wide_tiles_plan_and_column_passes():
+def test_wide_tiles_plan_column_passes_and_sfa_ring():
     """WIDE_TILES: one-split plans with more than two waves of 128 x 256 tiles (prefill, grouped
     contiguous, masked with many groups), or one wave of them at long K where 128-wide tiles need two
     (masked 1 x 1024), take them, bf16 out only, with as many stages as fit; thin, split, sorted,
@@ -664,13 +664,24 @@ def test_wide_tiles_plan_and_column_passes():
     passes over the halves of B's stage (the second at 128 rows = 16 KB in), each waited for (wgmma
     wait 0) and folded, with no spills and no serialized WGMMAs; the staged C goes over the B
     stages. block_n past 128 needs the staged epilogue, bf16 out and no persistence; it is refused
-    otherwise, as are widths that neither divide 128 nor are a multiple of it."""
+    otherwise, as are widths that neither divide 128 nor are a multiple of it.
+    sfa_ring (the prefill plan): the producer's elected lane loads the tile's sfa by TMA in chunks of
+    P K blocks into a ring of 3 (chunks 0 and 1 with block 0, chunk c + 1 with block c * P, the last
+    chunk clamped) on the stage's full barrier; the MMA threads stage no sfa and wait for block 0's
+    barrier before its factors. Refused where no TMA producer loads it, with persistent CTAs, with
+    more stages than P + 2 (a slot would be overwritten while read) and with rows or chunks TMA
+    cannot address (k // 128 or P not a multiple of 4). ELECTED_PRODUCER: full barriers of count 32
+    (one producer warp); LANE_RELEASE: empty ones of count 8 (lane 0 of each MMA warp), else 256."""
     from ops.gemm_fp8 import plan, widened
 
     def wide(mode, rows, n, k, groups=1, out_bytes=2):
         return widened(plan(mode, rows, n, k, 128), mode, rows, n, k, groups, 132, out_bytes)
 
-    assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
+    # prefill: sfa staged whole (64 KB) would leave 3 stages; in chunks by the producer (SFA_RING), 4
+    assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=4, overlap=True,
+                                                    sfa_ring=8)
+    assert widened(plan("dense", 4096, 7168, 16384, 128), "dense", 4096, 7168, 16384, 1, 132, 2,
+                   ring=False) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
     contiguous = wide("contiguous", 32768, 4096, 7168)
     assert contiguous["block_n"] == 256 and contiguous["stages"] == 4
     assert wide("masked", 1024, 4096, 7168, groups=8)["block_n"] == 256
@@ -678,7 +689,25 @@ def test_wide_tiles_plan_and_column_passes():
     for narrow in (wide("masked", 512, 4096, 7168), wide("dense", 4096, 7168, 16384, out_bytes=4),
                    wide("dense", 128, 24576, 1536), wide("dense", 64, 7168, 16384), wide("dense", 4096, 2112, 7168)):
         assert narrow["block_n"] <= 128
-    src = fp8_gemm_program.source("sm_90a", n=512, k=1024, block_n=256, overlap=True, stage_c=True, stages=3)
+    src = fp8_gemm_program.source("sm_90a", n=512, k=1024, block_n=256, overlap=True, stage_c=True, stages=3,
+                                  sfa_ring=4)
+    producer = src[src.index("warpgroup_reg_dealloc"):src.index("warpgroup_reg_alloc")]
+    sfa_loads = re.findall(r"tma_load\(SFA_desc, .*", producer)
+    assert len(sfa_loads) == 3                                               # block 0 (two chunks), c * P
+    assert sfa_loads[2].split("])), ")[1].startswith("4, ")                 # column 4: the last chunk (1) clamped
+    consumer = src[src.index("warpgroup_reg_alloc"):]
+    assert "SFA[" not in src and "SFA_desc" not in consumer
+    assert consumer.index("v_2[0].wait(0)") < consumer.index("ring)[")     # block 0's chunk landed first
+    inits = re.findall(r"v_(\d)\[\d\]\.init\((\d+)\)", src)
+    from codegen.lowering import sm90
+    full, empty = ("32" if sm90.ELECTED_PRODUCER else "128"), ("8" if sm90.LANE_RELEASE else "256")
+    assert {c for b, c in inits if b == "2"} == {full} and {c for b, c in inits if b == "3"} == {empty}
+    ring = dict(n=1024, k=2048, block_n=256, overlap=True, stage_c=True, stages=4, sfa_ring=4)
+    for bad in (dict(stages=7), dict(persistent=True, sms=4), dict(k=2176), dict(stages=3, sfa_ring=2)):
+        with pytest.raises(ValueError, match="sfa_ring"):
+            fp8_gemm_program.source("sm_90a", **dict(ring, **bad))
+    with pytest.raises(ValueError, match="sfa_ring"):
+        fp8_gemm_program.source("sm_100a", **dict(ring, block_n=128, stage_c=False))
     b_offsets = re.findall(r"increase_descriptor_offset<int>\(desc_b\w*, (.*)\);", src)
     assert len(b_offsets) == 2 * sum(o.endswith(" + 16384)") for o in b_offsets) > 0      # every other pass
     assert "tl::wait_wgmma<1>" not in src
@@ -984,19 +1013,21 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "dense-short", "dense-multicast", "dense-persistent",
                                   "dense-persistent-late", "contiguous", "contiguous-persistent", "masked",
-                                  "masked-persistent"])
+                                  "masked-persistent", "dense-ring", "dense-ring-multicast", "contiguous-ring",
+                                  "masked-ring"])
 def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     """128 x 256 tiles (two column passes, WIDE_TILES; here forced onto small shapes) give the bits of
     128 x 128 tiles, to the same elements: row tails, contiguous padding rows as zeros, masked rows
     past their count and an empty group as zeros; K block counts that leave each burst tail; A
     shared by TMA multicast between n-neighbours; tiles taken in groups of m tiles (raster), the last
     group short; persistent CTAs (a few, each running many tiles), their C staged a column pass at a
-    time, the next scales copied before or after the epilogue (late: C over the staged sfa)."""
+    time, the next scales copied before or after the epilogue (late: C over the staged sfa); sfa
+    loaded by the producer in chunks (sfa_ring: 4 chunks through a ring of 3 at k = 2048)."""
     run = functools.partial(_forced, monkeypatch)
 
     g = torch.Generator().manual_seed(len(case))
     if case.startswith("dense"):
-        m, n, k = (129, 768, 1792) if case == "dense-short" else (1000, 1024, 1664)
+        m, n, k = (129, 768, 1792) if case == "dense-short" else (1000, 1024, 2048 if "ring" in case else 1664)
         *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
         ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
         dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
@@ -1004,19 +1035,25 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
         if "persistent" in case:
             wide = run(call, block_n=256, stages=3, persistent=True, sms=5, early=case != "dense-persistent-late")
         else:   # (tiles in groups of 3 m tiles: 3, 3 and 2 of the 8; with multicast pairs kept together)
-            wide = run(call, block_n=256, stages=3, persistent=False, multicast=case == "dense-multicast", raster=3)
+            wide = run(call, **dict(dict(block_n=256, stages=3, persistent=False, multicast="multicast" in case,
+                                         raster=3), **_ring(case)))
         assert calc_diff(wide, ref) < 1e-3
         assert_elementwise(wide, ref)
     else:
         call, check = _grouped_case(case.split("-")[0], g)
-        wide = check(run(call, block_n=256, stages=3, **_wide_grid(case)))
+        wide = check(run(call, **dict(dict(block_n=256, stages=3), **_wide_grid(case))))
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
 
 
 def _wide_grid(case):
     # a few persistent CTAs (every CTA several tiles), or one tile a block in groups of 2 m tiles
-    return dict(persistent=True, sms=3) if "persistent" in case else dict(persistent=False, raster=2)
+    return dict(persistent=True, sms=3) if "persistent" in case else dict(persistent=False, raster=2, **_ring(case))
+
+
+def _ring(case):
+    # sfa in chunks of 4 K blocks by the producer, 4 stages (the most a ring of 4-block chunks allows)
+    return dict(sfa_ring=4, stages=4) if "ring" in case else {}
 
 
 @pytest.mark.gpu

@@ -59,6 +59,17 @@ def read_accumulator(acc):
 # only be released once step s+1 has waited for MMA s.
 
 PRODUCER = 128      # one warpgroup issues the TMA loads
+# mma_promoted_loop's barriers (after DeepGEMM's). ELECTED_PRODUCER: one producer warp waits for a
+# stage, its elected lane issues the TMA and the warp arrives on the full barrier (count 32; the
+# warpgroup's other warps are done after the register shrink); False: all 128 threads wait and arrive.
+# LANE_RELEASE: lane 0 of each MMA warp, after the warp's WGMMA wait, arrives on the empty barrier
+# (count consumers / 32); False: every MMA thread arrives (count consumers). Measured on the H200
+# (profiler kernel times, 3 rounds in rotated order, bench/NOTES.md "Session 27"): the elected
+# producer alone took prefill 4096x7168x16384 from 768-770 to 726-728 us and left grouped contiguous
+# even (1474-1491 -> 1472-1483); lane-0 release made both slower (prefill 746-748 with it, contiguous
+# 1506-1532), so it is off
+ELECTED_PRODUCER = True
+LANE_RELEASE = False
 PROLOGUE_BAR = 13   # named barrier of the MMA warpgroups after their prologue (TileLang reserves 0-2)
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 BURST = 4           # K blocks per iteration of the MMA warpgroups' loop (>= 2): one drain per BURST
@@ -121,12 +132,24 @@ def _scale_from(scale, ahead):
 
 @T.macro
 def _release(empty, slot, share_a):
-    # every MMA thread arrives on its own block's empty[slot]; with A multicast to a cluster of two,
-    # lane 0 of each warp also arrives on the other block's: its producer writes A into both
-    T.mbarrier_arrive(empty[slot])
+    # every MMA thread (LANE_RELEASE: lane 0 of each warp, once the warp's WGMMA wait has returned)
+    # arrives on its own block's empty[slot]; with A multicast to a cluster of two, lane 0 of each
+    # warp also arrives on the other block's: its producer writes A into both
+    if LANE_RELEASE:
+        if T.get_thread_binding() % 32 == 0:
+            T.mbarrier_arrive(empty[slot])
+    else:
+        T.mbarrier_arrive(empty[slot])
     if share_a > 1:
         if T.get_thread_binding() % 32 == 0:
             T.mbarrier_arrive(empty[slot], cta_id=T.block_rank_in_cluster() ^ 1)
+
+
+def _arrivals(consumers, share_a):
+    """(full, empty) barrier counts of mma_promoted_loop's stages (ELECTED_PRODUCER, LANE_RELEASE)."""
+    lanes = consumers // 32
+    empty = lanes * share_a if LANE_RELEASE else consumers + (lanes if share_a > 1 else 0)
+    return (32 if ELECTED_PRODUCER else PRODUCER), empty
 
 
 @T.macro
@@ -241,15 +264,66 @@ def in_bursts(steps, burst, io, size=BURST):
 
 
 @T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0, elected=False, side=None):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
     each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
     once both blocks' MMA threads have released the slot. ramp > 0: the first `ramp` steps are
     asked for alone, the rest once step 0's tiles have landed (every block's first tiles then
-    queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7")."""
+    queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7").
+    elected (full barriers of count 32): only the warpgroup's first warp waits and arrives; its
+    elected lane issues the copies (TileLang's tma_copy elects one; it registers the bytes before
+    its own arrival, so no phase completes without them); the other warps are done after the
+    register shrink. side: see side_loads (with the step's tiles, on its full barrier)."""
     T.set_max_nreg(PRODUCER_REGS, 0)
+    if elected:
+        if T.get_thread_binding() % PRODUCER < 32:
+            _elected_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, side)
+    else:
+        _every_thread_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
+
+
+@T.macro
+def _side_step(s, side, slot, full):
+    # mma_promoted_loop(side=(period, region_of, ring)): a small operand of the promotion (a tile's row
+    # scales) in chunks of `period` K blocks, region_of(c) into ring[c % slots] by the producer's TMA:
+    # chunks 0 and 1 with block 0's tiles, chunk c + 1 with block c * period's, each on that block's
+    # full barrier. So chunk c has landed before any of its blocks' factors are read (a block early),
+    # and the slot chunk c + 1 overwrites (chunk c - 2's, with 3 slots) was last read before block
+    # (c - 1) * period - 2 was released, which the producer has waited for when period + 2 >= stages
+    period, region_of, ring = side
+    slots = ring.shape[0]
+    if s == 0:
+        T.tma_copy(region_of(0), ring[0, :, :], barrier=full[slot])
+        T.tma_copy(region_of(1), ring[1, :, :], barrier=full[slot])
+    elif s % period == 0:
+        T.tma_copy(region_of(s // period + 1), ring[(s // period + 1) % slots, :, :], barrier=full[slot])
+
+
+@T.macro
+def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a):
+    if share_a > 1:
+        T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot], cluster_mask=(1 << share_a) - 1)
+    else:
+        T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
+    T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
+
+
+@T.macro
+def _elected_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, side):
+    for s in T.serial(steps):
+        slot = s % stages
+        T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
+        src_a, src_b = loads(s)
+        if side is not None:
+            _side_step(s, side, slot, full)
+        _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a)
+        T.mbarrier_arrive(full[slot])
+
+
+@T.macro
+def _every_thread_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side):
     for s in T.serial(steps):
         slot = s % stages
         if ramp > 0:
@@ -257,17 +331,15 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0)
                 T.mbarrier_wait_parity(full[0], 0)
         T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
         src_a, src_b = loads(s)
-        if share_a > 1:
-            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot], cluster_mask=(1 << share_a) - 1)
-        else:
-            T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
-        T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
+        if side is not None:
+            _side_step(s, side, slot, full)
+        _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a)
         T.mbarrier_arrive(full[slot])
 
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue, ahead, share_a, mark):
+                regs, policy, epilogue, prologue, ahead, share_a, mark, side):
     if share_a > 1:
         # both blocks' barriers initialized before either producer multicasts into the other's
         # shared memory or an MMA thread arrives on the other's empty barriers
@@ -281,7 +353,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             # the prologue's loads go out before the first TMA: issued behind a grid's worth of
             # tile loads they came back ~8900 cycles later (128x4096x7168, bench/NOTES.md "GEMM v7")
             T.mbarrier_wait_parity(start[0], 0)
-        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a)
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, elected=ELECTED_PRODUCER, side=side)
     else:
         if issue is not None:
             # before the register grow: that waits for the producer's shrink, which waits for this
@@ -297,6 +369,8 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
         if mark is not None:
             mark("prologue done")
         if steps > 0:
+            if side is not None:
+                T.mbarrier_wait_parity(full[0], 0)      # block 0's factors come with its tiles
             _prefetch(ahead, scale_of, 0)
         io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a,
               mark, 0)
@@ -325,8 +399,7 @@ def _produce_steps(steps, loads, a_s, b_s, full, empty, stages, base: T.Ref):
         at = base + s
         T.mbarrier_wait_parity(empty[at % stages], ((at // stages) % 2) ^ 1)
         src_a, src_b = loads(s)
-        T.tma_copy(src_a, a_s[at % stages, :, :], barrier=full[at % stages])
-        T.tma_copy(src_b, b_s[at % stages, :, :], barrier=full[at % stages])
+        _tma_step(src_a, src_b, a_s, b_s, at % stages, full, 1)
         T.mbarrier_arrive(full[at % stages])
     base = base + steps
 
@@ -340,8 +413,13 @@ def _tiles_producer(tiles, a_s, b_s, full, empty, stages, start, base: T.Ref):
     T.mbarrier_wait_parity(start[0], 0)      # the first tile's staging copies are issued
     T.set_max_nreg(PRODUCER_REGS, 0)
     base = 0
-    for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
-        _produce_tile(tiles.of(t), a_s, b_s, full, empty, stages, base)
+    if ELECTED_PRODUCER:                     # (tma_producer(elected=True): the first warp only)
+        if T.get_thread_binding() % PRODUCER < 32:
+            for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
+                _produce_tile(tiles.of(t), a_s, b_s, full, empty, stages, base)
+    else:
+        for t in T.serial(tiles.bid, tiles.count, tiles.blocks):
+            _produce_tile(tiles.of(t), a_s, b_s, full, empty, stages, base)
 
 
 def _then_issue(t, tiles):
@@ -417,7 +495,7 @@ def _persistent(tiles, loop, c_stage, start, consumers):
 
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None, epilogue_stage=None, tiles=None):
+                      share_a=1, mark=None, epilogue_stage=None, tiles=None, side=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
     # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
     # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
@@ -425,7 +503,8 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # it fits (every TMA write into them has been waited for and every WGMMA reading them has
     # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise.
     # tiles (tile.Tiles): a persistent CTA's tiles, each its own steps, loads, staging copies and
-    # epilogue, through one pipeline whose slots and phases carry on from tile to tile
+    # epilogue, through one pipeline whose slots and phases carry on from tile to tile. side
+    # (side_loads): a small operand scale_of reads, loaded by the producer in chunks
     consumers = state()["threads"] - PRODUCER
     if share_a not in (1, 2):
         raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
@@ -433,6 +512,10 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
         # the prologue runs in the MMA warpgroups' branch, ordered by a named barrier placed here:
         # TileLang's sync pass would put a block-wide one there, which the producer never reaches
         require_pass_configs({"tl.disable_thread_storage_sync": True})
+    if side is not None and (tiles is not None or side[0] < 1 or side[0] + 2 < stages or side[2].shape[0] < 3):
+        raise ValueError(f"side=(period, region_of, ring) runs in the one-tile loop with period >= 1, period + 2 >= "
+                         f"stages and a ring of at least 3 slots, got period={side[0]}, stages={stages}, ring "
+                         f"{list(side[2].shape)}, tiles={tiles is not None}")
     if tiles is not None:
         if share_a != 1 or mark is not None or any(x is not None for x in (steps, loads, epilogue, prologue)):
             raise ValueError("mma_promoted_loop(tiles=...) takes each tile's steps, loads, prologue and epilogue from "
@@ -448,11 +531,12 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     over = (_roomiest(a_s, b_s, *epilogue_stage) if epilogue_stage is not None else a_s) if tiles is None \
         else (None if tiles.early else tiles.spare)
     c_stage = None if epilogue_stage is None else overlaid(over, *epilogue_stage)
-    full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
+    full_count, empty_count = _arrivals(consumers, share_a)   # TMA adds the bytes to full
+    full = T.alloc_barrier([full_count] * stages)
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
-        empty = T.alloc_cluster_barrier([consumers + consumers // 32] * stages)
+        empty = T.alloc_cluster_barrier([empty_count] * stages)
     else:
-        empty = T.alloc_barrier([consumers] * stages)
+        empty = T.alloc_barrier([empty_count] * stages)
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, CONSUMER_REGS)])
     prologue = prologue_parts(prologue)
     # (issue, finish): the MMA threads arrive once their loads are issued; the producer waits for it
@@ -468,7 +552,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
         return
     _overlapped(steps, loads, a_s, b_s, full, empty, start, part.buf, pong, acc, scale, scale_of, stages, consumers,
                 regs, _policy(part), _met(epilogue_call(epilogue, c_stage), c_stage, consumers), prologue, ahead,
-                share_a, mark)
+                share_a, mark, side)
 
 
 def _met(epilogue, c_stage, consumers):
