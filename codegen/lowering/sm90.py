@@ -275,13 +275,14 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0,
     elected (full barriers of count 32): only the warpgroup's first warp waits and arrives; its
     elected lane issues the copies (TileLang's tma_copy elects one; it registers the bytes before
     its own arrival, so no phase completes without them); the other warps are done after the
-    register shrink. side: see side_loads (with the step's tiles, on its full barrier)."""
+    register shrink. side: mma_promoted_loop's side= (_side_step: its chunks go with the step's
+    tiles, on the same full barrier)."""
     T.set_max_nreg(PRODUCER_REGS, 0)
     if elected:
         if T.get_thread_binding() % PRODUCER < 32:
-            _elected_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, side)
+            _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
     else:
-        _every_thread_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
+        _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
 
 
 @T.macro
@@ -311,19 +312,7 @@ def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a):
 
 
 @T.macro
-def _elected_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, side):
-    for s in T.serial(steps):
-        slot = s % stages
-        T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
-        src_a, src_b = loads(s)
-        if side is not None:
-            _side_step(s, side, slot, full)
-        _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a)
-        T.mbarrier_arrive(full[slot])
-
-
-@T.macro
-def _every_thread_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side):
+def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side):
     for s in T.serial(steps):
         slot = s % stages
         if ramp > 0:
@@ -503,8 +492,8 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # it fits (every TMA write into them has been waited for and every WGMMA reading them has
     # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise.
     # tiles (tile.Tiles): a persistent CTA's tiles, each its own steps, loads, staging copies and
-    # epilogue, through one pipeline whose slots and phases carry on from tile to tile. side
-    # (side_loads): a small operand scale_of reads, loaded by the producer in chunks
+    # epilogue, through one pipeline whose slots and phases carry on from tile to tile. side=(period,
+    # region_of, ring): a small operand scale_of reads, loaded by the producer in chunks (_side_step)
     consumers = state()["threads"] - PRODUCER
     if share_a not in (1, 2):
         raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
