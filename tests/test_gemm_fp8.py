@@ -1057,6 +1057,31 @@ def _ring(case):
 
 
 @pytest.mark.gpu
+def test_gpu_sfa_ring_needs_an_aligned_sfa(monkeypatch):
+    """The wide plan of a long-K grid (1280x7168x12288: 3 stages with sfa staged whole, 4 with the ring)
+    has the producer load sfa by TMA (sfa_ring) only from a 16-byte aligned sfa; an sfa that starts 4
+    bytes off stages it whole: the same bits, near the fp32 product of the dequantized operands."""
+    from ops import gemm_fp8
+    from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    m, n, k = 1280, 7168, 12288
+    qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g, device="cuda"))
+    qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g, device="cuda"))
+    plans = []
+    compile_ = gemm_fp8.fp8_gemm_program.compile
+    monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", lambda *a, **p: plans.append(p) or compile_(*a, **p))
+    aligned = ops.fp8_gemm_nt(qa, sfa, qb, sfb)
+    off = torch.empty(sfa.numel() + 1, device="cuda")[1:].view_as(sfa).copy_(sfa)   # 4 bytes past 16
+    assert off.data_ptr() % 16 == 4
+    shifted = ops.fp8_gemm_nt(qa, off, qb, sfb)
+    assert [(p["block_n"], p["stages"], p.get("sfa_ring", 0)) for p in plans] == [(256, 4, 8), (256, 3, 0)]
+    torch.testing.assert_close(aligned, shifted, rtol=0, atol=0)
+    ref = dequant_fp8_token_groups(qa, sfa) @ dequant_fp8_blocks(qb, sfb).T
+    assert calc_diff(aligned.float(), ref) < 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_grouped_layouts():
     g = torch.Generator().manual_seed(5)
     G, n, k = 4, 512, 1024
