@@ -67,7 +67,8 @@ PRODUCER = 128      # one warpgroup issues the TMA loads
 # (profiler kernel times, 3 rounds in rotated order, bench/NOTES.md "Session 27"): the elected
 # producer alone took prefill 4096x7168x16384 from 768-770 to 726-728 us and left grouped contiguous
 # even (1474-1491 -> 1472-1483); lane-0 release made both slower (prefill 746-748 with it, contiguous
-# 1506-1532), so it is off
+# 1506-1532), so it is off: a warp's arrive is one instruction either way, and predicated on lane 0
+# the barrier addresses move from uniform into per-thread registers (the loop's SASS grows by 7%)
 ELECTED_PRODUCER = True
 LANE_RELEASE = False
 PROLOGUE_BAR = 13   # named barrier of the MMA warpgroups after their prologue (TileLang reserves 0-2)
