@@ -287,14 +287,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                         B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                     scales = (SFA, SFB, None if sfa_ring else sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first,
                               height, k0, kb, tn, block_n)
-                    last_chunk = (kb - 1) // max(sfa_ring, 1)
-                    # sfa_ring: chunk c of the tile's sfa (K blocks [c * P, (c + 1) * P); rows and blocks
-                    # past the tensor's are TMA's zero fill, never used)
-                    chunk = lambda c: (  # noqa: E731
-                        SFA[g, row0:row0 + block_m, T.min(c, last_chunk) * sfa_ring:
-                            (T.min(c, last_chunk) + 1) * sfa_ring] if masked
-                        else SFA[row0:row0 + block_m, T.min(c, last_chunk) * sfa_ring:
-                                 (T.min(c, last_chunk) + 1) * sfa_ring])
+                    chunk = lambda c: _sfa_chunk(SFA, masked, g, row0, block_m, kb, sfa_ring, c)  # noqa: E731
                     store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv))
                              if cluster
                              else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
@@ -479,6 +472,13 @@ def _scale_factors(sfa_s, sfb_s, row, k0, blk, columns, ring=0):
     if columns == 1:
         return sfa, sfb_s[k0 + blk]
     return (sfa, *[sfb_s[c, k0 + blk] for c in range(columns)])
+
+
+def _sfa_chunk(SFA, masked, g, row0, block_m, kb, ring, c):
+    """sfa_ring's chunk c: the tile's rows of sfa for K blocks [c * ring, (c + 1) * ring), c clamped to
+    the last chunk (rows and blocks past the tensor's are TMA's zero fill, never used)."""
+    c0 = T.min(c, (kb - 1) // ring) * ring
+    return SFA[g, row0:row0 + block_m, c0:c0 + ring] if masked else SFA[row0:row0 + block_m, c0:c0 + ring]
 
 
 def _pow2(n: int) -> int:
