@@ -32,6 +32,14 @@ def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, ndim: i
     return t
 
 
+def aligned(name: str, t: torch.Tensor, nbytes: int, why: str) -> torch.Tensor:
+    """t must start nbytes-aligned (a view at an odd storage offset may not)."""
+    if t.data_ptr() % nbytes:
+        raise ValueError(f"{name} must start {nbytes}-byte aligned ({why}), got an address {t.data_ptr() % nbytes} "
+                         f"bytes past it (a view at storage offset {t.storage_offset()}); pass a copy")
+    return t
+
+
 def same_device(**tensors: torch.Tensor) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

@@ -986,16 +986,15 @@ def _fit_exchange(p: dict, k: int) -> dict:
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
 
 
-def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int,
-            ring: bool = True) -> dict:
+def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
     """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 256
     tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
     wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
     WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B
     stages, fp32's would not. A multicast plan (A shared by n-neighbours) stays one where the wide n
     tiles pair up. Where sfa staged whole costs a stage, the producer loads it in chunks instead
-    ("sfa_ring": SFA_RING; TMA needs 16-byte rows, k a multiple of 512, and ring=True: a 16-byte aligned
-    sfa)."""
+    ("sfa_ring": SFA_RING; TMA needs 16-byte rows: k a multiple of 512; _run copies an sfa view that
+    does not start 16-byte aligned)."""
     wide = -(-rows // 128) * (n // 256) * groups
     one_wave = sms // 2 < wide <= sms < 2 * wide and k >= WIDE_ONE_WAVE_K
     if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
@@ -1010,7 +1009,7 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     if stages < 3:
         return p
     ringed = (fits(SFA_RING_SLOTS * p["block_m"] * SFA_RING * 4)
-              if SFA_RING and ring and kb % 4 == 0 and not WIDE_PERSISTENT else 0)
+              if SFA_RING and kb % 4 == 0 and not WIDE_PERSISTENT else 0)
     if ringed > stages and ringed <= SFA_RING + 2:
         return {**p, "block_n": 256, "stages": ringed, "sfa_ring": SFA_RING}
     return {**p, "block_n": 256, "stages": stages}
@@ -1069,7 +1068,6 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     if rows == 0:               # nothing to compute (and TMA descriptors cannot describe an empty tensor)
         return
     overlap = OVERLAP if overlap is None else overlap
-    ring_ok = sfa2.data_ptr() % 16 == 0      # TMA reads sfa (sfa_ring) from a 16-byte aligned address only
     # the plan, both compile lookups and the SM count once per shape: an eager call's host time is
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
@@ -1087,7 +1085,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p = _fit_exchange(p, k)
         groups = a2.shape[0] if mode == "masked" else 1
         if not forced and target.name == "cuda:sm_90a":
-            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size(), ring=ring_ok)
+            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size())
         p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                      and not p.get("cluster"))
         # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
@@ -1113,7 +1111,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST, CLUSTER_FOLD,
-           FOLD_IN_KERNEL, SFA_RING, ring_ok,
+           FOLD_IN_KERNEL, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
@@ -1147,8 +1145,19 @@ def _run(mode, a, sfa, b, sfb, aux, out, block_m):
     # masked leaves it free
     m_idx = aux if mode in ("contiguous", "sorted") else bound_only(a.device, a.shape[0] if mode == "dense" else 1)
     masked_m = aux if mode == "masked" else bound_only(a.device, b.shape[0])
+    if (a.data_ptr() | sfa.data_ptr() | b.data_ptr() | sfb.data_ptr() | out.data_ptr()) % 16:
+        sfa, sfb = _aligned_scales(a, sfa, b, sfb, out)
     _launch(mode, a, sfa, b, sfb, m_idx, masked_m, out, n, k, block_m=block_m)
     return out
+
+
+def _aligned_scales(a, sfa, b, sfb, out):
+    """The kernels load a and b by TMA and store out 16 bytes a thread: a view of one that does not
+    start 16-byte aligned is an error. The scales are staged by 16-byte copies (and TMA): a view of
+    them that does not start aligned is copied (the copy is; they are k/128 of the operands' size)."""
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        check.aligned(name, t, 16, "loaded by TMA" if name != "out" else "stored 16 bytes a thread")
+    return tuple(s if s.data_ptr() % 16 == 0 else s.clone() for s in (sfa, sfb))
 
 
 def _fp8_gemm_impl(mode, a, sfa, b, sfb, aux, out_dtype, block_m):

@@ -656,7 +656,7 @@ def test_overlap_loop_on_sm90a_is_qgmma_with_a_producer_warpgroup(params):
     assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {f"QGMMA.64x{width}x32.F32.E4M3.E4M3"}
 
 
-def test_wide_tiles_plan_column_passes_and_sfa_ring():
+def test_wide_tiles_plan_column_passes_and_sfa_ring(monkeypatch):
     """WIDE_TILES: one-split plans with more than two waves of 128 x 256 tiles (prefill, grouped
     contiguous, masked with many groups), or one wave of them at long K where 128-wide tiles need two
     (masked 1 x 1024), take them, bf16 out only, with as many stages as fit; thin, split, sorted,
@@ -672,6 +672,7 @@ def test_wide_tiles_plan_column_passes_and_sfa_ring():
     more stages than P + 2 (a slot would be overwritten while read) and with rows or chunks TMA
     cannot address (k // 128 or P not a multiple of 4). ELECTED_PRODUCER: full barriers of count 32
     (one producer warp); LANE_RELEASE: empty ones of count 8 (lane 0 of each MMA warp), else 256."""
+    from ops import gemm_fp8
     from ops.gemm_fp8 import plan, widened
 
     def wide(mode, rows, n, k, groups=1, out_bytes=2):
@@ -680,8 +681,9 @@ def test_wide_tiles_plan_column_passes_and_sfa_ring():
     # prefill: sfa staged whole (64 KB) would leave 3 stages; in chunks by the producer (SFA_RING), 4
     assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=4, overlap=True,
                                                     sfa_ring=8)
-    assert widened(plan("dense", 4096, 7168, 16384, 128), "dense", 4096, 7168, 16384, 1, 132, 2,
-                   ring=False) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
+    with monkeypatch.context() as mp:                               # staged whole: 3 stages
+        mp.setattr(gemm_fp8, "SFA_RING", 0)
+        assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=3, overlap=True)
     contiguous = wide("contiguous", 32768, 4096, 7168)
     assert contiguous["block_n"] == 256 and contiguous["stages"] == 4
     assert wide("masked", 1024, 4096, 7168, groups=8)["block_n"] == 256
@@ -1057,10 +1059,11 @@ def _ring(case):
 
 
 @pytest.mark.gpu
-def test_gpu_sfa_ring_needs_an_aligned_sfa(monkeypatch):
-    """The wide plan of a long-K grid (1280x7168x12288: 3 stages with sfa staged whole, 4 with the ring)
-    has the producer load sfa by TMA (sfa_ring) only from a 16-byte aligned sfa; an sfa that starts 4
-    bytes off stages it whole: the same bits, near the fp32 product of the dequantized operands."""
+def test_gpu_unaligned_scale_views_are_copied(monkeypatch):
+    """Scale views that start 4 bytes past 16-byte alignment (sfa, then sfb) give the bits of the
+    aligned tensors, on the same launcher: the wide plan of a long-K grid (1280x7168x12288) whose
+    producer loads sfa by TMA in chunks (sfa_ring). A view of a that does not start aligned is a
+    ValueError, raised before any kernel runs (the next call still works)."""
     from ops import gemm_fp8
     from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
@@ -1072,11 +1075,18 @@ def test_gpu_sfa_ring_needs_an_aligned_sfa(monkeypatch):
     compile_ = gemm_fp8.fp8_gemm_program.compile
     monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", lambda *a, **p: plans.append(p) or compile_(*a, **p))
     aligned = ops.fp8_gemm_nt(qa, sfa, qb, sfb)
-    off = torch.empty(sfa.numel() + 1, device="cuda")[1:].view_as(sfa).copy_(sfa)   # 4 bytes past 16
-    assert off.data_ptr() % 16 == 4
-    shifted = ops.fp8_gemm_nt(qa, off, qb, sfb)
-    assert [(p["block_n"], p["stages"], p.get("sfa_ring", 0)) for p in plans] == [(256, 4, 8), (256, 3, 0)]
-    torch.testing.assert_close(aligned, shifted, rtol=0, atol=0)
+
+    def shifted(t):                                                 # the same values, 4 bytes past 16
+        return torch.empty(t.numel() + 1, device="cuda")[1:].view_as(t).copy_(t)
+
+    assert shifted(sfa).data_ptr() % 16 == 4
+    torch.testing.assert_close(ops.fp8_gemm_nt(qa, shifted(sfa), qb, sfb), aligned, rtol=0, atol=0)
+    torch.testing.assert_close(ops.fp8_gemm_nt(qa, sfa, qb, shifted(sfb)), aligned, rtol=0, atol=0)
+    assert [(p["block_n"], p["stages"], p.get("sfa_ring", 0)) for p in plans] == [(256, 4, 8)]
+    a_off = torch.empty(qa.numel() + 4, dtype=qa.dtype, device="cuda")[4:].view_as(qa).copy_(qa)
+    with pytest.raises(ValueError, match="a must start 16-byte aligned"):
+        ops.fp8_gemm_nt(a_off, sfa, qb, sfb)
+    torch.testing.assert_close(ops.fp8_gemm_nt(qa, sfa, qb, sfb), aligned, rtol=0, atol=0)
     ref = dequant_fp8_token_groups(qa, sfa) @ dequant_fp8_blocks(qb, sfb).T
     assert calc_diff(aligned.float(), ref) < 1e-3
 
@@ -1605,6 +1615,29 @@ def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
     monkeypatch.setattr(att, "PRODUCER_REGS", 104)
     with pytest.raises(ValueError, match="setmaxnreg split"):
         mla_decode_program.source("sm_90a", **mla)
+
+
+def test_fp8_views_that_do_not_start_16_byte_aligned():
+    """The FP8 kernels TMA a and b and store out 16 bytes a thread: a view of one that starts off 16
+    bytes is a ValueError naming it; a scale view is copied to an aligned tensor of the same values."""
+    from ops.gemm_fp8 import _aligned_scales
+
+    def off(t, nbytes):                 # the same values, nbytes past 16-byte alignment
+        buf = torch.empty(t.numel() * t.element_size() + 64, dtype=torch.uint8)
+        start = (-buf.data_ptr()) % 16 + nbytes
+        return buf[start:start + t.numel() * t.element_size()].view(t.dtype).view_as(t).copy_(t)
+
+    a = torch.randn(4, 256).to(torch.float8_e4m3fn)
+    b = torch.randn(128, 256).to(torch.float8_e4m3fn)
+    sfa, sfb, out = torch.rand(4, 2), torch.rand(1, 2), torch.empty(4, 128, dtype=torch.bfloat16)
+    sfa2, sfb2 = _aligned_scales(a, off(sfa, 4), b, off(sfb, 8), out)
+    assert sfa2.data_ptr() % 16 == 0 and sfb2.data_ptr() % 16 == 0
+    assert torch.equal(sfa2, sfa) and torch.equal(sfb2, sfb)
+    assert _aligned_scales(a, sfa, b, sfb, out)[0] is sfa
+    for name, args in (("a", (off(a, 8), sfa, b, sfb, out)), ("b", (a, sfa, off(b, 1), sfb, out)),
+                       ("out", (a, sfa, b, sfb, off(out, 2)))):
+        with pytest.raises(ValueError, match=f"^{name} must start 16-byte aligned"):
+            _aligned_scales(*args)
 
 
 def test_mxfp4_scale_words_need_4_byte_alignment():
