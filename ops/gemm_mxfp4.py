@@ -783,7 +783,7 @@ def mx_scale_words(scales, rows_pad=None):
         raise ValueError(f"scales must have a multiple of 4 columns (k % 128 == 0), got {groups}")
     rows_pad = rows if rows_pad is None else rows_pad
     words = torch.full((groups // 4, rows_pad), 0x7F7F7F7F, dtype=torch.int32, device=scales.device)
-    words[:, :rows] = _scale_words(scales).t()
+    words[:, :rows] = _scale_words(scales if scales.data_ptr() % 4 == 0 else scales.clone()).t()
     return words
 
 
@@ -800,6 +800,8 @@ def _mxfp4_native_impl(a, b, sfb, sfa):
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
+        for name, t in (("a", a), ("b", b)):
+            check.aligned(name, t, 16, "loaded by TMA")
         target = targets.resolve(a)
         launch = jit.launchers(("mxfp4_gemm_nt_native", target.name, n, k),
                                lambda: mxfp4_native_program.compile(target, n=n, k=k).launcher())
@@ -886,6 +888,7 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     out = torch.empty(*a.shape[:-1], b.shape[1], dtype=torch.bfloat16, device=a.device)
     if out.numel() == 0:
         return out
+    check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
     G, n, k = b.shape[0], b.shape[1], a.shape[-1]
     if (mode == "masked" and SWAPPED_MASKED and a.shape[1] <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
@@ -1110,6 +1113,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
 
     m, k = a.shape
     n = b.shape[0]
+    check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))

@@ -644,6 +644,8 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
                          f"got {tuple(kv_cache.shape)}")
     if kv_cache.shape[1] not in PAGE_SIZES:
         raise ValueError(f"kv_cache's page size must be one of {PAGE_SIZES}, got {kv_cache.shape[1]}")
+    if kv_cache.device.type == "cuda":
+        check.aligned("kv_cache", kv_cache, 16, "its pages are loaded by TMA")
     check.tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=True)
     if block_table.shape[0] != b:
         raise ValueError(f"block_table must have {b} rows (q's batch), got shape {tuple(block_table.shape)}")
@@ -731,6 +733,8 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
     main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
+    if q.data_ptr() % 16:               # (read 16 bytes a thread: a view that does not start aligned is copied)
+        q = q.clone()
     if kv_format == "fp8":
         kv = kv.view(torch.float8_e4m3fn)
     # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)

@@ -628,6 +628,10 @@ def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, values=
     elif x_scales is not None:
         raise ValueError(f"x_scales is only for fp8 x; x is {x.dtype}")
     check.same_device(x=x, ids=ids, x_scales=x_scales)
+    if x.device.type == "cuda":         # (rows are read up to 16 bytes a thread)
+        check.aligned("x", x, 16, "its rows are read 16 bytes a thread")
+        if x_scales is not None:
+            check.aligned("x_scales", x_scales, 16, "its rows may be read 16 bytes a thread")
     if values and _values.enabled(ids) and ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
         raise ValueError(f"ids must be expert ids in [0, {num_experts}), got values {int(ids.min())}..{int(ids.max())}")
 
@@ -720,6 +724,8 @@ def moe_combine(y, mapping, weights):
     pos = mapping.positions if ep is None else ep.send_positions
     check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
     check.same_device(y=y, weights=weights, positions=pos)
+    if y.device.type == "cuda":
+        check.aligned("y", y, 16, "its rows are read 16 bytes a thread")
     if ep is not None:
         from ops import moe_ep
 

@@ -79,6 +79,8 @@ def _validate(x, weight, eps):
         raise ValueError("x's last dimension (hidden) must be at least 1, got 0")
     if x.device.type == "cuda" and hidden > MAX_HIDDEN_GPU:
         raise ValueError(f"x's hidden size {hidden} exceeds the GPU kernel's limit of {MAX_HIDDEN_GPU}")
+    if x.device.type == "cuda":
+        check.aligned("x", x, 16, "the kernel reads its rows 16 bytes a thread")
 
 
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,6 +93,8 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     dtype = DTYPES[x.dtype]
     launch = jit.launchers(("rmsnorm", target.name, hidden, dtype, float(eps)), lambda: (
         rmsnorm_program.compile(target, hidden=hidden, dtype=dtype, eps=float(eps)).launcher()))
+    if weight.data_ptr() % 16:          # (read 16 bytes a thread; hidden elements: copied)
+        weight = weight.clone()
     launch(x.view(rows, hidden), weight, out.view(rows, hidden))
     return out
 

@@ -28,6 +28,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def off_alignment():
+    """off_alignment(t, nbytes) -> a contiguous view with t's values (and device) that starts nbytes past
+    a 16-byte boundary, as a slice of a larger buffer at an odd storage offset would."""
+    import torch
+
+    def view(t, nbytes):
+        size = t.numel() * t.element_size()
+        buf = torch.empty(size + 32, dtype=torch.uint8, device=t.device)
+        start = (-buf.data_ptr()) % 16 + nbytes
+        out = buf[start:start + size].view(t.dtype).view(t.shape).copy_(t)
+        assert out.data_ptr() % 16 == nbytes
+        return out
+    return view
+
+
+@pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty disk cache and an empty in-memory cache for one test."""
     from codegen import jit

@@ -1792,6 +1792,23 @@ def test_gpu_mxfp4_swapped_pair_fold(m, n, k):
 
 
 @pytest.mark.gpu
+def test_gpu_mxfp4_a_off_alignment_is_refused(off_alignment):
+    """a is loaded by TMA: a bf16 view that starts off 16 bytes is a ValueError naming a, for the dense
+    and the grouped ops, before any kernel runs."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 256, generator=g).bfloat16().cuda()
+    packed, scales = ops.quant_mxfp4(torch.randn(128, 256, generator=g))
+    packed, scales = packed.cuda(), scales.cuda()
+    want = ops.mxfp4_gemm_nt(a, packed, scales)
+    with pytest.raises(ValueError, match="^a must start 16-byte aligned"):
+        ops.mxfp4_gemm_nt(off_alignment(a, 2), packed, scales)
+    with pytest.raises(ValueError, match="^a must start 16-byte aligned"):
+        ops.m_grouped_mxfp4_gemm_nt_masked(off_alignment(a.view(1, 4, 256), 2), packed.view(1, 128, 128),
+                                          scales.view(1, 128, 8), torch.tensor([4], dtype=torch.int32, device="cuda"), 4)
+    assert torch.equal(ops.mxfp4_gemm_nt(a, packed, scales), want)
+
+
+@pytest.mark.gpu
 def test_gpu_mxfp4_swapped_scale_rows_by_tma():
     """The swapped kernel TMAs its scale rows: a scale view that starts 4- but not 16-byte aligned
     gives the same output as an aligned copy, and k % 512 != 0 (rows of 16-byte strides impossible)

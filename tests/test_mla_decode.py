@@ -337,6 +337,19 @@ def test_gpu_hypothesis(b, s_q, h_q, page, data):
 
 
 @pytest.mark.gpu
+def test_gpu_views_off_alignment(off_alignment):
+    """q is read 16 bytes a thread: a view that starts 4 bytes off is copied (the same bits); the cache is
+    loaded by TMA: a view of it off alignment is a ValueError naming kv_cache."""
+    q, kv, table, seqlens = make_inputs(2, 1, 16, [300, 77], device="cuda")
+    scale = D ** -0.5
+    out, lse = ops.mla_decode(q, kv, table, seqlens, 512, softmax_scale=scale)
+    out2, lse2 = ops.mla_decode(off_alignment(q, 4), kv, table, seqlens, 512, softmax_scale=scale)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    with pytest.raises(ValueError, match="^kv_cache must start 16-byte aligned"):
+        ops.mla_decode(q, off_alignment(kv, 2), table, seqlens, 512, softmax_scale=scale)
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic():
     q, kv, table, lens = make_inputs(2, 1, 64, [9000, 3000], device="cuda")
     a = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05)

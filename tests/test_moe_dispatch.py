@@ -157,6 +157,21 @@ def test_gpu_round_trip(layout):
     torch.testing.assert_close(out, x, atol=0, rtol=0)
 
 
+
+@pytest.mark.gpu
+def test_gpu_views_off_alignment_are_refused(off_alignment):
+    """Rows are read 16 bytes a thread: x and y views that start off 16 bytes are a ValueError naming
+    them, before any kernel runs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1024, generator=g).bfloat16().cuda()
+    ids = random_ids(64, 16, 2, g).cuda()
+    with pytest.raises(ValueError, match="^x must start 16-byte aligned"):
+        ops.moe_dispatch(off_alignment(x, 8), ids, 16)
+    xd, _, m = ops.moe_dispatch(x, ids, 16)
+    with pytest.raises(ValueError, match="^y must start 16-byte aligned"):
+        ops.moe_combine(off_alignment(xd, 8), m, torch.full((64, 2), 0.5, device="cuda"))
+    torch.testing.assert_close(ops.moe_combine(xd, m, torch.full((64, 2), 0.5, device="cuda")), x, atol=0, rtol=0)
+
 # ---- compact sorted rows (align=1) and the GEMM work items ----------------------------------------
 
 def _padded_plan(ids, E, align):

@@ -223,6 +223,20 @@ def test_gpu_bf16_and_other_expert_counts():
 
 
 @pytest.mark.gpu
+def test_gpu_views_off_alignment_are_copied(off_alignment):
+    """logits and bias are read up to 16 bytes a thread: views that start 4 bytes off give the results of
+    aligned ones (the warp path of 256 experts and the block path of 100)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    assert not warp_path_fits(100, 6, 1)
+    for E, top_k, kw in ((256, 8, V3), (100, 6, dict(scoring="softmax"))):
+        logits = torch.randn(33, E, generator=g, device="cuda")
+        bias = torch.randn(E, generator=g, device="cuda")
+        w, ids = ops.moe_route(logits, top_k, bias=bias, **kw)
+        w2, ids2 = ops.moe_route(off_alignment(logits, 4), top_k, bias=off_alignment(bias, 4), **kw)
+        assert torch.equal(ids2, ids) and torch.equal(w2, w)
+
+
+@pytest.mark.gpu
 def test_gpu_nonfinite_logits_raise():
     x = torch.randn(4, 256, device="cuda")
     x[3, 200] = float("nan")

@@ -57,6 +57,16 @@ def test_gpu_kernel_gives_the_reference_bits(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_view_off_alignment_takes_the_torch_path(off_alignment):
+    """The kernel reads x 16 bytes a thread: a view that starts 4 bytes off takes the torch path, the
+    same bits."""
+    x = torch.randn(5, 1024, device="cuda")
+    q, sf = ops.per_token_group_quant_fp8(x)
+    q2, sf2 = ops.per_token_group_quant_fp8(off_alignment(x, 4))
+    assert torch.equal(sf2, sf) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.gpu
 def test_gpu_falls_back_where_the_kernel_does_not_fit():
     x = torch.randn(4, 200, device="cuda")                      # k % 128 != 0: torch path, padded groups
     q, sf = ops.per_token_group_quant_fp8(x)

@@ -154,6 +154,20 @@ def test_gpu_matches_reference(dtype, shape):
 
 
 @pytest.mark.gpu
+def test_gpu_views_that_do_not_start_16_byte_aligned(off_alignment):
+    """The kernel reads rows 16 bytes a thread: a weight view off alignment is copied (the same bits), an
+    x view is a ValueError naming x (not a misaligned-address fault that ends the process's CUDA)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 4096, generator=g, device="cuda").bfloat16()
+    w = torch.randn(4096, generator=g, device="cuda").bfloat16()
+    want = ops.rms_norm(x, w)
+    assert torch.equal(ops.rms_norm(x, off_alignment(w, 2)), want)
+    with pytest.raises(ValueError, match="^x must start 16-byte aligned"):
+        ops.rms_norm(off_alignment(x, 2), w)
+    assert torch.equal(ops.rms_norm(x, w), want)
+
+
+@pytest.mark.gpu
 def test_gpu_output_fully_written_and_graph_capturable():
     x = torch.randn(64, 7168, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(7168, dtype=torch.bfloat16, device="cuda")

@@ -9,12 +9,13 @@ import ops
 from ops.topk_select import topk_select_program, topk_select_reference, topk_select_v3_program
 
 
-def test_matches_torch_topk_sets():
+def test_matches_torch_topk_sets(off_alignment):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3000, generator=g)
     out = ops.topk_select(x, 64)
     ref = torch.topk(x, 64).indices.sort(-1).values.to(torch.int32)
     assert torch.equal(out, ref)
+    assert torch.equal(ops.topk_select(off_alignment(x, 4), 64), ref)   # (a view off 16 bytes: copied)
 
 
 def test_ties_lengths_and_padding():
@@ -253,6 +254,16 @@ def test_gpu_long_rows_chunk_edges_and_k_at_n(rows, n, k):
     for ln in (None, lengths):
         got = ops.topk_select(x, k, lengths=ln).cpu()
         assert torch.equal(got, topk_select_reference(x.cpu(), k, lengths=None if ln is None else ln.cpu()))
+
+
+@pytest.mark.gpu
+def test_gpu_scores_off_alignment_are_copied(off_alignment):
+    """The kernels read rows 16 bytes a thread: a scores view that starts 4 bytes off gives the aligned
+    result (the cluster kernel's rows and the sliced kernels')."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n in (3000, 200000):
+        x = torch.randn(3, n, generator=g, device="cuda")
+        assert torch.equal(ops.topk_select(off_alignment(x, 4), 64), ops.topk_select(x, 64)), n
 
 
 @pytest.mark.gpu
