@@ -8,6 +8,7 @@ Dynamic dimensions are symbolic in the IR, so one kernel serves every batch size
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -251,19 +252,39 @@ def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
 
 
 def lower_source(program, target, **params) -> str:
-    """Generated device source for the target, with no compiler or device needed."""
+    """Generated device source for the target, with no compiler or device needed. Kept in the disk
+    cache under the compile key's inputs plus "artifact": "source" (TileLang's lowering of an
+    overlapped GEMM loop takes ~15-30 s; the key holds the traced IR, so a changed rule misses)."""
     tilelang = _tilelang()
     t = program.check_target(target)
     bound = program.bind(params)
     prim, rule_configs = program.traced(t, bound)
+    configs = program.configs(t, bound, rule_configs)
+    use_disk = not env.flag("TILECRAFT_DISABLE_DISK_CACHE")
+    if use_disk:
+        inputs = {**key_inputs(program, prim, t, configs), "artifact": "source"}
+        key = cache.digest(inputs)
+        entry = cache.lookup(key, on_corrupt=lambda problem: STATS.update(["corrupt_rebuild"]))
+        if entry is not None:
+            STATS["source_hit"] += 1
+            _check_smem_bytes(program, t, bound, json.loads(entry.file("params.json").read_text())["smem_bytes"])
+            return entry.file("device.src").read_text()
     with t.tvm() as tv:
         from tilelang.transform import PassConfigKey  # noqa: F401  (registers pass-config keys)
         import tvm
 
-        with tvm.transform.PassContext(config=program.configs(t, bound, rule_configs)):
+        with tvm.transform.PassContext(config=configs):
             art = tilelang.lower(prim, target=tv)
-    check_shared_memory(program, t, bound, art.device_mod)
-    return art.kernel_source
+    smem = dynamic_shared_memory(art.device_mod)
+    _check_smem_bytes(program, t, bound, smem)
+    source = art.kernel_source
+    if use_disk:
+        def write(d: Path):
+            (d / "device.src").write_text(source)
+            (d / "params.json").write_text(json.dumps({"smem_bytes": smem}))
+            (d / "program.tir").write_text(prim.script())
+        cache.publish(key, inputs, write)
+    return source
 
 
 _DYN_SMEM = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"\)')
@@ -279,8 +300,11 @@ def check_shared_memory(program, t: targets.Target, bound: dict, device_mod) -> 
     """A kernel over the target's shared memory fails only at its first launch, with the driver's
     "Failed to set the allowed dynamic shared memory size" (bench/NOTES.md "MLA v12"): say so at
     build time instead, with the program and its parameters."""
+    _check_smem_bytes(program, t, bound, dynamic_shared_memory(device_mod))
+
+
+def _check_smem_bytes(program, t: targets.Target, bound: dict, need: int) -> None:
     limit = rules.lookup("limits", t).fn().get("smem_bytes")
-    need = dynamic_shared_memory(device_mod)
     if limit is not None and need > limit:
         raise ValueError(f"tile program {program.name!r} with {bound} needs {need} bytes of shared memory on "
                          f"{t.name}, which allows {limit} (tile.limits()['smem_bytes']); choose fewer stages or "

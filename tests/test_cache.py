@@ -50,6 +50,31 @@ def test_one_kernel_serves_every_row_count(fresh_cache):
     assert jit.STATS["compile"] == 1
 
 
+def test_generated_source_is_kept_on_disk(fresh_cache, monkeypatch):
+    """source() keeps its text under the compile key plus "artifact": "source": the same program and
+    parameters hit (in another process too: the cache is on disk), other parameters or a changed rule
+    (another traced IR) miss; a kernel over the target's shared memory is refused and never kept."""
+    from codegen import rules
+    from ops.gemm_fp8 import fp8_gemm_program
+
+    src = rmsnorm_program.source("sm_90a", hidden=1024, dtype="bfloat16")
+    assert jit.STATS["source_hit"] == 0 and len(entries(fresh_cache)) == 1
+    assert rmsnorm_program.source("sm_90a", hidden=1024, dtype="bfloat16") == src and jit.STATS["source_hit"] == 1
+    rmsnorm_program.source("sm_90a", hidden=2048, dtype="bfloat16")
+    assert jit.STATS["source_hit"] == 1 and len(entries(fresh_cache)) == 2
+    from codegen.lowering import cuda
+
+    with rules.override("grid", "cuda:sm_90a", lambda blocks, threads=128: cuda.grid(blocks, threads * 2)):
+        assert rmsnorm_program.source("sm_90a", hidden=1024, dtype="bfloat16") != src
+    assert jit.STATS["source_hit"] == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs \\d+ bytes of shared memory"):
+            fp8_gemm_program.source("sm_90a", n=4096, k=7168, block_m=128, block_n=128, stages=8)
+    assert len(entries(fresh_cache)) == 3
+    monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
+    assert rmsnorm_program.source("sm_90a", hidden=4096, dtype="bfloat16") and len(entries(fresh_cache)) == 3
+
+
 def test_key_covers_parameters_target_and_versions(fresh_cache, monkeypatch):
     base = rmsnorm_program.compile("cpu", hidden=64, dtype="float32").key
     assert rmsnorm_program.compile("cpu", hidden=64, dtype="float32", eps=1e-5).key != base

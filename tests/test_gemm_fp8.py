@@ -817,7 +817,9 @@ def test_smem_fold_exchanges_partials_in_distributed_shared_memory(overlap):
         fp8_gemm_program.source("sm_90a", cluster_smem=True, **{**params, "splits": 4})
 
 
-@pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
+# (contiguous differs from dense in B's group index only: its multicast runs on the GPU,
+# test_gpu_multicast_matches_unicast; a build here is ~25 s of CI)
+@pytest.mark.parametrize("mode", ["dense", "masked"])
 def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
     """multicast=True: rank 0 of each cluster of two multicasts A (UTMALDG...MULTICAST in SASS), each
     warp's lane 0 arrives on the other block's empty barrier, within the register budget, no spills."""
