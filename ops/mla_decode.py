@@ -149,7 +149,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        block_n: int = 64, stages: int = 2, threads: int = 256, warp_specialized: bool = True,
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
-                       fold_scales: bool = False, seesaw: bool = False, persistent: bool = False):
+                       fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
+                       own_p: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -184,7 +185,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     persistent seesaw"): one wave of CTAs, m_tiles per part; each runs its part's units (a sequence's
     split, listed by MlaSchedule.persistent_units) back to back, the query by TMA, so that the next
     unit's query and first steps load while the last unit's output is written. Each unit computes
-    exactly what the CTA of that (sequence, split) computes without persistent."""
+    exactly what the CTA of that (sequence, split) computes without persistent.
+
+    own_p=True (with seesaw): each warpgroup's P V of its own step reads P from its registers (wgmma
+    RS), issued before P is written to shared memory for the other warpgroup, as FlashMLA does; the
+    other step's P V still reads shared memory. The same products in the same order."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -193,6 +198,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"pages of 64+ tokens and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
                          f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, "
                          f"s_q * h_q={s_q * h_q}")
+    if own_p and not seesaw:
+        raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")
@@ -329,7 +336,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
-                    stages=stages, seesaw=True, trace=OPart if trace else None,
+                    stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
@@ -389,7 +396,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
-                seesaw=seesaw,
+                seesaw=seesaw, **({"own_p": True} if own_p else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one

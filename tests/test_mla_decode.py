@@ -492,6 +492,11 @@ def test_persistent_units_cover_every_split_once_in_balanced_runs(lens, s_q, h_q
     assert sched.persistent_units(7)[0] is sched.persistent_units(7)[0]      # made once per part count
 
 
+def test_own_p_is_for_the_seesaw():
+    with pytest.raises(ValueError, match="own_p=True .* is built for seesaw=True"):
+        mla_decode_program.source("sm_90a", h_q=64, s_q=1, block_n=64, stages=2, own_p=True)
+
+
 def test_persistent_builds_and_says_what_it_needs():
     """persistent=True lowers on sm_90a within the seesaw's registers (no spills): one wave of CTAs each
     running its units back to back, the query by TMA (no query stores by the threads); its trace build
@@ -626,6 +631,33 @@ def test_gpu_seesaw_matches_reference(b, s_q, h_q, lens, page):
     """The seesaw schedule (the two MMA warpgroups score alternate steps) against the reference, with
     the production kernel's bounds."""
     run_gpu_case(b, s_q, h_q, lens, page=page, tiling=dict(block_n=64, stages=2, seesaw=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,persistent", [
+    (2, 1, 128, [1000, 64], 64, False),      # a tail step; a sequence of one step
+    (2, 2, 128, [300, 2049], 64, False),     # causal over 4 row tiles; an odd number of steps
+    (2, 1, 64, [16384, 8000], 64, False),    # splits + combine
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, True),
+    (2, 4, 32, [7, 5000], 128, True),
+])
+def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persistent):
+    """own_p (each warpgroup's own P V with P from registers, wgmma RS; the other's still from shared
+    memory): the bits of the seesaw, persistent or not, and HGMMA with a register A operand in SASS."""
+    from backends.cuda.sass import build_cubin, disassemble
+
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=persistent)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
+    out, lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling={**tiling, "own_p": True})
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    src = mla_decode_program.source("sm_90a", h_q=h_q, s_q=s_q, page=page, **tiling, own_p=True)
+    assert src.count("wgmma_rs") == 2                       # one own P V a warpgroup
+    sass = disassemble(build_cubin(src.split("\n", 1)[1] if src.startswith("//") else src, "sm_90a"))
+    assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
 
 
 @pytest.mark.gpu

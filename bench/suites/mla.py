@@ -104,20 +104,22 @@ def fp8_swapped_with(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
-def seesaw(case, i):
+def seesaw(case, i, **options):
     """The bf16 cache through the seesaw schedule (bench/NOTES.md "MLA v13"): the two MMA warpgroups
-    score alternate steps; s_q * h_q above the swapped kernel's rows."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True)
+    score alternate steps; s_q * h_q above the swapped kernel's rows. options: own_p=True (each
+    warpgroup's own P V from registers)."""
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, **options)
     if tiling.get("swapped"):
         raise ValueError(f"seesaw is built for the default operand order, not for {case['s_q'] * case['h_q']} rows "
                          "(swapped)")
     return tilecraft_variant(case, i, tiling)
 
 
-def persistent(case, i):
+def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
     units back to back, the next unit's query and first steps loading under the last one's output."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True)
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True,
+                  **options)
     return tilecraft_variant(case, i, tiling)   # (the program says which shapes it is built for)
 
 
@@ -157,6 +159,8 @@ SUITE = Suite(
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
+        Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
+        Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

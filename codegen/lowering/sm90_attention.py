@@ -777,8 +777,11 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None):
+                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False):
     threads = state()["threads"]
+    if own_p and not seesaw:
+        raise ValueError("attention_loop(own_p=True) (each warpgroup's own P V with P from registers) is built for "
+                         "seesaw=True")
     if units is not None and not seesaw:
         raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
     visible = _Visible(visible, all_visible)
@@ -804,7 +807,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units)
+                units, own_p)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     alpha_s = T.alloc_shared((block_m,), "float32")
@@ -1000,6 +1003,7 @@ class _SeesawRegs:
     alpha0: Any         # WG1: the factor of step e0 (from WG0)
     row_sum: Any
     l_i: Any            # its own running row sum
+    p: Any = None       # own_p: its step's P in the MMA dtype, the A operand of its own P V (wgmma RS)
 
 
 @dataclass(frozen=True)
@@ -1028,7 +1032,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None):
+            units=None, own_p=False):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1043,7 +1047,8 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     # first uses it, so one shared between the two warpgroups' branches gets no code in the other
     f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"),
                      T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
-                     *(T.alloc_fragment((block_m,), "float32") for _ in range(6))) for _ in range(2)]
+                     *(T.alloc_fragment((block_m,), "float32") for _ in range(6)),
+                     T.alloc_fragment((block_m, block_n), kv[v[0]][2]) if own_p else None) for _ in range(2)]
     n = stages * len(kv)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
@@ -1070,13 +1075,13 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg0(unit, _At(), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha, f0.row_sum, f0.l_i,
-                    sw, stages, trace)
+                    sw, stages, trace, f0.p)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
-                    f1.row_sum, f1.l_i, sw, stages, trace)
+                    f1.row_sum, f1.l_i, sw, stages, trace, f1.p)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
@@ -1141,10 +1146,10 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
         if n == 0:
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
-                        f.l_i, sw, stages, trace)
+                        f.l_i, sw, stages, trace, f.p)
         else:
             _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
-                        f.row_sum, f.l_i, sw, stages, trace)
+                        f.row_sum, f.l_i, sw, stages, trace, f.p)
         T.mbarrier_arrive(sw.q_empty[0])
         _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
         _advance(unit, block_n, cnt)
@@ -1222,6 +1227,11 @@ def _issue_pv(kv, sw, v_w, k, stages, acc):
                       clear_accum=False, policy=FULL_ROW))
 
 
+def _issue_pv_regs(p_r, v_w, k, stages, acc):
+    # acc += P V_w with P from this warpgroup's registers (wgmma RS), left in flight
+    emit(T.wgmma_gemm(p_r, v_w[k % stages, :, :], acc, transpose_B=False, clear_accum=False, policy=FULL_ROW))
+
+
 def _release(sw, k, stages, parts, times=1):
     # this warpgroup is done with kv parts `parts` of step k's slot
     for p in parts:
@@ -1240,7 +1250,8 @@ def _wait_tail(k, kv, valid_rows, sw, tp):
 @T.macro
 def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
     # step k's P over its slot's P part, its alpha and the running max into row n; all of this
-    # warpgroup's threads have written before ready[n] and before its own P V reads P
+    # warpgroup's threads have written before ready[n] and before its own P V reads P (acc_s: the
+    # scores, or own_p's P already in the MMA dtype)
     T.copy(acc_s, kv[sw.p_part][k % stages, :, :])
     for i in T.Parallel(alpha.shape[0]):
         sw.alpha[n, i] = alpha[i]
@@ -1251,10 +1262,11 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 
 
 @T.macro
-def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace):
+def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
     # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
-    # slots and barrier phases from `at`)
+    # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers, issued
+    # before P is handed over (its shared-memory copy is WG1's only)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
@@ -1266,11 +1278,19 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
         _stamp(trace, at.J + j, "wg0 S")
         _softmax(2 * j, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
         _stamp(trace, at.J + j, "wg0 softmax")
-        _publish(at.g + 2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
-        _stamp(trace, at.J + j, "wg0 p_ready")
-        _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
-        _scale_rows(o, alpha)
-        _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j, stages, o)
+        if p_r is None:
+            _publish(at.g + 2 * j, acc_s, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
+            _stamp(trace, at.J + j, "wg0 p_ready")
+            _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
+            _scale_rows(o, alpha)
+            _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j, stages, o)
+        else:
+            T.copy(acc_s, p_r)
+            _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
+            _scale_rows(o, alpha)
+            _issue_pv_regs(p_r, kv[v[0]], at.g + 2 * j, stages, o)
+            _publish(at.g + 2 * j, p_r, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
+            _stamp(trace, at.J + j, "wg0 p_ready")
         # released before waiting for WG1's step: V_0 of e0 then reloads ~1300 cycles earlier, under
         # WG1's softmax, and the next pair's scores start on it (trace: they waited for the bytes)
         T.wait_wgmma(0)
@@ -1292,7 +1312,8 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
 
 
 @T.macro
-def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace):
+def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace,
+                p_r=None):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
     # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
     T.fill(m_i, NEG_INF)
@@ -1317,14 +1338,21 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
         _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
         if 2 * j + 1 < unit.steps:
             _softmax(2 * j + 1, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-            _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
+            if p_r is None:
+                _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
+            else:                           # (own_p: P kept in registers for e1's P V)
+                T.copy(acc_s, p_r)
+                _publish(at.g + 2 * j + 1, p_r, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
             _stamp(trace, at.J + j, "wg1 convert")
         T.wait_wgmma(0)
         _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])
         if 2 * j + 1 < unit.steps:
             _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
             _scale_rows(o, alpha)
-            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j + 1, stages, o)
+            if p_r is None:
+                _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j + 1, stages, o)
+            else:
+                _issue_pv_regs(p_r, kv[v[1]], at.g + 2 * j + 1, stages, o)
             T.wait_wgmma(0)
             _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)       # V_1 of e1: WG1 is its only reader
             _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
