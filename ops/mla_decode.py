@@ -188,8 +188,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     exactly what the CTA of that (sequence, split) computes without persistent.
 
     own_p=True (with seesaw): each warpgroup's P V of its own step reads P from its registers (wgmma
-    RS), issued before P is written to shared memory for the other warpgroup, as FlashMLA does; the
-    other step's P V still reads shared memory. The same products in the same order."""
+    RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
+    step's P V still reads it there. The same products in the same order."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):

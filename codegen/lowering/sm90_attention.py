@@ -1265,8 +1265,8 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
     # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
-    # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers, issued
-    # before P is handed over (its shared-memory copy is WG1's only)
+    # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers (the
+    # shared-memory copy is WG1's only)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
@@ -1285,12 +1285,13 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
             _scale_rows(o, alpha)
             _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j, stages, o)
         else:
+            # (the hand-off's copy of P first: PTX leaves reading an in-flight WGMMA's A registers undefined)
             T.copy(acc_s, p_r)
+            _publish(at.g + 2 * j, p_r, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
+            _stamp(trace, at.J + j, "wg0 p_ready")
             _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
             _scale_rows(o, alpha)
             _issue_pv_regs(p_r, kv[v[0]], at.g + 2 * j, stages, o)
-            _publish(at.g + 2 * j, p_r, kv, sw, stages, alpha, m_i, 0, WG0_BAR)
-            _stamp(trace, at.J + j, "wg0 p_ready")
         # released before waiting for WG1's step: V_0 of e0 then reloads ~1300 cycles earlier, under
         # WG1's softmax, and the next pair's scores start on it (trace: they waited for the bytes)
         T.wait_wgmma(0)
