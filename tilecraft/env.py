@@ -22,7 +22,8 @@ VARS: dict[str, EnvVar] = {
     v.name: v
     for v in (
         EnvVar("TILECRAFT_TARGET", "", "force a target (cuda:sm_90a, cuda:sm_100a, ascend:950, cpu); default: from the tensors' device"),
-        EnvVar("TILECRAFT_CACHE_DIR", "~/.cache/tilecraft", "where compiled kernels are kept between processes"),
+        EnvVar("TILECRAFT_CACHE_DIR", "~/.cache/tilecraft",
+               "where compiled kernels (and generated sources, `codegen.show`) are kept between processes"),
         EnvVar("TILECRAFT_DISABLE_DISK_CACHE", "0", "1: compile in every process, keep kernels in memory only"),
         EnvVar("TILECRAFT_NVCC", "", "path of the nvcc to use; default: CUDA_HOME, then PATH, then the nvidia-cuda-nvcc wheel"),
         EnvVar("TILECRAFT_BISHENG", "", "path of CANN's bisheng compiler; default: BISHENG_HOME/bin, ASCEND_HOME_PATH, then PATH"),
