@@ -1619,16 +1619,12 @@ def test_setmaxnreg_splits_fit_the_launch_allocation(monkeypatch):
         mla_decode_program.source("sm_90a", **mla)
 
 
-def test_fp8_views_that_do_not_start_16_byte_aligned():
+def test_fp8_views_that_do_not_start_16_byte_aligned(off_alignment):
     """The FP8 kernels TMA a and b and store out 16 bytes a thread: a view of one that starts off 16
     bytes is a ValueError naming it; a scale view is copied to an aligned tensor of the same values."""
     from ops.gemm_fp8 import _aligned_scales
 
-    def off(t, nbytes):                 # the same values, nbytes past 16-byte alignment
-        buf = torch.empty(t.numel() * t.element_size() + 64, dtype=torch.uint8)
-        start = (-buf.data_ptr()) % 16 + nbytes
-        return buf[start:start + t.numel() * t.element_size()].view(t.dtype).view_as(t).copy_(t)
-
+    off = off_alignment
     a = torch.randn(4, 256).to(torch.float8_e4m3fn)
     b = torch.randn(128, 256).to(torch.float8_e4m3fn)
     sfa, sfb, out = torch.rand(4, 2), torch.rand(1, 2), torch.empty(4, 128, dtype=torch.bfloat16)
