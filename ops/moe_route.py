@@ -40,9 +40,16 @@ MAX_EXPERTS = 1024
 def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1, scoring: str = "sigmoid",
                        has_bias: bool = True, renormalize: bool = True, scaling: float = 1.0,
                        dtype: str = "float32", threads: int = 128):
-    """One token per block: scores, grouped masking, top-k by repeated (max, lowest index) reductions."""
+    """One token per block: scores, grouped masking, top-k by repeated (max, lowest index) reductions.
+    The (groups, experts a group) tile is padded to powers of two (TileLang's cross-thread reductions are
+    butterflies): a padding slot scores 0 and is never picked."""
     E, G = num_experts, n_group
     GS = E // G
+    GP, GSP = _pow2_at_least(G), _pow2_at_least(GS)   # the tile: (GP, GSP) >= (G, GS)
+    padded = (GP, GSP) != (G, GS)
+
+    def real(g, e):
+        return T.And(g < G, e < GS) if padded else True
     sdt = tile.storage_dtype(dtype)
     tokens = T.dynamic("tokens")
     neg_inf = -T.infinity("float32")
@@ -52,7 +59,7 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
         """best[0] = max of vals; where[0] = the lowest flat index g * GS + e holding it."""
         tile.row_reduce(vals, g_best, "max", dim=1)
         tile.row_reduce(g_best, best, "max", dim=0)
-        for g, e in tile.parallel(G, GS):
+        for g, e in tile.parallel(GP, GSP):
             cand[g, e] = T.if_then_else(vals[g, e] == best[0], g * GS + e, E)
         tile.row_reduce(cand, g_cand, "min", dim=1)
         tile.row_reduce(g_cand, where, "min", dim=0)
@@ -66,72 +73,79 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
     ):
         with tile.grid(tokens, threads) as tok:
             with tile.vector():
-                score = tile.fragment((G, GS))      # unbiased scores
-                choice = tile.fragment((G, GS))     # what experts are picked by: score + bias, masked
-                cand = tile.fragment((G, GS), "int32")
-                g_best = tile.fragment((G,))
-                g_cand = tile.fragment((G,), "int32")
+                score = tile.fragment((GP, GSP))      # unbiased scores
+                choice = tile.fragment((GP, GSP))     # what experts are picked by: score + bias, masked
+                cand = tile.fragment((GP, GSP), "int32")
+                g_best = tile.fragment((GP,))
+                g_cand = tile.fragment((GP,), "int32")
                 best = tile.fragment((1,))
                 where = tile.fragment((1,), "int32")
                 total = tile.fragment((1,))
                 picked_id = T.alloc_local((top_k,), "int32")
                 picked_w = T.alloc_local((top_k,), "float32")
 
-                for g, e in tile.parallel(G, GS):
-                    score[g, e] = tile.to_f32(Logits[tok, g * GS + e], dtype)
+                for g, e in tile.parallel(GP, GSP):   # padding: -inf, which every scoring takes to 0
+                    if padded:
+                        score[g, e] = T.if_then_else(real(g, e), tile.to_f32(Logits[tok, g * GS + e], dtype), neg_inf)
+                    else:
+                        score[g, e] = tile.to_f32(Logits[tok, g * GS + e], dtype)
                 if scoring == "softmax":
                     tile.row_reduce(score, g_best, "max", dim=1)
                     tile.row_reduce(g_best, best, "max", dim=0)
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         score[g, e] = T.exp(score[g, e] - best[0])
                     tile.row_reduce(score, g_best, "sum", dim=1)
                     tile.row_reduce(g_best, total, "sum", dim=0)
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         score[g, e] = score[g, e] / total[0]
                 elif scoring == "sigmoid":
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         score[g, e] = 1.0 / (1.0 + T.exp(-score[g, e]))
                 else:  # sqrtsoftplus, in the form that does not overflow for large logits
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         x = score[g, e]
                         score[g, e] = T.sqrt(T.max(x, 0.0) + T.log(1.0 + T.exp(-T.max(x, -x))))
-                for g, e in tile.parallel(G, GS):
-                    choice[g, e] = score[g, e] + (Bias[g * GS + e] if has_bias else 0.0)
+                for g, e in tile.parallel(GP, GSP):
+                    if padded:
+                        choice[g, e] = T.if_then_else(real(g, e), score[g, e] + (Bias[g * GS + e] if has_bias else 0.0),
+                                                      neg_inf)
+                    else:
+                        choice[g, e] = score[g, e] + (Bias[g * GS + e] if has_bias else 0.0)
 
                 if G > 1:
                     # a group's score: its best plus its second best choice score (the second best is
                     # the max without the group's lowest-index best, so a tie counts twice)
-                    g_first_at = tile.fragment((G,), "int32")
-                    g_second = tile.fragment((G,))
-                    others = tile.fragment((G, GS))
-                    group_score = tile.fragment((G,))
-                    alive = tile.fragment((G,))
+                    g_first_at = tile.fragment((GP,), "int32")
+                    g_second = tile.fragment((GP,))
+                    others = tile.fragment((GP, GSP))
+                    group_score = tile.fragment((GP,))
+                    alive = tile.fragment((GP,))
                     tile.row_reduce(choice, g_best, "max", dim=1)
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         cand[g, e] = T.if_then_else(choice[g, e] == g_best[g], e, GS)
                     tile.row_reduce(cand, g_first_at, "min", dim=1)
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         others[g, e] = T.if_then_else(e == g_first_at[g], neg_inf, choice[g, e])
                     tile.row_reduce(others, g_second, "max", dim=1)
-                    for g in tile.parallel(G):
+                    for g in tile.parallel(GP):
                         group_score[g] = g_best[g] + g_second[g]
                         alive[g] = 0.0
                     for _ in tuple(range(topk_group)):  # unrolled while tracing
                         tile.row_reduce(group_score, best, "max", dim=0)
-                        for g in tile.parallel(G):
+                        for g in tile.parallel(GP):
                             g_cand[g] = T.if_then_else(group_score[g] == best[0], g, G)
                         tile.row_reduce(g_cand, where, "min", dim=0)
-                        for g in tile.parallel(G):
+                        for g in tile.parallel(GP):
                             alive[g] = T.if_then_else(g == where[0], 1.0, alive[g])
                             group_score[g] = T.if_then_else(g == where[0], neg_inf, group_score[g])
-                    for g, e in tile.parallel(G, GS):
+                    for g, e in tile.parallel(GP, GSP):
                         choice[g, e] = T.if_then_else(alive[g] > 0.5, choice[g, e], neg_inf)
 
-                gathered = tile.fragment((G, GS))
+                gathered = tile.fragment((GP, GSP))
                 for r in tuple(range(top_k)):  # unrolled while tracing
                     best_of(choice, g_best, best, cand, g_cand, where)
-                    for g, e in tile.parallel(G, GS):
-                        hit = g * GS + e == where[0]
+                    for g, e in tile.parallel(GP, GSP):
+                        hit = T.And(real(g, e), g * GS + e == where[0]) if padded else g * GS + e == where[0]
                         gathered[g, e] = T.if_then_else(hit, score[g, e], 0.0)
                         choice[g, e] = T.if_then_else(hit, neg_inf, choice[g, e])
                     tile.row_reduce(gathered, g_best, "sum", dim=1)
@@ -153,6 +167,10 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
 
 
 WARP = 32
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _halvings(lanes: int) -> tuple:

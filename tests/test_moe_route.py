@@ -134,6 +134,36 @@ def test_lowers_for_gpu_targets(target, marker):
     assert marker in moe_route_program.source(target, num_experts=64, top_k=6, n_group=8, topk_group=4)
 
 
+# counts that are not powers of two: the block program pads its (groups, experts a group) tile
+PADDED = [
+    dict(E=100, top_k=6, scoring="softmax"),                                          # 100 -> 128
+    dict(E=60, top_k=4, n_group=3, topk_group=2, scoring="sigmoid"),                  # 3 x 20 -> 4 x 32
+    dict(E=160, top_k=6, n_group=5, topk_group=3, scoring="sqrtsoftplus"),            # 5 x 32 -> 8 x 32
+]
+
+
+@pytest.mark.parametrize("kw", PADDED, ids=lambda kw: f"E{kw['E']}")
+def test_padded_tile_matches_reference_on_cpu(kw):
+    """The cpu target runs the block program: padding slots score 0 and are never picked."""
+    kw = dict(kw)
+    E = kw.pop("E")
+    assert not warp_path_fits(E, kw["top_k"], kw.get("n_group", 1))
+    g = torch.Generator().manual_seed(E)
+    logits = torch.randn(19, E, generator=g) * 2
+    bias = torch.randn(E, generator=g) * 0.1
+    w, ids = ops.moe_route(logits, bias=bias, **kw)
+    rw, rids = moe_route_reference(logits, bias=bias, **kw)
+    assert_same_routing(w, ids, rw, rids, logits, bias, **kw)
+    assert int(ids.max()) < E
+
+
+def test_padded_tile_lowers_for_sm_90a():
+    """TileLang's cross-thread reductions need power-of-two widths: 3 groups of 20 lowered before padding
+    as a layout error, 100 experts as a butterfly over 100 threads."""
+    src = moe_route_program.source("sm_90a", num_experts=60, top_k=4, n_group=3, topk_group=2)
+    assert "__global__" in src and "AllReduce" in src
+
+
 def test_deepseek_shapes_take_the_warp_path():
     assert warp_path_fits(256, 8, 8) and warp_path_fits(256, 8, 1)      # V3 grouping, ungrouped
     assert warp_path_fits(64, 6, 1) and warp_path_fits(512, 16, 16) and warp_path_fits(32, 3, 8)
@@ -220,6 +250,9 @@ def test_gpu_bf16_and_other_expert_counts():
     _gpu_check(77, 16, 4, n_group=4, topk_group=2, scoring="sigmoid")                   # block program
     _gpu_check(77, 256, 8, n_group=64, topk_group=8, scoring="sigmoid")                 # block program
     _gpu_check(9, 16, 4, n_group=4, topk_group=2, scoring="sigmoid", ties=True)
+    for kw in PADDED:                                                                   # block program, padded
+        kw = dict(kw)
+        _gpu_check(77, kw.pop("E"), kw.pop("top_k"), **kw)
 
 
 @pytest.mark.gpu
