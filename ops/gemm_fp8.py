@@ -856,7 +856,8 @@ THIN_STAGES = 16
 # on every shape, with one warpgroup or two)
 THIN_THREADS = 128
 # CUDA, the v3 loop, one split, no cluster fold: the epilogue stages the tile of C in shared memory (over
-# the A stages, free by then) and writes whole rows, 16 bytes a thread (fp8_gemm_program stage_c=True),
+# the operand stages, free by then; a plain padded layout, the rule's OWN_STAGE_LAYOUT) and writes whole
+# rows, 16 bytes a thread (fp8_gemm_program stage_c=True),
 # instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
 # spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
 STAGE_C = True

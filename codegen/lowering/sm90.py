@@ -489,9 +489,10 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
     # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
     # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
-    # epilogue_stage (shape, dtype): epilogue(stage) gets a shared tile laid over the A stages where
-    # it fits (every TMA write into them has been waited for and every WGMMA reading them has
-    # retired before the epilogue runs: the producer loads exactly `steps` blocks), its own otherwise.
+    # epilogue_stage (shape, dtype): epilogue(stage) gets a shared tile of its own layout that TileLang
+    # lays over the operand stages (OWN_STAGE_LAYOUT; every TMA write into them has been waited for and
+    # every WGMMA reading them has retired before the epilogue runs: the producer loads exactly `steps`
+    # blocks).
     # tiles (tile.Tiles): a persistent CTA's tiles, each its own steps, loads, staging copies and
     # epilogue, through one pipeline whose slots and phases carry on from tile to tile. side=(period,
     # region_of, ring): a small operand scale_of reads, loaded by the producer in chunks (_side_step)
@@ -518,9 +519,13 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # goes over tiles.spare (or is memory of its own); else over the A stages. Either way the MMA
     # threads meet first: the other warpgroup may still read the memory (its last WGMMA, its last
     # scale loads)
-    over = (_roomiest(a_s, b_s, *epilogue_stage) if epilogue_stage is not None else a_s) if tiles is None \
-        else (None if tiles.early else tiles.spare)
-    c_stage = None if epilogue_stage is None else overlaid(over, *epilogue_stage)
+    if epilogue_stage is None:
+        c_stage = None
+    elif tiles is None and OWN_STAGE_LAYOUT:
+        c_stage = merged_after_loop(*epilogue_stage)
+    else:
+        over = _roomiest(a_s, b_s, *epilogue_stage) if tiles is None else (None if tiles.early else tiles.spare)
+        c_stage = overlaid(over, *epilogue_stage)
     full_count, empty_count = _arrivals(consumers, share_a)   # TMA adds the bytes to full
     full = T.alloc_barrier([full_count] * stages)
     if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
@@ -565,6 +570,24 @@ def _roomiest(a_s, b_s, shape, dtype):
     """The operand stages a staged epilogue tile goes over: A's where it fits (B's are free as well,
     but A's were always chosen), else B's (a 128 x 256 tile's C is more than three A stages)."""
     return a_s if _bytes(shape, dtype) <= _bytes(a_s.shape, a_s.dtype) else b_s
+
+
+# One tile a CTA: the epilogue's staging tile is a shared buffer of its own that TileLang's aggressive
+# shared-memory merge lays over the operand stages (their last use is the K loop), instead of a T.view
+# of a stage buffer. A view takes the stage's 128B swizzle, and every staged element then paid ~30
+# integer instructions of swizzled address (the prefill's prologue and epilogue: 2263 SASS instructions a
+# warp, ~975 without; kernel times -1.6% prefill, -4.4% masked 1 x 1024, up to -7% decode: bench/NOTES.md
+# "Session 29")
+OWN_STAGE_LAYOUT = True
+
+
+def merged_after_loop(shape, dtype):
+    """A shared tile of its own, plain row-major, whose memory TileLang may share with buffers that are
+    dead by its first use (tl.enable_aggressive_shared_memory_merge: liveness in program order). Only for
+    a tile first used after the K loop of a one-tile-a-CTA kernel: the producer's last TMA write has been
+    waited for and the last WGMMA retired by then (a persistent CTA's next tile is already loading)."""
+    require_pass_configs({"tl.enable_aggressive_shared_memory_merge": True})
+    return T.alloc_shared(shape, dtype)
 
 
 def overlaid(buf, shape, dtype):
