@@ -40,6 +40,12 @@ def aligned(name: str, t: torch.Tensor, nbytes: int, why: str) -> torch.Tensor:
     return t
 
 
+def aligned_copy(t: torch.Tensor, nbytes: int = 16) -> torch.Tensor:
+    """t where it starts nbytes-aligned, else a copy of it (a fresh allocation is): for small inputs a
+    kernel reads in 16-byte pieces, where a view at an odd storage offset is cheaper copied than refused."""
+    return t if t.data_ptr() % nbytes == 0 else t.clone()
+
+
 def same_device(**tensors: torch.Tensor) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

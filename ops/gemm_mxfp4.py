@@ -1095,8 +1095,7 @@ def _scale_words(sfb):
 def _tma_scale_words(sfb):
     """_scale_words for the swapped kernels, which load them by TMA: a view that does not start
     16-byte aligned is copied (the copy is)."""
-    words = _scale_words(sfb)
-    return words if words.data_ptr() % 16 == 0 else words.clone()
+    return check.aligned_copy(_scale_words(sfb))
 
 
 def _launch(a, b, sfb, out, **override):

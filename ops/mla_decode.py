@@ -740,8 +740,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
     main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
-    if q.data_ptr() % 16:               # (read 16 bytes a thread: a view that does not start aligned is copied)
-        q = q.clone()
+    q = check.aligned_copy(q)           # (read 16 bytes a thread: a view that does not start aligned is copied)
     if kv_format == "fp8":
         kv = kv.view(torch.float8_e4m3fn)
     # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)

@@ -425,7 +425,7 @@ def _moe_route_impl(logits, bias, top_k, scoring, n_group, topk_group, renormali
     b = bias.float().contiguous() if bias is not None else torch.zeros(E, dtype=torch.float32, device=logits.device)
     # (both read up to 16 bytes a thread: a view that does not start 16-byte aligned is copied, a row
     # of logits and the bias are E values)
-    logits, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (logits, b))
+    logits, b = check.aligned_copy(logits), check.aligned_copy(b)
     launch(logits, b, weights, ids)
     return weights, ids
 

@@ -93,8 +93,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     dtype = DTYPES[x.dtype]
     launch = jit.launchers(("rmsnorm", target.name, hidden, dtype, float(eps)), lambda: (
         rmsnorm_program.compile(target, hidden=hidden, dtype=dtype, eps=float(eps)).launcher()))
-    if weight.data_ptr() % 16:          # (read 16 bytes a thread; hidden elements: copied)
-        weight = weight.clone()
+    weight = check.aligned_copy(weight)  # (read 16 bytes a thread; hidden elements: copied)
     launch(x.view(rows, hidden), weight, out.view(rows, hidden))
     return out
 
