@@ -712,6 +712,9 @@ def moe_combine(y, mapping, weights):
     with group=), y is this rank's local layout, weights are for this rank's T tokens, and every
     rank of the group must call: rows go back to their tokens' ranks, and the sum is bitwise the
     single-device one. y must have the same dtype and width on every rank (rows cross as raw bytes).
+    Unlike moe_dispatch (whose header exchange carries every rank's argument errors to all), a rank
+    whose arguments fail these checks raises before the exchange, and the other ranks then wait in it,
+    as with any collective that some ranks do not call.
     """
     if not isinstance(mapping, MoeMapping):
         raise TypeError(f"mapping must be the MoeMapping returned by moe_dispatch, got {type(mapping).__name__}")
