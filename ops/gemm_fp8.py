@@ -636,23 +636,17 @@ def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, cols):
         base[0] = row0 + first
         base[1] = (tn * block_n + col0) // 8
         base[2] = g if mode == "masked" else 0
-        with tile.vector():
-            for i, j in tile.parallel(mine, cols):
-                r = base[0] + i
-                if r < (limit if mode == "sorted" else height):
-                    if mode == "masked":
-                        C[base[2], r, base[1] * 8 + j] = c_s[(first + i) * width + j]
-                    else:
-                        C[r, base[1] * 8 + j] = c_s[(first + i) * width + j]
+        top, group, column = base[0], base[2], (lambda jj: base[1] * 8 + jj)
     else:
-        with tile.vector():
-            for i, j in tile.parallel(mine, cols):
-                r = row0 + first + i
-                if r < (limit if mode == "sorted" else height):
-                    if mode == "masked":
-                        C[g, r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
-                    else:
-                        C[r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
+        top, group, column = row0 + first, g, (lambda jj: tn * block_n + col0 + jj)
+    with tile.vector():
+        for i, j in tile.parallel(mine, cols):
+            r = top + i
+            if r < (limit if mode == "sorted" else height):
+                if mode == "masked":
+                    C[group, r, column(j)] = c_s[(first + i) * width + j]
+                else:
+                    C[r, column(j)] = c_s[(first + i) * width + j]
 
 
 def _column_parts(acc):
