@@ -50,6 +50,10 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
 
     def real(g, e):
         return T.And(g < G, e < GS) if padded else True
+
+    def or_at_padding(g, e, value, fill):
+        """value at a real slot, fill at a padding slot (no select where nothing is padded)"""
+        return T.if_then_else(real(g, e), value, fill) if padded else value
     sdt = tile.storage_dtype(dtype)
     tokens = T.dynamic("tokens")
     neg_inf = -T.infinity("float32")
@@ -85,10 +89,7 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
                 picked_w = T.alloc_local((top_k,), "float32")
 
                 for g, e in tile.parallel(GP, GSP):   # padding: -inf, which every scoring takes to 0
-                    if padded:
-                        score[g, e] = T.if_then_else(real(g, e), tile.to_f32(Logits[tok, g * GS + e], dtype), neg_inf)
-                    else:
-                        score[g, e] = tile.to_f32(Logits[tok, g * GS + e], dtype)
+                    score[g, e] = or_at_padding(g, e, tile.to_f32(Logits[tok, g * GS + e], dtype), neg_inf)
                 if scoring == "softmax":
                     tile.row_reduce(score, g_best, "max", dim=1)
                     tile.row_reduce(g_best, best, "max", dim=0)
@@ -106,11 +107,7 @@ def moe_route_program(num_experts: int, top_k: int, n_group: int = 1, topk_group
                         x = score[g, e]
                         score[g, e] = T.sqrt(T.max(x, 0.0) + T.log(1.0 + T.exp(-T.max(x, -x))))
                 for g, e in tile.parallel(GP, GSP):
-                    if padded:
-                        choice[g, e] = T.if_then_else(real(g, e), score[g, e] + (Bias[g * GS + e] if has_bias else 0.0),
-                                                      neg_inf)
-                    else:
-                        choice[g, e] = score[g, e] + (Bias[g * GS + e] if has_bias else 0.0)
+                    choice[g, e] = or_at_padding(g, e, score[g, e] + (Bias[g * GS + e] if has_bias else 0.0), neg_inf)
 
                 if G > 1:
                     # a group's score: its best plus its second best choice score (the second best is
