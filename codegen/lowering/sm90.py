@@ -156,10 +156,11 @@ def _arrivals(consumers, share_a):
 @T.macro
 def _retire_fold(empty, acc, part, scale, scale_of, blk, stages, regs, pending, ahead, steps, share_a, base):
     # wait until `pending` MMA groups are left (block blk's is done), free its stage, fold it in with
-    # the scale whose factors were loaded a block ago; load the next block's factors meanwhile
+    # the scale whose factors were loaded a block ago; load the next block's factors meanwhile (steps
+    # None: block blk + 1 is one of the loop's, else its index is clamped to the last one)
     T.wait_wgmma(pending)
     _scale_from(scale, ahead)
-    _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
+    _prefetch(ahead, scale_of, _ahead_block(blk, steps))
     _release(empty, (base + blk) % stages, share_a)     # (the last blocks' arrivals are never waited for)
     T.warpgroup_fence_operand(part, 0, num_regs=regs)
     _fold(acc, part, scale)
@@ -172,7 +173,7 @@ def _burst(first, count, io):
     first + j - 1 is waited for (wgmma wait 1), so every fold but the burst's last runs under the
     next block's MMA. Unrolled while tracing: each partial has one fixed role, no join or phi."""
     (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
-     base) = io
+     base, every) = io
     if isinstance(acc, tuple):
         _burst_columns(first, count, io)
         return
@@ -180,8 +181,8 @@ def _burst(first, count, io):
     _issue(a_s, b_s, full, ping, base + first, stages, policy)
     for j in range(1, count):
         _issue(a_s, b_s, full, parts[j % 2], base + first + j, stages, policy)
-        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead, steps,
-                     share_a, base)
+        _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead,
+                     steps if every else None, share_a, base)
         if j == 1:
             _mark_first(first, mark)
     _retire_fold(empty, acc, parts[(count - 1) % 2], scale, scale_of, first + count - 1, stages, regs, 0, ahead, steps,
@@ -207,7 +208,7 @@ def _burst_columns(first, count, io):
     while this one folds. Per element the same products in the same fold order as the 128-wide
     tiles: the same bits."""
     (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a, mark,
-     base) = io
+     base, every) = io
     width = b_s.shape[1] // len(acc)
     for j in range(count):
         blk = first + j
@@ -219,12 +220,19 @@ def _burst_columns(first, count, io):
             emit(T.wait_wgmma(0))
             _scale_from(scale, pass_factors(ahead, len(acc), p))       # (ahead: a register copy a factor)
             if p == len(acc) - 1:
-                _prefetch(ahead, scale_of, T.min(blk + 1, steps - 1))
+                _prefetch(ahead, scale_of, _ahead_block(blk, steps if every or j == count - 1 else None))
                 _release(empty, at % stages, share_a)
             emit(T.warpgroup_fence_operand(ping, 0, num_regs=regs))
             _fold(acc_p, ping, scale)
         if j == 0:
             _mark_first(first, mark)
+
+
+def _ahead_block(blk, steps):
+    # the block whose scale factors are loaded at block blk's fold. Past the loop's last block they are
+    # never used, but the index must stay inside the staged scales; only a burst's last fold can get
+    # there (blocks first .. first + count - 1 are all the loop's)
+    return blk + 1 if steps is None else T.min(blk + 1, steps - 1)
 
 
 def _burst_size(acc):
@@ -363,7 +371,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
                 T.mbarrier_wait_parity(full[0], 0)      # block 0's factors come with its tiles
             _prefetch(ahead, scale_of, 0)
         io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a,
-              mark, 0)
+              mark, 0, not CLAMP_LAST_ONLY or side is not None)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
         # those of the v2 loop.
@@ -448,7 +456,8 @@ def _consume_tile(t, tiles, loop, c_stage, base, steps, consumers):
     emit(T.sync_threads(PROLOGUE_BAR, consumers))   # everyone's copies landed; the last epilogue is done
     _clear_all(acc)
     _first_factors(steps, ahead, scale_of)
-    io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base)
+    io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, 1, None, base,
+          not CLAMP_LAST_ONLY)
     in_bursts(steps, _burst, io, _burst_size(acc))
     emit(T.sync_threads(PROLOGUE_BAR, consumers))   # every fold is done with the staging (and the A stages)
     epilogue = epilogue_call(work["epilogue"], c_stage)
@@ -579,6 +588,15 @@ def _roomiest(a_s, b_s, shape, dtype):
 # warp, ~975 without; kernel times -1.6% prefill, -4.4% masked 1 x 1024, up to -7% decode: bench/NOTES.md
 # "Session 29")
 OWN_STAGE_LAYOUT = True
+# the scale loads a block ahead clamp their block index to steps - 1 at a burst's last fold only: the
+# others load blocks of the burst. Written at every fold, the clamp's `steps` (an expression of the block
+# index: the masked layout's divides by the runtime tile count, partly in 64 bits) was recomputed
+# at each: masked 128 x 256's 4-block burst 381 -> 332 SASS instructions, thin 64 x 64 221 -> 201.
+# H200 kernel times, bitwise: masked 1x1024x4096x7168 48.75 -> 48.2 us, decode shapes 0-1.3% faster.
+# Not with the sfa ring (side=): the prefill's loop then spilled a register and ran 0.9% slower
+# (717.5 -> 724 us). Binding steps to a register, or clamping to a static last block, made ptxas spill
+# in the masked loop at the 168-register cap (bench/NOTES.md "Session 30")
+CLAMP_LAST_ONLY = True
 
 
 def merged_after_loop(shape, dtype):
