@@ -627,26 +627,14 @@ def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, cols):
     # columns [col0, col0 + cols) of the tile, staged from column 0 of c_s's rows
     C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
     tile.barrier(threads=threads)
-    if STAGED_ROW_BASES:
-        # the tile's first row, first column / 8 and group, once: written into the index, the tile's
-        # coordinates were divided out of the block index again for every row, in 64 bits (~25
-        # instructions a row in the prefill's SASS). Columns in units of 8 keep the 16-byte stores
-        # provably aligned
-        base = T.alloc_local((3,), "int32")
-        base[0] = row0 + first
-        base[1] = (tn * block_n + col0) // 8
-        base[2] = g if mode == "masked" else 0
-        top, group, column = base[0], base[2], (lambda jj: base[1] * 8 + jj)
-    else:
-        top, group, column = row0 + first, g, (lambda jj: tn * block_n + col0 + jj)
     with tile.vector():
         for i, j in tile.parallel(mine, cols):
-            r = top + i
+            r = row0 + first + i
             if r < (limit if mode == "sorted" else height):
                 if mode == "masked":
-                    C[group, r, column(j)] = c_s[(first + i) * width + j]
+                    C[g, r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
                 else:
-                    C[r, column(j)] = c_s[(first + i) * width + j]
+                    C[r, tn * block_n + col0 + j] = c_s[(first + i) * width + j]
 
 
 def _column_parts(acc):
@@ -873,12 +861,6 @@ THIN_THREADS = 128
 # instead of 4-byte pieces of 8 rows a warp from the accumulator layout: the trace of 128x24576x1536
 # spent 5296 of a 128 x 128 tile's ~22.4K cycles storing C that way (bench/NOTES.md "Session 24")
 STAGE_C = True
-# ... and its copy out of shared memory takes the tile's row, column and group from registers set once,
-# not from index expressions of the block index (64-bit divisions on every row in the SASS: prefill
-# 2192 -> 1736 instructions). Off: bitwise the same, but the copy-out is bound by its stores, not that
-# arithmetic (H200 kernel times: prefill -0.5%, masked 1 x 1024 -1.4%, 128x7168x2048 +1.2%, the rest
-# within 1%; bench/NOTES.md "Session 30")
-STAGED_ROW_BASES = False
 # sm_90a, staged C (STAGE_C), one split, not the sorted layout, more tiles than SMs but at most
 # PERSISTENT_WAVES waves of them: min(tiles, SMs) persistent CTAs run their tiles back to back
 # (fp8_gemm_program persistent=True), a tile's first loads going out under the last tile's folds and
@@ -1129,7 +1111,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, STAGED_ROW_BASES, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST,
            CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)

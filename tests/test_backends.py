@@ -77,3 +77,41 @@ def test_sass_histogram_parser():
         /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
     """
     assert histogram(sass) == {"HGMMA": 2, "LDG": 1, "UTMALDG": 1}
+
+
+SETMAXNREG_PROBE = r"""
+extern "C" __global__ void __launch_bounds__(384, 1) probe(const float* __restrict__ in, float* __restrict__ out,
+                                                           int n) {
+  if (threadIdx.x >= 256) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 256) out[0] = 1.f;
+  } else {
+    INC
+    float v[200];
+#pragma unroll
+    for (int i = 0; i < 200; ++i) v[i] = in[threadIdx.x + i * 256];
+    for (int it = 0; it < n; ++it) {
+#pragma unroll
+      for (int i = 0; i < 200; ++i) v[i] = v[i] * v[(i + 1) % 200] + 1.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 200; ++i) out[threadIdx.x + i * 256] = v[i];
+  }
+}
+"""
+
+
+def test_ptxas_allocates_the_setmaxnreg_count_in_the_code_it_dominates():
+    """The sm_90a rules launch 384 threads (168 registers a thread at launch) and raise the MMA
+    warpgroups to 240 with setmaxnreg.inc (the producer gives its registers up with .dec). ptxas
+    allocates up to the raised count in the code that instruction dominates: 200 live fp32 values a
+    thread spill without it and fit with it, while the kernel still reports the launch's 168."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    def spills(inc):
+        s = sass_stats(build_cubin(SETMAXNREG_PROBE.replace("INC", inc), "sm_90a"), "sm_90a")
+        return s.registers, s.spill_stores + s.spill_loads
+
+    assert spills('asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\\n");') == (168, 0)
+    registers, spilled = spills("")
+    assert registers == 168 and spilled > 0

@@ -376,18 +376,6 @@ def test_block_ahead_scale_loads_clamp_at_a_bursts_last_fold_only():
     assert sm90.CLAMP_LAST_ONLY and sfb == {"1": "", "2": "", "3": "", "4": "min("}, sfb
 
 
-def test_staged_row_bases_take_the_tile_coordinates_from_registers(monkeypatch):
-    """STAGED_ROW_BASES: the staged tile's copy-out indexes C from the tile's row and column set once, so
-    no row's store divides the block index again (64-bit, ~25 SASS instructions a row); still 16 bytes a
-    thread."""
-    from ops import gemm_fp8
-
-    params = dict(n=7168, k=1024, block_n=256, overlap=True, stage_c=True, stages=3)
-    monkeypatch.setattr(gemm_fp8, "STAGED_ROW_BASES", True)
-    stores = re.findall(r"\*\(uint4\*\)\(C \+ (.*)\) = ", fp8_gemm_program.source("sm_90a", **params))
-    assert stores and all("base[" in s and "blockIdx" not in s for s in stores), stores
-
-
 def test_persistent_plans_and_refusals():
     """A persistent plan keeps the staged C over the staged sfa where its next scales are copied after the
     epilogue (prefill keeps its 4 stages), else gives up what the tile needs; the program refuses
@@ -957,23 +945,20 @@ def _three_experts(g):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["STAGE_C", "STAGED_ROW_BASES"])
 @pytest.mark.parametrize("case", ["dense-128", "dense-64", "thin", "contiguous", "masked", "sorted", "fp32"])
-def test_gpu_staged_c_matches_register_store(monkeypatch, case, flag):
+def test_gpu_staged_c_matches_register_store(monkeypatch, case):
     """The staged epilogue (STAGE_C, the default) writes the bits the register store wrote, to the same
     elements: padding rows of the contiguous layout as zeros, unlisted rows of the sorted one untouched
-    (NaN-filled outs), masked rows past their count as zeros, tails past m not at all. The same for its
-    copy-out with the tile's coordinates in registers (STAGED_ROW_BASES) against the index expressions."""
+    (NaN-filled outs), masked rows past their count as zeros, tails past m not at all."""
     from ops import gemm_fp8
 
     g = torch.Generator().manual_seed(len(case))
     out_dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    monkeypatch.setattr(gemm_fp8, "STAGE_C", True)
 
     def both(call):
         outs = []
-        for on in (False, True):
-            monkeypatch.setattr(gemm_fp8, flag, on)
+        for staged in (False, True):
+            monkeypatch.setattr(gemm_fp8, "STAGE_C", staged)
             outs.append(call().cpu())
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
         return outs[1]
