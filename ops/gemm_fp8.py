@@ -125,8 +125,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert mode in MODES, mode
     assert k % GROUP == 0 and n % block_n == 0 and block_m in (64, 128)
     columns = column_passes(block_n)
-    if block_n % GROUP if columns > 1 else GROUP % block_n:
-        raise ValueError(f"block_n must divide {GROUP} or be a multiple of it, got {block_n}")
+    if (block_n % GROUP and block_n != 192) if columns > 1 else GROUP % block_n:
+        raise ValueError(f"block_n must divide {GROUP}, be a multiple of it or be 192, got {block_n}")
     if columns > 1 and (not stage_c or out_dtype != "bfloat16"):
         # (stage_c: the v3 loop, one split, no cluster; its bf16 tile of C fits over 3 B stages, fp32's would not)
         raise ValueError(f"block_n={block_n} (column passes) runs in the v3 loop's one-split tiles with the staged "
@@ -145,6 +145,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if cluster_smem and (not cluster or splits != 2):
         raise ValueError(f"cluster_smem=True exchanges the partials of a cluster of 2 splits: it needs cluster=True "
                          f"and splits=2, got cluster={cluster}, splits={splits}")
+    if persistent and block_n == 192:
+        raise ValueError("block_n=192 runs one tile a CTA (its column passes' rows of sfb are not one slice of "
+                         "SFB, which a persistent CTA copies by cp.async): persistent=False")
     if persistent and (not overlap or splits > 1 or cluster or multicast or trace or fold or not stage_c
                        or mode == "sorted"):
         raise ValueError(f"persistent=True runs the v3 loop's one-split tiles back to back: it needs overlap=True, "
@@ -412,9 +415,9 @@ def early_scales(block_m: int, block_n: int, kb: int, out_bytes: int) -> bool:
 
 
 def staged_columns(block_n: int) -> int:
-    """Columns of C a persistent CTA stages at once: the tile's, or one column pass's 128 (the staged C
-    of a 128 x 256 tile would not fit beside the stages being refilled)."""
-    return min(block_n, GROUP)
+    """Columns of C a persistent CTA stages at once: the tile's, or one column pass's (the staged C of a
+    128 x 256 tile would not fit beside the stages being refilled)."""
+    return pass_width(block_n) if block_n > GROUP else block_n
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -446,18 +449,34 @@ def _grid(blocks, threads, cluster):
 
 
 def column_passes(block_n: int) -> int:
-    """MMA passes a K block of a tile takes: one per 128 columns of a wide tile (block_n > 128), else 1."""
-    return block_n // GROUP if block_n > GROUP else 1
+    """MMA passes a K block of a tile takes: one per pass_width columns of a wide tile (block_n > 128),
+    else 1."""
+    return block_n // pass_width(block_n) if block_n > GROUP else 1
+
+
+def pass_width(block_n: int) -> int:
+    """Columns of a wide tile's column pass: 128, one block of sfb, where the tile is a multiple of 128;
+    64 for a 192-wide tile (an odd tile starts 64 columns into a block of sfb, so a pass of 64 still lies
+    inside one block whichever tile it is)."""
+    return GROUP if block_n % GROUP == 0 else GROUP // 2
 
 
 def _accumulators(block_m, block_n, mine):
     """(the MMA's partial, the promoted accumulator): (block_m, block_n) and (mine, block_n) fragments, or
-    for column passes a (block_m, 128) partial and one (mine, 128) accumulator a pass (a tuple)."""
+    for column passes a (block_m, w) partial and one (mine, w) accumulator a pass (a tuple; w = pass_width)."""
     columns = column_passes(block_n)
-    part = tile.accumulator((block_m, min(block_n, GROUP)))
+    width = pass_width(block_n) if columns > 1 else block_n
+    part = tile.accumulator((block_m, width))
     if columns == 1:
         return part, tile.fragment((mine, block_n))
-    return part, tuple(tile.fragment((mine, GROUP)) for _ in range(columns))
+    return part, tuple(tile.fragment((mine, width)) for _ in range(columns))
+
+
+def _sfb_row(tn, block_n, c):
+    # the row of sfb (128-row block of B) of column pass c of n tile tn
+    if block_n % GROUP == 0:
+        return tn * (block_n // GROUP) + c
+    return (tn * block_n + c * pass_width(block_n)) // GROUP
 
 
 def _sfb_shape(columns: int, kb: int) -> tuple:
@@ -496,8 +515,8 @@ def _scales_into(scales, mine, per, sfa_dst, sfb_dst):
     SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
         if block_n > GROUP:                                  # column passes: one row of sfb each
-            for c, kk in tile.parallel(block_n // GROUP, kb):
-                sfb_dst[c, kk] = SFB[g, tn * (block_n // GROUP) + c, kk]
+            for c, kk in tile.parallel(column_passes(block_n), kb):
+                sfb_dst[c, kk] = SFB[g, _sfb_row(tn, block_n, c), kk]
         else:
             for kk in tile.parallel(kb):
                 sfb_dst[kk] = SFB[g, (tn * block_n) // GROUP, kk]
@@ -516,7 +535,7 @@ def _finish_scales(scales, mine, per):
     SFA, SFB, sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first, height, k0, kb, tn, block_n = scales
     with tile.vector():
         if block_n > GROUP:
-            for c, kk in tile.parallel(block_n // GROUP, kb):
+            for c, kk in tile.parallel(column_passes(block_n), kb):
                 sfb_s[c, kk] = sfb_r[c, kk]
         else:
             for kk in tile.parallel(kb):
@@ -607,12 +626,13 @@ def _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, mark
     one pass's columns; each pass is staged and copied out in turn, the threads meeting between."""
     parts = _column_parts(acc)
     if by_pass and len(parts) > 1:
-        width = GROUP + C_PAD
+        cols = parts[0][1].shape[1]
+        width = cols + C_PAD
         for p, (col0, part_acc) in enumerate(parts):
             if p > 0:
                 tile.emit(tile.barrier(threads=threads))   # every read of the last pass's rows is done
             _stage_rows(part_acc, c_s, where, mine, mode, out_dtype, width, 0)
-            _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, GROUP)
+            _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, cols)
     else:
         width = block_n + C_PAD                            # c_s: (block_m, width) row-major, flat
         for col0, part_acc in parts:
@@ -640,7 +660,7 @@ def _copy_rows_out(c_s, where, mine, mode, block_n, width, threads, col0, cols):
 def _column_parts(acc):
     # (first column, fragment) of each column pass's accumulator, or of the one accumulator
     if isinstance(acc, tuple):
-        return [(p * GROUP, a) for p, a in enumerate(acc)]
+        return [(p * a.shape[1], a) for p, a in enumerate(acc)]
     return [(0, acc)]
 
 
@@ -878,6 +898,11 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
+# sm_90a, the v3 loop, one split: 128 x 192 tiles (three column passes of 64, fp8_gemm_program block_n=192)
+# where they make one wave and 128 x 128 tiles more than one (widened): DeepGEMM's plan for
+# 128x24576x1536 (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time: bench/NOTES.md
+# "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
+TILES_192 = False
 # ... and where one wave of 128 x 256 tiles replaces two of 128 x 128 at long K: masked 1x1024x4096x7168
 # 62.5 -> 51.5 us, 2x512 62.8 -> 52.4 (profiler, H200); at k = 1536 it lost (128x24576x1536 19.1 -> 19.9)
 WIDE_ONE_WAVE_K = 4096
@@ -988,7 +1013,9 @@ def _fit_exchange(p: dict, k: int) -> dict:
 
 
 def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
-    """WIDE_TILES (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 256
+    """TILES_192 (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 192
+    tiles where those make one wave and the 128-wide ones more (the dense layout, n a multiple of 192, bf16
+    out, no multicast; at least 3 stages in WIDE_SMEM). Otherwise WIDE_TILES: 128 x 256
     tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
     wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
     WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B
@@ -996,6 +1023,15 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     tiles pair up. Where sfa staged whole costs a stage, the producer loads it in chunks instead
     ("sfa_ring": SFA_RING; TMA needs 16-byte rows: k a multiple of 512; _run copies an sfa view that
     does not start 16-byte aligned)."""
+    narrow, thirds = (-(-rows // 128) * (n // w) * groups for w in (128, 192))
+    if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
+            and not p.get("multicast") and n % 192 == 0 and mode == "dense" and out_bytes == 2
+            and thirds <= sms < narrow):
+        kb = k // GROUP
+        stages = min(OVERLAP_STAGES, (WIDE_SMEM - (column_passes(192) + p["block_m"]) * kb * 4)
+                     // ((p["block_m"] + 192) * GROUP))
+        if stages >= 3:
+            return {**p, "block_n": 192, "stages": stages}
     wide = -(-rows // 128) * (n // 256) * groups
     one_wave = sms // 2 < wide <= sms < 2 * wide and k >= WIDE_ONE_WAVE_K
     if not (WIDE_TILES and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
@@ -1111,7 +1147,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
-           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, WIDE_PERSISTENT, RASTER, MULTICAST,
+           STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
            CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)

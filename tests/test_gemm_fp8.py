@@ -376,6 +376,36 @@ def test_block_ahead_scale_loads_clamp_at_a_bursts_last_fold_only():
     assert sm90.CLAMP_LAST_ONLY and sfb == {"1": "", "2": "", "3": "", "4": "min("}, sfb
 
 
+def test_192_wide_tiles_plan_and_lowering(monkeypatch):
+    """TILES_192: where 128 x 128 tiles make more than one wave and 128 x 192 tiles one (128x24576x1536:
+    192 -> 128 tiles), the wide plan takes 192-wide tiles, one tile a CTA; each K block's MMA is three
+    column passes of 64 (QGMMA 64x64x32), each promoted with the sfb row of its own columns (an odd tile
+    starts 64 columns into a block of sfb). Elsewhere the plans stay; persistent CTAs are refused."""
+    from ops import gemm_fp8
+    from ops.gemm_fp8 import _sfb_row, column_passes, pass_width, plan, widened
+
+    monkeypatch.setattr(gemm_fp8, "TILES_192", True)
+
+    def wide(mode, m, n, k):                      # (block_m as fp8_gemm_nt picks it)
+        return widened(plan(mode, m, n, k, 64 if m <= 64 else 128), mode, m, n, k, 1, 132, 2)
+
+    assert wide("dense", 128, 24576, 1536) == dict(block_m=128, block_n=192, splits=1, stages=5, overlap=True)
+    for shape in ((256, 24576, 1536), (128, 7168, 16384), (64, 24576, 1536), (4096, 7168, 16384)):
+        assert wide("dense", *shape)["block_n"] != 192, shape
+    monkeypatch.setattr(gemm_fp8, "TILES_192", False)
+    assert wide("dense", 128, 24576, 1536)["block_n"] == 128
+    assert (column_passes(192), pass_width(192), column_passes(256), pass_width(256)) == (3, 64, 2, 128)
+    assert [[_sfb_row(tn, 192, c) for c in range(3)] for tn in range(4)] == [[0, 0, 1], [1, 2, 2], [3, 3, 4],
+                                                                            [4, 5, 5]]
+    src = lowered(fp8_gemm_program, "sm_90a", n=576, k=1024, block_n=192, overlap=True, stage_c=True, stages=4)
+    offsets = re.findall(r"increase_descriptor_offset<int>\(desc_b\w*, .*?\* 24576\)(?: \+ (\d+))?\)", src)
+    assert set(offsets) == {"", "8192", "16384"}                               # B's stage in three slices
+    loop = _innermost_mma_loop(_tma_wgmma_sass(src, "QGMMA"))
+    assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {"QGMMA.64x64x32.F32.E4M3.E4M3"}
+    with pytest.raises(ValueError, match="block_n=192"):
+        fp8_gemm_program.source("sm_90a", n=576, k=1024, block_n=192, overlap=True, stage_c=True, persistent=True)
+
+
 def test_persistent_plans_and_refusals():
     """A persistent plan keeps the staged C over the staged sfa where its next scales are copied after the
     epilogue (prefill keeps its 4 stages), else gives up what the tile needs; the program refuses
@@ -738,9 +768,9 @@ def test_wide_tiles_plan_column_passes_and_sfa_ring(monkeypatch):
     waits = [t.split()[-1] for t in loop if t.startswith("WARPGROUP.DEPBAR")]
     assert {t.split()[0] for t in loop if t.startswith("QGMMA")} == {"QGMMA.64x128x32.F32.E4M3.E4M3"}
     assert waits == ["0x0"] * len(waits) and len(waits) >= 4
-    for bad in (dict(stage_c=False), dict(stage_c=True, out_dtype="float32"), dict(stage_c=True, block_n=192)):
+    for bad in (dict(stage_c=False), dict(stage_c=True, out_dtype="float32"), dict(stage_c=True, block_n=320, n=1280)):
         with pytest.raises(ValueError, match="block_n"):
-            fp8_gemm_program.source("sm_90a", n=768, k=1024, overlap=True, **dict(dict(block_n=256), **bad))
+            fp8_gemm_program.source("sm_90a", k=1024, overlap=True, **dict(dict(block_n=256, n=768), **bad))
     for bad in (dict(splits=2), dict(mode="sorted", block_m=64), dict(persistent=True, stage_c=True)):
         with pytest.raises(ValueError, match="raster"):
             fp8_gemm_program.source("sm_90a", n=768, k=1024, overlap=True, raster=8, **bad)
@@ -1067,6 +1097,37 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
     else:
         call, check = _grouped_case(case.split("-")[0], g)
         wide = check(run(call, **dict(dict(block_n=256, stages=3), **_wide_grid(case))))
+    narrow = run(call, block_n=128, persistent=False)
+    torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "dense-short", "128x24576x1536"])
+def test_gpu_192_wide_tiles_match_128_wide(monkeypatch, case):
+    """128 x 192 tiles (three column passes of 64, TILES_192) give the bits of 128 x 128 tiles, to the same
+    elements: even and odd n tiles (an odd one starts 64 columns into a block of sfb), row tails, K block
+    counts that leave burst tails; and the op's own plan takes them at 128x24576x1536."""
+    from ops import gemm_fp8
+
+    run = functools.partial(_forced, monkeypatch)
+    g = torch.Generator().manual_seed(len(case))
+    m, n, k = {"dense": (1000, 768, 1664), "dense-short": (129, 1152, 1792), "128x24576x1536": (128, 24576, 1536)}[case]
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
+    if case == "128x24576x1536":
+        plans = []
+        compile_ = gemm_fp8.fp8_gemm_program.compile
+        monkeypatch.setattr(gemm_fp8, "TILES_192", True)
+        monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", lambda *a, **p: plans.append(p) or compile_(*a, **p))
+        wide = call().cpu()
+        assert [(p["block_n"], p["persistent"]) for p in plans] == [(192, False)]
+        monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", compile_)
+    else:
+        wide = run(call, block_n=192, stages=4, persistent=False)
+    assert calc_diff(wide, ref) < 1e-3
+    assert_elementwise(wide, ref)
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
 
