@@ -898,10 +898,10 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
-# sm_90a, the v3 loop, one split: 128 x 192 tiles (three column passes of 64, fp8_gemm_program block_n=192)
-# where they make one wave and 128 x 128 tiles more than one (widened): DeepGEMM's plan for
-# 128x24576x1536 (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time: bench/NOTES.md
-# "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
+# sm_90a, the v3 loop, one split: 192-wide tiles (three column passes of 64, fp8_gemm_program block_n=192)
+# where they make one wave and 128-wide tiles more than one (widened): DeepGEMM's plan for 128x24576x1536
+# (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time), and 64 x 192 at
+# 64x24576x1536 (bench/NOTES.md "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
 TILES_192 = False
 # ... and where one wave of 128 x 256 tiles replaces two of 128 x 128 at long K: masked 1x1024x4096x7168
 # 62.5 -> 51.5 us, 2x512 62.8 -> 52.4 (profiler, H200); at k = 1536 it lost (128x24576x1536 19.1 -> 19.9)
@@ -1013,8 +1013,8 @@ def _fit_exchange(p: dict, k: int) -> dict:
 
 
 def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
-    """TILES_192 (the caller checks for sm_90a): a one-split v3 plan of 128 x 128 tiles takes 128 x 192
-    tiles where those make one wave and the 128-wide ones more (the dense layout, n a multiple of 192, bf16
+    """TILES_192 (the caller checks for sm_90a): a one-split v3 plan of 128-wide tiles (two MMA warpgroups)
+    takes 192-wide tiles where those make one wave and the 128-wide ones more (the dense layout, n a multiple of 192, bf16
     out, no multicast; at least 3 stages in WIDE_SMEM). Otherwise WIDE_TILES: 128 x 256
     tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
     wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
@@ -1023,8 +1023,8 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     tiles pair up. Where sfa staged whole costs a stage, the producer loads it in chunks instead
     ("sfa_ring": SFA_RING; TMA needs 16-byte rows: k a multiple of 512; _run copies an sfa view that
     does not start 16-byte aligned)."""
-    narrow, thirds = (-(-rows // 128) * (n // w) * groups for w in (128, 192))
-    if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_m"] == 128 and p["block_n"] == 128
+    narrow, thirds = (-(-rows // p["block_m"]) * (n // w) * groups for w in (128, 192))
+    if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_n"] == 128 and "threads" not in p
             and not p.get("multicast") and n % 192 == 0 and mode == "dense" and out_bytes == 2
             and thirds <= sms < narrow):
         kb = k // GROUP

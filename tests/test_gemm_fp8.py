@@ -377,8 +377,8 @@ def test_block_ahead_scale_loads_clamp_at_a_bursts_last_fold_only():
 
 
 def test_192_wide_tiles_plan_and_lowering(monkeypatch):
-    """TILES_192: where 128 x 128 tiles make more than one wave and 128 x 192 tiles one (128x24576x1536:
-    192 -> 128 tiles), the wide plan takes 192-wide tiles, one tile a CTA; each K block's MMA is three
+    """TILES_192: where 128-wide tiles make more than one wave and 192-wide ones one (x24576x1536 at 64 and
+    128 rows: 192 -> 128 tiles), the wide plan takes 192-wide tiles, one tile a CTA; each K block's MMA is three
     column passes of 64 (QGMMA 64x64x32), each promoted with the sfb row of its own columns (an odd tile
     starts 64 columns into a block of sfb). Elsewhere the plans stay; persistent CTAs are refused."""
     from ops import gemm_fp8
@@ -390,7 +390,8 @@ def test_192_wide_tiles_plan_and_lowering(monkeypatch):
         return widened(plan(mode, m, n, k, 64 if m <= 64 else 128), mode, m, n, k, 1, 132, 2)
 
     assert wide("dense", 128, 24576, 1536) == dict(block_m=128, block_n=192, splits=1, stages=5, overlap=True)
-    for shape in ((256, 24576, 1536), (128, 7168, 16384), (64, 24576, 1536), (4096, 7168, 16384)):
+    assert wide("dense", 64, 24576, 1536) == dict(block_m=64, block_n=192, splits=1, stages=6, overlap=True)
+    for shape in ((256, 24576, 1536), (128, 7168, 16384), (64, 4096, 7168), (4096, 7168, 16384)):
         assert wide("dense", *shape)["block_n"] != 192, shape
     monkeypatch.setattr(gemm_fp8, "TILES_192", False)
     assert wide("dense", 128, 24576, 1536)["block_n"] == 128
@@ -1102,7 +1103,7 @@ def test_gpu_wide_tiles_match_128_wide(monkeypatch, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "dense-short", "128x24576x1536"])
+@pytest.mark.parametrize("case", ["dense", "dense-short", "dense-64", "128x24576x1536", "64x24576x1536"])
 def test_gpu_192_wide_tiles_match_128_wide(monkeypatch, case):
     """128 x 192 tiles (three column passes of 64, TILES_192) give the bits of 128 x 128 tiles, to the same
     elements: even and odd n tiles (an odd one starts 64 columns into a block of sfb), row tails, K block
@@ -1111,12 +1112,13 @@ def test_gpu_192_wide_tiles_match_128_wide(monkeypatch, case):
 
     run = functools.partial(_forced, monkeypatch)
     g = torch.Generator().manual_seed(len(case))
-    m, n, k = {"dense": (1000, 768, 1664), "dense-short": (129, 1152, 1792), "128x24576x1536": (128, 24576, 1536)}[case]
+    m, n, k = {"dense": (1000, 768, 1664), "dense-short": (129, 1152, 1792), "dense-64": (37, 1152, 1664),
+               "128x24576x1536": (128, 24576, 1536), "64x24576x1536": (64, 24576, 1536)}[case]
     *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
     ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
     dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
     call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
-    if case == "128x24576x1536":
+    if case.endswith("x24576x1536"):
         plans = []
         compile_ = gemm_fp8.fp8_gemm_program.compile
         monkeypatch.setattr(gemm_fp8, "TILES_192", True)
