@@ -1306,6 +1306,23 @@ def test_mxfp4_swapped_decodes_into_wgmma_registers(params):
     assert sum(t.startswith("LDS.128") for t in loop) == 8 * BURST       # a thread's two rows, 64 bytes each
 
 
+def test_mxfp4_loops_with_the_elected_producer(monkeypatch):
+    """sm90_decoded.ELECTED: the MXFP4 loops' producer as the FP8 loops run it, only its first warp
+    waiting and arriving (full barriers of 32, one lane issuing the copies); no spills, and the
+    register-decoded loop's shape unchanged."""
+    from codegen.lowering import sm90_decoded
+    from ops.gemm_mxfp4 import mxfp4_swapped_program
+
+    monkeypatch.setattr(sm90_decoded, "ELECTED", True)
+    src = mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, stages=4)
+    inits = re.findall(r"(\w+)\[\d\]\.init\((\d+)\)", src)
+    full_bar = inits[0][0]                                        # allocated first (_full_barriers)
+    assert {c for b, c in inits if b == full_bar} == {"32"}
+    producer = src[src.index("warpgroup_reg_dealloc"):src.index("warpgroup_reg_alloc")]
+    assert "& 127) < 32)" in producer and f"{full_bar}[" in producer
+    _tma_wgmma_sass(src, "HGMMA")
+
+
 def _single_fragment_kernel(src: str) -> None:
     """The two-blocks-an-SM kernel: HGMMA and TMA, no spills or WGMMA serialization, and every
     WGMMA wait a drain (DEPBAR 0x0: a step's WGMMA is done before the next decode writes the one
@@ -1756,6 +1773,28 @@ def test_gpu_mxfp4(m, n, k):
     ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
     assert calc_diff(out.cpu(), ref) < 1e-5
     assert_elementwise(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 4096, 7168), (64, 24576, 1536), (1024, 2048, 7168)])
+def test_gpu_mxfp4_elected_producer_is_bitwise(monkeypatch, m, n, k):
+    """sm90_decoded.ELECTED (the producer's first warp alone) gives the bits of the 128-thread producer, on
+    the swapped register-decoded kernels (few tokens) and the shared-memory decoded one (1024 rows)."""
+    from codegen import jit
+    from codegen.lowering import sm90_decoded
+
+    g = torch.Generator().manual_seed(m + 3)
+    a = torch.randn(m, k, generator=g).bfloat16().cuda()
+    packed, scales = (t.cuda() for t in ops.quant_mxfp4(torch.randn(n, k, generator=g)))
+    outs = []
+    for elected in (False, True):
+        monkeypatch.setattr(sm90_decoded, "ELECTED", elected)
+        jit._launch_sets.clear()                  # (a rule's flag is not in the launchers' keys)
+        outs.append(ops.mxfp4_gemm_nt(a, packed, scales).cpu())
+    jit._launch_sets.clear()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    ref = a.float().cpu() @ ops.dequant_mxfp4(packed.cpu(), scales.cpu()).T
+    assert calc_diff(outs[1], ref) < 1e-5
 
 
 @pytest.mark.gpu

@@ -33,6 +33,15 @@ from codegen.lowering.sm90 import (BURST, CONSUMER_REGS, PRODUCER, PRODUCER_REGS
 
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+# the producer as the FP8 loops run it (sm90.ELECTED_PRODUCER): only its first warp waits and arrives (full
+# barriers of 32), one lane issuing the copies, instead of all 128 threads. FP8 prefill 768 -> 727 us with
+# it (bench/NOTES.md "Session 27"). Built and checked on CPU in session 30, not yet run on a GPU: off
+ELECTED = False
+
+
+def _full_barriers(stages):
+    # every producer thread arrives, or its first warp's (ELECTED); TMA adds the bytes
+    return T.alloc_barrier([32 if ELECTED else PRODUCER] * stages)
 
 
 def _step(j, first, io):
@@ -74,7 +83,7 @@ def consumer_regs(consumers: int) -> int:
 def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, prologue, epilogue):
     T.sync_threads()                    # the program's own shared-memory writes before the loop are done
     if T.get_thread_binding() >= consumers:
-        tma_producer(steps, loads, a_s, r_s, full, empty, stages)
+        tma_producer(steps, loads, a_s, r_s, full, empty, stages, elected=ELECTED)
     else:
         T.set_max_nreg(consumer_regs(consumers), 1)
         T.clear(acc)
@@ -96,7 +105,7 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
     b_s = T.alloc_shared((2, *b_shape), b_dtype)
-    full = T.alloc_barrier([PRODUCER] * stages)        # every producer thread arrives; TMA adds the bytes
+    full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
     _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc.buf, decode, stages, consumers, _policy(acc),
                 prologue or (lambda: None), epilogue or (lambda: None))
@@ -196,7 +205,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
     if T.get_thread_binding() >= consumers:
         if pre is not None:
             _preload(preload, pre)
-        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp)
+        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp, elected=ELECTED)
     else:
         T.set_max_nreg(grow, 1)
         if mark is not None:
@@ -276,7 +285,7 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
             raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even BURST), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
-    full = T.alloc_barrier([PRODUCER] * stages)
+    full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
