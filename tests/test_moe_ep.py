@@ -24,9 +24,9 @@ import ops
 # name: (E, k, H, dtype, tokens of rank r given W, routing)
 SCENARIOS = {
     "random": (16, 4, 128, "bf16", lambda r, W: 5 + 3 * r, "random"),
-    "hot_rank0": (16, 2, 128, "bf16", lambda r, W: 6, "rank0"),      # other ranks' experts get nothing
+    "hot_rank0": (16, 4, 128, "bf16", lambda r, W: 6, "rank0"),      # other ranks' experts get nothing
     "empty_rank": (16, 8, 128, "bf16", lambda r, W: 0 if r == 1 else 9, "random"),
-    "fp8_scales": (8, 2, 128, "fp8", lambda r, W: 4 + r, "random"),
+    "fp8_scales": (16, 4, 128, "fp8", lambda r, W: 4 + r, "random"),
     "k1_e64": (64, 1, 128, "bf16", lambda r, W: 7, "random"),
     "k8_e64": (64, 8, 128, "bf16", lambda r, W: 5 + r, "random"),
     "one_token": (16, 8, 128, "bf16", lambda r, W: 1 + (r == 1), "random"),   # fewer tokens than chunks
