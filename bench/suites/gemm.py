@@ -149,6 +149,14 @@ def tilecraft_narrow(case, i):
     return _with_flag(gemm_fp8, "WIDE_TILES", False)(case, i)
 
 
+def tilecraft_192(case, i):
+    """The op with ops.gemm_fp8.TILES_192 on: 192-wide tiles (three column passes of 64) where they make
+    one wave and 128-wide tiles more (x24576x1536), against the default in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "TILES_192", True)(case, i)
+
+
 def tilecraft_multicast(case, i):
     """The op with ops.gemm_fp8.MULTICAST on: clusters of two n-neighbours share each A tile by TMA
     multicast (where the plan has two waves of tiles or more), against the default in the same run."""
@@ -282,6 +290,7 @@ SUITE = Suite(
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
                Provider("tilecraft-narrow", tilecraft_narrow, experimental=True),
+               Provider("tilecraft-192", tilecraft_192, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-rowmajor", tilecraft_rowmajor, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
