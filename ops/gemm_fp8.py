@@ -105,7 +105,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     over the staged sfa where that is as large, else into memory of its own (the A stages are being
     refilled). Same products, same fold order: the bits of the one-tile-a-CTA kernel. early: the next
     tile's scales are copied (cp.async) before this tile's epilogue, else after it (early_scales). With
-    column passes the staged C holds one pass's 128 columns at a time (staged_columns).
+    column passes the staged C holds one pass's columns at a time (staged_columns).
+
+    block_n > 128 (sm_90a, the v3 loop's one-split tiles, staged C in bf16): each K block's MMA in
+    column passes (pass_width: 128 for multiples of 128, 64 for block_n = 192, whose odd tiles start
+    64 columns into a block of sfb), each promoted with its own columns' sfb and folded into its own
+    accumulator: per element the products and fold order of 128-wide tiles.
 
     raster > 1 (one split, not sorted or persistent): blocks take their tiles in groups of `raster` m
     tiles, down the group's m tiles first, then across n (n-neighbours of a multicast pair stay
@@ -898,11 +903,6 @@ PERSISTENT_WAVES = 2
 # fit in WIDE_SMEM (the staged C goes over the B stages)
 WIDE_TILES = True
 WIDE_SMEM = 224 * 1024
-# sm_90a, the v3 loop, one split: 192-wide tiles (three column passes of 64, fp8_gemm_program block_n=192)
-# where they make one wave and 128-wide tiles more than one (widened): DeepGEMM's plan for 128x24576x1536
-# (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time), and 64 x 192 at
-# 64x24576x1536 (bench/NOTES.md "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
-TILES_192 = False
 # ... and where one wave of 128 x 256 tiles replaces two of 128 x 128 at long K: masked 1x1024x4096x7168
 # 62.5 -> 51.5 us, 2x512 62.8 -> 52.4 (profiler, H200); at k = 1536 it lost (128x24576x1536 19.1 -> 19.9)
 WIDE_ONE_WAVE_K = 4096
@@ -911,6 +911,11 @@ WIDE_ONE_WAVE_K = 4096
 # tile a CTA (H200 profiler kernel times, bench/NOTES.md "Session 26": prefill 762 vs 764 us; contiguous
 # 1534 us on 3 stages vs 1471 for one tile a CTA, whose 4 stages fit)
 WIDE_PERSISTENT = False
+# sm_90a, the v3 loop, one split: 192-wide tiles (three column passes of 64, fp8_gemm_program block_n=192)
+# where they make one wave and 128-wide tiles more than one (widened): DeepGEMM's plan for 128x24576x1536
+# (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time), and 64 x 192 at
+# 64x24576x1536 (bench/NOTES.md "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
+TILES_192 = False
 # wide one-tile-a-CTA plans whose sfa staged whole (128 rows x kb fp32) costs a pipeline stage: the
 # producer loads sfa in chunks of SFA_RING K blocks into a ring of SFA_RING_SLOTS (fp8_gemm_program
 # sfa_ring; 12 KB instead of 64 KB at k = 16384: 4 stages instead of 3). 0: staged whole
@@ -1013,16 +1018,16 @@ def _fit_exchange(p: dict, k: int) -> dict:
 
 
 def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
-    """TILES_192 (the caller checks for sm_90a): a one-split v3 plan of 128-wide tiles (two MMA warpgroups)
-    takes 192-wide tiles where those make one wave and the 128-wide ones more (the dense layout, n a multiple of 192, bf16
-    out, no multicast; at least 3 stages in WIDE_SMEM). Otherwise WIDE_TILES: 128 x 256
-    tiles where they make more than PERSISTENT_WAVES waves, or, with K at least WIDE_ONE_WAVE_K, one
-    wave at least half full while the 128-wide tiles need more than one; with as many stages as fit in
-    WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C (67.6 KB) fits over 3 B
-    stages, fp32's would not. A multicast plan (A shared by n-neighbours) stays one where the wide n
-    tiles pair up. Where sfa staged whole costs a stage, the producer loads it in chunks instead
-    ("sfa_ring": SFA_RING; TMA needs 16-byte rows: k a multiple of 512; _run copies an sfa view that
-    does not start 16-byte aligned)."""
+    """TILES_192 (the caller checks for sm_90a): a one-split v3 plan of 128-wide tiles (two MMA
+    warpgroups) takes 192-wide tiles where those make one wave and the 128-wide ones more (the dense
+    layout, n a multiple of 192, bf16 out, no multicast; at least 3 stages in WIDE_SMEM). Otherwise
+    WIDE_TILES: 128 x 256 tiles where they make more than PERSISTENT_WAVES waves, or, with K at least
+    WIDE_ONE_WAVE_K, one wave at least half full while the 128-wide tiles need more than one; with as
+    many stages as fit in WIDE_SMEM (at least 3, else the plan stays). bf16 out only: its staged C
+    (67.6 KB) fits over 3 B stages, fp32's would not. A multicast plan (A shared by n-neighbours)
+    stays one where the wide n tiles pair up. Where sfa staged whole costs a stage, the producer loads
+    it in chunks instead ("sfa_ring": SFA_RING; TMA needs 16-byte rows: k a multiple of 512; _run
+    copies an sfa view that does not start 16-byte aligned)."""
     narrow, thirds = (-(-rows // p["block_m"]) * (n // w) * groups for w in (128, 192))
     if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_n"] == 128 and "threads" not in p
             and not p.get("multicast") and n % 192 == 0 and mode == "dense" and out_bytes == 2

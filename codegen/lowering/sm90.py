@@ -595,7 +595,7 @@ OWN_STAGE_LAYOUT = True
 # H200 kernel times, bitwise: masked 1x1024x4096x7168 48.75 -> 48.2 us, decode shapes 0-1.3% faster.
 # Not with the sfa ring (side=): the prefill's loop then spilled a register and ran 0.9% slower
 # (717.5 -> 724 us). Binding steps to a register, or clamping to a static last block, made ptxas spill
-# in the masked loop at the 168-register cap (bench/NOTES.md "Session 30")
+# in the masked loop at the MMA warpgroups' 240 registers (bench/NOTES.md "Session 30")
 CLAMP_LAST_ONLY = True
 
 
