@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from bench import roofline
-from bench.timing import FLUSH_MODES
+from bench.timing import FLUSH_MODES, SmClock
 from bench import suites as suite_registry
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,14 +98,14 @@ def agreement(out, anchor) -> dict:
 
 def print_table(rows: list[dict], ref: str) -> None:
     head = (f"{'case':44s} {'provider':12s} {'ms':>9s} {'min ms':>9s} {'TFLOP/s':>8s} {'GB/s':>8s} {'%ceil':>6s} "
-            f"{'floor%':>7s} {'vs ' + ref:>9s} {'rel err':>8s}")
+            f"{'floor%':>7s} {'vs ' + ref:>9s} {'rel err':>8s} {'SM MHz':>7s}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['case'][:44]:44s} {r['provider']:12s} {_fmt(r.get('median_ms'), '9.4f')} {_fmt(r.get('min_ms'), '9.4f')} "
               f"{_fmt(r.get('tflops'), '8.1f')} "
               f"{_fmt(r.get('gbps'), '8.0f')} {_fmt(r.get('pct_ceiling'), '6.1f')} {_fmt(r.get('pct_of_floor'), '7.1f')} "
-              f"{_fmt(r.get('speedup_vs_ref'), '9.2f')} {_fmt(r.get('rel_diff'), '8.1e')}")
+              f"{_fmt(r.get('speedup_vs_ref'), '9.2f')} {_fmt(r.get('rel_diff'), '8.1e')} {_fmt(r.get('sm_mhz'), '7.0f')}")
 
 
 def run_gpu(suite, cases, providers, args) -> list[dict]:
@@ -143,10 +143,12 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                         print(f"  {p.name} on {row['case']}: output differs from {anchor[0]}'s "
                               f"({row.get('agree_note') or 'rel %.2e' % row['rel_diff']})", file=sys.stderr)
                 del out
-                with values_unchecked():   # the first call checked the values; the hot path does not sync
+                # the first call checked the values; the hot path does not sync
+                with values_unchecked(), SmClock(torch.cuda.current_device()) as clock:
                     t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
                          bench_cuda(fn, flush_mode=args.flush))
                 t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
+                t["sm_mhz"] = clock.median()            # the SM clock while it was timed (nvidia-smi)
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)

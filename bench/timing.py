@@ -3,7 +3,10 @@ or replays of a CUDA graph: bench_graph)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import subprocess
 
 import torch
 
@@ -106,6 +109,40 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
     (w0, w20, w50, w80), (b0, b20, b50, b80) = quantiles(times), quantiles(base)
     return {"median_ms": (w50 - b50) / calls, "min_ms": (w0 - b0) / calls, "p20_ms": (w20 - b20) / calls,
             "p80_ms": (w80 - b80) / calls, "reps": reps * calls}
+
+
+class SmClock:
+    """The SM clock (MHz) while a block runs: `nvidia-smi --loop-ms` samples it every `period_ms` in the
+    background; median() is their median, None where nvidia-smi is missing or gave nothing. The eager
+    bench's back-to-back calls read ~14% slower than the profiler's 20 calls for every GEMM library
+    (bench/NOTES.md "Session 30"): the clock each ran at is what tells a slower kernel from a slower
+    GPU."""
+
+    def __init__(self, device: int = 0, period_ms: int = 50):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        self.gpu = ids[device] if device < len(ids) else str(device)     # nvidia-smi's index (or UUID)
+        self.period_ms = period_ms
+        self.samples: list[int] = []
+        self._proc = None
+
+    def __enter__(self):
+        exe = shutil.which("nvidia-smi")
+        if exe is not None:
+            query = [exe, "-i", self.gpu, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                     f"--loop-ms={self.period_ms}"]
+            self._proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate()
+            self.samples = [int(x) for x in out.split() if x.isdigit()]
+        return False
+
+    def median(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
 
 
 def measure_copy_gbps(nbytes: int = 1 << 30) -> float:
