@@ -478,7 +478,8 @@ def _accumulators(block_m, block_n, mine):
 
 
 def _sfb_row(tn, block_n, c):
-    # the row of sfb (128-row block of B) of column pass c of n tile tn
+    # the row of sfb (128-row block of B) of column pass c of n tile tn (the general form equals the first
+    # for multiples of 128; those keep the index expression their kernels were measured with)
     if block_n % GROUP == 0:
         return tn * (block_n // GROUP) + c
     return (tn * block_n + c * pass_width(block_n)) // GROUP
