@@ -915,8 +915,9 @@ WIDE_PERSISTENT = False
 # sm_90a, the v3 loop, one split: 192-wide tiles (three column passes of 64, fp8_gemm_program block_n=192)
 # where they make one wave and 128-wide tiles more than one (widened): DeepGEMM's plan for 128x24576x1536
 # (128 tiles instead of 192, which ran persistent CTAs at 0.89x DeepGEMM's time), and 64 x 192 at
-# 64x24576x1536 (bench/NOTES.md "Session 30"). Built and checked on CPU in session 30, not yet run on a GPU
-TILES_192 = False
+# 64x24576x1536. Measured on the H200 (bench/NOTES.md "Session 31", bitwise): kernel times 128x24576x1536
+# 19.3 -> 17.75 us, 64x24576x1536 17.0 -> 16.6; CUDA graphs beside DeepGEMM 18.5 -> 16.4 us (DeepGEMM 16.5)
+TILES_192 = True
 # wide one-tile-a-CTA plans whose sfa staged whole (128 rows x kb fp32) costs a pipeline stage: the
 # producer loads sfa in chunks of SFA_RING K blocks into a ring of SFA_RING_SLOTS (fp8_gemm_program
 # sfa_ring; 12 KB instead of 64 KB at k = 16384: 4 stages instead of 3). 0: staged whole

@@ -729,6 +729,7 @@ def test_wide_tiles_plan_column_passes_and_sfa_ring(monkeypatch):
     def wide(mode, rows, n, k, groups=1, out_bytes=2):
         return widened(plan(mode, rows, n, k, 128), mode, rows, n, k, groups, 132, out_bytes)
 
+    monkeypatch.setattr(gemm_fp8, "TILES_192", False)              # (its plans: test_192_wide_tiles_plan...)
     # prefill: sfa staged whole (64 KB) would leave 3 stages; in chunks by the producer (SFA_RING), 4
     assert wide("dense", 4096, 7168, 16384) == dict(block_m=128, block_n=256, splits=1, stages=4, overlap=True,
                                                     sfa_ring=8)
@@ -1049,9 +1050,10 @@ def test_gpu_persistent_matches_one_tile(monkeypatch, case):
         ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
         dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
         call = lambda: ops.fp8_gemm_nt(*dev, out_dtype=out_dtype)  # noqa: E731
-        if sms is None:
+        if sms is None:     # the default plan with 128-wide tiles (TILES_192 off): 192 tiles on 132 CTAs
             assert gemm_fp8.PERSISTENT
-            many = call().cpu()                              # the default plan: 192 tiles on 132 CTAs
+            monkeypatch.setattr(gemm_fp8, "TILES_192", False)
+            many = call().cpu()
         else:       # dense-late: the next tile's scales copied after the epilogue (as prefill's)
             many = run(call, persistent=True, sms=sms, **({"early": False} if case == "dense-late" else {}))
         assert calc_diff(many, ref) < 1e-3
@@ -1304,23 +1306,6 @@ def test_mxfp4_swapped_decodes_into_wgmma_registers(params):
     ops_in_loop = {t.split()[0] for t in loop}
     assert not {op for op in ops_in_loop if op.startswith(("STS", "BAR", "FENCE"))}, sorted(ops_in_loop)
     assert sum(t.startswith("LDS.128") for t in loop) == 8 * BURST       # a thread's two rows, 64 bytes each
-
-
-def test_mxfp4_loops_with_the_elected_producer(monkeypatch):
-    """sm90_decoded.ELECTED: the MXFP4 loops' producer as the FP8 loops run it, only its first warp
-    waiting and arriving (full barriers of 32, one lane issuing the copies); no spills, and the
-    register-decoded loop's shape unchanged."""
-    from codegen.lowering import sm90_decoded
-    from ops.gemm_mxfp4 import mxfp4_swapped_program
-
-    monkeypatch.setattr(sm90_decoded, "ELECTED", True)
-    src = mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, stages=4)
-    inits = re.findall(r"(\w+)\[\d\]\.init\((\d+)\)", src)
-    full_bar = inits[0][0]                                        # allocated first (_full_barriers)
-    assert {c for b, c in inits if b == full_bar} == {"32"}
-    producer = src[src.index("warpgroup_reg_dealloc"):src.index("warpgroup_reg_alloc")]
-    assert "& 127) < 32)" in producer and f"{full_bar}[" in producer
-    _tma_wgmma_sass(src, "HGMMA")
 
 
 def _single_fragment_kernel(src: str) -> None:
@@ -1773,28 +1758,6 @@ def test_gpu_mxfp4(m, n, k):
     ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
     assert calc_diff(out.cpu(), ref) < 1e-5
     assert_elementwise(out.cpu(), ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 4096, 7168), (64, 24576, 1536), (1024, 2048, 7168)])
-def test_gpu_mxfp4_elected_producer_is_bitwise(monkeypatch, m, n, k):
-    """sm90_decoded.ELECTED (the producer's first warp alone) gives the bits of the 128-thread producer, on
-    the swapped register-decoded kernels (few tokens) and the shared-memory decoded one (1024 rows)."""
-    from codegen import jit
-    from codegen.lowering import sm90_decoded
-
-    g = torch.Generator().manual_seed(m + 3)
-    a = torch.randn(m, k, generator=g).bfloat16().cuda()
-    packed, scales = (t.cuda() for t in ops.quant_mxfp4(torch.randn(n, k, generator=g)))
-    outs = []
-    for elected in (False, True):
-        monkeypatch.setattr(sm90_decoded, "ELECTED", elected)
-        jit._launch_sets.clear()                  # (a rule's flag is not in the launchers' keys)
-        outs.append(ops.mxfp4_gemm_nt(a, packed, scales).cpu())
-    jit._launch_sets.clear()
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    ref = a.float().cpu() @ ops.dequant_mxfp4(packed.cpu(), scales.cpu()).T
-    assert calc_diff(outs[1], ref) < 1e-5
 
 
 @pytest.mark.gpu

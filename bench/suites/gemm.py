@@ -149,12 +149,12 @@ def tilecraft_narrow(case, i):
     return _with_flag(gemm_fp8, "WIDE_TILES", False)(case, i)
 
 
-def tilecraft_192(case, i):
-    """The op with ops.gemm_fp8.TILES_192 on: 192-wide tiles (three column passes of 64) where they make
-    one wave and 128-wide tiles more (x24576x1536), against the default in the same run."""
+def tilecraft_128wide(case, i):
+    """The op with ops.gemm_fp8.TILES_192 off: 128-wide tiles (persistent CTAs over 1.45 waves at
+    x24576x1536) where the default takes 192-wide ones in one wave, against the default in the same run."""
     from ops import gemm_fp8
 
-    return _with_flag(gemm_fp8, "TILES_192", True)(case, i)
+    return _with_flag(gemm_fp8, "TILES_192", False)(case, i)
 
 
 def tilecraft_multicast(case, i):
@@ -290,7 +290,7 @@ SUITE = Suite(
                Provider("tilecraft-regstore", tilecraft_regstore, experimental=True),
                Provider("tilecraft-onetile", tilecraft_onetile, experimental=True),
                Provider("tilecraft-narrow", tilecraft_narrow, experimental=True),
-               Provider("tilecraft-192", tilecraft_192, experimental=True),
+               Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-rowmajor", tilecraft_rowmajor, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),

@@ -33,15 +33,13 @@ from codegen.lowering.sm90 import (BURST, CONSUMER_REGS, PRODUCER, PRODUCER_REGS
 
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
-# the producer as the FP8 loops run it (sm90.ELECTED_PRODUCER): only its first warp waits and arrives (full
-# barriers of 32), one lane issuing the copies, instead of all 128 threads. FP8 prefill 768 -> 727 us with
-# it (bench/NOTES.md "Session 27"). Built and checked on CPU in session 30, not yet run on a GPU: off
-ELECTED = False
 
 
 def _full_barriers(stages):
-    # every producer thread arrives, or its first warp's (ELECTED); TMA adds the bytes
-    return T.alloc_barrier([32 if ELECTED else PRODUCER] * stages)
+    # every producer thread arrives (TMA adds the bytes). The FP8 loops' elected producer (one warp
+    # arriving, sm90.ELECTED_PRODUCER) measured no faster here: bitwise, kernel times within 1% on 8
+    # MXFP4 shapes (bench/NOTES.md "Session 31")
+    return T.alloc_barrier([PRODUCER] * stages)
 
 
 def _step(j, first, io):
@@ -83,7 +81,7 @@ def consumer_regs(consumers: int) -> int:
 def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, consumers, policy, prologue, epilogue):
     T.sync_threads()                    # the program's own shared-memory writes before the loop are done
     if T.get_thread_binding() >= consumers:
-        tma_producer(steps, loads, a_s, r_s, full, empty, stages, elected=ELECTED)
+        tma_producer(steps, loads, a_s, r_s, full, empty, stages)
     else:
         T.set_max_nreg(consumer_regs(consumers), 1)
         T.clear(acc)
@@ -205,7 +203,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
     if T.get_thread_binding() >= consumers:
         if pre is not None:
             _preload(preload, pre)
-        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp, elected=ELECTED)
+        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp)
     else:
         T.set_max_nreg(grow, 1)
         if mark is not None:
