@@ -114,9 +114,9 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
 class SmClock:
     """The SM clock (MHz) while a block runs: `nvidia-smi --loop-ms` samples it every `period_ms` in the
     background; median() is their median, None where nvidia-smi is missing or gave nothing. The eager
-    bench's back-to-back calls read ~14% slower than the profiler's 20 calls for every GEMM library
-    (bench/NOTES.md "Session 30"): the clock each ran at is what tells a slower kernel from a slower
-    GPU."""
+    bench's back-to-back FP8 prefill runs the H200 at its power limit, 1440-1515 MHz against ~1.75 GHz
+    under the profiler's 20 calls (bench/NOTES.md "Session 31"): the clock each provider ran at is what
+    tells a slower kernel from a slower GPU."""
 
     def __init__(self, device: int = 0, period_ms: int = 50):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
