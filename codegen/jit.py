@@ -169,22 +169,22 @@ _launch_sets: dict = {}
 
 
 def launchers(key, build):
-    """build() once per key (and per rule-registry generation): an op's hot path keeps the kernel
-    launchers it needs under a plain tuple key, so an eager call pays one dict lookup instead of a
+    """build() once per key (and per rules.state(): rule changes and rule switches): an op's hot path
+    keeps the kernel launchers it needs under a plain tuple key, so an eager call pays one dict lookup instead of a
     compile-cache lookup per kernel (keyword binding, a sorted key; bench/NOTES.md "eager host cost").
     The key must name everything build() depends on (target, kernel parameters)."""
-    gen = rules.generation()
-    hit = _launch_sets.get(key)
-    if hit is None or hit[0] != gen:
+    full = (key, rules.state())             # (a switch flipped back and forth, as a bench provider does: two entries)
+    hit = _launch_sets.get(full)
+    if hit is None:
         if len(_launch_sets) >= 4096:       # keys that vary call to call (a GEMM's m)
             _launch_sets.clear()
-        hit = _launch_sets[key] = (gen, build())
-    return hit[1]
+        hit = _launch_sets[full] = build()
+    return hit
 
 
 def compile(program, target, **params) -> Kernel:
     """The compiled kernel for `program` on `target` with these parameters (cached)."""
-    fkey = (program.name, target, tuple(sorted(params.items())), rules.generation())
+    fkey = (program.name, target, tuple(sorted(params.items())), rules.state())
     hit = _fast.get(fkey)
     if hit is not None:  # the per-call path: no signature binding, no tracing
         STATS["memory_hit"] += 1
@@ -197,7 +197,7 @@ def compile(program, target, **params) -> Kernel:
 def _compile_bound(program, target, params: dict) -> Kernel:
     t = program.check_target(target)
     bound = program.bind(params)
-    mkey = (program.name, t.name, _freeze(bound), rules.generation())
+    mkey = (program.name, t.name, _freeze(bound), rules.state())
     hit = _memory.get(mkey)
     if hit is not None:
         STATS["memory_hit"] += 1

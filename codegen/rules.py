@@ -10,13 +10,18 @@ new word from their own module, without touching op files:
     @rules.register("row_reduce", "cuda:sm_100a", replace=True)
     def my_reduce(src, dst, op="sum", dim=-1, clear=True): ...
 
-Every change bumps `generation()`, which is part of the in-memory kernel cache key, so kernels
-traced under the old rules are never reused.
+Every change bumps `generation()`. `state()`, the in-memory kernel caches' key, adds the values of the
+rule modules' declared switches (`options`), so kernels traced under the old rules, or under a switch
+flipped since, are never reused:
+
+    OWN_LAYOUT = True                              # read by the rule while a kernel is traced
+    rules.options(__name__, "OWN_LAYOUT")
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +43,9 @@ _rules: dict[str, dict[str, Rule]] = {}
 _docs: dict[str, str] = {}
 _generation = 0
 _builtins_loaded = False
+_options: list[tuple[object, str]] = []       # (module, name) of the rule modules' declared switches
+_option_modules: list = []                    # the same, as two lists (state() maps getattr over them)
+_option_names: list[str] = []
 
 
 class NoRuleError(LookupError):
@@ -162,4 +170,27 @@ def generation() -> int:
     """A counter bumped by every registry change (built-in rules are loaded first)."""
     _load_builtins()
     return _generation
+
+
+def options(module: str, *names: str) -> None:
+    """Declare module-level switches of rule module `module` (by its __name__) that its rules read
+    while a kernel is traced: their values are part of state(), so setting one at run time (a probe, a
+    bench provider, a test's monkeypatch) gives kernels traced under the new value."""
+    mod = sys.modules[module]
+    for name in names:
+        if not hasattr(mod, name):
+            raise ValueError(f"{module} has no switch {name!r} to declare")
+        with _lock:
+            if (mod, name) not in _options:
+                _options.append((mod, name))
+                _option_modules.append(mod)
+                _option_names.append(name)
+
+
+def state() -> tuple:
+    """The in-memory kernel caches' key for the rules: generation() and every declared option's value
+    (read on every eager op call: well under a microsecond)."""
+    if not _builtins_loaded:
+        _load_builtins()
+    return (_generation, *map(getattr, _option_modules, _option_names))
 

@@ -198,3 +198,22 @@ def test_launcher_sets_are_built_once_per_key_and_rule_generation():
     finally:
         rules.unregister("test_launchers_word", "cpu")
     assert jit.launchers(key, build) == 3 and len(built) == 3
+
+
+def test_rule_switches_are_part_of_the_kernel_caches_key(monkeypatch):
+    # a declared switch of a rule module (codegen.rules.options), flipped at run time, is a new key for the
+    # launcher sets and the in-memory compile cache: kernels traced under the old value are not reused
+    from codegen import rules
+    from codegen.lowering import sm90
+
+    built = []
+    key = ("test-switches", object())
+    assert jit.launchers(key, lambda: built.append(1) or len(built)) == 1
+    before = rules.state()
+    monkeypatch.setattr(sm90, "CLAMP_LAST_ONLY", not sm90.CLAMP_LAST_ONLY)
+    assert rules.state() != before and rules.generation() == before[0]
+    assert jit.launchers(key, lambda: built.append(1) or len(built)) == 2
+    monkeypatch.undo()
+    assert rules.state() == before
+    with pytest.raises(ValueError, match="no switch 'NOT_A_SWITCH'"):
+        rules.options(sm90.__name__, "NOT_A_SWITCH")

@@ -8,7 +8,7 @@ import tilelang.language as T
 
 from codegen import tile
 from codegen.lowering.common import epilogue_call, pass_factors, prologue_parts, scale_factors
-from codegen.rules import register
+from codegen.rules import options, register
 from codegen.tile import Accumulator, emit, require_pass_configs, state
 
 
@@ -597,6 +597,8 @@ OWN_STAGE_LAYOUT = True
 # (717.5 -> 724 us). Binding steps to a register, or clamping to a static last block, made ptxas spill
 # in the masked loop at the MMA warpgroups' 240 registers (bench/NOTES.md "Session 30")
 CLAMP_LAST_ONLY = True
+# (switches read while a kernel is traced: part of the kernel caches' key, codegen.rules.options)
+options(__name__, "ELECTED_PRODUCER", "LANE_RELEASE", "BURST", "COLUMN_BURST", "OWN_STAGE_LAYOUT", "CLAMP_LAST_ONLY")
 
 
 def merged_after_loop(shape, dtype):
