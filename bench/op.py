@@ -98,14 +98,15 @@ def agreement(out, anchor) -> dict:
 
 def print_table(rows: list[dict], ref: str) -> None:
     head = (f"{'case':44s} {'provider':12s} {'ms':>9s} {'min ms':>9s} {'TFLOP/s':>8s} {'GB/s':>8s} {'%ceil':>6s} "
-            f"{'floor%':>7s} {'vs ' + ref:>9s} {'rel err':>8s} {'SM MHz':>7s}")
+            f"{'floor%':>7s} {'vs ' + ref:>9s} {'rel err':>8s} {'SM MHz':>7s} {'W':>5s}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['case'][:44]:44s} {r['provider']:12s} {_fmt(r.get('median_ms'), '9.4f')} {_fmt(r.get('min_ms'), '9.4f')} "
               f"{_fmt(r.get('tflops'), '8.1f')} "
               f"{_fmt(r.get('gbps'), '8.0f')} {_fmt(r.get('pct_ceiling'), '6.1f')} {_fmt(r.get('pct_of_floor'), '7.1f')} "
-              f"{_fmt(r.get('speedup_vs_ref'), '9.2f')} {_fmt(r.get('rel_diff'), '8.1e')} {_fmt(r.get('sm_mhz'), '7.0f')}")
+              f"{_fmt(r.get('speedup_vs_ref'), '9.2f')} {_fmt(r.get('rel_diff'), '8.1e')} {_fmt(r.get('sm_mhz'), '7.0f')} "
+              f"{_fmt(r.get('watts'), '5.0f')}")
 
 
 def run_gpu(suite, cases, providers, args) -> list[dict]:
@@ -149,6 +150,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                          bench_cuda(fn, flush_mode=args.flush))
                 t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
                 t["sm_mhz"] = clock.median()            # the SM clock while it was timed (nvidia-smi)
+                t["watts"] = clock.median_watts()       # and the board's power
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)

@@ -112,11 +112,12 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
 
 
 class SmClock:
-    """The SM clock (MHz) while a block runs: `nvidia-smi --loop-ms` samples it every `period_ms` in the
-    background; median() is their median, None where nvidia-smi is missing or gave nothing. The eager
-    bench's back-to-back FP8 prefill runs the H200 at its power limit, 1440-1515 MHz against ~1.75 GHz
-    under the profiler's 20 calls (bench/NOTES.md "Session 31"): the clock each provider ran at is what
-    tells a slower kernel from a slower GPU."""
+    """The SM clock (MHz) and board power (W) while a block runs: `nvidia-smi --loop-ms` samples both every
+    `period_ms` in the background; median() and median_watts() are their medians, None where nvidia-smi
+    is missing or gave nothing. The eager bench's back-to-back FP8 prefill runs the H200 at its power
+    limit, 1440-1515 MHz against ~1.75 GHz under the profiler's 20 calls (bench/NOTES.md "Session 31"):
+    the clock each provider ran at is what tells a slower kernel from a slower GPU, and its power what
+    the kernel costs under that limit."""
 
     def __init__(self, device: int = 0, period_ms: int = 50):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -124,12 +125,13 @@ class SmClock:
         self.gpu = ids[device] if device < len(ids) else str(device)     # nvidia-smi's index (or UUID)
         self.period_ms = period_ms
         self.samples: list[int] = []
+        self.watts: list[float] = []
         self._proc = None
 
     def __enter__(self):
         exe = shutil.which("nvidia-smi")
         if exe is not None:
-            query = [exe, "-i", self.gpu, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+            query = [exe, "-i", self.gpu, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                      f"--loop-ms={self.period_ms}"]
             self._proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
@@ -138,11 +140,21 @@ class SmClock:
         if self._proc is not None:
             self._proc.terminate()
             out, _ = self._proc.communicate()
-            self.samples = [int(x) for x in out.split() if x.isdigit()]
+            for line in out.splitlines():                  # "1755, 412.33" ([N/A] where a field is unknown)
+                mhz, _, watts = (f.strip() for f in line.partition(","))
+                if mhz.isdigit():
+                    self.samples.append(int(mhz))
+                    try:
+                        self.watts.append(float(watts))
+                    except ValueError:
+                        pass
         return False
 
     def median(self) -> float | None:
         return statistics.median(self.samples) if self.samples else None
+
+    def median_watts(self) -> float | None:
+        return statistics.median(self.watts) if self.watts else None
 
 
 def measure_copy_gbps(nbytes: int = 1 << 30) -> float:

@@ -200,20 +200,21 @@ def test_bench_times_without_value_checks(monkeypatch):
 
 
 def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
-    """bench.timing.SmClock: the median of the SM clock nvidia-smi streams while the block runs, asked
-    for the GPU CUDA_VISIBLE_DEVICES maps the device to; None where there is no nvidia-smi."""
+    """bench.timing.SmClock: the medians of the SM clock and the power nvidia-smi streams while the block
+    runs, asked for the GPU CUDA_VISIBLE_DEVICES maps the device to; None where there is no nvidia-smi."""
     import time
 
     from bench.timing import SmClock
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nprintf "1755\\n1410\\n1980\\n"\nexec sleep 30\n')
+    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nprintf "1755, 412.5\\n1410, 690.25\\n1980, [N/A]\\n"\nexec sleep 30\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     with SmClock(device=1) as clock:
         time.sleep(0.5)
     assert clock.samples == [1755, 1410, 1980] and clock.median() == 1755
+    assert clock.watts == [412.5, 690.25] and clock.median_watts() == 551.375
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with SmClock() as clock:
