@@ -4,9 +4,10 @@
     python -m bench.op mla --shape decode --plot
     python -m bench.op OP --shape PRESET --providers tilecraft,flash_mla --out bench/results
 
-On a GPU: median and min of CUDA-event-timed runs (L2 flushed before each; a wide gap between the
-two usually means host work inside the timed region; timed calls skip the checks that read tensor
-values, TILECRAFT_CHECK_VALUES=0, after one checked call), TFLOP/s, GB/s, % of the card's ceiling,
+On a GPU (after compiling the run's kernels in --jobs processes, bench/warm.py): median and min of
+CUDA-event-timed runs (L2 flushed before each; a wide gap between the two usually means host work
+inside the timed region; timed calls skip the checks that read tensor values,
+TILECRAFT_CHECK_VALUES=0, after one checked call), TFLOP/s, GB/s, % of the card's ceiling,
 the floor and what sets it, each provider's speed relative to the reference provider, and how far
 each provider's output is from the first provider's on the same inputs (`rel err`: a peer that is
 fast because it computes something else shows here); CSV + JSON with GPU name, versions and time.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from bench import roofline
 from bench.timing import FLUSH_MODES, SmClock
+from bench.warm import warm_and_say
 from bench import suites as suite_registry
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -115,6 +117,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
     from bench.timing import bench_cuda, bench_graph, measure_copy_gbps
 
     name = gpu_name()
+    warm_and_say(suite.name, args.shape, [p.name for p in providers], args.jobs)
     ceil = roofline.ceilings_for(name)
     if args.measure_ceilings or name not in roofline.KNOWN:
         copy = measure_copy_gbps()
@@ -302,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write",
                     help="how the L2 is flushed before each call: write (zero-fill; the committed results) or "
                          "read (a sum: no dirty lines left to write back during the call)")
+    ap.add_argument("--jobs", type=int, default=8,
+                    help="GPU runs: processes that compile the run's kernels ahead of the timing (1: none)")
     args = ap.parse_args(argv)
     try:
         suite = suite_registry.get(args.op)

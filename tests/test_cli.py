@@ -220,3 +220,21 @@ def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
     with SmClock() as clock:
         pass
     assert clock.median() is None
+
+
+def test_warm_calls_each_case_and_provider_in_worker_processes(monkeypatch, tmp_path):
+    """bench.warm (bench.op --jobs): every (case, provider) of the run called once in spawned workers,
+    in order, a failing one reported with its error; nothing with one job or with the disk cache off
+    (the workers' compiles would not reach the timing process)."""
+    from bench.warm import warm
+
+    monkeypatch.setenv("TILECRAFT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILECRAFT_DISABLE_DISK_CACHE", raising=False)
+    done = warm("rmsnorm", "small", ["torch", "nope"], jobs=2, device="cpu")
+    labels = ["rows=1 hidden=512 bfloat16", "rows=7 hidden=512 bfloat16"]
+    assert [(c, p) for c, p, _ in done] == [(c, p) for c in labels for p in ("torch", "nope")]
+    assert [err for _, p, err in done if p == "torch"] == [None, None]
+    assert all("no provider 'nope'" in err for _, p, err in done if p == "nope")
+    assert warm("rms_norm", "small", ["torch"], jobs=1, device="cpu") == []
+    monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
+    assert warm("rms_norm", "small", ["torch"], jobs=2, device="cpu") == []
