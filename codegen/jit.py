@@ -169,11 +169,11 @@ _launch_sets: dict = {}
 
 
 def launchers(key, build):
-    """build() once per key (and per rules.state(): rule changes and rule switches): an op's hot path
-    keeps the kernel launchers it needs under a plain tuple key, so an eager call pays one dict lookup instead of a
+    """build() once per key and rules.state() (rule changes, rule switches): an op's hot path keeps the
+    kernel launchers it needs under a plain tuple key, so an eager call pays one dict lookup instead of a
     compile-cache lookup per kernel (keyword binding, a sorted key; bench/NOTES.md "eager host cost").
     The key must name everything build() depends on (target, kernel parameters)."""
-    full = (key, rules.state())             # (a switch flipped back and forth, as a bench provider does: two entries)
+    full = (key, rules.state())             # (a switch flipped back and forth by a bench provider: two entries)
     hit = _launch_sets.get(full)
     if hit is None:
         if len(_launch_sets) >= 4096:       # keys that vary call to call (a GEMM's m)
