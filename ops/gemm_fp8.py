@@ -923,12 +923,6 @@ TILES_192 = True
 # sfa_ring; 12 KB instead of 64 KB at k = 16384: 4 stages instead of 3). 0: staged whole
 SFA_RING = 8
 SFA_RING_SLOTS = 3
-# the thin plans (THIN_TILES) with sfa in chunks of THIN_SFA_RING K blocks by the producer too, where that
-# gives them more stages (up to THIN_STAGES and the ring's THIN_SFA_RING + 2): 128x4096x7168 and
-# 64x7168x16384 then run 13 stages, DeepGEMM's depth for their 64 x 64 tiles, instead of 12 and 11 (sfa
-# staged whole is 14 / 32 KB; the ring 9 KB). 0: off. Built and checked on CPU in session 31, not yet run
-# on a GPU: off
-THIN_SFA_RING = 0
 # one tile a block, one split, not sorted, more tiles than SMs: blocks take their tiles in groups of
 # RASTER m tiles, down each group's m tiles first (fp8_gemm_program raster), instead of row-major
 # order, in which a wave reads every n tile of B. 1 (row-major): at 8, prefill read 656 MB from DRAM
@@ -956,8 +950,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
 
     THIN_TILES (thin, default THIN_TILES): where split-K would be used and the one-wave thin tiling
     (thin_tiles: block_m 64 even for 128 rows) is THIN_WIDTHS wide, those tiles instead, with up to
-    THIN_STAGES stages and THIN_THREADS MMA threads ("threads" in the plan when not 256); with
-    THIN_SFA_RING, sfa in chunks by the producer ("sfa_ring") where that buys stages.
+    THIN_STAGES stages and THIN_THREADS MMA threads ("threads" in the plan when not 256).
 
     clusters(cluster, threads, smem_bytes): how many clusters of `cluster` such blocks the GPU runs at
     once (backends.cuda.device.max_active_clusters), None where unknown. With CLUSTER_FOLD a split-K
@@ -988,11 +981,6 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
     p = dict(block_m=block_m, block_n=block_n, splits=splits, stages=stages)
     if thin_plan and THIN_THREADS != 256:
         p["threads"] = THIN_THREADS
-    if thin_plan and THIN_SFA_RING and kb % 4 == 0:
-        ring = SFA_RING_SLOTS * block_m * THIN_SFA_RING * 4
-        ringed = min(most, THIN_SFA_RING + 2, (SMEM_BUDGET - kb * 4 - ring) // stage_bytes)
-        if ringed > stages:
-            p.update(stages=ringed, sfa_ring=THIN_SFA_RING)
     if overlap:
         p["overlap"] = True
         if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
@@ -1167,7 +1155,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING, THIN_SFA_RING,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

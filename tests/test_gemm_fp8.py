@@ -299,34 +299,6 @@ def test_plan_folds_split_k_in_clusters_only_where_they_all_fit(monkeypatch):
     assert plan("dense", 64, 2112, 7168, 64, overlap=True, clusters=room(33))["cluster"] is True
 
 
-def test_thin_plans_take_the_sfa_ring_where_it_buys_stages(monkeypatch):
-    """THIN_SFA_RING: a thin plan whose sfa staged whole costs it stages has the producer load sfa in chunks
-    instead (128x4096x7168: 12 -> 13 stages, 64x7168x16384: 11 -> 13, as many as fit and at most the ring's
-    chunk + 2); the 16-stage thin plans and the others stay. The kernel: the producer TMAs the chunks, the
-    MMA warpgroup reads no sfa from global memory, no spills."""
-    from ops import gemm_fp8
-    from ops.gemm_fp8 import fp8_gemm_program, plan
-
-    shapes = [("dense", 128, 4096, 7168, 128), ("dense", 64, 7168, 16384, 64), ("dense", 64, 4096, 7168, 64),
-              ("dense", 128, 2112, 7168, 128), ("dense", 128, 24576, 1536, 128), ("dense", 128, 7168, 16384, 128)]
-    before = [plan(*s) for s in shapes]
-    monkeypatch.setattr(gemm_fp8, "THIN_SFA_RING", 12)
-    after = [plan(*s) for s in shapes]
-    assert [(p["stages"], p.get("sfa_ring")) for p in before[:2]] == [(12, None), (11, None)]
-    assert [(p["stages"], p["sfa_ring"]) for p in after[:2]] == [(13, 12), (13, 12)]
-    assert {k: v for k, v in after[0].items() if k not in ("stages", "sfa_ring")} == \
-        {k: v for k, v in before[0].items() if k != "stages"}
-    assert after[2:] == before[2:]
-    ring = gemm_fp8.SFA_RING_SLOTS * 64 * 12 * 4
-    assert 56 * 4 + ring + 13 * (64 + 64) * 128 <= gemm_fp8.SMEM_BUDGET
-    src = fp8_gemm_program.source("sm_90a", n=4096, k=7168, mode="dense", stage_c=True, **after[0])
-    producer = src[src.index("warpgroup_reg_dealloc"):src.index("warpgroup_reg_alloc")]
-    consumer = src[src.index("warpgroup_reg_alloc"):]
-    assert "tma_load(SFA_desc" in producer and "SFA_desc" not in consumer and "SFA[" not in src
-    sass = _tma_wgmma_sass(src, "QGMMA")
-    assert "QGMMA.64x64x32" in sass
-
-
 def test_plan_thin_tiles_fill_one_wave_without_split_k(monkeypatch):
     """THIN_TILES: where the default plan splits K and the one-wave thin tiling is 32 or 64 wide,
     DeepGEMM-like thin tiles instead (no split, no reduce kernel, deep pipelines); 16-wide tilings and
@@ -1162,29 +1134,6 @@ def test_gpu_192_wide_tiles_match_128_wide(monkeypatch, case):
     assert_elementwise(wide, ref)
     narrow = run(call, block_n=128, persistent=False)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(128, 4096, 7168), (100, 4096, 7168), (64, 7168, 16384)])
-def test_gpu_thin_sfa_ring_matches_sfa_staged_whole(monkeypatch, m, n, k):
-    """THIN_SFA_RING: the thin plan with sfa in chunks of 12 K blocks by the producer (13 stages) gives the
-    bits of the thin plan with sfa staged whole: chunk tails (56 and 128 K blocks) and a row tail."""
-    from ops import gemm_fp8
-
-    g = torch.Generator().manual_seed(m + n)
-    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
-    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
-    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
-    whole = ops.fp8_gemm_nt(*dev).cpu()
-    plans = []
-    compile_ = gemm_fp8.fp8_gemm_program.compile
-    monkeypatch.setattr(gemm_fp8, "THIN_SFA_RING", 12)
-    monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", lambda *a, **p: plans.append(p) or compile_(*a, **p))
-    ringed = ops.fp8_gemm_nt(*dev).cpu()
-    assert [(p.get("sfa_ring"), p["stages"], p.get("threads")) for p in plans] == [(12, 13, 128)]
-    assert calc_diff(ringed, ref) < 1e-3
-    assert_elementwise(ringed, ref)
-    torch.testing.assert_close(ringed, whole, rtol=0, atol=0)
 
 
 def _wide_grid(case):

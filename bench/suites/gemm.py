@@ -182,14 +182,6 @@ def tilecraft_wide_persistent(case, i):
     return _with_flag(gemm_fp8, "WIDE_PERSISTENT", True)(case, i)
 
 
-def tilecraft_thin_ring(case, i):
-    """The op with ops.gemm_fp8.THIN_SFA_RING = 12: the thin plans whose sfa staged whole costs stages load it
-    in chunks by the producer instead (13 stages at 128x4096x7168 and 64x7168x16384), against the default."""
-    from ops import gemm_fp8
-
-    return _with_flag(gemm_fp8, "THIN_SFA_RING", 12)(case, i)
-
-
 def tilecraft_tile(case, i):
     """The op with decode-sized m kept on the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off): the
     previous MXFP4 decode path, against the swapped register-decode kernel in the same run."""
@@ -311,7 +303,6 @@ SUITE = Suite(
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
-               Provider("tilecraft-thin-ring", tilecraft_thin_ring, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
