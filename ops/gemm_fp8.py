@@ -56,7 +56,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
                      persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1,
-                     sfa_ring: int = 0):
+                     sfa_ring: int = 0, multicast_b: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -91,6 +91,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     multicast=True (the v3 loop, one split, an even number of n tiles; not the sorted layout): blocks
     run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
     multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
+    multicast_b=True (the same, dense layout, an even number of m tiles): clusters of two m-neighbours
+    of one n tile share each B tile (share_b=2): a third fewer at 128 x 256 (B is two thirds of a
+    K block's bytes there). The caller keeps the m tile count even (rows are dynamic: _launch checks).
 
     stage_c=True (one split, no cluster; CUDA: it orders the MMA threads with tile.barrier): the
     epilogue writes the tile of C (zeros and all, as the layout wants) into a shared staging tile,
@@ -153,12 +156,16 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if persistent and block_n == 192:
         raise ValueError("block_n=192 runs one tile a CTA (its column passes' rows of sfb are not one slice of "
                          "SFB, which a persistent CTA copies by cp.async): persistent=False")
-    if persistent and (not overlap or splits > 1 or cluster or multicast or trace or fold or not stage_c
+    if persistent and (not overlap or splits > 1 or cluster or multicast or multicast_b or trace or fold or not stage_c
                        or mode == "sorted"):
         raise ValueError(f"persistent=True runs the v3 loop's one-split tiles back to back: it needs overlap=True, "
                          f"splits=1, stage_c=True, no cluster, multicast, trace or fold and a layout other than "
                          f"sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, cluster={cluster}, "
                          f"multicast={multicast}, trace={trace}, fold={fold}, mode={mode!r}")
+    if multicast_b and (multicast or not overlap or splits > 1 or cluster or mode != "dense" or raster > 1):
+        raise ValueError(f"multicast_b=True shares B between two m tiles in the v3 loop: it needs overlap=True, "
+                         f"splits=1, no cluster, A multicast or raster and the dense layout, got overlap={overlap}, "
+                         f"splits={splits}, cluster={cluster}, multicast={multicast}, raster={raster}, mode={mode!r}")
     if raster > 1 and (splits > 1 or persistent or mode == "sorted"):
         raise ValueError(f"raster={raster} groups one-split tiles of a one-tile-a-block grid: it needs splits=1, "
                          f"persistent=False and a layout other than sorted, got splits={splits}, "
@@ -213,10 +220,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                              stages, threads, sms, early, height, per_group, rows, groups)
         else:
             extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
-            # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
+            # clusters: a tile's split blocks (cluster), two n-neighbours sharing A (multicast) or two
+            # m-neighbours sharing B (multicast_b)
             with _grid(m_tiles * n_tiles * splits, threads + extra,
-                       splits if cluster else (2 if multicast else 1)) as bid:
-                if raster > 1:
+                       splits if cluster else (2 if multicast or multicast_b else 1)) as bid:
+                if multicast_b:                       # pair u: m tiles 2 (u // n_tiles) and the next, n tile u % n_tiles
+                    tm, tn, ts = (bid // 2 // n_tiles) * 2 + bid % 2, bid // 2 % n_tiles, 0
+                elif raster > 1:
                     (tm, tn), ts = _rastered(bid, m_tiles, n_tiles, raster, 2 if multicast else 1), 0
                 else:
                     tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
@@ -311,7 +321,8 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                            prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                       lambda: _finish_scales(scales, mine, per)) if split_prologue
                                                      else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
-                                           share_a=2 if multicast else 1, mark=mark,
+                                           share_a=2 if multicast else 1, share_b=2 if multicast_b else 1,
+                                           mark=mark,
                                            side=(sfa_ring, chunk, sfa_s) if sfa_ring else None,
                                            # the tile of C in the out dtype, rows padded (stage_c)
                                            epilogue_stage=(((block_m * (block_n + C_PAD),), out_dtype) if stage_c
@@ -859,6 +870,12 @@ CLUSTER_FOLD = False
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
+# ... and clusters of two m-neighbours load each B tile once (fp8_gemm_program multicast_b=True; dense, an
+# even number of m tiles; where MULTICAST is off): a third fewer bytes from L2 at 128 x 256 against A
+# multicast's sixth. Under the eager prefill's power limit our kernel ran ~3% under DeepGEMM's clock,
+# whose 256 x 128 tiles with A multicast move as few (bench/NOTES.md "Session 31"). Built and checked
+# on CPU in session 31, not yet run on a GPU: off
+MULTICAST_B = False
 # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang); the thin plans run 128
 # MMA threads (THIN_THREADS) and never ask for cluster room, the one use of this count
 GRID_THREADS = 384
@@ -985,6 +1002,8 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         p["overlap"] = True
         if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
             p["multicast"] = True
+        elif MULTICAST_B and splits == 1 and mode == "dense" and -(-rows // block_m) % 2 == 0 and tiles >= 2 * sms:
+            p["multicast_b"] = True
     if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
         if room is not None and room >= tiles:
@@ -1032,7 +1051,8 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     copies an sfa view that does not start 16-byte aligned)."""
     narrow, thirds = (-(-rows // p["block_m"]) * (n // w) * groups for w in (128, 192))
     if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_n"] == 128 and "threads" not in p
-            and not p.get("multicast") and n % 192 == 0 and mode == "dense" and out_bytes == 2
+            and not p.get("multicast") and not p.get("multicast_b") and n % 192 == 0 and mode == "dense"
+            and out_bytes == 2
             and thirds <= sms < narrow):
         kb = k // GROUP
         stages = min(OVERLAP_STAGES, (WIDE_SMEM - (column_passes(192) + p["block_m"]) * kb * 4)
@@ -1136,15 +1156,18 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
         waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
-                     and not p.get("multicast") and mode != "sorted")
+                     and not p.get("multicast") and not p.get("multicast_b") and mode != "sorted")
         if p["persistent"]:
             p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
             p.setdefault("sms", sms)
             p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
             p = _fit_persistent(p, k, out2.element_size())
-        if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
-                and -(-rows // p["block_m"]) * groups > RASTER):
+        if (RASTER > 1 and not p["persistent"] and not p.get("multicast_b") and p["splits"] == 1 and mode != "sorted"
+                and tiles > sms and -(-rows // p["block_m"]) * groups > RASTER):
             p.setdefault("raster", RASTER)
+        if p.get("multicast_b") and -(-rows // p["block_m"]) % 2:
+            raise ValueError(f"multicast_b=True pairs m tiles: {rows} rows make {-(-rows // p['block_m'])} tiles of "
+                             f"{p['block_m']}, an odd count")
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
@@ -1155,7 +1178,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING, MULTICAST_B,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
