@@ -56,7 +56,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
                      persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1,
-                     sfa_ring: int = 0, multicast_b: bool = False):
+                     sfa_ring: int = 0, multicast_b: bool = False, b_2d: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -91,6 +91,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     multicast=True (the v3 loop, one split, an even number of n tiles; not the sorted layout): blocks
     run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
     multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
+    b_2d=True: B is bound as its (groups * n, k) rows, so that its TMA descriptor is two-dimensional
+    like A's (group g's rows from g * n; a tile never crosses a group: n % block_n == 0).
+
     multicast_b=True (the same, dense layout, an even number of m tiles): clusters of two m-neighbours
     of one n tile share each B tile (share_b=2): a third fewer at 128 x 256 (B is two thirds of a
     K block's bytes there). The caller keeps the m tile count even (rows are dynamic: _launch checks).
@@ -200,11 +203,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     c_shape = (groups, max_m, n) if masked else (rows, n)
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
     counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
+    b_rows = T.dynamic("b_rows") if b_2d else None              # b_2d: groups * n
     @T.prim_func
     def fp8_gemm_nt(
         A: T.Tensor(a_shape, "float8_e4m3fn"),
         SFA: T.Tensor(sfa_shape, "float32"),
-        B: T.Tensor((groups, n, k), "float8_e4m3fn"),
+        B: T.Tensor((b_rows, k) if b_2d else (groups, n, k), "float8_e4m3fn"),
         SFB: T.Tensor((groups, nb, kb), "float32"),
         MIdx: T.Tensor(midx_shape, "int32"),    # contiguous: expert of each row; sorted: work items
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
@@ -224,7 +228,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             # m-neighbours sharing B (multicast_b)
             with _grid(m_tiles * n_tiles * splits, threads + extra,
                        splits if cluster else (2 if multicast or multicast_b else 1)) as bid:
-                if multicast_b:                       # pair u: m tiles 2 (u // n_tiles) and the next, n tile u % n_tiles
+                if multicast_b:         # pair u: m tiles 2 (u // n_tiles) and the next, n tile u % n_tiles
                     tm, tn, ts = (bid // 2 // n_tiles) * 2 + bid % 2, bid // 2 % n_tiles, 0
                 elif raster > 1:
                     (tm, tn), ts = _rastered(bid, m_tiles, n_tiles, raster, 2 if multicast else 1), 0
@@ -302,7 +306,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     loads = lambda blk: (  # noqa: E731
                         A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                         else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
-                        B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
+                        _b_tile(B, g, n, tn * block_n, block_n, (k0 + blk) * GROUP, b_2d))
                     scales = (SFA, SFB, None if sfa_ring else sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first,
                               height, k0, kb, tn, block_n)
                     chunk = lambda c: _sfa_chunk(SFA, masked, g, row0, block_m, kb, sfa_ring, c)  # noqa: E731
@@ -339,7 +343,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                             tile.copy(A[g, row0, kk * GROUP], a_s)
                         else:
                             tile.copy(A[row0, kk * GROUP], a_s)
-                        tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
+                        if b_2d:
+                            tile.copy(B[g * n + tn * block_n, kk * GROUP], b_s)
+                        else:
+                            tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
                         with tile.vector():
                             for i in tile.parallel(mine):
                                 scale[i] = ahead_a[i] * ahead_b[i]
@@ -402,7 +409,7 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
                 "loads": lambda blk: (
                     A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
-                    B[g, tn * block_n:(tn + 1) * block_n, blk * GROUP:(blk + 1) * GROUP]),
+                    _b_tile(B, g, n_tiles * block_n, tn * block_n, block_n, blk * GROUP, len(B.shape) == 2)),
                 "prologue": lambda: _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb),
                 "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None,
                                                       by_pass=True)}
@@ -434,6 +441,13 @@ def staged_columns(block_n: int) -> int:
     """Columns of C a persistent CTA stages at once: the tile's, or one column pass's (the staged C of a
     128 x 256 tile would not fit beside the stages being refilled)."""
     return pass_width(block_n) if block_n > GROUP else block_n
+
+
+def _b_tile(B, g, n, row, rows, col, b_2d):
+    # B's tile of `rows` rows from `row` of group g, one K block from column col
+    if b_2d:
+        return B[g * n + row:g * n + row + rows, col:col + GROUP]
+    return B[g, row:row + rows, col:col + GROUP]
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -876,6 +890,12 @@ MULTICAST = False
 # whose 256 x 128 tiles with A multicast move as few (bench/NOTES.md "Session 31"). Built and checked
 # on CPU in session 31, not yet run on a GPU: off
 MULTICAST_B = False
+# CUDA: B bound as its (groups * n, k) rows (fp8_gemm_program b_2d=True), so its TMA descriptor is 2-D like
+# A's and DeepGEMM's, instead of (groups, n, k) 3-D. At 128x4096x7168 our stream reached the L2 with 20%
+# more requests than DeepGEMM's for the same tiles and bytes (bench/NOTES.md "Session 31"); whether the 3-D
+# box is the difference is what this measures. Built and checked on CPU in session 31, not yet run on a
+# GPU: off
+B_2D = False
 # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang); the thin plans run 128
 # MMA threads (THIN_THREADS) and never ask for cluster room, the one use of this count
 GRID_THREADS = 384
@@ -1170,19 +1190,21 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
                              f"{p['block_m']}, an odd count")
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
+        p.setdefault("b_2d", B_2D and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
         counters = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 0
         folded = p["fold"] or p.get("cluster", False)
-        return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
+        return (p["splits"], counters, p["b_2d"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING, MULTICAST_B,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING, MULTICAST_B, B_2D,
            tuple(sorted(override.items())) if override else (), out2.dtype)
-    splits, counters, kernel, reduce = jit.launchers(key, build)
+    splits, counters, b_2d, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
-    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count)
+    b = b3.view(-1, k) if b_2d else b3                  # (b_2d: B's rows of every group, one 2-D descriptor)
+    launch_split_k(kernel, reduce, (a2, sfa2, b, sfb3, m_idx, masked_m), out2, splits, count)
 
 
 def _check_out(out, shape, device):

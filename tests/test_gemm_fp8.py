@@ -947,6 +947,40 @@ def test_gpu_multicast_b_matches_unicast(block_n):
             gemm_fp8.MULTICAST_B = False
 
 
+def test_b_2d_binds_b_as_rows_with_a_two_dimensional_descriptor():
+    """b_2d=True: B bound as (groups * n, k) rows; every B tile's TMA takes (column, g * n + row) (the
+    contiguous layout's group offset in the row); the dense wide kernel's SASS has no 3-D TMA left and
+    no spills. (The contiguous wide kernel spills 8 bytes with either descriptor.)"""
+    params = dict(n=4096, k=7168, block_n=256, overlap=True, stage_c=True, stages=4, b_2d=True)
+    src = fp8_gemm_program.source("sm_90a", mode="contiguous", **params)
+    loads = re.findall(r"tma_load\(B_desc, [^;]*", src)
+    assert loads and all(re.search(r"\(s \* 128\), \(\(g \* 4096\) \+ ", x) for x in loads), loads
+    sass = _tma_wgmma_sass(fp8_gemm_program.source("sm_90a", **params), "QGMMA")
+    assert "UTMALDG.2D" in sass and "UTMALDG.3D" not in sass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["thin", "wide", "192", "persistent", "split", "contiguous", "masked"])
+def test_gpu_b_2d_matches_b_3d(monkeypatch, case):
+    """B_2D: B's rows through a 2-D TMA descriptor give the bits of the 3-D one, on each plan family:
+    thin tiles, 128 x 256 (sfa ring), 192 wide, persistent CTAs, split-K, and both grouped layouts."""
+    g = torch.Generator().manual_seed(len(case))
+    if case in ("contiguous", "masked"):
+        call, check = _grouped_case(case, g)
+        ref = check(_forced(monkeypatch, call))
+        assert torch.equal(check(_forced(monkeypatch, call, b_2d=True)), ref)
+        return
+    m, n, k, force = {"thin": (128, 4096, 7168, {}), "wide": (1024, 2048, 4096, dict(block_n=256, stages=4, sfa_ring=4)),
+                      "192": (128, 24576, 1536, {}), "persistent": (300, 1024, 1536, dict(persistent=True, sms=3)),
+                      "split": (64, 2112, 7168, {})}[case]
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
+    ref = _forced(monkeypatch, call, **force)
+    assert not ref.isnan().any()
+    assert torch.equal(_forced(monkeypatch, call, b_2d=True, **force), ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
 def test_gpu_multicast_matches_unicast(mode):
