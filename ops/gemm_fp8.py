@@ -91,12 +91,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     multicast=True (the v3 loop, one split, an even number of n tiles; not the sorted layout): blocks
     run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
     multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
-    b_2d=True: B is bound as its (groups * n, k) rows, so that its TMA descriptor is two-dimensional
-    like A's (group g's rows from g * n; a tile never crosses a group: n % block_n == 0).
-
     multicast_b=True (the same, dense layout, an even number of m tiles): clusters of two m-neighbours
     of one n tile share each B tile (share_b=2): a third fewer at 128 x 256 (B is two thirds of a
     K block's bytes there). The caller keeps the m tile count even (rows are dynamic: _launch checks).
+
+    b_2d=True: B is bound as its (groups * n, k) rows, so that its TMA descriptor is two-dimensional
+    like A's (group g's rows from g * n; a tile never crosses a group: n % block_n == 0).
 
     stage_c=True (one split, no cluster; CUDA: it orders the MMA threads with tile.barrier): the
     epilogue writes the tile of C (zeros and all, as the layout wants) into a shared staging tile,
@@ -159,12 +159,13 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if persistent and block_n == 192:
         raise ValueError("block_n=192 runs one tile a CTA (its column passes' rows of sfb are not one slice of "
                          "SFB, which a persistent CTA copies by cp.async): persistent=False")
-    if persistent and (not overlap or splits > 1 or cluster or multicast or multicast_b or trace or fold or not stage_c
-                       or mode == "sorted"):
+    if persistent and (not overlap or splits > 1 or cluster or multicast or multicast_b or trace or fold
+                       or not stage_c or mode == "sorted"):
         raise ValueError(f"persistent=True runs the v3 loop's one-split tiles back to back: it needs overlap=True, "
-                         f"splits=1, stage_c=True, no cluster, multicast, trace or fold and a layout other than "
-                         f"sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, cluster={cluster}, "
-                         f"multicast={multicast}, trace={trace}, fold={fold}, mode={mode!r}")
+                         f"splits=1, stage_c=True, no cluster, multicast (of A or B), trace or fold and a layout "
+                         f"other than sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, "
+                         f"cluster={cluster}, multicast={multicast}, multicast_b={multicast_b}, trace={trace}, "
+                         f"fold={fold}, mode={mode!r}")
     if multicast_b and (multicast or not overlap or splits > 1 or cluster or mode != "dense" or raster > 1):
         raise ValueError(f"multicast_b=True shares B between two m tiles in the v3 loop: it needs overlap=True, "
                          f"splits=1, no cluster, A multicast or raster and the dense layout, got overlap={overlap}, "

@@ -278,9 +278,9 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0,
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
     each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
-    once both blocks' MMA threads have released the slot; share_b = 2: the same for B. ramp > 0: the first `ramp` steps are
-    asked for alone, the rest once step 0's tiles have landed (every block's first tiles then
-    queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7").
+    once both blocks' MMA threads have released the slot; share_b = 2: the same for B. ramp > 0: the
+    first `ramp` steps are asked for alone, the rest once step 0's tiles have landed (every block's
+    first tiles then queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7").
     elected (full barriers of count 32): only the warpgroup's first warp waits and arrives; its
     elected lane issues the copies (TileLang's tma_copy elects one; it registers the bytes before
     its own arrival, so no phase completes without them); the other warps are done after the
