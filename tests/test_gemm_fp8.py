@@ -949,14 +949,15 @@ def test_gpu_multicast_b_matches_unicast(block_n):
 
 def test_b_2d_binds_b_as_rows_with_a_two_dimensional_descriptor():
     """b_2d=True: B bound as (groups * n, k) rows; every B tile's TMA takes (column, g * n + row) (the
-    contiguous layout's group offset in the row); the dense wide kernel's SASS has no 3-D TMA left and
-    no spills. (The contiguous wide kernel spills 8 bytes with either descriptor.)"""
-    params = dict(n=4096, k=7168, block_n=256, overlap=True, stage_c=True, stages=4, b_2d=True)
-    src = fp8_gemm_program.source("sm_90a", mode="contiguous", **params)
+    contiguous layout's group offset in the row), and the SASS has no 3-D TMA left, no WGMMA
+    serialized. (This contiguous 128 x 256 kernel spills 8 bytes with either descriptor.)"""
+    src = fp8_gemm_program.source("sm_90a", mode="contiguous", n=4096, k=7168, block_n=256, overlap=True,
+                                  stage_c=True, stages=4, b_2d=True)
     loads = re.findall(r"tma_load\(B_desc, [^;]*", src)
     assert loads and all(re.search(r"\(s \* 128\), \(\(g \* 4096\) \+ ", x) for x in loads), loads
-    sass = _tma_wgmma_sass(fp8_gemm_program.source("sm_90a", **params), "QGMMA")
-    assert "UTMALDG.2D" in sass and "UTMALDG.3D" not in sass
+    sass, log = _sass_and_ptxas_log(src)
+    assert "UTMALDG.2D" in sass and "UTMALDG.3D" not in sass and "QGMMA" in sass
+    assert "C7514" not in log and "C7517" not in log
 
 
 @pytest.mark.gpu
