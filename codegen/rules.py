@@ -43,8 +43,8 @@ _rules: dict[str, dict[str, Rule]] = {}
 _docs: dict[str, str] = {}
 _generation = 0
 _builtins_loaded = False
-_options: list[tuple[object, str]] = []       # (module, name) of the rule modules' declared switches
-_option_modules: list = []                    # the same, as two lists (state() maps getattr over them)
+# the rule modules' declared switches: module i's name i (two lists: state() maps getattr over them)
+_option_modules: list = []
 _option_names: list[str] = []
 
 
@@ -181,8 +181,7 @@ def options(module: str, *names: str) -> None:
         if not hasattr(mod, name):
             raise ValueError(f"{module} has no switch {name!r} to declare")
         with _lock:
-            if (mod, name) not in _options:
-                _options.append((mod, name))
+            if (mod, name) not in zip(_option_modules, _option_names):
                 _option_modules.append(mod)
                 _option_names.append(name)
 

@@ -307,7 +307,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     loads = lambda blk: (  # noqa: E731
                         A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                         else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
-                        _b_tile(B, g, n, tn * block_n, block_n, (k0 + blk) * GROUP, b_2d))
+                        _b_tile(B, g, n, tn * block_n, block_n, (k0 + blk) * GROUP))
                     scales = (SFA, SFB, None if sfa_ring else sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first,
                               height, k0, kb, tn, block_n)
                     chunk = lambda c: _sfa_chunk(SFA, masked, g, row0, block_m, kb, sfa_ring, c)  # noqa: E731
@@ -410,7 +410,7 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
                 "loads": lambda blk: (
                     A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
-                    _b_tile(B, g, n_tiles * block_n, tn * block_n, block_n, blk * GROUP, len(B.shape) == 2)),
+                    _b_tile(B, g, n_tiles * block_n, tn * block_n, block_n, blk * GROUP)),
                 "prologue": lambda: _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb),
                 "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None,
                                                       by_pass=True)}
@@ -444,9 +444,10 @@ def staged_columns(block_n: int) -> int:
     return pass_width(block_n) if block_n > GROUP else block_n
 
 
-def _b_tile(B, g, n, row, rows, col, b_2d):
-    # B's tile of `rows` rows from `row` of group g, one K block from column col
-    if b_2d:
+def _b_tile(B, g, n, row, rows, col):
+    # B's tile of `rows` rows from `row` of group g, one K block from column col; B is (groups, n, k), or
+    # (groups * n, k) rows (fp8_gemm_program b_2d)
+    if len(B.shape) == 2:
         return B[g * n + row:g * n + row + rows, col:col + GROUP]
     return B[g, row:row + rows, col:col + GROUP]
 
