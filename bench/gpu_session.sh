@@ -50,13 +50,16 @@ fi
 shift || true
 
 model=0
+nb=0
 for job in "$@"; do
   [[ "$job" == model ]] && { model=1; continue; }
   set -- $job
   t=$(left); (( t > 20 )) || { echo "skipped bench $job: out of time"; continue; }
-  # a third word names the providers (comma-separated; experimental kernel variants run only when named)
-  timeout "$t" python3 -m bench.op "$1" --shape "$2" --out "$out" ${3:+--providers "$3"} > "$out/bench-$1-$2.log" 2>&1
-  echo "== bench $job (rc $?)"; grep -v -E "^(Warning|  warn)" "$out/bench-$1-$2.log" | tail -14
+  # a third word names the providers (comma-separated; experimental kernel variants run only when named);
+  # further words are bench.op's flags (--graph, --flush read)
+  nb=$((nb + 1)); log="$out/bench-$nb-$1-$2.log"
+  timeout "$t" python3 -m bench.op "$1" --shape "$2" --out "$out" ${3:+--providers "$3"} "${@:4}" > "$log" 2>&1
+  echo "== bench $job (rc $?)"; grep -v -E "^(Warning|  warn)" "$log" | tail -14
 done
 if (( model )); then
   t=$(left)
