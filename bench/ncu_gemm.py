@@ -1,7 +1,7 @@
 """One FP8 GEMM call inside a profiler range, with ops.gemm_fp8's switches set from the command line, for ncu:
 
     ncu --profile-from-start off --metrics lts__t_requests.sum,lts__t_sectors.sum,dram__bytes_read.sum \\
-        python -m bench.ncu_gemm 128x4096x7168 B_2D=1 [--peer deep_gemm] [--calls 2]
+        python -m bench.ncu_gemm 128x4096x7168 RASTER=2 [--peer deep_gemm] [--calls 2]
 
 The GEMM is compiled and run once before the range opens (so the range holds only its kernels), then
 called --calls times inside it. `--peer deep_gemm` runs DeepGEMM's kernel on the same inputs instead.
@@ -25,7 +25,7 @@ def _flag(text: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", help="MxNxK")
-    ap.add_argument("flags", nargs="*", help="NAME=VALUE switches of ops.gemm_fp8 (e.g. B_2D=1 RASTER=8)")
+    ap.add_argument("flags", nargs="*", help="NAME=VALUE switches of ops.gemm_fp8 (e.g. RASTER=8 MULTICAST=1)")
     ap.add_argument("--peer", choices=["deep_gemm"], default=None)
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args()

@@ -128,10 +128,27 @@ class SmClock:
         self.watts: list[float] = []
         self._proc = None
 
+    _power_field: str | None = None       # found once a process: see _power()
+
+    @classmethod
+    def _power(cls, exe: str) -> str:
+        """power.draw.instant where the driver has it: plain power.draw is a one-second average on recent
+        drivers, so the first provider timed after an idle stretch (the bench's compile-ahead) read ~210 W
+        while it ran at the power limit (session 32)."""
+        if cls._power_field is None:
+            try:
+                probe = subprocess.run([exe, "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"],
+                                       capture_output=True, text=True, timeout=10)
+                ok = probe.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+            cls._power_field = "power.draw.instant" if ok else "power.draw"
+        return cls._power_field
+
     def __enter__(self):
         exe = shutil.which("nvidia-smi")
         if exe is not None:
-            query = [exe, "-i", self.gpu, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+            query = [exe, "-i", self.gpu, f"--query-gpu=clocks.sm,{self._power(exe)}", "--format=csv,noheader,nounits",
                      f"--loop-ms={self.period_ms}"]
             self._proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self

@@ -56,7 +56,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
                      persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1,
-                     sfa_ring: int = 0, multicast_b: bool = False, b_2d: bool = False):
+                     sfa_ring: int = 0):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -91,12 +91,6 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     multicast=True (the v3 loop, one split, an even number of n tiles; not the sorted layout): blocks
     run as clusters of two n-neighbours of one m tile, and each A tile is loaded once by TMA
     multicast into both (mma_promoted_loop share_a=2): a quarter fewer bytes from L2 per K step.
-    multicast_b=True (the same, dense layout, an even number of m tiles): clusters of two m-neighbours
-    of one n tile share each B tile (share_b=2): a third fewer at 128 x 256 (B is two thirds of a
-    K block's bytes there). The caller keeps the m tile count even (rows are dynamic: _launch checks).
-
-    b_2d=True: B is bound as its (groups * n, k) rows, so that its TMA descriptor is two-dimensional
-    like A's (group g's rows from g * n; a tile never crosses a group: n % block_n == 0).
 
     stage_c=True (one split, no cluster; CUDA: it orders the MMA threads with tile.barrier): the
     epilogue writes the tile of C (zeros and all, as the layout wants) into a shared staging tile,
@@ -159,17 +153,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     if persistent and block_n == 192:
         raise ValueError("block_n=192 runs one tile a CTA (its column passes' rows of sfb are not one slice of "
                          "SFB, which a persistent CTA copies by cp.async): persistent=False")
-    if persistent and (not overlap or splits > 1 or cluster or multicast or multicast_b or trace or fold
-                       or not stage_c or mode == "sorted"):
+    if persistent and (not overlap or splits > 1 or cluster or multicast or trace or fold or not stage_c
+                       or mode == "sorted"):
         raise ValueError(f"persistent=True runs the v3 loop's one-split tiles back to back: it needs overlap=True, "
-                         f"splits=1, stage_c=True, no cluster, multicast (of A or B), trace or fold and a layout "
-                         f"other than sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, "
-                         f"cluster={cluster}, multicast={multicast}, multicast_b={multicast_b}, trace={trace}, "
-                         f"fold={fold}, mode={mode!r}")
-    if multicast_b and (multicast or not overlap or splits > 1 or cluster or mode != "dense" or raster > 1):
-        raise ValueError(f"multicast_b=True shares B between two m tiles in the v3 loop: it needs overlap=True, "
-                         f"splits=1, no cluster, A multicast or raster and the dense layout, got overlap={overlap}, "
-                         f"splits={splits}, cluster={cluster}, multicast={multicast}, raster={raster}, mode={mode!r}")
+                         f"splits=1, stage_c=True, no cluster, multicast, trace or fold and a layout other than "
+                         f"sorted, got overlap={overlap}, splits={splits}, stage_c={stage_c}, cluster={cluster}, "
+                         f"multicast={multicast}, trace={trace}, fold={fold}, mode={mode!r}")
     if raster > 1 and (splits > 1 or persistent or mode == "sorted"):
         raise ValueError(f"raster={raster} groups one-split tiles of a one-tile-a-block grid: it needs splits=1, "
                          f"persistent=False and a layout other than sorted, got splits={splits}, "
@@ -204,12 +193,11 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     c_shape = (groups, max_m, n) if masked else (rows, n)
     part_shape = (splits, rows, n) if splits > 1 else (1, 1, n)  # fp32 partials (split-K only)
     counts = T.dynamic("counts")                                # fold: arrivals per (m, n) tile
-    b_rows = T.dynamic("b_rows") if b_2d else None              # b_2d: groups * n
     @T.prim_func
     def fp8_gemm_nt(
         A: T.Tensor(a_shape, "float8_e4m3fn"),
         SFA: T.Tensor(sfa_shape, "float32"),
-        B: T.Tensor((b_rows, k) if b_2d else (groups, n, k), "float8_e4m3fn"),
+        B: T.Tensor((groups, n, k), "float8_e4m3fn"),
         SFB: T.Tensor((groups, nb, kb), "float32"),
         MIdx: T.Tensor(midx_shape, "int32"),    # contiguous: expert of each row; sorted: work items
         MaskedM: T.Tensor((groups,), "int32"),  # masked: valid rows per group; otherwise unused
@@ -225,13 +213,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                              stages, threads, sms, early, height, per_group, rows, groups)
         else:
             extra = tile.producer_threads() if overlap else 0           # sm_90a: the TMA warpgroup
-            # clusters: a tile's split blocks (cluster), two n-neighbours sharing A (multicast) or two
-            # m-neighbours sharing B (multicast_b)
+            # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
             with _grid(m_tiles * n_tiles * splits, threads + extra,
-                       splits if cluster else (2 if multicast or multicast_b else 1)) as bid:
-                if multicast_b:         # pair u: m tiles 2 (u // n_tiles) and the next, n tile u % n_tiles
-                    tm, tn, ts = (bid // 2 // n_tiles) * 2 + bid % 2, bid // 2 % n_tiles, 0
-                elif raster > 1:
+                       splits if cluster else (2 if multicast else 1)) as bid:
+                if raster > 1:
                     (tm, tn), ts = _rastered(bid, m_tiles, n_tiles, raster, 2 if multicast else 1), 0
                 else:
                     tm, tn, ts = tile.split_index(bid, (m_tiles, n_tiles, splits))
@@ -307,7 +292,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     loads = lambda blk: (  # noqa: E731
                         A[g, row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP] if masked
                         else A[row0:row0 + block_m, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP],
-                        _b_tile(B, g, n, tn * block_n, block_n, (k0 + blk) * GROUP))
+                        B[g, tn * block_n:(tn + 1) * block_n, (k0 + blk) * GROUP:(k0 + blk + 1) * GROUP])
                     scales = (SFA, SFB, None if sfa_ring else sfa_s, sfb_s, sfa_r, sfb_r, masked, g, row0, first,
                               height, k0, kb, tn, block_n)
                     chunk = lambda c: _sfa_chunk(SFA, masked, g, row0, block_m, kb, sfa_ring, c)  # noqa: E731
@@ -326,8 +311,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                            prologue=((lambda: _scales_into(scales, mine, per, sfa_r, sfb_r),
                                                       lambda: _finish_scales(scales, mine, per)) if split_prologue
                                                      else lambda: _scales_into(scales, mine, per, sfa_s, sfb_s)),
-                                           share_a=2 if multicast else 1, share_b=2 if multicast_b else 1,
-                                           mark=mark,
+                                           share_a=2 if multicast else 1, mark=mark,
                                            side=(sfa_ring, chunk, sfa_s) if sfa_ring else None,
                                            # the tile of C in the out dtype, rows padded (stage_c)
                                            epilogue_stage=(((block_m * (block_n + C_PAD),), out_dtype) if stage_c
@@ -344,10 +328,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                             tile.copy(A[g, row0, kk * GROUP], a_s)
                         else:
                             tile.copy(A[row0, kk * GROUP], a_s)
-                        if b_2d:
-                            tile.copy(B[g * n + tn * block_n, kk * GROUP], b_s)
-                        else:
-                            tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
+                        tile.copy(B[g, tn * block_n, kk * GROUP], b_s)
                         with tile.vector():
                             for i in tile.parallel(mine):
                                 scale[i] = ahead_a[i] * ahead_b[i]
@@ -410,7 +391,7 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
                 "loads": lambda blk: (
                     A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
-                    _b_tile(B, g, n_tiles * block_n, tn * block_n, block_n, blk * GROUP)),
+                    B[g, tn * block_n:(tn + 1) * block_n, blk * GROUP:(blk + 1) * GROUP]),
                 "prologue": lambda: _scales_async(SFA, SFB, sfa_s, sfb_s, masked, g, row0, tn, block_m, block_n, kb),
                 "epilogue": lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads, None,
                                                       by_pass=True)}
@@ -442,14 +423,6 @@ def staged_columns(block_n: int) -> int:
     """Columns of C a persistent CTA stages at once: the tile's, or one column pass's (the staged C of a
     128 x 256 tile would not fit beside the stages being refilled)."""
     return pass_width(block_n) if block_n > GROUP else block_n
-
-
-def _b_tile(B, g, n, row, rows, col):
-    # B's tile of `rows` rows from `row` of group g, one K block from column col; B is (groups, n, k), or
-    # (groups * n, k) rows (fp8_gemm_program b_2d)
-    if len(B.shape) == 2:
-        return B[g * n + row:g * n + row + rows, col:col + GROUP]
-    return B[g, row:row + rows, col:col + GROUP]
 
 
 def _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups):
@@ -886,18 +859,6 @@ CLUSTER_FOLD = False
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
-# ... and clusters of two m-neighbours load each B tile once (fp8_gemm_program multicast_b=True; dense, an
-# even number of m tiles; where MULTICAST is off): a third fewer bytes from L2 at 128 x 256 against A
-# multicast's sixth. Under the eager prefill's power limit our kernel ran ~3% under DeepGEMM's clock,
-# whose 256 x 128 tiles with A multicast move as few (bench/NOTES.md "Session 31"). Built and checked
-# on CPU in session 31, not yet run on a GPU: off
-MULTICAST_B = False
-# CUDA: B bound as its (groups * n, k) rows (fp8_gemm_program b_2d=True), so its TMA descriptor is 2-D like
-# A's and DeepGEMM's, instead of (groups, n, k) 3-D. At 128x4096x7168 our stream reached the L2 with 20%
-# more requests than DeepGEMM's for the same tiles and bytes (bench/NOTES.md "Session 31"); whether the 3-D
-# box is the difference is what this measures. Built and checked on CPU in session 31, not yet run on a
-# GPU: off
-B_2D = False
 # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang); the thin plans run 128
 # MMA threads (THIN_THREADS) and never ask for cluster room, the one use of this count
 GRID_THREADS = 384
@@ -1024,8 +985,6 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         p["overlap"] = True
         if MULTICAST and splits == 1 and mode != "sorted" and (n // block_n) % 2 == 0 and tiles >= 2 * sms:
             p["multicast"] = True
-        elif MULTICAST_B and splits == 1 and mode == "dense" and -(-rows // block_m) % 2 == 0 and tiles >= 2 * sms:
-            p["multicast_b"] = True
     if CLUSTER_FOLD and splits > 1 and clusters is not None and block_n % (8 * splits) == 0:
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
         if room is not None and room >= tiles:
@@ -1073,8 +1032,7 @@ def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int
     copies an sfa view that does not start 16-byte aligned)."""
     narrow, thirds = (-(-rows // p["block_m"]) * (n // w) * groups for w in (128, 192))
     if (TILES_192 and p.get("overlap") and p["splits"] == 1 and p["block_n"] == 128 and "threads" not in p
-            and not p.get("multicast") and not p.get("multicast_b") and n % 192 == 0 and mode == "dense"
-            and out_bytes == 2
+            and not p.get("multicast") and n % 192 == 0 and mode == "dense" and out_bytes == 2
             and thirds <= sms < narrow):
         kb = k // GROUP
         stages = min(OVERLAP_STAGES, (WIDE_SMEM - (column_passes(192) + p["block_m"]) * kb * 4)
@@ -1178,35 +1136,30 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
         waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
         p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
-                     and not p.get("multicast") and not p.get("multicast_b") and mode != "sorted")
+                     and not p.get("multicast") and mode != "sorted")
         if p["persistent"]:
             p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
             p.setdefault("sms", sms)
             p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
             p = _fit_persistent(p, k, out2.element_size())
-        if (RASTER > 1 and not p["persistent"] and not p.get("multicast_b") and p["splits"] == 1 and mode != "sorted"
-                and tiles > sms and -(-rows // p["block_m"]) * groups > RASTER):
+        if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
+                and -(-rows // p["block_m"]) * groups > RASTER):
             p.setdefault("raster", RASTER)
-        if p.get("multicast_b") and -(-rows // p["block_m"]) % 2:
-            raise ValueError(f"multicast_b=True pairs m tiles: {rows} rows make {-(-rows // p['block_m'])} tiles of "
-                             f"{p['block_m']}, an odd count")
         p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
                      and target.vendor == "cuda")
-        p.setdefault("b_2d", B_2D and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
         counters = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 0
         folded = p["fold"] or p.get("cluster", False)
-        return (p["splits"], counters, p["b_2d"], *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
+        return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING, MULTICAST_B, B_2D,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
-    splits, counters, b_2d, kernel, reduce = jit.launchers(key, build)
+    splits, counters, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
-    b = b3.view(-1, k) if b_2d else b3                  # (b_2d: B's rows of every group, one 2-D descriptor)
-    launch_split_k(kernel, reduce, (a2, sfa2, b, sfb3, m_idx, masked_m), out2, splits, count)
+    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count)
 
 
 def _check_out(out, shape, device):

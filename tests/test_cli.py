@@ -207,15 +207,22 @@ def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
     from bench.timing import SmClock
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nprintf "1755, 412.5\\n1410, 690.25\\n1980, [N/A]\\n"\nexec sleep 30\n')
+    # a driver without power.draw.instant refuses that field (exit 2): the plain one is asked for then
+    smi.write_text('#!/bin/sh\ncase "$*" in *loop-ms*) ;; *) [ -e "$(dirname "$0")/old" ] && exit 2; echo 500; exit 0;; esac\n'
+                   'echo "$@" > "$(dirname "$0")/args"\nprintf "1755, 412.5\\n1410, 690.25\\n1980, [N/A]\\n"\nexec sleep 30\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    with SmClock(device=1) as clock:
-        time.sleep(0.5)
-    assert clock.samples == [1755, 1410, 1980] and clock.median() == 1755
-    assert clock.watts == [412.5, 690.25] and clock.median_watts() == 551.375
-    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
+    for old_driver, field in ((False, "power.draw.instant"), (True, "power.draw")):
+        if old_driver:
+            (tmp_path / "old").touch()
+        monkeypatch.setattr(SmClock, "_power_field", None)
+        with SmClock(device=1) as clock:
+            time.sleep(0.5)
+        assert clock.samples == [1755, 1410, 1980] and clock.median() == 1755
+        assert clock.watts == [412.5, 690.25] and clock.median_watts() == 551.375
+        args = (tmp_path / "args").read_text().split()
+        assert args[:3] == ["-i", "5", f"--query-gpu=clocks.sm,{field}"], args
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with SmClock() as clock:
         pass

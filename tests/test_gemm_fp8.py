@@ -887,101 +887,6 @@ def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
         fp8_gemm_program.source("sm_90a", n=512, k=1024, multicast=True)
 
 
-def test_multicast_b_loads_b_once_per_cluster_of_m_neighbours_on_sm90a():
-    """multicast_b=True: clusters of two m-neighbours of one n tile (blocks 2u and 2u + 1: m tiles 2 (u // n
-    tiles) and the next), rank 0 multicasts B, each block loads its own A; lane 0 of each warp arrives on
-    the other block's empty barrier; 128 x 256 tiles, no spills. Refused with A multicast, a split, raster
-    or a grouped layout; _launch refuses an odd m tile count."""
-    src = fp8_gemm_program.source("sm_90a", n=1024, k=2048, block_n=256, overlap=True, stage_c=True, stages=3,
-                                  multicast_b=True)
-    producer = src[src.index("warpgroup_reg_dealloc"):src.index("warpgroup_reg_alloc")]
-    assert re.search(r"tma_load_multicast\(B_desc, .*\(\(\(\(int\)blockIdx.x\) & 7\) >> 1\) \* 256", producer)
-    assert "tma_load_multicast(A_desc" not in producer and "tl::tma_load(A_desc" in producer
-    assert re.search(r"\(\(\(int\)blockIdx.x\) >> 3\) \* 256\) \+ \(\(\(\(int\)blockIdx.x\) & 1\) \* 128\)", producer)
-    assert "block_rank_in_cluster() ^ 1" in src
-    sass, log = _sass_and_ptxas_log(src)
-    assert "UTMALDG.3D.MULTICAST" in sass
-    assert "0 bytes spill stores, 0 bytes spill loads" in log and "C7514" not in log
-    for bad in (dict(multicast=True), dict(splits=2), dict(raster=2), dict(mode="contiguous")):
-        with pytest.raises(ValueError, match="multicast_b=True"):
-            fp8_gemm_program.source("sm_90a", **{**dict(n=1024, k=2048, overlap=True, multicast_b=True), **bad})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_gpu_multicast_b_matches_unicast(block_n):
-    """B multicast in clusters of two m-neighbours: bitwise the unicast v3 result (same tiles, same MMAs),
-    with a row tail in the last pair's second tile, stage reuse wrapping many times (56 K blocks); the
-    plan's own choice with MULTICAST_B on; an odd m tile count refused."""
-    from ops import gemm_fp8
-    from ops.gemm_fp8 import _launch
-
-    g = torch.Generator().manual_seed(block_n)
-    rows, n, k = 3 * 128 + 77, 1024, 7168                      # 4 m tiles, the last 77 rows
-    qa, sfa = ops.per_token_group_quant_fp8(torch.randn(rows, k, generator=g))
-    qb, sfb = ops.per_block_quant_fp8(torch.randn(n, k, generator=g))
-    dev = [t.cuda() for t in (qa, sfa)]
-    qb, sfb = qb[None].cuda(), sfb[None].cuda()
-    m_idx, aux = torch.empty(rows, dtype=torch.int32).cuda(), torch.empty(1, dtype=torch.int32).cuda()
-    outs = []
-    for shared in (False, True, True):
-        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        _launch("dense", *dev, qb, sfb, m_idx, aux, out, n, k, overlap=True, splits=1, block_n=block_n,
-                stages=3 if block_n == 256 else 4, persistent=False, stage_c=True, multicast_b=shared)
-        outs.append(out.cpu())
-    assert not outs[0].isnan().any()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
-    with pytest.raises(ValueError, match="odd count"):
-        out = torch.empty((rows - 128, n), dtype=torch.bfloat16, device="cuda")
-        _launch("dense", dev[0][128:], dev[1][128:], qb, sfb, m_idx, aux, out, n, k, overlap=True, splits=1,
-                block_n=block_n, persistent=False, multicast_b=True)
-    if block_n == 256:                # the op's own plan at 2 waves of wide tiles: 4096 x 7168 x 2048
-        qa2, sfa2 = ops.per_token_group_quant_fp8(torch.randn(4096, 2048, generator=g))
-        qb2, sfb2 = ops.per_block_quant_fp8(torch.randn(7168, 2048, generator=g))
-        args = [t.cuda() for t in (qa2, sfa2, qb2, sfb2)]
-        plain = ops.fp8_gemm_nt(*args).cpu()
-        gemm_fp8.MULTICAST_B = True
-        try:
-            assert torch.equal(ops.fp8_gemm_nt(*args).cpu(), plain)
-        finally:
-            gemm_fp8.MULTICAST_B = False
-
-
-def test_b_2d_binds_b_as_rows_with_a_two_dimensional_descriptor():
-    """b_2d=True: B bound as (groups * n, k) rows; every B tile's TMA takes (column, g * n + row) (the
-    contiguous layout's group offset in the row), and the SASS has no 3-D TMA left, no WGMMA
-    serialized. (This contiguous 128 x 256 kernel spills 8 bytes with either descriptor.)"""
-    src = fp8_gemm_program.source("sm_90a", mode="contiguous", n=4096, k=7168, block_n=256, overlap=True,
-                                  stage_c=True, stages=4, b_2d=True)
-    loads = re.findall(r"tma_load\(B_desc, [^;]*", src)
-    assert loads and all(re.search(r"\(s \* 128\), \(\(g \* 4096\) \+ ", x) for x in loads), loads
-    sass, log = _sass_and_ptxas_log(src)
-    assert "UTMALDG.2D" in sass and "UTMALDG.3D" not in sass and "QGMMA" in sass
-    assert "C7514" not in log and "C7517" not in log
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["thin", "wide", "192", "persistent", "split", "contiguous", "masked"])
-def test_gpu_b_2d_matches_b_3d(monkeypatch, case):
-    """B_2D: B's rows through a 2-D TMA descriptor give the bits of the 3-D one, on each plan family:
-    thin tiles, 128 x 256 (sfa ring), 192 wide, persistent CTAs, split-K, and both grouped layouts."""
-    g = torch.Generator().manual_seed(len(case))
-    if case in ("contiguous", "masked"):
-        call, check = _grouped_case(case, g)
-        ref = check(_forced(monkeypatch, call))
-        assert torch.equal(check(_forced(monkeypatch, call, b_2d=True)), ref)
-        return
-    m, n, k, force = {"thin": (128, 4096, 7168, {}), "wide": (1024, 2048, 4096, dict(block_n=256, stages=4, sfa_ring=4)),
-                      "192": (128, 24576, 1536, {}), "persistent": (300, 1024, 1536, dict(persistent=True, sms=3)),
-                      "split": (64, 2112, 7168, {})}[case]
-    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
-    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
-    call = lambda: ops.fp8_gemm_nt(*dev)  # noqa: E731
-    ref = _forced(monkeypatch, call, **force)
-    assert not ref.isnan().any()
-    assert torch.equal(_forced(monkeypatch, call, b_2d=True, **force), ref)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["dense", "contiguous", "masked"])
 def test_gpu_multicast_matches_unicast(mode):
@@ -2119,16 +2024,6 @@ def test_plan_splits_k_only_for_small_grids(monkeypatch):
     assert "multicast" not in plan("dense", 4096, 7168, 16384, 128, overlap=False)
     assert "multicast" not in plan("dense", 128, 24576, 1536, 128)           # 192 tiles: under two waves
     assert "multicast" not in plan("dense", 4096, 7168 - 128, 16384, 128)    # 55 n tiles do not pair
-    # ... or pairs of m-neighbours sharing B (MULTICAST_B, where MULTICAST is off; dense, even m tiles)
-    monkeypatch.setattr(gemm, "MULTICAST", False)
-    monkeypatch.setattr(gemm, "MULTICAST_B", True)
-    assert plan("dense", 4096, 7168, 16384, 128)["multicast_b"] is True
-    assert "multicast" not in plan("dense", 4096, 7168, 16384, 128)
-    for args in (("contiguous", 32768, 4096, 7168, 128), ("dense", 4096 - 128, 7168, 16384, 128),
-                 ("dense", 128, 24576, 1536, 128)):
-        assert "multicast_b" not in plan(*args), args
-    wide = gemm.widened(plan("dense", 4096, 7168, 16384, 128), "dense", 4096, 7168, 16384, 1, 132, 2)
-    assert wide["block_n"] == 256 and wide["multicast_b"] is True
     assert plan("masked", 64, 4096, 7168, 64)["splits"] == 1          # grouped layouts never split
     with pytest.raises(ValueError, match="too long"):
         plan("dense", 4096, 4096, 65536, 128)

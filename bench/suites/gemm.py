@@ -165,22 +165,6 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
-def tilecraft_multicast_b(case, i):
-    """The op with ops.gemm_fp8.MULTICAST_B on: clusters of two m-neighbours share each B tile by TMA multicast
-    (dense, two waves of tiles or more: a third fewer L2 bytes at 128 x 256), against the default."""
-    from ops import gemm_fp8
-
-    return _with_flag(gemm_fp8, "MULTICAST_B", True)(case, i)
-
-
-def tilecraft_b2d(case, i):
-    """The op with ops.gemm_fp8.B_2D on: B's rows through a 2-D TMA descriptor (DeepGEMM's) instead of the
-    (groups, n, k) 3-D one, against the default in the same run."""
-    from ops import gemm_fp8
-
-    return _with_flag(gemm_fp8, "B_2D", True)(case, i)
-
-
 def tilecraft_raster8(case, i):
     """The op with ops.gemm_fp8.RASTER = 8: blocks take their tiles in groups of 8 m tiles (the prefill
     read 656 MB from DRAM instead of 905 in session 26, at about the same speed), against the default's
@@ -317,9 +301,7 @@ SUITE = Suite(
                Provider("tilecraft-narrow", tilecraft_narrow, experimental=True),
                Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
-               Provider("tilecraft-multicast-b", tilecraft_multicast_b, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
-               Provider("tilecraft-b2d", tilecraft_b2d, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),

@@ -206,11 +206,11 @@ def prologue_parts(prologue) -> tuple:
 
 @register("mma_promoted_loop", "*")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None, epilogue_stage=None, side=None, share_b=1):
+                      share_a=1, mark=None, epilogue_stage=None, side=None):
     # the plain pipelined loop: each step's MMA is waited for before its promotion; acc starts at 0.
-    # share_a / share_b (blocks of a cluster with the same A, or B, tiles) only let sm_90a multicast
-    # them: each block loads its own here. mark (a trace's stamps): sm_90a's rule only.
-    # epilogue_stage: a tile of its own here (sm_90a lays it over the operand stages)
+    # share_a (blocks of a cluster with the same A tiles) only lets sm_90a multicast them: each block
+    # loads its own here. mark (a trace's stamps): sm_90a's rule only. epilogue_stage: a tile of its
+    # own here (sm_90a lays it over the operand stages)
     if side is not None:
         raise ValueError("mma_promoted_loop(side=...) loads by a TMA producer (cuda:sm_90a); this target has none: "
                          "stage the operand in the prologue instead")

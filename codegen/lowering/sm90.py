@@ -273,14 +273,14 @@ def in_bursts(steps, burst, io, size=BURST):
 
 
 @T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0, elected=False, side=None, share_b=1):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0, elected=False, side=None):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
     each to both blocks (TileLang: the other issues nothing for A but still expects its bytes),
-    once both blocks' MMA threads have released the slot; share_b = 2: the same for B. ramp > 0: the
-    first `ramp` steps are asked for alone, the rest once step 0's tiles have landed (every block's
-    first tiles then queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7").
+    once both blocks' MMA threads have released the slot. ramp > 0: the first `ramp` steps are
+    asked for alone, the rest once step 0's tiles have landed (every block's first tiles then
+    queue behind fewer bytes at the start; an experiment, bench/NOTES.md "MXFP4 v7").
     elected (full barriers of count 32): only the warpgroup's first warp waits and arrives; its
     elected lane issues the copies (TileLang's tma_copy elects one; it registers the bytes before
     its own arrival, so no phase completes without them); the other warps are done after the
@@ -289,9 +289,9 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0,
     T.set_max_nreg(PRODUCER_REGS, 0)
     if elected:
         if T.get_thread_binding() % PRODUCER < 32:
-            _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, share_b)
+            _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
     else:
-        _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, share_b)
+        _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
 
 
 @T.macro
@@ -312,20 +312,16 @@ def _side_step(s, side, slot, full):
 
 
 @T.macro
-def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a, share_b=1):
-    # an operand the blocks of a cluster share (share_* > 1) is multicast by rank 0 into all of them
+def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a):
     if share_a > 1:
         T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot], cluster_mask=(1 << share_a) - 1)
     else:
         T.tma_copy(src_a, a_s[slot, :, :], barrier=full[slot])
-    if share_b > 1:
-        T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot], cluster_mask=(1 << share_b) - 1)
-    else:
-        T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
+    T.tma_copy(src_b, b_s[slot, :, :], barrier=full[slot])
 
 
 @T.macro
-def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, share_b=1):
+def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side):
     for s in T.serial(steps):
         slot = s % stages
         if ramp > 0:
@@ -335,15 +331,14 @@ def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, 
         src_a, src_b = loads(s)
         if side is not None:
             _side_step(s, side, slot, full)
-        _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a, share_b)
+        _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a)
         T.mbarrier_arrive(full[slot])
 
 
 @T.macro
 def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, scale, scale_of, stages, consumers,
-                regs, policy, epilogue, prologue, ahead, share_a, mark, side, share_b=1):
-    share = share_a * share_b           # blocks of a cluster sharing an operand (one of the two is 1)
-    if share > 1:
+                regs, policy, epilogue, prologue, ahead, share_a, mark, side):
+    if share_a > 1:
         # both blocks' barriers initialized before either producer multicasts into the other's
         # shared memory or an MMA thread arrives on the other's empty barriers
         tile.cluster_barrier()
@@ -356,8 +351,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             # the prologue's loads go out before the first TMA: issued behind a grid's worth of
             # tile loads they came back ~8900 cycles later (128x4096x7168, bench/NOTES.md "GEMM v7")
             T.mbarrier_wait_parity(start[0], 0)
-        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, elected=ELECTED_PRODUCER, side=side,
-                     share_b=share_b)
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, elected=ELECTED_PRODUCER, side=side)
     else:
         if issue is not None:
             # before the register grow: that waits for the producer's shrink, which waits for this
@@ -376,7 +370,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             if side is not None:
                 T.mbarrier_wait_parity(full[0], 0)      # block 0's factors come with its tiles
             _prefetch(ahead, scale_of, 0)
-        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share,
+        io = (a_s, b_s, full, empty, ping, pong, acc, scale, scale_of, stages, regs, policy, ahead, steps, share_a,
               mark, 0, not CLAMP_LAST_ONLY or side is not None)
         # each iteration is a burst of BURST blocks that drains (wait 0) at its end, with wait 1
         # inside (checked: the same loop fully unrolled keeps wait 1). Fold order and products are
@@ -385,7 +379,7 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
         if mark is not None:
             mark("loop done")
         epilogue()
-        if share > 1:
+        if share_a > 1:
             # neither block exits while the other may still arrive on its barriers (the producers
             # have exited: exited threads count as arrived)
             tile.cluster_barrier()
@@ -500,11 +494,10 @@ def _persistent(tiles, loop, c_stage, start, consumers):
 
 @register("mma_promoted_loop", "cuda:sm_90a")
 def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages=2, epilogue=None, prologue=None,
-                      share_a=1, mark=None, epilogue_stage=None, tiles=None, side=None, share_b=1):
+                      share_a=1, mark=None, epilogue_stage=None, tiles=None, side=None):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups (and, for
-    # share_a = 2 or share_b = 2, as clusters of two blocks with the same A tiles, or B tiles).
-    # mark(event), if given, is called where the MMA warpgroups pass "prologue done", "step 1" and
-    # "loop done" (a trace's stamps).
+    # share_a = 2, as clusters of two blocks with the same A tiles). mark(event), if given, is called
+    # where the MMA warpgroups pass "prologue done", "step 1" and "loop done" (a trace's stamps).
     # epilogue_stage (shape, dtype): epilogue(stage) gets a shared tile of its own layout that TileLang
     # lays over the operand stages (OWN_STAGE_LAYOUT; every TMA write into them has been waited for and
     # every WGMMA reading them has retired before the epilogue runs: the producer loads exactly `steps`
@@ -513,9 +506,8 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     # epilogue, through one pipeline whose slots and phases carry on from tile to tile. side=(period,
     # region_of, ring): a small operand scale_of reads, loaded by the producer in chunks (_side_step)
     consumers = state()["threads"] - PRODUCER
-    if share_a not in (1, 2) or share_b not in (1, 2) or share_a * share_b > 2:
-        raise ValueError(f"share_a / share_b must be 1 or 2 (blocks of a cluster that share A, or B; not both), got "
-                         f"share_a={share_a}, share_b={share_b}")
+    if share_a not in (1, 2):
+        raise ValueError(f"share_a must be 1 or 2 (blocks of a cluster that share A), got {share_a}")
     if prologue is not None:
         # the prologue runs in the MMA warpgroups' branch, ordered by a named barrier placed here:
         # TileLang's sync pass would put a block-wide one there, which the producer never reaches
@@ -525,9 +517,9 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
                          f"stages and a ring of at least 3 slots, got period={side[0]}, stages={stages}, ring "
                          f"{list(side[2].shape)}, tiles={tiles is not None}")
     if tiles is not None:
-        if share_a * share_b != 1 or mark is not None or any(x is not None for x in (steps, loads, epilogue, prologue)):
+        if share_a != 1 or mark is not None or any(x is not None for x in (steps, loads, epilogue, prologue)):
             raise ValueError("mma_promoted_loop(tiles=...) takes each tile's steps, loads, prologue and epilogue from "
-                             "tiles.of(t): pass None for those, and no share_a, share_b or mark")
+                             "tiles.of(t): pass None for those, and no share_a or mark")
         require_pass_configs({"tl.disable_thread_storage_sync": True})
     (a_shape, a_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
@@ -543,9 +535,9 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
     else:
         over = _roomiest(a_s, b_s, *epilogue_stage) if tiles is None else (None if tiles.early else tiles.spare)
         c_stage = overlaid(over, *epilogue_stage)
-    full_count, empty_count = _arrivals(consumers, share_a * share_b)   # TMA adds the bytes to full
+    full_count, empty_count = _arrivals(consumers, share_a)   # TMA adds the bytes to full
     full = T.alloc_barrier([full_count] * stages)
-    if share_a * share_b > 1:     # the other block's warps arrive too (lane 0 of each)
+    if share_a > 1:     # the other block's warps arrive too (lane 0 of each)
         empty = T.alloc_cluster_barrier([empty_count] * stages)
     else:
         empty = T.alloc_barrier([empty_count] * stages)
@@ -564,7 +556,7 @@ def mma_promoted_loop(steps, loads, operands, part, acc, scale, scale_of, stages
         return
     _overlapped(steps, loads, a_s, b_s, full, empty, start, part.buf, pong, acc, scale, scale_of, stages, consumers,
                 regs, _policy(part), _met(epilogue_call(epilogue, c_stage), c_stage, consumers), prologue, ahead,
-                share_a, mark, side, share_b)
+                share_a, mark, side)
 
 
 def _met(epilogue, c_stage, consumers):
