@@ -115,3 +115,75 @@ def test_ptxas_allocates_the_setmaxnreg_count_in_the_code_it_dominates():
     assert spills('asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\\n");') == (168, 0)
     registers, spilled = spills("")
     assert registers == 168 and spilled > 0
+
+
+def _tma_copy_host_module():
+    """The host module TileLang lowers for a kernel that loads a tile by TMA on sm_90a (no compiler run)."""
+    import tilelang
+    import tilelang.language as T
+    import tvm
+
+    from codegen import jit, targets
+
+    jit._tilelang()
+
+    @T.prim_func
+    def tma_copy(A: T.Tensor((256, 256), "float16"), B: T.Tensor((256, 128), "float16")):
+        with T.Kernel(2, threads=128) as bx:
+            s = T.alloc_shared((128, 128), "float16")
+            full = T.alloc_barrier([1])
+            if T.get_thread_binding() == 0:
+                T.tma_copy(A[bx * 128:(bx + 1) * 128, 0:128], s, barrier=full[0])
+                T.mbarrier_arrive(full[0])
+            T.mbarrier_wait_parity(full[0], 0)
+            T.copy(s, B[bx * 128, 0])
+
+    with targets.get("cuda:sm_90a").tvm() as tv:
+        with tvm.transform.PassContext():
+            return tilelang.lower(tma_copy, target=tv).host_mod
+
+
+def _promotions(host_mod) -> list[int]:
+    # the tiled descriptor create calls' L2 promotion argument (second to last)
+    import re
+
+    calls = re.findall(r'call_packed\("__tvm_tensormap_create_tiled", ([^)]*)\)', host_mod.script())
+    return [int(c.split(",")[-2]) for c in calls]
+
+
+def test_tma_descriptors_take_the_configured_l2_promotion(monkeypatch):
+    """backends.cuda.tma: TileLang builds its TMA descriptors with 128-byte L2 promotion; promote() sets
+    L2_PROMOTION's on every tiled descriptor of a copy of the host module; install() applies it where
+    TileLang generates host code; the compile key and the in-memory caches' state carry the value."""
+    import importlib
+
+    from backends.cuda import tma
+    from codegen import jit, rules, targets
+
+    tl_lower = importlib.import_module("tilelang.engine.lower")
+    host = _tma_copy_host_module()
+    assert _promotions(host) and set(_promotions(host)) == {2}          # CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+    assert set(_promotions(tma.promote(host, 256))) == {3} and set(_promotions(host)) == {2}
+    assert set(_promotions(tma.promote(host, 64))) == {1}
+    with pytest.raises(ValueError, match="L2_PROMOTION must be one of"):
+        tma.promote(host, 96)
+    seen = []
+    monkeypatch.setattr(tl_lower, "host_codegen", lambda mod, *a, **k: seen.append(_promotions(mod)))
+    tma.install(None)
+    tma.install(None)                                      # once only
+    tl_lower.host_codegen(host, None)
+    monkeypatch.setattr(tma, "L2_PROMOTION", 128)
+    tl_lower.host_codegen(host, None)
+    assert seen == [[3] * len(_promotions(host)), [2] * len(_promotions(host))]
+    state_128 = rules.state()
+    monkeypatch.setattr(tma, "L2_PROMOTION", 256)
+    assert rules.state() != state_128
+
+    class Program:
+        name = "p"
+
+    prim = type("Prim", (), {"script": lambda self, show_meta=False: "ir"})()
+    t = targets.get("cuda:sm_90a")
+    key_256 = jit.key_inputs(Program, prim, t, {})
+    monkeypatch.setattr(tma, "L2_PROMOTION", 128)
+    assert key_256["tma_l2_promotion"] == 256 and jit.key_inputs(Program, prim, t, {})["tma_l2_promotion"] == 128

@@ -165,6 +165,14 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
+def tilecraft_l2_128(case, i):
+    """The op with its TMA descriptors' L2 promotion at TileLang's own 128 bytes (backends.cuda.tma), against
+    the default's 256 in the same run."""
+    from backends.cuda import tma
+
+    return _with_flag(tma, "L2_PROMOTION", 128)(case, i)
+
+
 def tilecraft_raster8(case, i):
     """The op with ops.gemm_fp8.RASTER = 8: blocks take their tiles in groups of 8 m tiles (the prefill
     read 656 MB from DRAM instead of 905 in session 26, at about the same speed), against the default's
@@ -302,6 +310,7 @@ SUITE = Suite(
                Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
+               Provider("tilecraft-l2-128", tilecraft_l2_128, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
