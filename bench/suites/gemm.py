@@ -165,12 +165,12 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
-def tilecraft_l2_128(case, i):
-    """The op with its TMA descriptors' L2 promotion at TileLang's own 128 bytes (backends.cuda.tma), against
-    the default's 256 in the same run."""
+def tilecraft_l2_256(case, i):
+    """The op with its TMA descriptors' L2 promotion at 256 bytes (backends.cuda.tma; DeepGEMM's and
+    FlashMLA's), against the default's 128 (TileLang's) in the same run."""
     from backends.cuda import tma
 
-    return _with_flag(tma, "L2_PROMOTION", 128)(case, i)
+    return _with_flag(tma, "L2_PROMOTION", 256)(case, i)
 
 
 def tilecraft_raster8(case, i):
@@ -310,7 +310,7 @@ SUITE = Suite(
                Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
-               Provider("tilecraft-l2-128", tilecraft_l2_128, experimental=True),
+               Provider("tilecraft-l2-256", tilecraft_l2_256, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),

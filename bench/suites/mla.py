@@ -68,15 +68,15 @@ def tilecraft(case, i):
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched)
 
 
-def tilecraft_l2_128(case, i):
-    """The op with its TMA descriptors' L2 promotion at TileLang's own 128 bytes (backends.cuda.tma), against
-    the default's 256 in the same run."""
+def tilecraft_l2_256(case, i):
+    """The op with its TMA descriptors' L2 promotion at 256 bytes (backends.cuda.tma; DeepGEMM's and
+    FlashMLA's), against the default's 128 (TileLang's) in the same run."""
     from backends.cuda import tma
 
     fn = tilecraft(case, i)
 
     def run():
-        old, tma.L2_PROMOTION = tma.L2_PROMOTION, 128
+        old, tma.L2_PROMOTION = tma.L2_PROMOTION, 256
         try:
             return fn()
         finally:
@@ -173,7 +173,7 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
-        Provider("tilecraft-l2-128", tilecraft_l2_128, experimental=True),
+        Provider("tilecraft-l2-256", tilecraft_l2_256, experimental=True),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
