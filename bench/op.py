@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import platform
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -111,6 +112,28 @@ def print_table(rows: list[dict], ref: str) -> None:
               f"{_fmt(r.get('watts'), '5.0f')}")
 
 
+def rotations(n: int, rounds: int) -> list[list[int]]:
+    """The provider order of each timing round: round r starts at provider r mod n, so with as many
+    rounds as providers each one is timed first once (the GPU's clock and power drift through a run:
+    the first provider after an idle stretch and the last of a long run meet different clocks)."""
+    return [[(r + j) % n for j in range(n)] for r in range(rounds)] if n else []
+
+
+def combine_rounds(ts: list[dict]) -> dict:
+    """One provider's timings over rounds: medians of the rounds' quantiles (min of their minima),
+    reps summed, SM clock and power the medians of the rounds' medians; round_median_ms lists them."""
+    if len(ts) == 1:
+        return ts[0]
+
+    def med(key):
+        vals = [t[key] for t in ts if t.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    out = {k: med(k) for k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts")}
+    return {**out, "min_ms": min(t["min_ms"] for t in ts), "reps": sum(t["reps"] for t in ts),
+            "round_median_ms": [t["median_ms"] for t in ts]}
+
+
 def run_gpu(suite, cases, providers, args) -> list[dict]:
     import torch
 
@@ -129,6 +152,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
         flops = suite.flops(case)
         case_rows = {}
         anchor = None  # (provider name, its output): every later provider's output is compared with it
+        made = []      # (provider, row, fn, nbytes, floor, bound) of the providers that ran once
         for p in providers:
             # GB/s, %ceil and the floor on the bytes this provider moves (an FP8 cache moves fewer)
             nbytes = (p.nbytes or suite.nbytes)(case)
@@ -147,18 +171,36 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                         print(f"  {p.name} on {row['case']}: output differs from {anchor[0]}'s "
                               f"({row.get('agree_note') or 'rel %.2e' % row['rel_diff']})", file=sys.stderr)
                 del out
-                # the first call checked the values; the hot path does not sync
-                with values_unchecked(), SmClock(torch.cuda.current_device()) as clock:
-                    t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
-                         bench_cuda(fn, flush_mode=args.flush))
-                t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
-                t["sm_mhz"] = clock.median()            # the SM clock while it was timed (nvidia-smi)
-                t["watts"] = clock.median_watts()       # and the board's power
             except Exception as e:  # a provider that cannot run this shape says why, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)
                 rows.append(row)
                 continue
+            made.append((p, row, fn, nbytes, floor, bound))
+        timed = {p.name: [] for p, *_ in made}
+        for order in rotations(len(made), args.rounds):
+            for j in order:
+                p, row, fn = made[j][:3]
+                if "error" in row:
+                    continue
+                try:
+                    # the first call checked the values; the hot path does not sync
+                    with values_unchecked(), SmClock(torch.cuda.current_device()) as clock:
+                        t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
+                             bench_cuda(fn, flush_mode=args.flush))
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)
+                    continue
+                t = {k: v / p.calls if k.endswith("_ms") else v for k, v in t.items()}
+                t["sm_mhz"] = clock.median()            # the SM clock while it was timed (nvidia-smi)
+                t["watts"] = clock.median_watts()       # and the board's power
+                timed[p.name].append(t)
+        for p, row, fn, nbytes, floor, bound in made:
+            if "error" in row:
+                rows.append(row)
+                continue
+            t = combine_rounds(timed[p.name])
             ms = t["median_ms"]
             row.update(t)
             row["tflops"] = flops / (ms * 1e-3) / 1e12
@@ -175,6 +217,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
         del inputs
         torch.cuda.empty_cache()
     meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager",
+            "rounds": args.rounds,
             "l2_flush": args.flush, **versions()}
     peers = {p.name: peer_version(p.name) for p in providers if p.peer}
     if peers:
@@ -305,9 +348,15 @@ def main(argv=None) -> int:
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write",
                     help="how the L2 is flushed before each call: write (zero-fill; the committed results) or "
                          "read (a sum: no dirty lines left to write back during the call)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every provider this many times per case, each round starting one provider later "
+                         "(report: the median of the rounds' medians)")
     ap.add_argument("--jobs", type=int, default=8,
                     help="GPU runs: processes that compile the run's kernels ahead of the timing (1: none)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        print(f"error: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     try:
         suite = suite_registry.get(args.op)
         if args.shape not in suite.presets:

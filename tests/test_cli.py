@@ -245,3 +245,81 @@ def test_warm_calls_each_case_and_provider_in_worker_processes(monkeypatch, tmp_
     assert warm("rms_norm", "small", ["torch"], jobs=1, device="cpu") == []
     monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
     assert warm("rms_norm", "small", ["torch"], jobs=2, device="cpu") == []
+
+
+def test_bench_rounds_rotate_the_provider_order_and_combine_by_median():
+    """bench.op --rounds N: round r starts at provider r mod n (each provider first once with N = n); a
+    provider's rounds combine to the median of their medians and quantiles, the least minimum, summed
+    reps, median clock and power (rounds without a reading left out), and the list of round medians."""
+    from bench.op import combine_rounds, main, rotations
+
+    assert rotations(3, 3) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert rotations(2, 3) == [[0, 1], [1, 0], [0, 1]] and rotations(0, 2) == []
+    one = {"median_ms": 1.0, "min_ms": 0.9, "p20_ms": 0.95, "p80_ms": 1.1, "reps": 10, "sm_mhz": 1500, "watts": 700}
+    assert combine_rounds([one]) is one
+    ts = [one, {**one, "median_ms": 3.0, "min_ms": 0.5, "sm_mhz": None, "watts": None}, {**one, "median_ms": 2.0, "watts": 600}]
+    got = combine_rounds(ts)
+    assert got["median_ms"] == 2.0 and got["min_ms"] == 0.5 and got["reps"] == 30
+    assert got["sm_mhz"] == 1500 and got["watts"] == 650 and got["round_median_ms"] == [1.0, 3.0, 2.0]
+    assert main(["gemm", "--shape", "decode", "--rounds", "0"]) == 2
+
+
+def test_bench_gpu_loop_with_rounds(monkeypatch):
+    """run_gpu's loop on fakes (no GPU): every provider called once for its output, then timed in each
+    round's rotated order; a provider that cannot make the case reports its error and is not timed; a
+    provider whose timing fails reports that; the others' rows combine their rounds."""
+    import argparse
+
+    import torch
+
+    import bench.op as op
+    import bench.timing as timing
+    from bench.suites import Provider, Suite
+
+    order = []
+
+    def fake_bench(fn, **kw):
+        name = fn()
+        order.append(name)
+        if name == "bad-timing":
+            raise RuntimeError("boom")
+        ms = {"a": 1.0, "b": 2.0}[name] * (1 + 0.1 * len(order))
+        return {"median_ms": ms, "min_ms": ms, "p20_ms": ms, "p80_ms": ms, "reps": 10}
+
+    class Clock:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        median, median_watts = (lambda self: 1500), (lambda self: 700)
+
+    monkeypatch.setattr(timing, "bench_cuda", fake_bench)
+    monkeypatch.setattr(op, "SmClock", Clock)
+    monkeypatch.setattr(op, "warm_and_say", lambda *a: None)
+    monkeypatch.setattr(op, "gpu_name", lambda: "NVIDIA H200")        # (a known GPU: no copy measured)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def provider(name):
+        def make(case, inputs):
+            if name == "cannot":
+                raise ValueError("not this shape")
+            return lambda: name
+        return Provider(name, make)
+
+    suite = Suite(name="fake", presets={"x": [dict(n=1)]}, make_inputs=lambda c, d: {}, nbytes=lambda c: 1e6,
+                  flops=lambda c: 1e9, providers=[], kernels=lambda c, t: [], reference="a")
+    provs = [provider(n) for n in ("a", "cannot", "b", "bad-timing")]
+    args = argparse.Namespace(shape="x", jobs=1, measure_ceilings=False, graph=False, flush="write", rounds=3)
+    rows, meta = op.run_gpu(suite, suite.presets["x"], provs, args)
+    assert order == ["a", "b", "bad-timing", "b", "a", "a", "b"]     # bad-timing dropped after it failed
+    by = {r["provider"]: r for r in rows}
+    assert "not this shape" in by["cannot"]["error"] and "boom" in by["bad-timing"]["error"]
+    assert by["a"]["round_median_ms"] == pytest.approx([1.1, 1.5, 1.6]) and by["a"]["median_ms"] == pytest.approx(1.5)
+    assert by["b"]["reps"] == 30 and by["b"]["sm_mhz"] == 1500 and by["b"]["min_ms"] == pytest.approx(2.4)
+    assert by["b"]["speedup_vs_ref"] == by["a"]["median_ms"] / by["b"]["median_ms"] and meta["rounds"] == 3
