@@ -38,7 +38,7 @@ def _tilelang():
 
     if not getattr(_tilelang, "done", False):
         tilelang.disable_cache()
-        tma.install(tilelang)
+        tma.install()
         level = logging.INFO if env.flag("TILECRAFT_VERBOSE") else logging.WARNING
         for name in ("TileLang", "tilelang"):
             logging.getLogger(name).setLevel(level)

@@ -169,8 +169,8 @@ def test_tma_descriptors_take_the_configured_l2_promotion(monkeypatch):
         tma.promote(host, 96)
     seen = []
     monkeypatch.setattr(tl_lower, "host_codegen", lambda mod, *a, **k: seen.append(_promotions(mod)))
-    tma.install(None)
-    tma.install(None)                                      # once only
+    tma.install()
+    tma.install()                                      # once only
     monkeypatch.setattr(tma, "L2_PROMOTION", 256)
     tl_lower.host_codegen(host, None)
     monkeypatch.setattr(tma, "L2_PROMOTION", 128)

@@ -34,6 +34,7 @@ def code(nbytes: int) -> int:
 def promote(host_mod, nbytes: int):
     """host_mod with every tiled TMA descriptor's L2 promotion set to `nbytes` (the create call's
     second-to-last argument: ..., interleave, swizzle, l2 promotion, oob fill)."""
+    import tvm
     from tvm import tirx
     from tvm.tirx.stmt_functor import ir_transform
 
@@ -47,14 +48,12 @@ def promote(host_mod, nbytes: int):
             return tirx.Call(node.dtype, node.op, args, node.span)
         return None
 
-    import tvm
-
     funcs = {gv: func.with_body(ir_transform(func.body, None, post, ["tirx.Call"]))
              if isinstance(func, tirx.PrimFunc) else func for gv, func in host_mod.functions.items()}
     return tvm.IRModule(funcs, attrs=host_mod.attrs, global_infos=host_mod.global_infos)
 
 
-def install(tilelang) -> None:
+def install() -> None:
     """Wrap TileLang's host code generation so that it applies L2_PROMOTION (read at each compile)."""
     import importlib
 
