@@ -117,13 +117,11 @@ def test_ptxas_allocates_the_setmaxnreg_count_in_the_code_it_dominates():
     assert registers == 168 and spilled > 0
 
 
-def _tma_copy_host_module():
-    """The host module TileLang lowers for a kernel that loads a tile by TMA on sm_90a (no compiler run)."""
-    import tilelang
+def _tma_copy_kernel():
+    """A kernel that loads a 128-row box of a 256-column tensor by TMA (a 2-D descriptor) on sm_90a."""
     import tilelang.language as T
-    import tvm
 
-    from codegen import jit, targets
+    from codegen import jit
 
     jit._tilelang()
 
@@ -138,9 +136,19 @@ def _tma_copy_host_module():
             T.mbarrier_wait_parity(full[0], 0)
             T.copy(s, B[bx * 128, 0])
 
+    return tma_copy
+
+
+def _tma_copy_host_module():
+    """The host module TileLang lowers for _tma_copy_kernel (no compiler run)."""
+    import tilelang
+    import tvm
+
+    from codegen import targets
+
     with targets.get("cuda:sm_90a").tvm() as tv:
         with tvm.transform.PassContext():
-            return tilelang.lower(tma_copy, target=tv).host_mod
+            return tilelang.lower(_tma_copy_kernel(), target=tv).host_mod
 
 
 def _promotions(host_mod) -> list[int]:
@@ -188,3 +196,25 @@ def test_tma_descriptors_take_the_configured_l2_promotion(monkeypatch):
     key_256 = jit.key_inputs(Program, prim, t, {})
     monkeypatch.setattr(tma, "L2_PROMOTION", 128)
     assert key_256["tma_l2_promotion"] == 256 and jit.key_inputs(Program, prim, t, {})["tma_l2_promotion"] == 128
+
+
+def test_tilelang_compile_generates_host_code_through_the_promotion(monkeypatch):
+    """TileLang's own compile path (tvm_ffi, what codegen.jit uses for CUDA) reaches the wrapped host code
+    generation: the host module it generates code from has the promoted descriptors (nvcc runs, no GPU)."""
+    import tilelang
+
+    from backends import ToolchainError
+    from backends.cuda import tma
+    from codegen import jit, targets
+
+    jit._tilelang()
+    seen = []
+    promote = tma.promote
+    monkeypatch.setattr(tma, "promote", lambda mod, nbytes: seen.append(_promotions(promote(mod, nbytes))) or
+                        promote(mod, nbytes))
+    monkeypatch.setattr(tma, "L2_PROMOTION", 256)
+    try:
+        tilelang.compile(_tma_copy_kernel(), target=targets.get("cuda:sm_90a").tvm(), execution_backend="tvm_ffi")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert seen == [[3]]

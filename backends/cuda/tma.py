@@ -33,7 +33,9 @@ def code(nbytes: int) -> int:
 
 def promote(host_mod, nbytes: int):
     """host_mod with every tiled TMA descriptor's L2 promotion set to `nbytes` (the create call's
-    second-to-last argument: ..., interleave, swizzle, l2 promotion, oob fill)."""
+    second-to-last argument: ..., interleave, swizzle, l2 promotion, oob fill). The functions'
+    "tma_descriptor_args" attribute keeps TileLang's value: only its cython and nvrtc wrappers read it,
+    and codegen.jit builds CUDA kernels with tvm_ffi, whose host code is generated from these calls."""
     import tvm
     from tvm import tirx
     from tvm.tirx.stmt_functor import ir_transform
