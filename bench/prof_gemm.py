@@ -3,6 +3,7 @@ GEMM and its split-K reduce, and a fit of kernel time = fixed + per step over K.
 
     python -m bench.prof_gemm [--ms 64,128] [--variants v2,v3,v2-cluster,v3-cluster] [--out DIR]
     python -m bench.prof_gemm --trace      # where a block's cycles go (fp8_gemm_program trace=True)
+    python -m bench.prof_gemm --trace-steps    # each K block's issue and landing, block by block
 
 Per decode shape and variant (v2: the K loop that waits for each step's MMA, with the split-K
 reduce kernel; v2-fold: the same, the last block of a tile adding the partials; v3: the overlapped
@@ -165,6 +166,55 @@ def trace(out_dir, variants=("v2", "v2-cluster", "v3")):
              "rows": rows}, indent=1))
 
 
+STEP_TRACE_SHAPES = [(128, 4096, 7168), (64, 4096, 7168), (128, 2112, 7168), (64, 7168, 16384)]
+
+
+def trace_steps(out_dir, shapes=STEP_TRACE_SHAPES):
+    """Per shape, the op's own one-split plan traced K block by K block (fp8_gemm_program
+    trace_steps=True; the SM clock, so only differences inside a block mean anything): for each block,
+    when the producer issued each K block's loads and when the MMA warpgroups found them landed. Printed
+    as medians over blocks: the first K block's latency (issue -> landed), the steady latency (median
+    over K blocks past the pipeline's depth), the landing period, how long the producer waited for a
+    free slot (issue of block s after the landing of block s - stages: the slot is released after its
+    MMA), and entry -> first issue."""
+    rows = []
+    for m, n, k in shapes:
+        p = plan("dense", m, n, k, 64 if m <= 64 else 128, sms=132)
+        if p["splits"] != 1 or not p.get("overlap"):
+            print(f"{m}x{n}x{k}: the plan splits K ({p}); not traced", flush=True)
+            continue
+        p = {**p, "stage_c": True, "trace": True, "trace_steps": True}
+        kernel = fp8_gemm_program.compile("sm_90a", n=n, k=k, mode="dense", out_dtype="bfloat16", **p).launcher()
+        args, out = _operands(m, n, k)
+        blocks, kb, stages = -(-m // p["block_m"]) * (n // p["block_n"]), k // 128, p["stages"]
+        stride = 8 + 2 * kb
+        part = torch.empty(1, 1, n, dtype=torch.float32, device="cuda")
+        count = torch.zeros(blocks * stride, dtype=torch.int32, device="cuda")
+        t = kernel_times(lambda: kernel(*args, out, part, count))
+        st = count.view(blocks, stride).cpu().long()
+        issued, landed = st[:, 8:8 + kb], st[:, 8 + kb:]
+        cyc = lambda x: (x % (1 << 32)).double()  # noqa: E731  (32-bit clock differences)
+        latency, period = cyc(landed - issued), cyc(landed[:, 1:] - landed[:, :-1])
+        slot_wait = cyc(issued[:, stages:] - landed[:, :-stages])
+        med = lambda x: float(x.median())  # noqa: E731
+        row = dict(m=m, n=n, k=k, plan={k_: v for k_, v in p.items() if k_ not in ("trace", "trace_steps")},
+                   kernel_us=t["gemm"], blocks=blocks,
+                   first_latency=med(latency[:, 0]), steady_latency=med(latency[:, stages:].median(1).values),
+                   period=med(period.median(1).values), slot_wait=med(slot_wait.median(1).values),
+                   entry_to_first_issue=med(cyc(issued[:, 0] - st[:, 0])),
+                   latency_by_block=[round(float(x)) for x in latency.median(0).values])
+        rows.append(row)
+        print(f"{m}x{n}x{k} ({p['block_m']}x{p['block_n']}, {stages} stages, {blocks} blocks): kernel "
+              f"{t['gemm']:.1f} us; median cycles: entry -> first issue {row['entry_to_first_issue']:.0f}, first "
+              f"latency {row['first_latency']:.0f}, steady latency {row['steady_latency']:.0f}, landing period "
+              f"{row['period']:.0f}, issue after the slot's last landing {row['slot_wait']:.0f}", flush=True)
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "prof_gemm_trace_steps.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tilelang": _tilelang_version(),
+             "rows": rows}, indent=1))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="64,128")
@@ -172,6 +222,8 @@ def main(argv=None):
     p.add_argument("--out", type=Path)
     p.add_argument("--warm-only", action="store_true", help="compile into the disk cache and stop (no GPU needed)")
     p.add_argument("--trace", action="store_true", help="only the per-event cycle trace of TRACE_CASES")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="only the per-K-block trace (issue and landing) of the op's plans at STEP_TRACE_SHAPES")
     args = p.parse_args(argv)
     if not args.warm_only and not torch.cuda.is_available():
         print("bench.prof_gemm times kernels on a CUDA GPU (sm_90a): none found (--warm-only compiles without one)",
@@ -184,6 +236,8 @@ def main(argv=None):
         print(f"clusters the GPU runs at once, of {GRID_THREADS}-thread blocks (cluster, smem bytes): {room}", flush=True)
     if args.trace:
         return trace(args.out, [v for v in args.variants.split(",") if v in TRACEABLE])
+    if args.trace_steps:
+        return trace_steps(args.out)
     rows, fit = [], []
     ms, variants = list(map(int, args.ms.split(","))), args.variants.split(",")
     plans = [(n, k, _plan(m, n, k, v)) for m in ms for n, k in DECODE_NK for v in variants]

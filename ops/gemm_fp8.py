@@ -56,7 +56,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                      fold: bool = False, cluster: bool = False, trace: bool = False,
                      multicast: bool = False, cluster_smem: bool = False, stage_c: bool = False,
                      persistent: bool = False, sms: int = 132, early: bool = True, raster: int = 1,
-                     sfa_ring: int = 0):
+                     sfa_ring: int = 0, trace_steps: bool = False):
     """A tile of C per block: fp8 MMAs per 128-wide K block, promoted with sfa[row] * sfb[block].
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
@@ -81,7 +81,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
 
     trace=True (fold=False; bench.prof_gemm): the SM clock when block b's first thread reaches each of
     TRACE_EVENTS goes to Count[b * 8 + event] (int32 bits). The v3 loop stamps V3_TRACE_EVENTS (its
-    bursts have no single "last step").
+    bursts have no single "last step"). trace_steps=True (with trace, the v3 loop, one tile a CTA): a
+    block's stamps are 8 + 2 * steps apart, the events' 8 followed by the clock when the producer issued
+    each K block's loads, then the clock when the MMA warpgroups found each one landed
+    (bench.prof_gemm --trace-steps: a stream's loaded latency and period, block by block).
 
     mode "sorted": MIdx is the (items, 3) work list; block (item, tn) computes the block_m rows from
     the item's first row (rows past its count belong to the next expert, or are TMA's zero fill
@@ -140,6 +143,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
     assert splits == 1 or mode == "dense", "split-K is for the dense layout"
     if trace and fold:
         raise ValueError("trace=True stamps a block's events into Count: not with fold=True, whose arrivals it holds")
+    if trace_steps and not (trace and overlap and not persistent):
+        raise ValueError(f"trace_steps=True stamps the v3 loop's K blocks of one tile a CTA: it needs trace=True, "
+                         f"overlap=True and persistent=False, got trace={trace}, overlap={overlap}, "
+                         f"persistent={persistent}")
     if fold and (splits == 1 or overlap):
         raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
                          f"overlap=False, got splits={splits}, overlap={overlap}")
@@ -181,6 +188,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                          f"(cuda:sm_90a); this target has none")
     kb, nb = k // GROUP, -(-n // GROUP)
     per = -(-kb // splits)                                      # K blocks per split
+    stride = 8 + 2 * per if trace_steps else 8                  # a block's stamps in Count (trace)
     n_tiles = n // block_n
     rows, groups, max_m = T.dynamic("rows, groups, max_m")
     masked = mode == "masked"
@@ -269,7 +277,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                 k0 = ts * per
                 steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
                 if trace:
-                    _stamp(Count, bid, "entry")
+                    _stamp(Count, bid, "entry", stride)
                 # Staged before the first loads, the scales held every thread, the TMA thread too, for
                 # ~5000 cycles (bench/NOTES.md "GEMM v4"). v3 stages them once in the MMA warpgroups
                 # while the producer's first loads fly (mma_promoted_loop's prologue); the v2 loop reads
@@ -283,7 +291,7 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                                          T.min(row0 + first + i, height - 1), k0, kb, tn, block_n)
                 if trace and not overlap:                        # (mma_promoted_loop marks v3's)
                     _stamp(Count, bid, "prologue done")
-                mark = (lambda event: _stamp(Count, bid, event)) if trace else None
+                mark = (lambda event: _mark(Count, bid, event, stride, per, threads)) if trace else None
 
                 if overlap:
                     where = (C, Part, MIdx, row0, first, limit, height, g, tn, ts)
@@ -572,14 +580,25 @@ TRACE_EVENTS = ("entry", "prologue done", "step 1", "last step", "loop done", "s
 V3_TRACE_EVENTS = ("entry", "prologue done", "step 1", "loop done", "stored", "folded")
 
 
-def _stamp(count, bid, event):
+def _stamp(count, bid, event, stride=8):
     # the SM clock (32-bit) when the block's first thread gets here (bench.prof_gemm --trace)
-    _stamp_at(count, bid * 8 + TRACE_EVENTS.index(event))
+    _stamp_at(count, bid * stride + TRACE_EVENTS.index(event), 0)
+
+
+def _mark(count, bid, event, stride, per, threads):
+    # mma_promoted_loop's mark: an event name, or ("issued", K block) from the producer (its first
+    # thread follows the `threads` MMA threads) and ("landed", K block) from the MMA warpgroups, stamped
+    # only with trace_steps (stride > 8)
+    if isinstance(event, str):
+        _stamp(count, bid, event, stride)
+    elif stride > 8:
+        kind, blk = event
+        _stamp_at(count, bid * stride + 8 + (per if kind == "landed" else 0) + blk, threads if kind == "issued" else 0)
 
 
 @T.macro
-def _stamp_at(count, at):
-    if T.get_thread_binding() == 0:
+def _stamp_at(count, at, thread):
+    if T.get_thread_binding() == thread:
         count[at] = T.call_extern("int32", "clock")
 
 

@@ -243,6 +243,18 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     assert v3.count("clock()") == 8 and v3.count("* (int64_t)8) + (int64_t)2)] = clock()") == 4
     with pytest.raises(ValueError, match="trace=True"):
         fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, fold=True, trace=True)
+    # trace_steps=True (bench.prof_gemm --trace-steps): a block's stamps 8 + 2 x 14 K blocks apart; the
+    # producer's first thread (after the 256 MMA threads) stamps each block's issue at 8 + s, the MMA
+    # warpgroups each landing at 8 + 14 + block, in the main burst (4 a burst) and the three tails
+    steps = fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=True, stages=6, trace=True,
+                                    trace_steps=True)
+    issue = steps[:steps.index("+ ((int64_t)s)) + (int64_t)8)] = clock()")]
+    assert re.findall(r"threadIdx\.x\) == (\d+)\)", issue)[-1] == "256"
+    assert re.findall(r"\* \(int64_t\)36\) \+ \(\(\(int64_t\)\w+\) \* \(int64_t\)4\)\) \+ \(int64_t\)(\d+)\)\] = clock", steps) == \
+        ["22", "23", "24", "25"]
+    assert steps.count("clock()") == 8 + 1 + 4 + (1 + 2 + 3)   # events, issue, the burst, the tails
+    with pytest.raises(ValueError, match="trace_steps=True"):
+        fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=True, trace_steps=True)
 
     class Kernel:
         def launcher(self):

@@ -106,10 +106,12 @@ def _fold(acc, p, scale):
 
 
 @T.macro
-def _issue(a_s, b_s, full, part, at, stages, policy):
+def _issue(a_s, b_s, full, part, at, stages, policy, mark=None):
     # the MMA of the CTA's K block `at` (a tile's block + the blocks of its tiles before) into its own
-    # cleared partial, left in flight
+    # cleared partial, left in flight. mark: a trace's ("landed", at) once its tiles are there
     T.mbarrier_wait_parity(full[at % stages], (at // stages) % 2)
+    if mark is not None:
+        mark(("landed", at))
     T.wgmma_gemm(a_s[at % stages, :, :], b_s[at % stages, :, :], part, transpose_B=True, clear_accum=True,
                  policy=policy)
 
@@ -178,9 +180,9 @@ def _burst(first, count, io):
         _burst_columns(first, count, io)
         return
     parts = (ping, pong)
-    _issue(a_s, b_s, full, ping, base + first, stages, policy)
+    _issue(a_s, b_s, full, ping, base + first, stages, policy, mark)
     for j in range(1, count):
-        _issue(a_s, b_s, full, parts[j % 2], base + first + j, stages, policy)
+        _issue(a_s, b_s, full, parts[j % 2], base + first + j, stages, policy, mark)
         _retire_fold(empty, acc, parts[(j - 1) % 2], scale, scale_of, first + j - 1, stages, regs, 1, ahead,
                      steps if every else None, share_a, base)
         if j == 1:
@@ -214,6 +216,8 @@ def _burst_columns(first, count, io):
         blk = first + j
         at = base + blk
         emit(T.mbarrier_wait_parity(full[at % stages], (at // stages) % 2))
+        if mark is not None:
+            mark(("landed", at))
         for p, acc_p in enumerate(acc):
             emit(T.wgmma_gemm(a_s[at % stages, :, :], b_s[at % stages, p * width:(p + 1) * width, :], ping,
                               transpose_B=True, clear_accum=True, policy=policy))
@@ -273,7 +277,8 @@ def in_bursts(steps, burst, io, size=BURST):
 
 
 @T.macro
-def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0, elected=False, side=None):
+def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0, elected=False, side=None,
+                 mark=None):
     """The TMA warpgroup of a K loop: step s's two tiles (loads(s)) into slot s % stages once the
     MMA warpgroups have released it (empty), each producer thread arriving on full[slot] (TMA adds
     the bytes). share_a = 2: the block pair of a cluster has the same A tiles; rank 0 multicasts
@@ -285,13 +290,13 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0,
     elected lane issues the copies (TileLang's tma_copy elects one; it registers the bytes before
     its own arrival, so no phase completes without them); the other warps are done after the
     register shrink. side: mma_promoted_loop's side= (_side_step: its chunks go with the step's
-    tiles, on the same full barrier)."""
+    tiles, on the same full barrier). mark: a trace's ("issued", s) as step s's copies go out."""
     T.set_max_nreg(PRODUCER_REGS, 0)
     if elected:
         if T.get_thread_binding() % PRODUCER < 32:
-            _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
+            _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark)
     else:
-        _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side)
+        _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark)
 
 
 @T.macro
@@ -321,7 +326,7 @@ def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a):
 
 
 @T.macro
-def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side):
+def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark=None):
     for s in T.serial(steps):
         slot = s % stages
         if ramp > 0:
@@ -329,6 +334,8 @@ def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, 
                 T.mbarrier_wait_parity(full[0], 0)
         T.mbarrier_wait_parity(empty[slot], ((s // stages) % 2) ^ 1)   # step s - stages is done with it
         src_a, src_b = loads(s)
+        if mark is not None:
+            mark(("issued", s))
         if side is not None:
             _side_step(s, side, slot, full)
         _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a)
@@ -351,7 +358,8 @@ def _overlapped(steps, loads, a_s, b_s, full, empty, start, ping, pong, acc, sca
             # the prologue's loads go out before the first TMA: issued behind a grid's worth of
             # tile loads they came back ~8900 cycles later (128x4096x7168, bench/NOTES.md "GEMM v7")
             T.mbarrier_wait_parity(start[0], 0)
-        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, elected=ELECTED_PRODUCER, side=side)
+        tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a, elected=ELECTED_PRODUCER, side=side,
+                     mark=mark)
     else:
         if issue is not None:
             # before the register grow: that waits for the producer's shrink, which waits for this
