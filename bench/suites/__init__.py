@@ -36,6 +36,23 @@ class Suite:
     reference: str = "torch"                            # the provider ratios are quoted against
 
 
+def with_switch(make, module, name, value):
+    """A provider's make: `make`'s thunk run with the module-level switch `name` of `module` set to
+    value for each call (put back after it), against the default in the same run."""
+    def provider(case, inputs):
+        fn = make(case, inputs)
+
+        def run():
+            old = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                return fn()
+            finally:
+                setattr(module, name, old)
+        return run
+    return provider
+
+
 def get(name: str) -> Suite:
     key = ALIASES.get(name, name)
     if key not in SUITE_MODULES:

@@ -8,7 +8,7 @@ same shapes (per group for the grouped presets), what an engine without FP4 kern
 import torch
 
 import ops
-from bench.suites import Provider, Suite
+from bench.suites import Provider, Suite, with_switch
 from ops.gemm_fp8 import fp8_gemm_program
 from ops.gemm_mxfp4 import (SWAPPED_K_ALIGN, SWAPPED_TOKENS, mxfp4_gemm_program, mxfp4_grouped_program,
                             mxfp4_masked_swapped_program, mxfp4_swapped_program, plan_masked_swapped)
@@ -86,20 +86,8 @@ def tilecraft(case, i):
 
 
 def _with_flag(module, name, value):
-    """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value
-    for each call (put back after it)."""
-    def make(case, i):
-        fn = tilecraft(case, i)
-
-        def run():
-            old = getattr(module, name)
-            setattr(module, name, value)
-            try:
-                return fn()
-            finally:
-                setattr(module, name, old)
-        return run
-    return make
+    """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value."""
+    return with_switch(tilecraft, module, name, value)
 
 
 def tilecraft_loop(overlap):

@@ -10,7 +10,7 @@ import math
 import torch
 
 import ops
-from bench.suites import Provider, Suite
+from bench.suites import Provider, Suite, with_switch
 from ops.mla_decode import FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
@@ -73,15 +73,7 @@ def tilecraft_l2_256(case, i):
     FlashMLA's), against the default's 128 (TileLang's) in the same run."""
     from backends.cuda import tma
 
-    fn = tilecraft(case, i)
-
-    def run():
-        old, tma.L2_PROMOTION = tma.L2_PROMOTION, 256
-        try:
-            return fn()
-        finally:
-            tma.L2_PROMOTION = old
-    return run
+    return with_switch(tilecraft, tma, "L2_PROMOTION", 256)(case, i)
 
 
 def tilecraft_fp8(case, i):
