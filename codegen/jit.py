@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.cuda import tma
 from codegen import cache, rules, targets
 from tilecraft import __version__, env
 
@@ -38,7 +37,6 @@ def _tilelang():
 
     if not getattr(_tilelang, "done", False):
         tilelang.disable_cache()
-        tma.install()
         level = logging.INFO if env.flag("TILECRAFT_VERBOSE") else logging.WARNING
         for name in ("TileLang", "tilelang"):
             logging.getLogger(name).setLevel(level)
@@ -161,8 +159,6 @@ def key_inputs(program, prim, t: targets.Target, pass_configs: dict) -> dict:
         "tilelang": tilelang.__version__,
         "tilecraft": __version__,
         "python": sys.version.split()[0],
-        # (host code: the TMA descriptors' L2 promotion, backends.cuda.tma)
-        **({"tma_l2_promotion": tma.L2_PROMOTION} if t.vendor == "cuda" else {}),
     }
 
 

@@ -153,14 +153,6 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
-def tilecraft_l2_256(case, i):
-    """The op with its TMA descriptors' L2 promotion at 256 bytes (backends.cuda.tma; DeepGEMM's and
-    FlashMLA's), against the default's 128 (TileLang's) in the same run."""
-    from backends.cuda import tma
-
-    return _with_flag(tma, "L2_PROMOTION", 256)(case, i)
-
-
 def tilecraft_raster8(case, i):
     """The op with ops.gemm_fp8.RASTER = 8: blocks take their tiles in groups of 8 m tiles (the prefill
     read 656 MB from DRAM instead of 905 in session 26, at about the same speed), against the default's
@@ -298,7 +290,6 @@ SUITE = Suite(
                Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
-               Provider("tilecraft-l2-256", tilecraft_l2_256, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),

@@ -10,7 +10,7 @@ import math
 import torch
 
 import ops
-from bench.suites import Provider, Suite, with_switch
+from bench.suites import Provider, Suite
 from ops.mla_decode import FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
@@ -66,14 +66,6 @@ def tilecraft(case, i):
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched)
-
-
-def tilecraft_l2_256(case, i):
-    """The op with its TMA descriptors' L2 promotion at 256 bytes (backends.cuda.tma; DeepGEMM's and
-    FlashMLA's), against the default's 128 (TileLang's) in the same run."""
-    from backends.cuda import tma
-
-    return with_switch(tilecraft, tma, "L2_PROMOTION", 256)(case, i)
 
 
 def tilecraft_fp8(case, i):
@@ -165,7 +157,6 @@ SUITE = Suite(
     providers=[
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
-        Provider("tilecraft-l2-256", tilecraft_l2_256, experimental=True),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
