@@ -197,17 +197,36 @@ def trace_steps(out_dir, shapes=STEP_TRACE_SHAPES):
         latency, period = cyc(landed - issued), cyc(landed[:, 1:] - landed[:, :-1])
         slot_wait = cyc(issued[:, stages:] - landed[:, :-stages])
         med = lambda x: float(x.median())  # noqa: E731
+        at = [TRACE_EVENTS.index(e) for e in V3_TRACE_EVENTS[:-1]]       # entry .. stored (no cluster fold)
+        ev = st[:, at]
+        span = cyc(ev[:, -1] - ev[:, 0])                                  # a block's entry -> stored
+        # The SM clock is not shared between SMs, but one wave's blocks all run for about the kernel's
+        # time: the longest block's cycles over the profiler's kernel time is a lower bound of the clock.
+        mhz = float(span.max()) / t["gemm"]
+        # the bytes a K block brings from DRAM over the whole grid: B's n rows and A's m rows, 128 columns
+        unique = (n + m) * 128
         row = dict(m=m, n=n, k=k, plan={k_: v for k_, v in p.items() if k_ not in ("trace", "trace_steps")},
                    kernel_us=t["gemm"], blocks=blocks,
                    first_latency=med(latency[:, 0]), steady_latency=med(latency[:, stages:].median(1).values),
                    period=med(period.median(1).values), slot_wait=med(slot_wait.median(1).values),
                    entry_to_first_issue=med(cyc(issued[:, 0] - st[:, 0])),
-                   latency_by_block=[round(float(x)) for x in latency.median(0).values])
+                   latency_by_block=[round(float(x)) for x in latency.median(0).values],
+                   events=list(V3_TRACE_EVENTS[:-1]),
+                   event_cycles=[med(cyc(ev[:, j + 1] - ev[:, j])) for j in range(len(at) - 1)],
+                   span_cycles=dict(median=med(span), max=float(span.max()), min=float(span.min())),
+                   clock_mhz_at_least=mhz,
+                   last_landing_to_stored=med(cyc(ev[:, -1] - landed[:, -1])))
+        row["steady_dram_gbs_at_that_clock"] = unique / (row["period"] / mhz) / 1e3
         rows.append(row)
         print(f"{m}x{n}x{k} ({p['block_m']}x{p['block_n']}, {stages} stages, {blocks} blocks): kernel "
               f"{t['gemm']:.1f} us; median cycles: entry -> first issue {row['entry_to_first_issue']:.0f}, first "
               f"latency {row['first_latency']:.0f}, steady latency {row['steady_latency']:.0f}, landing period "
-              f"{row['period']:.0f}, issue after the slot's last landing {row['slot_wait']:.0f}", flush=True)
+              f"{row['period']:.0f}, issue after the slot's last landing {row['slot_wait']:.0f}, last landing -> "
+              f"stored {row['last_landing_to_stored']:.0f}; entry -> stored median {row['span_cycles']['median']:.0f}, "
+              f"max {row['span_cycles']['max']:.0f} cycles: clock >= {mhz:.0f} MHz, so the steady landing period "
+              f"moves >= {row['steady_dram_gbs_at_that_clock']:.0f} GB/s from DRAM; events "
+              + ", ".join(f"{a} -> {b} {c:.0f}" for a, b, c in zip(row["events"], row["events"][1:],
+                                                                  row["event_cycles"])), flush=True)
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "prof_gemm_trace_steps.json").write_text(json.dumps(

@@ -36,6 +36,8 @@ CHUNK_SCENARIOS = {
     "all_empty": (16, 4, 128, "bf16", lambda r, W: 0, "random"),               # every chunk of every rank empty
     "hot_rank0_fp8": (16, 4, 128, "fp8", lambda r, W: 7 + r, "rank0"),       # rank 1's experts get nothing
 }
+# the two-rank groups of the 4-process test: every expert on (group) rank 0, rank 1 with no tokens, fp8 rows
+PAIR_SCENARIOS = ("hot_rank0", "empty_rank", "fp8_scales")
 CHUNKS = (1, 3, 16)
 TRANSPORTS = ("a2a", "peer")        # on gloo: all_to_all_single, and peer memory over shared files
 # (transport, moe_ep_peer.FIXED_MASKED): the peer transport with the synced and the fixed-grid masked path
@@ -302,7 +304,7 @@ def gloo_init(rank, store, cache_dir, world):
 
 def worker(rank, store, cache_dir):
     """4 processes: every check over the whole group (W=4), then over two groups of 2 at once ([0, 1]
-    and [2, 3]: in the second, group ranks differ from global ranks)."""
+    and [2, 3]: in the second, group ranks differ from global ranks; PAIR_SCENARIOS)."""
     import torch.distributed as dist
 
     md = importlib.import_module("ops.moe_ep")
@@ -312,9 +314,11 @@ def worker(rank, store, cache_dir):
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
             W, me = dist.get_world_size(group), dist.get_rank(group)
+            # the pairs check the group-rank mapping: the scenarios whose routing depends on a rank
+            names = SCENARIOS if group is dist.group.WORLD else PAIR_SCENARIOS
             for transport, fixed in CONFIGS:
                 md.EP_TRANSPORT, peer.FIXED_MASKED = transport, fixed
-                for name in SCENARIOS:
+                for name in names:
                     check_scenario(name, me, W, group)
                 check_errors(me, W, group)
                 check_reuse(me, W, group)
