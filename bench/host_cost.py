@@ -5,9 +5,9 @@
 Eager decode-sized ops are host-bound when the host path costs more than the kernel: this prints
 the median/min host microseconds of a torch launch, tvm_ffi's tensor conversion, a bare TileLang
 launcher, our row-gather path, the FP8 GEMM at three depths (the public op, ops.gemm_fp8._launch,
-the kernel launcher alone), top-k (the op and its scratch views) and MoE dispatch (the masked
-layout with a fixed max_m, which reads nothing back; the contiguous layout up to its one host
-read). Value checks are off (TILECRAFT_CHECK_VALUES=0): they sync. Timed with perf_counter around
+the kernel launcher alone), the MXFP4 GEMM beside torch's bf16 GEMM of its shape, top-k (the op and
+its scratch views) and MoE dispatch (the masked layout with a fixed max_m, which reads nothing back;
+the contiguous layout up to its one host read). Value checks are off (TILECRAFT_CHECK_VALUES=0): they sync. Timed with perf_counter around
 each call, the GPU drained every 50 calls. bench/NOTES.md "eager host cost" has the H200 host's
 numbers.
 """
@@ -76,6 +76,14 @@ def cases(dev="cuda", gemm=True):
         res[f"{name}: _launch"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, n, k): _launch("dense", *a)
         count = bound_only(dev)                 # the fold's arrival counters: bound, unused by these plans
         res[f"{name}: kernel launcher"] = lambda a=(qa, sfa, qb[None], sfb[None], *aux, o, part, count), kern=kern: kern(*a)
+    for m, n, k in [(1, 7168, 2048), (64, 4096, 7168)] if gemm else []:
+        # the MXFP4 op (the swapped register-decode kernel at these m) next to torch's bf16 GEMM of the shape
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g)
+        b, sfb = (t_.to(dev) for t_ in ops.quant_mxfp4(w))
+        a, wb = torch.randn(m, k, generator=g).to(dev, torch.bfloat16), w.to(dev, torch.bfloat16)
+        res[f"mxfp4 gemm {m}x{n}x{k}: ops.mxfp4_gemm_nt"] = lambda a=a, b=b, sfb=sfb: ops.mxfp4_gemm_nt(a, b, sfb)
+        res[f"mxfp4 gemm {m}x{n}x{k}: torch bf16 a @ w.t()"] = lambda a=a, wb=wb: a @ wb.t()
     res.update(topk_and_dispatch_cases(dev))
     return res
 
@@ -114,7 +122,8 @@ def main():
     print(f"torch {torch.__version__}, __dlpack_c_exchange_api__ on torch.Tensor: "
           f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}, GPU {torch.cuda.get_device_name()}")
     only = sys.argv[1:]     # substrings: time only the cases whose name holds one of them
-    for name, fn in cases(gemm=not only or any("gemm" in o for o in only)).items():
+    gemms = not only or any(w in o for o in only for w in ("gemm", "fp8", "mxfp4", "torch bf16"))
+    for name, fn in cases(gemm=gemms).items():
         if only and not any(o in name for o in only):
             continue
         med, mn = host_us(fn)
