@@ -112,6 +112,22 @@ def print_table(rows: list[dict], ref: str) -> None:
               f"{_fmt(r.get('watts'), '5.0f')}")
 
 
+HOST_BOUND_SPREAD = 1.5   # eager rows whose median is this many times their min get a note
+
+
+def spread_notes(rows: list[dict], timing: str) -> list[str]:
+    """A line per eager row whose median is HOST_BOUND_SPREAD x its min or more: such calls are
+    host-bound (the launch path outlasts the kernel) or met a moving clock, so the median says little
+    about the kernel; --graph times replays of the calls without the host."""
+    if timing != "eager":
+        return []
+    return [f"note: {r['provider']} on {r['case']}: median {r['median_ms'] * 1e3:.1f} us is "
+            f"{r['median_ms'] / r['min_ms']:.1f}x its min ({r['min_ms'] * 1e3:.1f} us): host-bound or a moving "
+            f"clock; --graph times the kernels without the host"
+            for r in rows if r.get("median_ms") and r.get("min_ms")
+            and r["median_ms"] >= HOST_BOUND_SPREAD * r["min_ms"]]
+
+
 def rotations(n: int, rounds: int) -> list[list[int]]:
     """The provider order of each timing round: round r starts at provider r mod n, so with as many
     rounds as providers each one is timed first once (the GPU's clock and power drift through a run:
@@ -373,6 +389,8 @@ def main(argv=None) -> int:
     print(f"\n{suite.name} --shape {args.shape} on {meta['gpu']} (torch {meta['torch']}, tilelang {meta['tilelang']}; "
           f"{meta['timing']} timing)")
     print_table(rows, suite.reference)
+    for line in spread_notes(rows, meta["timing"]):
+        print(line)
     base = write_results(rows, meta, suite, args.shape, Path(args.out), args.plot)
     print(f"\nwrote {base}.csv and .json")
     return 0

@@ -323,3 +323,15 @@ def test_bench_gpu_loop_with_rounds(monkeypatch):
     assert by["a"]["round_median_ms"] == pytest.approx([1.1, 1.5, 1.6]) and by["a"]["median_ms"] == pytest.approx(1.5)
     assert by["b"]["reps"] == 30 and by["b"]["sm_mhz"] == 1500 and by["b"]["min_ms"] == pytest.approx(2.4)
     assert by["b"]["speedup_vs_ref"] == by["a"]["median_ms"] / by["b"]["median_ms"] and meta["rounds"] == 3
+
+
+def test_bench_notes_eager_rows_whose_median_is_far_from_their_min():
+    from bench.op import spread_notes
+
+    rows = [dict(case="mxfp4 1x7168x2048", provider="tilecraft", median_ms=0.0297, min_ms=0.0103),
+            dict(case="mxfp4 1x7168x2048", provider="torch", median_ms=0.0160, min_ms=0.0144),
+            dict(case="b=1", provider="flash_mla", error="boom")]
+    notes = spread_notes(rows, "eager")
+    assert len(notes) == 1 and "tilecraft on mxfp4 1x7168x2048" in notes[0] and "2.9x its min" in notes[0]
+    assert "--graph" in notes[0]
+    assert spread_notes(rows, "cuda graph") == []
