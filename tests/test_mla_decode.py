@@ -521,6 +521,35 @@ def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
     run_fp8_case(b, s_q, h_q, lens, page)
 
 
+# the swapped FP8 kernel without the fold at 32 query rows (bench provider tilecraft-fp8-swapped32)
+SWAPPED_32 = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True, rope_direct=True)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_swapped_32_rows_with_packed_stats(monkeypatch):
+    """sm90_attention.PACK_STATS (alpha, l, m in one shared tile) lets the swapped FP8 kernel take 32 query
+    rows: 32 heads, and 2 tokens x 16 heads (causal), against the reference; lengths 0 and 1, NaN tails."""
+    from codegen.lowering import sm90_attention
+
+    monkeypatch.setattr(sm90_attention, "PACK_STATS", True)
+    run_fp8_case(3, 1, 32, [1000, 1, 0], 64, tiling=SWAPPED_32)
+    run_fp8_case(2, 2, 16, [700, 64], 64, tiling=SWAPPED_32)
+
+
+def test_packed_stats_fit_the_fp8_swapped_kernel_at_32_rows(monkeypatch):
+    """With its three row-statistics tiles the swapped FP8 kernel at 32 rows is 1,152 bytes over sm_90a's
+    shared memory (TileLang 0.1.15 starts every dynamic buffer on 1 KB); packed into one tile
+    (sm90_attention.PACK_STATS, off by default) it fits, its operand tiles 1 KB aligned, no spills."""
+    from codegen.lowering import sm90_attention
+
+    assert sm90_attention.PACK_STATS is False
+    monkeypatch.setattr(sm90_attention, "PACK_STATS", True)
+    src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **SWAPPED_32)     # (over the limit: a ValueError)
+    _assert_operand_tiles_1kb_aligned(src)
+    _, log = _sass_and_log(src)
+    assert " 0 bytes spill stores" in log, log
+
+
 def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False):
     """exact=False: the reference reads the dequantized cache rounded to bf16, as the kernels that
     convert to bf16 multiply it; exact=True: the dequantized cache in fp32 (fold_scales: fp16

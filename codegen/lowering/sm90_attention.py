@@ -66,7 +66,7 @@ import tilelang.language as T
 
 from codegen.lowering.common import online_softmax
 from codegen.lowering.sm90 import check_register_split
-from codegen.rules import register
+from codegen.rules import options, register
 from codegen.tile import emit, require_pass_configs, state
 
 WG = 128
@@ -79,6 +79,12 @@ WG0_BAR, PRODUCER_BAR, WG1_BAR, SEESAW_BAR = 15, 14, 13, 12
 # seesaw: both MMA warpgroups hold a 64 x 256 accumulator and a score tile; the producer only issues TMA
 SEESAW_REGS, SEESAW_PRODUCER_REGS = 216, 56
 FULL_ROW = T.GemmWarpPolicy.FullRow
+# swapped: the row statistics WG0 hands over (alpha, l, m: block_m floats each) in one shared tile
+# instead of three. TileLang 0.1.15 starts every dynamic buffer on 1 KB, so three 128-byte tiles take
+# ~3 KB: the FP8 cache's swapped kernel at 32 query rows is 1,152 bytes over sm_90a's shared memory
+# without this (bench/NOTES.md "Session 33"). Off: not run on a GPU yet.
+PACK_STATS = False
+options(__name__, "PACK_STATS")
 
 
 # trace=: the SM clock (int32 bits) when each warpgroup's first thread reaches an event of step k,
@@ -374,6 +380,23 @@ class _Chunked:
     fold: Any = None    # None, or the _Fold whose row scales the converters also store
 
 
+class _Window:
+    """Entries [off, off + n) of a 1-D shared tile, indexed like a tile of their own (PACK_STATS); a
+    T.copy destination through dst()."""
+
+    def __init__(self, buf, off, n):
+        self.buf, self.off, self.n = buf, off, n
+
+    def __getitem__(self, i):
+        return self.buf[self.off + i]
+
+
+def dst(tile_or_window):
+    # T.copy's destination: the tile, or a window's region of its tile
+    w = tile_or_window
+    return w.buf[w.off:w.off + w.n] if isinstance(w, _Window) else w
+
+
 @dataclass(frozen=True)
 class _Fold:
     """Row scales folded into the MMAs (swapped, a tile.RawValue with row_scales): the converters
@@ -609,7 +632,7 @@ def _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum,
         T.copy(s, p_s)
     else:
         _scaled_p_copies(s, fold, slot)
-    T.copy(alpha, alpha_s)
+    T.copy(alpha, dst(alpha_s))
     T.fence_proxy_async()
     T.sync_threads(WG0_BAR, WG)                                     # all of P is written (and S^T read)
     T.mbarrier_arrive(p_ready[0])
@@ -722,8 +745,8 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
         _pv_t(p0, v0, slot, o0)
         T.mbarrier_arrive(empty[slot])
         _stamp(trace, k, "wg0 PV+empty")
-    T.copy(m_i, m_s)
-    T.copy(l_i, l_s)
+    T.copy(m_i, dst(m_s))
+    T.copy(l_i, dst(l_s))
     T.sync_threads(WG0_BAR, WG)
     T.mbarrier_arrive(stats[0])
     _epilogues(epilogue, o0, cols0, l_s, m_s, True)
@@ -813,7 +836,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                 units, own_p)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
-    alpha_s = T.alloc_shared((block_m,), "float32")
+    # (swapped with PACK_STATS: alpha lives in _swapped's one stats tile)
+    alpha_s = None if swapped and PACK_STATS else T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
     if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
@@ -895,8 +919,12 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     # operand tiles among them must stay 1 KB aligned (a 64 x 17 tile put P 256 bytes off: wrong P V)
     st_s = T.alloc_shared((-(-block_n * (block_m + 1) // 256) * 256,), "float32")
     sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
-    l_s = T.alloc_shared((block_m,), "float32")
-    m_s = T.alloc_shared((block_m,), "float32")
+    if PACK_STATS:          # alpha, l, m in one tile (attention_loop then allocates no alpha tile)
+        stats_s = T.alloc_shared((3 * block_m,), "float32")
+        alpha_s, l_s, m_s = (_Window(stats_s, n * block_m, block_m) for n in range(3))
+    else:
+        l_s = T.alloc_shared((block_m,), "float32")
+        m_s = T.alloc_shared((block_m,), "float32")
     # the value parts: the first half WG0's, the second WG1's; O^T of each
     halves = (v[:len(v) // 2], v[len(v) // 2:])
     o0, o1 = ([T.alloc_fragment((kv[p][1], block_m), "float32") for p in h] for h in halves)
