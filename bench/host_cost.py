@@ -7,8 +7,8 @@ the median/min host microseconds of a torch launch, tvm_ffi's tensor conversion,
 launcher, our row-gather path, the FP8 GEMM at three depths (the public op, ops.gemm_fp8._launch,
 the kernel launcher alone), the MXFP4 GEMM beside torch's bf16 GEMM of its shape, top-k (the op and
 its scratch views) and MoE dispatch (the masked layout with a fixed max_m, which reads nothing back;
-the contiguous layout up to its one host read). Value checks are off (TILECRAFT_CHECK_VALUES=0): they sync. Timed with perf_counter around
-each call, the GPU drained every 50 calls. bench/NOTES.md "eager host cost" has the H200 host's
+the contiguous layout up to its one host read). Value checks are off (TILECRAFT_CHECK_VALUES=0):
+they sync. Timed with perf_counter around each call, the GPU drained every 50 calls. bench/NOTES.md "eager host cost" has the H200 host's
 numbers.
 """
 

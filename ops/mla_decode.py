@@ -27,11 +27,10 @@ D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
 # query-tile rows (WGMMA's N) with swapped operands: the first >= s_q * h_q. 64 rows would not fit in
 # shared memory (Q^T 72 KB + 2 x 72 KB steps + the S^T transpose) and gain nothing over the default
-# tiling; the FP8 cache's raw staging leaves room for 16 rows only (with rope_direct, 32 rows miss
-# by 128 bytes: TileLang places each of the three 128-byte row-statistics buffers on its own 1 KB).
-# query rows (s_q * h_q) the swapped kernels take. The FP8 cache's with the rope loaded direct also takes
-# 32 rows when the lowering packs its row statistics into one tile (sm90_attention.PACK_STATS: without it
-# 1,152 bytes over sm_90a's shared memory); the op does not choose that yet (bench/NOTES.md "Session 33")
+# tiling; the FP8 cache's raw staging leaves room for 16 rows only. With rope_direct, 32 rows fit when
+# the lowering packs its three 128-byte row-statistics tiles into one (sm90_attention.PACK_STATS, off;
+# TileLang starts each on its own 1 KB, and without it the kernel is 1,152 bytes over); the op does not
+# choose that yet (bench/NOTES.md "Session 33").
 SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,), "fp8-rope-direct": (16, 32), "fp8-fold": (16,)}
 SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)

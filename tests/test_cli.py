@@ -335,3 +335,20 @@ def test_bench_notes_eager_rows_whose_median_is_far_from_their_min():
     assert len(notes) == 1 and "tilecraft on mxfp4 1x7168x2048" in notes[0] and "2.9x its min" in notes[0]
     assert "--graph" in notes[0]
     assert spread_notes(rows, "cuda graph") == []
+
+
+def test_with_switch_sets_the_switch_for_the_compile_and_every_call():
+    import types
+
+    from bench.suites import with_switch
+
+    module, seen = types.SimpleNamespace(X=0), []
+
+    def make(case, inputs):
+        seen.append(("make", module.X))
+        return lambda: seen.append(("call", module.X)) or "out"
+
+    run = with_switch(make, module, "X", 1)(None, None)
+    assert module.X == 0
+    assert run() == "out" and module.X == 0
+    assert seen == [("make", 1), ("call", 1)]

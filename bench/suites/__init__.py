@@ -37,19 +37,20 @@ class Suite:
 
 
 def with_switch(make, module, name, value):
-    """A provider's make: `make`'s thunk run with the module-level switch `name` of `module` set to
-    value for each call (put back after it), against the default in the same run."""
-    def provider(case, inputs):
-        fn = make(case, inputs)
+    """A provider's make: `make` (its first call, the compile, included) and each call of its thunk run
+    with the module-level switch `name` of `module` set to value (put back after), against the default
+    in the same run."""
+    def switched(fn, *args):
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(module, name, old)
 
-        def run():
-            old = getattr(module, name)
-            setattr(module, name, value)
-            try:
-                return fn()
-            finally:
-                setattr(module, name, old)
-        return run
+    def provider(case, inputs):
+        fn = switched(make, case, inputs)
+        return lambda: switched(fn)
     return provider
 
 

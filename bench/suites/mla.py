@@ -113,14 +113,7 @@ def fp8_swapped_32(case, i):
     if case["s_q"] * case["h_q"] != 32:
         raise ValueError(f"built for 32 query rows, got {case['s_q'] * case['h_q']}")
     tiling = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True, rope_direct=True)
-
-    def make(c, x):                     # its first call (the compile) under the switch too
-        old, sm90_attention.PACK_STATS = sm90_attention.PACK_STATS, True
-        try:
-            return tilecraft_variant(c, x, tiling)
-        finally:
-            sm90_attention.PACK_STATS = old
-    return with_switch(make, sm90_attention, "PACK_STATS", True)(case, i)
+    return with_switch(lambda c, x: tilecraft_variant(c, x, tiling), sm90_attention, "PACK_STATS", True)(case, i)
 
 
 def seesaw(case, i, **options):
