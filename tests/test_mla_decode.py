@@ -499,8 +499,8 @@ def test_own_p_is_for_the_seesaw():
 
 def test_persistent_builds_and_says_what_it_needs():
     """persistent=True lowers on sm_90a within the seesaw's registers (no spills): one wave of CTAs each
-    running its units back to back, the query by TMA (no query stores by the threads); it names what it
-    is built for everywhere else. (Its trace build is bench.trace_mla's persistent case, a GPU tool.)"""
+    running its units back to back, the query by TMA (no query stores by the threads); its trace build
+    stamps across units; it names what it is built for everywhere else."""
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
 
     src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True)
@@ -509,6 +509,8 @@ def test_persistent_builds_and_says_what_it_needs():
     assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
     _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
     assert "0 bytes spill stores" in log, log
+    traced = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True, trace=True)
+    assert "tc_timeline" in traced and traced.count("clock()") > 8       # bench.trace_mla's persistent case
     for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(page=32)):
         with pytest.raises(ValueError, match="persistent=True is built for"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
