@@ -253,7 +253,7 @@ def _compile_uncached(program, t: targets.Target, bound: dict) -> Kernel:
 
 def lower_source(program, target, **params) -> str:
     """Generated device source for the target, with no compiler or device needed. Kept in the disk
-    cache under the compile key's inputs plus "artifact": "source" (TileLang's lowering of an
+    cache under the compile key's inputs plus an "artifact" tag (TileLang's lowering of an
     overlapped GEMM loop takes ~15-30 s; the key holds the traced IR, so a changed rule misses)."""
     tilelang = _tilelang()
     t = program.check_target(target)
@@ -262,7 +262,7 @@ def lower_source(program, target, **params) -> str:
     configs = program.configs(t, bound, rule_configs)
     use_disk = not env.flag("TILECRAFT_DISABLE_DISK_CACHE")
     if use_disk:
-        inputs = {**key_inputs(program, prim, t, configs), "artifact": "source"}
+        inputs = {**key_inputs(program, prim, t, configs), "artifact": "source-smem2"}
         key = cache.digest(inputs)
         entry = cache.lookup(key, on_corrupt=lambda problem: STATS.update(["corrupt_rebuild"]))
         if entry is not None:
@@ -275,7 +275,7 @@ def lower_source(program, target, **params) -> str:
 
         with tvm.transform.PassContext(config=configs):
             art = tilelang.lower(prim, target=tv)
-    smem = dynamic_shared_memory(art.device_mod)
+    smem = block_shared_memory(art.device_mod)
     _check_smem_bytes(program, t, bound, smem)
     source = art.kernel_source
     if use_disk:
@@ -288,19 +288,28 @@ def lower_source(program, target, **params) -> str:
 
 
 _DYN_SMEM = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"\)')
+_STATIC_SMEM = re.compile(r'alloc_buffer\(\((\d+),\), "(u?int|float)(\d+)", scope="shared\.barrier"\)')
+DYN_SMEM_ALIGN = 1024       # TileLang 0.1.15 declares the dynamic buffer __align__(1024)
 
 
-def dynamic_shared_memory(device_mod) -> int:
-    """Bytes of dynamic shared memory the lowered kernels allocate (TileLang merges a kernel's
-    shared tiles into one `shared.dyn` buffer)."""
-    return sum(int(n) for n in _DYN_SMEM.findall(device_mod.script()))
+def block_shared_memory(device_mod) -> int:
+    """Bytes of shared memory a block of the lowered kernel needs: the dynamic buffer (TileLang merges
+    a kernel's shared tiles into one `shared.dyn` buffer) plus the static one (the mbarriers), which
+    the 1 KB-aligned dynamic buffer starts after: any static byte costs 1 KB of the 227 (the swapped
+    FP8 MLA kernel at 231,808 dynamic bytes failed its launch; bench/NOTES.md "Session 34")."""
+    script = device_mod.script()
+    dynamic = sum(int(n) for n in _DYN_SMEM.findall(script))
+    static = sum(-(-int(n) * int(bits) // 8 // 16) * 16 for n, _, bits in _STATIC_SMEM.findall(script))
+    if static and dynamic:
+        static = -(-static // DYN_SMEM_ALIGN) * DYN_SMEM_ALIGN
+    return dynamic + static
 
 
 def check_shared_memory(program, t: targets.Target, bound: dict, device_mod) -> None:
     """A kernel over the target's shared memory fails only at its first launch, with the driver's
     "Failed to set the allowed dynamic shared memory size" (bench/NOTES.md "MLA v12"): say so at
     build time instead, with the program and its parameters."""
-    _check_smem_bytes(program, t, bound, dynamic_shared_memory(device_mod))
+    _check_smem_bytes(program, t, bound, block_shared_memory(device_mod))
 
 
 def _check_smem_bytes(program, t: targets.Target, bound: dict, need: int) -> None:

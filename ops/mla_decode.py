@@ -27,10 +27,9 @@ D_QK, D_V, D_ROPE = 576, 512, 64
 BLOCK_M = 64       # query rows per CTA: WGMMA's M
 # query-tile rows (WGMMA's N) with swapped operands: the first >= s_q * h_q. 64 rows would not fit in
 # shared memory (Q^T 72 KB + 2 x 72 KB steps + the S^T transpose) and gain nothing over the default
-# tiling; the FP8 cache's raw staging leaves room for 16 rows only. With rope_direct, 32 rows fit when
-# the lowering packs its three 128-byte row-statistics tiles into one (sm90_attention.PACK_STATS, off;
-# TileLang starts each on its own 1 KB, and without it the kernel is 1,152 bytes over); the op does not
-# choose that yet (bench/NOTES.md "Session 33").
+# tiling. The FP8 cache's raw staging leaves room for 16 rows with the bf16 rope staged, and for 32 with
+# the rope loaded straight into its operand tile (rope_direct; the lowering keeps the row statistics in
+# spare words of the S^T tile, bench/NOTES.md "Session 34"); the fold (fp16 operands) fits 16 rows.
 SWAPPED_TILES = {"bf16": (16, 32), "fp8": (16,), "fp8-rope-direct": (16, 32), "fp8-fold": (16,)}
 SWAPPED_RAW_ROWS = 32  # swapped FP8: tokens per raw staging chunk (two a 64-token step)
 BLOCK_N = 64       # cache tokens per step (the schedule's unit; the kernel may step in halves)
@@ -692,24 +691,28 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     32 x 4 paid twice the per-step softmax overhead, see bench/NOTES.md), elsewhere with 128 threads
     (with 256 the tiles do not fit sm_100a's shared memory); on sm_90a a step is at most a page
     (TileLang 0.1.15 cannot TMA a page into part of a swizzled tile). On sm_90a with pages of 64+
-    tokens and few query rows (s_q * h_q <= 32 bf16, <= 16 FP8) the operands are swapped: the heads
-    are WGMMA's N, not padded to 64 rows (bench/NOTES.md "MLA v9"); the FP8 cache then stages its raw
-    bytes in 32-token chunks that the producer and WG1 convert, and its bf16 rope goes by TMA straight
-    into the operand tile (rope_direct: 3-4% faster on the H200, "MLA v10"), and the e4m3 latent becomes fp16 with
-    its scales folded into the MMAs (fold_scales: 8% faster, "MLA v11"). Otherwise fp8: the raw bytes and the
+    tokens and few query rows (s_q * h_q <= 32) the operands are swapped: the heads are WGMMA's N, not
+    padded to 64 rows (bench/NOTES.md "MLA v9"); the FP8 cache then stages its raw bytes in 32-token
+    chunks that the producer and WG1 convert, and its bf16 rope goes by TMA straight into the operand
+    tile (rope_direct: 3-4% faster on the H200, "MLA v10"); up to 16 rows the e4m3 latent becomes fp16
+    with its scales folded into the MMAs (fold_scales: 8% faster, "MLA v11"), at 17-32 rows bf16 with
+    the scales applied by the converters (1.26x the 32-token-step kernel at h_q = 32, "Session 34").
+    Otherwise fp8: the raw bytes and the
     bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
     (the producer warpgroup converts); elsewhere 64-token steps one stage deep, 128 threads."""
     sm90 = targets.get(target).name == "cuda:sm_90a"
-    swapped = sm90 and page >= BLOCK_N and rows <= SWAPPED_TILES[kv_format][-1]
+    most = SWAPPED_TILES["fp8-rope-direct" if kv_format == "fp8" else "bf16"][-1]
+    swapped = sm90 and page >= BLOCK_N and rows <= most
     if kv_format != "fp8":
         if not sm90:
             # the generic loop with 256 threads needs 233,472 bytes of shared memory on sm_100a (the
             # row reductions' workspaces included), over its 227 KB (codegen.jit.check_shared_memory)
             return dict(block_n=BLOCK_N, stages=2, threads=128)
         return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {}))
-    if swapped:
+    if swapped:   # the fold where it fits (16 rows), else e4m3 -> bf16 in the converters (32 rows)
+        fold = rows <= SWAPPED_TILES["fp8-fold"][-1]
         return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
-                    fold_scales=True)
+                    **({"fold_scales": True} if fold else {}))
     if sm90:
         return dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")
     # sm_100a (compiled, never run): TileLang 0.1.15's tcgen05 MMA takes no 32-token step ("TCGEN05

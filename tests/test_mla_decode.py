@@ -523,30 +523,40 @@ def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
     run_fp8_case(b, s_q, h_q, lens, page)
 
 
-# the swapped FP8 kernel without the fold at 32 query rows (bench provider tilecraft-fp8-swapped32)
-SWAPPED_32 = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True, rope_direct=True)
-
-
 @pytest.mark.gpu
-def test_gpu_fp8_swapped_32_rows_with_packed_stats(monkeypatch):
-    """sm90_attention.PACK_STATS (alpha, l, m in one shared tile) lets the swapped FP8 kernel take 32 query
-    rows: 32 heads, and 2 tokens x 16 heads (causal), against the reference; lengths 0 and 1, NaN tails."""
-    from codegen.lowering import sm90_attention
+def test_gpu_fp8_swapped_32_rows():
+    """The op's FP8 kernel at 17-32 query rows: swapped, e4m3 -> bf16 in the converters, the rope direct
+    (its row statistics in the S^T tile's spare words, or it would not fit). 32 heads, and 2 tokens x 16
+    heads (causal), against the reference; lengths 0 and 1, NaN tails."""
+    assert pick_tiling(32, "fp8", "sm_90a", 64) == dict(block_n=64, stages=2, raw_stages=2, kv_format="fp8",
+                                                        swapped=True, rope_direct=True)
+    run_fp8_case(3, 1, 32, [1000, 1, 0], 64)
+    run_fp8_case(2, 2, 16, [700, 64], 64)
 
-    monkeypatch.setattr(sm90_attention, "PACK_STATS", True)
-    run_fp8_case(3, 1, 32, [1000, 1, 0], 64, tiling=SWAPPED_32)
-    run_fp8_case(2, 2, 16, [700, 64], 64, tiling=SWAPPED_32)
 
+def test_fp8_swapped_kernel_fits_at_32_rows():
+    """The op's FP8 kernel at 32 rows needs all of sm_90a's 227 KB of shared memory: 231,424 dynamic bytes
+    plus the mbarriers' static ones, which cost a whole KB (the dynamic buffer starts 1 KB aligned after
+    them). codegen.jit counts both (at 231,808 + 1 KB the launch failed on the H200, "Session 34"); the
+    row statistics kept in the S^T tile's spare words bring it under. Operand tiles 1 KB aligned, no spills."""
+    import codegen.jit as jit
 
-def test_packed_stats_fit_the_fp8_swapped_kernel_at_32_rows(monkeypatch):
-    """With its three row-statistics tiles the swapped FP8 kernel at 32 rows is 1,152 bytes over sm_90a's
-    shared memory (TileLang 0.1.15 starts every dynamic buffer on 1 KB); packed into one tile
-    (sm90_attention.PACK_STATS, off by default) it fits, its operand tiles 1 KB aligned, no spills."""
-    from codegen.lowering import sm90_attention
+    needs = []
+    real = jit.block_shared_memory
 
-    assert sm90_attention.PACK_STATS is False
-    monkeypatch.setattr(sm90_attention, "PACK_STATS", True)
-    src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **SWAPPED_32)     # (over the limit: a ValueError)
+    def spy(device_mod):
+        needs.append(real(device_mod))
+        return needs[-1]
+
+    jit_env = pytest.MonkeyPatch()
+    jit_env.setattr(jit, "block_shared_memory", spy)
+    jit_env.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
+    try:
+        src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **pick_tiling(32, "fp8", "sm_90a", 64))
+    finally:
+        jit_env.undo()
+    assert needs == [227 * 1024], needs
+    assert "extern __shared__ __align__(1024)" in src and "__shared__ __align__(16) uint64_t" in src
     _assert_operand_tiles_1kb_aligned(src)
     _, log = _sass_and_log(src)
     assert " 0 bytes spill stores" in log, log
@@ -597,7 +607,8 @@ def test_swapped_operand_probe_lowers_to_wgmma_with_a_transposed_v():
 def test_swapped_mla_program_lowers_on_sm90a_only():
     """mla_decode_program(swapped=True) (the op's choice for bf16 caches with s_q * h_q <= 32): S^T
     and O^T on WGMMA m64n16 (the PV with an MN-major A) or m64n32 for 17-32 rows, no spills; more
-    rows than fit in shared memory (32 with a bf16 cache, 16 with an FP8 one), or a target without
+    rows than fit in shared memory (32 with a bf16 cache; 16 with an FP8 one, 32 with its rope direct),
+    or a target without
     the swapped rule, is a clear error."""
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
@@ -614,6 +625,9 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
         mla_decode_program.source("sm_90a", h_q=48, s_q=1, swapped=True)
     with pytest.raises(ValueError, match="fp8 cache takes at most 16 query rows"):
         mla_decode_program.source("sm_90a", h_q=32, s_q=1, swapped=True, kv_format="fp8", block_n=64)
+    with pytest.raises(ValueError, match="fp8 cache takes at most 32 query rows"):
+        mla_decode_program.source("sm_90a", h_q=48, s_q=1, swapped=True, kv_format="fp8", block_n=64,
+                                  rope_direct=True)
     fp8 = mla_decode_program.source("sm_90a", h_q=16, s_q=1, swapped=True, kv_format="fp8", block_n=64, stages=2,
                                     raw_stages=2)           # raw bytes in two 32-token chunks a step: 214 KB
     assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", fp8)) < 220 * 1024

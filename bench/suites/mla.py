@@ -10,7 +10,7 @@ import math
 import torch
 
 import ops
-from bench.suites import Provider, Suite, with_switch
+from bench.suites import Provider, Suite
 from ops.mla_decode import FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
@@ -104,18 +104,6 @@ def fp8_swapped_with(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
-def fp8_swapped_32(case, i):
-    """The FP8 cache at 32 query rows through the swapped kernel without the fold (e4m3 -> bf16 in the
-    converters, the rope loaded direct), its row statistics packed into one tile so that it fits
-    (codegen.lowering.sm90_attention.PACK_STATS; bench/NOTES.md "Session 33"); s_q * h_q = 32."""
-    from codegen.lowering import sm90_attention
-
-    if case["s_q"] * case["h_q"] != 32:
-        raise ValueError(f"built for 32 query rows, got {case['s_q'] * case['h_q']}")
-    tiling = dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True, rope_direct=True)
-    return with_switch(lambda c, x: tilecraft_variant(c, x, tiling), sm90_attention, "PACK_STATS", True)(case, i)
-
-
 def seesaw(case, i, **options):
     """The bf16 cache through the seesaw schedule (bench/NOTES.md "MLA v13"): the two MMA warpgroups
     score alternate steps; s_q * h_q above the swapped kernel's rows. options: own_p=True (each
@@ -179,7 +167,6 @@ SUITE = Suite(
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-unfolded", lambda c, i: fp8_swapped_with(c, i, fold_scales=False), experimental=True,
                  nbytes=nbytes_fp8),
-        Provider("tilecraft-fp8-swapped32", fp8_swapped_32, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True, nbytes=nbytes_fp8),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),

@@ -66,7 +66,7 @@ import tilelang.language as T
 
 from codegen.lowering.common import online_softmax
 from codegen.lowering.sm90 import check_register_split
-from codegen.rules import options, register
+from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
 
 WG = 128
@@ -79,12 +79,6 @@ WG0_BAR, PRODUCER_BAR, WG1_BAR, SEESAW_BAR = 15, 14, 13, 12
 # seesaw: both MMA warpgroups hold a 64 x 256 accumulator and a score tile; the producer only issues TMA
 SEESAW_REGS, SEESAW_PRODUCER_REGS = 216, 56
 FULL_ROW = T.GemmWarpPolicy.FullRow
-# swapped: the row statistics WG0 hands over (alpha, l, m: block_m floats each) in one shared tile
-# instead of three. TileLang 0.1.15 starts every dynamic buffer on 1 KB, so three 128-byte tiles take
-# ~3 KB: the FP8 cache's swapped kernel at 32 query rows is 1,152 bytes over sm_90a's shared memory
-# without this (bench/NOTES.md "Session 33"). Off: not run on a GPU yet.
-PACK_STATS = False
-options(__name__, "PACK_STATS")
 
 
 # trace=: the SM clock (int32 bits) when each warpgroup's first thread reaches an event of step k,
@@ -381,8 +375,8 @@ class _Chunked:
 
 
 class _Window:
-    """Entries [off, off + n) of a 1-D shared tile, indexed like a tile of their own (PACK_STATS); a
-    T.copy destination through dst()."""
+    """Entries [off, off + n) of a 1-D shared tile, indexed like a tile of their own (the swapped
+    kernel's row statistics); a T.copy destination through dst()."""
 
     def __init__(self, buf, off, n):
         self.buf, self.off, self.n = buf, off, n
@@ -836,8 +830,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                 units, own_p)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
-    # (swapped with PACK_STATS: alpha lives in _swapped's one stats tile)
-    alpha_s = None if swapped and PACK_STATS else T.alloc_shared((block_m,), "float32")
+    # (swapped: alpha lives in the spare words of _swapped's S^T tile)
+    alpha_s = None if swapped else T.alloc_shared((block_m,), "float32")
     pieces = 1 if raw_rows is None else block_n // raw_rows
     if pieces != 1 and (plain or pieces % 2 or raw_stages % pieces):
         raise ValueError(f"attention_loop: raw_rows={raw_rows} (raw staging in parts of a {block_n}-token step) "
@@ -917,14 +911,14 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     # consecutive tokens of one query row, 16 words apart) hit one bank ("MLA v11"). Flat, and a
     # whole number of KB: TileLang 0.1.15 places the next buffers right after it, and the WGMMA
     # operand tiles among them must stay 1 KB aligned (a 64 x 17 tile put P 256 bytes off: wrong P V)
-    st_s = T.alloc_shared((-(-block_n * (block_m + 1) // 256) * 256,), "float32")
+    # The row statistics WG0 hands over (alpha, l, m: 3 x block_m words) follow S^T in the same tile,
+    # in words the KB rounding leaves spare at 16 and 32 rows: tiles of their own would take a KB each
+    # (TileLang 0.1.15 starts every buffer on one), and the FP8 cache's kernel at 32 rows would not fit
+    # (bench/NOTES.md "Session 34"; attention_loop allocates no alpha tile for this kernel)
+    hand = block_n * (block_m + 1)
+    st_s = T.alloc_shared((-(-(hand + 3 * block_m) // 256) * 256,), "float32")
     sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
-    if PACK_STATS:          # alpha, l, m in one tile (attention_loop then allocates no alpha tile)
-        stats_s = T.alloc_shared((3 * block_m,), "float32")
-        alpha_s, l_s, m_s = (_Window(stats_s, n * block_m, block_m) for n in range(3))
-    else:
-        l_s = T.alloc_shared((block_m,), "float32")
-        m_s = T.alloc_shared((block_m,), "float32")
+    alpha_s, l_s, m_s = (_Window(st_s, hand + n * block_m, block_m) for n in range(3))
     # the value parts: the first half WG0's, the second WG1's; O^T of each
     halves = (v[:len(v) // 2], v[len(v) // 2:])
     o0, o1 = ([T.alloc_fragment((kv[p][1], block_m), "float32") for p in h] for h in halves)
