@@ -1,0 +1,226 @@
+"""Probe: the FP8-cache MLA decode with both GEMMs' cache operand converted into registers (bench/NOTES.md
+"Session 34: an FP8 kernel with no converted tiles").
+
+    python -m bench.proto_mla_fp8_rs              # GPU: error vs fp32 torch, time beside the op's kernels
+    python -m bench.proto_mla_fp8_rs --source     # no GPU: the sm_90a build's WGMMA kinds, registers, spills
+
+The op's swapped FP8 kernel (h_q <= 16) converts each step's e4m3 latent into fp16 operand tiles in
+shared memory, which both WGMMAs then read: ~310 KB of shared-memory traffic a 64-token step against
+~42 KB of cache bytes, which binds it at ~62% of copy bandwidth. Here the cache tile is the A operand
+of both GEMMs (tokens are M for S^T = K Q^T; latent columns are M for O^T = V^T P^T), and A may come
+from registers (wgmma RS): each thread loads the raw e4m3 bytes of its fragment and converts them
+(F2FP.F16.E4M3.UNPACK_B, exact), so no converted tile is written or read. The per-128 scales fold as in
+the op's kernel: into the partial scores (S^T = rope + sum_g scale_g * K_g Q_g^T) and into one P copy
+per 128 latent columns. Plain TileLang (T.Pipelined, T.gemm, one warpgroup of MMA threads), contiguous
+cache arrays (latent e4m3, scales, bf16 rope: 656 bytes a token as in the op), splits combined in torch:
+it checks that the formulation lowers, is right, and what it could be worth, not the op's interface.
+
+Status (session 34, results/proto-mla-fp8-rs-*): right (max abs error 1.7e-5 against fp32), but slow
+(844 us at b=128 x 4096 against the op's ~135): one warpgroup of MMA threads a CTA with nothing to
+overlap its chain, the softmax tile inferred 8x replicated (64 values a thread; annotating an
+8-a-thread layout dropped stores under TileLang's warp specialization), V^T gathered one byte and
+one conversion a value. What the production form needs is in bench/NOTES.md "Session 34".
+"""
+
+import argparse
+import sys
+
+import tilelang
+import tilelang.language as T
+
+H, DL, DR, G, BLOCK_N = 16, 512, 64, 128, 64
+NG = DL // G
+LOG2E = 1.4426950408889634
+
+
+@T.macro
+def _scores_group(g, kl_s, ql_s, ks_s, a_k, acc_g, s_t):
+    # s_t += scale_g[token] * K_g Q_g^T, K_g converted into the A fragment
+    for i, j in T.Parallel(BLOCK_N, G):
+        a_k[i, j] = T.cast(kl_s[i, g * G + j], "float16")
+    T.gemm(a_k, ql_s[g, :, :], acc_g, transpose_B=True, clear_accum=True)
+    for i, j in T.Parallel(BLOCK_N, H):
+        s_t[i, j] += acc_g[i, j] * ks_s[i, g]
+
+
+@T.macro
+def _p_copy(g, sc, ks_s, p_s):
+    # P * scale_g[token] in fp16: the B operand of group g's P V (a 3-D parallel loop here gave sc a
+    # layout replicated in every thread: one thread then wrote all of P)
+    for h, t in T.Parallel(H, BLOCK_N):
+        p_s[g, h, t] = T.cast(sc[h, t] * ks_s[t, g], "float16")
+
+
+@T.macro
+def _pv_group(g, kl_s, p_s, a_v, o_g, alpha_s):
+    # o_g (latent columns g*G.. x heads) = o_g * alpha + V_g^T (P * scale_g)^T, V_g^T converted into A
+    for d, h in T.Parallel(G, H):
+        o_g[d, h] *= alpha_s[h]
+    for d, t in T.Parallel(G, BLOCK_N):
+        a_v[d, t] = T.cast(kl_s[t, g * G + d], "float16")
+    T.gemm(a_v, p_s[g, :, :], o_g, transpose_B=True)
+
+
+@T.macro
+def _store_group(g, o_g, l, OP, bi, si):
+    for d, h in T.Parallel(G, H):
+        OP[bi, si, h, g * G + d] = o_g[d, h] / l[h]
+
+
+def rs_program(splits=1, stages=2, threads=128, scale=576 ** -0.5):
+    b, n = T.dynamic("b, n")
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def mla_fp8_rs(QL: T.Tensor((b, NG, H, G), "float16"), QR: T.Tensor((b, H, DR), "bfloat16"),
+                   KL: T.Tensor((b, n, DL), "float8_e4m3"), KS: T.Tensor((b, n, NG), "float32"),
+                   KR: T.Tensor((b, n, DR), "bfloat16"), OP: T.Tensor((b, splits, H, DL), "float32"),
+                   LP: T.Tensor((b, splits, H), "float32")):
+        with T.Kernel(b, splits, threads=threads) as (bi, si):
+            ql_s = T.alloc_shared((NG, H, G), "float16")
+            qr_s = T.alloc_shared((H, DR), "bfloat16")
+            kl_s = T.alloc_shared((BLOCK_N, DL), "float8_e4m3")
+            ks_s = T.alloc_shared((BLOCK_N, NG), "float32")
+            kr_s = T.alloc_shared((BLOCK_N, DR), "bfloat16")
+            st_s = T.alloc_shared((BLOCK_N, H + 1), "float32")     # S^T, read back transposed (padded)
+            p_s = T.alloc_shared((NG, H, BLOCK_N), "float16")       # P * scale_g, one copy per group
+            alpha_s = T.alloc_shared((H,), "float32")
+            l_s = T.alloc_shared((H,), "float32")
+            m_s = T.alloc_shared((H,), "float32")
+            a_k = T.alloc_fragment((BLOCK_N, G), "float16")
+            a_v = T.alloc_fragment((G, BLOCK_N), "float16")
+            acc_g = T.alloc_fragment((BLOCK_N, H), "float32")
+            s_t = T.alloc_fragment((BLOCK_N, H), "float32")
+            sc = T.alloc_fragment((H, BLOCK_N), "float32")
+            m = T.alloc_fragment((H,), "float32")
+            m_prev = T.alloc_fragment((H,), "float32")
+            l = T.alloc_fragment((H,), "float32")
+            rs = T.alloc_fragment((H,), "float32")
+            o0 = T.alloc_fragment((G, H), "float32")
+            o1 = T.alloc_fragment((G, H), "float32")
+            o2 = T.alloc_fragment((G, H), "float32")
+            o3 = T.alloc_fragment((G, H), "float32")
+            T.copy(QL[bi, :, :, :], ql_s)
+            T.copy(QR[bi, :, :], qr_s)
+            T.fill(o0, 0.0)
+            T.fill(o1, 0.0)
+            T.fill(o2, 0.0)
+            T.fill(o3, 0.0)
+            T.fill(m, -T.infinity("float32"))
+            T.fill(l, 0.0)
+            per = T.ceildiv(n, BLOCK_N * splits)                    # steps of this split (n % (64 splits) == 0)
+            for kb in T.Pipelined(per, num_stages=stages):
+                t0 = (si * per + kb) * BLOCK_N
+                T.copy(KL[bi, t0:t0 + BLOCK_N, :], kl_s)
+                T.copy(KS[bi, t0:t0 + BLOCK_N, :], ks_s)
+                T.copy(KR[bi, t0:t0 + BLOCK_N, :], kr_s)
+                T.gemm(kr_s, qr_s, s_t, transpose_B=True, clear_accum=True)     # the rope's scores
+                _scores_group(0, kl_s, ql_s, ks_s, a_k, acc_g, s_t)
+                _scores_group(1, kl_s, ql_s, ks_s, a_k, acc_g, s_t)
+                _scores_group(2, kl_s, ql_s, ks_s, a_k, acc_g, s_t)
+                _scores_group(3, kl_s, ql_s, ks_s, a_k, acc_g, s_t)
+                for i, j in T.Parallel(BLOCK_N, H):
+                    st_s[i, j] = s_t[i, j]
+                for h, t in T.Parallel(H, BLOCK_N):
+                    sc[h, t] = st_s[t, h] * scale_log2
+                T.copy(m, m_prev)
+                T.reduce_max(sc, m, dim=1, clear=False)
+                for h, t in T.Parallel(H, BLOCK_N):
+                    sc[h, t] = T.exp2(sc[h, t] - m[h])
+                T.reduce_sum(sc, rs, dim=1)
+                for h in T.Parallel(H):
+                    alpha_s[h] = T.exp2(m_prev[h] - m[h])
+                    l[h] = l[h] * T.exp2(m_prev[h] - m[h]) + rs[h]
+                _p_copy(0, sc, ks_s, p_s)
+                _p_copy(1, sc, ks_s, p_s)
+                _p_copy(2, sc, ks_s, p_s)
+                _p_copy(3, sc, ks_s, p_s)
+                _pv_group(0, kl_s, p_s, a_v, o0, alpha_s)
+                _pv_group(1, kl_s, p_s, a_v, o1, alpha_s)
+                _pv_group(2, kl_s, p_s, a_v, o2, alpha_s)
+                _pv_group(3, kl_s, p_s, a_v, o3, alpha_s)
+            for h in T.Parallel(H):             # (through shared memory: the outputs' layout is not the
+                l_s[h] = l[h]                   # softmax's; an LP store in this loop was dropped)
+                m_s[h] = m[h]
+            for h in T.Parallel(H):
+                LP[bi, si, h] = (m_s[h] + T.log2(l_s[h])) / LOG2E      # natural-log lse of the split
+            _store_group(0, o0, l_s, OP, bi, si)
+            _store_group(1, o1, l_s, OP, bi, si)
+            _store_group(2, o2, l_s, OP, bi, si)
+            _store_group(3, o3, l_s, OP, bi, si)
+
+    return mla_fp8_rs
+
+
+def _source(splits=1):
+    from codegen import targets
+
+    t = targets.get("cuda:sm_90a")
+    with t.tvm() as tv:
+        return tilelang.lower(rs_program(splits), target=tv).kernel_source
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", action="store_true", help="static stats of the sm_90a build only (no GPU)")
+    ap.add_argument("--splits", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.source:
+        from backends.cuda.sass import build_cubin, sass_stats
+
+        src = _source(args.splits)
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        h = st.histogram
+        print(f"HGMMA {h.get('HGMMA', 0)}, F2FP {sum(v for k, v in h.items() if k.startswith('F2FP'))}, "
+              f"LDS {sum(v for k, v in h.items() if k.startswith('LDS'))}, registers {st.registers}, "
+              f"spill stores {st.spill_stores}; wgmma kinds: "
+              f"{sorted(set(x for x in ('wgmma_rs', 'wgmma_ss') if x in src))}")
+        return
+    import torch
+
+    import ops
+    from bench.timing import bench_cuda
+    from codegen import jit, targets
+
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA GPU: run with --source for the static build")
+    t = targets.get("cuda:sm_90a")
+    for b, n, splits in ((4, 512, 2), (128, 4096, args.splits), (128, 8192, args.splits)):
+        kern = tilelang.compile(rs_program(splits), target=t.tvm(), execution_backend=jit._execution_backend(t))
+        g = torch.Generator().manual_seed(0)
+        q = (torch.randn(b, 1, H, DL + DR, generator=g) / 4).bfloat16().cuda()
+        kv = torch.randn(b * n // 64, 64, 1, DL + DR, generator=g).bfloat16().cuda()
+        cache = ops.quantize_mla_kv_fp8(kv)                                  # (pages, 64, 1, 656) bytes
+        flat = cache.view(b, n, -1)
+        kl = flat[..., :DL].contiguous().view(torch.float8_e4m3fn)
+        ks = flat[..., DL:DL + 16].contiguous().view(torch.float32)
+        kr = flat[..., DL + 16:].contiguous().view(torch.bfloat16)
+        ql = q[:, 0, :, :DL].float().reshape(b, H, NG, G).permute(0, 2, 1, 3).contiguous().half()
+        qr = q[:, 0, :, DL:].contiguous()
+        op = torch.empty(b, splits, H, DL, device="cuda")
+        lp = torch.empty(b, splits, H, device="cuda")
+        kern(ql, qr, kl, ks, kr, op, lp)
+        w = torch.softmax(lp, 1)                                              # combine the splits
+        out = (op * w[..., None]).sum(1)
+        deq = ops.dequantize_mla_kv_fp8(cache).view(b, n, DL + DR).float()
+        scale = (DL + DR) ** -0.5
+        s = torch.einsum("bhd,bnd->bhn", q[:, 0].float(), deq) * scale
+        ref = torch.einsum("bhn,bnd->bhd", torch.softmax(s, -1), deq[..., :DL])
+        err = float((out - ref).abs().max())
+        ms = bench_cuda(lambda: kern(ql, qr, kl, ks, kr, op, lp))["median_ms"]
+        nbytes = b * n * 656 + b * H * (DL + DR) * 2
+        line = f"b={b} n={n} splits={splits}: max abs err {err:.2e}; kernel {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s"
+        if b == 128:                                                          # the op, same inputs, paged
+            table = torch.arange(b * n // 64, dtype=torch.int32, device="cuda").view(b, n // 64)
+            lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+            sched = ops.get_mla_schedule(lens, 1, H, n // 64)
+            for fmt, c in (("bf16", kv), ("fp8", cache)):
+                ms_op = bench_cuda(lambda: ops.mla_decode(q, c, table, lens, softmax_scale=scale, sched=sched,
+                                                          kv_format=fmt))["median_ms"]
+                line += f"; op {fmt} {ms_op * 1e3:.1f} us"
+        print(line, flush=True)
+    print("(the probe's kernel alone, its splits combined outside the timing; the op's times include its combine)")
+
+
+if __name__ == "__main__":
+    main()
