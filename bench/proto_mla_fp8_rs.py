@@ -208,7 +208,8 @@ def main(argv=None):
         err = float((out - ref).abs().max())
         ms = bench_cuda(lambda: kern(ql, qr, kl, ks, kr, op, lp))["median_ms"]
         nbytes = b * n * 656 + b * H * (DL + DR) * 2
-        line = f"b={b} n={n} splits={splits}: max abs err {err:.2e}; kernel {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s"
+        line = (f"b={b} n={n} splits={splits}: max abs err {err:.2e}; kernel {ms * 1e3:.1f} us, "
+                f"{nbytes / ms / 1e6:.0f} GB/s")
         if b == 128:                                                          # the op, same inputs, paged
             table = torch.arange(b * n // 64, dtype=torch.int32, device="cuda").view(b, n // 64)
             lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
