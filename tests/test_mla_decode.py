@@ -534,7 +534,7 @@ def test_gpu_fp8_swapped_32_rows():
     run_fp8_case(2, 2, 16, [700, 64], 64)
 
 
-def test_fp8_swapped_kernel_fits_at_32_rows():
+def test_fp8_swapped_kernel_fits_at_32_rows(monkeypatch):
     """The op's FP8 kernel at 32 rows needs all of sm_90a's 227 KB of shared memory: 231,424 dynamic bytes
     plus the mbarriers' static ones, which cost a whole KB (the dynamic buffer starts 1 KB aligned after
     them). codegen.jit counts both (at 231,808 + 1 KB the launch failed on the H200, "Session 34"); the
@@ -543,18 +543,9 @@ def test_fp8_swapped_kernel_fits_at_32_rows():
 
     needs = []
     real = jit.block_shared_memory
-
-    def spy(device_mod):
-        needs.append(real(device_mod))
-        return needs[-1]
-
-    jit_env = pytest.MonkeyPatch()
-    jit_env.setattr(jit, "block_shared_memory", spy)
-    jit_env.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
-    try:
-        src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **pick_tiling(32, "fp8", "sm_90a", 64))
-    finally:
-        jit_env.undo()
+    monkeypatch.setattr(jit, "block_shared_memory", lambda device_mod: needs.append(real(device_mod)) or needs[-1])
+    monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")       # lowered here, not read from the cache
+    src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **pick_tiling(32, "fp8", "sm_90a", 64))
     assert needs == [227 * 1024], needs
     assert "extern __shared__ __align__(1024)" in src and "__shared__ __align__(16) uint64_t" in src
     _assert_operand_tiles_1kb_aligned(src)
