@@ -422,6 +422,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", action="store_true", help="static stats of the sm_90a build only (no GPU)")
     ap.add_argument("--splits", default="2", help="comma-separated split counts (b=128 rows)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one launch of the first variant at b=128 n=4096 (first split count) between "
+                         "cudaProfilerStart/Stop, for ncu --profile-from-start off")
     ap.add_argument("--variants", default="v1," + ",".join(VARIANTS), help="comma-separated: v1, " + ", ".join(VARIANTS))
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
@@ -449,7 +452,10 @@ def main(argv=None):
         sys.exit("no CUDA GPU: run with --source for the static build")
     t = targets.get("cuda:sm_90a")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, tilelang {tilelang.__version__}")
-    for b, n in ((4, 512), (128, 4096), (128, 8192)):
+    shapes = ((128, 4096),) if args.profile else ((4, 512), (128, 4096), (128, 8192))
+    if args.profile:
+        variants, splits_list = variants[:1], splits_list[:1]
+    for b, n in shapes:
         g = torch.Generator().manual_seed(0)
         q = (torch.randn(b, 1, H, DL + DR, generator=g) / 4).bfloat16().cuda()
         kv = torch.randn(b * n // 64, 64, 1, DL + DR, generator=g).bfloat16().cuda()
@@ -480,6 +486,14 @@ def main(argv=None):
                 w = torch.softmax(lp, 1)                                      # combine the splits
                 out = (op * w[..., None]).sum(1)
                 err = float((out - ref).abs().max())
+                if args.profile:
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.start()
+                    kern(qa, qr, kl, ks, kr, op, lp)
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.stop()
+                    print(f"{v} splits={splits}: profiled one launch, max abs err {err:.2e}")
+                    return
                 ms = bench_cuda(lambda: kern(qa, qr, kl, ks, kr, op, lp))["median_ms"]
                 print(f"b={b} n={n} {v} splits={splits}: max abs err {err:.2e}; kernel {ms * 1e3:.1f} us, "
                       f"{nbytes / ms / 1e6:.0f} GB/s", flush=True)
