@@ -205,6 +205,73 @@ __device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, 
     d[8 * j + 7] = tc_e4m3x2_f16x2(hi89 >> 16);
   }
 }
+// The softmax of one step down S^T's columns (the heads), in the accumulator layout: s[nb * 4 + rv * 2 + e] is
+// token row r + 8 rv, head 8 nb + 2c + e (c: the quad place), i.e. head slot hs = 2 nb + e of this thread.
+// The step's column maxima: a max over the thread's two rows, a warp shuffle over its 8 quads, and one exchange
+// between the 4 warps through red (2 parities x 4 warps x 4 places x 4 slots; one named barrier a step).
+// m: the running maxima (log2 domain, the same in every thread), l: this thread's partial sums of its two rows
+// (summed over the warpgroup once, at the end: tc_softmax_t_finish), alpha: exp2(m_old - m_new).
+__device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
+                                             float scale_log2) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float mx[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) mx[hs] = fmaxf(s[(hs >> 1) * 4 + (hs & 1)], s[(hs >> 1) * 4 + 2 + (hs & 1)]);
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) mx[hs] = fmaxf(mx[hs], __shfl_xor_sync(0xFFFFFFFFu, mx[hs], off));
+  }
+  float* buf = red + parity * 64;
+  if (lane < 4) *reinterpret_cast<float4*>(buf + warp * 16 + lane * 4) = make_float4(mx[0], mx[1], mx[2], mx[3]);
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 v = *reinterpret_cast<const float4*>(buf + w * 16 + (lane & 3) * 4);
+    mx[0] = fmaxf(mx[0], v.x), mx[1] = fmaxf(mx[1], v.y), mx[2] = fmaxf(mx[2], v.z), mx[3] = fmaxf(mx[3], v.w);
+  }
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) {
+    const float mn = fmaxf(m[hs], mx[hs] * scale_log2);
+    alpha[hs] = exp2f(m[hs] - mn);
+    m[hs] = mn;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = exp2f(fmaf(s[i], scale_log2, -m[(i >> 2) * 2 + (i & 1)]));
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs)
+    l[hs] = fmaf(l[hs], alpha[hs], s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)]);
+}
+// O^T (a 128 x 16 group accumulator, two m64 tiles: value mt * 8 + nb * 4 + hi * 2 + e is head slot 2 nb + e) *= alpha
+__device__ __forceinline__ void tc_rescale_t(float* o, const float* alpha) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i] *= alpha[((i >> 2) & 1) * 2 + (i & 1)];
+}
+// the warpgroup's row sums (head h's over all tokens) and maxima into l_out[h], m_out[h] (shared, 16 each)
+__device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
+                                                    float* m_out) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 127;
+  float v[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) v[hs] = l[hs];
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) v[hs] += __shfl_xor_sync(0xFFFFFFFFu, v[hs], off);
+  }
+  asm volatile("bar.sync 9, 128;" ::: "memory");       // every warp is past its last step's reads of red
+  if (lane < 4) *reinterpret_cast<float4*>(red + warp * 16 + lane * 4) = make_float4(v[0], v[1], v[2], v[3]);
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+  if (t < 16) {   // head t: quad place (t % 8) / 2, slot (t / 8) * 2 + t % 2
+    const int at = ((t & 7) >> 1) * 4 + (t >> 3) * 2 + (t & 1);
+    l_out[t] = red[at] + red[16 + at] + red[32 + at] + red[48 + at];
+  }
+  if (warp == 0 && lane < 4) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) m_out[(hs >> 1) * 8 + 2 * lane + (hs & 1)] = m[hs];
+  }
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+}
 """
 
 
@@ -249,13 +316,13 @@ def _store_group_v2(g, o_g, l, OP, bi, si):
         OP[bi, si, h, g * G + latent_column(d)] = o_g[d, h] / l[h]
 
 
-def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, threads=128, scale=576 ** -0.5):
+def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, softmax="tl", threads=128, scale=576 ** -0.5):
     """The probe with hand-written fragment fills from a 128-byte-swizzled raw tile (one 64 x 128 tile a
     latent group): K's by 16-byte loads (Q^T's columns permuted to match, q_permuted), V^T's by 32-bit loads
     of four latent columns a token (the M order permuted, latent_column); issue="async": each GEMM's four
     groups issued on two fragments in turn (T.wgmma_gemm, wait 1), so a group's fill runs under the
     previous group's MMA; blocks=2: two CTAs an SM (their chains overlap)."""
-    assert issue in ("sync", "async") and blocks in (1, 2)
+    assert issue in ("sync", "async") and blocks in (1, 2) and softmax in ("tl", "hand")
     b, n = T.dynamic("b, n")
     scale_log2 = scale * LOG2E
 
@@ -285,14 +352,19 @@ def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, threads=128, scal
             acc0 = T.alloc_fragment((BLOCK_N, H), "float32")
             acc1 = T.alloc_fragment((BLOCK_N, H), "float32")
             s_t = T.alloc_fragment((BLOCK_N, H), "float32")
-            m = T.alloc_fragment((H,), "float32")
-            m_prev = T.alloc_fragment((H,), "float32")
-            l = T.alloc_fragment((H,), "float32")
-            rs = T.alloc_fragment((H,), "float32")
+            if softmax == "tl":
+                m = T.alloc_fragment((H,), "float32")
+                m_prev = T.alloc_fragment((H,), "float32")
+                l = T.alloc_fragment((H,), "float32")
+                rs = T.alloc_fragment((H,), "float32")
             o0 = T.alloc_fragment((G, H), "float32")
             o1 = T.alloc_fragment((G, H), "float32")
             o2 = T.alloc_fragment((G, H), "float32")
             o3 = T.alloc_fragment((G, H), "float32")
+            red = T.alloc_shared((128,), "float32")     # softmax="hand": the warps' column maxima, two parities
+            m_t = T.alloc_local((4,), "float32")         # softmax="hand": the thread's 4 heads (slots)
+            l_t = T.alloc_local((4,), "float32")
+            alpha_t = T.alloc_local((4,), "float32")
             T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s)})
             T.import_source(FRAGMENT_SOURCE)
             T.copy(QL[bi, :, :, :], ql_s)
@@ -301,8 +373,13 @@ def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, threads=128, scal
             T.fill(o1, 0.0)
             T.fill(o2, 0.0)
             T.fill(o3, 0.0)
-            T.fill(m, -T.infinity("float32"))
-            T.fill(l, 0.0)
+            if softmax == "tl":
+                T.fill(m, -T.infinity("float32"))
+                T.fill(l, 0.0)
+            else:
+                for i in T.serial(4):
+                    m_t[i] = -T.infinity("float32")
+                    l_t[i] = 0.0
             per = T.ceildiv(n, BLOCK_N * splits)                    # steps of this split (n % (64 splits) == 0)
             for kb in T.Pipelined(per, num_stages=stages):
                 t0 = (si * per + kb) * BLOCK_N
@@ -344,25 +421,35 @@ def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, threads=128, scal
                     _fold(2, acc0, s_t, ks_s)
                     T.wait_wgmma(0)
                     _fold(3, acc1, s_t, ks_s)
-                for t, h in T.Parallel(BLOCK_N, H):
-                    s_t[t, h] = s_t[t, h] * scale_log2
-                T.copy(m, m_prev)
-                T.reduce_max(s_t, m, dim=0, clear=False)
-                for t, h in T.Parallel(BLOCK_N, H):
-                    s_t[t, h] = T.exp2(s_t[t, h] - m[h])
-                T.reduce_sum(s_t, rs, dim=0)
-                for h in T.Parallel(H):
-                    alpha_s[h] = T.exp2(m_prev[h] - m[h])
-                    l[h] = l[h] * T.exp2(m_prev[h] - m[h]) + rs[h]
+                if softmax == "tl":
+                    for t, h in T.Parallel(BLOCK_N, H):
+                        s_t[t, h] = s_t[t, h] * scale_log2
+                    T.copy(m, m_prev)
+                    T.reduce_max(s_t, m, dim=0, clear=False)
+                    for t, h in T.Parallel(BLOCK_N, H):
+                        s_t[t, h] = T.exp2(s_t[t, h] - m[h])
+                    T.reduce_sum(s_t, rs, dim=0)
+                    for h in T.Parallel(H):
+                        alpha_s[h] = T.exp2(m_prev[h] - m[h])
+                        l[h] = l[h] * T.exp2(m_prev[h] - m[h]) + rs[h]
+                else:
+                    T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                             T.access_ptr(red[0], "rw", 128), kb % 2, scale_log2))
                 _p_copy(0, s_t, ks_s, p_s)
                 _p_copy(1, s_t, ks_s, p_s)
                 _p_copy(2, s_t, ks_s, p_s)
                 _p_copy(3, s_t, ks_s, p_s)
-                for d, h in T.Parallel(G, H):
-                    o0[d, h] *= alpha_s[h]
-                    o1[d, h] *= alpha_s[h]
-                    o2[d, h] *= alpha_s[h]
-                    o3[d, h] *= alpha_s[h]
+                if softmax == "tl":
+                    for d, h in T.Parallel(G, H):
+                        o0[d, h] *= alpha_s[h]
+                        o1[d, h] *= alpha_s[h]
+                        o2[d, h] *= alpha_s[h]
+                        o3[d, h] *= alpha_s[h]
+                else:
+                    T.evaluate(T.call_extern("handle", "tc_rescale_t", o0.data, alpha_t.data))
+                    T.evaluate(T.call_extern("handle", "tc_rescale_t", o1.data, alpha_t.data))
+                    T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
+                    T.evaluate(T.call_extern("handle", "tc_rescale_t", o3.data, alpha_t.data))
                 if issue == "sync":
                     _v_fill(0, kl_s, a_v0)
                     T.gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
@@ -384,9 +471,14 @@ def rs_program_v2(splits=1, stages=2, issue="async", blocks=1, threads=128, scal
                     _v_fill(3, kl_s, a_v1)
                     T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
                     T.wait_wgmma(0)
-            for h in T.Parallel(H):
-                l_s[h] = l[h]
-                m_s[h] = m[h]
+            if softmax == "tl":
+                for h in T.Parallel(H):
+                    l_s[h] = l[h]
+                    m_s[h] = m[h]
+            else:
+                T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data,
+                                         T.access_ptr(red[0], "rw", 128), T.access_ptr(l_s[0], "w", H),
+                                         T.access_ptr(m_s[0], "w", H)))
             for h in T.Parallel(H):
                 LP[bi, si, h] = (m_s[h] + T.log2(l_s[h])) / LOG2E
             _store_group_v2(0, o0, l_s, OP, bi, si)
@@ -402,6 +494,8 @@ VARIANTS = {   # name: rs_program_v2 keywords (v1: rs_program, the session-34 pr
     "v2-async": dict(issue="async"),
     "v2-async-2cta": dict(issue="async", blocks=2),
     "v2-sync-2cta": dict(issue="sync", blocks=2),
+    "v3": dict(issue="async", softmax="hand"),
+    "v3-2cta": dict(issue="async", blocks=2, softmax="hand"),
 }
 
 
