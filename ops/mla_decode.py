@@ -743,7 +743,14 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
-    main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
+    if tiling.get("register_fp8"):   # sm_90a, FP8 cache, <= 16 rows: ops.mla_decode_fp8_rs
+        from ops.mla_decode_fp8_rs import mla_decode_fp8_rs_program
+
+        opts = {k: v for k, v in tiling.items() if k not in ("register_fp8", "kv_format")}
+        main = mla_decode_fp8_rs_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
+                                                 **opts)
+    else:
+        main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
     q = check.aligned_copy(q)           # (read 16 bytes a thread: a view that does not start aligned is copied)
     if kv_format == "fp8":

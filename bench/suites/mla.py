@@ -90,6 +90,21 @@ def tilecraft_variant(case, i, tiling):
     return run
 
 
+def fp8_register(case, i, **options):
+    """The FP8 cache through ops.mla_decode_fp8_rs (the e4m3 latent converted straight into WGMMA's
+    register operand, two CTAs an SM; s_q * h_q <= 16), with a schedule that counts two CTAs an SM."""
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    blocks = options.get("blocks_per_sm", 2)
+    sms = torch.cuda.get_device_properties(i["q"].device).multi_processor_count
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], num_sms=blocks * sms)
+    tiling = dict(register_fp8=True, kv_format="fp8", **options)
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=tiling, kv_format="fp8")
+    run()                                        # compiles (or says why this shape cannot take it)
+    return run
+
+
 def fp8_swapped_with(case, i, **options):
     """The FP8 cache through the swapped kernel with its options changed from the op's choice:
     stage_raw (the converters read a raw chunk into registers and reload its staging before
@@ -166,6 +181,9 @@ SUITE = Suite(
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-unfolded", lambda c, i: fp8_swapped_with(c, i, fold_scales=False), experimental=True,
+                 nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-rs", fp8_register, experimental=True, nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-rs-1cta", lambda c, i: fp8_register(c, i, blocks_per_sm=1), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True, nbytes=nbytes_fp8),

@@ -1,0 +1,393 @@
+"""sm_90a MLA decode for the FP8 cache with up to 16 query rows: the e4m3 latent goes from shared memory
+straight into WGMMA's register operand (wgmma RS); no converted tile is written (bench/NOTES.md "Session 35").
+
+With the operands swapped (tokens are WGMMA's M), the cache tile is the A operand of both GEMMs:
+
+    S^T (64 tokens x 16 rows) = rope K Q_r^T + sum_g scale_g[token] * (K_g Q_g^T)       g: 128-column groups
+    O_g^T (128 latent x 16)  = alpha * O_g^T + V_g^T (P * scale_g[token])^T             one P copy per group
+
+Each MMA thread loads the raw bytes of its own fragment and converts them with one `cvt.rn.f16x2.e4m3x2` a
+pair (exact). K's fragment takes two 16-byte loads a row because Q^T's latent columns are permuted to match
+(q column 32c + 4j + 2u + e is fragment K 16j + 8u + 2c + e); V^T's takes one 32-bit load a token because its
+M order is permuted (fragment row mt * 64 + 16w + 8hi + q is latent column 4(8w + q) + 2mt + hi; undone when
+O is stored). The raw tile of a group is 64 x 128 bytes in TMA's 128-byte swizzle, so both loads are free of
+bank conflicts. Each GEMM's four groups run on two register fragments in turn (a group's conversion under the
+previous group's MMA). The softmax runs down S^T's columns in the accumulator layout: one exchange between the
+four warps a step, the row sums kept per thread until the end. Two CTAs an SM (launch bounds 2, 224 registers
+for the MMA warpgroup): the two CTAs' chains overlap.
+
+The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
+
+One CTA per (sequence, split) of the op's schedule (get_mla_schedule; with kv_format="fp8" it counts two
+CTAs an SM); pages of 64 tokens or more (a 64-token step inside one page); the same outputs as
+mla_decode_program (Out/Lse unsplit, OPart/LsePart for mla_combine_program).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
+
+from codegen.program import tile_program
+
+D_QK, D_V, D_ROPE = 576, 512, 64
+TOKEN_BYTES = 656                # FlashMLA's FP8 token: 512 e4m3 | 4 fp32 scales | 64 bf16
+SCALE_WORD = D_V // 4            # the scales as 32-bit words of the token
+ROPE_HALF = (D_V + 16) // 2      # the rope as 16-bit words of the token
+ROWS = 16                        # query rows (s_q * h_q) a CTA: WGMMA's N
+STEP = 64                        # tokens a step: WGMMA's M of S^T, K of O^T
+GROUP = 128                      # latent columns per FP8 scale
+GROUPS = D_V // GROUP
+ROWS_PAD = 64                    # OPart / LsePart rows (mla_decode_program's 64-row padding)
+LN2 = 0.6931471805599453
+MMA_REGS = 224                   # setmaxnreg of the MMA warpgroup at two CTAs an SM (+ 24 for the producer)
+
+HELPER_SOURCE = r"""
+__device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
+  unsigned r;
+  unsigned short h = (unsigned short)(v & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+// A 64 x 128 e4m3 tile, 128-byte rows, TMA's 128-byte swizzle (16-byte chunk k of row t at chunk k ^ t % 8)
+__device__ __forceinline__ const unsigned char* tc_sw128(const void* base, int t, int byte) {
+  return reinterpret_cast<const unsigned char*>(base) + t * 128 + ((((byte >> 4) ^ (t & 7)) << 4) | (byte & 15));
+}
+// S^T = K Q^T, K's fragment of one 128-column group: rows r and r + 8 (tokens), quad place c. Byte 32c + 4j + e
+// of a row is fragment K 16j + 2c + e (e < 2) or 16j + 8 + 2c + e - 2 (Q^T's columns are permuted to match):
+// two 16-byte loads a row, one cvt a value pair.
+__device__ __forceinline__ void tc_e4m3_k_fragment(void* dst, const void* base, int r, int c) {
+  const uint4 a0 = *reinterpret_cast<const uint4*>(tc_sw128(base, r, 32 * c));
+  const uint4 a1 = *reinterpret_cast<const uint4*>(tc_sw128(base, r, 32 * c + 16));
+  const uint4 b0 = *reinterpret_cast<const uint4*>(tc_sw128(base, r + 8, 32 * c));
+  const uint4 b1 = *reinterpret_cast<const uint4*>(tc_sw128(base, r + 8, 32 * c + 16));
+  const unsigned w[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+  const unsigned v[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    d[4 * j + 0] = tc_e4m3x2_f16x2(w[j]);
+    d[4 * j + 1] = tc_e4m3x2_f16x2(v[j]);
+    d[4 * j + 2] = tc_e4m3x2_f16x2(w[j] >> 16);
+    d[4 * j + 3] = tc_e4m3x2_f16x2(v[j] >> 16);
+  }
+}
+// O^T = V^T P^T, V^T's fragment of one group (128 latent rows x 64 tokens, two m64 tiles). The M order is
+// permuted: fragment row mt * 64 + 16w + 8hi + q is latent column 4(8w + q) + 2mt + hi, so a thread's four
+// rows are one 32-bit word of a token: 16 word loads (tokens 16j + 2c + {0, 1, 8, 9}), byte pairs across two
+// tokens by prmt, one cvt a pair. Tokens at or past `valid` read as zeros (the cache past a sequence's end may
+// hold anything, NaN included, and P's zeros would not cancel it).
+__device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, int cw, int c, int valid) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 16 * j + 2 * c;
+    unsigned w0 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t, 4 * cw));
+    unsigned w1 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 1, 4 * cw));
+    unsigned w8 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 8, 4 * cw));
+    unsigned w9 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 9, 4 * cw));
+    if (valid < 64) {
+      w0 = t < valid ? w0 : 0u, w1 = t + 1 < valid ? w1 : 0u, w8 = t + 8 < valid ? w8 : 0u, w9 = t + 9 < valid ? w9 : 0u;
+    }
+    const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+    const unsigned lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
+    d[8 * j + 0] = tc_e4m3x2_f16x2(lo01);
+    d[8 * j + 1] = tc_e4m3x2_f16x2(lo01 >> 16);
+    d[8 * j + 2] = tc_e4m3x2_f16x2(lo89);
+    d[8 * j + 3] = tc_e4m3x2_f16x2(lo89 >> 16);
+    d[8 * j + 4] = tc_e4m3x2_f16x2(hi01);
+    d[8 * j + 5] = tc_e4m3x2_f16x2(hi01 >> 16);
+    d[8 * j + 6] = tc_e4m3x2_f16x2(hi89);
+    d[8 * j + 7] = tc_e4m3x2_f16x2(hi89 >> 16);
+  }
+}
+// S^T's accumulator layout: s[nb * 4 + rv * 2 + e] is token row r + 8 rv (r = 16 warp + lane / 4) and query
+// row (column) 8 nb + 2c + e, i.e. column slot hs = 2 nb + e of this thread (c = lane % 4).
+// Scores of tokens at or past a row's limit become -inf: limit = base + row / h_q (causal, s_q > 1) or base.
+__device__ __forceinline__ void tc_mask_t(float* s, int tok0, int base, int h_q, int causal) {
+  const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & 3) * 16 + lane / 4, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = (i >> 2) * 8 + 2 * c + (i & 1);
+    const int lim = causal ? base + row / h_q : base;
+    if (tok0 + r + 8 * ((i >> 1) & 1) >= lim) s[i] = -INFINITY;
+  }
+}
+// The softmax of one step down S^T's columns: a max over the thread's two token rows, a warp shuffle over its
+// 8 quads, one exchange between the 4 warps through red (2 parities x 4 warps x 4 places x 4 slots; one named
+// barrier a step). m: the running maxima (log2 domain, the same in every thread of a column), l: this thread's
+// partial sums of its two token rows (summed over the warpgroup at the end: tc_softmax_t_finish), alpha:
+// exp2(m_old - m_new). A column that has seen only -inf keeps m = -inf, p = 0, alpha = 1.
+__device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
+                                             float scale_log2) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float mx[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) mx[hs] = fmaxf(s[(hs >> 1) * 4 + (hs & 1)], s[(hs >> 1) * 4 + 2 + (hs & 1)]);
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) mx[hs] = fmaxf(mx[hs], __shfl_xor_sync(0xFFFFFFFFu, mx[hs], off));
+  }
+  float* buf = red + parity * 64;
+  if (lane < 4) *reinterpret_cast<float4*>(buf + warp * 16 + lane * 4) = make_float4(mx[0], mx[1], mx[2], mx[3]);
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 v = *reinterpret_cast<const float4*>(buf + w * 16 + (lane & 3) * 4);
+    mx[0] = fmaxf(mx[0], v.x), mx[1] = fmaxf(mx[1], v.y), mx[2] = fmaxf(mx[2], v.z), mx[3] = fmaxf(mx[3], v.w);
+  }
+  float use[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) {
+    const float mn = fmaxf(m[hs], mx[hs] * scale_log2);
+    alpha[hs] = mn == -INFINITY ? 1.0f : exp2f(m[hs] - mn);
+    use[hs] = mn == -INFINITY ? 0.0f : mn;
+    m[hs] = mn;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = exp2f(fmaf(s[i], scale_log2, -use[(i >> 2) * 2 + (i & 1)]));
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs)
+    l[hs] = fmaf(l[hs], alpha[hs], s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)]);
+}
+// O^T (a 128 x 16 group accumulator, two m64 tiles: value mt * 8 + nb * 4 + hi * 2 + e is column slot 2 nb + e)
+__device__ __forceinline__ void tc_rescale_t(float* o, const float* alpha) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i] *= alpha[((i >> 2) & 1) * 2 + (i & 1)];
+}
+// the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
+__device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
+                                                    float* m_out) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 127;
+  float v[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) v[hs] = l[hs];
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) v[hs] += __shfl_xor_sync(0xFFFFFFFFu, v[hs], off);
+  }
+  asm volatile("bar.sync 9, 128;" ::: "memory");       // every warp is past its last step's reads of red
+  if (lane < 4) *reinterpret_cast<float4*>(red + warp * 16 + lane * 4) = make_float4(v[0], v[1], v[2], v[3]);
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+  if (t < 16) {   // row t: quad place (t % 8) / 2, slot (t / 8) * 2 + t % 2
+    const int at = ((t & 7) >> 1) * 4 + (t >> 3) * 2 + (t & 1);
+    l_out[t] = red[at] + red[16 + at] + red[32 + at] + red[48 + at];
+  }
+  if (warp == 0 && lane < 4) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) m_out[(hs >> 1) * 8 + 2 * lane + (hs & 1)] = m[hs];
+  }
+  asm volatile("bar.sync 9, 128;" ::: "memory");
+}
+"""
+
+
+def q_column(k):
+    """The latent query column (within a group) at fragment K index k of tc_e4m3_k_fragment's order."""
+    j, u, c, e = k // 16, k % 16 // 8, k % 8 // 2, k % 2
+    return 32 * c + 4 * j + 2 * u + e
+
+
+def latent_column(d):
+    """The latent column (within a group) of V^T's fragment row d (tc_e4m3_v_fragment's M order)."""
+    return (d % 64 // 16 * 8 + d % 8) * 4 + d // 64 * 2 + d % 16 // 8
+
+
+@T.macro
+def _k_fill(g, kl_s, a_k):
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data, T.access_ptr(kl_s[g, 0, 0], "r", STEP * GROUP),
+                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
+
+
+@T.macro
+def _v_fill(g, kl_s, a_v, valid):
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data, T.access_ptr(kl_s[g, 0, 0], "r", STEP * GROUP),
+                             tid // 4, tid % 4, valid))
+
+
+@T.macro
+def _fold(g, acc, s_t, ks_s):
+    for i, j in T.Parallel(STEP, ROWS):
+        s_t[i, j] += acc[i, j] * ks_s[i, g]
+
+
+@T.macro
+def _p_copy(g, s_t, ks_s, p_s, valid):
+    # (P * scale_g[token])^T in fp16, the B operand of group g's P V; zeros past the sequence's end (its
+    # scales may be anything there)
+    for t, h in T.Parallel(STEP, ROWS):
+        p_s[g, h, t] = T.if_then_else(t < valid, T.cast(s_t[t, h] * ks_s[t, g], "float16"), T.cast(0, "float16"))
+
+
+@tile_program(
+    "mla_decode_fp8_rs",
+    targets=("cuda:sm_90a",),
+    examples={"h16": dict(h_q=16, s_q=1), "h8-s2": dict(h_q=8, s_q=2)},
+)
+def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
+                              stages: int = 2, blocks_per_sm: int = 2):
+    """The FP8-cache MLA decode with register-converted cache operands (this module's docstring), the
+    op's arguments and outputs: mla_decode_program's with kv_format="fp8"."""
+    rows = s_q * h_q
+    if rows > ROWS:
+        raise ValueError(f"mla_decode_fp8_rs takes at most {ROWS} query rows (s_q * h_q), got {rows}")
+    if page < STEP or page % STEP:
+        raise ValueError(f"mla_decode_fp8_rs steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
+    if blocks_per_sm not in (1, 2):
+        raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
+    if dtype != "bfloat16":
+        raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
+    causal = causal and s_q > 1
+    batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def mla_decode_fp8_rs(
+        Q: T.Tensor((batch, rows, D_QK), "bfloat16"),
+        KV: T.Tensor((num_pages, page, TOKEN_BYTES), "float8_e4m3fn"),
+        KVf: T.Tensor((num_pages, page, TOKEN_BYTES // 4), "float32"),
+        KVh: T.Tensor((num_pages, page, TOKEN_BYTES // 2), "bfloat16"),
+        BlockTable: T.Tensor((batch, max_blocks), "int32"),
+        SeqLens: T.Tensor((batch,), "int32"),
+        Splits: T.Tensor((batch,), "int32"),
+        Out: T.Tensor((batch, rows, D_V), "bfloat16"),
+        Lse: T.Tensor((batch, h_q, s_q), "float32"),
+        OPart: T.Tensor((slots, ROWS_PAD, D_V), "float32"),
+        LsePart: T.Tensor((slots, ROWS_PAD), "float32"),
+        max_splits: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(batch * max_splits, threads=128) as bid:
+            if blocks_per_sm == 2:
+                T.annotate_min_blocks_per_sm(2)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(MMA_REGS)
+            ql_s = T.alloc_shared((GROUPS, ROWS, GROUP), "float16")    # Q^T's latent, fp16, columns permuted
+            qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")
+            kl_s = T.alloc_shared((GROUPS, STEP, GROUP), "float8_e4m3fn")
+            ks_s = T.alloc_shared((STEP, GROUPS), "float32")
+            kr_s = T.alloc_shared((STEP, D_ROPE), "bfloat16")
+            p_s = T.alloc_shared((GROUPS, ROWS, STEP), "float16")      # P * scale_g, one copy per group
+            red = T.alloc_shared((128,), "float32")                    # the warps' column maxima, two parities
+            l_s = T.alloc_shared((ROWS,), "float32")
+            m_s = T.alloc_shared((ROWS,), "float32")
+            a_k0 = T.alloc_fragment((STEP, GROUP), "float16")
+            a_k1 = T.alloc_fragment((STEP, GROUP), "float16")
+            a_v0 = T.alloc_fragment((GROUP, STEP), "float16")
+            a_v1 = T.alloc_fragment((GROUP, STEP), "float16")
+            acc0 = T.alloc_fragment((STEP, ROWS), "float32")
+            acc1 = T.alloc_fragment((STEP, ROWS), "float32")
+            s_t = T.alloc_fragment((STEP, ROWS), "float32")
+            o0 = T.alloc_fragment((GROUP, ROWS), "float32")
+            o1 = T.alloc_fragment((GROUP, ROWS), "float32")
+            o2 = T.alloc_fragment((GROUP, ROWS), "float32")
+            o3 = T.alloc_fragment((GROUP, ROWS), "float32")
+            m_t = T.alloc_local((4,), "float32")          # this thread's 4 query-row columns (slots)
+            l_t = T.alloc_local((4,), "float32")
+            alpha_t = T.alloc_local((4,), "float32")
+            T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s)})
+            T.import_source(HELPER_SOURCE)
+
+            bi = bid // max_splits
+            si = bid % max_splits
+            splits = Splits[bi]
+            seqlen = SeqLens[bi]
+            nblk = T.ceildiv(seqlen, STEP)
+            chunk = T.ceildiv(nblk, T.max(splits, 1))
+            first = si * chunk
+            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
+            base = seqlen - s_q + 1 if causal else seqlen
+
+            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+                ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(Q[bi, T.min(h, rows - 1), g * GROUP + q_column(k)],
+                                                                "float16"), T.cast(0, "float16"))
+            for h, j in T.Parallel(ROWS, D_ROPE):
+                qr_s[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), D_V + j], T.cast(0, "bfloat16"))
+            T.fill(o0, 0.0)
+            T.fill(o1, 0.0)
+            T.fill(o2, 0.0)
+            T.fill(o3, 0.0)
+            for i in T.serial(4):
+                m_t[i] = neg_inf
+                l_t[i] = 0.0
+
+            for k in T.Pipelined(n_iter, num_stages=stages):
+                blk = first + k
+                pidx = T.min(T.max(BlockTable[bi, blk * STEP // page], 0), num_pages - 1)
+                off = blk * STEP % page
+                T.copy(KV[pidx, off:off + STEP, 0:GROUP], kl_s[0, :, :])
+                T.copy(KV[pidx, off:off + STEP, GROUP:2 * GROUP], kl_s[1, :, :])
+                T.copy(KV[pidx, off:off + STEP, 2 * GROUP:3 * GROUP], kl_s[2, :, :])
+                T.copy(KV[pidx, off:off + STEP, 3 * GROUP:4 * GROUP], kl_s[3, :, :])
+                T.copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s)
+                T.copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s)
+                valid = seqlen - blk * STEP
+                # S^T: the rope's MMA, then the four groups on two fragments in turn
+                T.wgmma_gemm(kr_s, qr_s, s_t, transpose_B=True, clear_accum=True)
+                _k_fill(0, kl_s, a_k0)
+                T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
+                _k_fill(1, kl_s, a_k1)
+                T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)                                 # the rope's and group 0's
+                _fold(0, acc0, s_t, ks_s)
+                _k_fill(2, kl_s, a_k0)
+                T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)
+                _fold(1, acc1, s_t, ks_s)
+                _k_fill(3, kl_s, a_k1)
+                T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)
+                _fold(2, acc0, s_t, ks_s)
+                T.wait_wgmma(0)
+                _fold(3, acc1, s_t, ks_s)
+                T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
+                T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                         T.access_ptr(red[0], "rw", 128), k % 2, scale_log2))
+                _p_copy(0, s_t, ks_s, p_s, valid)
+                _p_copy(1, s_t, ks_s, p_s, valid)
+                _p_copy(2, s_t, ks_s, p_s, valid)
+                _p_copy(3, s_t, ks_s, p_s, valid)
+                T.evaluate(T.call_extern("handle", "tc_rescale_t", o0.data, alpha_t.data))
+                T.evaluate(T.call_extern("handle", "tc_rescale_t", o1.data, alpha_t.data))
+                T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
+                T.evaluate(T.call_extern("handle", "tc_rescale_t", o3.data, alpha_t.data))
+                # O^T: the four groups on two fragments in turn
+                _v_fill(0, kl_s, a_v0, valid)
+                T.wgmma_gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
+                _v_fill(1, kl_s, a_v1, valid)
+                T.wgmma_gemm(a_v1, p_s[1, :, :], o1, transpose_B=True)
+                T.wait_wgmma(1)
+                _v_fill(2, kl_s, a_v0, valid)
+                T.wgmma_gemm(a_v0, p_s[2, :, :], o2, transpose_B=True)
+                T.wait_wgmma(1)
+                _v_fill(3, kl_s, a_v1, valid)
+                T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
+                T.wait_wgmma(0)
+
+            T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data,
+                                     T.access_ptr(red[0], "rw", 128), T.access_ptr(l_s[0], "w", ROWS),
+                                     T.access_ptr(m_s[0], "w", ROWS)))
+            if si < splits:
+                if splits == 1:
+                    for h in T.Parallel(ROWS):
+                        if h < rows:
+                            Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[h] > 0.0, (m_s[h] + T.log2(l_s[h])) * LN2,
+                                                                        neg_inf)
+                    for g, o in enumerate((o0, o1, o2, o3)):
+                        for d, h in T.Parallel(GROUP, ROWS):
+                            if h < rows:
+                                Out[bi, h, g * GROUP + latent_column(d)] = T.cast(
+                                    T.if_then_else(l_s[h] > 0.0, o[d, h] / l_s[h], 0.0), "bfloat16")
+                else:
+                    slot = bi * max_splits + si
+                    for h in T.Parallel(ROWS):
+                        LsePart[slot, h] = T.if_then_else(l_s[h] > 0.0, m_s[h] + T.log2(l_s[h]), neg_inf)
+                    for g, o in enumerate((o0, o1, o2, o3)):
+                        for d, h in T.Parallel(GROUP, ROWS):
+                            OPart[slot, h, g * GROUP + latent_column(d)] = T.if_then_else(
+                                l_s[h] > 0.0, o[d, h] / l_s[h], 0.0)
+
+    return mla_decode_fp8_rs

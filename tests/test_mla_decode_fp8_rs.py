@@ -1,0 +1,92 @@
+"""ops.mla_decode_fp8_rs: the FP8-cache MLA decode with the e4m3 latent converted straight into WGMMA's register
+operand (sm_90a, up to 16 query rows), against the reference on the exactly dequantized cache."""
+
+import collections
+import re
+
+import pytest
+import torch
+
+from ops.mla_decode_fp8_rs import latent_column, mla_decode_fp8_rs_program, q_column
+from tests.test_mla_decode import run_fp8_case
+
+RS = dict(register_fp8=True, kv_format="fp8")
+
+
+def test_fragment_orders_are_permutations():
+    """Q^T's column order (K's fragment) and V^T's row order are permutations of a group's 128 columns, and
+    V^T's puts a thread's four rows (mt * 64 + 16w + 8hi + q) on four consecutive columns (one 32-bit word)."""
+    assert sorted(q_column(k) for k in range(128)) == list(range(128))
+    assert sorted(latent_column(d) for d in range(128)) == list(range(128))
+    for w in range(4):
+        for q in range(8):
+            cols = [latent_column(mt * 64 + 16 * w + 8 * hi + q) for mt in (0, 1) for hi in (0, 1)]
+            assert cols == [4 * (8 * w + q) + i for i in range(4)]
+    # K's fragment: thread place c reads bytes 32c .. 32c + 31 of a row, in K order 16j + {2c, 2c+1, 2c+8, 2c+9}
+    for c in range(4):
+        ks = [16 * j + 2 * c + o for j in range(8) for o in (0, 1, 8, 9)]
+        assert [q_column(k) for k in ks] == list(range(32 * c, 32 * c + 32))
+
+
+def test_lowers_to_register_operand_wgmma_without_spills():
+    """Each 64-token step: the rope's S^T MMA from shared memory (bf16), the latent's 4 + 4 groups from
+    registers (fp16 from e4m3, 8 k16 instructions each: 64); K's fragment by 16-byte loads (4 a group), one
+    F2FP unpack a value pair (256 a step); two CTAs an SM in 128 registers, no spills; one 128-byte-swizzled
+    raw tile a group (1 KB aligned)."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    src = mla_decode_fp8_rs_program.source("sm_90a", h_q=16, s_q=1)
+    assert "__launch_bounds__(256, 2)" in src and "warpgroup_reg_alloc<224>" in src
+    kinds = collections.Counter(re.findall(r"wgmma_(rs|ss)<tl::DataType::(\w+),", src))
+    assert kinds == {("ss", "kBFloat16"): 1, ("rs", "kFloat16"): 8}, kinds
+    offset = int(re.search(r"kl_s = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src).group(1))
+    assert offset % 1024 == 0
+    cubin = build_cubin(src, "sm_90a")
+    st = sass_stats(cubin, "sm_90a")
+    assert st.registers <= 128 and st.spill_stores == 0, (st.registers, st.spill_stores)
+    sass = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|LDS\.128|F2FP\.F16\.E4M3\.UNPACK_B)\b", disassemble(cubin)))
+    assert sass["HGMMA.64x16x16.F32"] == 64 and sass["HGMMA.64x16x16.F32.BF16"] == 4, sass
+    assert sass["LDS.128"] >= 16 and sass["F2FP.F16.E4M3.UNPACK_B"] == 256, sass
+
+
+def test_refuses_what_it_is_not_built_for():
+    for bad, msg in ((dict(h_q=32), "at most 16 query rows"), (dict(page=32), "multiple of 64"),
+                     (dict(blocks_per_sm=3), "blocks_per_sm"), (dict(dtype="float16"), "bfloat16")):
+        with pytest.raises(ValueError, match=msg):
+            mla_decode_fp8_rs_program.source("sm_90a", **{**dict(h_q=16, s_q=1), **bad})
+    with pytest.raises(ValueError, match="no lowering for cuda:sm_100a"):
+        mla_decode_fp8_rs_program.source("sm_100a", h_q=16, s_q=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks_per_sm", [2, 1])
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
+                                                 (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128),
+                                                 (4, 1, 1, [4096, 77, 130, 2], 256), (2, 4, 4, [65, 3], 64),
+                                                 (3, 1, 7, [129, 64, 4000], 64)])
+def test_gpu_matches_reference(b, s_q, h_q, lens, page, blocks_per_sm):
+    """Against the reference on the exactly dequantized cache (fp32), with the bf16 kernels' bounds (the
+    values are e4m3 exactly; P is rounded to fp16 after its scale, as the fold kernel's): NaN tails and
+    NaN pages (their scales too) must not leak; lengths 0 and 1; causal s_q > 1; splits and the combine."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, blocks_per_sm=blocks_per_sm))
+
+
+@pytest.mark.gpu
+def test_gpu_splits_and_two_ctas_an_sm_with_the_schedule():
+    """A schedule that counts two CTAs an SM (more splits), as bench's provider makes it: the same answer."""
+    from ops.mla_decode import _mla_decode_impl, get_mla_schedule
+    from tests.test_mla_decode import D, make_inputs
+    import ops
+
+    q, kv, table, seqlens = make_inputs(4, 1, 16, [5000, 64, 1, 9000], page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    sched = get_mla_schedule(seqlens, 1, 16, table.shape[1], num_sms=2 * torch.cuda.get_device_properties(0).multi_processor_count)
+    assert sched.max_splits > 1
+    out, lse = _mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, sched, tiling=RS, kv_format="fp8")
+    ref, ref_lse = _mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, None,
+                                    tiling=dict(kv_format="fp8", block_n=64, stages=2, raw_stages=2, swapped=True,
+                                                rope_direct=True, fold_scales=True), kv_format="fp8")
+    assert not out.isnan().any()
+    # the fold kernel computes the same products in another order: close, not bitwise
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-6)
