@@ -345,7 +345,9 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 _fold(3, acc1, s_t, ks_s)
                 T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
                 T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
-                                         T.access_ptr(red[0], "rw", 128), k % 2, scale_log2))
+                                         # ("r": TileLang then adds no barriers around the call; the
+                                         # helper orders its own accesses with its named barrier)
+                                         T.access_ptr(red[0], "r", 128), k % 2, scale_log2))
                 _p_copy(0, s_t, ks_s, p_s, valid)
                 _p_copy(1, s_t, ks_s, p_s, valid)
                 _p_copy(2, s_t, ks_s, p_s, valid)
