@@ -41,7 +41,9 @@ ROWS_PAD = 64                    # OPart / LsePart rows (mla_decode_program's 64
 LN2 = 0.6931471805599453
 MMA_REGS = 224                   # setmaxnreg of the MMA warpgroup at two CTAs an SM (+ 24 for the producer)
 
-HELPER_SOURCE = r"""
+TRACE_STEPS = 64
+TRACE_EVENTS = ("step", "rope issued", "scores", "softmax", "P copied", "P V issued", "P V done")
+HELPER_SOURCE = f"#define TC_TRACE_STEPS {TRACE_STEPS}\n" + r"""
 __device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
   unsigned r;
   unsigned short h = (unsigned short)(v & 0xFFFFu);
@@ -155,6 +157,15 @@ __device__ __forceinline__ void tc_rescale_t(float* o, const float* alpha) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) o[i] *= alpha[((i >> 2) & 1) * 2 + (i & 1)];
 }
+// trace=True: CTA 0's first MMA thread writes the SM clock of event e of step k into stamps[k * 8 + e]
+__device__ __forceinline__ void tc_stamp(void* at, int k, int e) {
+  int* stamps = reinterpret_cast<int*>(at);
+  if (blockIdx.x == 0 && (threadIdx.x & 127) == 0 && k < TC_TRACE_STEPS) {
+    int t;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(t) :: "memory");
+    stamps[k * 8 + e] = t;
+  }
+}
 // the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
 __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
                                                     float* m_out) {
@@ -228,9 +239,12 @@ def _p_copy(g, s_t, ks_s, p_s, valid):
     examples={"h16": dict(h_q=16, s_q=1), "h8-s2": dict(h_q=8, s_q=2)},
 )
 def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                              stages: int = 2, blocks_per_sm: int = 2):
+                              stages: int = 2, blocks_per_sm: int = 2, trace: bool = False):
     """The FP8-cache MLA decode with register-converted cache operands (this module's docstring), the
-    op's arguments and outputs: mla_decode_program's with kv_format="fp8"."""
+    op's arguments and outputs: mla_decode_program's with kv_format="fp8".
+
+    trace=True (bench.trace_mla_rs; run unsplit): CTA 0 writes the SM clock (int32 bits) of each of
+    TRACE_EVENTS of its first TRACE_STEPS steps into OPart's first words, 8 a step."""
     rows = s_q * h_q
     if rows > ROWS:
         raise ValueError(f"mla_decode_fp8_rs takes at most {ROWS} query rows (s_q * h_q), got {rows}")
@@ -325,8 +339,12 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s)
                 T.copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s)
                 valid = seqlen - blk * STEP
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 0))
                 # S^T: the rope's MMA, then the four groups on two fragments in turn
                 T.wgmma_gemm(kr_s, qr_s, s_t, transpose_B=True, clear_accum=True)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 1))
                 _k_fill(0, kl_s, a_k0)
                 T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
                 _k_fill(1, kl_s, a_k1)
@@ -343,11 +361,15 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 _fold(2, acc0, s_t, ks_s)
                 T.wait_wgmma(0)
                 _fold(3, acc1, s_t, ks_s)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 2))
                 T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
                 T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
                                          # ("r": TileLang then adds no barriers around the call; the
                                          # helper orders its own accesses with its named barrier)
                                          T.access_ptr(red[0], "r", 128), k % 2, scale_log2))
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 3))
                 _p_copy(0, s_t, ks_s, p_s, valid)
                 _p_copy(1, s_t, ks_s, p_s, valid)
                 _p_copy(2, s_t, ks_s, p_s, valid)
@@ -356,6 +378,8 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o1.data, alpha_t.data))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o3.data, alpha_t.data))
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 4))
                 # O^T: the four groups on two fragments in turn
                 _v_fill(0, kl_s, a_v0, valid)
                 T.wgmma_gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
@@ -367,7 +391,11 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.wait_wgmma(1)
                 _v_fill(3, kl_s, a_v1, valid)
                 T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 5))
                 T.wait_wgmma(0)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 6))
 
             T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data,
                                      T.access_ptr(red[0], "rw", 128), T.access_ptr(l_s[0], "w", ROWS),
