@@ -595,23 +595,6 @@ def test_swapped_operand_probe_lowers_to_wgmma_with_a_transposed_v():
     assert ("64", "8", "16", "false", "false") in shapes and ("64", "8", "16", "true", "false") in shapes, shapes
 
 
-def test_register_converted_fp8_probe_lowers_to_wgmma_rs():
-    """bench/proto_mla_fp8_rs.py (the FP8 cache with both cache operands converted into registers,
-    bench/NOTES.md "Session 34") keeps building: the 4 latent groups' S^T and O^T MMAs take their A
-    operand from registers (wgmma RS, fp16 from e4m3), the rope's stays in shared memory, and the
-    softmax runs down S^T's columns in its 8-a-thread accumulator layout (a warpgroup-wide reduce),
-    not through a replicated copy."""
-    from bench.proto_mla_fp8_rs import _source
-
-    src = _source(2)
-    kinds = "tl::DataType::k{0}, tl::DataType::k{0}, tl::DataType::kFloat32, 64, 16, 16"
-    rs = re.findall("wgmma_rs<" + kinds.format("Float16"), src)
-    ss = re.findall("wgmma_ss<" + kinds.format("BFloat16"), src)
-    assert len(rs) == 8 and len(ss) == 1, (len(rs), len(ss))
-    assert "__tl_cvt_fp8x2_to_half2" in src                         # K's fragment: two values a conversion
-    assert re.search(r"float s_t\[8\];", src) and re.search(r"AllReduce<tl::MaxOp, 128, 32", src)
-
-
 def test_swapped_mla_program_lowers_on_sm90a_only():
     """mla_decode_program(swapped=True) (the op's choice for bf16 caches with s_q * h_q <= 32): S^T
     and O^T on WGMMA m64n16 (the PV with an MN-major A) or m64n32 for 17-32 rows, no spills; more
