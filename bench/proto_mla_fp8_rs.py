@@ -21,6 +21,10 @@ overlap its chain, V^T gathered one byte and one conversion a value. The softmax
 columns in its accumulator layout (T.reduce_max / reduce_sum over dim 0: TileLang reduces across the
 warpgroup through a shared workspace); through a transposed copy the softmax tile was inferred 8x
 replicated (844 us). What the production form needs is in bench/NOTES.md "Session 34".
+
+v2/v3 (session 35, --variants; bench/NOTES.md "Session 35"): hand-written fragment fills from 128-byte-swizzled
+group tiles (v2-sync 239 us), the groups issued on two fragments in turn (v2-async 221), two CTAs an SM
+(v2-async-2cta 144 with 2 splits), the softmax by hand (v3). ops/mla_decode_fp8_rs.py is v3 for the op.
 """
 
 import argparse

@@ -16,6 +16,9 @@ previous group's MMA). The softmax runs down S^T's columns in the accumulator la
 four warps a step, the row sums kept per thread until the end. Two CTAs an SM (launch bounds 2, 224 registers
 for the MMA warpgroup): the two CTAs' chains overlap.
 
+Status (H200, bench/NOTES.md "Session 35"): right (GPU tests), 0.1525 ms at 128x16x4096 against the fold
+kernel's 0.1354, so mla_decode does not choose it; bench's `tilecraft-fp8-rs` provider runs it.
+
 The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
 
 One CTA per (sequence, split) of the op's schedule (get_mla_schedule; with kv_format="fp8" it counts two
