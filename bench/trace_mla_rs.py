@@ -1,10 +1,16 @@
 """Where a step of the register-converted FP8 MLA kernel (ops.mla_decode_fp8_rs) spends its cycles: CTA 0's SM
 clock at each of its TRACE_EVENTS for its first steps, unsplit, h_q = 16, 4096 tokens a sequence.
 
-    python -m bench.trace_mla_rs [--blocks 1|2]      # GPU
+    python -m bench.trace_mla_rs [--blocks 1|2]                     # GPU
+    python -m bench.trace_mla_rs --spans [--csv DIR]                # GPU
 
 b = 2 x SMs (two CTAs on every SM, as the op runs them) and b = SMs (one an SM). Printed: the step period
 and each event's cycles after the step's start, medians over steps 8-55 (min, max beside).
+
+--spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
+for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and
+without the trace (CUDA events, L2 written over between launches): whether the step period CTA 0 shows is
+the kernel's.
 """
 
 import argparse
@@ -14,30 +20,44 @@ import torch
 
 import ops
 from ops.mla_decode import D_QK, D_V, LOG2E
-from ops.mla_decode_fp8_rs import TRACE_EVENTS, TRACE_STEPS, mla_decode_fp8_rs_program
+from ops.mla_decode_fp8_rs import SPAN_ROW, TRACE_EVENTS, TRACE_ROW, TRACE_STEPS, mla_decode_fp8_rs_program
 
 H_Q, SEQLEN, PAGE = 16, 4096, 64
 
 
-def run(b, blocks):
+def _inputs(b, seqlen):
     g = torch.Generator().manual_seed(0)
-    pages = SEQLEN // PAGE
+    pages = seqlen // PAGE
     kv = torch.randn(b * pages, PAGE, 1, D_QK, generator=g).bfloat16().cuda()
     cache = ops.quantize_mla_kv_fp8(kv).view(b * pages, PAGE, -1).view(torch.float8_e4m3fn)
     q = (torch.randn(b, H_Q, D_QK, generator=g) / 4).bfloat16().cuda()
     table = torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)
-    lens = torch.full((b,), SEQLEN, dtype=torch.int32, device="cuda")
+    lens = torch.full((b,), seqlen, dtype=torch.int32, device="cuda")
+    return q, cache, table, lens
+
+
+def _u32(x):
+    return x.view(torch.int32).long() & 0xFFFFFFFF
+
+
+def _stats(v):
+    v = sorted(v)
+    return f"min {v[0]:.0f}, median {v[len(v) // 2]:.0f}, max {v[-1]:.0f}"
+
+
+def run(b, blocks):
+    q, cache, table, lens = _inputs(b, SEQLEN)
     splits = torch.ones(b, dtype=torch.int32, device="cuda")
     out = torch.empty(b, H_Q, D_V, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(b, H_Q, 1, dtype=torch.float32, device="cuda")
-    o_part = torch.zeros(1, 64, D_V, dtype=torch.float32, device="cuda")
+    o_part = torch.zeros(b, 64, D_V, dtype=torch.float32, device="cuda")
     lse_part = torch.empty(1, 64, dtype=torch.float32, device="cuda")
     kernel = mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks, trace=True)
     for _ in range(3):
         kernel.launcher()(q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, splits, out,
                           lse, o_part, lse_part, 1, float(D_QK ** -0.5 * LOG2E))
     torch.cuda.synchronize()
-    st = o_part.view(-1)[:8 * TRACE_STEPS].contiguous().view(torch.int32).long().cpu().view(TRACE_STEPS, 8)
+    st = o_part[0, TRACE_ROW, :8 * TRACE_STEPS].contiguous().view(torch.int32).long().cpu().view(TRACE_STEPS, 8)
     st = st & 0xFFFFFFFF
     steps = range(8, min(56, SEQLEN // 64 - 1))
     period = sorted(int(st[k + 1, 0] - st[k, 0]) for k in steps)
@@ -48,14 +68,79 @@ def run(b, blocks):
         print(f"  {name:12s} +{d[len(d) // 2]:6d} (min {d[0]}, max {d[-1]})")
 
 
+def spans(b, splits, blocks, reps, csv_dir=None):
+    """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch."""
+    q, cache, table, lens = _inputs(b, SEQLEN)
+    nsplits = torch.full((b,), splits, dtype=torch.int32, device="cuda")
+    out = torch.empty(b, H_Q, D_V, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(b, H_Q, 1, dtype=torch.float32, device="cuda")
+    o_part = torch.zeros(b * splits, 64, D_V, dtype=torch.float32, device="cuda")
+    lse_part = torch.empty(b * splits, 64, dtype=torch.float32, device="cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, nsplits, out, lse, o_part,
+            lse_part, splits, float(D_QK ** -0.5 * LOG2E))
+    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}:"
+    for trace in (False, True):
+        launch = mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks,
+                                                   trace=trace).launcher()
+        times = []
+        for _ in range(reps):
+            flush.zero_()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            launch(*args)
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3)
+        line += f" {'traced' if trace else 'plain'} {sorted(times)[reps // 2]:.1f} us (min {min(times):.1f})"
+    print(line)
+    sp = _u32(o_part[:, SPAN_ROW, :8].contiguous()).cpu()
+    t0 = int(sp[:, 0].min())
+    rel = (sp[:, :4] - t0) & 0xFFFFFFFF                     # ns after the first CTA's entry
+    loop_ns = (rel[:, 2] - rel[:, 1]).double()
+    loop_cyc = ((sp[:, 5] - sp[:, 4]) & 0xFFFFFFFF).double()
+    steps = sp[:, 7].double()
+    sm = sp[:, 6]
+    busy = steps > 0
+    print(f"  span {int(rel[:, 3].max()) / 1e3:.1f} us; entries {_stats(rel[:, 0].tolist())} ns after the first")
+    print(f"  per CTA (ns): prologue {_stats((rel[:, 1] - rel[:, 0]).tolist())}; loop {_stats(loop_ns.tolist())}; "
+          f"epilogue {_stats((rel[:, 3] - rel[:, 2]).tolist())}")
+    print(f"  steps a CTA {_stats(steps.tolist())}; loop cycles a step {_stats((loop_cyc[busy] / steps[busy]).tolist())}; "
+          f"SM MHz over the loop {_stats((loop_cyc[busy] / loop_ns[busy] * 1e3).tolist())}")
+    per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)
+    late = int((rel[:, 0] > 5000).sum())
+    print(f"  CTAs an SM: {_stats(per_sm[per_sm > 0].tolist())} over {int((per_sm > 0).sum())} SMs; "
+          f"{late} CTAs entered > 5 us after the first")
+    st = _u32(o_part[0, TRACE_ROW, :8 * TRACE_STEPS].contiguous()).cpu().view(TRACE_STEPS, 8)
+    n0 = int(steps[0])
+    if n0 > 3:
+        period = [int(st[k + 1, 0] - st[k, 0]) & 0xFFFFFFFF for k in range(1, min(n0, TRACE_STEPS) - 1)]
+        print(f"  CTA 0's step period (cycles) {_stats(period)}; mean {sum(period) / len(period):.0f}")
+    if csv_dir:
+        import os
+        os.makedirs(csv_dir, exist_ok=True)
+        with open(os.path.join(csv_dir, f"spans-b{b}-s{splits}-c{blocks}.csv"), "w") as f:
+            f.write("cta,sm,steps,entry_ns,loop_start_ns,loop_end_ns,exit_ns,loop_cycles\n")
+            for i in range(sp.shape[0]):
+                f.write(f"{i},{int(sm[i])},{int(steps[i])},{int(rel[i, 0])},{int(rel[i, 1])},{int(rel[i, 2])},"
+                        f"{int(rel[i, 3])},{int(loop_cyc[i])}\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--spans", action="store_true", help="every CTA's span, and the kernel timed")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.trace_mla_rs needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.spans:
+        for b, splits, blocks in ((2 * sms, 1, 2), (128, 2, 2), (sms, 1, 1), (128, 1, 1), (128, 2, 1)):
+            spans(b, splits, blocks, args.reps, args.csv)
+        return 0
     for b in (args.blocks * sms, sms):
         run(b, args.blocks)
     return 0

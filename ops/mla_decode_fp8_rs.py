@@ -45,6 +45,8 @@ LN2 = 0.6931471805599453
 MMA_REGS = 224                   # setmaxnreg of the MMA warpgroup at two CTAs an SM (+ 24 for the producer)
 
 TRACE_STEPS = 64
+TRACE_ROW = 32                   # trace=True: the stamps go into OPart rows no output uses (ROWS <= 32 < ROWS_PAD)
+SPAN_ROW = ROWS_PAD - 1
 TRACE_EVENTS = ("step", "rope issued", "scores", "softmax", "P copied", "P V issued", "P V done")
 HELPER_SOURCE = f"#define TC_TRACE_STEPS {TRACE_STEPS}\n" + r"""
 __device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
@@ -169,6 +171,21 @@ __device__ __forceinline__ void tc_stamp(void* at, int k, int e) {
     stamps[k * 8 + e] = t;
   }
 }
+// trace=True: every CTA's first MMA thread writes span[e] = the global timer's low 32 bits (ns) at point e
+// (0 entry, 1 loop start, 2 loop end, 3 exit), span[4 + e / 2] = the SM clock at points 1 and 2, span[6] = its
+// SM, span[7] = its steps
+__device__ __forceinline__ void tc_span(void* at, int e, int steps) {
+  unsigned* span = reinterpret_cast<unsigned*>(at);
+  if ((threadIdx.x & 127) == 0) {
+    unsigned g, c, sm;
+    asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(g) :: "memory");
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    span[e] = g;
+    if (e == 1 || e == 2) span[4 + e - 1] = c;
+    if (e == 3) { span[6] = sm; span[7] = (unsigned)steps; }
+  }
+}
 // the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
 __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
                                                     float* m_out) {
@@ -246,8 +263,9 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
     """The FP8-cache MLA decode with register-converted cache operands (this module's docstring), the
     op's arguments and outputs: mla_decode_program's with kv_format="fp8".
 
-    trace=True (bench.trace_mla_rs; run unsplit): CTA 0 writes the SM clock (int32 bits) of each of
-    TRACE_EVENTS of its first TRACE_STEPS steps into OPart's first words, 8 a step."""
+    trace=True (bench.trace_mla_rs): CTA 0 writes the SM clock (int32 bits) of each of TRACE_EVENTS of its
+    first TRACE_STEPS steps into OPart[0, TRACE_ROW], 8 words a step, and CTA i its span (tc_span) into
+    OPart[i, SPAN_ROW, 0:8]; OPart needs batch * max_splits slots then."""
     rows = s_q * h_q
     if rows > ROWS:
         raise ValueError(f"mla_decode_fp8_rs takes at most {ROWS} query rows (s_q * h_q), got {rows}")
@@ -308,6 +326,8 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
             T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s)})
             T.import_source(HELPER_SOURCE)
 
+            if trace:
+                T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
             bi = bid // max_splits
             si = bid % max_splits
             splits = Splits[bi]
@@ -331,6 +351,8 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 m_t[i] = neg_inf
                 l_t[i] = 0.0
 
+            if trace:
+                T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
             for k in T.Pipelined(n_iter, num_stages=stages):
                 blk = first + k
                 pidx = T.min(T.max(BlockTable[bi, blk * STEP // page], 0), num_pages - 1)
@@ -343,11 +365,11 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s)
                 valid = seqlen - blk * STEP
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 0))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 0))
                 # S^T: the rope's MMA, then the four groups on two fragments in turn
                 T.wgmma_gemm(kr_s, qr_s, s_t, transpose_B=True, clear_accum=True)
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 1))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 1))
                 _k_fill(0, kl_s, a_k0)
                 T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
                 _k_fill(1, kl_s, a_k1)
@@ -365,14 +387,14 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.wait_wgmma(0)
                 _fold(3, acc1, s_t, ks_s)
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 2))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 2))
                 T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
                 T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
                                          # ("r": TileLang then adds no barriers around the call; the
                                          # helper orders its own accesses with its named barrier)
                                          T.access_ptr(red[0], "r", 128), k % 2, scale_log2))
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 3))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 3))
                 _p_copy(0, s_t, ks_s, p_s, valid)
                 _p_copy(1, s_t, ks_s, p_s, valid)
                 _p_copy(2, s_t, ks_s, p_s, valid)
@@ -382,7 +404,7 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o3.data, alpha_t.data))
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 4))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 4))
                 # O^T: the four groups on two fragments in turn
                 _v_fill(0, kl_s, a_v0, valid)
                 T.wgmma_gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
@@ -395,11 +417,13 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 _v_fill(3, kl_s, a_v1, valid)
                 T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 5))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 5))
                 T.wait_wgmma(0)
                 if trace:
-                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, 0, 0], "w", 8 * TRACE_STEPS), k, 6))
+                    T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 6))
 
+            if trace:
+                T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
             T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data,
                                      T.access_ptr(red[0], "rw", 128), T.access_ptr(l_s[0], "w", ROWS),
                                      T.access_ptr(m_s[0], "w", ROWS)))
@@ -422,5 +446,7 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                         for d, h in T.Parallel(GROUP, ROWS):
                             OPart[slot, h, g * GROUP + latent_column(d)] = T.if_then_else(
                                 l_s[h] > 0.0, o[d, h] / l_s[h], 0.0)
+            if trace:
+                T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
 
     return mla_decode_fp8_rs
