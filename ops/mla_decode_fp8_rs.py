@@ -51,8 +51,12 @@ TRACE_EVENTS = ("step", "rope issued", "scores", "softmax", "P copied", "P V iss
 HELPER_SOURCE = f"#define TC_TRACE_STEPS {TRACE_STEPS}\n" + r"""
 __device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
   unsigned r;
-  unsigned short h = (unsigned short)(v & 0xFFFFu);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(v));
+  return r;
+}
+__device__ __forceinline__ unsigned tc_e4m3x2_f16x2_hi(unsigned v) {    // the high 16 bits (read as R.H1: no shift)
+  unsigned r;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(r) : "r"(v));
   return r;
 }
 // A 64 x 128 e4m3 tile, 128-byte rows, TMA's 128-byte swizzle (16-byte chunk k of row t at chunk k ^ t % 8)
@@ -74,38 +78,77 @@ __device__ __forceinline__ void tc_e4m3_k_fragment(void* dst, const void* base, 
   for (int j = 0; j < 8; ++j) {
     d[4 * j + 0] = tc_e4m3x2_f16x2(w[j]);
     d[4 * j + 1] = tc_e4m3x2_f16x2(v[j]);
-    d[4 * j + 2] = tc_e4m3x2_f16x2(w[j] >> 16);
-    d[4 * j + 3] = tc_e4m3x2_f16x2(v[j] >> 16);
+    d[4 * j + 2] = tc_e4m3x2_f16x2_hi(w[j]);
+    d[4 * j + 3] = tc_e4m3x2_f16x2_hi(v[j]);
   }
 }
 // O^T = V^T P^T, V^T's fragment of one group (128 latent rows x 64 tokens, two m64 tiles). The M order is
 // permuted: fragment row mt * 64 + 16w + 8hi + q is latent column 4(8w + q) + 2mt + hi, so a thread's four
 // rows are one 32-bit word of a token: 16 word loads (tokens 16j + 2c + {0, 1, 8, 9}), byte pairs across two
-// tokens by prmt, one cvt a pair. Tokens at or past `valid` read as zeros (the cache past a sequence's end may
-// hold anything, NaN included, and P's zeros would not cancel it).
-__device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, int cw, int c, int valid) {
+// tokens by prmt, one cvt a pair. (A step's tokens past the sequence's end were zeroed by tc_zero_tail.)
+__device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, int cw, int c) {
   unsigned* d = reinterpret_cast<unsigned*>(dst);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int t = 16 * j + 2 * c;
-    unsigned w0 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t, 4 * cw));
-    unsigned w1 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 1, 4 * cw));
-    unsigned w8 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 8, 4 * cw));
-    unsigned w9 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 9, 4 * cw));
-    if (valid < 64) {
-      w0 = t < valid ? w0 : 0u, w1 = t + 1 < valid ? w1 : 0u, w8 = t + 8 < valid ? w8 : 0u, w9 = t + 9 < valid ? w9 : 0u;
-    }
+    const unsigned w0 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t, 4 * cw));
+    const unsigned w1 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 1, 4 * cw));
+    const unsigned w8 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 8, 4 * cw));
+    const unsigned w9 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 9, 4 * cw));
     const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
     const unsigned lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
     d[8 * j + 0] = tc_e4m3x2_f16x2(lo01);
-    d[8 * j + 1] = tc_e4m3x2_f16x2(lo01 >> 16);
+    d[8 * j + 1] = tc_e4m3x2_f16x2_hi(lo01);
     d[8 * j + 2] = tc_e4m3x2_f16x2(lo89);
-    d[8 * j + 3] = tc_e4m3x2_f16x2(lo89 >> 16);
+    d[8 * j + 3] = tc_e4m3x2_f16x2_hi(lo89);
     d[8 * j + 4] = tc_e4m3x2_f16x2(hi01);
-    d[8 * j + 5] = tc_e4m3x2_f16x2(hi01 >> 16);
+    d[8 * j + 5] = tc_e4m3x2_f16x2_hi(hi01);
     d[8 * j + 6] = tc_e4m3x2_f16x2(hi89);
-    d[8 * j + 7] = tc_e4m3x2_f16x2(hi89 >> 16);
+    d[8 * j + 7] = tc_e4m3x2_f16x2_hi(hi89);
   }
+}
+// A step with fewer than 64 tokens left (its sequence's last): the raw latent rows (4 groups x 64 x 128 bytes)
+// and the scale rows (64 x 4 fp32) of tokens at or past `valid` become zeros, so that neither the fills nor P's
+// scaled copies need a guard a value (the cache past the end may hold anything, NaN included; the rope's
+// scores there are masked to -inf by tc_mask_t, a select). The MMA warpgroup's named barrier 10 then.
+__device__ __forceinline__ void tc_zero_tail(void* kl, void* ks, int valid) {
+  const int t = threadIdx.x & 127;
+  unsigned char* raw = reinterpret_cast<unsigned char*>(kl);
+#pragma unroll 1
+  for (int i = t; i < 4 * 64 * 8; i += 128) {      // 16-byte chunks: group i / 512, row i / 8 % 64
+    if ((i >> 3 & 63) >= valid) *reinterpret_cast<uint4*>(raw + i * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (t < 64 && t >= valid) *reinterpret_cast<float4*>(reinterpret_cast<float*>(ks) + 4 * t) = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile("bar.sync 10, 128;" ::: "memory");
+}
+// The 4 group scales of this thread's two token rows r, r + 8 of S^T (r = 16 warp + lane / 4): ks[4 rv + g]
+__device__ __forceinline__ void tc_token_scales(const void* ks_s, float* ks) {
+  const int r = ((threadIdx.x >> 5) & 3) * 16 + (threadIdx.x & 31) / 4;
+  const float4 a = reinterpret_cast<const float4*>(ks_s)[r], b = reinterpret_cast<const float4*>(ks_s)[r + 8];
+  ks[0] = a.x, ks[1] = a.y, ks[2] = a.z, ks[3] = a.w, ks[4] = b.x, ks[5] = b.y, ks[6] = b.z, ks[7] = b.w;
+}
+// S^T += scale_g[token] * (K_g Q_g^T): acc is group g's accumulator, in S^T's layout (s[nb * 4 + rv * 2 + e])
+__device__ __forceinline__ void tc_fold(float* s, const float* acc, const float* ks, int g) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = fmaf(acc[i], ks[((i >> 1) & 1) * 4 + g], s[i]);
+}
+// (P * scale_g[token])^T into group g's 16 x 64 fp16 tile (row h, 128-byte rows, TMA's 128-byte swizzle): the
+// warp's 16 tokens x 16 rows are four 8 x 8 matrices (token half rv, row half nb), stored transposed by one
+// stmatrix.x4.trans; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void tc_p_store(void* p, const float* s, const float* ks, int g) {
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
+  unsigned r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int rv = i & 1, nb = i >> 1;
+    const float sc = ks[rv * 4 + g];
+    // the even row (e = 0) in the low half
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r[i]) : "f"(s[nb * 4 + rv * 2 + 1] * sc), "f"(s[nb * 4 + rv * 2] * sc));
+  }
+  const int mi = lane >> 3, h = 8 * (mi >> 1) + (lane & 7), chunk = 2 * w + (mi & 1);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p)) + g * 2048 + h * 128 + ((chunk ^ (h & 7)) << 4);
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 // S^T's accumulator layout: s[nb * 4 + rv * 2 + e] is token row r + 8 rv (r = 16 warp + lane / 4) and query
 // row (column) 8 nb + 2c + e, i.e. column slot hs = 2 nb + e of this thread (c = lane % 4).
@@ -233,24 +276,15 @@ def _k_fill(g, kl_s, a_k):
 
 
 @T.macro
-def _v_fill(g, kl_s, a_v, valid):
+def _v_fill(g, kl_s, a_v):
     tid = T.get_thread_binding() % 128
     T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data, T.access_ptr(kl_s[g, 0, 0], "r", STEP * GROUP),
-                             tid // 4, tid % 4, valid))
+                             tid // 4, tid % 4))
 
 
 @T.macro
-def _fold(g, acc, s_t, ks_s):
-    for i, j in T.Parallel(STEP, ROWS):
-        s_t[i, j] += acc[i, j] * ks_s[i, g]
-
-
-@T.macro
-def _p_copy(g, s_t, ks_s, p_s, valid):
-    # (P * scale_g[token])^T in fp16, the B operand of group g's P V; zeros past the sequence's end (its
-    # scales may be anything there)
-    for t, h in T.Parallel(STEP, ROWS):
-        p_s[g, h, t] = T.if_then_else(t < valid, T.cast(s_t[t, h] * ks_s[t, g], "float16"), T.cast(0, "float16"))
+def _fold(g, acc, s_t, ks_t):
+    T.evaluate(T.call_extern("handle", "tc_fold", s_t.data, acc.data, ks_t.data, g))
 
 
 @tile_program(
@@ -322,8 +356,9 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
             o3 = T.alloc_fragment((GROUP, ROWS), "float32")
             m_t = T.alloc_local((4,), "float32")          # this thread's 4 query-row columns (slots)
             l_t = T.alloc_local((4,), "float32")
+            ks_t = T.alloc_local((8,), "float32")        # this thread's two tokens' 4 group scales
             alpha_t = T.alloc_local((4,), "float32")
-            T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s)})
+            T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
             T.import_source(HELPER_SOURCE)
 
             if trace:
@@ -364,6 +399,9 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s)
                 T.copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s)
                 valid = seqlen - blk * STEP
+                if valid < STEP:
+                    T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                             T.access_ptr(ks_s[0, 0], "r", STEP * GROUPS), valid))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 0))
                 # S^T: the rope's MMA, then the four groups on two fragments in turn
@@ -375,17 +413,19 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 _k_fill(1, kl_s, a_k1)
                 T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(1)                                 # the rope's and group 0's
-                _fold(0, acc0, s_t, ks_s)
+                T.evaluate(T.call_extern("handle", "tc_token_scales", T.access_ptr(ks_s[0, 0], "r", STEP * GROUPS),
+                                         ks_t.data))
+                _fold(0, acc0, s_t, ks_t)
                 _k_fill(2, kl_s, a_k0)
                 T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(1)
-                _fold(1, acc1, s_t, ks_s)
+                _fold(1, acc1, s_t, ks_t)
                 _k_fill(3, kl_s, a_k1)
                 T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(1)
-                _fold(2, acc0, s_t, ks_s)
+                _fold(2, acc0, s_t, ks_t)
                 T.wait_wgmma(0)
-                _fold(3, acc1, s_t, ks_s)
+                _fold(3, acc1, s_t, ks_t)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 2))
                 T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
@@ -395,10 +435,9 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                                          T.access_ptr(red[0], "r", 128), k % 2, scale_log2))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 3))
-                _p_copy(0, s_t, ks_s, p_s, valid)
-                _p_copy(1, s_t, ks_s, p_s, valid)
-                _p_copy(2, s_t, ks_s, p_s, valid)
-                _p_copy(3, s_t, ks_s, p_s, valid)
+                for g in range(GROUPS):
+                    T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[0, 0, 0], "w", GROUPS * ROWS * STEP),
+                                             s_t.data, ks_t.data, g))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o0.data, alpha_t.data))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o1.data, alpha_t.data))
                 T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
@@ -406,15 +445,15 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 4))
                 # O^T: the four groups on two fragments in turn
-                _v_fill(0, kl_s, a_v0, valid)
+                _v_fill(0, kl_s, a_v0)
                 T.wgmma_gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
-                _v_fill(1, kl_s, a_v1, valid)
+                _v_fill(1, kl_s, a_v1)
                 T.wgmma_gemm(a_v1, p_s[1, :, :], o1, transpose_B=True)
                 T.wait_wgmma(1)
-                _v_fill(2, kl_s, a_v0, valid)
+                _v_fill(2, kl_s, a_v0)
                 T.wgmma_gemm(a_v0, p_s[2, :, :], o2, transpose_B=True)
                 T.wait_wgmma(1)
-                _v_fill(3, kl_s, a_v1, valid)
+                _v_fill(3, kl_s, a_v1)
                 T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 5))
