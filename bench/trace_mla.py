@@ -21,17 +21,17 @@ import torch
 import ops
 from bench.suites.mla import FP8_TWO_CONVERTERS, PRESETS, make_inputs
 from codegen.lowering.sm90_attention import EVENTS, TIMELINE_COL, TIMELINE_PER_ROW
-from ops.mla_decode import D_QK, D_V, LOG2E, _mla_decode_impl, get_mla_schedule, mla_decode_program, pick_tiling
+from ops.mla_decode import D_QK, D_V, FP8_FOLD, LOG2E, _mla_decode_impl, get_mla_schedule, mla_decode_program, pick_tiling
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench.trace_mla needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
-    swapped_fp8 = pick_tiling(16, "fp8", "sm_90a", 64)
+    swapped_fp8 = FP8_FOLD          # (the op's FP8 kernel at 16 rows is ops.mla_decode_fp8_rs: bench.trace_mla_rs)
     # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, without
     # rope_direct, without fold_scales), b=128 h_q=128 4096
-    cases = {"bf16-16": (1, "bf16", None), "fp8-16": (1, "fp8", None),
+    cases = {"bf16-16": (1, "bf16", None), "fp8-16": (1, "fp8", FP8_FOLD),
              "fp8-16-staged": (1, "fp8", dict(swapped_fp8, stage_raw=True, fold_scales=False)),
              "fp8-16-raw-rope": (1, "fp8", dict(swapped_fp8, rope_direct=False)),
              "fp8-16-unfolded": (1, "fp8", dict(swapped_fp8, fold_scales=False)),

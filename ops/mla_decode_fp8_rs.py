@@ -16,8 +16,14 @@ previous group's MMA). The softmax runs down S^T's columns in the accumulator la
 four warps a step, the row sums kept per thread until the end. Two CTAs an SM (launch bounds 2, 224 registers
 for the MMA warpgroup): the two CTAs' chains overlap.
 
-Status (H200, bench/NOTES.md "Session 35"): right (GPU tests), 0.1525 ms at 128x16x4096 against the fold
-kernel's 0.1354, so mla_decode does not choose it; bench's `tilecraft-fp8-rs` provider runs it.
+The step's helpers are written for issue count (bench/NOTES.md "Session 36": 1143 instructions a warp a step,
+from 1659): the high half of a word converted in place (R.H1, no shift), a sequence's partial last step zeroed
+once in shared memory (tc_zero_tail) instead of a guard a value, the four scaled P copies by stmatrix, the
+scales of a thread's two tokens loaded once a step.
+
+Status (H200, "Session 36"): mla_decode's FP8 kernel at s_q * h_q <= 16 on sm_90a (pick_tiling's REGISTER_FP8;
+get_mla_schedule(kv_format="fp8") counts two CTAs an SM): 0.1207 ms at 128x16x4096, 1.25x the bf16 cache,
+1.13x the fold kernel it replaced (FP8_FOLD, bench provider `tilecraft-fp8-fold`).
 
 The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ops
-from ops.mla_decode import get_mla_schedule, mla_combine_program, mla_decode_program, mla_decode_reference, pick_tiling
+from ops.mla_decode import FP8_FOLD, get_mla_schedule, mla_combine_program, mla_decode_program, mla_decode_reference, pick_tiling
 
 D, DV = 576, 512
 
@@ -135,6 +135,14 @@ def test_schedule_shapes_and_batch_invariance():
     assert torch.equal(inv_a.splits[2:], inv_b.splits) and inv_a.max_splits == inv_b.max_splits
     with pytest.raises(ValueError, match="sched was made for batch"):
         s.check(3, 16)
+    # the FP8 cache's kernel at <= 16 rows runs two CTAs an SM: its default schedule counts twice the SMs
+    b128 = torch.full((128,), 4096, dtype=torch.int32)
+    assert get_mla_schedule(b128, 1, 16, 64).max_splits == 1
+    assert get_mla_schedule(b128, 1, 16, 64, kv_format="fp8").max_splits == 2
+    assert get_mla_schedule(b128, 1, 32, 64, kv_format="fp8").max_splits == 1
+    assert pick_tiling(16, "fp8", "sm_90a", 64) == dict(register_fp8=True, kv_format="fp8")
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        get_mla_schedule(b128, 1, 16, 64, kv_format="e4m3")
 
 
 @pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("bf16", 128, 2), ("fp8", 16, 1)])
@@ -147,7 +155,8 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     from backends.cuda.sass import disassemble, histogram
     from test_gemm_fp8 import _build_with_ptxas_log
 
-    src = mla_decode_program.source("sm_90a", h_q=h_q, s_q=s_q, **pick_tiling(h_q * s_q, fmt, "sm_90a"))
+    tiling = FP8_FOLD if fmt == "fp8" else pick_tiling(h_q * s_q, fmt, "sm_90a")    # (fp8 at 16 rows: ops.mla_decode_fp8_rs)
+    src = mla_decode_program.source("sm_90a", h_q=h_q, s_q=s_q, **tiling)
     assert "__launch_bounds__(384, 1)" in src
     assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
     partial = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src))
@@ -179,7 +188,7 @@ def test_trace_stamps_every_event(fmt):
     # and every CTA's timeline: when its warpgroups start, when WG0's epilogue is done (the helper's
     # definition is the third occurrence)
     assert src.count("tc_timeline(") == 3 and swapped.count("tc_timeline(") == 3
-    plain = mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, fmt, "sm_90a"))
+    plain = mla_decode_program.source("sm_90a", h_q=16, s_q=1, **(FP8_FOLD if fmt == "fp8" else pick_tiling(16, fmt, "sm_90a")))
     assert "clock()" not in plain and "tc_timeline" not in plain
 
 
@@ -568,7 +577,7 @@ def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False):
         out, lse = _mla_decode_impl(q, cache, table, seqlens, scale, True, None, tiling=tiling, kv_format="fp8")
     assert not out.isnan().any()
     chosen = tiling or pick_tiling(s_q * h_q, "fp8", "sm_90a", page)
-    exact = exact or chosen.get("fold_scales", False)
+    exact = exact or chosen.get("fold_scales", False) or chosen.get("register_fp8", False)
     # the kernel multiplies the dequantized cache rounded to bf16 (or, exact, unrounded): compare with exactly that
     deq = ops.dequantize_mla_kv_fp8(cache)
     deq = deq if exact else deq.to(torch.bfloat16)

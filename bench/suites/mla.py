@@ -11,7 +11,7 @@ import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.mla_decode import FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
+from ops.mla_decode import FP8_FOLD, FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
 D = 576
@@ -72,7 +72,7 @@ def tilecraft_fp8(case, i):
     """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8")
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
@@ -106,16 +106,16 @@ def fp8_register(case, i, **options):
 
 
 def fp8_swapped_with(case, i, **options):
-    """The FP8 cache through the swapped kernel with its options changed from the op's choice:
+    """The FP8 cache through the swapped fold kernel (FP8_FOLD) with its options changed:
     stage_raw (the converters read a raw chunk into registers and reload its staging before
     converting), rope_direct=False (the bf16 rope staged raw and copied, as before "MLA v10");
     s_q * h_q <= 16."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE), **options)
-    if tiling.get("stage_raw"):          # built for the bf16-operand converters only
-        tiling["fold_scales"] = False
-    if not tiling.get("swapped"):
+    if case["s_q"] * case["h_q"] > 16:
         raise ValueError(f"{sorted(options)} are built for the swapped kernel (s_q * h_q <= 16), got "
                          f"{case['s_q'] * case['h_q']} rows")
+    tiling = dict(FP8_FOLD, **options)
+    if tiling.get("stage_raw"):          # built for the bf16-operand converters only
+        tiling["fold_scales"] = False
     return tilecraft_variant(case, i, tiling)
 
 
@@ -183,6 +183,8 @@ SUITE = Suite(
         Provider("tilecraft-fp8-unfolded", lambda c, i: fp8_swapped_with(c, i, fold_scales=False), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs", fp8_register, experimental=True, nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-fold", lambda c, i: tilecraft_variant(c, i, FP8_FOLD), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs-1cta", lambda c, i: fp8_register(c, i, blocks_per_sm=1), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
