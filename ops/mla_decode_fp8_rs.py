@@ -211,6 +211,12 @@ __device__ __forceinline__ void tc_rescale_t(float* o, const float* alpha) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) o[i] *= alpha[((i >> 2) & 1) * 2 + (i & 1)];
 }
+// the four groups' O^T, skipped where none of this thread's columns changed its max (alpha = 1 exactly: the
+// product would be the same bits); once the maxima settle, most steps
+__device__ __forceinline__ void tc_rescale_all_t(float* o0, float* o1, float* o2, float* o3, const float* alpha) {
+  if (alpha[0] == 1.f && alpha[1] == 1.f && alpha[2] == 1.f && alpha[3] == 1.f) return;
+  tc_rescale_t(o0, alpha), tc_rescale_t(o1, alpha), tc_rescale_t(o2, alpha), tc_rescale_t(o3, alpha);
+}
 // trace=True: CTA 0's first MMA thread writes the SM clock of event e of step k into stamps[k * 8 + e]
 __device__ __forceinline__ void tc_stamp(void* at, int k, int e) {
   int* stamps = reinterpret_cast<int*>(at);
@@ -233,6 +239,34 @@ __device__ __forceinline__ void tc_span(void* at, int e, int steps) {
     span[e] = g;
     if (e == 1 || e == 2) span[4 + e - 1] = c;
     if (e == 3) { span[6] = sm; span[7] = (unsigned)steps; }
+  }
+}
+// O = O^T's columns / l, stored row-major: a thread's four values of a (group, column) are four consecutive latent
+// columns (V^T's permuted M order), so one 16-byte (fp32) or 8-byte (bf16) store each; a warp's store covers four
+// rows x 128 contiguous bytes. Rows at or past `rows` are not stored; a column with l = 0 stores zeros.
+template <typename OutT>
+__device__ __forceinline__ void tc_store_o(OutT* row0, const float* o0, const float* o1, const float* o2,
+                                           const float* o3, const float* l_s, int rows) {
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3;
+  const float* o[4] = {o0, o1, o2, o3};
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) {
+    const int nb = hs >> 1, e = hs & 1, h = 8 * nb + 2 * c + e;
+    if (h >= rows) continue;
+    const float l = l_s[h], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float* v = o[g] + nb * 4 + e;
+      OutT* at = row0 + h * 512 + g * 128 + 4 * (8 * w + q);
+      if constexpr (sizeof(OutT) == 4) {
+        *reinterpret_cast<float4*>(at) = make_float4(v[0] * inv, v[2] * inv, v[8] * inv, v[10] * inv);
+      } else {
+        unsigned lo, hi;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(v[2] * inv), "f"(v[0] * inv));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v[10] * inv), "f"(v[8] * inv));
+        *reinterpret_cast<uint2*>(at) = make_uint2(lo, hi);
+      }
+    }
   }
 }
 // the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
@@ -444,10 +478,7 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 for g in range(GROUPS):
                     T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[0, 0, 0], "w", GROUPS * ROWS * STEP),
                                              s_t.data, ks_t.data, g))
-                T.evaluate(T.call_extern("handle", "tc_rescale_t", o0.data, alpha_t.data))
-                T.evaluate(T.call_extern("handle", "tc_rescale_t", o1.data, alpha_t.data))
-                T.evaluate(T.call_extern("handle", "tc_rescale_t", o2.data, alpha_t.data))
-                T.evaluate(T.call_extern("handle", "tc_rescale_t", o3.data, alpha_t.data))
+                T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 4))
                 # O^T: the four groups on two fragments in turn
@@ -478,19 +509,14 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                         if h < rows:
                             Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[h] > 0.0, (m_s[h] + T.log2(l_s[h])) * LN2,
                                                                         neg_inf)
-                    for g, o in enumerate((o0, o1, o2, o3)):
-                        for d, h in T.Parallel(GROUP, ROWS):
-                            if h < rows:
-                                Out[bi, h, g * GROUP + latent_column(d)] = T.cast(
-                                    T.if_then_else(l_s[h] > 0.0, o[d, h] / l_s[h], 0.0), "bfloat16")
+                    T.evaluate(T.call_extern("handle", "tc_store_o", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                             o0.data, o1.data, o2.data, o3.data, T.access_ptr(l_s[0], "r", ROWS), rows))
                 else:
                     slot = bi * max_splits + si
                     for h in T.Parallel(ROWS):
                         LsePart[slot, h] = T.if_then_else(l_s[h] > 0.0, m_s[h] + T.log2(l_s[h]), neg_inf)
-                    for g, o in enumerate((o0, o1, o2, o3)):
-                        for d, h in T.Parallel(GROUP, ROWS):
-                            OPart[slot, h, g * GROUP + latent_column(d)] = T.if_then_else(
-                                l_s[h] > 0.0, o[d, h] / l_s[h], 0.0)
+                    T.evaluate(T.call_extern("handle", "tc_store_o", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
+                                             o0.data, o1.data, o2.data, o3.data, T.access_ptr(l_s[0], "r", ROWS), ROWS))
             if trace:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
 
