@@ -27,6 +27,9 @@ PRESETS = {
     "sweep": _cases([(128, 128, 1, n) for n in (1024, 2048, 4096, 8192, 16384, 32768)]),
     "small": _cases([(2, 16, 1, 1024), (2, 128, 2, 300)]),
     "fp8": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192)]),   # the rows of the FP8 cache's 1.6x target
+    # the FP8 cache's <= 16-row kernel across batch sizes (splits), MTP (2 x 8 rows) and a long context
+    "fp8-16": _cases([(1, 16, 1, 8192), (8, 16, 1, 8192), (32, 16, 1, 4096), (64, 16, 1, 8192), (128, 16, 1, 4096),
+                      (128, 8, 2, 4096), (16, 16, 1, 32768)]),
 }
 
 
