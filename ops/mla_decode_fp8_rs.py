@@ -333,9 +333,14 @@ def _fold(g, acc, s_t, ks_t):
     examples={"h16": dict(h_q=16, s_q=1), "h8-s2": dict(h_q=8, s_q=2)},
 )
 def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                              stages: int = 2, blocks_per_sm: int = 2, trace: bool = False):
+                              stages: int = 2, blocks_per_sm: int = 2, trace: bool = False, older_64ths: int = 32):
     """The FP8-cache MLA decode with register-converted cache operands (this module's docstring), the
     op's arguments and outputs: mla_decode_program's with kv_format="fp8".
+
+    older_64ths (experiment, bench/NOTES.md "Session 36"; 32 = off): with two CTAs an SM the warp schedulers
+    favour the older CTA, which ends its steps ~8% sooner. Other values order the grid split-major (every
+    sequence's split 0 is dispatched in the first wave, so it is the older CTA on its SM) and give split 0
+    of a 2-split sequence older_64ths / 64 of its steps (rounded; at least one step each side where it has two).
 
     trace=True (bench.trace_mla_rs): CTA 0 writes the SM clock (int32 bits) of each of TRACE_EVENTS of its
     first TRACE_STEPS steps into OPart[0, TRACE_ROW], 8 words a step, and CTA i its span (tc_span) into
@@ -347,6 +352,8 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
         raise ValueError(f"mla_decode_fp8_rs steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
+    if not 1 <= older_64ths <= 63:
+        raise ValueError(f"older_64ths must be in [1, 63] (32: even splits), got {older_64ths}")
     if dtype != "bfloat16":
         raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
     causal = causal and s_q > 1
@@ -403,14 +410,19 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
 
             if trace:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
-            bi = bid // max_splits
-            si = bid % max_splits
+            bi = bid // max_splits if older_64ths == 32 else bid % batch
+            si = bid % max_splits if older_64ths == 32 else bid // batch
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             nblk = T.ceildiv(seqlen, STEP)
             chunk = T.ceildiv(nblk, T.max(splits, 1))
             first = si * chunk
             n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
+            if older_64ths != 32:      # 2 splits: split 0 (the older CTA) takes older_64ths / 64 of the steps
+                n0 = T.min(T.max((nblk * older_64ths + 32) // 64, 1), T.max(nblk - 1, 0))    # 0 <= n0 <= nblk
+                first = T.if_then_else(splits == 2, si * n0, first)
+                n_iter = T.if_then_else(splits == 2, T.if_then_else(si == 0, n0, T.if_then_else(si == 1, nblk - n0, 0)),
+                                        n_iter)
             base = seqlen - s_q + 1 if causal else seqlen
 
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):

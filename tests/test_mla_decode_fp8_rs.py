@@ -51,7 +51,8 @@ def test_lowers_to_register_operand_wgmma_without_spills():
 
 def test_refuses_what_it_is_not_built_for():
     for bad, msg in ((dict(h_q=32), "at most 16 query rows"), (dict(page=32), "multiple of 64"),
-                     (dict(blocks_per_sm=3), "blocks_per_sm"), (dict(dtype="float16"), "bfloat16")):
+                     (dict(blocks_per_sm=3), "blocks_per_sm"), (dict(dtype="float16"), "bfloat16"),
+                     (dict(older_64ths=64), "older_64ths")):
         with pytest.raises(ValueError, match=msg):
             mla_decode_fp8_rs_program.source("sm_90a", **{**dict(h_q=16, s_q=1), **bad})
     with pytest.raises(ValueError, match="no lowering for cuda:sm_100a"):
@@ -90,3 +91,30 @@ def test_gpu_splits_and_two_ctas_an_sm_with_the_schedule():
     # the fold kernel computes the same products in another order: close, not bitwise
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("older_64ths", [34, 20])
+def test_gpu_weighted_splits_match_the_reference(older_64ths):
+    """older_64ths (the grid split-major, split 0 of a 2-split sequence longer or shorter): every step is
+    still covered once; every sequence in two splits whatever its length (0, 1, 64: splits of one step or
+    none), against the reference on the exactly dequantized cache with run_fp8_case's bounds."""
+    from ops.mla_decode import MlaSchedule, _mla_decode_impl, mla_decode_reference
+    from tests.test_mla_decode import D, make_inputs, p_rounding_term
+    import ops
+
+    lens = [5000, 0, 1, 64, 9000, 129]
+    q, kv, table, seqlens = make_inputs(len(lens), 1, 16, lens, page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    sched = MlaSchedule(torch.full((len(lens),), 2, dtype=torch.int32, device="cuda"), 2, 16, False, seqlens)
+    out, lse = _mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, sched,
+                                tiling=dict(RS, older_64ths=older_64ths), kv_format="fp8")
+    deq = ops.dequantize_mla_kv_fp8(cache)
+    ref, ref_lse = mla_decode_reference(q, deq, table, seqlens, softmax_scale=D ** -0.5)
+    assert not out.isnan().any()
+    bound = 8e-4 + (2.01 / 128) * ref.abs() + 6 * 2.0 ** -8 / 3 ** 0.5 * p_rounding_term(q, deq, table, seqlens,
+                                                                                        D ** -0.5, True)
+    assert ((out.float() - ref).abs() <= bound).all()
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
+    assert (lse[~finite] == float("-inf")).all()

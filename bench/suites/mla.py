@@ -188,6 +188,11 @@ SUITE = Suite(
         Provider("tilecraft-fp8-rs", fp8_register, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-fold", lambda c, i: tilecraft_variant(c, i, FP8_FOLD), experimental=True,
                  nbytes=nbytes_fp8),
+        # the rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
+        Provider("tilecraft-fp8-rs-w33", lambda c, i: fp8_register(c, i, older_64ths=33), experimental=True,
+                 nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-rs-w34", lambda c, i: fp8_register(c, i, older_64ths=34), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs-1cta", lambda c, i: fp8_register(c, i, blocks_per_sm=1), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
