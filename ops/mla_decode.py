@@ -763,11 +763,11 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     dtype = DTYPES[q.dtype]
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
     if tiling.get("register_fp8"):   # sm_90a, FP8 cache, <= 16 rows: ops.mla_decode_fp8_rs
-        from ops.mla_decode_fp8_rs import mla_decode_fp8_rs_program
+        from ops.mla_decode_fp8_rs import mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program
 
-        opts = {k: v for k, v in tiling.items() if k not in ("register_fp8", "kv_format")}
-        main = mla_decode_fp8_rs_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
-                                                 **opts)
+        opts = {k: v for k, v in tiling.items() if k not in ("register_fp8", "kv_format", "chains")}
+        program = mla_decode_fp8_rs2_program if tiling.get("chains", 1) == 2 else mla_decode_fp8_rs_program
+        main = program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **opts)
     else:
         main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])

@@ -117,7 +117,7 @@ __device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, 
 // and the scale rows (64 x 4 fp32) of tokens at or past `valid` become zeros, so that neither the fills nor P's
 // scaled copies need a guard a value (the cache past the end may hold anything, NaN included; the rope's
 // scores there are masked to -inf by tc_mask_t, a select). The MMA warpgroup's named barrier 10 then.
-__device__ __forceinline__ void tc_zero_tail(void* kl, void* ks, int valid) {
+__device__ __forceinline__ void tc_zero_tail(void* kl, void* ks, int valid, int bar = 10) {
   const int t = threadIdx.x & 127;
   unsigned char* raw = reinterpret_cast<unsigned char*>(kl);
 #pragma unroll 1
@@ -125,7 +125,7 @@ __device__ __forceinline__ void tc_zero_tail(void* kl, void* ks, int valid) {
     if ((i >> 3 & 63) >= valid) *reinterpret_cast<uint4*>(raw + i * 16) = make_uint4(0u, 0u, 0u, 0u);
   }
   if (t < 64 && t >= valid) *reinterpret_cast<float4*>(reinterpret_cast<float*>(ks) + 4 * t) = make_float4(0.f, 0.f, 0.f, 0.f);
-  asm volatile("bar.sync 10, 128;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
 // The 4 group scales of this thread's two token rows r, r + 8 of S^T (r = 16 warp + lane / 4): ks[4 rv + g]
 __device__ __forceinline__ void tc_token_scales(const void* ks_s, float* ks) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ void tc_mask_t(float* s, int tok0, int base, int h_q,
 // partial sums of its two token rows (summed over the warpgroup at the end: tc_softmax_t_finish), alpha:
 // exp2(m_old - m_new). A column that has seen only -inf keeps m = -inf, p = 0, alpha = 1.
 __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
-                                             float scale_log2) {
+                                             float scale_log2, int bar = 9) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   float mx[4];
 #pragma unroll
@@ -186,7 +186,7 @@ __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float
   }
   float* buf = red + parity * 64;
   if (lane < 4) *reinterpret_cast<float4*>(buf + warp * 16 + lane * 4) = make_float4(mx[0], mx[1], mx[2], mx[3]);
-  asm volatile("bar.sync 9, 128;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const float4 v = *reinterpret_cast<const float4*>(buf + w * 16 + (lane & 3) * 4);
@@ -269,9 +269,78 @@ __device__ __forceinline__ void tc_store_o(OutT* row0, const float* o0, const fl
     }
   }
 }
+// ---- two MMA warpgroups a CTA (mla_decode_fp8_rs2_program) ----
+// P's copies written: visible to the WGMMA (async proxy) of the whole warpgroup
+__device__ __forceinline__ void tc_p_ready(int bar) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tc_bar(int bar, int threads) {
+  asm volatile("bar.sync %0, %1;" :: "r"(bar), "r"(threads) : "memory");
+}
+// WG1's O^T (4 groups x 16 values a thread) into shared memory in its own register order, value i of thread t at
+// float4 [i / 4][t]: WG0's thread t reads the same positions (the same fragment layout), conflict-free
+__device__ __forceinline__ void tc_stage_o(void* staging, const float* o0, const float* o1, const float* o2,
+                                           const float* o3) {
+  float4* st = reinterpret_cast<float4*>(staging);
+  const int t = threadIdx.x & 127;
+  const float* o[4] = {o0, o1, o2, o3};
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st[(g * 4 + i) * 128 + t] = make_float4(o[g][4 * i], o[g][4 * i + 1], o[g][4 * i + 2], o[g][4 * i + 3]);
+  }
+}
+// WG0, column t < 16: the two chains' maxima m[w * 16 + t] and sums l[w * 16 + t] merged into m[t], l[t]; the
+// factors that scale each chain's O^T column into the normalized output into fab[t], fab[16 + t]
+__device__ __forceinline__ void tc_merge_stats(float* m, float* l, float* fab, int bar) {
+  const int t = threadIdx.x & 127;
+  if (t < 16) {
+    const float m0 = m[t], m1 = m[16 + t], mx = fmaxf(m0, m1);
+    const float a = mx == -INFINITY ? 0.f : exp2f(m0 - mx), b = mx == -INFINITY ? 0.f : exp2f(m1 - mx);
+    const float sum = l[t] * a + l[16 + t] * b, inv = sum > 0.f ? 1.f / sum : 0.f;
+    m[t] = mx, l[t] = sum, fab[t] = a * inv, fab[16 + t] = b * inv;
+  }
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
+}
+// WG0: O = O^T_0 * fab[h] + O^T_1 (staged) * fab[16 + h], stored row-major as tc_store_o does
+template <typename OutT>
+__device__ __forceinline__ void tc_merge_store(OutT* row0, const float* o0, const float* o1, const float* o2,
+                                               const float* o3, const void* staging, const float* fab, int rows) {
+  const float4* st = reinterpret_cast<const float4*>(staging);
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3, t = threadIdx.x & 127;
+  const float* o[4] = {o0, o1, o2, o3};
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    float v1[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 x = st[(g * 4 + i) * 128 + t];
+      v1[4 * i] = x.x, v1[4 * i + 1] = x.y, v1[4 * i + 2] = x.z, v1[4 * i + 3] = x.w;
+    }
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) {
+      const int nb = hs >> 1, e = hs & 1, h = 8 * nb + 2 * c + e;
+      if (h >= rows) continue;
+      const float fa = fab[h], fb = fab[16 + h];
+      const int i0 = nb * 4 + e;                                  // (mt, hi) = (0,0) (0,1) (1,0) (1,1): +0 +2 +8 +10
+      const float r0 = o[g][i0] * fa + v1[i0] * fb, r1 = o[g][i0 + 2] * fa + v1[i0 + 2] * fb;
+      const float r2 = o[g][i0 + 8] * fa + v1[i0 + 8] * fb, r3 = o[g][i0 + 10] * fa + v1[i0 + 10] * fb;
+      OutT* at = row0 + h * 512 + g * 128 + 4 * (8 * w + q);
+      if constexpr (sizeof(OutT) == 4) {
+        *reinterpret_cast<float4*>(at) = make_float4(r0, r1, r2, r3);
+      } else {
+        unsigned lo, hi;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(r3), "f"(r2));
+        *reinterpret_cast<uint2*>(at) = make_uint2(lo, hi);
+      }
+    }
+  }
+}
 // the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
 __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
-                                                    float* m_out) {
+                                                    float* m_out, int bar = 9) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, t = threadIdx.x & 127;
   float v[4];
 #pragma unroll
@@ -281,9 +350,9 @@ __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float*
 #pragma unroll
     for (int hs = 0; hs < 4; ++hs) v[hs] += __shfl_xor_sync(0xFFFFFFFFu, v[hs], off);
   }
-  asm volatile("bar.sync 9, 128;" ::: "memory");       // every warp is past its last step's reads of red
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");       // every warp is past its last step's reads of red
   if (lane < 4) *reinterpret_cast<float4*>(red + warp * 16 + lane * 4) = make_float4(v[0], v[1], v[2], v[3]);
-  asm volatile("bar.sync 9, 128;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
   if (t < 16) {   // row t: quad place (t % 8) / 2, slot (t / 8) * 2 + t % 2
     const int at = ((t & 7) >> 1) * 4 + (t >> 3) * 2 + (t & 1);
     l_out[t] = red[at] + red[16 + at] + red[32 + at] + red[48 + at];
@@ -292,7 +361,7 @@ __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float*
 #pragma unroll
     for (int hs = 0; hs < 4; ++hs) m_out[(hs >> 1) * 8 + 2 * lane + (hs & 1)] = m[hs];
   }
-  asm volatile("bar.sync 9, 128;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
 """
 
@@ -533,3 +602,229 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
 
     return mla_decode_fp8_rs
+
+
+# ---- two MMA warpgroups a CTA on alternate steps (built, CPU-checked; bench/NOTES.md "Session 36") ----------------
+
+RS2_STAGES = 4
+RS2_REGS, RS2_PRODUCER_REGS = 224, 56       # 128 x (2 x 224 + 56) <= 64K registers
+# named barriers (TileLang's own sync pass is off for this program): per chain w the softmax 9 + w, the tail
+# zeroing 11 + w, P ready 13 + w; both chains 15
+RS2_BAR_SOFTMAX, RS2_BAR_TAIL, RS2_BAR_P, RS2_BAR_BOTH = 9, 11, 13, 15
+
+
+def _rs2_fragments():
+    return (T.alloc_fragment((STEP, GROUP), "float16"), T.alloc_fragment((STEP, GROUP), "float16"),
+            T.alloc_fragment((GROUP, STEP), "float16"), T.alloc_fragment((GROUP, STEP), "float16"),
+            T.alloc_fragment((STEP, ROWS), "float32"), T.alloc_fragment((STEP, ROWS), "float32"),
+            T.alloc_fragment((STEP, ROWS), "float32"),
+            T.alloc_fragment((GROUP, ROWS), "float32"), T.alloc_fragment((GROUP, ROWS), "float32"),
+            T.alloc_fragment((GROUP, ROWS), "float32"), T.alloc_fragment((GROUP, ROWS), "float32"),
+            T.alloc_local((4,), "float32"), T.alloc_local((4,), "float32"), T.alloc_local((4,), "float32"),
+            T.alloc_local((8,), "float32"))
+
+
+@T.macro
+def _k_fill_at(kl_s, slot, g, a_k):
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data,
+                             T.access_ptr(kl_s[slot, g, 0, 0], "r", STEP * GROUP), tid // 32 * 16 + tid % 32 // 4, tid % 4))
+
+
+@T.macro
+def _v_fill_at(kl_s, slot, g, a_v):
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data,
+                             T.access_ptr(kl_s[slot, g, 0, 0], "r", STEP * GROUP), tid // 4, tid % 4))
+
+
+@T.macro
+def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
+               m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t):
+    T.set_max_nreg(RS2_REGS, 1)
+    T.fill(o0, 0.0)
+    T.fill(o1, 0.0)
+    T.fill(o2, 0.0)
+    T.fill(o3, 0.0)
+    for i in T.serial(4):
+        m_t[i] = -T.infinity("float32")
+        l_t[i] = 0.0
+    for j in T.serial((n_iter + 1 - w) // 2):
+        k = 2 * j + w
+        slot = k % RS2_STAGES
+        T.mbarrier_wait_parity(full[slot], (k // RS2_STAGES) % 2)
+        blk = first + k
+        valid = seqlen - blk * STEP
+        if valid < STEP:
+            T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                     T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
+        T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
+        _k_fill_at(kl_s, slot, 0, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
+        _k_fill_at(kl_s, slot, 1, a_k1)
+        T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(1)
+        T.evaluate(T.call_extern("handle", "tc_token_scales", T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS),
+                                 ks_t.data))
+        _fold(0, acc0, s_t, ks_t)
+        _k_fill_at(kl_s, slot, 2, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(1)
+        _fold(1, acc1, s_t, ks_t)
+        _k_fill_at(kl_s, slot, 3, a_k1)
+        T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(1)
+        _fold(2, acc0, s_t, ks_t)
+        T.wait_wgmma(0)
+        _fold(3, acc1, s_t, ks_t)
+        T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
+        T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                 T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
+        for g in range(GROUPS):
+            T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                     s_t.data, ks_t.data, g))
+        T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
+        T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
+        _v_fill_at(kl_s, slot, 0, a_v0)
+        T.wgmma_gemm(a_v0, p_s[w, 0, :, :], o0, transpose_B=True)
+        _v_fill_at(kl_s, slot, 1, a_v1)
+        T.wgmma_gemm(a_v1, p_s[w, 1, :, :], o1, transpose_B=True)
+        T.wait_wgmma(1)
+        _v_fill_at(kl_s, slot, 2, a_v0)
+        T.wgmma_gemm(a_v0, p_s[w, 2, :, :], o2, transpose_B=True)
+        T.wait_wgmma(1)
+        _v_fill_at(kl_s, slot, 3, a_v1)
+        T.mbarrier_arrive(empty[slot])              # the slot's last reads (V's words) are done
+        T.wgmma_gemm(a_v1, p_s[w, 3, :, :], o3, transpose_B=True)
+        T.wait_wgmma(0)
+    T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
+                             T.access_ptr(l_s[w, 0], "r", ROWS), T.access_ptr(m_s[w, 0], "r", ROWS),
+                             RS2_BAR_SOFTMAX + w))
+
+
+@tile_program(
+    "mla_decode_fp8_rs2",
+    targets=("cuda:sm_90a",),
+    examples={"h16": dict(h_q=16, s_q=1)},
+    pass_configs=lambda t, params: {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True},
+)
+def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True):
+    """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
+    the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
+    sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
+    they cannot drift apart by more than the ring (two CTAs: the older ends ~8% sooner), the query is loaded
+    once, and one CTA an SM means fewer splits (b = 128: none, no combine). Same arguments and outputs.
+    Built and checked on the CPU only (session 36): not yet run on a GPU; the op does not choose it."""
+    rows = s_q * h_q
+    if rows > ROWS:
+        raise ValueError(f"mla_decode_fp8_rs2 takes at most {ROWS} query rows (s_q * h_q), got {rows}")
+    if page < STEP or page % STEP:
+        raise ValueError(f"mla_decode_fp8_rs2 steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
+    if dtype != "bfloat16":
+        raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
+    causal = causal and s_q > 1
+    batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def mla_decode_fp8_rs2(
+        Q: T.Tensor((batch, rows, D_QK), "bfloat16"),
+        KV: T.Tensor((num_pages, page, TOKEN_BYTES), "float8_e4m3fn"),
+        KVf: T.Tensor((num_pages, page, TOKEN_BYTES // 4), "float32"),
+        KVh: T.Tensor((num_pages, page, TOKEN_BYTES // 2), "bfloat16"),
+        BlockTable: T.Tensor((batch, max_blocks), "int32"),
+        SeqLens: T.Tensor((batch,), "int32"),
+        Splits: T.Tensor((batch,), "int32"),
+        Out: T.Tensor((batch, rows, D_V), "bfloat16"),
+        Lse: T.Tensor((batch, h_q, s_q), "float32"),
+        OPart: T.Tensor((slots, ROWS_PAD, D_V), "float32"),
+        LsePart: T.Tensor((slots, ROWS_PAD), "float32"),
+        max_splits: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(batch * max_splits, threads=3 * 128) as bid:
+            ql_s = T.alloc_shared((GROUPS, ROWS, GROUP), "float16")
+            qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")
+            kl_s = T.alloc_shared((RS2_STAGES, GROUPS, STEP, GROUP), "float8_e4m3fn")
+            ks_s = T.alloc_shared((RS2_STAGES, STEP, GROUPS), "float32")
+            kr_s = T.alloc_shared((RS2_STAGES, STEP, D_ROPE), "bfloat16")
+            p_s = T.alloc_shared((2, GROUPS, ROWS, STEP), "float16")
+            red = T.alloc_shared((2, 128), "float32")
+            l_s = T.alloc_shared((2, ROWS), "float32")
+            m_s = T.alloc_shared((2, ROWS), "float32")
+            fab = T.alloc_shared((2 * ROWS,), "float32")
+            full = T.alloc_barrier([128] * RS2_STAGES)
+            empty = T.alloc_barrier([128] * RS2_STAGES)
+            frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
+            T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
+            T.import_source(HELPER_SOURCE)
+
+            bi = bid // max_splits
+            si = bid % max_splits
+            splits = Splits[bi]
+            seqlen = SeqLens[bi]
+            nblk = T.ceildiv(seqlen, STEP)
+            chunk = T.ceildiv(nblk, T.max(splits, 1))
+            first = si * chunk
+            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
+            base = seqlen - s_q + 1 if causal else seqlen
+
+            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+                ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(Q[bi, T.min(h, rows - 1), g * GROUP + q_column(k)],
+                                                                "float16"), T.cast(0, "float16"))
+            for h, j in T.Parallel(ROWS, D_ROPE):
+                qr_s[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), D_V + j], T.cast(0, "bfloat16"))
+            T.sync_threads()
+            tx = T.get_thread_binding()
+            if tx < 128:
+                _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                           red, l_s, m_s, full, empty, *frags[0])
+                o0, o1, o2, o3 = frags[0][7:11]
+                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+                T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                         T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                                         RS2_BAR_SOFTMAX))
+                if si < splits:
+                    if splits == 1:
+                        for h in T.Parallel(ROWS):
+                            if h < rows:
+                                Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
+                                                                            (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
+                        T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                                 o0.data, o1.data, o2.data, o3.data,
+                                                 T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                                 T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+                    else:
+                        slot = bi * max_splits + si
+                        for h in T.Parallel(ROWS):
+                            LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
+                        T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
+                                                 o0.data, o1.data, o2.data, o3.data,
+                                                 T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                                 T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+            elif tx < 256:
+                _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                           red, l_s, m_s, full, empty, *frags[1])
+                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                         frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
+                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+            else:
+                T.set_max_nreg(RS2_PRODUCER_REGS, 0)
+                for k in T.serial(n_iter):
+                    slot = k % RS2_STAGES
+                    T.mbarrier_wait_parity(empty[slot], ((k // RS2_STAGES) % 2) ^ 1)
+                    blk = first + k
+                    pidx = T.min(T.max(BlockTable[bi, T.min(blk * STEP // page, max_blocks - 1)], 0), num_pages - 1)
+                    off = blk * STEP % page
+                    for g in range(GROUPS):
+                        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :],
+                                   barrier=full[slot])
+                    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :],
+                               barrier=full[slot])
+                    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :],
+                               barrier=full[slot])
+                    T.mbarrier_arrive(full[slot])
+
+    return mla_decode_fp8_rs2

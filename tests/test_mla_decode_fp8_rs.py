@@ -118,3 +118,13 @@ def test_gpu_weighted_splits_match_the_reference(older_64ths):
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
     assert (lse[~finite] == float("-inf")).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
+                                                 (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128),
+                                                 (4, 1, 1, [4096, 77, 130, 2], 256), (3, 1, 7, [129, 64, 4000], 64)])
+def test_gpu_two_chains_match_the_reference(b, s_q, h_q, lens, page):
+    """mla_decode_fp8_rs2 (two MMA warpgroups on alternate steps, merged at the end): as test_gpu_matches_reference,
+    including a chain with no step (lengths 1 and 64: one step, WG1 idle) and none at all (length 0)."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2))

@@ -95,10 +95,11 @@ def tilecraft_variant(case, i, tiling):
 
 def fp8_register(case, i, **options):
     """The FP8 cache through ops.mla_decode_fp8_rs (the e4m3 latent converted straight into WGMMA's
-    register operand, two CTAs an SM; s_q * h_q <= 16), with a schedule that counts two CTAs an SM."""
+    register operand, two CTAs an SM; s_q * h_q <= 16), with a schedule that counts two CTAs an SM
+    (chains=2: mla_decode_fp8_rs2, two MMA warpgroups in one CTA an SM, the schedule counts one)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
-    blocks = options.get("blocks_per_sm", 2)
+    blocks = 1 if options.get("chains") == 2 else options.get("blocks_per_sm", 2)
     sms = torch.cuda.get_device_properties(i["q"].device).multi_processor_count
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], num_sms=blocks * sms)
     tiling = dict(register_fp8=True, kv_format="fp8", **options)
@@ -189,6 +190,8 @@ SUITE = Suite(
         Provider("tilecraft-fp8-fold", lambda c, i: tilecraft_variant(c, i, FP8_FOLD), experimental=True,
                  nbytes=nbytes_fp8),
         # the rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
+        # two MMA warpgroups a CTA on alternate steps (built session 36, not yet run on a GPU)
+        Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs-w33", lambda c, i: fp8_register(c, i, older_64ths=33), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs-w34", lambda c, i: fp8_register(c, i, older_64ths=34), experimental=True,
