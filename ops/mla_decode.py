@@ -813,7 +813,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     block_table (b, max_blocks) int32; cache_seqlens (b,) int32 (0 allowed).
     With causal, query token i sees the cache up to cache_seqlens - s_q + i + 1.
     out (b, s_q, h_q, 512) in q's dtype; lse (b, h_q, s_q) fp32 (natural log; -inf for rows that
-    see nothing, whose output is 0). `sched` = get_mla_schedule(...) computed once per step.
+    see nothing, whose output is 0). `sched` = get_mla_schedule(..., kv_format=kv_format) computed once per step.
     On CPU tensors this runs the fp32 torch reference (slow, for running models anywhere).
     """
     _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_format)
