@@ -377,23 +377,107 @@ def latent_column(d):
     return (d % 64 // 16 * 8 + d % 8) * 4 + d // 64 * 2 + d % 16 // 8
 
 
+def _scale_rows(ks_s, slot):
+    """The step's 64 x 4 scale rows: ks_s (T.Pipelined's current stage) or ks_s[slot]. (Access pointers are built
+    where they are used: one passed into a macro becomes a variable bound at the macro's entry, and T.Pipelined
+    then releases the stage there.)"""
+    return T.access_ptr(ks_s[0, 0] if slot is None else ks_s[slot, 0, 0], "r", STEP * GROUPS)
+
+
+def _raw_tile(kl_s, slot, g):
+    """Group g's 64 x 128 raw tile: kl_s[g] (T.Pipelined's current stage) or kl_s[slot, g] (a stage ring)."""
+    return T.access_ptr(kl_s[g, 0, 0] if slot is None else kl_s[slot, g, 0, 0], "r", STEP * GROUP)
+
+
 @T.macro
-def _k_fill(g, kl_s, a_k):
+def _k_fill(kl_s, slot, g, a_k):
     tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data, T.access_ptr(kl_s[g, 0, 0], "r", STEP * GROUP),
+    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data, _raw_tile(kl_s, slot, g),
                              tid // 32 * 16 + tid % 32 // 4, tid % 4))
 
 
 @T.macro
-def _v_fill(g, kl_s, a_v):
+def _v_fill(kl_s, slot, g, a_v):
     tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data, T.access_ptr(kl_s[g, 0, 0], "r", STEP * GROUP),
-                             tid // 4, tid % 4))
+    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data, _raw_tile(kl_s, slot, g), tid // 4, tid % 4))
 
 
 @T.macro
 def _fold(g, acc, s_t, ks_t):
     T.evaluate(T.call_extern("handle", "tc_fold", s_t.data, acc.data, ks_t.data, g))
+
+
+@T.macro
+def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t):
+    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales
+    _k_fill(kl_s, slot, 0, a_k0)
+    T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
+    _k_fill(kl_s, slot, 1, a_k1)
+    T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)                                 # the rope's and group 0's
+    T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
+    _fold(0, acc0, s_t, ks_t)
+    _k_fill(kl_s, slot, 2, a_k0)
+    T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    _fold(1, acc1, s_t, ks_t)
+    _k_fill(kl_s, slot, 3, a_k1)
+    T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    _fold(2, acc0, s_t, ks_t)
+    T.wait_wgmma(0)
+    _fold(3, acc1, s_t, ks_t)
+
+
+@T.macro
+def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty):
+    # O^T += V^T (P * scale_g)^T, the four groups on two fragments in turn (p_s[g], or p_s[w, g] per chain);
+    # with a stage ring, empty[slot] is arrived on once the slot's last words are read
+    _v_fill(kl_s, slot, 0, a_v0)
+    T.wgmma_gemm(a_v0, p_s[0, :, :] if w is None else p_s[w, 0, :, :], o0, transpose_B=True)
+    _v_fill(kl_s, slot, 1, a_v1)
+    T.wgmma_gemm(a_v1, p_s[1, :, :] if w is None else p_s[w, 1, :, :], o1, transpose_B=True)
+    T.wait_wgmma(1)
+    _v_fill(kl_s, slot, 2, a_v0)
+    T.wgmma_gemm(a_v0, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
+    T.wait_wgmma(1)
+    _v_fill(kl_s, slot, 3, a_v1)
+    if empty is not None:
+        T.mbarrier_arrive(empty[slot])
+    T.wgmma_gemm(a_v1, p_s[3, :, :] if w is None else p_s[w, 3, :, :], o3, transpose_B=True)
+
+
+@T.macro
+def _load_query(Q, bi, rows, ql_s, qr_s):
+    # Q^T's latent in fp16 with its columns permuted (q_column), its rope in bf16; rows past s_q * h_q zero
+    for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+        ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(Q[bi, T.min(h, rows - 1), g * GROUP + q_column(k)],
+                                                        "float16"), T.cast(0, "float16"))
+    for h, j in T.Parallel(ROWS, D_ROPE):
+        qr_s[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), D_V + j], T.cast(0, "bfloat16"))
+
+
+def _split_range(si, splits, nblk, older_64ths=32):
+    """(first step, steps) of split si of a sequence of nblk steps in `splits` even chunks; older_64ths != 32:
+    split 0 of a 2-split sequence takes older_64ths / 64 of the steps (mla_decode_fp8_rs_program)."""
+    chunk = T.ceildiv(nblk, T.max(splits, 1))
+    first = si * chunk
+    n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
+    if older_64ths != 32:
+        n0 = T.min(T.max((nblk * older_64ths + 32) // 64, 1), T.max(nblk - 1, 0))    # 0 <= n0 <= nblk
+        first = T.if_then_else(splits == 2, si * n0, first)
+        n_iter = T.if_then_else(splits == 2, T.if_then_else(si == 0, n0, T.if_then_else(si == 1, nblk - n0, 0)),
+                                n_iter)
+    return first, n_iter
+
+
+def _check_shape(name, rows, page, dtype):
+    if rows > ROWS:
+        raise ValueError(f"{name} takes at most {ROWS} query rows (s_q * h_q), got {rows}")
+    if page < STEP or page % STEP:
+        raise ValueError(f"{name} steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
+    if dtype != "bfloat16":
+        raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
 
 
 @tile_program(
@@ -415,16 +499,11 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
     first TRACE_STEPS steps into OPart[0, TRACE_ROW], 8 words a step, and CTA i its span (tc_span) into
     OPart[i, SPAN_ROW, 0:8]; OPart needs batch * max_splits slots then."""
     rows = s_q * h_q
-    if rows > ROWS:
-        raise ValueError(f"mla_decode_fp8_rs takes at most {ROWS} query rows (s_q * h_q), got {rows}")
-    if page < STEP or page % STEP:
-        raise ValueError(f"mla_decode_fp8_rs steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
+    _check_shape("mla_decode_fp8_rs", rows, page, dtype)
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
     if not 1 <= older_64ths <= 63:
         raise ValueError(f"older_64ths must be in [1, 63] (32: even splits), got {older_64ths}")
-    if dtype != "bfloat16":
-        raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
     causal = causal and s_q > 1
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
     neg_inf = -T.infinity("float32")
@@ -484,21 +563,10 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             nblk = T.ceildiv(seqlen, STEP)
-            chunk = T.ceildiv(nblk, T.max(splits, 1))
-            first = si * chunk
-            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
-            if older_64ths != 32:      # 2 splits: split 0 (the older CTA) takes older_64ths / 64 of the steps
-                n0 = T.min(T.max((nblk * older_64ths + 32) // 64, 1), T.max(nblk - 1, 0))    # 0 <= n0 <= nblk
-                first = T.if_then_else(splits == 2, si * n0, first)
-                n_iter = T.if_then_else(splits == 2, T.if_then_else(si == 0, n0, T.if_then_else(si == 1, nblk - n0, 0)),
-                                        n_iter)
+            first, n_iter = _split_range(si, splits, nblk, older_64ths)
             base = seqlen - s_q + 1 if causal else seqlen
 
-            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
-                ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(Q[bi, T.min(h, rows - 1), g * GROUP + q_column(k)],
-                                                                "float16"), T.cast(0, "float16"))
-            for h, j in T.Parallel(ROWS, D_ROPE):
-                qr_s[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), D_V + j], T.cast(0, "bfloat16"))
+            _load_query(Q, bi, rows, ql_s, qr_s)
             T.fill(o0, 0.0)
             T.fill(o1, 0.0)
             T.fill(o2, 0.0)
@@ -529,24 +597,7 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.wgmma_gemm(kr_s, qr_s, s_t, transpose_B=True, clear_accum=True)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 1))
-                _k_fill(0, kl_s, a_k0)
-                T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
-                _k_fill(1, kl_s, a_k1)
-                T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)                                 # the rope's and group 0's
-                T.evaluate(T.call_extern("handle", "tc_token_scales", T.access_ptr(ks_s[0, 0], "r", STEP * GROUPS),
-                                         ks_t.data))
-                _fold(0, acc0, s_t, ks_t)
-                _k_fill(2, kl_s, a_k0)
-                T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)
-                _fold(1, acc1, s_t, ks_t)
-                _k_fill(3, kl_s, a_k1)
-                T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)
-                _fold(2, acc0, s_t, ks_t)
-                T.wait_wgmma(0)
-                _fold(3, acc1, s_t, ks_t)
+                _k_phase(kl_s, ks_s, None, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 2))
                 T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
@@ -562,17 +613,7 @@ def mla_decode_fp8_rs_program(h_q: int, s_q: int, page: int = 64, dtype: str = "
                 T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 4))
-                # O^T: the four groups on two fragments in turn
-                _v_fill(0, kl_s, a_v0)
-                T.wgmma_gemm(a_v0, p_s[0, :, :], o0, transpose_B=True)
-                _v_fill(1, kl_s, a_v1)
-                T.wgmma_gemm(a_v1, p_s[1, :, :], o1, transpose_B=True)
-                T.wait_wgmma(1)
-                _v_fill(2, kl_s, a_v0)
-                T.wgmma_gemm(a_v0, p_s[2, :, :], o2, transpose_B=True)
-                T.wait_wgmma(1)
-                _v_fill(3, kl_s, a_v1)
-                T.wgmma_gemm(a_v1, p_s[3, :, :], o3, transpose_B=True)
+                _v_phase(kl_s, None, p_s, None, a_v0, a_v1, o0, o1, o2, o3, None)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, 5))
                 T.wait_wgmma(0)
@@ -625,20 +666,6 @@ def _rs2_fragments():
 
 
 @T.macro
-def _k_fill_at(kl_s, slot, g, a_k):
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data,
-                             T.access_ptr(kl_s[slot, g, 0, 0], "r", STEP * GROUP), tid // 32 * 16 + tid % 32 // 4, tid % 4))
-
-
-@T.macro
-def _v_fill_at(kl_s, slot, g, a_v):
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data,
-                             T.access_ptr(kl_s[slot, g, 0, 0], "r", STEP * GROUP), tid // 4, tid % 4))
-
-
-@T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t):
     T.set_max_nreg(RS2_REGS, 1)
@@ -659,24 +686,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        _k_fill_at(kl_s, slot, 0, a_k0)
-        T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
-        _k_fill_at(kl_s, slot, 1, a_k1)
-        T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(1)
-        T.evaluate(T.call_extern("handle", "tc_token_scales", T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS),
-                                 ks_t.data))
-        _fold(0, acc0, s_t, ks_t)
-        _k_fill_at(kl_s, slot, 2, a_k0)
-        T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(1)
-        _fold(1, acc1, s_t, ks_t)
-        _k_fill_at(kl_s, slot, 3, a_k1)
-        T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(1)
-        _fold(2, acc0, s_t, ks_t)
-        T.wait_wgmma(0)
-        _fold(3, acc1, s_t, ks_t)
+        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
         T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
                                  T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
@@ -685,17 +695,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                                      s_t.data, ks_t.data, g))
         T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-        _v_fill_at(kl_s, slot, 0, a_v0)
-        T.wgmma_gemm(a_v0, p_s[w, 0, :, :], o0, transpose_B=True)
-        _v_fill_at(kl_s, slot, 1, a_v1)
-        T.wgmma_gemm(a_v1, p_s[w, 1, :, :], o1, transpose_B=True)
-        T.wait_wgmma(1)
-        _v_fill_at(kl_s, slot, 2, a_v0)
-        T.wgmma_gemm(a_v0, p_s[w, 2, :, :], o2, transpose_B=True)
-        T.wait_wgmma(1)
-        _v_fill_at(kl_s, slot, 3, a_v1)
-        T.mbarrier_arrive(empty[slot])              # the slot's last reads (V's words) are done
-        T.wgmma_gemm(a_v1, p_s[w, 3, :, :], o3, transpose_B=True)
+        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
         T.wait_wgmma(0)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
                              T.access_ptr(l_s[w, 0], "r", ROWS), T.access_ptr(m_s[w, 0], "r", ROWS),
@@ -716,12 +716,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     once, and one CTA an SM means fewer splits (b = 128: none, no combine). Same arguments and outputs.
     Built and checked on the CPU only (session 36): not yet run on a GPU; the op does not choose it."""
     rows = s_q * h_q
-    if rows > ROWS:
-        raise ValueError(f"mla_decode_fp8_rs2 takes at most {ROWS} query rows (s_q * h_q), got {rows}")
-    if page < STEP or page % STEP:
-        raise ValueError(f"mla_decode_fp8_rs2 steps 64 tokens inside one page: page must be a multiple of 64, got {page}")
-    if dtype != "bfloat16":
-        raise ValueError(f"the FP8 cache's rope is bf16: the query must be bfloat16, got {dtype}")
+    _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
     neg_inf = -T.infinity("float32")
@@ -764,16 +759,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             nblk = T.ceildiv(seqlen, STEP)
-            chunk = T.ceildiv(nblk, T.max(splits, 1))
-            first = si * chunk
-            n_iter = T.if_then_else(si < splits, T.max(T.min(nblk, first + chunk) - first, 0), 0)
+            first, n_iter = _split_range(si, splits, nblk)
             base = seqlen - s_q + 1 if causal else seqlen
 
-            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
-                ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(Q[bi, T.min(h, rows - 1), g * GROUP + q_column(k)],
-                                                                "float16"), T.cast(0, "float16"))
-            for h, j in T.Parallel(ROWS, D_ROPE):
-                qr_s[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), D_V + j], T.cast(0, "bfloat16"))
+            _load_query(Q, bi, rows, ql_s, qr_s)
             T.sync_threads()
             tx = T.get_thread_binding()
             if tx < 128:
