@@ -408,19 +408,26 @@ def _fold(g, acc, s_t, ks_t):
 
 
 @T.macro
-def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t):
-    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales
+def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, full=None, parity=None):
+    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales;
+    # with a stage ring, group g > 0 is waited for on full[4 * slot + g] just before its fill
     _k_fill(kl_s, slot, 0, a_k0)
     T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
+    if full is not None:
+        T.mbarrier_wait_parity(full[4 * slot + 1], parity)
     _k_fill(kl_s, slot, 1, a_k1)
     T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)                                 # the rope's and group 0's
     T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
     _fold(0, acc0, s_t, ks_t)
+    if full is not None:
+        T.mbarrier_wait_parity(full[4 * slot + 2], parity)
     _k_fill(kl_s, slot, 2, a_k0)
     T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)
     _fold(1, acc1, s_t, ks_t)
+    if full is not None:
+        T.mbarrier_wait_parity(full[4 * slot + 3], parity)
     _k_fill(kl_s, slot, 3, a_k1)
     T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)
@@ -679,14 +686,17 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
     for j in T.serial((n_iter + 1 - w) // 2):
         k = 2 * j + w
         slot = k % RS2_STAGES
-        T.mbarrier_wait_parity(full[slot], (k // RS2_STAGES) % 2)
+        parity = (k // RS2_STAGES) % 2
+        T.mbarrier_wait_parity(full[4 * slot], parity)        # the rope, the scales and group 0
         blk = first + k
         valid = seqlen - blk * STEP
         if valid < STEP:
+            for g in range(1, GROUPS):
+                T.mbarrier_wait_parity(full[4 * slot + g], parity)
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
+        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, full, parity)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
         T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
                                  T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
@@ -700,6 +710,23 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
                              T.access_ptr(l_s[w, 0], "r", ROWS), T.access_ptr(m_s[w, 0], "r", ROWS),
                              RS2_BAR_SOFTMAX + w))
+
+
+def _rs2_page(BlockTable, bi, blk, page, max_blocks, num_pages):
+    """The page (clamped into the pool) and the row offset in it of 64-token block blk of sequence bi."""
+    pidx = T.min(T.max(BlockTable[bi, T.min(blk * STEP // page, max_blocks - 1)], 0), num_pages - 1)
+    return pidx, blk * STEP % page
+
+
+@T.macro
+def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
+    # one stage: the rope and the scales with group 0 on full[4 * slot], group g on full[4 * slot + g]
+    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :], barrier=full[4 * slot])
+    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :], barrier=full[4 * slot])
+    for g in range(GROUPS):
+        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :], barrier=full[4 * slot + g])
+    for g in range(GROUPS):
+        T.mbarrier_arrive(full[4 * slot + g])
 
 
 @tile_program(
@@ -748,7 +775,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             l_s = T.alloc_shared((2, ROWS), "float32")
             m_s = T.alloc_shared((2, ROWS), "float32")
             fab = T.alloc_shared((2 * ROWS,), "float32")
-            full = T.alloc_barrier([128] * RS2_STAGES)
+            full = T.alloc_barrier([128] * (4 * RS2_STAGES))     # a stage's rope + scales + group 0, groups 1-3
             empty = T.alloc_barrier([128] * RS2_STAGES)
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
             T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
@@ -762,9 +789,13 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             first, n_iter = _split_range(si, splits, nblk)
             base = seqlen - s_q + 1 if causal else seqlen
 
+            tx = T.get_thread_binding()
+            if tx >= 256:                           # the ring's first stages under the query's load
+                for k in T.serial(T.min(n_iter, RS2_STAGES)):
+                    pidx, off = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pidx, off)
             _load_query(Q, bi, rows, ql_s, qr_s)
             T.sync_threads()
-            tx = T.get_thread_binding()
             if tx < 128:
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0])
@@ -801,19 +832,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
             else:
                 T.set_max_nreg(RS2_PRODUCER_REGS, 0)
-                for k in T.serial(n_iter):
-                    slot = k % RS2_STAGES
-                    T.mbarrier_wait_parity(empty[slot], ((k // RS2_STAGES) % 2) ^ 1)
-                    blk = first + k
-                    pidx = T.min(T.max(BlockTable[bi, T.min(blk * STEP // page, max_blocks - 1)], 0), num_pages - 1)
-                    off = blk * STEP % page
-                    for g in range(GROUPS):
-                        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :],
-                                   barrier=full[slot])
-                    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :],
-                               barrier=full[slot])
-                    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :],
-                               barrier=full[slot])
-                    T.mbarrier_arrive(full[slot])
+                for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
+                    kk = k + RS2_STAGES
+                    pidx, off = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)  # before the wait
+                    T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, off)
 
     return mla_decode_fp8_rs2
