@@ -3,9 +3,14 @@ clock at each of its TRACE_EVENTS for its first steps, unsplit, h_q = 16, 4096 t
 
     python -m bench.trace_mla_rs [--blocks 1|2]                     # GPU
     python -m bench.trace_mla_rs --spans [--csv DIR]                # GPU
+    python -m bench.trace_mla_rs --rs2 [--csv DIR]                  # GPU
 
 b = 2 x SMs (two CTAs on every SM, as the op runs them) and b = SMs (one an SM). Printed: the step period
 and each event's cycles after the step's start, medians over steps 8-55 (min, max beside).
+
+--rs2: the same spans for the two-chain kernel (mla_decode_fp8_rs2, b = 128 unsplit) beside the op's kernel (b = 128,
+2 splits, two CTAs an SM), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the stage, its
+data landed, scores, P ready, P V done), medians over steps 8-55 per chain.
 
 --spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
 for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and
@@ -20,7 +25,8 @@ import torch
 
 import ops
 from ops.mla_decode import D_QK, D_V, LOG2E
-from ops.mla_decode_fp8_rs import SPAN_ROW, TRACE_EVENTS, TRACE_ROW, TRACE_STEPS, mla_decode_fp8_rs_program
+from ops.mla_decode_fp8_rs import (RS2_TRACE_EVENTS, SPAN_ROW, TRACE_EVENTS, TRACE_ROW, TRACE_STEPS,
+                                   mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program)
 
 H_Q, SEQLEN, PAGE = 16, 4096, 64
 
@@ -68,8 +74,15 @@ def run(b, blocks):
         print(f"  {name:12s} +{d[len(d) // 2]:6d} (min {d[0]}, max {d[-1]})")
 
 
+def _compile(blocks, trace):
+    if blocks == "rs2":
+        return mla_decode_fp8_rs2_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, trace=trace)
+    return mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks, trace=trace)
+
+
 def spans(b, splits, blocks, reps, csv_dir=None):
-    """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch."""
+    """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch
+    (blocks: CTAs an SM of the rs kernel, or "rs2" for the two-chain kernel)."""
     q, cache, table, lens = _inputs(b, SEQLEN)
     nsplits = torch.full((b,), splits, dtype=torch.int32, device="cuda")
     out = torch.empty(b, H_Q, D_V, dtype=torch.bfloat16, device="cuda")
@@ -81,8 +94,7 @@ def spans(b, splits, blocks, reps, csv_dir=None):
             lse_part, splits, float(D_QK ** -0.5 * LOG2E))
     line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}:"
     for trace in (False, True):
-        launch = mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks,
-                                                   trace=trace).launcher()
+        launch = _compile(blocks, trace).launcher()
         times = []
         for _ in range(reps):
             flush.zero_()
@@ -113,7 +125,9 @@ def spans(b, splits, blocks, reps, csv_dir=None):
           f"{late} CTAs entered > 5 us after the first")
     st = _u32(o_part[0, TRACE_ROW, :8 * TRACE_STEPS].contiguous()).cpu().view(TRACE_STEPS, 8)
     n0 = int(steps[0])
-    if n0 > 3:
+    if blocks == "rs2":
+        _rs2_events(st, n0)
+    elif n0 > 3:
         period = [int(st[k + 1, 0] - st[k, 0]) & 0xFFFFFFFF for k in range(1, min(n0, TRACE_STEPS) - 1)]
         print(f"  CTA 0's step period (cycles) {_stats(period)}; mean {sum(period) / len(period):.0f}")
     if csv_dir:
@@ -126,10 +140,26 @@ def spans(b, splits, blocks, reps, csv_dir=None):
                         f"{int(rel[i, 3])},{int(loop_cyc[i])}\n")
 
 
+def _rs2_events(st, n0):
+    """CTA 0's steps of the two-chain kernel: per chain, the period and each event after the step's start."""
+    for w in (0, 1):
+        ks = [k for k in range(8, min(n0, TRACE_STEPS) - 2) if k % 2 == w][:24]
+        if not ks:
+            return
+        period = [int(st[k + 2, 0] - st[k, 0]) & 0xFFFFFFFF for k in ks]
+        line = f"  chain {w}: step period (cycles) {_stats(period)}"
+        for e, name in enumerate(RS2_TRACE_EVENTS[1:], 1):
+            line += f"; {name} +{sorted(int(st[k, e] - st[k, 0]) & 0xFFFFFFFF for k in ks)[len(ks) // 2]}"
+        print(line)
+    lag = [int(st[k + 1, 0] - st[k, 0]) & 0xFFFFFFFF for k in range(8, min(n0, TRACE_STEPS) - 2, 2)]
+    print(f"  chain 1's step start after chain 0's: {_stats(lag)} cycles")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--spans", action="store_true", help="every CTA's span, and the kernel timed")
+    ap.add_argument("--rs2", action="store_true", help="the two-chain kernel's spans and steps beside the op's")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
     args = ap.parse_args(argv)
@@ -137,6 +167,10 @@ def main(argv=None) -> int:
         print("bench.trace_mla_rs needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.rs2:
+        for b, splits, blocks in ((128, 2, 2), (128, 1, "rs2"), (2 * sms // 2, 1, "rs2")):
+            spans(b, splits, blocks, args.reps, args.csv)
+        return 0
     if args.spans:
         for b, splits, blocks in ((2 * sms, 1, 2), (128, 2, 2), (sms, 1, 1), (128, 1, 1), (128, 2, 1)):
             spans(b, splits, blocks, args.reps, args.csv)

@@ -672,9 +672,19 @@ def _rs2_fragments():
             T.alloc_local((8,), "float32"))
 
 
+def _rs2_stamp(OPart, k, e):
+    # trace: CTA 0's SM clock at event e of step k (RS2_TRACE_EVENTS); the chains' steps are disjoint
+    if OPart is not None:
+        T.evaluate(T.call_extern("handle", "tc_stamp", T.access_ptr(OPart[0, TRACE_ROW, 0], "w", 8 * TRACE_STEPS), k, e))
+
+
+RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
+
+
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
-               m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t):
+               m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
+               OPart=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -687,7 +697,9 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         k = 2 * j + w
         slot = k % RS2_STAGES
         parity = (k // RS2_STAGES) % 2
+        _rs2_stamp(OPart, k, 0)
         T.mbarrier_wait_parity(full[4 * slot], parity)        # the rope, the scales and group 0
+        _rs2_stamp(OPart, k, 1)
         blk = first + k
         valid = seqlen - blk * STEP
         if valid < STEP:
@@ -697,6 +709,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
         _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, full, parity)
+        _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
         T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
                                  T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
@@ -704,9 +717,11 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
             T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
                                      s_t.data, ks_t.data, g))
         T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
+        _rs2_stamp(OPart, k, 3)
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
         _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
         T.wait_wgmma(0)
+        _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
                              T.access_ptr(l_s[w, 0], "r", ROWS), T.access_ptr(m_s[w, 0], "r", ROWS),
                              RS2_BAR_SOFTMAX + w))
@@ -735,13 +750,17 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
     examples={"h16": dict(h_q=16, s_q=1)},
     pass_configs=lambda t, params: {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True},
 )
-def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True):
+def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
+                               trace: bool = False):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
     they cannot drift apart by more than the ring (two CTAs: the older ends ~8% sooner), the query is loaded
     once, and one CTA an SM means fewer splits (b = 128: none, no combine). Same arguments and outputs.
-    Built and checked on the CPU only (session 36): not yet run on a GPU; the op does not choose it."""
+    trace=True (bench.trace_mla_rs --rs2): CTA 0 stamps RS2_TRACE_EVENTS of its first TRACE_STEPS steps (both
+    chains) into OPart[0, TRACE_ROW], and every CTA its span (chain 0's loop) into OPart[bid, SPAN_ROW]; OPart needs
+    batch * max_splits slots then. Right on the H200 but not faster than two CTAs an SM (bench/NOTES.md
+    "Session 37"); the op does not choose it."""
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1
@@ -790,6 +809,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             base = seqlen - s_q + 1 if causal else seqlen
 
             tx = T.get_thread_binding()
+            if trace and tx == 0:
+                T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
             if tx >= 256:                           # the ring's first stages under the query's load
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
                     pidx, off = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
@@ -797,8 +818,12 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             _load_query(Q, bi, rows, ql_s, qr_s)
             T.sync_threads()
             if tx < 128:
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[0])
+                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
@@ -823,9 +848,11 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                                  o0.data, o1.data, o2.data, o3.data,
                                                  T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                                  T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[1])
+                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None)
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
