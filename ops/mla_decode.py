@@ -44,10 +44,10 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128                          # latent values per FP8 scale
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_FORMATS = ("bf16", "fp8")
-# the FP8 cache at <= 16 query rows on sm_90a: ops.mla_decode_fp8_rs (the e4m3 latent straight into WGMMA's
-# register operand, two CTAs an SM; bench/NOTES.md "Session 36"); the schedule counts two CTAs an SM for it
+# the FP8 cache at <= 16 query rows on sm_90a: ops.mla_decode_fp8_rs's two-chain kernel (the e4m3 latent straight
+# into WGMMA's register operand, two MMA warpgroups on alternate steps, one CTA an SM; bench/NOTES.md "Session 37")
 REGISTER_FP8_ROWS = 16
-REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8")
+REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -576,9 +576,9 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
                      kv_format: str = "bf16") -> MlaSchedule:
     """Split each sequence so that b * m_tiles * splits CTAs fill the GPU.
 
-    num_sms: the CTAs that run at once (default: the device's SMs, twice that with kv_format="fp8" at
-    s_q * h_q <= 16, whose kernel runs two CTAs an SM). A schedule made for another format is still
-    right, only less balanced. Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence
+    num_sms: the CTAs that run at once (default: the device's SMs; every default kernel runs one CTA an SM).
+    kv_format is checked and kept for callers that make one schedule a cache format; a schedule made for
+    another format or CTA count is still right, only less balanced. Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence
     into fixed 16-block chunks instead, so a sequence's result never depends on what else is in the batch.
     """
     check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
@@ -599,8 +599,6 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count
                        if cache_seqlens.is_cuda else 132)
-            if kv_format == "fp8" and rows <= REGISTER_FP8_ROWS:
-                num_sms *= 2
         ctas = max(1, b * m_tiles)
         max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // 4, 32))
         # shorter sequences get fewer splits: at least 4 blocks per split
@@ -710,9 +708,10 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     chunks that the producer and WG1 convert, and its bf16 rope goes by TMA straight into the operand
     tile (rope_direct: 3-4% faster on the H200, "MLA v10"); up to 16 rows the FP8 cache goes to
     ops.mla_decode_fp8_rs instead (REGISTER_FP8: the e4m3 latent converted exactly to fp16 straight into
-    WGMMA's register operand, the scales folded into the scores and P, two CTAs an SM; 1.13x the fold
-    kernel FP8_FOLD at 128x16x4096, "Session 36"), at 17-32 rows bf16 with the scales applied by the
-    converters (1.26x the 32-token-step kernel at h_q = 32, "Session 34").
+    WGMMA's register operand, the scales folded into the scores and P, two MMA warpgroups a CTA on alternate
+    steps, "Session 37"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
+    rows bf16 with the scales applied by the converters (1.26x the 32-token-step kernel at h_q = 32,
+    "Session 34").
     Otherwise fp8: the raw bytes and the
     bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
     (the producer warpgroup converts); elsewhere 64-token steps one stage deep, 128 threads."""

@@ -135,12 +135,12 @@ def test_schedule_shapes_and_batch_invariance():
     assert torch.equal(inv_a.splits[2:], inv_b.splits) and inv_a.max_splits == inv_b.max_splits
     with pytest.raises(ValueError, match="sched was made for batch"):
         s.check(3, 16)
-    # the FP8 cache's kernel at <= 16 rows runs two CTAs an SM: its default schedule counts twice the SMs
+    # every default kernel runs one CTA an SM (the FP8 cache's at <= 16 rows: two MMA chains in it)
     b128 = torch.full((128,), 4096, dtype=torch.int32)
     assert get_mla_schedule(b128, 1, 16, 64).max_splits == 1
-    assert get_mla_schedule(b128, 1, 16, 64, kv_format="fp8").max_splits == 2
-    assert get_mla_schedule(b128, 1, 32, 64, kv_format="fp8").max_splits == 1
-    assert pick_tiling(16, "fp8", "sm_90a", 64) == dict(register_fp8=True, kv_format="fp8")
+    assert get_mla_schedule(b128, 1, 16, 64, kv_format="fp8").max_splits == 1
+    assert get_mla_schedule(torch.full((64,), 4096, dtype=torch.int32), 1, 16, 64, kv_format="fp8").max_splits == 2
+    assert pick_tiling(16, "fp8", "sm_90a", 64) == dict(register_fp8=True, kv_format="fp8", chains=2)
     with pytest.raises(ValueError, match="kv_format must be one of"):
         get_mla_schedule(b128, 1, 16, 64, kv_format="e4m3")
 
