@@ -813,17 +813,20 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             tx = T.get_thread_binding()
             if trace and tx == 0:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
-            if tx >= 256 and n_iter > 0:            # the ring's first stages under the query's load
-                pages = T.alloc_local((RS2_STAGES,), "int32")
-                for k in T.unroll(RS2_STAGES):       # their page indices in one round trip
+            pages = T.alloc_local((RS2_STAGES,), "int32")
+            if tx >= 256 and n_iter > 0:            # the ring's first page indices, in flight with the query
+                for k in T.unroll(RS2_STAGES):
                     pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)[0]
-                for k in T.serial(T.min(n_iter, RS2_STAGES)):
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
             # the query: staged raw with 9216 = 384 x 24 values (no partial iteration: one round trip; the
             # permuted fp16 copy straight from Q took 11 round trips, one a guarded iteration, ~14 us)
             for h, j in T.Parallel(ROWS, D_QK):
                 q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
             T.sync_threads()
+            # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
+            # behind them: a 9.9 us prologue)
+            if tx >= 256 and n_iter > 0:
+                for k in T.serial(T.min(n_iter, RS2_STAGES)):
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
                 ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
             for h, j in T.Parallel(ROWS, D_ROPE):
