@@ -21,14 +21,18 @@ from 1659): the high half of a word converted in place (R.H1, no shift), a seque
 once in shared memory (tc_zero_tail) instead of a guard a value, the four scaled P copies by stmatrix, the
 scales of a thread's two tokens loaded once a step.
 
-Status (H200, "Session 36"): mla_decode's FP8 kernel at s_q * h_q <= 16 on sm_90a (pick_tiling's REGISTER_FP8;
-get_mla_schedule(kv_format="fp8") counts two CTAs an SM): 0.1207 ms at 128x16x4096, 1.25x the bf16 cache,
-1.13x the fold kernel it replaced (FP8_FOLD, bench provider `tilecraft-fp8-fold`).
+Two programs share that step: mla_decode_fp8_rs (one MMA warpgroup a CTA, two CTAs an SM) and
+mla_decode_fp8_rs2 (two MMA warpgroups a CTA on alternate steps from one ring, one CTA an SM, merged at the end).
+
+Status (H200, bench/NOTES.md "Session 37"): mla_decode_fp8_rs2 is mla_decode's FP8 kernel at s_q * h_q <= 16 on
+sm_90a (pick_tiling's REGISTER_FP8, chains=2): 0.1070 ms at 128x16x4096, 1.42x the bf16 cache; the two-CTA
+program (bench provider `tilecraft-fp8-rs`) 0.1150 ms in the same run, the fold kernel before them
+(`tilecraft-fp8-fold`) ~0.135.
 
 The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
 
-One CTA per (sequence, split) of the op's schedule (get_mla_schedule; with kv_format="fp8" it counts two
-CTAs an SM); pages of 64 tokens or more (a 64-token step inside one page); the same outputs as
+One CTA per (sequence, split) of the op's schedule (get_mla_schedule counts one CTA an SM; give the two-CTA
+program a schedule made with twice the SMs); pages of 64 tokens or more (a 64-token step inside one page); the same outputs as
 mla_decode_program (Out/Lse unsplit, OPart/LsePart for mla_combine_program).
 """
 
@@ -760,8 +764,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     once, and one CTA an SM means fewer splits (b = 128: none, no combine). Same arguments and outputs.
     trace=True (bench.trace_mla_rs --rs2): CTA 0 stamps RS2_TRACE_EVENTS of its first TRACE_STEPS steps (both
     chains) into OPart[0, TRACE_ROW], and every CTA its span (chain 0's loop) into OPart[bid, SPAN_ROW]; OPart needs
-    batch * max_splits slots then. Right on the H200 but not faster than two CTAs an SM (bench/NOTES.md
-    "Session 37"); the op does not choose it."""
+    batch * max_splits slots then. The op's FP8 kernel at <= 16 rows (bench/NOTES.md "Session 37": its loop runs
+    at the two-CTA kernel's pace, ~2500 cycles a step an SM, without that kernel's splits, combine and
+    older/younger imbalance at b = 128)."""
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1

@@ -189,9 +189,9 @@ SUITE = Suite(
         Provider("tilecraft-fp8-rs", fp8_register, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-fold", lambda c, i: tilecraft_variant(c, i, FP8_FOLD), experimental=True,
                  nbytes=nbytes_fp8),
-        # the rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
-        # two MMA warpgroups a CTA on alternate steps (built session 36, not yet run on a GPU)
+        # two MMA warpgroups a CTA on alternate steps: the op's kernel since session 37 (tilecraft-fp8 runs it)
         Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
+        # the two-CTA rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
         Provider("tilecraft-fp8-rs-w33", lambda c, i: fp8_register(c, i, older_64ths=33), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs-w34", lambda c, i: fp8_register(c, i, older_64ths=34), experimental=True,
