@@ -8,9 +8,9 @@ clock at each of its TRACE_EVENTS for its first steps, unsplit, h_q = 16, 4096 t
 b = 2 x SMs (two CTAs on every SM, as the op runs them) and b = SMs (one an SM). Printed: the step period
 and each event's cycles after the step's start, medians over steps 8-55 (min, max beside).
 
---rs2: the same spans for the two-chain kernel (mla_decode_fp8_rs2, b = 128 unsplit) beside the op's kernel (b = 128,
-2 splits, two CTAs an SM), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the stage, its
-data landed, scores, P ready, P V done), medians over steps 8-55 per chain.
+--rs2: the same spans for the two-chain kernel (mla_decode_fp8_rs2, the op's; b = 128 and 132 unsplit) beside the
+two-CTA kernel (b = 128, 2 splits), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the
+stage, its data landed, scores, P ready, P V done), medians over steps 8-55 per chain.
 
 --spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
 for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and
