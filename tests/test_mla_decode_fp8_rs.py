@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from ops.mla_decode_fp8_rs import latent_column, mla_decode_fp8_rs_program, q_column
+from ops.mla_decode_fp8_rs import latent_column, mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program, q_column
 from tests.test_mla_decode import run_fp8_case
 
 RS = dict(register_fp8=True, kv_format="fp8")
@@ -47,6 +47,24 @@ def test_lowers_to_register_operand_wgmma_without_spills():
     sass = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|LDS\.128|F2FP\.F16\.E4M3\.UNPACK_B)\b", disassemble(cubin)))
     assert sass["HGMMA.64x16x16.F32"] == 64 and sass["HGMMA.64x16x16.F32.BF16"] == 4, sass
     assert sass["LDS.128"] >= 16 and sass["F2FP.F16.E4M3.UNPACK_B"] == 256, sass
+
+
+def test_two_chains_lower_without_spills_and_load_the_query_in_one_round_trip():
+    """The op's FP8 kernel at <= 16 rows (two MMA warpgroups a CTA, one CTA an SM): both chains' 2 x (64 RS + 4 SS)
+    WGMMAs and 2 x 256 F2FP unpacks a step, no spills at the launch's 168 registers; the latent query is staged
+    by 3 x 16-byte loads a thread (one round trip; loaded straight into its permuted tile by 384 threads it
+    was 11 guarded loads in a row, a 14-us prologue: bench/NOTES.md "Session 37")."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    src = mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1)
+    assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_alloc<224>" in src
+    cubin = build_cubin(src, "sm_90a")
+    st = sass_stats(cubin, "sm_90a")
+    assert st.registers <= 168 and st.spill_stores == 0, (st.registers, st.spill_stores)
+    sass = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|LDG\.E\.128[\w.]*|F2FP\.F16\.E4M3\.UNPACK_B)\b",
+                                          disassemble(cubin)))
+    assert sass["HGMMA.64x16x16.F32"] == 128 and sass["HGMMA.64x16x16.F32.BF16"] == 8, sass
+    assert sass["F2FP.F16.E4M3.UNPACK_B"] == 512 and sass["LDG.E.128.CONSTANT"] == 3, sass
 
 
 def test_refuses_what_it_is_not_built_for():
