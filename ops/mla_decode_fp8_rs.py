@@ -32,8 +32,8 @@ program (bench provider `tilecraft-fp8-rs`) 0.1150 ms in the same run, the fold 
 The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
 
 One CTA per (sequence, split) of the op's schedule (get_mla_schedule counts one CTA an SM; give the two-CTA
-program a schedule made with twice the SMs); pages of 64 tokens or more (a 64-token step inside one page); the same outputs as
-mla_decode_program (Out/Lse unsplit, OPart/LsePart for mla_combine_program).
+program a schedule made with twice the SMs); pages of 64 tokens or more (a 64-token step inside one page); the
+same outputs as mla_decode_program (Out/Lse unsplit, OPart/LsePart for mla_combine_program).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
