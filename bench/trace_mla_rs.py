@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.rs2:
-        for b, splits, blocks in ((128, 2, 2), (128, 1, "rs2"), (2 * sms // 2, 1, "rs2")):
+        for b, splits, blocks in ((128, 2, 2), (128, 1, "rs2"), (sms, 1, "rs2")):
             spans(b, splits, blocks, args.reps, args.csv)
         return 0
     if args.spans:

@@ -578,8 +578,9 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
 
     num_sms: the CTAs that run at once (default: the device's SMs; every default kernel runs one CTA an SM).
     kv_format is checked and kept for callers that make one schedule a cache format; a schedule made for
-    another format or CTA count is still right, only less balanced. Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence
-    into fixed 16-block chunks instead, so a sequence's result never depends on what else is in the batch.
+    another format or CTA count is still right, only less balanced. Batch-invariant mode
+    (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into fixed 16-block chunks instead, so a sequence's
+    result never depends on what else is in the batch.
     """
     check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     if kv_format not in KV_FORMATS:

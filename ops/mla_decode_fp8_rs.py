@@ -732,9 +732,8 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
 
 
 def _rs2_page(BlockTable, bi, blk, page, max_blocks, num_pages):
-    """The page (clamped into the pool) and the row offset in it of 64-token block blk of sequence bi."""
-    pidx = T.min(T.max(BlockTable[bi, T.min(blk * STEP // page, max_blocks - 1)], 0), num_pages - 1)
-    return pidx, blk * STEP % page
+    """The page (clamped into the pool) of 64-token block blk of sequence bi (its first row: blk * STEP % page)."""
+    return T.min(T.max(BlockTable[bi, T.min(blk * STEP // page, max_blocks - 1)], 0), num_pages - 1)
 
 
 @T.macro
@@ -821,7 +820,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             pages = T.alloc_local((RS2_STAGES,), "int32")
             if tx >= 256 and n_iter > 0:            # the ring's first page indices, in flight with the query
                 for k in T.unroll(RS2_STAGES):
-                    pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)[0]
+                    pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
             # the query: staged raw with 9216 = 384 x 24 values (no partial iteration: one round trip; the
             # permuted fp16 copy straight from Q took 11 round trips, one a guarded iteration, ~14 us)
             for h, j in T.Parallel(ROWS, D_QK):
@@ -881,8 +880,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.set_max_nreg(RS2_PRODUCER_REGS, 0)
                 for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
                     kk = k + RS2_STAGES
-                    pidx, off = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)  # before the wait
+                    pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
                     T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, off)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page)
 
     return mla_decode_fp8_rs2
