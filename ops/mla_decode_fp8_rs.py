@@ -810,21 +810,25 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             si = bid % max_splits
             splits = Splits[bi]
             seqlen = SeqLens[bi]
-            nblk = T.ceildiv(seqlen, STEP)
-            first, n_iter = _split_range(si, splits, nblk)
-            base = seqlen - s_q + 1 if causal else seqlen
-
             tx = T.get_thread_binding()
             if trace and tx == 0:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
+            # one round trip for the lengths, the query and (split 0, which starts at block 0 whatever the length)
+            # the ring's first page indices: nothing that waits for a length comes before the query's loads
             pages = T.alloc_local((RS2_STAGES,), "int32")
-            if tx >= 256 and n_iter > 0:            # the ring's first page indices, in flight with the query
+            if tx >= 256 and si == 0 and max_blocks > 0:
                 for k in T.unroll(RS2_STAGES):
-                    pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
+                    pages[k] = _rs2_page(BlockTable, bi, k, page, max_blocks, num_pages)
             # the query: staged raw with 9216 = 384 x 24 values (no partial iteration: one round trip; the
             # permuted fp16 copy straight from Q took 11 round trips, one a guarded iteration, ~14 us)
             for h, j in T.Parallel(ROWS, D_QK):
                 q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
+            nblk = T.ceildiv(seqlen, STEP)
+            first, n_iter = _split_range(si, splits, nblk)
+            base = seqlen - s_q + 1 if causal else seqlen
+            if tx >= 256 and si > 0 and n_iter > 0:      # later splits: their page indices after the lengths
+                for k in T.unroll(RS2_STAGES):
+                    pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
             T.sync_threads()
             # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
             # behind them: a 9.9 us prologue)
