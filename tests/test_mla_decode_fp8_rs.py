@@ -53,11 +53,13 @@ def test_two_chains_lower_without_spills_and_load_the_query_in_one_round_trip():
     """The op's FP8 kernel at <= 16 rows (two MMA warpgroups a CTA, one CTA an SM): both chains' 2 x (64 RS + 4 SS)
     WGMMAs and 2 x 256 F2FP unpacks a step, no spills at the launch's 168 registers; the latent query is staged
     by 3 x 16-byte loads a thread (one round trip; loaded straight into its permuted tile by 384 threads it
-    was 11 guarded loads in a row, a 14-us prologue: bench/NOTES.md "Session 37")."""
+    was 11 guarded loads in a row, a 14-us prologue: bench/NOTES.md "Session 37"); the split's range is divided
+    out once, before the chains (inlined, it was a signed division a step in each chain's loop: "Session 38")."""
     from backends.cuda.sass import build_cubin, disassemble, sass_stats
 
     src = mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1)
     assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_alloc<224>" in src
+    assert "/ max(splits" not in src[src.index("warpgroup_reg_alloc<224>"):]
     cubin = build_cubin(src, "sm_90a")
     st = sass_stats(cubin, "sm_90a")
     assert st.registers <= 168 and st.spill_stores == 0, (st.registers, st.spill_stores)
