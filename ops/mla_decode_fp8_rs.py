@@ -177,6 +177,14 @@ __device__ __forceinline__ void tc_mask_t(float* s, int tok0, int base, int h_q,
 // barrier a step). m: the running maxima (log2 domain, the same in every thread of a column), l: this thread's
 // partial sums of its two token rows (summed over the warpgroup at the end: tc_softmax_t_finish), alpha:
 // exp2(m_old - m_new). A column that has seen only -inf keeps m = -inf, p = 0, alpha = 1.
+// 2^x by one MUFU.EX2 (ex2.approx.ftz: results below 2^-126 flush to zero); exp2f adds a range check and a
+// squaring around it (four dependent instructions)
+__device__ __forceinline__ float tc_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+template <bool kFastExp = false>
 __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
                                              float scale_log2, int bar = 9) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
@@ -200,12 +208,15 @@ __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float
 #pragma unroll
   for (int hs = 0; hs < 4; ++hs) {
     const float mn = fmaxf(m[hs], mx[hs] * scale_log2);
-    alpha[hs] = mn == -INFINITY ? 1.0f : exp2f(m[hs] - mn);
+    alpha[hs] = mn == -INFINITY ? 1.0f : (kFastExp ? tc_ex2(m[hs] - mn) : exp2f(m[hs] - mn));
     use[hs] = mn == -INFINITY ? 0.0f : mn;
     m[hs] = mn;
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = exp2f(fmaf(s[i], scale_log2, -use[(i >> 2) * 2 + (i & 1)]));
+  for (int i = 0; i < 8; ++i) {
+    const float x = fmaf(s[i], scale_log2, -use[(i >> 2) * 2 + (i & 1)]);
+    s[i] = kFastExp ? tc_ex2(x) : exp2f(x);
+  }
 #pragma unroll
   for (int hs = 0; hs < 4; ++hs)
     l[hs] = fmaf(l[hs], alpha[hs], s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)]);
@@ -695,7 +706,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, group_barriers=True, early_v=0):
+               OPart=None, group_barriers=True, early_v=0, fast_exp=False):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -724,8 +735,9 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                  (a_v0, a_v1)[:early_v])
         _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
-        T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
-                                 T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
+        T.evaluate(T.call_extern("handle", "tc_softmax_t<true>" if fast_exp else "tc_softmax_t", s_t.data, m_t.data,
+                                 l_t.data, alpha_t.data, T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2,
+                                 RS2_BAR_SOFTMAX + w))
         for g in range(GROUPS):
             T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
                                      s_t.data, ks_t.data, g))
@@ -766,7 +778,8 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, group_barr
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, group_barriers: bool = True, early_v: int = 0):
+                               trace: bool = False, group_barriers: bool = True, early_v: int = 0,
+                               fast_exp: bool = False):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -860,7 +873,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           group_barriers=group_barriers, early_v=early_v)
+                           group_barriers=group_barriers, early_v=early_v, fast_exp=fast_exp)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -892,7 +905,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           group_barriers=group_barriers, early_v=early_v)
+                           group_barriers=group_barriers, early_v=early_v, fast_exp=fast_exp)
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
