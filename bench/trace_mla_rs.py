@@ -3,14 +3,15 @@ clock at each of its TRACE_EVENTS for its first steps, unsplit, h_q = 16, 4096 t
 
     python -m bench.trace_mla_rs [--blocks 1|2]                     # GPU
     python -m bench.trace_mla_rs --spans [--csv DIR]                # GPU
-    python -m bench.trace_mla_rs --rs2 [--csv DIR]                  # GPU
+    python -m bench.trace_mla_rs --rs2 [--warm] [--csv DIR]         # GPU
 
 b = 2 x SMs (two CTAs on every SM, as the op runs them) and b = SMs (one an SM). Printed: the step period
 and each event's cycles after the step's start, medians over steps 8-55 (min, max beside).
 
 --rs2: the same spans for the two-chain kernel (mla_decode_fp8_rs2, the op's; b = 128 and 132 unsplit) beside the
 two-CTA kernel (b = 128, 2 splits), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the
-stage, its data landed, scores, P ready, P V done), medians over steps 8-55 per chain.
+stage, its data landed, scores, P ready, P V done), medians over steps 8-55 per chain. --warm: then b = 128 once
+more without writing over the L2 between launches (what the cold prologue costs).
 
 --spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
 for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and
@@ -80,9 +81,10 @@ def _compile(blocks, trace):
     return mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks, trace=trace)
 
 
-def spans(b, splits, blocks, reps, csv_dir=None):
+def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True):
     """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch
-    (blocks: CTAs an SM of the rs kernel, or "rs2" for the two-chain kernel)."""
+    (blocks: CTAs an SM of the rs kernel, or "rs2" for the two-chain kernel; flush_l2=False: the L2 keeps the
+    previous launch's lines, the kernel's code included)."""
     q, cache, table, lens = _inputs(b, SEQLEN)
     nsplits = torch.full((b,), splits, dtype=torch.int32, device="cuda")
     out = torch.empty(b, H_Q, D_V, dtype=torch.bfloat16, device="cuda")
@@ -92,12 +94,13 @@ def spans(b, splits, blocks, reps, csv_dir=None):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, nsplits, out, lse, o_part,
             lse_part, splits, float(D_QK ** -0.5 * LOG2E))
-    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}:"
+    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}{'' if flush_l2 else ', L2 warm'}:"
     for trace in (False, True):
         launch = _compile(blocks, trace).launcher()
         times = []
         for _ in range(reps):
-            flush.zero_()
+            if flush_l2:
+                flush.zero_()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             launch(*args)
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rs2", action="store_true", help="the two-chain kernel's spans and steps beside the op's")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
+    ap.add_argument("--warm", action="store_true", help="--rs2: also b = 128 with the L2 not written over between launches")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.trace_mla_rs needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
     if args.rs2:
         for b, splits, blocks in ((128, 2, 2), (128, 1, "rs2"), (sms, 1, "rs2")):
             spans(b, splits, blocks, args.reps, args.csv)
+        if args.warm:
+            spans(128, 1, "rs2", args.reps, args.csv, flush_l2=False)
         return 0
     if args.spans:
         for b, splits, blocks in ((2 * sms, 1, 2), (128, 2, 2), (sms, 1, 1), (128, 1, 1), (128, 2, 1)):

@@ -184,7 +184,6 @@ __device__ __forceinline__ float tc_ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-template <bool kFastExp = false>
 __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
                                              float scale_log2, int bar = 9) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
@@ -208,15 +207,12 @@ __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float
 #pragma unroll
   for (int hs = 0; hs < 4; ++hs) {
     const float mn = fmaxf(m[hs], mx[hs] * scale_log2);
-    alpha[hs] = mn == -INFINITY ? 1.0f : (kFastExp ? tc_ex2(m[hs] - mn) : exp2f(m[hs] - mn));
+    alpha[hs] = mn == -INFINITY ? 1.0f : tc_ex2(m[hs] - mn);
     use[hs] = mn == -INFINITY ? 0.0f : mn;
     m[hs] = mn;
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float x = fmaf(s[i], scale_log2, -use[(i >> 2) * 2 + (i & 1)]);
-    s[i] = kFastExp ? tc_ex2(x) : exp2f(x);
-  }
+  for (int i = 0; i < 8; ++i) s[i] = tc_ex2(fmaf(s[i], scale_log2, -use[(i >> 2) * 2 + (i & 1)]));
 #pragma unroll
   for (int hs = 0; hs < 4; ++hs)
     l[hs] = fmaf(l[hs], alpha[hs], s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)]);
@@ -423,48 +419,34 @@ def _fold(g, acc, s_t, ks_t):
 
 
 @T.macro
-def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, full=None, parity=None, a_v=()):
-    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales;
-    # with a stage ring, group g > 0 is waited for on full[4 * slot + g] just before its fill
+def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t):
+    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales
     _k_fill(kl_s, slot, 0, a_k0)
     T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
-    if full is not None:
-        T.mbarrier_wait_parity(full[4 * slot + 1], parity)
     _k_fill(kl_s, slot, 1, a_k1)
     T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)                                 # the rope's and group 0's
     T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
     _fold(0, acc0, s_t, ks_t)
-    if full is not None:
-        T.mbarrier_wait_parity(full[4 * slot + 2], parity)
     _k_fill(kl_s, slot, 2, a_k0)
     T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)
     _fold(1, acc1, s_t, ks_t)
-    if full is not None:
-        T.mbarrier_wait_parity(full[4 * slot + 3], parity)
     _k_fill(kl_s, slot, 3, a_k1)
     T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)
     _fold(2, acc0, s_t, ks_t)
-    if len(a_v) > 0:                # V's group-0 fragment under the last K MMA (it needs no P)
-        _v_fill(kl_s, slot, 0, a_v[0])
     T.wait_wgmma(0)
     _fold(3, acc1, s_t, ks_t)
-    if len(a_v) > 1:                # and group 1's ahead of the softmax
-        _v_fill(kl_s, slot, 1, a_v[1])
 
 
 @T.macro
-def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, filled=0):
+def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty):
     # O^T += V^T (P * scale_g)^T, the four groups on two fragments in turn (p_s[g], or p_s[w, g] per chain);
-    # with a stage ring, empty[slot] is arrived on once the slot's last words are read; filled: a_v0 (1) or
-    # a_v0 and a_v1 (2) hold groups 0 and 1 already (_k_phase's a_v)
-    if filled < 1:
-        _v_fill(kl_s, slot, 0, a_v0)
+    # with a stage ring, empty[slot] is arrived on once the slot's last words are read
+    _v_fill(kl_s, slot, 0, a_v0)
     T.wgmma_gemm(a_v0, p_s[0, :, :] if w is None else p_s[w, 0, :, :], o0, transpose_B=True)
-    if filled < 2:
-        _v_fill(kl_s, slot, 1, a_v1)
+    _v_fill(kl_s, slot, 1, a_v1)
     T.wgmma_gemm(a_v1, p_s[1, :, :] if w is None else p_s[w, 1, :, :], o1, transpose_B=True)
     T.wait_wgmma(1)
     _v_fill(kl_s, slot, 2, a_v0)
@@ -706,7 +688,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, group_barriers=True, early_v=0, fast_exp=False):
+               OPart=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -720,31 +702,26 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         slot = k % RS2_STAGES
         parity = (k // RS2_STAGES) % 2
         _rs2_stamp(OPart, k, 0)
-        T.mbarrier_wait_parity(full[4 * slot], parity)        # the rope, the scales and group 0 (or all)
+        T.mbarrier_wait_parity(full[slot], parity)        # the stage: rope, scales and the four groups
         _rs2_stamp(OPart, k, 1)
         blk = first + k
         valid = seqlen - blk * STEP
         if valid < STEP:
-            if group_barriers:
-                for g in range(1, GROUPS):
-                    T.mbarrier_wait_parity(full[4 * slot + g], parity)
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, full if group_barriers else None, parity,
-                 (a_v0, a_v1)[:early_v])
+        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
         _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
-        T.evaluate(T.call_extern("handle", "tc_softmax_t<true>" if fast_exp else "tc_softmax_t", s_t.data, m_t.data,
-                                 l_t.data, alpha_t.data, T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2,
-                                 RS2_BAR_SOFTMAX + w))
+        T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                 T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
         for g in range(GROUPS):
             T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
                                      s_t.data, ks_t.data, g))
         T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
         _rs2_stamp(OPart, k, 3)
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, early_v)
+        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
         T.wait_wgmma(0)
         _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
@@ -758,16 +735,14 @@ def _rs2_page(BlockTable, bi, blk, page, max_blocks, num_pages):
 
 
 @T.macro
-def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, group_barriers=True):
-    # one stage: the rope and the scales with group 0 on full[4 * slot], group g on full[4 * slot + g] (or all
-    # on full[4 * slot])
-    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :], barrier=full[4 * slot])
-    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :], barrier=full[4 * slot])
+def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
+    # one stage on one barrier, full[slot]: the rope, the scales and the four latent groups (a barrier a group,
+    # each waited for just before its fill, measured 1.5% slower: bench/NOTES.md "Session 38")
+    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :], barrier=full[slot])
+    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :], barrier=full[slot])
     for g in range(GROUPS):
-        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :],
-                   barrier=full[4 * slot + g] if group_barriers else full[4 * slot])
-    for g in range(GROUPS if group_barriers else 1):
-        T.mbarrier_arrive(full[4 * slot + g])
+        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :], barrier=full[slot])
+    T.mbarrier_arrive(full[slot])
 
 
 @tile_program(
@@ -778,8 +753,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, group_barr
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, group_barriers: bool = True, early_v: int = 0,
-                               fast_exp: bool = False):
+                               trace: bool = False):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -824,7 +798,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             l_s = T.alloc_shared((2, ROWS), "float32")
             m_s = T.alloc_shared((2, ROWS), "float32")
             fab = T.alloc_shared((2 * ROWS,), "float32")
-            full = T.alloc_barrier([128] * (4 * RS2_STAGES))     # a stage's rope + scales + group 0, groups 1-3
+            full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
             T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
@@ -861,8 +835,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             # behind them: a 9.9 us prologue)
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page,
-                               group_barriers)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
                 ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
             for h, j in T.Parallel(ROWS, D_ROPE):
@@ -872,8 +845,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           group_barriers=group_barriers, early_v=early_v, fast_exp=fast_exp)
+                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -904,8 +876,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           group_barriers=group_barriers, early_v=early_v, fast_exp=fast_exp)
+                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None)
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
@@ -916,7 +887,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     kk = k + RS2_STAGES
                     pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
                     T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page,
-                               group_barriers)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page)
 
     return mla_decode_fp8_rs2
