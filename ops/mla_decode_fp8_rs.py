@@ -753,7 +753,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, permute_first: bool = True):
+                               trace: bool = False):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -831,12 +831,12 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 for k in T.unroll(RS2_STAGES):
                     pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
             T.sync_threads()
-            if not permute_first:
-                # the ring's first stages after the query's loads (issued before them, their 164 KB a CTA queued
-                # the query behind them: a 9.9 us prologue)
-                if tx >= 256 and n_iter > 0:
-                    for k in T.serial(T.min(n_iter, RS2_STAGES)):
-                        _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
+            # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
+            # behind them: a 9.9 us prologue; issued after the permute instead, the chains wait for them longer:
+            # bench/NOTES.md "Session 38")
+            if tx >= 256 and n_iter > 0:
+                for k in T.serial(T.min(n_iter, RS2_STAGES)):
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
                 ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
             for h, j in T.Parallel(ROWS, D_ROPE):
@@ -884,9 +884,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
             else:
                 T.set_max_nreg(RS2_PRODUCER_REGS, 0)
-                if permute_first and n_iter > 0:
-                    for k in T.serial(T.min(n_iter, RS2_STAGES)):
-                        _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
                 for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
                     kk = k + RS2_STAGES
                     pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
