@@ -45,7 +45,7 @@ FP8_BLOCK = 128                          # latent values per FP8 scale
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_FORMATS = ("bf16", "fp8")
 # the FP8 cache at <= 16 query rows on sm_90a: ops.mla_decode_fp8_rs's two-chain kernel (the e4m3 latent straight
-# into WGMMA's register operand, two MMA warpgroups on alternate steps, one CTA an SM; bench/NOTES.md "Session 37")
+# into WGMMA's register operand, two MMA warpgroups on alternate steps, one CTA an SM; bench/NOTES.md "Session 38")
 REGISTER_FP8_ROWS = 16
 REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
@@ -710,7 +710,7 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     tile (rope_direct: 3-4% faster on the H200, "MLA v10"); up to 16 rows the FP8 cache goes to
     ops.mla_decode_fp8_rs instead (REGISTER_FP8: the e4m3 latent converted exactly to fp16 straight into
     WGMMA's register operand, the scales folded into the scores and P, two MMA warpgroups a CTA on alternate
-    steps, "Session 37"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
+    steps, "Session 38"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
     rows bf16 with the scales applied by the converters (1.26x the 32-token-step kernel at h_q = 32,
     "Session 34").
     Otherwise fp8: the raw bytes and the

@@ -24,9 +24,10 @@ scales of a thread's two tokens loaded once a step.
 Two programs share that step: mla_decode_fp8_rs (one MMA warpgroup a CTA, two CTAs an SM) and
 mla_decode_fp8_rs2 (two MMA warpgroups a CTA on alternate steps from one ring, one CTA an SM, merged at the end).
 
-Status (H200, bench/NOTES.md "Session 37"): mla_decode_fp8_rs2 is mla_decode's FP8 kernel at s_q * h_q <= 16 on
-sm_90a (pick_tiling's REGISTER_FP8, chains=2): 0.1070 ms at 128x16x4096, 1.42x the bf16 cache; the two-CTA
-program (bench provider `tilecraft-fp8-rs`) 0.1150 ms in the same run, the fold kernel before them
+Status (H200, bench/NOTES.md "Session 38"): mla_decode_fp8_rs2 is mla_decode's FP8 kernel at s_q * h_q <= 16 on
+sm_90a (pick_tiling's REGISTER_FP8, chains=2): 0.0982 ms at 128x16x4096, 1.55x the bf16 cache, 86% of copy
+bandwidth (its split range computed once, one barrier a stage, exp2 as one MUFU: 0.1070 -> 0.0982); the
+two-CTA program (bench provider `tilecraft-fp8-rs`) 0.1123 ms in the same run, the fold kernel before them
 (`tilecraft-fp8-fold`) ~0.135.
 
 The latent query is rounded to fp16 (as the fold kernel's): |q| and the cache scales must stay below 65504.
@@ -761,9 +762,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     once, and one CTA an SM means fewer splits (b = 128: none, no combine). Same arguments and outputs.
     trace=True (bench.trace_mla_rs --rs2): CTA 0 stamps RS2_TRACE_EVENTS of its first TRACE_STEPS steps (both
     chains) into OPart[0, TRACE_ROW], and every CTA its span (chain 0's loop) into OPart[bid, SPAN_ROW]; OPart needs
-    batch * max_splits slots then. The op's FP8 kernel at <= 16 rows (bench/NOTES.md "Session 37": its loop runs
-    at the two-CTA kernel's pace, ~2500 cycles a step an SM, without that kernel's splits, combine and
-    older/younger imbalance at b = 128)."""
+    batch * max_splits slots then. The op's FP8 kernel at <= 16 rows (bench/NOTES.md "Session 38": ~2340 cycles
+    a step an SM against ~2170 of DRAM share at b = 128, without the two-CTA kernel's splits, combine and
+    older/younger imbalance)."""
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1
