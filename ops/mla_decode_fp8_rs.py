@@ -173,11 +173,6 @@ __device__ __forceinline__ void tc_mask_t(float* s, int tok0, int base, int h_q,
     if (tok0 + r + 8 * ((i >> 1) & 1) >= lim) s[i] = -INFINITY;
   }
 }
-// The softmax of one step down S^T's columns: a max over the thread's two token rows, a warp shuffle over its
-// 8 quads, one exchange between the 4 warps through red (2 parities x 4 warps x 4 places x 4 slots; one named
-// barrier a step). m: the running maxima (log2 domain, the same in every thread of a column), l: this thread's
-// partial sums of its two token rows (summed over the warpgroup at the end: tc_softmax_t_finish), alpha:
-// exp2(m_old - m_new). A column that has seen only -inf keeps m = -inf, p = 0, alpha = 1.
 // 2^x by one MUFU.EX2 (ex2.approx.ftz: results below 2^-126 flush to zero); exp2f adds a range check and a
 // squaring around it (four dependent instructions)
 __device__ __forceinline__ float tc_ex2(float x) {
@@ -185,6 +180,11 @@ __device__ __forceinline__ float tc_ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+// The softmax of one step down S^T's columns: a max over the thread's two token rows, a warp shuffle over its
+// 8 quads, one exchange between the 4 warps through red (2 parities x 4 warps x 4 places x 4 slots; one named
+// barrier a step). m: the running maxima (log2 domain, the same in every thread of a column), l: this thread's
+// partial sums of its two token rows (summed over the warpgroup at the end: tc_softmax_t_finish), alpha:
+// exp2(m_old - m_new). A column that has seen only -inf keeps m = -inf, p = 0, alpha = 1.
 __device__ __forceinline__ void tc_softmax_t(float* s, float* m, float* l, float* alpha, float* red, int parity,
                                              float scale_log2, int bar = 9) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
