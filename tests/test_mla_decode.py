@@ -562,11 +562,14 @@ def test_fp8_swapped_kernel_fits_at_32_rows(monkeypatch):
     assert " 0 bytes spill stores" in log, log
 
 
-def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False):
+def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None):
     """exact=False: the reference reads the dequantized cache rounded to bf16, as the kernels that
     convert to bf16 multiply it; exact=True: the dequantized cache in fp32 (fold_scales: fp16
-    values exactly e4m3, the scales applied in fp32 and to P)."""
+    values exactly e4m3, the scales applied in fp32 and to P). edit(q, kv, table) changes the inputs in place
+    before the cache is quantized."""
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    if edit is not None:
+        edit(q, kv, table)
     cache = ops.quantize_mla_kv_fp8(kv)                     # NaN tails stay NaN bytes: must not leak
     scale = D ** -0.5
     if tiling is None:

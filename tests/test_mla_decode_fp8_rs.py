@@ -148,3 +148,27 @@ def test_gpu_two_chains_match_the_reference(b, s_q, h_q, lens, page):
     """mla_decode_fp8_rs2 (two MMA warpgroups on alternate steps, merged at the end): as test_gpu_matches_reference,
     including a chain with no step (lengths 1 and 64: one step, WG1 idle) and none at all (length 0)."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2))
+
+
+def _late_jumps(q, kv, table):
+    # two tokens of sequence 0 with 24x / 48x its values: their scores ~9 and ~17 (log2) above the running max
+    for t, f in ((2500, 24), (3900, 48)):
+        kv[table[0, t // 64], t % 64] *= f
+
+
+def _huge_last_group(q, kv, table):
+    # the last latent group 2^22 larger where q is zero: the same scores, scales ~2^15 (P * scale in fp16 only
+    # while P <= ~2), q at full size
+    q *= 4
+    q[..., 384:512] = 0
+    kv[..., 384:512] *= 2.0 ** 22
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("edit", [_late_jumps, _huge_last_group])
+def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit):
+    """rs2 with a score far above the running max late in a sequence (O and l rescaled after many steps at one
+    max), and with scales near fp16's limit for P * scale. Against the reference with run_fp8_case's bounds, no
+    inf or NaN. (A running max allowed to lag up to 2^8 behind, with a guard for such scales, passed these and
+    measured no faster: bench/NOTES.md "Session 39".)"""
+    run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2), edit=edit)
