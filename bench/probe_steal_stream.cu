@@ -1,0 +1,203 @@
+// Does moving 64-token steps between SMs close the FP8-cache stream's spread (bench/NOTES.md "Session 39")?
+// Streams an FP8 MLA cache's bytes (pages of 64 tokens x 656 bytes, one page a step, pages in a random order)
+// through a 4-stage shared-memory ring, one CTA an SM a sequence, with nothing computed:
+//   own    each CTA streams its own sequence, front to back (the op's rs2 kernel without its compute)
+//   steal  the same, then each CTA that is done takes steps from the back of the sequence with the most left:
+//          a sequence's claim word holds its front (owner) and back (thieves) counts, so every step is streamed
+//          exactly once (checked: visits) whoever claims it
+// One cp.async.bulk a page (41,984 contiguous bytes in 4 copies) on an mbarrier, as a 1D stream.
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && /tmp/probe_steal [batch] [steps]
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+constexpr int STAGES = 4, PAGE_BYTES = 64 * 656, COPIES = 4, MIN_STEAL = 2;
+
+__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, int parity) {
+  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
+               :: "r"(smem(b)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem(b)) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t* b, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(b)) : "memory");
+}
+__device__ __forceinline__ uint64_t now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct Ring {
+  uint64_t full[STAGES], empty[STAGES];
+  int meta[STAGES];                        // sequence * 65536 + step, or -1: no more
+};
+
+// warp 0 produces (lane 0 issues; all lanes scan for a victim), warp 1 consumes (lane 0)
+__global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const int* table, const int* steps, int batch,
+                                                int max_steps, int steal, unsigned* claim, unsigned* exits,
+                                                int* visits, unsigned long long* span) {
+  extern __shared__ __align__(1024) unsigned char buf[];
+  Ring* ring = reinterpret_cast<Ring*>(buf + STAGES * PAGE_BYTES);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, bi = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) bar_init(&ring->full[s], 1), bar_init(&ring->empty[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    span[bi * 4 + 0] = now();
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int g = 0, own = 0, stolen = 0;
+    auto issue = [&](int seq, int step) {               // lane 0 only
+      const int slot = g % STAGES;
+      if (g >= STAGES) bar_wait(&ring->empty[slot], ((g / STAGES) - 1) & 1);
+      ring->meta[slot] = step < 0 ? -1 : seq * 65536 + step;
+      if (step < 0) {
+        bar_arrive(&ring->full[slot]);
+      } else {
+        bar_expect(&ring->full[slot], PAGE_BYTES);
+        const unsigned char* src = pool + static_cast<size_t>(table[seq * max_steps + step]) * PAGE_BYTES;
+        for (int c = 0; c < COPIES; ++c)
+          bulk_load(buf + slot * PAGE_BYTES + c * (PAGE_BYTES / COPIES), src + c * (PAGE_BYTES / COPIES),
+                    PAGE_BYTES / COPIES, &ring->full[slot]);
+      }
+      ++g;
+    };
+    if (lane == 0) {
+      const int n = steps[bi];
+      unsigned old = atomicAdd(&claim[bi], 1u);
+      for (;;) {                                        // the owner: steps from the front while any are left
+        const int f = old & 0xFFFF, bk = old >> 16;
+        if (f + bk >= n) break;
+        const unsigned next = atomicAdd(&claim[bi], 1u);  // the next claim in flight while this step waits
+        issue(bi, f), ++own;
+        old = next;
+      }
+    }
+    __syncwarp();
+    while (steal) {                                     // a thief: half of what the busiest sequence has left
+      int best = -1, rem = 0;
+      for (int v = lane; v < batch; v += 32) {
+        const unsigned w = *reinterpret_cast<volatile unsigned*>(&claim[v]);
+        const int r = steps[v] - static_cast<int>(w & 0xFFFF) - static_cast<int>(w >> 16);
+        if (r > rem) rem = r, best = v;
+      }
+      for (int o = 16; o; o >>= 1) {
+        const int r2 = __shfl_xor_sync(0xFFFFFFFFu, rem, o), b2 = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+        if (r2 > rem || (r2 == rem && b2 > best)) rem = r2, best = b2;
+      }
+      if (rem < MIN_STEAL) break;
+      if (lane == 0) {
+        const int c = (rem + 1) / 2, n = steps[best];
+        const unsigned old = atomicAdd(&claim[best], static_cast<unsigned>(c) << 16);
+        const int f = old & 0xFFFF, bk = old >> 16, hi = n - bk, lo = max(f, hi - c);
+        for (int s = lo; s < hi; ++s) issue(best, s), ++stolen;
+      }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      issue(0, -1);
+      span[bi * 4 + 2] = static_cast<unsigned long long>(own) << 32 | static_cast<unsigned>(stolen);
+    }
+  } else if (lane == 0) {
+    for (int g = 0;; ++g) {
+      const int slot = g % STAGES;
+      bar_wait(&ring->full[slot], (g / STAGES) & 1);
+      const int m = ring->meta[slot];
+      if (m < 0) break;
+      atomicAdd(&visits[(m >> 16) * max_steps + (m & 0xFFFF)], 1);
+      bar_arrive(&ring->empty[slot]);
+    }
+    span[bi * 4 + 1] = now();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {                               // the last CTA out sets the claims back to zero
+    __threadfence();
+    if (atomicAdd(exits, 1u) == gridDim.x - 1) {
+      for (int v = 0; v < batch; ++v) claim[v] = 0;
+      *exits = 0;
+      __threadfence();
+    }
+  }
+}
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+int main(int argc, char** argv) {
+  const int batch = argc > 1 ? atoi(argv[1]) : 128, n = argc > 2 ? atoi(argv[2]) : 64, reps = 9;
+  const size_t pages = static_cast<size_t>(batch) * n;
+  std::vector<int> table(pages), steps(batch, n);
+  for (size_t i = 0; i < pages; ++i) table[i] = static_cast<int>(i);
+  std::shuffle(table.begin(), table.end(), std::mt19937(0));
+  unsigned char *pool, *flush;
+  int *d_table, *d_steps, *visits;
+  unsigned *claim, *exits;
+  unsigned long long* span;
+  CK(cudaMalloc(&pool, pages * PAGE_BYTES));
+  CK(cudaMalloc(&flush, 256 << 20));
+  CK(cudaMemset(pool, 1, pages * PAGE_BYTES));
+  CK(cudaMalloc(&d_table, pages * 4));
+  CK(cudaMalloc(&d_steps, batch * 4));
+  CK(cudaMalloc(&visits, pages * 4));
+  CK(cudaMalloc(&claim, batch * 4));
+  CK(cudaMalloc(&exits, 4));
+  CK(cudaMalloc(&span, batch * 4 * 8));
+  CK(cudaMemcpy(d_table, table.data(), pages * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_steps, steps.data(), batch * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(claim, 0, batch * 4));
+  CK(cudaMemset(exits, 0, 4));
+  const int smem_bytes = STAGES * PAGE_BYTES + static_cast<int>(sizeof(Ring));
+  CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const double bytes = static_cast<double>(pages) * PAGE_BYTES;
+  for (int steal = 0; steal < 2; ++steal) {
+    CK(cudaMemset(visits, 0, pages * 4));
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+      CK(cudaMemsetAsync(flush, r, 256 << 20));
+      CK(cudaEventRecord(e0));
+      stream<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, claim, exits, visits, span);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms * 1000.f);
+    }
+    CK(cudaGetLastError());
+    std::vector<int> vis(pages);
+    std::vector<unsigned long long> sp(batch * 4);
+    CK(cudaMemcpy(vis.data(), visits, pages * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(sp.data(), span, batch * 4 * 8, cudaMemcpyDeviceToHost));
+    const bool once = std::all_of(vis.begin(), vis.end(), [&](int v) { return v == reps; });
+    std::sort(t.begin(), t.end());
+    unsigned long long t0 = ~0ull;
+    for (int i = 0; i < batch; ++i) t0 = std::min(t0, sp[i * 4]);
+    std::vector<double> ends;
+    long stolen = 0, thieves = 0;
+    for (int i = 0; i < batch; ++i) {
+      ends.push_back((sp[i * 4 + 1] - t0) / 1e3);
+      const long s = static_cast<long>(sp[i * 4 + 2] & 0xFFFFFFFFu);
+      stolen += s, thieves += s > 0;
+    }
+    std::sort(ends.begin(), ends.end());
+    printf("b=%d steps=%d %s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+           "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
+           batch, n, steal ? "steal" : "own  ", t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
+  }
+  return 0;
+}
