@@ -5,8 +5,11 @@
 //   steal  the same, then each CTA that is done takes steps from the back of the sequence with the most left:
 //          a sequence's claim word holds its front (owner) and back (thieves) counts, so every step is streamed
 //          exactly once (checked: visits) whoever claims it
+//   pace S  each CTA streams its own sequence, but waits before issuing a step while its share done is more than
+//          S steps ahead of the whole grid's share (a grid-wide count of the steps whose data arrived): the
+//          fast SMs are held to the average, so the slow ones get the DRAM they leave (bench/NOTES.md "Session 40")
 // One cp.async.bulk a page (41,984 contiguous bytes in 4 copies) on an mbarrier, as a 1D stream.
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && /tmp/probe_steal [batch] [steps]
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && /tmp/probe_steal [batch] [steps] [S...]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -47,8 +50,8 @@ struct Ring {
 
 // warp 0 produces (lane 0 issues; all lanes scan for a victim), warp 1 consumes (lane 0)
 __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const int* table, const int* steps, int batch,
-                                                int max_steps, int steal, unsigned* claim, unsigned* exits,
-                                                int* visits, unsigned long long* span) {
+                                                int max_steps, int steal, int pace, unsigned* claim, unsigned* exits,
+                                                unsigned* arrived, int* visits, unsigned long long* span) {
   extern __shared__ __align__(1024) unsigned char buf[];
   Ring* ring = reinterpret_cast<Ring*>(buf + STAGES * PAGE_BYTES);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, bi = blockIdx.x;
@@ -75,7 +78,20 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
       }
       ++g;
     };
-    if (lane == 0) {
+    if (lane == 0 && pace > 0) {                        // own steps, held to the grid's progress
+      const int n = steps[bi];
+      const long long total = static_cast<long long>(batch) * max_steps;   // (equal lengths in this probe)
+      unsigned seen = 0;
+      for (int f = 0; f < n; ++f) {
+        // ahead when f / n > seen / total + pace / n: re-read the count only while it says so
+        while (static_cast<long long>(f) * total > static_cast<long long>(seen) * n + static_cast<long long>(pace) * total) {
+          seen = *reinterpret_cast<volatile unsigned*>(arrived);
+          if (static_cast<long long>(f) * total > static_cast<long long>(seen) * n + static_cast<long long>(pace) * total)
+            __nanosleep(200);
+        }
+        issue(bi, f), ++own;
+      }
+    } else if (lane == 0) {
       const int n = steps[bi];
       unsigned old = atomicAdd(&claim[bi], 1u);
       for (;;) {                                        // the owner: steps from the front while any are left
@@ -87,7 +103,7 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
       }
     }
     __syncwarp();
-    while (steal) {                                     // a thief: half of what the busiest sequence has left
+    while (steal && !pace) {                                     // a thief: half of what the busiest sequence has left
       int best = -1, rem = 0;
       for (int v = lane; v < batch; v += 32) {
         const unsigned w = *reinterpret_cast<volatile unsigned*>(&claim[v]);
@@ -117,6 +133,7 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
       bar_wait(&ring->full[slot], (g / STAGES) & 1);
       const int m = ring->meta[slot];
       if (m < 0) break;
+      if (pace) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(arrived) : "memory");
       atomicAdd(&visits[(m >> 16) * max_steps + (m & 0xFFFF)], 1);
       bar_arrive(&ring->empty[slot]);
     }
@@ -127,7 +144,7 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
     __threadfence();
     if (atomicAdd(exits, 1u) == gridDim.x - 1) {
       for (int v = 0; v < batch; ++v) claim[v] = 0;
-      *exits = 0;
+      *exits = 0, *arrived = 0;
       __threadfence();
     }
   }
@@ -143,7 +160,7 @@ int main(int argc, char** argv) {
   std::shuffle(table.begin(), table.end(), std::mt19937(0));
   unsigned char *pool, *flush;
   int *d_table, *d_steps, *visits;
-  unsigned *claim, *exits;
+  unsigned *claim, *exits, *arrived;
   unsigned long long* span;
   CK(cudaMalloc(&pool, pages * PAGE_BYTES));
   CK(cudaMalloc(&flush, 256 << 20));
@@ -153,6 +170,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&visits, pages * 4));
   CK(cudaMalloc(&claim, batch * 4));
   CK(cudaMalloc(&exits, 4));
+  CK(cudaMalloc(&arrived, 4));
+  CK(cudaMemset(arrived, 0, 4));
   CK(cudaMalloc(&span, batch * 4 * 8));
   CK(cudaMemcpy(d_table, table.data(), pages * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_steps, steps.data(), batch * 4, cudaMemcpyHostToDevice));
@@ -164,13 +183,16 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   const double bytes = static_cast<double>(pages) * PAGE_BYTES;
-  for (int steal = 0; steal < 2; ++steal) {
+  std::vector<std::pair<int, int>> modes = {{0, 0}, {1, 0}};       // (steal, pace)
+  for (int a = 3; a < argc; ++a) modes.push_back({0, atoi(argv[a])});
+  for (auto [steal, pace] : modes) {
     CK(cudaMemset(visits, 0, pages * 4));
     std::vector<float> t;
     for (int r = 0; r < reps; ++r) {
       CK(cudaMemsetAsync(flush, r, 256 << 20));
       CK(cudaEventRecord(e0));
-      stream<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, claim, exits, visits, span);
+      stream<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
+                                                visits, span);
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float ms;
@@ -182,7 +204,9 @@ int main(int argc, char** argv) {
     std::vector<unsigned long long> sp(batch * 4);
     CK(cudaMemcpy(vis.data(), visits, pages * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(sp.data(), span, batch * 4 * 8, cudaMemcpyDeviceToHost));
-    const bool once = std::all_of(vis.begin(), vis.end(), [&](int v) { return v == reps; });
+    unsigned left = 0;
+    CK(cudaMemcpy(&left, arrived, 4, cudaMemcpyDeviceToHost));
+    const bool once = left == 0 && std::all_of(vis.begin(), vis.end(), [&](int v) { return v == reps; });
     std::sort(t.begin(), t.end());
     unsigned long long t0 = ~0ull;
     for (int i = 0; i < batch; ++i) t0 = std::min(t0, sp[i * 4]);
@@ -194,9 +218,11 @@ int main(int argc, char** argv) {
       stolen += s, thieves += s > 0;
     }
     std::sort(ends.begin(), ends.end());
-    printf("b=%d steps=%d %s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+    char mode[16];
+    snprintf(mode, sizeof mode, pace ? "pace %d" : steal ? "steal" : "own", pace);
+    printf("b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
            "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
-           batch, n, steal ? "steal" : "own  ", t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
            ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
   }
   return 0;

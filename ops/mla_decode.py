@@ -21,6 +21,7 @@ from codegen import targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
+from ops._workspace import arrival_counters
 from tilecraft import env
 
 D_QK, D_V, D_ROPE = 576, 512, 64
@@ -777,6 +778,8 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)
     kv_f32, kv_16 = kv.view(torch.float32), kv.view(q.dtype)
     units = ()
+    if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's three counters
+        units = (arrival_counters(q.device, 3),)
     if tiling.get("persistent"):
         units = sched.persistent_units(_sm_count(q.device) // (rows_pad // BLOCK_M))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,

@@ -375,6 +375,47 @@ __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float*
   }
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
+// ---- the ring held to the grid's pace (mla_decode_fp8_rs2_program's pace; bench/NOTES.md "Session 40") ----
+// counters (int32, zero between launches): [0] the grid's steps whose stage has arrived, [1] the steps of the CTAs
+// that have started, [2] the CTAs that are done (the last one out sets all three back to 0)
+#define TC_PACE_WAIT_CYCLES 4096   // the longest a step is held (~2 us): a stale or foreign count never blocks
+// the producer's first warp, at its start: the CTA's steps join the started count (no round trip: the counts
+// seen start as (0 arrived, 1 started), which says "wait" at the first step past the slack, and that reads them)
+__device__ __forceinline__ void tc_pace_start(int* counters, int* seen, int steps) {
+  if ((threadIdx.x & 31) == 0 && steps > 0)
+    asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" :: "l"(counters + 1), "r"(steps) : "memory");
+  seen[0] = 0, seen[1] = 1;
+}
+// the producer's first warp, before issuing step f of its `steps`: wait while the CTA's share issued is more than
+// `slack` steps ahead of the grid's share arrived, f / steps > arrived / started + slack / steps (the counts are
+// re-read only while the ones seen say so: a stale count only errs towards a read)
+__device__ __forceinline__ void tc_pace(const int* counters, int* seen, int f, int steps, int slack) {
+  if ((threadIdx.x & 31) == 0) {
+    long long arrived = seen[0], started = seen[1];
+    const long long t0 = clock64();
+    while (static_cast<long long>(f - slack) * started > arrived * steps && clock64() - t0 < TC_PACE_WAIT_CYCLES) {
+      int a, b;
+      asm volatile("ld.relaxed.gpu.global.v2.s32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(counters) : "memory");
+      seen[0] = a, seen[1] = b, arrived = a, started = b;
+      __nanosleep(128);
+    }
+  }
+  __syncwarp();
+}
+// a chain's thread 0, once a stage has arrived
+__device__ __forceinline__ void tc_pace_count(int* counters) {
+  if ((threadIdx.x & 127) == 0) asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" :: "l"(counters) : "memory");
+}
+// chain 0's thread 0, last (after both chains' counts): the last CTA out sets the counters back to 0
+__device__ __forceinline__ void tc_pace_exit(int* counters) {
+  if ((threadIdx.x & 127) == 0) {
+    __threadfence();
+    if (atomicAdd(counters + 2, 1) == static_cast<int>(gridDim.x) - 1) {
+      counters[0] = 0, counters[1] = 0, counters[2] = 0;
+      __threadfence();
+    }
+  }
+}
 """
 
 
@@ -664,6 +705,10 @@ RS2_REGS, RS2_PRODUCER_REGS = 224, 56       # 128 x (2 x 224 + 56) <= 64K regist
 # named barriers (TileLang's own sync pass is off for this program): per chain w the softmax 9 + w, the tail
 # zeroing 11 + w, P ready 13 + w; both chains 15
 RS2_BAR_SOFTMAX, RS2_BAR_TAIL, RS2_BAR_P, RS2_BAR_BOTH = 9, 11, 13, 15
+# pace: a CTA's producer holds its next stage while the CTA's share of its steps issued is more than this many steps
+# ahead of the grid's share arrived (tc_pace): the SMs that the DRAM serves first are held to the average, and the
+# ones it serves last get what they leave, so the CTAs end together (bench/NOTES.md "Session 40"; 0: off)
+RS2_PACE = 4
 
 
 def _rs2_fragments():
@@ -689,7 +734,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None):
+               OPart=None, Pace=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -704,6 +749,8 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         parity = (k // RS2_STAGES) % 2
         _rs2_stamp(OPart, k, 0)
         T.mbarrier_wait_parity(full[slot], parity)        # the stage: rope, scales and the four groups
+        if Pace is not None:
+            T.evaluate(T.call_extern("handle", "tc_pace_count", T.access_ptr(Pace[0], "rw", 3)))
         _rs2_stamp(OPart, k, 1)
         blk = first + k
         valid = seqlen - blk * STEP
@@ -754,7 +801,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False):
+                               trace: bool = False, pace: int = RS2_PACE):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -764,11 +811,16 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     chains) into OPart[0, TRACE_ROW], and every CTA its span (chain 0's loop) into OPart[bid, SPAN_ROW]; OPart needs
     batch * max_splits slots then. The op's FP8 kernel at <= 16 rows (bench/NOTES.md "Session 38": ~2340 cycles
     a step an SM against ~2170 of DRAM share at b = 128, without the two-CTA kernel's splits, combine and
-    older/younger imbalance)."""
+    older/younger imbalance).
+    pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, three int32 counters that are
+    0 at the launch and that the kernel sets back to 0 (ops._workspace.arrival_counters); it changes when stages
+    are issued, never what is computed (bitwise the same as pace=0)."""
+    if pace < 0:
+        raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1
-    batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
+    batch, num_pages, max_blocks, slots, counters = T.dynamic("batch, num_pages, max_blocks, slots, counters")
     neg_inf = -T.infinity("float32")
 
     @T.prim_func
@@ -784,6 +836,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
         Lse: T.Tensor((batch, h_q, s_q), "float32"),
         OPart: T.Tensor((slots, ROWS_PAD, D_V), "float32"),
         LsePart: T.Tensor((slots, ROWS_PAD), "float32"),
+        Pace: T.Tensor((counters,), "int32"),
         max_splits: T.int32,
         scale_log2: T.float32,
     ):
@@ -835,6 +888,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
             # behind them: a 9.9 us prologue; issued after the permute instead, the chains wait for them longer:
             # bench/NOTES.md "Session 38")
+            pace_seen = T.alloc_local((2,), "int32")
+            if pace and 256 <= tx < 288:
+                T.evaluate(T.call_extern("handle", "tc_pace_start", T.access_ptr(Pace[0], "rw", 3), pace_seen.data,
+                                         n_iter))
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
@@ -847,7 +904,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None)
+                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
+                           Pace=Pace if pace else None)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -876,9 +934,12 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                                  T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
+                if pace:    # after both chains' counts (the barriers above)
+                    T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 3)))
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None)
+                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
+                           Pace=Pace if pace else None)
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
@@ -888,6 +949,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
                     kk = k + RS2_STAGES
                     pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
+                    if pace and tx < 288:       # the warp whose elected thread issues the stage
+                        T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 3), pace_seen.data,
+                                                 kk, n_iter, pace))
                     T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page)
 

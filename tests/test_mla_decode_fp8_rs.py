@@ -67,6 +67,8 @@ def test_two_chains_lower_without_spills_and_load_the_query_in_one_round_trip():
                                           disassemble(cubin)))
     assert sass["HGMMA.64x16x16.F32"] == 128 and sass["HGMMA.64x16x16.F32.BF16"] == 8, sass
     assert sass["F2FP.F16.E4M3.UNPACK_B"] == 512 and sass["LDG.E.128.CONSTANT"] == 3, sass
+    # the pace: the producer's warp holds a stage, each chain counts its stages, chain 0 leaves last
+    assert src.count("tc_pace((") == 1 and src.count("tc_pace_count((") == 2 and src.count("tc_pace_exit((") == 1
 
 
 def test_refuses_what_it_is_not_built_for():
@@ -173,3 +175,31 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit):
     inf or NaN. (A running max allowed to lag up to 2^8 behind, with a guard for such scales, passed these and
     measured no faster: bench/NOTES.md "Session 39".)"""
     run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2), edit=edit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stale", [False, True])
+def test_gpu_pace_changes_nothing_computed_and_resets_its_counters(stale):
+    """rs2's pace (tc_pace) only holds stages back: bitwise the outputs of pace=0 on unequal lengths (0, 1, long)
+    in more CTAs than SMs (later CTAs start as earlier ones end), and its three counters are back at 0 after the
+    launch. stale: counters left wrong (a started count so large that every CTA is "ahead" at every step): each
+    step is held at most TC_PACE_WAIT_CYCLES, the launch ends with the same outputs and sets the counters right."""
+    from ops._workspace import arrival_counters
+    from ops.mla_decode import _mla_decode_impl
+    from tests.test_mla_decode import D, make_inputs
+    import ops
+
+    g = torch.Generator().manual_seed(7)
+    lens = [0, 1, 64, 4096] + torch.randint(1, 3000, (296,), generator=g).tolist()
+    q, kv, table, seqlens = make_inputs(len(lens), 1, 16, lens, page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    counters = arrival_counters(q.device, 3)
+    outs = []
+    for pace in (0, 4):
+        if stale and pace:
+            counters[:3] = torch.tensor([0, 1 << 30, 0], dtype=torch.int32)
+        outs.append(_mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, None,
+                                     tiling=dict(RS, chains=2, pace=pace), kv_format="fp8"))
+        assert counters[:3].tolist() == [0, 0, 0], (pace, counters[:3].tolist())
+    assert not outs[0][0].isnan().any()
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
