@@ -9,7 +9,7 @@
 //          S steps ahead of the whole grid's share (a grid-wide count of the steps whose data arrived): the
 //          fast SMs are held to the average, so the slow ones get the DRAM they leave (bench/NOTES.md "Session 40")
 // One cp.async.bulk a page (41,984 contiguous bytes in 4 copies) on an mbarrier, as a 1D stream.
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && /tmp/probe_steal [batch] [steps] [S...]
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && [TC_STAGES=4] /tmp/probe_steal [batch] [steps] [S...]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -17,7 +17,7 @@
 #include <random>
 #include <vector>
 
-constexpr int STAGES = 4, PAGE_BYTES = 64 * 656, COPIES = 4, MIN_STEAL = 2;
+constexpr int PAGE_BYTES = 64 * 656, COPIES = 4, MIN_STEAL = 2;
 
 __device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void bar_init(uint64_t* b, int n) {
@@ -43,17 +43,19 @@ __device__ __forceinline__ uint64_t now() {
   return t;
 }
 
+template <int STAGES>
 struct Ring {
   uint64_t full[STAGES], empty[STAGES];
   int meta[STAGES];                        // sequence * 65536 + step, or -1: no more
 };
 
 // warp 0 produces (lane 0 issues; all lanes scan for a victim), warp 1 consumes (lane 0)
+template <int STAGES>
 __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const int* table, const int* steps, int batch,
                                                 int max_steps, int steal, int pace, unsigned* claim, unsigned* exits,
                                                 unsigned* arrived, int* visits, unsigned long long* span) {
   extern __shared__ __align__(1024) unsigned char buf[];
-  Ring* ring = reinterpret_cast<Ring*>(buf + STAGES * PAGE_BYTES);
+  Ring<STAGES>* ring = reinterpret_cast<Ring<STAGES>*>(buf + STAGES * PAGE_BYTES);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, bi = blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) bar_init(&ring->full[s], 1), bar_init(&ring->empty[s], 1);
@@ -177,8 +179,11 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(d_steps, steps.data(), batch * 4, cudaMemcpyHostToDevice));
   CK(cudaMemset(claim, 0, batch * 4));
   CK(cudaMemset(exits, 0, 4));
-  const int smem_bytes = STAGES * PAGE_BYTES + static_cast<int>(sizeof(Ring));
-  CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  // the ring's depth: TC_STAGES (2 to 5; default 4, the op's rs2 kernel)
+  const int stages = getenv("TC_STAGES") ? atoi(getenv("TC_STAGES")) : 4;
+  auto kernel = stages == 2 ? stream<2> : stages == 3 ? stream<3> : stages == 5 ? stream<5> : stream<4>;
+  const int smem_bytes = stages * PAGE_BYTES + 64 * stages;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -191,7 +196,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < reps; ++r) {
       CK(cudaMemsetAsync(flush, r, 256 << 20));
       CK(cudaEventRecord(e0));
-      stream<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
+      kernel<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
                                                 visits, span);
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
@@ -220,9 +225,9 @@ int main(int argc, char** argv) {
     std::sort(ends.begin(), ends.end());
     char mode[16];
     snprintf(mode, sizeof mode, pace ? "pace %d" : steal ? "steal" : "own", pace);
-    printf("b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+    printf("stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
            "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
-           batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
            ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
   }
   return 0;
