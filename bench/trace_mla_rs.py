@@ -92,7 +92,7 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True):
     o_part = torch.zeros(b * splits, 64, D_V, dtype=torch.float32, device="cuda")
     lse_part = torch.empty(b * splits, 64, dtype=torch.float32, device="cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    pace = (torch.zeros(3, dtype=torch.int32, device="cuda"),) if blocks == "rs2" else ()   # rs2's pace counters
+    pace = (torch.zeros(2, dtype=torch.int32, device="cuda"),) if blocks == "rs2" else ()   # rs2's pace counters
     args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, nsplits, out, lse, o_part,
             lse_part, *pace, splits, float(D_QK ** -0.5 * LOG2E))
     line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}{'' if flush_l2 else ', L2 warm'}:"

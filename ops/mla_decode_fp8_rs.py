@@ -376,8 +376,9 @@ __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float*
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
 // ---- the ring held to the grid's pace (mla_decode_fp8_rs2_program's pace; bench/NOTES.md "Session 40") ----
-// counters (int32, zero between launches): [0] the grid's steps whose stage has arrived, [1] the steps of the CTAs
-// that have started, [2] the CTAs that are done (the last one out sets all three back to 0)
+// counters (int32, zero between launches): [0] the steps whose stage has arrived, [1] the steps of the CTAs that have
+// started, both over the CTAs that run: each CTA adds its own and takes them out again as it leaves (no returning
+// atomic, no fence: the launch ends with the counters as it found them)
 #define TC_PACE_WAIT_CYCLES 4096   // the longest a step is held (~2 us): a stale or foreign count never blocks
 // the producer's first warp, at its start: the CTA's steps join the started count (no round trip: the counts
 // seen start as (0 arrived, 1 started), which says "wait" at the first step past the slack, and that reads them)
@@ -406,14 +407,11 @@ __device__ __forceinline__ void tc_pace(const int* counters, int* seen, int f, i
 __device__ __forceinline__ void tc_pace_count(int* counters) {
   if ((threadIdx.x & 127) == 0) asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" :: "l"(counters) : "memory");
 }
-// chain 0's thread 0, last (after both chains' counts): the last CTA out sets the counters back to 0
-__device__ __forceinline__ void tc_pace_exit(int* counters) {
-  if ((threadIdx.x & 127) == 0) {
-    __threadfence();
-    if (atomicAdd(counters + 2, 1) == static_cast<int>(gridDim.x) - 1) {
-      counters[0] = 0, counters[1] = 0, counters[2] = 0;
-      __threadfence();
-    }
+// chain 0's thread 0, last: the CTA's steps out of both counts (its chains counted all `steps` of them)
+__device__ __forceinline__ void tc_pace_exit(int* counters, int steps) {
+  if ((threadIdx.x & 127) == 0 && steps > 0) {
+    asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" :: "l"(counters), "r"(-steps) : "memory");
+    asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" :: "l"(counters + 1), "r"(-steps) : "memory");
   }
 }
 """
@@ -750,7 +748,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         _rs2_stamp(OPart, k, 0)
         T.mbarrier_wait_parity(full[slot], parity)        # the stage: rope, scales and the four groups
         if Pace is not None:
-            T.evaluate(T.call_extern("handle", "tc_pace_count", T.access_ptr(Pace[0], "rw", 3)))
+            T.evaluate(T.call_extern("handle", "tc_pace_count", T.access_ptr(Pace[0], "rw", 2)))
         _rs2_stamp(OPart, k, 1)
         blk = first + k
         valid = seqlen - blk * STEP
@@ -812,9 +810,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     batch * max_splits slots then. The op's FP8 kernel at <= 16 rows (bench/NOTES.md "Session 38": ~2340 cycles
     a step an SM against ~2170 of DRAM share at b = 128, without the two-CTA kernel's splits, combine and
     older/younger imbalance).
-    pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, three int32 counters that are
-    0 at the launch and that the kernel sets back to 0 (ops._workspace.arrival_counters); it changes when stages
-    are issued, never what is computed (bitwise the same as pace=0)."""
+    pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, two int32 counters that are
+    0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
+    when stages are issued, never what is computed (bitwise the same as pace=0)."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
@@ -890,7 +888,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             # bench/NOTES.md "Session 38")
             pace_seen = T.alloc_local((2,), "int32")
             if pace and 256 <= tx < 288:
-                T.evaluate(T.call_extern("handle", "tc_pace_start", T.access_ptr(Pace[0], "rw", 3), pace_seen.data,
+                T.evaluate(T.call_extern("handle", "tc_pace_start", T.access_ptr(Pace[0], "rw", 2), pace_seen.data,
                                          n_iter))
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
@@ -934,8 +932,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                                  T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
-                if pace:    # after both chains' counts (the barriers above)
-                    T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 3)))
+                if pace:
+                    T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
@@ -950,7 +948,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     kk = k + RS2_STAGES
                     pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
                     if pace and tx < 288:       # the warp whose elected thread issues the stage
-                        T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 3), pace_seen.data,
+                        T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
                                                  kk, n_iter, pace))
                     T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page)
