@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from ops.mla_decode_fp8_rs import latent_column, mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program, q_column
+from ops.mla_decode_fp8_rs import (RS2_PACE, latent_column, mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program,
+                                   q_column)
 from tests.test_mla_decode import run_fp8_case
 
 RS = dict(register_fp8=True, kv_format="fp8")
@@ -195,7 +196,7 @@ def test_gpu_pace_changes_nothing_computed_and_leaves_its_counters(stale):
     cache = ops.quantize_mla_kv_fp8(kv)
     counters = arrival_counters(q.device, 2)
     outs = []
-    for pace in (0, 4):
+    for pace in (0, RS2_PACE):
         before = [0, 1 << 30] if stale and pace else [0, 0]
         counters[:2] = torch.tensor(before, dtype=torch.int32)
         outs.append(_mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, None,
