@@ -17,7 +17,8 @@
 #include <random>
 #include <vector>
 
-constexpr int PAGE_BYTES = 64 * 656, COPIES = 4, MIN_STEAL = 2;
+constexpr int COPIES = 4, MIN_STEAL = 2;
+__constant__ int PAGE_BYTES;               // a step's bytes: TC_PAGE_BYTES, default 64 x 656 (the FP8 cache's page)
 
 __device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void bar_init(uint64_t* b, int n) {
@@ -157,6 +158,9 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
 int main(int argc, char** argv) {
   const int batch = argc > 1 ? atoi(argv[1]) : 128, n = argc > 2 ? atoi(argv[2]) : 64, reps = 9;
   const size_t pages = static_cast<size_t>(batch) * n;
+  // a step's bytes (TC_PAGE_BYTES, a multiple of 64; 64 x 1152 = 73728 is the bf16 cache's page)
+  const int page_bytes = getenv("TC_PAGE_BYTES") ? atoi(getenv("TC_PAGE_BYTES")) : 64 * 656;
+  CK(cudaMemcpyToSymbol(PAGE_BYTES, &page_bytes, sizeof page_bytes));
   std::vector<int> table(pages), steps(batch, n);
   for (size_t i = 0; i < pages; ++i) table[i] = static_cast<int>(i);
   std::shuffle(table.begin(), table.end(), std::mt19937(0));
@@ -164,9 +168,9 @@ int main(int argc, char** argv) {
   int *d_table, *d_steps, *visits;
   unsigned *claim, *exits, *arrived;
   unsigned long long* span;
-  CK(cudaMalloc(&pool, pages * PAGE_BYTES));
+  CK(cudaMalloc(&pool, pages * page_bytes));
   CK(cudaMalloc(&flush, 256 << 20));
-  CK(cudaMemset(pool, 1, pages * PAGE_BYTES));
+  CK(cudaMemset(pool, 1, pages * page_bytes));
   CK(cudaMalloc(&d_table, pages * 4));
   CK(cudaMalloc(&d_steps, batch * 4));
   CK(cudaMalloc(&visits, pages * 4));
@@ -182,12 +186,12 @@ int main(int argc, char** argv) {
   // the ring's depth: TC_STAGES (2 to 5; default 4, the op's rs2 kernel)
   const int stages = getenv("TC_STAGES") ? atoi(getenv("TC_STAGES")) : 4;
   auto kernel = stages == 2 ? stream<2> : stages == 3 ? stream<3> : stages == 5 ? stream<5> : stream<4>;
-  const int smem_bytes = stages * PAGE_BYTES + 64 * stages;
+  const int smem_bytes = stages * page_bytes + 64 * stages;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  const double bytes = static_cast<double>(pages) * PAGE_BYTES;
+  const double bytes = static_cast<double>(pages) * page_bytes;
   std::vector<std::pair<int, int>> modes = {{0, 0}, {1, 0}};       // (steal, pace)
   for (int a = 3; a < argc; ++a) modes.push_back({0, atoi(argv[a])});
   for (auto [steal, pace] : modes) {
@@ -225,9 +229,9 @@ int main(int argc, char** argv) {
     std::sort(ends.begin(), ends.end());
     char mode[16];
     snprintf(mode, sizeof mode, pace ? "pace %d" : steal ? "steal" : "own", pace);
-    printf("stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+    printf("page=%d stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
            "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
-           stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           page_bytes, stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
            ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
   }
   return 0;
