@@ -800,7 +800,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, pace: int = RS2_PACE, early_stages: int = RS2_STAGES):
+                               trace: bool = False, pace: int = RS2_PACE):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -813,12 +813,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     older/younger imbalance).
     pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, two int32 counters that are
     0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
-    when stages are issued, never what is computed (bitwise the same as pace=0).
-    early_stages: the ring's stages issued before the query's permute (the rest as the chains start)."""
+    when stages are issued, never what is computed (bitwise the same as pace=0)."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
-    if not 1 <= early_stages <= RS2_STAGES:
-        raise ValueError(f"mla_decode_fp8_rs2: early_stages is 1 to {RS2_STAGES}, got {early_stages}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     causal = causal and s_q > 1
@@ -895,7 +892,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.evaluate(T.call_extern("handle", "tc_pace_start", T.access_ptr(Pace[0], "rw", 2), pace_seen.data,
                                          n_iter))
             if tx >= 256 and n_iter > 0:
-                for k in T.serial(T.min(n_iter, early_stages)):
+                for k in T.serial(T.min(n_iter, RS2_STAGES)):
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
                 ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
@@ -948,9 +945,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
             else:
                 T.set_max_nreg(RS2_PRODUCER_REGS, 0)
-                if early_stages < RS2_STAGES:
-                    for k in T.serial(early_stages, T.max(T.min(n_iter, RS2_STAGES), early_stages)):
-                        _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
                 for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
                     kk = k + RS2_STAGES
                     pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
