@@ -205,3 +205,30 @@ def test_gpu_pace_changes_nothing_computed_and_leaves_its_counters(stale):
     counters[:2] = 0
     assert not outs[0][0].isnan().any()
     assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+
+
+@pytest.mark.gpu
+def test_gpu_paced_kernel_in_a_cuda_graph():
+    """The op's FP8 kernel (rs2 with its pace) captured in a CUDA graph: its counters come from the capture
+    stream (ops._workspace.arrival_counters), the replay gives the eager call's bits on a new query, and every
+    counter is back at 0 after both."""
+    from ops._workspace import arrival_counters
+    from tests.test_mla_decode import make_inputs
+    import ops
+
+    q, kv, table, lens = make_inputs(3, 1, 16, [5000, 1, 2000], device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    sched = ops.get_mla_schedule(lens, 1, 16, max_blocks=table.shape[1], kv_format="fp8")
+    ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, sched=sched, kv_format="fp8")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, sched=sched, kv_format="fp8")
+        counters = arrival_counters(q.device, 2)
+    q.copy_(torch.randn_like(q) / 4)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    eager, eager_lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, sched=sched, kv_format="fp8")
+    assert not out.isnan().any()
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    assert counters[:2].tolist() == [0, 0] and arrival_counters(q.device, 2)[:2].tolist() == [0, 0]
