@@ -9,12 +9,13 @@
 //          S steps ahead of the whole grid's share (a grid-wide count of the steps whose data arrived): the
 //          fast SMs are held to the average, so the slow ones get the DRAM they leave (bench/NOTES.md "Session 40")
 // One cp.async.bulk a page (41,984 contiguous bytes in 4 copies) on an mbarrier, as a 1D stream.
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && [TC_STAGES=4] /tmp/probe_steal [batch] [steps] [S...]
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && [TC_FLUSH=read] [TC_STAGES=4] /tmp/probe_steal [batch] [steps] [S...]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 constexpr int COPIES = 4, MIN_STEAL = 2;
@@ -153,6 +154,16 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
   }
 }
 
+// the L2 emptied by reading 256 MB (TC_FLUSH=read: nothing dirty left to write back during the timed launch, as
+// bench --flush read) or by writing it (the default, session 39's runs: up to an L2 of dirty lines written back
+// during the launch, which is what spread the CTAs' ends: bench/NOTES.md "Session 40")
+__global__ void read_flush(const int4* p, size_t n, int* sink) {
+  int acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    acc ^= p[i].x ^ p[i].y ^ p[i].z ^ p[i].w;
+  if (acc == 0x7fffffff) *sink = acc;                   // (keeps the loads)
+}
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 int main(int argc, char** argv) {
@@ -185,6 +196,7 @@ int main(int argc, char** argv) {
   CK(cudaMemset(exits, 0, 4));
   // the ring's depth: TC_STAGES (2 to 5; default 4, the op's rs2 kernel)
   const int stages = getenv("TC_STAGES") ? atoi(getenv("TC_STAGES")) : 4;
+  const bool read_mode = getenv("TC_FLUSH") && std::string(getenv("TC_FLUSH")) == "read";
   auto kernel = stages == 2 ? stream<2> : stages == 3 ? stream<3> : stages == 5 ? stream<5> : stream<4>;
   const int smem_bytes = stages * page_bytes + 64 * stages;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
@@ -198,7 +210,10 @@ int main(int argc, char** argv) {
     CK(cudaMemset(visits, 0, pages * 4));
     std::vector<float> t;
     for (int r = 0; r < reps; ++r) {
-      CK(cudaMemsetAsync(flush, r, 256 << 20));
+      if (read_mode)
+        read_flush<<<1024, 256>>>(reinterpret_cast<const int4*>(flush), (256u << 20) / 16, reinterpret_cast<int*>(pool));
+      else
+        CK(cudaMemsetAsync(flush, r, 256 << 20));
       CK(cudaEventRecord(e0));
       kernel<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
                                                 visits, span);
@@ -229,9 +244,9 @@ int main(int argc, char** argv) {
     std::sort(ends.begin(), ends.end());
     char mode[16];
     snprintf(mode, sizeof mode, pace ? "pace %d" : steal ? "steal" : "own", pace);
-    printf("page=%d stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+    printf("%s flush page=%d stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
            "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
-           page_bytes, stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           read_mode ? "read" : "write", page_bytes, stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
            ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
   }
   return 0;

@@ -25,6 +25,7 @@ import sys
 import torch
 
 import ops
+from bench.timing import _flusher
 from ops.mla_decode import D_QK, D_V, LOG2E
 from ops.mla_decode_fp8_rs import (RS2_TRACE_EVENTS, SPAN_ROW, TRACE_EVENTS, TRACE_ROW, TRACE_STEPS,
                                    mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program)
@@ -81,7 +82,7 @@ def _compile(blocks, trace):
     return mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks, trace=trace)
 
 
-def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True):
+def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read"):
     """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch
     (blocks: CTAs an SM of the rs kernel, or "rs2" for the two-chain kernel; flush_l2=False: the L2 keeps the
     previous launch's lines, the kernel's code included)."""
@@ -91,17 +92,20 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True):
     lse = torch.empty(b, H_Q, 1, dtype=torch.float32, device="cuda")
     o_part = torch.zeros(b * splits, 64, D_V, dtype=torch.float32, device="cuda")
     lse_part = torch.empty(b * splits, 64, dtype=torch.float32, device="cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    # flush_mode "read" (a sum, the L2 left clean, as bench --flush read) or "write" (a zero-fill: up to an L2 of
+    # dirty lines written back during the launch; sessions 38-40 spans before this argument; bench/NOTES.md
+    # "Session 40": those write-backs are what spread the CTAs' ends)
+    flush = _flusher(flush_l2, flush_mode)
     pace = (torch.zeros(2, dtype=torch.int32, device="cuda"),) if blocks == "rs2" else ()   # rs2's pace counters
     args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, nsplits, out, lse, o_part,
             lse_part, *pace, splits, float(D_QK ** -0.5 * LOG2E))
-    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}{'' if flush_l2 else ', L2 warm'}:"
+    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}{f', {flush_mode} flush' if flush_l2 else ', L2 warm'}:"
     for trace in (False, True):
         launch = _compile(blocks, trace).launcher()
         times = []
         for _ in range(reps):
-            if flush_l2:
-                flush.zero_()
+            if flush is not None:
+                flush()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             launch(*args)
@@ -167,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
     ap.add_argument("--warm", action="store_true", help="--rs2: also b = 128 with the L2 not written over between launches")
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="how the L2 is emptied before each launch (bench.timing's modes; write leaves dirty lines)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.trace_mla_rs needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
@@ -174,13 +180,13 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.rs2:
         for b, splits, blocks in ((128, 2, 2), (128, 1, "rs2"), (sms, 1, "rs2")):
-            spans(b, splits, blocks, args.reps, args.csv)
+            spans(b, splits, blocks, args.reps, args.csv, flush_mode=args.flush)
         if args.warm:
             spans(128, 1, "rs2", args.reps, args.csv, flush_l2=False)
         return 0
     if args.spans:
         for b, splits, blocks in ((2 * sms, 1, 2), (128, 2, 2), (sms, 1, 1), (128, 1, 1), (128, 2, 1)):
-            spans(b, splits, blocks, args.reps, args.csv)
+            spans(b, splits, blocks, args.reps, args.csv, flush_mode=args.flush)
         return 0
     for b in (args.blocks * sms, sms):
         run(b, args.blocks)

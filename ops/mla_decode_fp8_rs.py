@@ -705,8 +705,9 @@ RS2_REGS, RS2_PRODUCER_REGS = 224, 56       # 128 x (2 x 224 + 56) <= 64K regist
 RS2_BAR_SOFTMAX, RS2_BAR_TAIL, RS2_BAR_P, RS2_BAR_BOTH = 9, 11, 13, 15
 # pace: a CTA's producer holds its next stage while the CTA's share of its steps issued is more than this many steps
 # ahead of the grid's share taken by the chains (tc_pace): the SMs that the DRAM serves first are held to the
-# average, and the ones it serves last get what they leave, so the CTAs end closer together (bench/NOTES.md
-# "Session 40": 2 measured best at b = 128 x 4096, -3.5% against no pace; 4 no gain; 0: off)
+# average, and the ones it serves last get what they leave, so the CTAs end closer together. bench/NOTES.md
+# "Session 40": at b = 128 x 4096, -3.4% while an L2 of dirty lines is written back during the kernel (slack 2
+# best; 1 and 3-4 worse), no change on a clean L2 (the bench's condition). 0: off.
 RS2_PACE = 2
 
 
