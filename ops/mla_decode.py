@@ -778,7 +778,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     # the same bytes as 32-bit floats (FP8 scales) and as 16-bit values (FP8 rope; bf16 cache as is)
     kv_f32, kv_16 = kv.view(torch.float32), kv.view(q.dtype)
     units = ()
-    if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's three counters
+    if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's two counters
         units = (arrival_counters(q.device, 2),)
     if tiling.get("persistent"):
         units = sched.persistent_units(_sm_count(q.device) // (rows_pad // BLOCK_M))
