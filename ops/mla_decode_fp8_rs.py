@@ -287,6 +287,49 @@ __device__ __forceinline__ void tc_p_ready(int bar) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
+// tc_softmax_t + the four tc_p_store + tc_p_ready with the running max left behind: P = 2^(s scale_log2 - m)
+// against the max m as it is, kept while no score is more than 2^lag above it and P * scale stays inside fp16
+// (scale <= ks_limit = 65504 / 2^lag); then the four warps exchange nothing, and the P-ready barrier is the
+// one barrier of the step (it ANDs each thread's verdict). Otherwise (a column's first finite score, a max that
+// moved by more than lag) every thread takes tc_softmax_t's exact path and stores P again. lse = m + log2 l
+// and O / l do not depend on which m: lag = 0 is the exact kernel bit for bit.
+__device__ __forceinline__ void tc_softmax_lazy_t(void* p, float* s, float* m, float* l, float* alpha, const float* ks,
+                                                  float* red, int parity, float scale_log2, float lag, float ks_limit,
+                                                  int bar_softmax, int bar_p) {
+  float pv[8], use[4];
+#pragma unroll
+  for (int hs = 0; hs < 4; ++hs) use[hs] = m[hs] == -INFINITY ? 0.0f : m[hs];
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int hs = (i >> 2) * 2 + (i & 1);
+    const float x = fmaf(s[i], scale_log2, -use[hs]);
+    pv[i] = tc_ex2(x);
+    ok = ok && (m[hs] == -INFINITY ? s[i] == -INFINITY : x <= lag);
+  }
+  float kmax = ks[0];
+#pragma unroll
+  for (int j = 1; j < 8; ++j) kmax = fmaxf(kmax, ks[j]);
+  ok = ok && kmax <= ks_limit;
+#pragma unroll
+  for (int g = 0; g < 4; ++g) tc_p_store(p, pv, ks, g);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  int all;
+  asm volatile("{\n .reg .pred q, r;\n setp.ne.s32 q, %1, 0;\n barrier.cta.red.and.pred r, %2, 128, q;\n"
+               " selp.s32 %0, 1, 0, r;\n}" : "=r"(all) : "r"(int(ok)), "r"(bar_p) : "memory");
+  if (all) {
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) {
+      alpha[hs] = 1.0f;
+      l[hs] = fmaf(l[hs], 1.0f, pv[(hs >> 1) * 4 + (hs & 1)] + pv[(hs >> 1) * 4 + 2 + (hs & 1)]);
+    }
+    return;
+  }
+  tc_softmax_t(s, m, l, alpha, red, parity, scale_log2, bar_softmax);
+#pragma unroll
+  for (int g = 0; g < 4; ++g) tc_p_store(p, s, ks, g);
+  tc_p_ready(bar_p);
+}
 __device__ __forceinline__ void tc_bar(int bar, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(bar), "r"(threads) : "memory");
 }
@@ -734,7 +777,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None):
+               OPart=None, Pace=None, lag=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -761,12 +804,18 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
         _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
-        T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
-                                 T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
-        for g in range(GROUPS):
-            T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
-                                     s_t.data, ks_t.data, g))
-        T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
+        if lag is None:
+            T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                     T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
+            for g in range(GROUPS):
+                T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                         s_t.data, ks_t.data, g))
+            T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
+        else:
+            T.evaluate(T.call_extern("handle", "tc_softmax_lazy_t", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                     s_t.data, m_t.data, l_t.data, alpha_t.data, ks_t.data,
+                                     T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, T.float32(lag),
+                                     T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
         _rs2_stamp(OPart, k, 3)
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
         _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
@@ -801,7 +850,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, pace: int = RS2_PACE):
+                               trace: bool = False, pace: int = RS2_PACE, lag: float | None = None):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -814,11 +863,17 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     older/younger imbalance).
     pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, two int32 counters that are
     0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
-    when stages are issued, never what is computed (bitwise the same as pace=0)."""
+    when stages are issued, never what is computed (bitwise the same as pace=0).
+    lag (None: off, the op's): tc_softmax_lazy_t, a running max allowed to lag up to 2^lag behind the scores (one
+    barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). Measured no
+    faster in session 39 under a write flush, which session 40 found hides what the chains cost; kept to be
+    measured again on a clean L2 (bench/NOTES.md "Session 40")."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
+    if lag is not None and not 0 <= lag <= 15:
+        raise ValueError(f"mla_decode_fp8_rs2: lag must be None or in [0, 15] (log2 units), got {lag}")
     causal = causal and s_q > 1
     batch, num_pages, max_blocks, slots, counters = T.dynamic("batch, num_pages, max_blocks, slots, counters")
     neg_inf = -T.infinity("float32")
@@ -905,7 +960,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None)
+                           Pace=Pace if pace else None, lag=lag)
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -939,7 +994,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None)
+                           Pace=Pace if pace else None, lag=lag)
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))

@@ -169,13 +169,31 @@ def _huge_last_group(q, kv, table):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lag", [None, 8.0])
 @pytest.mark.parametrize("edit", [_late_jumps, _huge_last_group])
-def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit):
+def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
     """rs2 with a score far above the running max late in a sequence (O and l rescaled after many steps at one
     max), and with scales near fp16's limit for P * scale. Against the reference with run_fp8_case's bounds, no
-    inf or NaN. (A running max allowed to lag up to 2^8 behind, with a guard for such scales, passed these and
-    measured no faster: bench/NOTES.md "Session 39".)"""
-    run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2), edit=edit)
+    inf or NaN; also with the running max allowed to lag up to 2^8 behind (lag=8, off in the op; its guard sends
+    such scales to the exact path)."""
+    run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2, **({} if lag is None else {"lag": lag})),
+                 edit=edit)
+
+
+@pytest.mark.gpu
+def test_gpu_lag_zero_is_the_exact_softmax_bit_for_bit():
+    """rs2's lazy softmax with lag = 0 takes the exact path's values whenever it keeps the max: the same bits as
+    lag=None (the op's) on mixed lengths and splits."""
+    from ops.mla_decode import _mla_decode_impl
+    from tests.test_mla_decode import D, make_inputs
+    import ops
+
+    q, kv, table, seqlens = make_inputs(5, 1, 16, [4096, 0, 1, 700, 9000], page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    outs = [_mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, None,
+                             tiling=dict(RS, chains=2, **extra), kv_format="fp8") for extra in ({}, {"lag": 0.0})]
+    assert not outs[0][0].isnan().any()
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
 
 
 @pytest.mark.gpu
