@@ -542,6 +542,44 @@ def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty):
 
 
 @T.macro
+def _k_phase3(kl_s, ks_s, slot, ql_s, a_k0, a_k1, a_k2, acc0, acc1, s_t, ks_t):
+    # _k_phase on three fragments (rs2's third_fragment "k"): group 2's fill does not wait for group 0's MMA,
+    # group 3's for group 1's (the two accumulators as before)
+    _k_fill(kl_s, slot, 0, a_k0)
+    T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
+    _k_fill(kl_s, slot, 1, a_k1)
+    T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
+    _k_fill(kl_s, slot, 2, a_k2)
+    T.wait_wgmma(1)                                 # the rope's and group 0's
+    T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
+    _fold(0, acc0, s_t, ks_t)
+    T.wgmma_gemm(a_k2, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+    _k_fill(kl_s, slot, 3, a_k0)
+    T.wait_wgmma(1)
+    _fold(1, acc1, s_t, ks_t)
+    T.wgmma_gemm(a_k0, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    _fold(2, acc0, s_t, ks_t)
+    T.wait_wgmma(0)
+    _fold(3, acc1, s_t, ks_t)
+
+
+@T.macro
+def _v_phase3(kl_s, slot, p_s, w, a_v0, a_v1, a_v2, o0, o1, o2, o3, empty):
+    # _v_phase on three fragments (rs2's third_fragment "v"): group 3 into group 0's once its MMA is done
+    _v_fill(kl_s, slot, 0, a_v0)
+    T.wgmma_gemm(a_v0, p_s[w, 0, :, :], o0, transpose_B=True)
+    _v_fill(kl_s, slot, 1, a_v1)
+    T.wgmma_gemm(a_v1, p_s[w, 1, :, :], o1, transpose_B=True)
+    _v_fill(kl_s, slot, 2, a_v2)
+    T.wgmma_gemm(a_v2, p_s[w, 2, :, :], o2, transpose_B=True)
+    T.wait_wgmma(2)
+    _v_fill(kl_s, slot, 3, a_v0)
+    T.mbarrier_arrive(empty[slot])
+    T.wgmma_gemm(a_v0, p_s[w, 3, :, :], o3, transpose_B=True)
+
+
+@T.macro
 def _load_query(Q, bi, rows, ql_s, qr_s):
     # Q^T's latent in fp16 with its columns permuted (q_column), its rope in bf16; rows past s_q * h_q zero
     for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
@@ -777,7 +815,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None, lag=None):
+               OPart=None, Pace=None, lag=None, third=None, a_k2=None, a_v2=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -801,7 +839,10 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
+        if third in ("k", "kv"):
+            _k_phase3(kl_s, ks_s, slot, ql_s, a_k0, a_k1, a_k2, acc0, acc1, s_t, ks_t)
+        else:
+            _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
         _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
         if lag is None:
@@ -818,7 +859,10 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                                      T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
         _rs2_stamp(OPart, k, 3)
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
+        if third in ("v", "kv"):
+            _v_phase3(kl_s, slot, p_s, w, a_v0, a_v1, a_v2, o0, o1, o2, o3, empty)
+        else:
+            _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
         T.wait_wgmma(0)
         _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
@@ -850,7 +894,8 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, pace: int = RS2_PACE, lag: float | None = None):
+                               trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
+                               third_fragment: str | None = None):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -867,11 +912,16 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     lag (None: off, the op's): tc_softmax_lazy_t, a running max allowed to lag up to 2^lag behind the scores (one
     barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). Measured no
     faster in session 39 under a write flush, which session 40 found hides what the chains cost; kept to be
-    measured again on a clean L2 (bench/NOTES.md "Session 40")."""
+    measured again on a clean L2 (bench/NOTES.md "Session 40").
+    third_fragment (None: off, the op's; "k", "v", "kv"): that phase's four groups on three register fragments
+    instead of two (groups 1 and 2 filled without waiting for an MMA; session 39's change 2, kept for the same
+    clean-L2 measurement)."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
+    if third_fragment not in (None, "k", "v", "kv"):
+        raise ValueError(f"mla_decode_fp8_rs2: third_fragment must be None, 'k', 'v' or 'kv', got {third_fragment!r}")
     if lag is not None and not 0 <= lag <= 15:
         raise ValueError(f"mla_decode_fp8_rs2: lag must be None or in [0, 15] (log2 units), got {lag}")
     causal = causal and s_q > 1
@@ -910,6 +960,12 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
+            third = [dict(third=third_fragment) for _ in range(2)]
+            for x in third:
+                if third_fragment in ("k", "kv"):
+                    x.update(a_k2=T.alloc_fragment((STEP, GROUP), "float16"))
+                if third_fragment in ("v", "kv"):
+                    x.update(a_v2=T.alloc_fragment((GROUP, STEP), "float16"))
             T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
             T.import_source(HELPER_SOURCE)
 
@@ -960,7 +1016,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag)
+                           Pace=Pace if pace else None, lag=lag, **third[0])
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -994,7 +1050,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag)
+                           Pace=Pace if pace else None, lag=lag, **third[1])
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
