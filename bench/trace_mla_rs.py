@@ -125,6 +125,9 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
     print(f"  span {int(rel[:, 3].max()) / 1e3:.1f} us; entries {_stats(rel[:, 0].tolist())} ns after the first")
     print(f"  per CTA (ns): prologue {_stats((rel[:, 1] - rel[:, 0]).tolist())}; loop {_stats(loop_ns.tolist())}; "
           f"epilogue {_stats((rel[:, 3] - rel[:, 2]).tolist())}")
+    # when the CTAs get there (the kernel ends with the last exit; a spread of loop ends is work left unbalanced)
+    print(f"  after the first entry (ns): loop starts {_stats(rel[:, 1].tolist())}; loop ends "
+          f"{_stats(rel[:, 2].tolist())}; exits {_stats(rel[:, 3].tolist())}")
     print(f"  steps a CTA {_stats(steps.tolist())}; loop cycles a step {_stats((loop_cyc[busy] / steps[busy]).tolist())}; "
           f"SM MHz over the loop {_stats((loop_cyc[busy] / loop_ns[busy] * 1e3).tolist())}")
     per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)
