@@ -25,7 +25,7 @@ import sys
 import torch
 
 import ops
-from bench.timing import _flusher
+from bench.timing import FLUSH_MODES, _flusher
 from ops.mla_decode import D_QK, D_V, LOG2E
 from ops.mla_decode_fp8_rs import (RS2_TRACE_EVENTS, SPAN_ROW, TRACE_EVENTS, TRACE_ROW, TRACE_STEPS,
                                    mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
     ap.add_argument("--warm", action="store_true", help="--rs2: also b = 128 with the L2 not written over between launches")
-    ap.add_argument("--flush", choices=("read", "write"), default="read",
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
                     help="how the L2 is emptied before each launch (bench.timing's modes; write leaves dirty lines)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -502,21 +502,31 @@ def _fold(g, acc, s_t, ks_t):
 
 
 @T.macro
-def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t):
-    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales
+def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=None):
+    # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales;
+    # a_k2 (rs2's third_fragment "k"): group 2's fill does not wait for group 0's MMA, group 3's for group 1's
     _k_fill(kl_s, slot, 0, a_k0)
     T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
     _k_fill(kl_s, slot, 1, a_k1)
     T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
+    if a_k2 is not None:
+        _k_fill(kl_s, slot, 2, a_k2)
     T.wait_wgmma(1)                                 # the rope's and group 0's
     T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
     _fold(0, acc0, s_t, ks_t)
-    _k_fill(kl_s, slot, 2, a_k0)
-    T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+    if a_k2 is None:
+        _k_fill(kl_s, slot, 2, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+    else:
+        T.wgmma_gemm(a_k2, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
+        _k_fill(kl_s, slot, 3, a_k0)
     T.wait_wgmma(1)
     _fold(1, acc1, s_t, ks_t)
-    _k_fill(kl_s, slot, 3, a_k1)
-    T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+    if a_k2 is None:
+        _k_fill(kl_s, slot, 3, a_k1)
+        T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
+    else:
+        T.wgmma_gemm(a_k0, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
     T.wait_wgmma(1)
     _fold(2, acc0, s_t, ks_t)
     T.wait_wgmma(0)
@@ -524,59 +534,27 @@ def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t):
 
 
 @T.macro
-def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty):
+def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, a_v2=None):
     # O^T += V^T (P * scale_g)^T, the four groups on two fragments in turn (p_s[g], or p_s[w, g] per chain);
-    # with a stage ring, empty[slot] is arrived on once the slot's last words are read
+    # with a stage ring, empty[slot] is arrived on once the slot's last words are read; a_v2 (rs2's
+    # third_fragment "v"): group 2 on its own fragment, group 3 into group 0's once its MMA is done
     _v_fill(kl_s, slot, 0, a_v0)
     T.wgmma_gemm(a_v0, p_s[0, :, :] if w is None else p_s[w, 0, :, :], o0, transpose_B=True)
     _v_fill(kl_s, slot, 1, a_v1)
     T.wgmma_gemm(a_v1, p_s[1, :, :] if w is None else p_s[w, 1, :, :], o1, transpose_B=True)
-    T.wait_wgmma(1)
-    _v_fill(kl_s, slot, 2, a_v0)
-    T.wgmma_gemm(a_v0, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
-    T.wait_wgmma(1)
-    _v_fill(kl_s, slot, 3, a_v1)
+    if a_v2 is None:
+        T.wait_wgmma(1)
+        _v_fill(kl_s, slot, 2, a_v0)
+        T.wgmma_gemm(a_v0, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
+        T.wait_wgmma(1)
+    else:
+        _v_fill(kl_s, slot, 2, a_v2)
+        T.wgmma_gemm(a_v2, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
+        T.wait_wgmma(2)
+    _v_fill(kl_s, slot, 3, a_v1 if a_v2 is None else a_v0)      # (no local name: it would rename the fragment)
     if empty is not None:
         T.mbarrier_arrive(empty[slot])
-    T.wgmma_gemm(a_v1, p_s[3, :, :] if w is None else p_s[w, 3, :, :], o3, transpose_B=True)
-
-
-@T.macro
-def _k_phase3(kl_s, ks_s, slot, ql_s, a_k0, a_k1, a_k2, acc0, acc1, s_t, ks_t):
-    # _k_phase on three fragments (rs2's third_fragment "k"): group 2's fill does not wait for group 0's MMA,
-    # group 3's for group 1's (the two accumulators as before)
-    _k_fill(kl_s, slot, 0, a_k0)
-    T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
-    _k_fill(kl_s, slot, 1, a_k1)
-    T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
-    _k_fill(kl_s, slot, 2, a_k2)
-    T.wait_wgmma(1)                                 # the rope's and group 0's
-    T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
-    _fold(0, acc0, s_t, ks_t)
-    T.wgmma_gemm(a_k2, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
-    _k_fill(kl_s, slot, 3, a_k0)
-    T.wait_wgmma(1)
-    _fold(1, acc1, s_t, ks_t)
-    T.wgmma_gemm(a_k0, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
-    T.wait_wgmma(1)
-    _fold(2, acc0, s_t, ks_t)
-    T.wait_wgmma(0)
-    _fold(3, acc1, s_t, ks_t)
-
-
-@T.macro
-def _v_phase3(kl_s, slot, p_s, w, a_v0, a_v1, a_v2, o0, o1, o2, o3, empty):
-    # _v_phase on three fragments (rs2's third_fragment "v"): group 3 into group 0's once its MMA is done
-    _v_fill(kl_s, slot, 0, a_v0)
-    T.wgmma_gemm(a_v0, p_s[w, 0, :, :], o0, transpose_B=True)
-    _v_fill(kl_s, slot, 1, a_v1)
-    T.wgmma_gemm(a_v1, p_s[w, 1, :, :], o1, transpose_B=True)
-    _v_fill(kl_s, slot, 2, a_v2)
-    T.wgmma_gemm(a_v2, p_s[w, 2, :, :], o2, transpose_B=True)
-    T.wait_wgmma(2)
-    _v_fill(kl_s, slot, 3, a_v0)
-    T.mbarrier_arrive(empty[slot])
-    T.wgmma_gemm(a_v0, p_s[w, 3, :, :], o3, transpose_B=True)
+    T.wgmma_gemm(a_v1 if a_v2 is None else a_v0, p_s[3, :, :] if w is None else p_s[w, 3, :, :], o3, transpose_B=True)
 
 
 @T.macro
@@ -815,7 +793,7 @@ RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None, lag=None, third=None, a_k2=None, a_v2=None):
+               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -839,10 +817,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
         T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        if third in ("k", "kv"):
-            _k_phase3(kl_s, ks_s, slot, ql_s, a_k0, a_k1, a_k2, acc0, acc1, s_t, ks_t)
-        else:
-            _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t)
+        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2)
         _rs2_stamp(OPart, k, 2)
         T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
         if lag is None:
@@ -859,10 +834,7 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                                      T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
         _rs2_stamp(OPart, k, 3)
         T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-        if third in ("v", "kv"):
-            _v_phase3(kl_s, slot, p_s, w, a_v0, a_v1, a_v2, o0, o1, o2, o3, empty)
-        else:
-            _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty)
+        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, a_v2=a_v2)
         T.wait_wgmma(0)
         _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
@@ -960,7 +932,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
-            third = [dict(third=third_fragment) for _ in range(2)]
+            third = [{}, {}]                                   # third_fragment's fragments, per warpgroup
             for x in third:
                 if third_fragment in ("k", "kv"):
                     x.update(a_k2=T.alloc_fragment((STEP, GROUP), "float16"))
