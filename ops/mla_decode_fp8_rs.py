@@ -768,6 +768,9 @@ RS2_BAR_SOFTMAX, RS2_BAR_TAIL, RS2_BAR_P, RS2_BAR_BOTH = 9, 11, 13, 15
 # "Session 40": at b = 128 x 4096, -3.4% while an L2 of dirty lines is written back during the kernel (slack 2
 # best; 1 and 3-4 worse), no change on a clean L2 (the bench's condition). 0: off.
 RS2_PACE = 2
+# K's four groups on three register fragments (groups 2 and 3 filled without waiting for an MMA; 0 spills): on a
+# clean L2, -0.7 to -1.3% at b = 128 / 64 (bench/NOTES.md "Session 41"); None: two fragments, as before
+RS2_THIRD_FRAGMENT = "k"
 
 
 def _rs2_fragments():
@@ -867,7 +870,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
-                               third_fragment: str | None = None):
+                               third_fragment: str | None = RS2_THIRD_FRAGMENT):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -885,9 +888,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). Measured no
     faster in session 39 under a write flush, which session 40 found hides what the chains cost; kept to be
     measured again on a clean L2 (bench/NOTES.md "Session 40").
-    third_fragment (None: off, the op's; "k", "v", "kv"): that phase's four groups on three register fragments
-    instead of two (groups 1 and 2 filled without waiting for an MMA; session 39's change 2, kept for the same
-    clean-L2 measurement)."""
+    third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
+    fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
+    clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
