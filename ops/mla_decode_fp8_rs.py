@@ -793,10 +793,15 @@ def _rs2_stamp(OPart, k, e):
 RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 
 
+def _compute_unless_streaming(probe, seqlen):
+    """True, or for probe "stream" a condition that never holds at run time (the fragments keep their layouts)."""
+    return seqlen < 0 if probe == "stream" else True
+
+
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None):
+               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None, probe=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -814,31 +819,34 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         if Pace is not None:
             T.evaluate(T.call_extern("handle", "tc_pace_count", T.access_ptr(Pace[0], "rw", 2)))
         _rs2_stamp(OPart, k, 1)
+        if probe is not None:             # timing probes (mla_decode_fp8_rs2_program's probe): wrong outputs
+            T.mbarrier_arrive(empty[slot])
         blk = first + k
         valid = seqlen - blk * STEP
         if valid < STEP:
             T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                      T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
-        T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-        _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2)
-        _rs2_stamp(OPart, k, 2)
-        T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
-        if lag is None:
-            T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
-                                     T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
-            for g in range(GROUPS):
-                T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
-                                         s_t.data, ks_t.data, g))
-            T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
-        else:
-            T.evaluate(T.call_extern("handle", "tc_softmax_lazy_t", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
-                                     s_t.data, m_t.data, l_t.data, alpha_t.data, ks_t.data,
-                                     T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, T.float32(lag),
-                                     T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
-        _rs2_stamp(OPart, k, 3)
-        T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-        _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, a_v2=a_v2)
-        T.wait_wgmma(0)
+        if _compute_unless_streaming(probe, seqlen):
+            T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
+            _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2)
+            _rs2_stamp(OPart, k, 2)
+            T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
+            if lag is None:
+                T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                         T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
+                for g in range(GROUPS):
+                    T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                             s_t.data, ks_t.data, g))
+                T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
+            else:
+                T.evaluate(T.call_extern("handle", "tc_softmax_lazy_t", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                         s_t.data, m_t.data, l_t.data, alpha_t.data, ks_t.data,
+                                         T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, T.float32(lag),
+                                         T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
+            _rs2_stamp(OPart, k, 3)
+            T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
+            _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty if probe is None else None, a_v2=a_v2)
+            T.wait_wgmma(0)
         _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
                              T.access_ptr(l_s[w, 0], "r", ROWS), T.access_ptr(m_s[w, 0], "r", ROWS),
@@ -870,7 +878,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
-                               third_fragment: str | None = RS2_THIRD_FRAGMENT):
+                               third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -890,11 +898,17 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     measured again on a clean L2 (bench/NOTES.md "Session 40").
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
-    clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel."""
+    clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
+    probe (None: the op's; timing probes that compute wrong outputs, for bench.ab_mla_rs2 only): "release" frees each
+    stage as soon as it arrives (the ring's bytes in flight without the chains' hold; the chains then read a
+    stage the producer may be refilling), "stream" also skips the chains' MMAs and softmax (the kernel's own
+    stream, prologue and epilogue)."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
+    if probe not in (None, "release", "stream"):
+        raise ValueError(f"mla_decode_fp8_rs2: probe must be None, 'release' or 'stream', got {probe!r}")
     if third_fragment not in (None, "k", "v", "kv"):
         raise ValueError(f"mla_decode_fp8_rs2: third_fragment must be None, 'k', 'v' or 'kv', got {third_fragment!r}")
     if lag is not None and not 0 <= lag <= 15:
@@ -991,7 +1005,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, **third[0])
+                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                 o0, o1, o2, o3 = frags[0][7:11]
@@ -1025,7 +1039,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, **third[1])
+                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
                 T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
