@@ -8,8 +8,13 @@
 //   pace S  each CTA streams its own sequence, but waits before issuing a step while its share done is more than
 //          S steps ahead of the whole grid's share (a grid-wide count of the steps whose data arrived): the
 //          fast SMs are held to the average, so the slow ones get the DRAM they leave (bench/NOTES.md "Session 40")
-// One cp.async.bulk a page (41,984 contiguous bytes in 4 copies) on an mbarrier, as a 1D stream.
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && [TC_FLUSH=read] [TC_STAGES=4] /tmp/probe_steal [batch] [steps] [S...]
+// A page is 4 contiguous cp.async.bulk copies (41,984 bytes) on an mbarrier, as a 1D stream; TC_COPY=boxes issues
+// it as the op's rs2 kernel does instead (bench/NOTES.md "Session 41"): six 2-D TMA boxes of 64 tokens at the
+// 656-byte token stride, the four latent groups and the rope 128 bytes wide (128-byte swizzle), the scales 16,
+// with TC_PROMO's L2 promotion (0-3: none, 64, 128, 256 bytes; default 2).
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_steal bench/probe_steal_stream.cu && [TC_FLUSH=read] [TC_STAGES=4] [TC_COPY=boxes] /tmp/probe_steal [batch] [steps] [S...]
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -39,6 +44,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes,
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(b)) : "memory");
 }
+// one 3-D TMA box (x bytes into the token, token 0, page z) on an mbarrier
+__device__ __forceinline__ void box_load(void* dst, const CUtensorMap* map, int x, int z, uint64_t* b) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+               :: "r"(smem(dst)), "l"(map), "r"(x), "r"(0), "r"(z), "r"(smem(b)) : "memory");
+}
 __device__ __forceinline__ uint64_t now() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -55,7 +65,9 @@ struct Ring {
 template <int STAGES>
 __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const int* table, const int* steps, int batch,
                                                 int max_steps, int steal, int pace, unsigned* claim, unsigned* exits,
-                                                unsigned* arrived, int* visits, unsigned long long* span) {
+                                                unsigned* arrived, int* visits, unsigned long long* span,
+                                                const __grid_constant__ CUtensorMap wide, const __grid_constant__ CUtensorMap narrow,
+                                                int boxes) {
   extern __shared__ __align__(1024) unsigned char buf[];
   Ring<STAGES>* ring = reinterpret_cast<Ring<STAGES>*>(buf + STAGES * PAGE_BYTES);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, bi = blockIdx.x;
@@ -75,10 +87,18 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
         bar_arrive(&ring->full[slot]);
       } else {
         bar_expect(&ring->full[slot], PAGE_BYTES);
-        const unsigned char* src = pool + static_cast<size_t>(table[seq * max_steps + step]) * PAGE_BYTES;
-        for (int c = 0; c < COPIES; ++c)
-          bulk_load(buf + slot * PAGE_BYTES + c * (PAGE_BYTES / COPIES), src + c * (PAGE_BYTES / COPIES),
-                    PAGE_BYTES / COPIES, &ring->full[slot]);
+        const int pg = table[seq * max_steps + step];
+        unsigned char* dst = buf + slot * PAGE_BYTES;
+        if (boxes) {                                    // rs2's stage: latent groups, rope, scales
+          for (int g = 0; g < 4; ++g) box_load(dst + g * 8192, &wide, g * 128, pg, &ring->full[slot]);
+          box_load(dst + 32768, &wide, 528, pg, &ring->full[slot]);
+          box_load(dst + 40960, &narrow, 512, pg, &ring->full[slot]);
+        } else {
+          const unsigned char* src = pool + static_cast<size_t>(pg) * PAGE_BYTES;
+          for (int c = 0; c < COPIES; ++c)
+            bulk_load(dst + c * (PAGE_BYTES / COPIES), src + c * (PAGE_BYTES / COPIES), PAGE_BYTES / COPIES,
+                      &ring->full[slot]);
+        }
       }
       ++g;
     };
@@ -198,6 +218,30 @@ int main(int argc, char** argv) {
   const int stages = getenv("TC_STAGES") ? atoi(getenv("TC_STAGES")) : 4;
   const bool read_mode = getenv("TC_FLUSH") && std::string(getenv("TC_FLUSH")) == "read";
   auto kernel = stages == 2 ? stream<2> : stages == 3 ? stream<3> : stages == 5 ? stream<5> : stream<4>;
+  const int boxes = getenv("TC_COPY") && std::string(getenv("TC_COPY")) == "boxes";
+  if (boxes && page_bytes != 64 * 656) {
+    printf("TC_COPY=boxes needs the FP8 cache's page (TC_PAGE_BYTES = %d), got %d\n", 64 * 656, page_bytes);
+    return 1;
+  }
+  const int promo = getenv("TC_PROMO") ? atoi(getenv("TC_PROMO")) : 2;
+  CUtensorMap wide{}, narrow{};
+  if (boxes) {                                          // the pool as [pages][64 tokens][656 bytes]
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    const cuuint64_t dims[3] = {656, 64, pages}, strides[2] = {656, 656 * 64};
+    const cuuint32_t wide_box[3] = {128, 64, 1}, narrow_box[3] = {16, 64, 1}, ones[3] = {1, 1, 1};
+    for (int m = 0; m < 2; ++m) {
+      CUtensorMap* map = m == 0 ? &wide : &narrow;
+      const cuuint32_t* box = m == 0 ? wide_box : narrow_box;
+      const CUtensorMapSwizzle swz = m == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
+      const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, pool, dims, strides, box, ones,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, swz, static_cast<CUtensorMapL2promotion>(promo),
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: %d\n", static_cast<int>(r)); return 1; }
+    }
+  }
   const int smem_bytes = stages * page_bytes + 64 * stages;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaEvent_t e0, e1;
@@ -216,7 +260,7 @@ int main(int argc, char** argv) {
         CK(cudaMemsetAsync(flush, r, 256 << 20));
       CK(cudaEventRecord(e0));
       kernel<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
-                                                visits, span);
+                                                visits, span, wide, narrow, boxes);
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float ms;
@@ -244,9 +288,9 @@ int main(int argc, char** argv) {
     std::sort(ends.begin(), ends.end());
     char mode[16];
     snprintf(mode, sizeof mode, pace ? "pace %d" : steal ? "steal" : "own", pace);
-    printf("%s flush page=%d stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
+    printf("%s%s flush page=%d stages=%d b=%d steps=%d %-7s: median %.1f us (min %.1f) %.0f GB/s; every step once: %s; consumer ends (us after the "
            "first start) min %.1f median %.1f max %.1f; last launch %ld steps stolen by %ld CTAs\n",
-           read_mode ? "read" : "write", page_bytes, stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
+           boxes ? "boxes, " : "", read_mode ? "read" : "write", page_bytes, stages, batch, n, mode, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, once ? "yes" : "NO",
            ends[0], ends[batch / 2], ends[batch - 1], stolen, thieves);
   }
   return 0;

@@ -3,7 +3,7 @@ clock at each of its TRACE_EVENTS for its first steps, unsplit, h_q = 16, 4096 t
 
     python -m bench.trace_mla_rs [--blocks 1|2]                     # GPU
     python -m bench.trace_mla_rs --spans [--csv DIR]                # GPU
-    python -m bench.trace_mla_rs --rs2 [--warm] [--csv DIR]         # GPU
+    python -m bench.trace_mla_rs --rs2 [--warm] [--csv DIR] [--variant JSON]   # GPU
 
 b = 2 x SMs (two CTAs on every SM, as the op runs them) and b = SMs (one an SM). Printed: the step period
 and each event's cycles after the step's start, medians over steps 8-55 (min, max beside).
@@ -11,7 +11,8 @@ and each event's cycles after the step's start, medians over steps 8-55 (min, ma
 --rs2: the same spans for the two-chain kernel (mla_decode_fp8_rs2, the op's; b = 128 and 132 unsplit) beside the
 two-CTA kernel (b = 128, 2 splits), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the
 stage, its data landed, scores, P ready, P V done), medians over steps 8-55 per chain. --warm: then b = 128 once
-more without writing over the L2 between launches (what the cold prologue costs).
+more without writing over the L2 between launches (what the cold prologue costs). --variant '{"probe": "stream"}':
+then b = 128 once more with those keyword arguments of mla_decode_fp8_rs2_program (its timing probes, lag, ...).
 
 --spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
 for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and
@@ -20,6 +21,7 @@ the kernel's.
 """
 
 import argparse
+import json
 import sys
 
 import torch
@@ -76,13 +78,13 @@ def run(b, blocks):
         print(f"  {name:12s} +{d[len(d) // 2]:6d} (min {d[0]}, max {d[-1]})")
 
 
-def _compile(blocks, trace):
+def _compile(blocks, trace, variant=None):
     if blocks == "rs2":
-        return mla_decode_fp8_rs2_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, trace=trace)
+        return mla_decode_fp8_rs2_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, trace=trace, **(variant or {}))
     return mla_decode_fp8_rs_program.compile("sm_90a", h_q=H_Q, s_q=1, page=PAGE, blocks_per_sm=blocks, trace=trace)
 
 
-def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read"):
+def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read", variant=None):
     """Times the kernel with and without trace=True, then prints every CTA's span from the last traced launch
     (blocks: CTAs an SM of the rs kernel, or "rs2" for the two-chain kernel; flush_l2=False: the L2 keeps the
     previous launch's lines, the kernel's code included)."""
@@ -99,9 +101,10 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
     pace = (torch.zeros(2, dtype=torch.int32, device="cuda"),) if blocks == "rs2" else ()   # rs2's pace counters
     args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, nsplits, out, lse, o_part,
             lse_part, *pace, splits, float(D_QK ** -0.5 * LOG2E))
-    line = f"== b={b}, splits={splits}, blocks_per_sm={blocks}{f', {flush_mode} flush' if flush_l2 else ', L2 warm'}:"
+    line = (f"== b={b}, splits={splits}, blocks_per_sm={blocks}{f', {flush_mode} flush' if flush_l2 else ', L2 warm'}"
+            f"{f', {json.dumps(variant)}' if variant else ''}:")
     for trace in (False, True):
-        launch = _compile(blocks, trace).launcher()
+        launch = _compile(blocks, trace, variant).launcher()
         times = []
         for _ in range(reps):
             if flush is not None:
@@ -144,7 +147,7 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
     if csv_dir:
         import os
         os.makedirs(csv_dir, exist_ok=True)
-        with open(os.path.join(csv_dir, f"spans-b{b}-s{splits}-c{blocks}.csv"), "w") as f:
+        with open(os.path.join(csv_dir, f"spans-b{b}-s{splits}-c{blocks}{'-variant' if variant else ''}.csv"), "w") as f:
             f.write("cta,sm,steps,entry_ns,loop_start_ns,loop_end_ns,exit_ns,loop_cycles\n")
             for i in range(sp.shape[0]):
                 f.write(f"{i},{int(sm[i])},{int(steps[i])},{int(rel[i, 0])},{int(rel[i, 1])},{int(rel[i, 2])},"
@@ -174,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--csv", default=None, help="--spans: write each run's spans as CSV into this directory")
     ap.add_argument("--warm", action="store_true", help="--rs2: also b = 128 with the L2 not written over between launches")
+    ap.add_argument("--variant", default=None, help="--rs2: also b = 128 with these mla_decode_fp8_rs2_program kwargs (JSON)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
                     help="how the L2 is emptied before each launch (bench.timing's modes; write leaves dirty lines)")
     args = ap.parse_args(argv)
@@ -186,6 +190,8 @@ def main(argv=None) -> int:
             spans(b, splits, blocks, args.reps, args.csv, flush_mode=args.flush)
         if args.warm:
             spans(128, 1, "rs2", args.reps, args.csv, flush_l2=False)
+        if args.variant:
+            spans(128, 1, "rs2", args.reps, args.csv, flush_mode=args.flush, variant=json.loads(args.variant))
         return 0
     if args.spans:
         for b, splits, blocks in ((2 * sms, 1, 2), (128, 2, 2), (sms, 1, 1), (128, 1, 1), (128, 2, 1)):
