@@ -74,14 +74,24 @@ __device__ __forceinline__ unsigned tc_e4m3x2_f16x2_hi(unsigned v) {    // the h
 __device__ __forceinline__ const unsigned char* tc_sw128(const void* base, int t, int byte) {
   return reinterpret_cast<const unsigned char*>(base) + t * 128 + ((((byte >> 4) ^ (t & 7)) << 4) | (byte & 15));
 }
+// Byte `byte` of token t of a latent group: in TMA's 128-byte-swizzled 64 x 128 tile (PAGE = 0), or in a stage
+// that holds the cache's 64 tokens as they are, 656 bytes apart (PAGE = 1: rs2's stage="page", one bulk copy a
+// step; base is the group's byte 0 of token 0). 656 bytes are 164 words, 4 banks on a row: the fills' loads
+// below stay conflict-free (a quarter-warp's 16-byte loads: rows q, q + 1 x bytes 32c, 4q + 8c words apart).
+template <int PAGE>
+__device__ __forceinline__ const unsigned char* tc_lat(const void* base, int t, int byte) {
+  if constexpr (PAGE) return reinterpret_cast<const unsigned char*>(base) + t * 656 + byte;
+  else return tc_sw128(base, t, byte);
+}
 // S^T = K Q^T, K's fragment of one 128-column group: rows r and r + 8 (tokens), quad place c. Byte 32c + 4j + e
 // of a row is fragment K 16j + 2c + e (e < 2) or 16j + 8 + 2c + e - 2 (Q^T's columns are permuted to match):
 // two 16-byte loads a row, one cvt a value pair.
+template <int PAGE = 0>
 __device__ __forceinline__ void tc_e4m3_k_fragment(void* dst, const void* base, int r, int c) {
-  const uint4 a0 = *reinterpret_cast<const uint4*>(tc_sw128(base, r, 32 * c));
-  const uint4 a1 = *reinterpret_cast<const uint4*>(tc_sw128(base, r, 32 * c + 16));
-  const uint4 b0 = *reinterpret_cast<const uint4*>(tc_sw128(base, r + 8, 32 * c));
-  const uint4 b1 = *reinterpret_cast<const uint4*>(tc_sw128(base, r + 8, 32 * c + 16));
+  const uint4 a0 = *reinterpret_cast<const uint4*>(tc_lat<PAGE>(base, r, 32 * c));
+  const uint4 a1 = *reinterpret_cast<const uint4*>(tc_lat<PAGE>(base, r, 32 * c + 16));
+  const uint4 b0 = *reinterpret_cast<const uint4*>(tc_lat<PAGE>(base, r + 8, 32 * c));
+  const uint4 b1 = *reinterpret_cast<const uint4*>(tc_lat<PAGE>(base, r + 8, 32 * c + 16));
   const unsigned w[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
   const unsigned v[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
   unsigned* d = reinterpret_cast<unsigned*>(dst);
@@ -97,15 +107,16 @@ __device__ __forceinline__ void tc_e4m3_k_fragment(void* dst, const void* base, 
 // permuted: fragment row mt * 64 + 16w + 8hi + q is latent column 4(8w + q) + 2mt + hi, so a thread's four
 // rows are one 32-bit word of a token: 16 word loads (tokens 16j + 2c + {0, 1, 8, 9}), byte pairs across two
 // tokens by prmt, one cvt a pair. (A step's tokens past the sequence's end were zeroed by tc_zero_tail.)
+template <int PAGE = 0>
 __device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, int cw, int c) {
   unsigned* d = reinterpret_cast<unsigned*>(dst);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int t = 16 * j + 2 * c;
-    const unsigned w0 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t, 4 * cw));
-    const unsigned w1 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 1, 4 * cw));
-    const unsigned w8 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 8, 4 * cw));
-    const unsigned w9 = *reinterpret_cast<const unsigned*>(tc_sw128(base, t + 9, 4 * cw));
+    const unsigned w0 = *reinterpret_cast<const unsigned*>(tc_lat<PAGE>(base, t, 4 * cw));
+    const unsigned w1 = *reinterpret_cast<const unsigned*>(tc_lat<PAGE>(base, t + 1, 4 * cw));
+    const unsigned w8 = *reinterpret_cast<const unsigned*>(tc_lat<PAGE>(base, t + 8, 4 * cw));
+    const unsigned w9 = *reinterpret_cast<const unsigned*>(tc_lat<PAGE>(base, t + 9, 4 * cw));
     const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
     const unsigned lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
     d[8 * j + 0] = tc_e4m3x2_f16x2(lo01);
@@ -122,21 +133,61 @@ __device__ __forceinline__ void tc_e4m3_v_fragment(void* dst, const void* base, 
 // and the scale rows (64 x 4 fp32) of tokens at or past `valid` become zeros, so that neither the fills nor P's
 // scaled copies need a guard a value (the cache past the end may hold anything, NaN included; the rope's
 // scores there are masked to -inf by tc_mask_t, a select). The MMA warpgroup's named barrier 10 then.
+// (PAGE = 1: kl is the stage, tokens 656 bytes apart; their latent and scales, bytes 0-527, become zeros; ks unused)
+template <int PAGE = 0>
 __device__ __forceinline__ void tc_zero_tail(void* kl, void* ks, int valid, int bar = 10) {
   const int t = threadIdx.x & 127;
   unsigned char* raw = reinterpret_cast<unsigned char*>(kl);
+  if constexpr (PAGE) {
 #pragma unroll 1
-  for (int i = t; i < 4 * 64 * 8; i += 128) {      // 16-byte chunks: group i / 512, row i / 8 % 64
-    if ((i >> 3 & 63) >= valid) *reinterpret_cast<uint4*>(raw + i * 16) = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = valid * 33 + t; i < 64 * 33; i += 128)   // 16-byte chunks: token i / 33, chunk i % 33
+      *reinterpret_cast<uint4*>(raw + (i / 33) * 656 + (i % 33) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+#pragma unroll 1
+    for (int i = t; i < 4 * 64 * 8; i += 128) {      // 16-byte chunks: group i / 512, row i / 8 % 64
+      if ((i >> 3 & 63) >= valid) *reinterpret_cast<uint4*>(raw + i * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (t < 64 && t >= valid) *reinterpret_cast<float4*>(reinterpret_cast<float*>(ks) + 4 * t) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  if (t < 64 && t >= valid) *reinterpret_cast<float4*>(reinterpret_cast<float*>(ks) + 4 * t) = make_float4(0.f, 0.f, 0.f, 0.f);
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
 // The 4 group scales of this thread's two token rows r, r + 8 of S^T (r = 16 warp + lane / 4): ks[4 rv + g]
+// (PAGE = 1: ks_s is the stage's byte 512 of token 0, tokens 656 bytes apart)
+template <int PAGE = 0>
 __device__ __forceinline__ void tc_token_scales(const void* ks_s, float* ks) {
   const int r = ((threadIdx.x >> 5) & 3) * 16 + (threadIdx.x & 31) / 4;
-  const float4 a = reinterpret_cast<const float4*>(ks_s)[r], b = reinterpret_cast<const float4*>(ks_s)[r + 8];
+  const unsigned char* at = reinterpret_cast<const unsigned char*>(ks_s);
+  const float4 a = *reinterpret_cast<const float4*>(at + r * (PAGE ? 656 : 16));
+  const float4 b = *reinterpret_cast<const float4*>(at + (r + 8) * (PAGE ? 656 : 16));
   ks[0] = a.x, ks[1] = a.y, ks[2] = a.z, ks[3] = a.w, ks[4] = b.x, ks[5] = b.y, ks[6] = b.z, ks[7] = b.w;
+}
+// stage="page": S^T += K_rope Q_rope^T from registers, K_rope's bf16 fragment (rows r, r + 8, quad place c; 4 k-steps
+// of 16 in WGMMA's A order) read from the stage's token rows (base: byte 528 of token 0, tokens 656 bytes apart)
+__device__ __forceinline__ void tc_rope_fragment(void* dst, const void* base, int r, int c) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  const unsigned char* at = reinterpret_cast<const unsigned char*>(base);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    d[4 * k + 0] = *reinterpret_cast<const unsigned*>(at + r * 656 + 32 * k + 4 * c);
+    d[4 * k + 1] = *reinterpret_cast<const unsigned*>(at + (r + 8) * 656 + 32 * k + 4 * c);
+    d[4 * k + 2] = *reinterpret_cast<const unsigned*>(at + r * 656 + 32 * k + 16 + 4 * c);
+    d[4 * k + 3] = *reinterpret_cast<const unsigned*>(at + (r + 8) * 656 + 32 * k + 16 + 4 * c);
+  }
+}
+// stage="page": a step's 64 tokens (41,984 contiguous bytes of the cache) in four bulk copies on the stage's barrier,
+// issued by the warpgroup's first thread (the warpgroup then arrives as after TMA boxes)
+template <typename Bar>
+__device__ __forceinline__ void tc_bulk_page(void* dst, const void* src, Bar& bar) {
+  if ((threadIdx.x & 127) == 0) {
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(b), "r"(64 * 656) : "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(d + k * 16 * 656), "l"(reinterpret_cast<const unsigned char*>(src) + k * 16 * 656),
+                      "r"(16 * 656), "r"(b) : "memory");
+  }
 }
 // S^T += scale_g[token] * (K_g Q_g^T): acc is group g's accumulator, in S^T's layout (s[nb * 4 + rv * 2 + e])
 __device__ __forceinline__ void tc_fold(float* s, const float* acc, const float* ks, int g) {
@@ -471,29 +522,41 @@ def latent_column(d):
     return (d % 64 // 16 * 8 + d % 8) * 4 + d // 64 * 2 + d % 16 // 8
 
 
-def _scale_rows(ks_s, slot):
-    """The step's 64 x 4 scale rows: ks_s (T.Pipelined's current stage) or ks_s[slot]. (Access pointers are built
-    where they are used: one passed into a macro becomes a variable bound at the macro's entry, and T.Pipelined
-    then releases the stage there.)"""
+def _scale_rows(ks_s, slot, page=False):
+    """The step's 64 x 4 scale rows: ks_s (T.Pipelined's current stage) or ks_s[slot]; page (rs2's stage="page"):
+    byte 512 of the stage's token 0 (ks_s is the stage ring). (Access pointers are built where they are used: one
+    passed into a macro becomes a variable bound at the macro's entry, and T.Pipelined then releases the stage
+    there.)"""
+    if page:
+        return T.access_ptr(ks_s[slot, 0, D_V], "r", STEP * TOKEN_BYTES - D_V)
     return T.access_ptr(ks_s[0, 0] if slot is None else ks_s[slot, 0, 0], "r", STEP * GROUPS)
 
 
-def _raw_tile(kl_s, slot, g):
-    """Group g's 64 x 128 raw tile: kl_s[g] (T.Pipelined's current stage) or kl_s[slot, g] (a stage ring)."""
+def _raw_tile(kl_s, slot, g, page=False):
+    """Group g's 64 x 128 raw tile: kl_s[g] (T.Pipelined's current stage) or kl_s[slot, g] (a stage ring); page:
+    byte 128 g of the stage's token 0 (kl_s[slot]: 64 tokens x 656 bytes as the cache holds them)."""
+    if page:
+        return T.access_ptr(kl_s[slot, 0, g * GROUP], "r", STEP * TOKEN_BYTES - g * GROUP)
     return T.access_ptr(kl_s[g, 0, 0] if slot is None else kl_s[slot, g, 0, 0], "r", STEP * GROUP)
 
 
-@T.macro
-def _k_fill(kl_s, slot, g, a_k):
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_k_fragment", a_k.data, _raw_tile(kl_s, slot, g),
-                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
+def _page_variant(name, page):
+    """The helper's name, or its instance for stages that hold the cache's token rows (tc_lat's PAGE = 1)."""
+    return f"{name}<1>" if page else name
 
 
 @T.macro
-def _v_fill(kl_s, slot, g, a_v):
+def _k_fill(kl_s, slot, g, a_k, page=False):
     tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment", a_v.data, _raw_tile(kl_s, slot, g), tid // 4, tid % 4))
+    T.evaluate(T.call_extern("handle", _page_variant("tc_e4m3_k_fragment", page), a_k.data,
+                             _raw_tile(kl_s, slot, g, page), tid // 32 * 16 + tid % 32 // 4, tid % 4))
+
+
+@T.macro
+def _v_fill(kl_s, slot, g, a_v, page=False):
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", _page_variant("tc_e4m3_v_fragment", page), a_v.data,
+                             _raw_tile(kl_s, slot, g, page), tid // 4, tid % 4))
 
 
 @T.macro
@@ -502,28 +565,29 @@ def _fold(g, acc, s_t, ks_t):
 
 
 @T.macro
-def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=None):
+def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=None, page=False):
     # S^T += the four groups' K Q^T (after the rope's MMA), on two fragments in turn, each folded with its scales;
     # a_k2 (rs2's third_fragment "k"): group 2's fill does not wait for group 0's MMA, group 3's for group 1's
-    _k_fill(kl_s, slot, 0, a_k0)
+    _k_fill(kl_s, slot, 0, a_k0, page)
     T.wgmma_gemm(a_k0, ql_s[0, :, :], acc0, transpose_B=True, clear_accum=True)
-    _k_fill(kl_s, slot, 1, a_k1)
+    _k_fill(kl_s, slot, 1, a_k1, page)
     T.wgmma_gemm(a_k1, ql_s[1, :, :], acc1, transpose_B=True, clear_accum=True)
     if a_k2 is not None:
-        _k_fill(kl_s, slot, 2, a_k2)
+        _k_fill(kl_s, slot, 2, a_k2, page)
     T.wait_wgmma(1)                                 # the rope's and group 0's
-    T.evaluate(T.call_extern("handle", "tc_token_scales", _scale_rows(ks_s, slot), ks_t.data))
+    T.evaluate(T.call_extern("handle", _page_variant("tc_token_scales", page), _scale_rows(ks_s, slot, page),
+                             ks_t.data))
     _fold(0, acc0, s_t, ks_t)
     if a_k2 is None:
-        _k_fill(kl_s, slot, 2, a_k0)
+        _k_fill(kl_s, slot, 2, a_k0, page)
         T.wgmma_gemm(a_k0, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
     else:
         T.wgmma_gemm(a_k2, ql_s[2, :, :], acc0, transpose_B=True, clear_accum=True)
-        _k_fill(kl_s, slot, 3, a_k0)
+        _k_fill(kl_s, slot, 3, a_k0, page)
     T.wait_wgmma(1)
     _fold(1, acc1, s_t, ks_t)
     if a_k2 is None:
-        _k_fill(kl_s, slot, 3, a_k1)
+        _k_fill(kl_s, slot, 3, a_k1, page)
         T.wgmma_gemm(a_k1, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
     else:
         T.wgmma_gemm(a_k0, ql_s[3, :, :], acc1, transpose_B=True, clear_accum=True)
@@ -534,24 +598,24 @@ def _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=Non
 
 
 @T.macro
-def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, a_v2=None):
+def _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty, a_v2=None, page=False):
     # O^T += V^T (P * scale_g)^T, the four groups on two fragments in turn (p_s[g], or p_s[w, g] per chain);
     # with a stage ring, empty[slot] is arrived on once the slot's last words are read; a_v2 (rs2's
     # third_fragment "v"): group 2 on its own fragment, group 3 into group 0's once its MMA is done
-    _v_fill(kl_s, slot, 0, a_v0)
+    _v_fill(kl_s, slot, 0, a_v0, page)
     T.wgmma_gemm(a_v0, p_s[0, :, :] if w is None else p_s[w, 0, :, :], o0, transpose_B=True)
-    _v_fill(kl_s, slot, 1, a_v1)
+    _v_fill(kl_s, slot, 1, a_v1, page)
     T.wgmma_gemm(a_v1, p_s[1, :, :] if w is None else p_s[w, 1, :, :], o1, transpose_B=True)
     if a_v2 is None:
         T.wait_wgmma(1)
-        _v_fill(kl_s, slot, 2, a_v0)
+        _v_fill(kl_s, slot, 2, a_v0, page)
         T.wgmma_gemm(a_v0, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
         T.wait_wgmma(1)
     else:
-        _v_fill(kl_s, slot, 2, a_v2)
+        _v_fill(kl_s, slot, 2, a_v2, page)
         T.wgmma_gemm(a_v2, p_s[2, :, :] if w is None else p_s[w, 2, :, :], o2, transpose_B=True)
         T.wait_wgmma(2)
-    _v_fill(kl_s, slot, 3, a_v1 if a_v2 is None else a_v0)      # (no local name: it would rename the fragment)
+    _v_fill(kl_s, slot, 3, a_v1 if a_v2 is None else a_v0, page)      # (no local name: it would rename the fragment)
     if empty is not None:
         T.mbarrier_arrive(empty[slot])
     T.wgmma_gemm(a_v1 if a_v2 is None else a_v0, p_s[3, :, :] if w is None else p_s[w, 3, :, :], o3, transpose_B=True)
@@ -771,6 +835,11 @@ RS2_PACE = 2
 # K's four groups on three register fragments (groups 2 and 3 filled without waiting for an MMA; 0 spills): on a
 # clean L2, -0.7 to -1.3% at b = 128 / 64 (bench/NOTES.md "Session 41"); None: two fragments, as before
 RS2_THIRD_FRAGMENT = "k"
+# how a stage is loaded: "boxes", six 2-D TMA boxes (the four latent groups and the rope 128 bytes wide at the
+# token's 656-byte stride, 128-byte swizzled, and the scales), or "page", the step's 41,984 contiguous bytes in
+# bulk copies, the fills reading the token rows as they are (tc_lat). bench/NOTES.md "Session 41": the boxes cost a
+# compute-free stream ~7% (82.9 -> 89.2-89.8 us at 128 x 64 steps)
+RS2_STAGE = "boxes"
 
 
 def _rs2_fragments():
@@ -793,6 +862,11 @@ def _rs2_stamp(OPart, k, e):
 RS2_TRACE_EVENTS = ("wait", "data", "scores", "P ready", "P V done")
 
 
+def _staging(kl_s, raw):
+    """Where WG1 stages its O^T for the merge (32 KB): stage 0 of the ring (free once both chains' loops are done)."""
+    return T.access_ptr(kl_s[0, 0, 0] if raw else kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP)
+
+
 def _compute_unless_streaming(probe, seqlen):
     """True, or for probe "stream" a condition that never holds at run time (the fragments keep their layouts)."""
     return seqlen < 0 if probe == "stream" else True
@@ -801,7 +875,7 @@ def _compute_unless_streaming(probe, seqlen):
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None, probe=None):
+               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None, probe=None, a_r=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -824,11 +898,22 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
         blk = first + k
         valid = seqlen - blk * STEP
         if valid < STEP:
-            T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
-                                     T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
+            if a_r is None:
+                T.evaluate(T.call_extern("handle", "tc_zero_tail", T.access_ptr(kl_s[slot, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                         T.access_ptr(ks_s[slot, 0, 0], "r", STEP * GROUPS), valid, RS2_BAR_TAIL + w))
+            else:
+                T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", T.access_ptr(kl_s[slot, 0, 0], "r", STEP * TOKEN_BYTES),
+                                         T.access_ptr(kl_s[slot, 0, 0], "r", STEP * TOKEN_BYTES), valid, RS2_BAR_TAIL + w))
         if _compute_unless_streaming(probe, seqlen):
-            T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
-            _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2)
+            if a_r is None:
+                T.wgmma_gemm(kr_s[slot, :, :], qr_s, s_t, transpose_B=True, clear_accum=True)
+            else:                       # stage="page": the rope from the stage's token rows into registers
+                tid = T.get_thread_binding() % 128
+                T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
+                                         T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
+                                         tid // 32 * 16 + tid % 32 // 4, tid % 4))
+                T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
+            _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2, page=a_r is not None)
             _rs2_stamp(OPart, k, 2)
             T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
             if lag is None:
@@ -845,7 +930,8 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
                                          T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
             _rs2_stamp(OPart, k, 3)
             T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
-            _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty if probe is None else None, a_v2=a_v2)
+            _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty if probe is None else None, a_v2=a_v2,
+                     page=a_r is not None)
             T.wait_wgmma(0)
         _rs2_stamp(OPart, k, 4)
     T.evaluate(T.call_extern("handle", "tc_softmax_t_finish", m_t.data, l_t.data, T.access_ptr(red[w, 0], "r", 128),
@@ -859,13 +945,18 @@ def _rs2_page(BlockTable, bi, blk, page, max_blocks, num_pages):
 
 
 @T.macro
-def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
+def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False):
     # one stage on one barrier, full[slot]: the rope, the scales and the four latent groups (a barrier a group,
-    # each waited for just before its fill, measured 1.5% slower: bench/NOTES.md "Session 38")
-    T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :], barrier=full[slot])
-    T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :], barrier=full[slot])
-    for g in range(GROUPS):
-        T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :], barrier=full[slot])
+    # each waited for just before its fill, measured 1.5% slower: bench/NOTES.md "Session 38"); page: the 64
+    # tokens' 41,984 contiguous bytes as they are (tc_bulk_page)
+    if page:
+        T.evaluate(T.call_extern("handle", "tc_bulk_page", T.access_ptr(kl_s[slot, 0, 0], "w", STEP * TOKEN_BYTES),
+                                 T.access_ptr(KV[pidx, off, 0], "r", STEP * TOKEN_BYTES), full[slot]))
+    else:
+        T.tma_copy(KVh[pidx, off:off + STEP, ROPE_HALF:ROPE_HALF + D_ROPE], kr_s[slot, :, :], barrier=full[slot])
+        T.tma_copy(KVf[pidx, off:off + STEP, SCALE_WORD:SCALE_WORD + GROUPS], ks_s[slot, :, :], barrier=full[slot])
+        for g in range(GROUPS):
+            T.tma_copy(KV[pidx, off:off + STEP, g * GROUP:(g + 1) * GROUP], kl_s[slot, g, :, :], barrier=full[slot])
     T.mbarrier_arrive(full[slot])
 
 
@@ -878,7 +969,8 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off):
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
-                               third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None):
+                               third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
+                               stage: str = RS2_STAGE):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -907,6 +999,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
+    if stage not in ("boxes", "page"):
+        raise ValueError(f"mla_decode_fp8_rs2: stage must be 'boxes' or 'page', got {stage!r}")
+    raw = stage == "page"
     if probe not in (None, "release", "stream"):
         raise ValueError(f"mla_decode_fp8_rs2: probe must be None, 'release' or 'stream', got {probe!r}")
     if third_fragment not in (None, "k", "v", "kv"):
@@ -938,9 +1033,13 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             ql_s = T.alloc_shared((GROUPS, ROWS, GROUP), "float16")
             qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")
             q_stage = T.alloc_shared((ROWS, D_QK), "bfloat16")
-            kl_s = T.alloc_shared((RS2_STAGES, GROUPS, STEP, GROUP), "float8_e4m3fn")
-            ks_s = T.alloc_shared((RS2_STAGES, STEP, GROUPS), "float32")
-            kr_s = T.alloc_shared((RS2_STAGES, STEP, D_ROPE), "bfloat16")
+            if raw:                     # stage="page": each stage holds a step's 64 tokens as the cache does
+                kl_s = T.alloc_shared((RS2_STAGES, STEP, TOKEN_BYTES), "float8_e4m3fn")
+                ks_s = kr_s = kl_s
+            else:
+                kl_s = T.alloc_shared((RS2_STAGES, GROUPS, STEP, GROUP), "float8_e4m3fn")
+                ks_s = T.alloc_shared((RS2_STAGES, STEP, GROUPS), "float32")
+                kr_s = T.alloc_shared((RS2_STAGES, STEP, D_ROPE), "bfloat16")
             p_s = T.alloc_shared((2, GROUPS, ROWS, STEP), "float16")
             red = T.alloc_shared((2, 128), "float32")
             l_s = T.alloc_shared((2, ROWS), "float32")
@@ -951,11 +1050,16 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
             third = [{}, {}]                                   # third_fragment's fragments, per warpgroup
             for x in third:
+                if raw:
+                    x.update(a_r=T.alloc_fragment((STEP, D_ROPE), "bfloat16"))
                 if third_fragment in ("k", "kv"):
                     x.update(a_k2=T.alloc_fragment((STEP, GROUP), "float16"))
                 if third_fragment in ("v", "kv"):
                     x.update(a_v2=T.alloc_fragment((GROUP, STEP), "float16"))
-            T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
+            if raw:
+                T.annotate_layout({p_s: make_full_bank_swizzled_layout(p_s)})
+            else:
+                T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
             T.import_source(HELPER_SOURCE)
 
             bi = bid // max_splits
@@ -994,7 +1098,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                          n_iter))
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page, raw)
             for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
                 ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
             for h, j in T.Parallel(ROWS, D_ROPE):
@@ -1022,7 +1126,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                                                             (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
                         T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
                                                  o0.data, o1.data, o2.data, o3.data,
-                                                 T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                                 _staging(kl_s, raw),
                                                  T.access_ptr(fab[0], "r", 2 * ROWS), rows))
                     else:
                         slot = bi * max_splits + si
@@ -1030,7 +1134,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                             LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
                         T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
                                                  o0.data, o1.data, o2.data, o3.data,
-                                                 T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                                                 _staging(kl_s, raw),
                                                  T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
@@ -1041,7 +1145,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
                            Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                T.evaluate(T.call_extern("handle", "tc_stage_o", T.access_ptr(kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP),
+                T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
                                          frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
                 T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
             else:
@@ -1053,6 +1157,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                         T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
                                                  kk, n_iter, pace))
                     T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page)
+                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page,
+                               raw)
 
     return mla_decode_fp8_rs2

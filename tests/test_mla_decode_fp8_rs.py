@@ -143,6 +143,22 @@ def test_gpu_weighted_splits_match_the_reference(older_64ths):
     assert (lse[~finite] == float("-inf")).all()
 
 
+def test_page_stages_lower_to_bulk_copies_without_spills():
+    """rs2's stage="page": each stage is bulk copies of contiguous bytes (UBLKCP, no TMA boxes), the same WGMMAs
+    (the rope's 8 now take A from registers) and F2FP unpacks as the op's kernel, no spills."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="page"), "sm_90a")
+    st = sass_stats(cubin, "sm_90a")
+    assert st.registers <= 168 and st.spill_stores == 0, (st.registers, st.spill_stores)
+    sass = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|UBLKCP[\w.]*|UTMALDG[\w.]*|F2FP\.F16\.E4M3\.UNPACK_B)\b",
+                                          disassemble(cubin)))
+    assert sass["HGMMA.64x16x16.F32"] == 128 and sass["HGMMA.64x16x16.F32.BF16"] == 8, sass
+    assert sass["F2FP.F16.E4M3.UNPACK_B"] == 512 and sass["UBLKCP.S.G"] > 0 and sass["UTMALDG.3D"] == 0, sass
+    with pytest.raises(ValueError, match="stage must be"):
+        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="rows")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
                                                  (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128),
@@ -151,6 +167,16 @@ def test_gpu_two_chains_match_the_reference(b, s_q, h_q, lens, page):
     """mla_decode_fp8_rs2 (two MMA warpgroups on alternate steps, merged at the end): as test_gpu_matches_reference,
     including a chain with no step (lengths 1 and 64: one step, WG1 idle) and none at all (length 0)."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(3, 1, 16, [53, 1, 0], 64), (2, 2, 8, [700, 33], 128),
+                                                 (2, 1, 16, [16384, 8000], 64)])
+def test_gpu_two_chains_on_page_stages_match_the_reference(b, s_q, h_q, lens, page):
+    """rs2 with stage="page" (a step's 41,984 contiguous bytes in bulk copies, the fills reading the token rows as
+    the cache holds them, the rope from registers): as test_gpu_two_chains_match_the_reference, with a short last
+    step (its tokens' latent and scales zeroed in the stage), 64-token steps at row 64 of 128-token pages, s_q = 2."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2, stage="page"))
 
 
 def _late_jumps(q, kv, table):
@@ -181,12 +207,13 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}])
+@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "page"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
-    third for K, none, one for V) changes when groups are converted, not what. The same bits as the op's kernel
-    on mixed lengths and splits."""
+    third for K, none, one for V) changes when groups are converted, not what; so does how a stage is loaded and
+    laid out (stage="page": the same values into the same fragments, the rope's MMA from registers). The same
+    bits as the op's kernel on mixed lengths and splits."""
     from ops.mla_decode import _mla_decode_impl
     from tests.test_mla_decode import D, make_inputs
     import ops
