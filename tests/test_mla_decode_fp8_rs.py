@@ -207,13 +207,13 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "page"}])
+@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
     third for K, none, one for V) changes when groups are converted, not what; so does how a stage is loaded and
-    laid out (stage="page": the same values into the same fragments, the rope's MMA from registers). The same
-    bits as the op's kernel on mixed lengths and splits."""
+    laid out (the op's stage="page" or TMA boxes: the same values into the same fragments, the rope's MMA from
+    registers or shared memory). The same bits as the op's kernel on mixed lengths and splits."""
     from ops.mla_decode import _mla_decode_impl
     from tests.test_mla_decode import D, make_inputs
     import ops

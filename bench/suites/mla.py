@@ -197,8 +197,8 @@ SUITE = Suite(
         # the same with K on two register fragments (ops.mla_decode_fp8_rs.RS2_THIRD_FRAGMENT: the op's has three)
         Provider("tilecraft-fp8-rs2-two-fragments", lambda c, i: fp8_register(c, i, chains=2, third_fragment=None),
                  experimental=True, nbytes=nbytes_fp8),
-        # the same with each stage one bulk copy of the step's contiguous 41,984 bytes (RS2_STAGE: the op's loads boxes)
-        Provider("tilecraft-fp8-rs2-page", lambda c, i: fp8_register(c, i, chains=2, stage="page"),
+        # the same with each stage six 2-D TMA boxes (RS2_STAGE: the op's is one bulk copy of the step's 41,984 bytes)
+        Provider("tilecraft-fp8-rs2-boxes", lambda c, i: fp8_register(c, i, chains=2, stage="boxes"),
                  experimental=True, nbytes=nbytes_fp8),
         # the two-CTA rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
         Provider("tilecraft-fp8-rs-w33", lambda c, i: fp8_register(c, i, older_64ths=33), experimental=True,
