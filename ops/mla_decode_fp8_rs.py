@@ -174,6 +174,14 @@ __device__ __forceinline__ void tc_rope_fragment(void* dst, const void* base, in
     d[4 * k + 3] = *reinterpret_cast<const unsigned*>(at + (r + 8) * 656 + 32 * k + 16 + 4 * c);
   }
 }
+// q_copy="bulk": the CTA's query rows (contiguous in Q) in one bulk copy on its own barrier (count 1), by one thread
+template <typename Bar>
+__device__ __forceinline__ void tc_bulk_rows(void* dst, const void* src, int bytes, Bar& bar) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes), "r"(b) : "memory");
+}
 // stage="page": a step's 64 tokens (41,984 contiguous bytes of the cache) in four bulk copies on the stage's barrier,
 // issued by the warpgroup's first thread (the warpgroup then arrives as after TMA boxes)
 template <typename Bar>
@@ -971,7 +979,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
-                               stage: str = RS2_STAGE):
+                               stage: str = RS2_STAGE, q_copy: str = "loads"):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -992,6 +1000,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
+    q_copy ("loads": the op's, every thread loads a share of the query, then a barrier, then the ring's first stages;
+    "bulk": one thread copies the CTA's query rows first (tc_bulk_rows), the stages go out as soon as the page
+    indices are in, and every thread waits for the query's barrier before the permute; prepared in session 41 for
+    the next A/B).
     probe (None: the op's; timing probes that compute wrong outputs, for bench.ab_mla_rs2 only): "release" frees each
     stage as soon as it arrives (the ring's bytes in flight without the chains' hold; the chains then read a
     stage the producer may be refilling), "stream" also skips the chains' MMAs and softmax (the kernel's own
@@ -1003,6 +1015,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     if stage not in ("boxes", "page"):
         raise ValueError(f"mla_decode_fp8_rs2: stage must be 'boxes' or 'page', got {stage!r}")
     raw = stage == "page"
+    if q_copy not in ("loads", "bulk"):
+        raise ValueError(f"mla_decode_fp8_rs2: q_copy must be 'loads' or 'bulk', got {q_copy!r}")
+    q_bulk = q_copy == "bulk"
     if probe not in (None, "release", "stream"):
         raise ValueError(f"mla_decode_fp8_rs2: probe must be None, 'release' or 'stream', got {probe!r}")
     if third_fragment not in (None, "k", "v", "kv"):
@@ -1048,6 +1063,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             fab = T.alloc_shared((2 * ROWS,), "float32")
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
+            qbar = T.alloc_barrier([1]) if q_bulk else None
             frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
             third = [{}, {}]                                   # third_fragment's fragments, per warpgroup
             for x in third:
@@ -1070,6 +1086,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             tx = T.get_thread_binding()
             if trace and tx == 0:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
+            if q_bulk and tx == 256:    # q_copy="bulk": the query first, ahead of everything the CTA asks for
+                T.evaluate(T.call_extern("handle", "tc_bulk_rows", T.access_ptr(q_stage[0, 0], "w", ROWS * D_QK),
+                                         T.access_ptr(Q[bi, 0, 0], "r", rows * D_QK), rows * D_QK * 2, qbar[0]))
             # one round trip for the lengths, the query and (split 0, which starts at block 0 whatever the length)
             # the ring's first page indices: nothing that waits for a length comes before the query's loads
             pages = T.alloc_local((RS2_STAGES,), "int32")
@@ -1078,8 +1097,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     pages[k] = _rs2_page(BlockTable, bi, k, page, max_blocks, num_pages)
             # the query: staged raw with 9216 = 384 x 24 values (no partial iteration: one round trip; the
             # permuted fp16 copy straight from Q took 11 round trips, one a guarded iteration, ~14 us)
-            for h, j in T.Parallel(ROWS, D_QK):
-                q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
+            if not q_bulk:
+                for h, j in T.Parallel(ROWS, D_QK):
+                    q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
             # the split's range computed once into registers (as expressions, TileLang inlines them at every
             # use: a division a step in each chain's loop)
             split_v = T.alloc_local((2,), "int32")
@@ -1089,7 +1109,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             if tx >= 256 and si > 0 and n_iter > 0:      # later splits: their page indices after the lengths
                 for k in T.unroll(RS2_STAGES):
                     pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
-            T.sync_threads()
+            if not q_bulk:              # (q_copy="bulk": the stages go out as soon as the page indices are in)
+                T.sync_threads()
             # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
             # behind them: a 9.9 us prologue; issued after the permute instead, the chains wait for them longer:
             # bench/NOTES.md "Session 38")
@@ -1100,10 +1121,18 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page, raw)
-            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
-                ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
-            for h, j in T.Parallel(ROWS, D_ROPE):
-                qr_s[h, j] = q_stage[h, D_V + j]
+            if q_bulk:                  # rows past s_q * h_q were not copied: zeros by a select
+                T.mbarrier_wait_parity(qbar[0], 0)
+                for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+                    ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(q_stage[h, g * GROUP + q_column(k)], "float16"),
+                                                   T.cast(0, "float16"))
+                for h, j in T.Parallel(ROWS, D_ROPE):
+                    qr_s[h, j] = T.if_then_else(h < rows, q_stage[h, D_V + j], T.cast(0, "bfloat16"))
+            else:
+                for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+                    ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
+                for h, j in T.Parallel(ROWS, D_ROPE):
+                    qr_s[h, j] = q_stage[h, D_V + j]
             T.sync_threads()
             if tx < 128:
                 if trace:

@@ -159,6 +159,25 @@ def test_page_stages_lower_to_bulk_copies_without_spills():
         mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="rows")
 
 
+def test_query_by_bulk_copy_lowers_without_global_loads_of_it():
+    """rs2's q_copy="bulk": the query comes in one more bulk copy (no 16-byte global loads left), one CTA barrier
+    fewer before the ring's first stages, no spills."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    def counts(**kw):
+        cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=8, s_q=1, **kw), "sm_90a")
+        st = sass_stats(cubin, "sm_90a")
+        assert st.spill_stores == 0, (kw, st.spill_stores)
+        return collections.Counter(re.findall(r"\b(UBLKCP\.S\.G|LDG\.E\.128[\w.]*|BAR\.SYNC[\w.]*)\b", disassemble(cubin)))
+
+    loads, bulk = counts(), counts(q_copy="bulk")
+    assert loads["LDG.E.128.CONSTANT"] > 0 and sum(v for k, v in bulk.items() if k.startswith("LDG")) == 0, bulk
+    assert bulk["UBLKCP.S.G"] == loads["UBLKCP.S.G"] + 1, (loads, bulk)
+    assert bulk["BAR.SYNC.DEFER_BLOCKING"] == loads["BAR.SYNC.DEFER_BLOCKING"] - 1, (loads, bulk)
+    with pytest.raises(ValueError, match="q_copy must be"):
+        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, q_copy="tma")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 16, [1000, 64], 64), (3, 1, 16, [53, 1, 0], 64),
                                                  (2, 1, 16, [16384, 8000], 64), (2, 2, 8, [700, 33], 128),
@@ -177,6 +196,15 @@ def test_gpu_two_chains_on_page_stages_match_the_reference(b, s_q, h_q, lens, pa
     the cache holds them, the rope from registers): as test_gpu_two_chains_match_the_reference, with a short last
     step (its tokens' latent and scales zeroed in the stage), 64-token steps at row 64 of 128-token pages, s_q = 2."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2, stage="page"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens", [(3, 1, 7, [129, 64, 4000]), (2, 2, 5, [300, 2])])
+def test_gpu_query_by_bulk_copy_matches_the_reference(b, s_q, h_q, lens):
+    """rs2 with q_copy="bulk" (the CTA's query rows in one bulk copy, the ring's first stages issued without
+    waiting for it): with fewer than 16 query rows, the rows the copy leaves unwritten must come out as zeros
+    in the permuted query (a select), whatever shared memory held."""
+    run_fp8_case(b, s_q, h_q, lens, 64, exact=True, tiling=dict(RS, chains=2, q_copy="bulk"))
 
 
 def _late_jumps(q, kv, table):
@@ -207,7 +235,8 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"}])
+@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
+                                   {"q_copy": "bulk"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
