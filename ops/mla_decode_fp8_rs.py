@@ -60,6 +60,18 @@ TRACE_ROW = 32                   # trace=True: the stamps go into OPart rows no 
 SPAN_ROW = ROWS_PAD - 1
 TRACE_EVENTS = ("step", "rope issued", "scores", "softmax", "P copied", "P V issued", "P V done")
 HELPER_SOURCE = f"#define TC_TRACE_STEPS {TRACE_STEPS}\n" + r"""
+#ifdef TC_DESC64
+// rs2's desc_add="u64": a WGMMA descriptor's k-step offset as one 64-bit add. TileLang's GmmaDescriptor::operator+
+// adds to the low word through the union; ptxas then builds a fresh descriptor pair for every WGMMA (the low word
+// moved, the high word set again: ~3 uniform instructions a WGMMA). The same 64-bit value (the low word never
+// carries: its top field ends at bit 30), preferred over the member template as a non-template.
+#include <tl_templates/cuda/common.h>
+namespace tl {
+__device__ __forceinline__ GmmaDescriptor operator+(const GmmaDescriptor& d, int offset) {
+  return GmmaDescriptor(d.desc_ + static_cast<uint64_t>(static_cast<uint32_t>(offset)));
+}
+}  // namespace tl
+#endif
 __device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
   unsigned r;
   asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(v));
@@ -979,7 +991,7 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
-                               stage: str = RS2_STAGE, q_copy: str = "loads"):
+                               stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl"):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1000,6 +1012,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
+    desc_add ("tl": the op's; "u64"): each WGMMA's descriptor offset added as one 64-bit value instead of TileLang's
+    low-word add (HELPER_SOURCE's TC_DESC64): the same descriptors, fewer uniform instructions a WGMMA (bench/NOTES.md
+    "Session 41"; prepared, not yet run).
     q_copy ("loads": the op's, every thread loads a share of the query, then a barrier, then the ring's first stages;
     "bulk": one thread copies the CTA's query rows first (tc_bulk_rows), the stages go out as soon as the page
     indices are in, and every thread waits for the query's barrier before the permute; prepared in session 41 for
@@ -1018,6 +1033,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     if q_copy not in ("loads", "bulk"):
         raise ValueError(f"mla_decode_fp8_rs2: q_copy must be 'loads' or 'bulk', got {q_copy!r}")
     q_bulk = q_copy == "bulk"
+    if desc_add not in ("tl", "u64"):
+        raise ValueError(f"mla_decode_fp8_rs2: desc_add must be 'tl' or 'u64', got {desc_add!r}")
     if probe not in (None, "release", "stream"):
         raise ValueError(f"mla_decode_fp8_rs2: probe must be None, 'release' or 'stream', got {probe!r}")
     if third_fragment not in (None, "k", "v", "kv"):
@@ -1077,7 +1094,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.annotate_layout({p_s: make_full_bank_swizzled_layout(p_s)})
             else:
                 T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
-            T.import_source(HELPER_SOURCE)
+            T.import_source(("#define TC_DESC64\n" if desc_add == "u64" else "") + HELPER_SOURCE)
 
             bi = bid // max_splits
             si = bid % max_splits

@@ -159,6 +159,24 @@ def test_page_stages_lower_to_bulk_copies_without_spills():
         mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="rows")
 
 
+def test_descriptor_offsets_as_64_bit_adds_take_fewer_uniform_instructions():
+    """rs2's desc_add="u64" (TC_DESC64: a non-template operator+ for tl::GmmaDescriptor that ptxas sees as one 64-bit
+    add): the same WGMMAs, no spills, fewer uniform-datapath moves (bench/NOTES.md "Session 41": chain 0's step
+    1030 -> 947 instructions, chain 1's 1030 -> 1020)."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    def counts(**kw):
+        cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **kw), "sm_90a")
+        assert sass_stats(cubin, "sm_90a").spill_stores == 0, kw
+        return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin)))
+
+    tl_add, u64 = counts(), counts(desc_add="u64")
+    assert u64["HGMMA"] == tl_add["HGMMA"] == 136, (tl_add["HGMMA"], u64["HGMMA"])
+    assert u64["UMOV"] < tl_add["UMOV"] - 50 and sum(u64.values()) < sum(tl_add.values()), (tl_add, u64)
+    with pytest.raises(ValueError, match="desc_add must be"):
+        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, desc_add="u32")
+
+
 def test_query_by_bulk_copy_lowers_without_global_loads_of_it():
     """rs2's q_copy="bulk": the query comes in one more bulk copy (no 16-byte global loads left), one CTA barrier
     fewer before the ring's first stages, no spills."""
@@ -236,7 +254,7 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
-                                   {"q_copy": "bulk"}])
+                                   {"q_copy": "bulk"}, {"desc_add": "u64"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
