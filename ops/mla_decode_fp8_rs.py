@@ -1006,9 +1006,11 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
     when stages are issued, never what is computed (bitwise the same as pace=0).
     lag (None: off, the op's): tc_softmax_lazy_t, a running max allowed to lag up to 2^lag behind the scores (one
-    barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). Measured no
-    faster in session 39 under a write flush, which session 40 found hides what the chains cost; kept to be
-    measured again on a clean L2 (bench/NOTES.md "Session 40").
+    barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). No faster in
+    session 39 (write flush) nor on a clean L2 in session 41 (lag 8: +0-3%; bench/NOTES.md "Session 41").
+    stage ("page": RS2_STAGE, the op's; "boxes"): how the producer fills a stage, one bulk copy of the step's 64
+    tokens as the cache holds them (the fills read 656-byte token rows, the rope through registers), or six 2-D
+    TMA boxes into 128-byte-swizzled tiles (2.5-3.3% slower on a clean L2; the same bits).
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
