@@ -981,6 +981,22 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False
     T.mbarrier_arrive(full[slot])
 
 
+@T.macro
+def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks, num_pages,
+                 tx, Pace, pace_seen, pace, raw):
+    # the producer warpgroup past the ring's first stages: each stage once its slot is free (held to the grid's
+    # pace first when pace > 0)
+    T.set_max_nreg(RS2_PRODUCER_REGS, 0)
+    for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
+        kk = k + RS2_STAGES
+        pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
+        if pace and tx < 288:       # the warp whose elected thread issues the stage
+            T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
+                                     kk, n_iter, pace))
+        T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
+        _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page, raw)
+
+
 @tile_program(
     "mla_decode_fp8_rs2",
     targets=("cuda:sm_90a",),
@@ -991,7 +1007,8 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
-                               stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl"):
+                               stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl",
+                               one_body: bool = False):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1014,6 +1031,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
+    one_body (False: the op's): both chains run one copy of the loop (w = tx / 128 at run time, one set of
+    fragments): half the hot code, and the allocation ptxas gives the first of two chain regions (bench/NOTES.md
+    "Session 41"; prepared, not yet run).
     desc_add ("tl": the op's; "u64"): each WGMMA's descriptor offset added as one 64-bit value instead of TileLang's
     low-word add (HELPER_SOURCE's TC_DESC64): the same descriptors, fewer uniform instructions a WGMMA (bench/NOTES.md
     "Session 41"; prepared, not yet run).
@@ -1083,8 +1103,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             qbar = T.alloc_barrier([1]) if q_bulk else None
-            frags = (_rs2_fragments(), _rs2_fragments())      # each warpgroup's own fragments and registers
-            third = [{}, {}]                                   # third_fragment's fragments, per warpgroup
+            # each warpgroup's own fragments and registers (one_body: one set, the same code for both)
+            frags = (_rs2_fragments(),) if one_body else (_rs2_fragments(), _rs2_fragments())
+            third = [{} for _ in frags]                        # third_fragment's fragments, per warpgroup
             for x in third:
                 if raw:
                     x.update(a_r=T.alloc_fragment((STEP, D_ROPE), "bfloat16"))
@@ -1153,60 +1174,99 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 for h, j in T.Parallel(ROWS, D_ROPE):
                     qr_s[h, j] = q_stage[h, D_V + j]
             T.sync_threads()
-            if tx < 128:
-                if trace:
-                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
-                _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
-                if trace:
-                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
-                o0, o1, o2, o3 = frags[0][7:11]
-                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
-                T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                         T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
-                                         RS2_BAR_SOFTMAX))
-                if si < splits:
-                    if splits == 1:
-                        for h in T.Parallel(ROWS):
-                            if h < rows:
-                                Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
-                                                                            (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
-                        T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
-                                                 o0.data, o1.data, o2.data, o3.data,
-                                                 _staging(kl_s, raw),
-                                                 T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+            if one_body:                # one loop body for both chains: w = tx / 128 at run time
+                if tx < 256:
+                    if trace and tx < 128:
+                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
+                    _rs2_chain(tx // 128, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s,
+                               p_s, red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
+                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
+                    if tx < 128:
+                        if trace:
+                            T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
+                        o0, o1, o2, o3 = frags[0][7:11]
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+                        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                                                 RS2_BAR_SOFTMAX))
+                        if si < splits:
+                            if splits == 1:
+                                for h in T.Parallel(ROWS):
+                                    if h < rows:
+                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
+                                                                                    (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                                         o0.data, o1.data, o2.data, o3.data,
+                                                         _staging(kl_s, raw),
+                                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+                            else:
+                                slot = bi * max_splits + si
+                                for h in T.Parallel(ROWS):
+                                    LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
+                                                         o0.data, o1.data, o2.data, o3.data,
+                                                         _staging(kl_s, raw),
+                                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+                        if trace:
+                            T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
+                        if pace:
+                            T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
                     else:
-                        slot = bi * max_splits + si
-                        for h in T.Parallel(ROWS):
-                            LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
-                        T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
-                                                 o0.data, o1.data, o2.data, o3.data,
-                                                 _staging(kl_s, raw),
-                                                 T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
-                if trace:
-                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
-                if pace:
-                    T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
-            elif tx < 256:
-                _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
-                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
-                                         frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
-                T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
+                                                 frags[0][7].data, frags[0][8].data, frags[0][9].data, frags[0][10].data))
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                else:
+                    _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
+                                 num_pages, tx, Pace, pace_seen, pace, raw)
             else:
-                T.set_max_nreg(RS2_PRODUCER_REGS, 0)
-                for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
-                    kk = k + RS2_STAGES
-                    pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
-                    if pace and tx < 288:       # the warp whose elected thread issues the stage
-                        T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
-                                                 kk, n_iter, pace))
-                    T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
-                    _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, kk % RS2_STAGES, pidx, (first + kk) * STEP % page,
-                               raw)
+                if tx < 128:
+                    if trace:
+                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
+                    _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                               red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
+                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
+                    if trace:
+                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
+                    o0, o1, o2, o3 = frags[0][7:11]
+                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+                    T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                             T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                                             RS2_BAR_SOFTMAX))
+                    if si < splits:
+                        if splits == 1:
+                            for h in T.Parallel(ROWS):
+                                if h < rows:
+                                    Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
+                                                                                (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
+                            T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                                     o0.data, o1.data, o2.data, o3.data,
+                                                     _staging(kl_s, raw),
+                                                     T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+                        else:
+                            slot = bi * max_splits + si
+                            for h in T.Parallel(ROWS):
+                                LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
+                            T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
+                                                     o0.data, o1.data, o2.data, o3.data,
+                                                     _staging(kl_s, raw),
+                                                     T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+                    if trace:
+                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
+                    if pace:
+                        T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
+                elif tx < 256:
+                    _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                               red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
+                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
+                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                    T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
+                                             frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
+                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                else:
+                    _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
+                                 num_pages, tx, Pace, pace_seen, pace, raw)
 
     return mla_decode_fp8_rs2
