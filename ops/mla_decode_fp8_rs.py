@@ -464,6 +464,70 @@ __device__ __forceinline__ void tc_merge_store(OutT* row0, const float* o0, cons
     }
   }
 }
+// merge="split" (rs2): each chain stages half of its O^T for the other (groups 2, 3 from chain 0; 0, 1 from chain
+// 1; tc_stage_o's order), and each merges and stores the other half: O's groups g0, g0 + 1 from its own two
+// (oa, ob) and the other's staged ones, O^T_0 * fab[h] + O^T_1 * fab[16 + h] with the terms in that order
+// whichever chain computes it (the same bits as tc_merge_store)
+__device__ __forceinline__ void tc_stage_o_half(void* staging, const float* oa, const float* ob) {
+  float4* st = reinterpret_cast<float4*>(staging);
+  const int t = threadIdx.x & 127;
+  const float* o[2] = {oa, ob};
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st[(g * 4 + i) * 128 + t] = make_float4(o[g][4 * i], o[g][4 * i + 1], o[g][4 * i + 2], o[g][4 * i + 3]);
+  }
+}
+// tc_merge_stats without the in-place write (both chains read both chains' stats): the factors into fab[t],
+// fab[16 + t]; with ml set (chain 0), the merged max and sum into ml[t], ml[16 + t] for the lse
+__device__ __forceinline__ void tc_merge_factors(const float* m, const float* l, float* fab, float* ml, int write_ml,
+                                                 int bar) {
+  const int t = threadIdx.x & 127;
+  if (t < 16) {
+    const float m0 = m[t], m1 = m[16 + t], mx = fmaxf(m0, m1);
+    const float a = mx == -INFINITY ? 0.f : exp2f(m0 - mx), b = mx == -INFINITY ? 0.f : exp2f(m1 - mx);
+    const float sum = l[t] * a + l[16 + t] * b, inv = sum > 0.f ? 1.f / sum : 0.f;
+    fab[t] = a * inv, fab[16 + t] = b * inv;
+    if (write_ml) ml[t] = mx, ml[16 + t] = sum;
+  }
+  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
+}
+template <typename OutT, int W>
+__device__ __forceinline__ void tc_merge_store_half(OutT* row0, const float* oa, const float* ob, const void* staging,
+                                                    const float* fab, int rows, int g0) {
+  const float4* st = reinterpret_cast<const float4*>(staging);
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3, t = threadIdx.x & 127;
+  const float* o[2] = {oa, ob};
+#pragma unroll
+  for (int gg = 0; gg < 2; ++gg) {
+    float v1[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 x = st[(gg * 4 + i) * 128 + t];
+      v1[4 * i] = x.x, v1[4 * i + 1] = x.y, v1[4 * i + 2] = x.z, v1[4 * i + 3] = x.w;
+    }
+    const float* x0 = W == 0 ? o[gg] : v1;      // chain 0's values
+    const float* x1 = W == 0 ? v1 : o[gg];      // chain 1's
+#pragma unroll
+    for (int hs = 0; hs < 4; ++hs) {
+      const int nb = hs >> 1, e = hs & 1, h = 8 * nb + 2 * c + e;
+      if (h >= rows) continue;
+      const float fa = fab[h], fb = fab[16 + h];
+      const int i0 = nb * 4 + e;
+      const float r0 = x0[i0] * fa + x1[i0] * fb, r1 = x0[i0 + 2] * fa + x1[i0 + 2] * fb;
+      const float r2 = x0[i0 + 8] * fa + x1[i0 + 8] * fb, r3 = x0[i0 + 10] * fa + x1[i0 + 10] * fb;
+      OutT* at = row0 + h * 512 + (g0 + gg) * 128 + 4 * (8 * w + q);
+      if constexpr (sizeof(OutT) == 4) {
+        *reinterpret_cast<float4*>(at) = make_float4(r0, r1, r2, r3);
+      } else {
+        unsigned lo, hi;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(r3), "f"(r2));
+        *reinterpret_cast<uint2*>(at) = make_uint2(lo, hi);
+      }
+    }
+  }
+}
 // the warpgroup's column sums and maxima into l_out[row], m_out[row] (shared, 16 each)
 __device__ __forceinline__ void tc_softmax_t_finish(const float* m, const float* l, float* red, float* l_out,
                                                     float* m_out, int bar = 9) {
@@ -888,6 +952,14 @@ def _staging(kl_s, raw):
     return T.access_ptr(kl_s[0, 0, 0] if raw else kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP)
 
 
+def _own_stage(kl_s, raw, n_iter, w):
+    """merge="split": where chain w stages its half of O^T, the ring stage of its own last step (stage w if it had
+    none): neither the other chain (alternate steps) nor the producer (no step after it) touches it again."""
+    last = T.if_then_else((n_iter - 1) % 2 == w, n_iter - 1, n_iter - 2)
+    slot = T.if_then_else(last >= 0, last % RS2_STAGES, w)
+    return T.access_ptr(kl_s[slot, 0, 0] if raw else kl_s[slot, 0, 0, 0], "rw", GROUPS * STEP * GROUP // 2)
+
+
 def _compute_unless_streaming(probe, seqlen):
     """True, or for probe "stream" a condition that never holds at run time (the fragments keep their layouts)."""
     return seqlen < 0 if probe == "stream" else True
@@ -1008,7 +1080,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
                                stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl",
-                               one_body: bool = False):
+                               one_body: bool = False, merge: str = "staged"):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1031,6 +1103,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
+    merge ("staged": the op's, WG1 stages all of its O^T and WG0 merges and stores; "split"): each chain stages half
+    of its O^T into the ring stage of its own last step (while the other may still run its last), then each merges
+    and stores half of O (the same bits; prepared in session 41, not yet run).
     one_body (False: the op's): both chains run one copy of the loop (w = tx / 128 at run time, one set of
     fragments): half the hot code, and the allocation ptxas gives the first of two chain regions (bench/NOTES.md
     "Session 41"; prepared, not yet run).
@@ -1055,6 +1130,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     if q_copy not in ("loads", "bulk"):
         raise ValueError(f"mla_decode_fp8_rs2: q_copy must be 'loads' or 'bulk', got {q_copy!r}")
     q_bulk = q_copy == "bulk"
+    if merge not in ("staged", "split") or (merge == "split" and one_body):
+        raise ValueError(f"mla_decode_fp8_rs2: merge must be 'staged' or (without one_body) 'split', got {merge!r}")
+    split_merge = merge == "split"
     if desc_add not in ("tl", "u64"):
         raise ValueError(f"mla_decode_fp8_rs2: desc_add must be 'tl' or 'u64', got {desc_add!r}")
     if probe not in (None, "release", "stream"):
@@ -1100,6 +1178,9 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             l_s = T.alloc_shared((2, ROWS), "float32")
             m_s = T.alloc_shared((2, ROWS), "float32")
             fab = T.alloc_shared((2 * ROWS,), "float32")
+            if split_merge:             # each chain's merge factors; the merged max and sum (the lse)
+                fabs = T.alloc_shared((2, 2 * ROWS), "float32")
+                mls = T.alloc_shared((2 * ROWS,), "float32")
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             qbar = T.alloc_barrier([1]) if q_bulk else None
@@ -1230,29 +1311,54 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     if trace:
                         T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
                     o0, o1, o2, o3 = frags[0][7:11]
-                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
-                    T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                             T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
-                                             RS2_BAR_SOFTMAX))
-                    if si < splits:
-                        if splits == 1:
-                            for h in T.Parallel(ROWS):
-                                if h < rows:
-                                    Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
-                                                                                (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
-                            T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
-                                                     o0.data, o1.data, o2.data, o3.data,
-                                                     _staging(kl_s, raw),
-                                                     T.access_ptr(fab[0], "r", 2 * ROWS), rows))
-                        else:
-                            slot = bi * max_splits + si
-                            for h in T.Parallel(ROWS):
-                                LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
-                            T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
-                                                     o0.data, o1.data, o2.data, o3.data,
-                                                     _staging(kl_s, raw),
-                                                     T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+                    if split_merge:     # groups 2, 3 for chain 1 to merge; then groups 0, 1 of O here
+                        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 0), o2.data, o3.data))
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
+                        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[0, 0], "w", 2 * ROWS),
+                                                 T.access_ptr(mls[0], "w", 2 * ROWS), 1, RS2_BAR_SOFTMAX))
+                        if si < splits:
+                            if splits == 1:
+                                for h in T.Parallel(ROWS):
+                                    if h < rows:
+                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(mls[ROWS + h] > 0.0,
+                                                                                    (mls[h] + T.log2(mls[ROWS + h])) * LN2, neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 0>",
+                                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), o0.data, o1.data,
+                                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS),
+                                                         rows, 0))
+                            else:
+                                slot = bi * max_splits + si
+                                for h in T.Parallel(ROWS):
+                                    LsePart[slot, h] = T.if_then_else(mls[ROWS + h] > 0.0, mls[h] + T.log2(mls[ROWS + h]), neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 0>",
+                                                         T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V), o0.data, o1.data,
+                                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS),
+                                                         ROWS, 0))
+                    else:
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+                        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                                                 RS2_BAR_SOFTMAX))
+                        if si < splits:
+                            if splits == 1:
+                                for h in T.Parallel(ROWS):
+                                    if h < rows:
+                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
+                                                                                    (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                                         o0.data, o1.data, o2.data, o3.data,
+                                                         _staging(kl_s, raw),
+                                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+                            else:
+                                slot = bi * max_splits + si
+                                for h in T.Parallel(ROWS):
+                                    LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
+                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
+                                                         o0.data, o1.data, o2.data, o3.data,
+                                                         _staging(kl_s, raw),
+                                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
                     if trace:
                         T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
                     if pace:
@@ -1261,10 +1367,29 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                                red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
                                Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
-                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                    T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
-                                             frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
-                    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                    if split_merge:     # groups 0, 1 for chain 0 to merge; then groups 2, 3 of O here
+                        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 1),
+                                                 frags[1][7].data, frags[1][8].data))
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
+                        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[1, 0], "w", 2 * ROWS),
+                                                 T.access_ptr(mls[0], "r", 2 * ROWS), 0, RS2_BAR_SOFTMAX + 1))
+                        if si < splits:
+                            if splits == 1:
+                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 1>",
+                                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), frags[1][9].data,
+                                                         frags[1][10].data, _own_stage(kl_s, raw, n_iter, 0),
+                                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), rows, 2))
+                            else:
+                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 1>",
+                                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
+                                                         frags[1][9].data, frags[1][10].data, _own_stage(kl_s, raw, n_iter, 0),
+                                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), ROWS, 2))
+                    else:
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+                        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
+                                                 frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
+                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
                 else:
                     _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
                                  num_pages, tx, Pace, pace_seen, pace, raw)

@@ -192,6 +192,18 @@ def test_one_loop_body_for_both_chains_halves_the_code():
     assert sum(one.values()) < 0.8 * sum(two.values()), (sum(one.values()), sum(two.values()))
 
 
+def test_split_merge_lowers_without_spills():
+    """rs2's merge="split" (each chain stages half of its O^T in the ring stage of its own last step, each merges
+    and stores half of O): no spills, both halves' stores in the kernel; rejected with one_body."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    src = mla_decode_fp8_rs2_program.source("sm_90a", h_q=8, s_q=2, merge="split")
+    assert src.count("tc_stage_o_half(") >= 3 and "tc_merge_store_half<bfloat16_t, 1>(" in src
+    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
+    with pytest.raises(ValueError, match="merge must be"):
+        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, merge="split", one_body=True)
+
+
 def test_query_by_bulk_copy_lowers_without_global_loads_of_it():
     """rs2's q_copy="bulk": the query comes in one more bulk copy (no 16-byte global loads left), one CTA barrier
     fewer before the ring's first stages, no spills."""
@@ -232,12 +244,14 @@ def test_gpu_two_chains_on_page_stages_match_the_reference(b, s_q, h_q, lens, pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{"q_copy": "bulk"}, {"merge": "split"}])
 @pytest.mark.parametrize("b,s_q,h_q,lens", [(3, 1, 7, [129, 64, 4000]), (2, 2, 5, [300, 2])])
-def test_gpu_query_by_bulk_copy_matches_the_reference(b, s_q, h_q, lens):
-    """rs2 with q_copy="bulk" (the CTA's query rows in one bulk copy, the ring's first stages issued without
-    waiting for it): with fewer than 16 query rows, the rows the copy leaves unwritten must come out as zeros
-    in the permuted query (a select), whatever shared memory held."""
-    run_fp8_case(b, s_q, h_q, lens, 64, exact=True, tiling=dict(RS, chains=2, q_copy="bulk"))
+def test_gpu_prepared_rs2_variants_match_the_reference(b, s_q, h_q, lens, extra):
+    """rs2's variants prepared in session 41 with fewer than 16 query rows: q_copy="bulk" (the CTA's query rows in
+    one bulk copy, the ring's first stages issued without waiting for it: the rows the copy leaves unwritten
+    must come out as zeros in the permuted query, a select, whatever shared memory held) and merge="split" (each
+    chain merges and stores half of O, with rows past s_q * h_q skipped)."""
+    run_fp8_case(b, s_q, h_q, lens, 64, exact=True, tiling=dict(RS, chains=2, **extra))
 
 
 def _late_jumps(q, kv, table):
@@ -269,7 +283,8 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
-                                   {"q_copy": "bulk"}, {"desc_add": "u64"}, {"one_body": True}])
+                                   {"q_copy": "bulk"}, {"desc_add": "u64"}, {"one_body": True},
+                                   {"merge": "split"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
