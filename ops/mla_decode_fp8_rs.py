@@ -467,7 +467,8 @@ __device__ __forceinline__ void tc_merge_store(OutT* row0, const float* o0, cons
 // merge="split" (rs2): each chain stages half of its O^T for the other (groups 2, 3 from chain 0; 0, 1 from chain
 // 1; tc_stage_o's order), and each merges and stores the other half: O's groups g0, g0 + 1 from its own two
 // (oa, ob) and the other's staged ones, O^T_0 * fab[h] + O^T_1 * fab[16 + h] with the terms in that order
-// whichever chain computes it (the same bits as tc_merge_store)
+// whichever chain computes it (the same bits as tc_merge_store; tc_merge_store is not written as two of these:
+// that reschedules the op's whole kernel, session 41's measured SASS, checked)
 __device__ __forceinline__ void tc_stage_o_half(void* staging, const float* oa, const float* ob) {
   float4* st = reinterpret_cast<float4*>(staging);
   const int t = threadIdx.x & 127;
@@ -1054,6 +1055,100 @@ def _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, slot, pidx, off, page=False
 
 
 @T.macro
+def _rs2_lse(Lse, LsePart, m_buf, m_row, l_buf, l_row, bi, si, max_splits, rows, h_q, part):
+    # the merged lse of the CTA's rows (m, l in log2 units; l = 0: -inf), into Lse (one split) or LsePart (part)
+    if not part:
+        for h in T.Parallel(ROWS):
+            if h < rows:
+                Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_buf[l_row, h] > 0.0,
+                                                            (m_buf[m_row, h] + T.log2(l_buf[l_row, h])) * LN2,
+                                                            -T.infinity("float32"))
+    else:
+        for h in T.Parallel(ROWS):
+            LsePart[bi * max_splits + si, h] = T.if_then_else(l_buf[l_row, h] > 0.0,
+                                                              m_buf[m_row, h] + T.log2(l_buf[l_row, h]),
+                                                              -T.infinity("float32"))
+
+
+@T.macro
+def _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags, n_iter, bid, bi, si, splits,
+                    max_splits, rows, h_q, raw, trace, pace, split_merge):
+    # WG0 after its loop: the merge with WG1 (merge="staged": all of WG1's O^T staged, merged and stored here;
+    # "split": groups 2, 3 of its own staged for WG1, groups 0, 1 of O merged and stored here), the lse, the exit
+    if trace:
+        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
+    o0, o1, o2, o3 = frags[7:11]
+    if split_merge:
+        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 0), o2.data, o3.data))
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
+        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[0, 0], "w", 2 * ROWS),
+                                 T.access_ptr(mls[0, 0], "w", 2 * ROWS), 1, RS2_BAR_SOFTMAX))
+        if si < splits:
+            if splits == 1:
+                _rs2_lse(Lse, LsePart, mls, 0, mls, 1, bi, si, max_splits, rows, h_q, False)
+                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 0>",
+                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), o0.data, o1.data,
+                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS), rows, 0))
+            else:
+                _rs2_lse(Lse, LsePart, mls, 0, mls, 1, bi, si, max_splits, rows, h_q, True)
+                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 0>",
+                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V), o0.data, o1.data,
+                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS), ROWS, 0))
+    else:
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                                 RS2_BAR_SOFTMAX))
+        if si < splits:
+            if splits == 1:
+                _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, False)
+                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                         o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
+                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+            else:
+                _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, True)
+                T.evaluate(T.call_extern("handle", "tc_merge_store",
+                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
+                                         o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
+                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+    if trace:
+        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
+    if pace:
+        T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
+
+
+@T.macro
+def _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags, n_iter, bi, si, splits, max_splits, rows, raw,
+                    split_merge):
+    # WG1 after its loop: "staged", all of its O^T for WG0; "split", groups 0, 1 of it for WG0, then groups 2, 3 of O
+    # merged and stored here
+    if split_merge:
+        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 1), frags[7].data,
+                                 frags[8].data))
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
+        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[1, 0], "w", 2 * ROWS),
+                                 T.access_ptr(mls[0, 0], "r", 2 * ROWS), 0, RS2_BAR_SOFTMAX + 1))
+        if si < splits:
+            if splits == 1:
+                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 1>",
+                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), frags[9].data, frags[10].data,
+                                         _own_stage(kl_s, raw, n_iter, 0), T.access_ptr(fabs[1, 0], "r", 2 * ROWS), rows, 2))
+            else:
+                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 1>",
+                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
+                                         frags[9].data, frags[10].data, _own_stage(kl_s, raw, n_iter, 0),
+                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), ROWS, 2))
+    else:
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
+                                 frags[7].data, frags[8].data, frags[9].data, frags[10].data))
+        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+
+
+@T.macro
 def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks, num_pages,
                  tx, Pace, pace_seen, pace, raw):
     # the producer warpgroup past the ring's first stages: each stage once its slot is free (held to the grid's
@@ -1143,7 +1238,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
         raise ValueError(f"mla_decode_fp8_rs2: lag must be None or in [0, 15] (log2 units), got {lag}")
     causal = causal and s_q > 1
     batch, num_pages, max_blocks, slots, counters = T.dynamic("batch, num_pages, max_blocks, slots, counters")
-    neg_inf = -T.infinity("float32")
 
     @T.prim_func
     def mla_decode_fp8_rs2(
@@ -1178,9 +1272,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             l_s = T.alloc_shared((2, ROWS), "float32")
             m_s = T.alloc_shared((2, ROWS), "float32")
             fab = T.alloc_shared((2 * ROWS,), "float32")
+            fabs = mls = None
             if split_merge:             # each chain's merge factors; the merged max and sum (the lse)
                 fabs = T.alloc_shared((2, 2 * ROWS), "float32")
-                mls = T.alloc_shared((2 * ROWS,), "float32")
+                mls = T.alloc_shared((2, ROWS), "float32")
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             qbar = T.alloc_barrier([1]) if q_bulk else None
@@ -1263,41 +1358,11 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                p_s, red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
                                Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
                     if tx < 128:
-                        if trace:
-                            T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
-                        o0, o1, o2, o3 = frags[0][7:11]
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
-                        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
-                                                 RS2_BAR_SOFTMAX))
-                        if si < splits:
-                            if splits == 1:
-                                for h in T.Parallel(ROWS):
-                                    if h < rows:
-                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
-                                                                                    (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
-                                                         o0.data, o1.data, o2.data, o3.data,
-                                                         _staging(kl_s, raw),
-                                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
-                            else:
-                                slot = bi * max_splits + si
-                                for h in T.Parallel(ROWS):
-                                    LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
-                                                         o0.data, o1.data, o2.data, o3.data,
-                                                         _staging(kl_s, raw),
-                                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
-                        if trace:
-                            T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
-                        if pace:
-                            T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
+                        _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
+                                        max_splits, rows, h_q, raw, trace, pace, split_merge)
                     else:
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
-                                                 frags[0][7].data, frags[0][8].data, frags[0][9].data, frags[0][10].data))
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                        _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[0], n_iter, bi, si, splits, max_splits,
+                                        rows, raw, split_merge)
                 else:
                     _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
                                  num_pages, tx, Pace, pace_seen, pace, raw)
@@ -1308,88 +1373,14 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                                red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
                                Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
-                    if trace:
-                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
-                    o0, o1, o2, o3 = frags[0][7:11]
-                    if split_merge:     # groups 2, 3 for chain 1 to merge; then groups 0, 1 of O here
-                        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 0), o2.data, o3.data))
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
-                        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[0, 0], "w", 2 * ROWS),
-                                                 T.access_ptr(mls[0], "w", 2 * ROWS), 1, RS2_BAR_SOFTMAX))
-                        if si < splits:
-                            if splits == 1:
-                                for h in T.Parallel(ROWS):
-                                    if h < rows:
-                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(mls[ROWS + h] > 0.0,
-                                                                                    (mls[h] + T.log2(mls[ROWS + h])) * LN2, neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 0>",
-                                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), o0.data, o1.data,
-                                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS),
-                                                         rows, 0))
-                            else:
-                                slot = bi * max_splits + si
-                                for h in T.Parallel(ROWS):
-                                    LsePart[slot, h] = T.if_then_else(mls[ROWS + h] > 0.0, mls[h] + T.log2(mls[ROWS + h]), neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 0>",
-                                                         T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V), o0.data, o1.data,
-                                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS),
-                                                         ROWS, 0))
-                    else:
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
-                        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
-                                                 RS2_BAR_SOFTMAX))
-                        if si < splits:
-                            if splits == 1:
-                                for h in T.Parallel(ROWS):
-                                    if h < rows:
-                                        Lse[bi, h % h_q, h // h_q] = T.if_then_else(l_s[0, h] > 0.0,
-                                                                                    (m_s[0, h] + T.log2(l_s[0, h])) * LN2, neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
-                                                         o0.data, o1.data, o2.data, o3.data,
-                                                         _staging(kl_s, raw),
-                                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
-                            else:
-                                slot = bi * max_splits + si
-                                for h in T.Parallel(ROWS):
-                                    LsePart[slot, h] = T.if_then_else(l_s[0, h] > 0.0, m_s[0, h] + T.log2(l_s[0, h]), neg_inf)
-                                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(OPart[slot, 0, 0], "w", ROWS * D_V),
-                                                         o0.data, o1.data, o2.data, o3.data,
-                                                         _staging(kl_s, raw),
-                                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
-                    if trace:
-                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
-                    if pace:
-                        T.evaluate(T.call_extern("handle", "tc_pace_exit", T.access_ptr(Pace[0], "rw", 2), n_iter))
+                    _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
+                                    max_splits, rows, h_q, raw, trace, pace, split_merge)
                 elif tx < 256:
                     _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                                red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
                                Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
-                    if split_merge:     # groups 0, 1 for chain 0 to merge; then groups 2, 3 of O here
-                        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 1),
-                                                 frags[1][7].data, frags[1][8].data))
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
-                        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[1, 0], "w", 2 * ROWS),
-                                                 T.access_ptr(mls[0], "r", 2 * ROWS), 0, RS2_BAR_SOFTMAX + 1))
-                        if si < splits:
-                            if splits == 1:
-                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 1>",
-                                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), frags[1][9].data,
-                                                         frags[1][10].data, _own_stage(kl_s, raw, n_iter, 0),
-                                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), rows, 2))
-                            else:
-                                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 1>",
-                                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
-                                                         frags[1][9].data, frags[1][10].data, _own_stage(kl_s, raw, n_iter, 0),
-                                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), ROWS, 2))
-                    else:
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-                        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
-                                                 frags[1][7].data, frags[1][8].data, frags[1][9].data, frags[1][10].data))
-                        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+                    _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[1], n_iter, bi, si, splits, max_splits, rows,
+                                    raw, split_merge)
                 else:
                     _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
                                  num_pages, tx, Pace, pace_seen, pace, raw)
