@@ -1175,7 +1175,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                                trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
                                stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl",
-                               one_body: bool = False, merge: str = "staged"):
+                               merge: str = "staged"):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1201,9 +1201,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     merge ("staged": the op's, WG1 stages all of its O^T and WG0 merges and stores; "split"): each chain stages half
     of its O^T into the ring stage of its own last step (while the other may still run its last), then each merges
     and stores half of O (the same bits; prepared in session 41, not yet run).
-    one_body (False: the op's): both chains run one copy of the loop (w = tx / 128 at run time, one set of
-    fragments): half the hot code, and the allocation ptxas gives the first of two chain regions (bench/NOTES.md
-    "Session 41"; prepared, not yet run).
     desc_add ("tl": the op's; "u64"): each WGMMA's descriptor offset added as one 64-bit value instead of TileLang's
     low-word add (HELPER_SOURCE's TC_DESC64): the same descriptors, fewer uniform instructions a WGMMA (bench/NOTES.md
     "Session 41"; prepared, not yet run).
@@ -1225,8 +1222,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     if q_copy not in ("loads", "bulk"):
         raise ValueError(f"mla_decode_fp8_rs2: q_copy must be 'loads' or 'bulk', got {q_copy!r}")
     q_bulk = q_copy == "bulk"
-    if merge not in ("staged", "split") or (merge == "split" and one_body):
-        raise ValueError(f"mla_decode_fp8_rs2: merge must be 'staged' or (without one_body) 'split', got {merge!r}")
+    if merge not in ("staged", "split"):
+        raise ValueError(f"mla_decode_fp8_rs2: merge must be 'staged' or 'split', got {merge!r}")
     split_merge = merge == "split"
     if desc_add not in ("tl", "u64"):
         raise ValueError(f"mla_decode_fp8_rs2: desc_add must be 'tl' or 'u64', got {desc_add!r}")
@@ -1279,8 +1276,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
             qbar = T.alloc_barrier([1]) if q_bulk else None
-            # each warpgroup's own fragments and registers (one_body: one set, the same code for both)
-            frags = (_rs2_fragments(),) if one_body else (_rs2_fragments(), _rs2_fragments())
+            # each warpgroup's own fragments and registers
+            frags = (_rs2_fragments(), _rs2_fragments())
             third = [{} for _ in frags]                        # third_fragment's fragments, per warpgroup
             for x in third:
                 if raw:
@@ -1350,39 +1347,22 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 for h, j in T.Parallel(ROWS, D_ROPE):
                     qr_s[h, j] = q_stage[h, D_V + j]
             T.sync_threads()
-            if one_body:                # one loop body for both chains: w = tx / 128 at run time
-                if tx < 256:
-                    if trace and tx < 128:
-                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
-                    _rs2_chain(tx // 128, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s,
-                               p_s, red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
-                    if tx < 128:
-                        _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
-                                        max_splits, rows, h_q, raw, trace, pace, split_merge)
-                    else:
-                        _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[0], n_iter, bi, si, splits, max_splits,
-                                        rows, raw, split_merge)
-                else:
-                    _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
-                                 num_pages, tx, Pace, pace_seen, pace, raw)
+            if tx < 128:
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
+                _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                           red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
+                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
+                _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
+                                max_splits, rows, h_q, raw, trace, pace, split_merge)
+            elif tx < 256:
+                _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
+                           red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
+                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
+                _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[1], n_iter, bi, si, splits, max_splits, rows,
+                                raw, split_merge)
             else:
-                if tx < 128:
-                    if trace:
-                        T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
-                    _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                               red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
-                    _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
-                                    max_splits, rows, h_q, raw, trace, pace, split_merge)
-                elif tx < 256:
-                    _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
-                               red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                               Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
-                    _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[1], n_iter, bi, si, splits, max_splits, rows,
-                                    raw, split_merge)
-                else:
-                    _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
-                                 num_pages, tx, Pace, pace_seen, pace, raw)
+                _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
+                             num_pages, tx, Pace, pace_seen, pace, raw)
 
     return mla_decode_fp8_rs2

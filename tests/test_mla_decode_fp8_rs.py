@@ -177,31 +177,16 @@ def test_descriptor_offsets_as_64_bit_adds_take_fewer_uniform_instructions():
         mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, desc_add="u32")
 
 
-def test_one_loop_body_for_both_chains_halves_the_code():
-    """rs2's one_body=True: both MMA warpgroups run one copy of the chain loop (w = tx / 128 at run time): the same
-    136 WGMMAs a step in the source's one loop, no spills, the kernel's code ~30% shorter."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-
-    def counts(**kw):
-        cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **kw), "sm_90a")
-        assert sass_stats(cubin, "sm_90a").spill_stores == 0, kw
-        return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin)))
-
-    two, one = counts(), counts(one_body=True)
-    assert two["HGMMA"] == 136 and one["HGMMA"] == 68, (two["HGMMA"], one["HGMMA"])
-    assert sum(one.values()) < 0.8 * sum(two.values()), (sum(one.values()), sum(two.values()))
-
-
 def test_split_merge_lowers_without_spills():
     """rs2's merge="split" (each chain stages half of its O^T in the ring stage of its own last step, each merges
-    and stores half of O): no spills, both halves' stores in the kernel; rejected with one_body."""
+    and stores half of O): no spills, both halves' stores in the kernel."""
     from backends.cuda.sass import build_cubin, sass_stats
 
     src = mla_decode_fp8_rs2_program.source("sm_90a", h_q=8, s_q=2, merge="split")
     assert src.count("tc_stage_o_half(") >= 3 and "tc_merge_store_half<bfloat16_t, 1>(" in src
     assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
     with pytest.raises(ValueError, match="merge must be"):
-        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, merge="split", one_body=True)
+        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, merge="halves")
 
 
 def test_query_by_bulk_copy_lowers_without_global_loads_of_it():
@@ -283,8 +268,7 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
-                                   {"q_copy": "bulk"}, {"desc_add": "u64"}, {"one_body": True},
-                                   {"merge": "split"}])
+                                   {"q_copy": "bulk"}, {"desc_add": "u64"}, {"merge": "split"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
     lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
