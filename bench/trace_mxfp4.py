@@ -11,7 +11,8 @@ the kernel's span (first block's entry to last block's stored), the spread of th
 and the longest block; then, as medians over the blocks, in SM cycles: the prologue, the wait for the first
 step's data, then per step the wait for data (data of step s - issued of step s-1: the tiles came
 later than the MMA threads were ready for them) and the work (issued - data: the decode and the
-WGMMA issue, including the wait for the step before's WGMMA), and the epilogue. A block that
+WGMMA issue, including the wait for the step before's WGMMA; split as decode = decoded - data,
+launch = launched - decoded, retire = issued - launched), and the epilogue. A block that
 waits for data is fed too slowly; one whose work is the step is bound by its own MMA threads.
 --no-decode swaps the decode out (bench.prof_mxfp4's diagnostic; wrong results). GPU only.
 """
@@ -23,7 +24,7 @@ import torch
 
 from bench.timing import L2_FLUSH_BYTES
 from ops import gemm_mxfp4
-from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_STEPS, SWAPPED_TRACE_WORDS
+from ops.gemm_mxfp4 import SWAPPED_STEP_EVENTS, SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_STEPS, SWAPPED_TRACE_WORDS
 
 CASES = ("1x7168x2048", "16x4096x7168", "64x4096x7168")
 
@@ -58,7 +59,9 @@ def summarize(p, rows, k):
     e = {name: i for i, name in enumerate(SWAPPED_TRACE_EVENTS)}
     base = len(SWAPPED_TRACE_EVENTS)
     steps = min(-(-(k // p["stage_k"]) // p["splits"]), SWAPPED_TRACE_STEPS)
-    full = [r for r in rows if r[base + 2 * (steps - 1) + 1] != 0]       # blocks that ran every step
+    per = len(SWAPPED_STEP_EVENTS)
+    at = lambda s, ev: base + per * s + SWAPPED_STEP_EVENTS.index(ev)     # noqa: E731
+    full = [r for r in rows if r[at(steps - 1, "issued")] != 0]          # blocks that ran every step
     med = lambda xs: statistics.median(xs) if xs else float("nan")      # noqa: E731
     out = {"blocks": len(full), "steps": steps,
            "prologue": med([_delta(r[e["entry"]], r[e["prologue done"]]) for r in full]),
@@ -74,8 +77,12 @@ def summarize(p, rows, k):
     out["span ns"] = max((ns(r, "stored ns") for r in full), default=float("nan"))
     out["entry spread ns"] = max((ns(r, "entry ns") for r in full), default=float("nan"))
     out["longest block ns"] = max((_delta(r[e["entry ns"]], r[e["stored ns"]]) for r in full), default=float("nan"))
-    out["work"] = [med([_delta(r[base + 2 * i], r[base + 2 * i + 1]) for r in full]) for i in range(steps)]
-    out["wait"] = [med([_delta(r[base + 2 * i - 1], r[base + 2 * i]) for r in full]) for i in range(1, steps)]
+    span = lambda a, b: [med([_delta(r[at(i, a)], r[at(i, b)]) for r in full]) for i in range(steps)]  # noqa: E731
+    out["work"] = span("data", "issued")
+    out["decode"] = span("data", "decoded")           # the fragment's decode (and its raw loads)
+    out["launch"] = span("decoded", "launched")       # issuing the step's WGMMAs
+    out["retire"] = span("launched", "issued")        # waiting for the step before's WGMMAs
+    out["wait"] = [med([_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for r in full]) for i in range(1, steps)]
     return out
 
 
@@ -113,6 +120,8 @@ def main(argv=None):
               f"longest block {t['longest block ns']} ns")
         print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
+        for part in ("decode", "launch", "retire"):
+            print(f"  {part + ':':<13} {' '.join(f'{w:.0f}' for w in t[part])}")
 
 
 if __name__ == "__main__":

@@ -371,7 +371,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
-    "stored ns"); step s's "data" and "issued" (s < 64) to Trace[b, 6 + 2s] and Trace[b, 7 + 2s].
+    "stored ns"); step s's SWAPPED_STEP_EVENTS (s < 64: "data", "decoded", "launched", "issued") to
+    Trace[b, 6 + 4s + e].
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
@@ -523,8 +524,10 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then
 # "data", "issued" (SM clock) per step
 SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
+# each traced step's stamps: its tiles landed, decoded into the fragment, WGMMAs issued, the step before's retired
+SWAPPED_STEP_EVENTS = ("data", "decoded", "launched", "issued")
 SWAPPED_TRACE_STEPS = 64
-SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + 2 * SWAPPED_TRACE_STEPS
+SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * SWAPPED_TRACE_STEPS
 
 
 def _trace_stamp(Trace, bid, event, step):
@@ -533,8 +536,8 @@ def _trace_stamp(Trace, bid, event, step):
             _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event + " ns"), 1, "tc_globaltimer_lo")
         _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1, "clock")
     else:
-        _stamp_clock(Trace, bid, len(SWAPPED_TRACE_EVENTS) + 2 * step + (event == "issued"),
-                     step < SWAPPED_TRACE_STEPS, "clock")
+        _stamp_clock(Trace, bid, len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * step
+                     + SWAPPED_STEP_EVENTS.index(event), step < SWAPPED_TRACE_STEPS, "clock")
 
 
 @T.macro

@@ -1457,9 +1457,9 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert "= clock()" not in plain and "= tc_globaltimer_lo()" not in plain
     stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
     ns = re.findall(r"Trace\[.*?\] = tc_globaltimer_lo\(\);", traced)
-    # 4 block events + 2 a step (the burst and the tails are separate code paths, each stamped);
-    # the global timer at entry and stored
-    assert len(stamps) >= 4 + 2 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
+    # 4 block events + 4 a step (data, decoded, launched, issued; the burst and the tails are separate
+    # code paths, each stamped); the global timer at entry and stored
+    assert len(stamps) >= 4 + 4 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
@@ -1468,9 +1468,9 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     (data - previous issued) as medians over the blocks that ran every step, across the 32-bit
     clock's wrap; a block that ran no step is left out."""
     from bench.trace_mxfp4 import summarize
-    from ops.gemm_mxfp4 import SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_WORDS
+    from ops.gemm_mxfp4 import SWAPPED_STEP_EVENTS, SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_WORDS
 
-    base = len(SWAPPED_TRACE_EVENTS)
+    base, per = len(SWAPPED_TRACE_EVENTS), len(SWAPPED_STEP_EVENTS)
     p = dict(stage_k=128, splits=1)
 
     NS0 = 2 ** 32 - 150
@@ -1485,9 +1485,11 @@ def test_trace_mxfp4_summary_reads_the_stamps():
         for s in range(3):
             if s:
                 t += wait
-            row[base + 2 * s] = t % 2 ** 32
+            row[base + per * s] = t % 2 ** 32       # data
+            row[base + per * s + 1] = (t + work // 2) % 2 ** 32     # decoded
+            row[base + per * s + 2] = (t + work // 2 + 10) % 2 ** 32    # launched
             t += work
-            row[base + 2 * s + 1] = t % 2 ** 32
+            row[base + per * s + 3] = t % 2 ** 32   # issued
         row[2] = t % 2 ** 32                        # loop done
         row[3] = (t + 40) % 2 ** 32                 # stored
         row[4] = (NS0 + start_ns) % 2 ** 32         # entry ns: the global timer wraps between blocks
@@ -1500,6 +1502,7 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     assert t["blocks"] == 3 and t["steps"] == 3
     assert t["prologue"] == 100 and t["first data"] == 500 and t["epilogue"] == 40
     assert t["work"] == [1000, 1000, 1000] and t["wait"] == [10, 10]
+    assert t["decode"] == [500] * 3 and t["launch"] == [10] * 3 and t["retire"] == [490] * 3
     # ns: block 1 enters first, block 2 last and it is the longest (4300 cycles at 2 GHz)
     assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
 

@@ -150,8 +150,12 @@ def _reg_step(j, first, io):
             decode(lambda i, w, u=u: r_s[slot, i, u * FRAGMENT_K // 8 + w], rows, place, s * parts + u, frag.data)
         else:
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
+        if mark is not None:
+            mark("decoded", s)
         emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                           clear_accum=False, policy=policy))
+        if mark is not None:
+            mark("launched", s)
         if len(frags) == 1:
             emit(T.wait_wgmma(0))
             if u == parts - 1:
@@ -243,8 +247,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # blocks_per_sm = 2: twice the warps an SM to hide the decode's latencies, in half the registers
     # (one fragment, each step's WGMMA waited for before the next decode).
     # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
-    # step's "data" (its tiles have arrived) and "issued" (decoded, its WGMMAs issued), "loop done"
-    # and "stored" (after the epilogue).
+    # step's "data" (its tiles have arrived), "decoded" (its fragment is in registers; with parts > 1,
+    # the last part's), "launched" (its WGMMAs issued) and "issued" (the step before's WGMMAs retired,
+    # its stage released), "loop done" and "stored" (after the epilogue).
     # preload: (global region, shared buffer) pairs the producer copies by TMA before the first
     # stage, so that their requests reach memory ahead of the stages' (a prologue's loads by the MMA
     # threads queue behind them: bench/NOTES.md "MXFP4 v7"); the MMA threads wait for them after
