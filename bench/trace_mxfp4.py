@@ -98,8 +98,6 @@ def main(argv=None):
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
-    ap.add_argument("--interleave", choices=("auto", "on", "off"), default="auto",
-                    help="each k16 slice's WGMMA issued as soon as it is decoded")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -112,8 +110,7 @@ def main(argv=None):
                              fold={"auto": None, "on": True, "off": False}[args.fold],
                              ahead={"auto": None, "on": True, "off": False}[args.ahead],
                              pair={"auto": None, "on": True, "off": False}[args.pair],
-                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out],
-                             interleave={"auto": None, "on": True, "off": False}[args.interleave])
+                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

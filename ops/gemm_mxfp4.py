@@ -190,35 +190,6 @@ __device__ __forceinline__ void tc_e2m1_fragment_of(void* dst, const unsigned* w
     }
   }
 }
-// interleave=True: k16 slice j (0..7, a constant after inlining) of this thread's fragment alone, from the
-// 16 bytes w (row r) and v (row r + 8) that hold its code words 2j and 2j + 1 (words 4(j / 2) .. + 3 of the
-// row), into dst's four words: the same values as tc_e2m1_fragment's d[4j .. 4j + 3], so that the slice's
-// WGMMA can go out before the next slice is decoded
-template <bool kPrmtSign>
-__device__ __forceinline__ void tc_e2m1_slice(void* dst, const void* w, const void* v, int sw_r, int sw_r8, int c,
-                                              int j) {
-  const uint4 wq = *reinterpret_cast<const uint4*>(w), vq = *reinterpret_cast<const uint4*>(v);
-  const unsigned wl = (j & 1) ? wq.z : wq.x, wh = (j & 1) ? wq.w : wq.y;
-  const unsigned vl = (j & 1) ? vq.z : vq.x, vh = (j & 1) ? vq.w : vq.y;
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-  const unsigned sel = (unsigned)c * 0x1111u + 0xC480u;
-  if (__all_sync(0xFFFFFFFFu, (tc_scale_over_128((unsigned)sw_r) | tc_scale_over_128((unsigned)sw_r8)) == 0u)) {
-    const unsigned bsel = 0x4040u | (unsigned)(j >> 1) * 0x0101u;
-    const unsigned s = __byte_perm((unsigned)sw_r + 0x7E7E7E7Eu, 0u, bsel) << 7;
-    const unsigned t = __byte_perm((unsigned)sw_r8 + 0x7E7E7E7Eu, 0u, bsel) << 7;
-    d[0] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wl, c, sel), s);
-    d[1] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vl, c, sel), t);
-    d[2] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(wh, c, sel), s);
-    d[3] = tc_bf16x2_mul(tc_e2m1x2_bits<kPrmtSign>(vh, c, sel), t);
-  } else {
-    const unsigned s = tc_e8m0_bf16x2(((unsigned)sw_r >> (8 * (j >> 1))) & 0xFFu);
-    const unsigned t = tc_e8m0_bf16x2(((unsigned)sw_r8 >> (8 * (j >> 1))) & 0xFFu);
-    d[0] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(wl, c, sel), s);
-    d[1] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(vl, c, sel), t);
-    d[2] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(wh, c, sel), s);
-    d[3] = tc_e2m1x2_scaled(tc_e2m1x2_bits<kPrmtSign>(vh, c, sel), t);
-  }
-}
 """
 BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 bytes per row and step
 DECODE_WORDS = (8, 4)   # 32-bit code words a thread decodes a step: 64 values at 256 MMA threads, 32 at 512
@@ -350,15 +321,6 @@ def _decode_fragment(raw_at, rows, place, step, dst, sw, decode="v7"):
 
 
 @T.macro
-def _decode_slice(raw_at, rows, place, step, dst, j, sw, decode="v7"):
-    # interleave=True: k16 slice j of this thread's A fragment (words 2j, 2j + 1 of its two rows)
-    r, r8 = rows
-    T.evaluate(T.call_extern("handle", _fragment_helper("tc_e2m1_slice", decode), dst,
-                             T.access_ptr(raw_at(r, 4 * (j // 2)), "r", 4), T.access_ptr(raw_at(r8, 4 * (j // 2)), "r", 4),
-                             sw[r, step], sw[r8, step], place, j))
-
-
-@T.macro
 def _load_rows(raw_at, rows, buf):
     # this thread's two rows of the step's raw words into registers (buf: 32 words), a step ahead
     r, r8 = rows
@@ -388,8 +350,7 @@ def _fragment_helper(name, decode):
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
                           scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
-                          ahead: bool = False, pair: bool = False, stage_out: bool = False,
-                          interleave: bool = False):
+                          ahead: bool = False, pair: bool = False, stage_out: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -407,10 +368,6 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
     to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
     4-byte stores from the accumulator layout.
-    interleave=True (stage_k = 128, not ahead): each k16 slice of a step is decoded and its WGMMA issued before
-    the next slice is decoded (tile.mma_register_decoded_loop's slices=True): the same WGMMAs in the same order
-    on the same accumulator (the same bits), but the tensor pipe works under the decode (bench/NOTES.md
-    "Session 42": issuing a step's eight WGMMAs at once blocked the warp ~300 cycles at 64 tokens).
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -461,13 +418,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
                 B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (stage_k // 8):(k0 + blk + 1) * (stage_k // 8)])
-            if interleave and (ahead or stage_k != BLOCK_K):
-                raise ValueError(f"interleave=True decodes 128-deep stages from shared memory: it needs stage_k = "
-                                 f"{BLOCK_K} and ahead=False, got stage_k={stage_k}, ahead={ahead}")
-            if interleave:
-                decoder = lambda raw_at, rows, place, blk, dst, i: _decode_slice(  # noqa: E731
-                    raw_at, rows, place, blk + w0 - s0, dst, i, sw, decode)
-            elif ahead:     # (raw words to registers a step ahead, decode from them)
+            if ahead:     # (raw words to registers a step ahead, decode from them)
                 decoder = (lambda raw_at, rows, buf: _load_rows(raw_at, rows, buf),
                            lambda raw, rows, place, blk, dst: _decode_from(raw, rows, place, blk + w0 - s0, dst, sw,
                                                                            decode))
@@ -477,7 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc, decoder,
-                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp, slices=interleave,
+                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
                 # aligned), or loaded by the MMA threads while the first stages fly
@@ -1011,15 +962,12 @@ SWAPPED_PAIR = None
 SWAPPED_STAGE_OUT = None
 SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
-# each k16 slice's WGMMA issued as soon as the slice is decoded (the tensor pipe under the decode; prepared in
-# session 42, bench/NOTES.md "Session 42"): True / False for every plan whose stages are 128 deep, without ahead
-SWAPPED_INTERLEAVE = False
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
-                 pair: bool | None = None, stage_out: bool | None = None, interleave: bool | None = None) -> dict:
+                 pair: bool | None = None, stage_out: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -1034,8 +982,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     splits == 2, and then no fold; the received half partial, 128 x tokens / 2 fp32, takes its room
     from the stages); stage_out: a split plan's partial goes out through shared memory (None:
     SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
-    taken from the stages: TileLang does not overlap it with the pipeline's tiles); interleave: each k16 slice's
-    WGMMA out as soon as it is decoded (None: SWAPPED_INTERLEAVE; only with 128-deep stages and no ahead)."""
+    taken from the stages: TileLang does not overlap it with the pipeline's tiles)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1080,12 +1027,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
-    ahead = SWAPPED_AHEAD if ahead is None else ahead
-    interleave = SWAPPED_INTERLEAVE if interleave is None else interleave
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
-                ahead=ahead, pair=pair, stage_out=stage_out,
-                interleave=bool(interleave) and stage_k == BLOCK_K and not ahead)
+                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -1094,7 +1038,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                "interleave": SWAPPED_INTERLEAVE, **override}      # in the launchers' key
+                **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 

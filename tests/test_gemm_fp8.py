@@ -1463,28 +1463,6 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
-def test_mxfp4_swapped_interleave_issues_each_slice_after_its_decode():
-    """interleave=True: a step's eight k16 slices each decoded (tc_e2m1_slice) and multiplied (a WGMMA group
-    each) before the next slice is decoded; in the SASS the HGMMAs sit between decode instructions instead of
-    in runs of eight; no spills; refused where it does not apply."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-    from ops.gemm_mxfp4 import mxfp4_swapped_program
-
-    for tokens in (8, 64):
-        src = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=tokens, splits=4, stages=6,
-                                           interleave=True)
-        assert "tc_e2m1_slice<true>(" in src and "tc_e2m1_fragment<true>(" not in src
-        cubin = build_cubin(src, "sm_90a")
-        assert sass_stats(cubin, "sm_90a").spill_stores == 0
-        ops_ = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin))
-        at = [i for i, op in enumerate(ops_) if op == "HGMMA"]
-        gaps = [b - a for a, b in zip(at, at[1:])]
-        assert len(at) % 8 == 0 and min(gaps) > 20, gaps      # never two HGMMAs back to back
-    with pytest.raises(ValueError, match="interleave=True"):
-        mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=64, splits=4, stages=4, interleave=True,
-                                     ahead=True)
-
-
 def test_trace_mxfp4_summary_reads_the_stamps():
     """bench.trace_mxfp4's summary on a made-up trace: per-step work (issued - data) and data waits
     (data - previous issued) as medians over the blocks that ran every step, across the 32-bit
@@ -1882,37 +1860,6 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
             assert torch.equal(out, want)
     finally:
         gemm_mxfp4.SWAPPED_FOLD = saved
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (16, 4096, 7168, False), (33, 384, 2048, True),
-                                       (64, 4096, 7168, True), (64, 7168, 2048, False)])
-def test_gpu_mxfp4_swapped_interleave_is_bitwise(m, n, k, big):
-    """SWAPPED_INTERLEAVE (session 42): each k16 slice's WGMMA issued as soon as the slice is decoded, the same
-    WGMMAs in the same order on the same accumulator: the default kernel's bits, with every e2m1 code and scales
-    from the subnormal 2^-127 up (big: some over 2^1, the two-multiply decode path), m tails of each token tile."""
-    from ops import gemm_mxfp4
-
-    g = torch.Generator().manual_seed(m * 11 + n)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
-    args = (a.cuda(), packed.cuda(), scales.cuda())
-    saved = gemm_mxfp4.SWAPPED_INTERLEAVE
-    try:
-        gemm_mxfp4.SWAPPED_INTERLEAVE = False
-        want = ops.mxfp4_gemm_nt(*args).cpu()
-        gemm_mxfp4.SWAPPED_INTERLEAVE = True
-        assert gemm_mxfp4.plan_swapped(m, n, k)["interleave"]
-        runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
-    finally:
-        gemm_mxfp4.SWAPPED_INTERLEAVE = saved
-    assert not want.isnan().any()
-    assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
-    assert calc_diff(runs[0], ref) < 1e-5
-    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu

@@ -133,11 +133,8 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, slices = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
-    if slices:
-        _slice_step(j, first, io)
-        return
     s = first + j
     slot = s % stages
     if regs is None:
@@ -169,38 +166,6 @@ def _reg_step(j, first, io):
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
     if mark is not None:
         mark("issued", s)
-
-
-def _slice_step(j, first, io):
-    """slices=True: stage first + j decoded and multiplied one k16 slice at a time (a WGMMA group each), so
-    that the tensor pipe runs slice i while slice i + 1 is decoded: issuing a step's eight WGMMAs at once
-    blocks the warp for about as long as they take (bench/NOTES.md "Session 42": at 64 tokens ~300 of a
-    step's ~870 cycles, none of it under the decode). Then the step before's eight groups are waited for
-    (wait 8: this step's may still run) and its stage released."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, slices = io
-    s = first + j
-    slot = s % stages
-    emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
-    if mark is not None:
-        mark("data", s)
-    buf = frags[j % 2]
-    for i in range(SLICES):
-        decode(lambda r, w: r_s[slot, r, w], rows, place, s, buf[i].data, i)
-        if mark is not None and i == 0:
-            mark("decoded", s)           # (slices: the first slice's decode)
-        emit(T.wgmma_gemm(buf[i], s_s[slot, :, i * SLICE_K:(i + 1) * SLICE_K], acc, transpose_B=True,
-                          clear_accum=False, policy=policy))
-    if mark is not None:
-        mark("launched", s)
-    if j > 0:
-        emit(T.wait_wgmma(SLICES - 1))
-        emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
-    if mark is not None:
-        mark("issued", s)
-
-
-SLICE_K = 16                    # slices=True: K of one WGMMA
-SLICES = FRAGMENT_K // SLICE_K
 
 
 def _fetch_raw(s, steps, full, r_s, stages, buf, load, rows):
@@ -237,7 +202,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, slices):
+                    prologue, epilogue, mark, preload, pre, ramp, regs):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -258,8 +223,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         tid = T.get_thread_binding()
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
-        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              slices)
+        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
         in_bursts(steps, _reg_burst, io)
@@ -272,7 +236,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, slices=False):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -292,8 +256,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # the prologue.
     # ramp > 0 (< stages): the producer asks for the first `ramp` stages alone, the rest once the
     # first has landed (sm90.tma_producer)
-    # slices=True (stages of one part, one block an SM, decode(raw_at, rows, place, step, dst, i) decodes
-    # k16 slice i alone): each slice's WGMMA goes out as soon as it is decoded (_slice_step)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -318,14 +280,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
     # a warp reads 8 rows' same 16 bytes at once: swizzled (TMA), they fall in different banks
     swizzle = make_half_bank_swizzled_layout if parts == 1 else make_full_bank_swizzled_layout
-    T.annotate_layout({r_s: swizzle(r_s), s_s: make_full_bank_swizzled_layout(s_s)})
-    if slices and (parts != 1 or blocks_per_sm != 1 or isinstance(decode, tuple)):
-        raise ValueError(f"slices=True takes stages of one part, one block an SM and a decode from shared memory, "
-                         f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
-    if slices:      # two steps' fragments, each as eight k16 slices
-        frags = [[T.alloc_fragment((d_shape[0], SLICE_K), d_dtype) for _ in range(SLICES)] for _ in range(2)]
-    else:
-        frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
+    T.annotate_layout({r_s: swizzle(r_s)})
+    frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
     regs = None
     if isinstance(decode, tuple):
         if parts != 1 or blocks_per_sm != 1 or BURST % 2:
@@ -337,4 +293,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, slices)
+                    ramp, regs)
