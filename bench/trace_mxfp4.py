@@ -98,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
+    ap.add_argument("--pingpong", choices=("auto", "on", "off"), default="auto",
+                    help="the MMA warpgroups issue their WGMMAs in turn")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -110,7 +112,8 @@ def main(argv=None):
                              fold={"auto": None, "on": True, "off": False}[args.fold],
                              ahead={"auto": None, "on": True, "off": False}[args.ahead],
                              pair={"auto": None, "on": True, "off": False}[args.pair],
-                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
+                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out],
+                             pingpong={"auto": None, "on": True, "off": False}[args.pingpong])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "

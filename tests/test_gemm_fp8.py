@@ -1463,6 +1463,37 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
+def test_mxfp4_swapped_pingpong_takes_turns_at_the_wgmma():
+    """pingpong=True: before each step's WGMMAs a warpgroup waits on its own named barrier (14 + wg) and after them
+    arrives on the other's; warpgroup 1 hands warpgroup 0 the first turn and warpgroup 0 takes the last hand-over
+    after the loop (no arrival left pending); the WGMMAs stay in groups of eight; no spills; refused with
+    stages of two parts."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+    from ops.gemm_mxfp4 import mxfp4_swapped_program
+
+    for tokens, splits in ((8, 2), (64, 4)):
+        src = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=tokens, splits=splits, stages=6,
+                                           pingpong=True)
+        waits = src.count("tl::__sync_thread_partial(((((int)threadIdx.x) >> 7) + 14), 256);")
+        hands = src.count("tl::__named_barrier_arrive((15 - (((int)threadIdx.x) >> 7)), 256);")
+        assert waits == hands >= 4 and src.count("tl::__named_barrier_arrive(14, 256);") == 1
+        assert src.count("tl::__sync_thread_partial(14, 256);") == 1
+        cubin = build_cubin(src, "sm_90a")
+        assert sass_stats(cubin, "sm_90a").spill_stores == 0
+        ops_ = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin))
+        runs, n = [], 0          # HGMMAs between WARPGROUP instructions (ARRIVE before a group, DEPBAR after)
+        for op in ops_:
+            if op == "WARPGROUP":
+                runs, n = runs + [n] if n else runs, 0
+            n += op == "HGMMA"
+        assert runs and all(r == 8 for r in runs), runs
+    plain = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=64, splits=4, stages=6)
+    assert "__named_barrier_arrive" not in plain
+    with pytest.raises(ValueError, match="pingpong=True"):
+        mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=2, stages=3, stage_k=256,
+                                     pingpong=True)
+
+
 def test_trace_mxfp4_summary_reads_the_stamps():
     """bench.trace_mxfp4's summary on a made-up trace: per-step work (issued - data) and data waits
     (data - previous issued) as medians over the blocks that ran every step, across the 32-bit
@@ -1860,6 +1891,38 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
             assert torch.equal(out, want)
     finally:
         gemm_mxfp4.SWAPPED_FOLD = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (16, 4096, 7168, False), (33, 384, 2048, True),
+                                       (64, 4096, 7168, True), (64, 7168, 2048, False), (9, 24576, 1536, False)])
+def test_gpu_mxfp4_swapped_pingpong_is_bitwise(m, n, k, big):
+    """SWAPPED_PINGPONG (session 42): the two MMA warpgroups issue their WGMMAs in turn; each still multiplies its
+    own rows in the same order: the default kernel's bits, with every e2m1 code and scales from the subnormal
+    2^-127 up (big: some over 2^1, the two-multiply decode), m tails, split-K folded, reduced, paired or staged
+    as the plans choose; and a second run the same (the named barriers leave nothing pending)."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(m * 13 + n)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    saved = gemm_mxfp4.SWAPPED_PINGPONG
+    try:
+        gemm_mxfp4.SWAPPED_PINGPONG = False
+        want = ops.mxfp4_gemm_nt(*args).cpu()
+        gemm_mxfp4.SWAPPED_PINGPONG = True
+        assert gemm_mxfp4.plan_swapped(m, n, k)["pingpong"]
+        runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    finally:
+        gemm_mxfp4.SWAPPED_PINGPONG = saved
+    assert not want.isnan().any()
+    assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu
