@@ -453,12 +453,13 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v7", scale_tma: bool = True):
+                                 decode: str = "v7", scale_tma: bool = True, pingpong: bool = False):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros. scale_tma: the scale rows by TMA
-    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's)."""
+    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's); pingpong: the MMA warpgroups
+    issue their WGMMAs in turn (as mxfp4_gemm_nt_swapped's)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -483,7 +484,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw, decode),
-                stages=stages,
+                stages=stages, pingpong=pingpong,
                 preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[g, tn * block_n + i, si]),
@@ -523,11 +524,12 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
     # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
     scale_tma = True if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
-    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma)
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma,
+                pingpong=bool(SWAPPED_PINGPONG))
 
 
-# SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then
-# "data", "issued" (SM clock) per step
+# SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
+# traced step's SWAPPED_STEP_EVENTS (SM clock)
 SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
 # each traced step's stamps: its tiles landed, decoded into the fragment, WGMMAs issued, the step before's retired
 SWAPPED_STEP_EVENTS = ("data", "decoded", "launched", "issued")

@@ -2398,6 +2398,9 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
             monkeypatch.setattr(gemm_mxfp4, "SWAPPED_SCALE_TMA", scale_tma)
             again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
             assert torch.equal(again, out), (decode, scale_tma)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_PINGPONG", True)    # the warpgroups' WGMMAs in turn: the same bits
+    again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+    assert torch.equal(again, out), "pingpong"
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -2407,7 +2410,7 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True)
+    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True, pingpong=False)
     assert plan_masked_swapped(16, 1024)["scale_tma"]
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8
