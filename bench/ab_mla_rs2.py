@@ -16,7 +16,7 @@ import sys
 import torch
 
 from bench.suites import mla as suite
-from bench.timing import FLUSH_MODES, _flusher
+from bench.timing import FLUSH_MODES, _flusher, card_identity
 
 CASES = [(128, 16, 1, 4096), (128, 16, 1, 8192), (64, 16, 1, 8192), (128, 8, 2, 4096)]
 
@@ -38,8 +38,9 @@ def main(argv=None) -> int:
         print("bench.ab_mla_rs2 needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
     flush = _flusher(True, args.flush)
-    print(f"# {torch.cuda.get_device_name()}; flush {args.flush}; {args.launches} launches a variant; us: median "
-          f"(p20-p80)")
+    card = card_identity(torch.cuda.current_device())
+    print(f"# {torch.cuda.get_device_name()} {card.get('gpu_uuid', '')}; flush {args.flush}; {args.launches} launches "
+          f"a variant; us: median (p20-p80)")
     for b, h_q, s_q, n in CASES:
         case = dict(b=b, h_q=h_q, s_q=s_q, seqlen=n)
         inputs = suite.make_inputs(case, "cuda")

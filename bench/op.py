@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from bench import roofline
-from bench.timing import FLUSH_MODES, SmClock
+from bench.timing import FLUSH_MODES, SmClock, card_identity
 from bench.warm import warm_and_say
 from bench import suites as suite_registry
 
@@ -232,8 +232,8 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 r["speedup_vs_ref"] = ref["median_ms"] / r["median_ms"]
         del inputs
         torch.cuda.empty_cache()
-    meta = {"gpu": name, "ceilings": ceil.__dict__, "timing": "cuda graph" if args.graph else "eager",
-            "rounds": args.rounds,
+    meta = {"gpu": name, **card_identity(torch.cuda.current_device()), "ceilings": ceil.__dict__,
+            "timing": "cuda graph" if args.graph else "eager", "rounds": args.rounds,
             "l2_flush": args.flush, **versions()}
     peers = {p.name: peer_version(p.name) for p in providers if p.peer}
     if peers:

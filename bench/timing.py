@@ -111,6 +111,31 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
             "p80_ms": (w80 - b80) / calls, "reps": reps * calls}
 
 
+CARD_FIELDS = ("uuid", "power.limit", "clocks.max.sm", "temperature.gpu", "driver_version")
+
+
+def card_identity(device: int = 0) -> dict:
+    """Which physical card a run used, as nvidia-smi names it ({} where it cannot say): its UUID, power limit (W),
+    top SM clock (MHz), temperature at the start (C) and driver. Two H200s ran the same FP8 MLA kernel at
+    1.55-1.59x and 1.62-1.67x the bf16 cache (bench/NOTES.md "Session 42"): the card held the FP8 kernel's clock
+    or did not, so every result names its card."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    gpu = visible[device] if device < len(visible) else str(device)
+    try:
+        out = subprocess.run([exe, "-i", gpu, f"--query-gpu={','.join(CARD_FIELDS)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")] if out.returncode == 0 and \
+        out.stdout.strip() else []
+    if len(values) != len(CARD_FIELDS):
+        return {}
+    return {f"gpu_{f.replace('.', '_')}": v for f, v in zip(CARD_FIELDS, values) if v not in ("", "[N/A]")}
+
+
 class SmClock:
     """The SM clock (MHz) and board power (W) while a block runs: `nvidia-smi --loop-ms` samples both every
     `period_ms` in the background; median() and median_watts() are their medians, None where nvidia-smi

@@ -229,6 +229,26 @@ def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
     assert clock.median() is None
 
 
+def test_card_identity_names_the_card_nvidia_smi_reports(tmp_path, monkeypatch):
+    """bench.timing.card_identity: the UUID, power limit, top SM clock, temperature and driver of the card
+    CUDA_VISIBLE_DEVICES maps the device to ([N/A] fields left out); {} without nvidia-smi or when it fails."""
+    from bench.timing import card_identity
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n[ -e "$(dirname "$0")/fail" ] && exit 9\n'
+                   'echo "GPU-d785a325-8dea, 700.00, 1980, [N/A], 580.159.04"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert card_identity(1) == {"gpu_uuid": "GPU-d785a325-8dea", "gpu_power_limit": "700.00",
+                                "gpu_clocks_max_sm": "1980", "gpu_driver_version": "580.159.04"}
+    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
+    (tmp_path / "fail").touch()
+    assert card_identity(0) == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert card_identity(0) == {}
+
+
 def test_warm_calls_each_case_and_provider_in_worker_processes(monkeypatch, tmp_path):
     """bench.warm (bench.op --jobs): every (case, provider) of the run called once in spawned workers,
     in order, a failing one reported with its error; nothing with one job or with the disk cache off
