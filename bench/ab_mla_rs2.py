@@ -2,7 +2,7 @@
 of each variant in turn (the order reversed every other round), the L2 emptied before every launch, back to back.
 Finer than bench.op's rounds for 1-3% differences (the card's clock and power drift between providers' blocks).
 
-    python -m bench.ab_mla_rs2 '[{}, {"pace": 0}, {"lag": 8.0}]' [--flush read|write] [--launches 80]   # GPU
+    python -m bench.ab_mla_rs2 '[{}, {"pace": 0}, {"third_fragment": null}]' [--flush read|write] [--launches 80]   # GPU
 
 A variant is mla_decode_fp8_rs2_program's keyword arguments ({} is the op's kernel). --flush read (the default,
 as bench --flush read) leaves the L2 clean; write leaves up to an L2 of dirty lines written back during the launch

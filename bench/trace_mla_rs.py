@@ -12,7 +12,7 @@ and each event's cycles after the step's start, medians over steps 8-55 (min, ma
 two-CTA kernel (b = 128, 2 splits), then CTA 0's per-step events of both chains (RS2_TRACE_EVENTS: wait for the
 stage, its data landed, scores, P ready, P V done), medians over steps 8-55 per chain. --warm: then b = 128 once
 more without writing over the L2 between launches (what the cold prologue costs). --variant '{"probe": "stream"}':
-then b = 128 once more with those keyword arguments of mla_decode_fp8_rs2_program (its timing probes, lag, ...).
+then b = 128 once more with those keyword arguments of mla_decode_fp8_rs2_program (its timing probes, pace, ...).
 
 --spans: every CTA's span (global timer at entry, loop start, loop end, exit; SM clock over the loop; its SM)
 for b = 264 unsplit, b = 128 in 2 splits and b = 128/132 at one CTA an SM, beside the kernel's time with and

@@ -60,18 +60,6 @@ TRACE_ROW = 32                   # trace=True: the stamps go into OPart rows no 
 SPAN_ROW = ROWS_PAD - 1
 TRACE_EVENTS = ("step", "rope issued", "scores", "softmax", "P copied", "P V issued", "P V done")
 HELPER_SOURCE = f"#define TC_TRACE_STEPS {TRACE_STEPS}\n" + r"""
-#ifdef TC_DESC64
-// rs2's desc_add="u64": a WGMMA descriptor's k-step offset as one 64-bit add. TileLang's GmmaDescriptor::operator+
-// adds to the low word through the union; ptxas then builds a fresh descriptor pair for every WGMMA (the low word
-// moved, the high word set again: ~3 uniform instructions a WGMMA). The same 64-bit value (the low word never
-// carries: its top field ends at bit 30), preferred over the member template as a non-template.
-#include <tl_templates/cuda/common.h>
-namespace tl {
-__device__ __forceinline__ GmmaDescriptor operator+(const GmmaDescriptor& d, int offset) {
-  return GmmaDescriptor(d.desc_ + static_cast<uint64_t>(static_cast<uint32_t>(offset)));
-}
-}  // namespace tl
-#endif
 __device__ __forceinline__ unsigned tc_e4m3x2_f16x2(unsigned v) {       // the low 16 bits of v: two e4m3
   unsigned r;
   asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(v));
@@ -185,14 +173,6 @@ __device__ __forceinline__ void tc_rope_fragment(void* dst, const void* base, in
     d[4 * k + 2] = *reinterpret_cast<const unsigned*>(at + r * 656 + 32 * k + 16 + 4 * c);
     d[4 * k + 3] = *reinterpret_cast<const unsigned*>(at + (r + 8) * 656 + 32 * k + 16 + 4 * c);
   }
-}
-// q_copy="bulk": the CTA's query rows (contiguous in Q) in one bulk copy on its own barrier (count 1), by one thread
-template <typename Bar>
-__device__ __forceinline__ void tc_bulk_rows(void* dst, const void* src, int bytes, Bar& bar) {
-  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes), "r"(b) : "memory");
 }
 // stage="page": a step's 64 tokens (41,984 contiguous bytes of the cache) in four bulk copies on the stage's barrier,
 // issued by the warpgroup's first thread (the warpgroup then arrives as after TMA boxes)
@@ -358,49 +338,6 @@ __device__ __forceinline__ void tc_p_ready(int bar) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
-// tc_softmax_t + the four tc_p_store + tc_p_ready with the running max left behind: P = 2^(s scale_log2 - m)
-// against the max m as it is, kept while no score is more than 2^lag above it and P * scale stays inside fp16
-// (scale <= ks_limit = 65504 / 2^lag); then the four warps exchange nothing, and the P-ready barrier is the
-// one barrier of the step (it ANDs each thread's verdict). Otherwise (a column's first finite score, a max that
-// moved by more than lag) every thread takes tc_softmax_t's exact path and stores P again. lse = m + log2 l
-// and O / l do not depend on which m: lag = 0 is the exact kernel bit for bit.
-__device__ __forceinline__ void tc_softmax_lazy_t(void* p, float* s, float* m, float* l, float* alpha, const float* ks,
-                                                  float* red, int parity, float scale_log2, float lag, float ks_limit,
-                                                  int bar_softmax, int bar_p) {
-  float pv[8], use[4];
-#pragma unroll
-  for (int hs = 0; hs < 4; ++hs) use[hs] = m[hs] == -INFINITY ? 0.0f : m[hs];
-  bool ok = true;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int hs = (i >> 2) * 2 + (i & 1);
-    const float x = fmaf(s[i], scale_log2, -use[hs]);
-    pv[i] = tc_ex2(x);
-    ok = ok && (m[hs] == -INFINITY ? s[i] == -INFINITY : x <= lag);
-  }
-  float kmax = ks[0];
-#pragma unroll
-  for (int j = 1; j < 8; ++j) kmax = fmaxf(kmax, ks[j]);
-  ok = ok && kmax <= ks_limit;
-#pragma unroll
-  for (int g = 0; g < 4; ++g) tc_p_store(p, pv, ks, g);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  int all;
-  asm volatile("{\n .reg .pred q, r;\n setp.ne.s32 q, %1, 0;\n barrier.cta.red.and.pred r, %2, 128, q;\n"
-               " selp.s32 %0, 1, 0, r;\n}" : "=r"(all) : "r"(int(ok)), "r"(bar_p) : "memory");
-  if (all) {
-#pragma unroll
-    for (int hs = 0; hs < 4; ++hs) {
-      alpha[hs] = 1.0f;
-      l[hs] = fmaf(l[hs], 1.0f, pv[(hs >> 1) * 4 + (hs & 1)] + pv[(hs >> 1) * 4 + 2 + (hs & 1)]);
-    }
-    return;
-  }
-  tc_softmax_t(s, m, l, alpha, red, parity, scale_log2, bar_softmax);
-#pragma unroll
-  for (int g = 0; g < 4; ++g) tc_p_store(p, s, ks, g);
-  tc_p_ready(bar_p);
-}
 __device__ __forceinline__ void tc_bar(int bar, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(bar), "r"(threads) : "memory");
 }
@@ -453,71 +390,6 @@ __device__ __forceinline__ void tc_merge_store(OutT* row0, const float* o0, cons
       const float r0 = o[g][i0] * fa + v1[i0] * fb, r1 = o[g][i0 + 2] * fa + v1[i0 + 2] * fb;
       const float r2 = o[g][i0 + 8] * fa + v1[i0 + 8] * fb, r3 = o[g][i0 + 10] * fa + v1[i0 + 10] * fb;
       OutT* at = row0 + h * 512 + g * 128 + 4 * (8 * w + q);
-      if constexpr (sizeof(OutT) == 4) {
-        *reinterpret_cast<float4*>(at) = make_float4(r0, r1, r2, r3);
-      } else {
-        unsigned lo, hi;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(r1), "f"(r0));
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(r3), "f"(r2));
-        *reinterpret_cast<uint2*>(at) = make_uint2(lo, hi);
-      }
-    }
-  }
-}
-// merge="split" (rs2): each chain stages half of its O^T for the other (groups 2, 3 from chain 0; 0, 1 from chain
-// 1; tc_stage_o's order), and each merges and stores the other half: O's groups g0, g0 + 1 from its own two
-// (oa, ob) and the other's staged ones, O^T_0 * fab[h] + O^T_1 * fab[16 + h] with the terms in that order
-// whichever chain computes it (the same bits as tc_merge_store; tc_merge_store is not written as two of these:
-// that reschedules the op's whole kernel, session 41's measured SASS, checked)
-__device__ __forceinline__ void tc_stage_o_half(void* staging, const float* oa, const float* ob) {
-  float4* st = reinterpret_cast<float4*>(staging);
-  const int t = threadIdx.x & 127;
-  const float* o[2] = {oa, ob};
-#pragma unroll
-  for (int g = 0; g < 2; ++g) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) st[(g * 4 + i) * 128 + t] = make_float4(o[g][4 * i], o[g][4 * i + 1], o[g][4 * i + 2], o[g][4 * i + 3]);
-  }
-}
-// tc_merge_stats without the in-place write (both chains read both chains' stats): the factors into fab[t],
-// fab[16 + t]; with ml set (chain 0), the merged max and sum into ml[t], ml[16 + t] for the lse
-__device__ __forceinline__ void tc_merge_factors(const float* m, const float* l, float* fab, float* ml, int write_ml,
-                                                 int bar) {
-  const int t = threadIdx.x & 127;
-  if (t < 16) {
-    const float m0 = m[t], m1 = m[16 + t], mx = fmaxf(m0, m1);
-    const float a = mx == -INFINITY ? 0.f : exp2f(m0 - mx), b = mx == -INFINITY ? 0.f : exp2f(m1 - mx);
-    const float sum = l[t] * a + l[16 + t] * b, inv = sum > 0.f ? 1.f / sum : 0.f;
-    fab[t] = a * inv, fab[16 + t] = b * inv;
-    if (write_ml) ml[t] = mx, ml[16 + t] = sum;
-  }
-  asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
-}
-template <typename OutT, int W>
-__device__ __forceinline__ void tc_merge_store_half(OutT* row0, const float* oa, const float* ob, const void* staging,
-                                                    const float* fab, int rows, int g0) {
-  const float4* st = reinterpret_cast<const float4*>(staging);
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3, t = threadIdx.x & 127;
-  const float* o[2] = {oa, ob};
-#pragma unroll
-  for (int gg = 0; gg < 2; ++gg) {
-    float v1[16];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 x = st[(gg * 4 + i) * 128 + t];
-      v1[4 * i] = x.x, v1[4 * i + 1] = x.y, v1[4 * i + 2] = x.z, v1[4 * i + 3] = x.w;
-    }
-    const float* x0 = W == 0 ? o[gg] : v1;      // chain 0's values
-    const float* x1 = W == 0 ? v1 : o[gg];      // chain 1's
-#pragma unroll
-    for (int hs = 0; hs < 4; ++hs) {
-      const int nb = hs >> 1, e = hs & 1, h = 8 * nb + 2 * c + e;
-      if (h >= rows) continue;
-      const float fa = fab[h], fb = fab[16 + h];
-      const int i0 = nb * 4 + e;
-      const float r0 = x0[i0] * fa + x1[i0] * fb, r1 = x0[i0 + 2] * fa + x1[i0 + 2] * fb;
-      const float r2 = x0[i0 + 8] * fa + x1[i0 + 8] * fb, r3 = x0[i0 + 10] * fa + x1[i0 + 10] * fb;
-      OutT* at = row0 + h * 512 + (g0 + gg) * 128 + 4 * (8 * w + q);
       if constexpr (sizeof(OutT) == 4) {
         *reinterpret_cast<float4*>(at) = make_float4(r0, r1, r2, r3);
       } else {
@@ -953,14 +825,6 @@ def _staging(kl_s, raw):
     return T.access_ptr(kl_s[0, 0, 0] if raw else kl_s[0, 0, 0, 0], "r", GROUPS * STEP * GROUP)
 
 
-def _own_stage(kl_s, raw, n_iter, w):
-    """merge="split": where chain w stages its half of O^T, the ring stage of its own last step (stage w if it had
-    none): neither the other chain (alternate steps) nor the producer (no step after it) touches it again."""
-    last = T.if_then_else((n_iter - 1) % 2 == w, n_iter - 1, n_iter - 2)
-    slot = T.if_then_else(last >= 0, last % RS2_STAGES, w)
-    return T.access_ptr(kl_s[slot, 0, 0] if raw else kl_s[slot, 0, 0, 0], "rw", GROUPS * STEP * GROUP // 2)
-
-
 def _compute_unless_streaming(probe, seqlen):
     """True, or for probe "stream" a condition that never holds at run time (the fragments keep their layouts)."""
     return seqlen < 0 if probe == "stream" else True
@@ -969,7 +833,7 @@ def _compute_unless_streaming(probe, seqlen):
 @T.macro
 def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s, red, l_s,
                m_s, full, empty, a_k0, a_k1, a_v0, a_v1, acc0, acc1, s_t, o0, o1, o2, o3, m_t, l_t, alpha_t, ks_t,
-               OPart=None, Pace=None, lag=None, a_k2=None, a_v2=None, probe=None, a_r=None):
+               OPart=None, Pace=None, a_k2=None, a_v2=None, probe=None, a_r=None):
     T.set_max_nreg(RS2_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
@@ -1010,18 +874,12 @@ def _rs2_chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr
             _k_phase(kl_s, ks_s, slot, ql_s, a_k0, a_k1, acc0, acc1, s_t, ks_t, a_k2=a_k2, page=a_r is not None)
             _rs2_stamp(OPart, k, 2)
             T.evaluate(T.call_extern("handle", "tc_mask_t", s_t.data, blk * STEP, base, h_q, int(causal)))
-            if lag is None:
-                T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
-                                         T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
-                for g in range(GROUPS):
-                    T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
-                                             s_t.data, ks_t.data, g))
-                T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
-            else:
-                T.evaluate(T.call_extern("handle", "tc_softmax_lazy_t", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
-                                         s_t.data, m_t.data, l_t.data, alpha_t.data, ks_t.data,
-                                         T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, T.float32(lag),
-                                         T.float32(65504.0 / 2.0 ** lag), RS2_BAR_SOFTMAX + w, RS2_BAR_P + w))
+            T.evaluate(T.call_extern("handle", "tc_softmax_t", s_t.data, m_t.data, l_t.data, alpha_t.data,
+                                     T.access_ptr(red[w, 0], "r", 128), j % 2, scale_log2, RS2_BAR_SOFTMAX + w))
+            for g in range(GROUPS):
+                T.evaluate(T.call_extern("handle", "tc_p_store", T.access_ptr(p_s[w, 0, 0, 0], "r", GROUPS * ROWS * STEP),
+                                         s_t.data, ks_t.data, g))
+            T.evaluate(T.call_extern("handle", "tc_p_ready", RS2_BAR_P + w))
             _rs2_stamp(OPart, k, 3)
             T.evaluate(T.call_extern("handle", "tc_rescale_all_t", o0.data, o1.data, o2.data, o3.data, alpha_t.data))
             _v_phase(kl_s, slot, p_s, w, a_v0, a_v1, o0, o1, o2, o3, empty if probe is None else None, a_v2=a_v2,
@@ -1071,48 +929,29 @@ def _rs2_lse(Lse, LsePart, m_buf, m_row, l_buf, l_row, bi, si, max_splits, rows,
 
 
 @T.macro
-def _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags, n_iter, bid, bi, si, splits,
-                    max_splits, rows, h_q, raw, trace, pace, split_merge):
-    # WG0 after its loop: the merge with WG1 (merge="staged": all of WG1's O^T staged, merged and stored here;
-    # "split": groups 2, 3 of its own staged for WG1, groups 0, 1 of O merged and stored here), the lse, the exit
+def _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, frags, n_iter, bid, bi, si, splits,
+                    max_splits, rows, h_q, raw, trace, pace):
+    # WG0 after its loop: the merge with WG1 (all of WG1's O^T staged, merged and stored here), the lse, the exit
     if trace:
         T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 2, 0))
     o0, o1, o2, o3 = frags[7:11]
-    if split_merge:
-        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 0), o2.data, o3.data))
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
-        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[0, 0], "w", 2 * ROWS),
-                                 T.access_ptr(mls[0, 0], "w", 2 * ROWS), 1, RS2_BAR_SOFTMAX))
-        if si < splits:
-            if splits == 1:
-                _rs2_lse(Lse, LsePart, mls, 0, mls, 1, bi, si, max_splits, rows, h_q, False)
-                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 0>",
-                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), o0.data, o1.data,
-                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS), rows, 0))
-            else:
-                _rs2_lse(Lse, LsePart, mls, 0, mls, 1, bi, si, max_splits, rows, h_q, True)
-                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 0>",
-                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V), o0.data, o1.data,
-                                         _own_stage(kl_s, raw, n_iter, 1), T.access_ptr(fabs[0, 0], "r", 2 * ROWS), ROWS, 0))
-    else:
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
-        T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
-                                 RS2_BAR_SOFTMAX))
-        if si < splits:
-            if splits == 1:
-                _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, False)
-                T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
-                                         o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
-                                         T.access_ptr(fab[0], "r", 2 * ROWS), rows))
-            else:
-                _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, True)
-                T.evaluate(T.call_extern("handle", "tc_merge_store",
-                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
-                                         o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
-                                         T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
+    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # WG1's O^T is staged
+    T.evaluate(T.call_extern("handle", "tc_merge_stats", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
+                             T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fab[0], "r", 2 * ROWS),
+                             RS2_BAR_SOFTMAX))
+    if si < splits:
+        if splits == 1:
+            _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, False)
+            T.evaluate(T.call_extern("handle", "tc_merge_store", T.access_ptr(Out[bi, 0, 0], "w", rows * D_V),
+                                     o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
+                                     T.access_ptr(fab[0], "r", 2 * ROWS), rows))
+        else:
+            _rs2_lse(Lse, LsePart, m_s, 0, l_s, 0, bi, si, max_splits, rows, h_q, True)
+            T.evaluate(T.call_extern("handle", "tc_merge_store",
+                                     T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
+                                     o0.data, o1.data, o2.data, o3.data, _staging(kl_s, raw),
+                                     T.access_ptr(fab[0], "r", 2 * ROWS), ROWS))
     if trace:
         T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 3, n_iter))
     if pace:
@@ -1120,32 +959,12 @@ def _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, m
 
 
 @T.macro
-def _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags, n_iter, bi, si, splits, max_splits, rows, raw,
-                    split_merge):
-    # WG1 after its loop: "staged", all of its O^T for WG0; "split", groups 0, 1 of it for WG0, then groups 2, 3 of O
-    # merged and stored here
-    if split_merge:
-        T.evaluate(T.call_extern("handle", "tc_stage_o_half", _own_stage(kl_s, raw, n_iter, 1), frags[7].data,
-                                 frags[8].data))
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both halves staged
-        T.evaluate(T.call_extern("handle", "tc_merge_factors", T.access_ptr(m_s[0, 0], "r", 2 * ROWS),
-                                 T.access_ptr(l_s[0, 0], "r", 2 * ROWS), T.access_ptr(fabs[1, 0], "w", 2 * ROWS),
-                                 T.access_ptr(mls[0, 0], "r", 2 * ROWS), 0, RS2_BAR_SOFTMAX + 1))
-        if si < splits:
-            if splits == 1:
-                T.evaluate(T.call_extern("handle", "tc_merge_store_half<bfloat16_t, 1>",
-                                         T.access_ptr(Out[bi, 0, 0], "w", rows * D_V), frags[9].data, frags[10].data,
-                                         _own_stage(kl_s, raw, n_iter, 0), T.access_ptr(fabs[1, 0], "r", 2 * ROWS), rows, 2))
-            else:
-                T.evaluate(T.call_extern("handle", "tc_merge_store_half<float, 1>",
-                                         T.access_ptr(OPart[bi * max_splits + si, 0, 0], "w", ROWS * D_V),
-                                         frags[9].data, frags[10].data, _own_stage(kl_s, raw, n_iter, 0),
-                                         T.access_ptr(fabs[1, 0], "r", 2 * ROWS), ROWS, 2))
-    else:
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
-        T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
-                                 frags[7].data, frags[8].data, frags[9].data, frags[10].data))
-        T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
+def _rs2_epilogue_1(kl_s, frags, raw):
+    # WG1 after its loop: all of its O^T staged for WG0
+    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))     # both chains' loops are done
+    T.evaluate(T.call_extern("handle", "tc_stage_o", _staging(kl_s, raw),
+                             frags[7].data, frags[8].data, frags[9].data, frags[10].data))
+    T.evaluate(T.call_extern("handle", "tc_bar", RS2_BAR_BOTH, 256))
 
 
 @T.macro
@@ -1172,10 +991,9 @@ def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, fi
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                               trace: bool = False, pace: int = RS2_PACE, lag: float | None = None,
+                               trace: bool = False, pace: int = RS2_PACE,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
-                               stage: str = RS2_STAGE, q_copy: str = "loads", desc_add: str = "tl",
-                               merge: str = "staged"):
+                               stage: str = RS2_STAGE):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1189,25 +1007,16 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, two int32 counters that are
     0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
     when stages are issued, never what is computed (bitwise the same as pace=0).
-    lag (None: off, the op's): tc_softmax_lazy_t, a running max allowed to lag up to 2^lag behind the scores (one
-    barrier a step, no exchange between the warps while it holds; lag = 0 bitwise the exact path). No faster in
-    session 39 (write flush) nor on a clean L2 in session 41 (lag 8: +0-3%; bench/NOTES.md "Session 41").
     stage ("page": RS2_STAGE, the op's; "boxes"): how the producer fills a stage, one bulk copy of the step's 64
     tokens as the cache holds them (the fills read 656-byte token rows, the rope through registers), or six 2-D
     TMA boxes into 128-byte-swizzled tiles (2.5-3.3% slower on a clean L2; the same bits).
     third_fragment ("k": RS2_THIRD_FRAGMENT, the op's; None, "v", "kv"): that phase's four groups on three register
     fragments instead of two (groups 2 and 3 filled without waiting for an MMA; session 39's change 2, measured on a
     clean L2 in session 41: "k" -0.7 to -1.3%, "v" -0.1 to -0.6%); None is the two-fragment kernel.
-    merge ("staged": the op's, WG1 stages all of its O^T and WG0 merges and stores; "split"): each chain stages half
-    of its O^T into the ring stage of its own last step (while the other may still run its last), then each merges
-    and stores half of O (the same bits; prepared in session 41, not yet run).
-    desc_add ("tl": the op's; "u64"): each WGMMA's descriptor offset added as one 64-bit value instead of TileLang's
-    low-word add (HELPER_SOURCE's TC_DESC64): the same descriptors, fewer uniform instructions a WGMMA (bench/NOTES.md
-    "Session 41"; prepared, not yet run).
-    q_copy ("loads": the op's, every thread loads a share of the query, then a barrier, then the ring's first stages;
-    "bulk": one thread copies the CTA's query rows first (tc_bulk_rows), the stages go out as soon as the page
-    indices are in, and every thread waits for the query's barrier before the permute; prepared in session 41 for
-    the next A/B).
+    Measured and removed (bench/NOTES.md "Session 39", "Session 41", "Session 42"): a running max allowed to lag
+    behind the scores (lag), the query by one bulk copy ahead of the stages (q_copy), each chain merging half of O
+    from its own last stage (merge="split"), 64-bit WGMMA descriptor adds (desc_add), both chains in one loop body
+    (one_body): none faster by 1%.
     probe (None: the op's; timing probes that compute wrong outputs, for bench.ab_mla_rs2 only): "release" frees each
     stage as soon as it arrives (the ring's bytes in flight without the chains' hold; the chains then read a
     stage the producer may be refilling), "stream" also skips the chains' MMAs and softmax (the kernel's own
@@ -1219,20 +1028,10 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     if stage not in ("boxes", "page"):
         raise ValueError(f"mla_decode_fp8_rs2: stage must be 'boxes' or 'page', got {stage!r}")
     raw = stage == "page"
-    if q_copy not in ("loads", "bulk"):
-        raise ValueError(f"mla_decode_fp8_rs2: q_copy must be 'loads' or 'bulk', got {q_copy!r}")
-    q_bulk = q_copy == "bulk"
-    if merge not in ("staged", "split"):
-        raise ValueError(f"mla_decode_fp8_rs2: merge must be 'staged' or 'split', got {merge!r}")
-    split_merge = merge == "split"
-    if desc_add not in ("tl", "u64"):
-        raise ValueError(f"mla_decode_fp8_rs2: desc_add must be 'tl' or 'u64', got {desc_add!r}")
     if probe not in (None, "release", "stream"):
         raise ValueError(f"mla_decode_fp8_rs2: probe must be None, 'release' or 'stream', got {probe!r}")
     if third_fragment not in (None, "k", "v", "kv"):
         raise ValueError(f"mla_decode_fp8_rs2: third_fragment must be None, 'k', 'v' or 'kv', got {third_fragment!r}")
-    if lag is not None and not 0 <= lag <= 15:
-        raise ValueError(f"mla_decode_fp8_rs2: lag must be None or in [0, 15] (log2 units), got {lag}")
     causal = causal and s_q > 1
     batch, num_pages, max_blocks, slots, counters = T.dynamic("batch, num_pages, max_blocks, slots, counters")
 
@@ -1269,13 +1068,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             l_s = T.alloc_shared((2, ROWS), "float32")
             m_s = T.alloc_shared((2, ROWS), "float32")
             fab = T.alloc_shared((2 * ROWS,), "float32")
-            fabs = mls = None
-            if split_merge:             # each chain's merge factors; the merged max and sum (the lse)
-                fabs = T.alloc_shared((2, 2 * ROWS), "float32")
-                mls = T.alloc_shared((2, ROWS), "float32")
             full = T.alloc_barrier([128] * RS2_STAGES)
             empty = T.alloc_barrier([128] * RS2_STAGES)
-            qbar = T.alloc_barrier([1]) if q_bulk else None
             # each warpgroup's own fragments and registers
             frags = (_rs2_fragments(), _rs2_fragments())
             third = [{} for _ in frags]                        # third_fragment's fragments, per warpgroup
@@ -1290,7 +1084,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 T.annotate_layout({p_s: make_full_bank_swizzled_layout(p_s)})
             else:
                 T.annotate_layout({kl_s: make_full_bank_swizzled_layout(kl_s), p_s: make_full_bank_swizzled_layout(p_s)})
-            T.import_source(("#define TC_DESC64\n" if desc_add == "u64" else "") + HELPER_SOURCE)
+            T.import_source(HELPER_SOURCE)
 
             bi = bid // max_splits
             si = bid % max_splits
@@ -1299,9 +1093,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             tx = T.get_thread_binding()
             if trace and tx == 0:
                 T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 0, 0))
-            if q_bulk and tx == 256:    # q_copy="bulk": the query first, ahead of everything the CTA asks for
-                T.evaluate(T.call_extern("handle", "tc_bulk_rows", T.access_ptr(q_stage[0, 0], "w", ROWS * D_QK),
-                                         T.access_ptr(Q[bi, 0, 0], "r", rows * D_QK), rows * D_QK * 2, qbar[0]))
             # one round trip for the lengths, the query and (split 0, which starts at block 0 whatever the length)
             # the ring's first page indices: nothing that waits for a length comes before the query's loads
             pages = T.alloc_local((RS2_STAGES,), "int32")
@@ -1310,9 +1101,8 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                     pages[k] = _rs2_page(BlockTable, bi, k, page, max_blocks, num_pages)
             # the query: staged raw with 9216 = 384 x 24 values (no partial iteration: one round trip; the
             # permuted fp16 copy straight from Q took 11 round trips, one a guarded iteration, ~14 us)
-            if not q_bulk:
-                for h, j in T.Parallel(ROWS, D_QK):
-                    q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
+            for h, j in T.Parallel(ROWS, D_QK):
+                q_stage[h, j] = T.if_then_else(h < rows, Q[bi, T.min(h, rows - 1), j], T.cast(0, "bfloat16"))
             # the split's range computed once into registers (as expressions, TileLang inlines them at every
             # use: a division a step in each chain's loop)
             split_v = T.alloc_local((2,), "int32")
@@ -1322,8 +1112,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             if tx >= 256 and si > 0 and n_iter > 0:      # later splits: their page indices after the lengths
                 for k in T.unroll(RS2_STAGES):
                     pages[k] = _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages)
-            if not q_bulk:              # (q_copy="bulk": the stages go out as soon as the page indices are in)
-                T.sync_threads()
+            T.sync_threads()
             # then the ring's first stages (issued before the query's loads, their 164 KB a CTA queued the query
             # behind them: a 9.9 us prologue; issued after the permute instead, the chains wait for them longer:
             # bench/NOTES.md "Session 38")
@@ -1334,33 +1123,24 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
             if tx >= 256 and n_iter > 0:
                 for k in T.serial(T.min(n_iter, RS2_STAGES)):
                     _rs2_issue(KV, KVf, KVh, kl_s, ks_s, kr_s, full, k, pages[k], (first + k) * STEP % page, raw)
-            if q_bulk:                  # rows past s_q * h_q were not copied: zeros by a select
-                T.mbarrier_wait_parity(qbar[0], 0)
-                for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
-                    ql_s[g, h, k] = T.if_then_else(h < rows, T.cast(q_stage[h, g * GROUP + q_column(k)], "float16"),
-                                                   T.cast(0, "float16"))
-                for h, j in T.Parallel(ROWS, D_ROPE):
-                    qr_s[h, j] = T.if_then_else(h < rows, q_stage[h, D_V + j], T.cast(0, "bfloat16"))
-            else:
-                for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
-                    ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
-                for h, j in T.Parallel(ROWS, D_ROPE):
-                    qr_s[h, j] = q_stage[h, D_V + j]
+            for g, h, k in T.Parallel(GROUPS, ROWS, GROUP):
+                ql_s[g, h, k] = T.cast(q_stage[h, g * GROUP + q_column(k)], "float16")
+            for h, j in T.Parallel(ROWS, D_ROPE):
+                qr_s[h, j] = q_stage[h, D_V + j]
             T.sync_threads()
             if tx < 128:
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8), 1, 0))
                 _rs2_chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[0], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[0])
-                _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, fabs, mls, frags[0], n_iter, bid, bi, si, splits,
-                                max_splits, rows, h_q, raw, trace, pace, split_merge)
+                           Pace=Pace if pace else None, probe=probe, **third[0])
+                _rs2_epilogue_0(OPart, Pace, Lse, LsePart, Out, kl_s, m_s, l_s, fab, frags[0], n_iter, bid, bi, si, splits,
+                                max_splits, rows, h_q, raw, trace, pace)
             elif tx < 256:
                 _rs2_chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, ql_s, qr_s, kl_s, ks_s, kr_s, p_s,
                            red, l_s, m_s, full, empty, *frags[1], OPart=OPart if trace else None,
-                           Pace=Pace if pace else None, lag=lag, probe=probe, **third[1])
-                _rs2_epilogue_1(OPart, Out, kl_s, m_s, l_s, fabs, mls, frags[1], n_iter, bi, si, splits, max_splits, rows,
-                                raw, split_merge)
+                           Pace=Pace if pace else None, probe=probe, **third[1])
+                _rs2_epilogue_1(kl_s, frags[1], raw)
             else:
                 _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
                              num_pages, tx, Pace, pace_seen, pace, raw)

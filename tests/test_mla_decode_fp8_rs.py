@@ -159,53 +159,12 @@ def test_page_stages_lower_to_bulk_copies_without_spills():
         mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="rows")
 
 
-def test_descriptor_offsets_as_64_bit_adds_take_fewer_uniform_instructions():
-    """rs2's desc_add="u64" (TC_DESC64: a non-template operator+ for tl::GmmaDescriptor that ptxas sees as one 64-bit
-    add): the same WGMMAs, no spills, fewer uniform-datapath moves (bench/NOTES.md "Session 41": chain 0's step
-    1030 -> 947 instructions, chain 1's 1030 -> 1020)."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-
-    def counts(**kw):
-        cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **kw), "sm_90a")
-        assert sass_stats(cubin, "sm_90a").spill_stores == 0, kw
-        return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin)))
-
-    tl_add, u64 = counts(), counts(desc_add="u64")
-    assert u64["HGMMA"] == tl_add["HGMMA"] == 136, (tl_add["HGMMA"], u64["HGMMA"])
-    assert u64["UMOV"] < tl_add["UMOV"] - 50 and sum(u64.values()) < sum(tl_add.values()), (tl_add, u64)
-    with pytest.raises(ValueError, match="desc_add must be"):
-        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, desc_add="u32")
-
-
-def test_split_merge_lowers_without_spills():
-    """rs2's merge="split" (each chain stages half of its O^T in the ring stage of its own last step, each merges
-    and stores half of O): no spills, both halves' stores in the kernel."""
-    from backends.cuda.sass import build_cubin, sass_stats
-
-    src = mla_decode_fp8_rs2_program.source("sm_90a", h_q=8, s_q=2, merge="split")
-    assert src.count("tc_stage_o_half(") >= 3 and "tc_merge_store_half<bfloat16_t, 1>(" in src
-    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
-    with pytest.raises(ValueError, match="merge must be"):
-        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, merge="halves")
-
-
-def test_query_by_bulk_copy_lowers_without_global_loads_of_it():
-    """rs2's q_copy="bulk": the query comes in one more bulk copy (no 16-byte global loads left), one CTA barrier
-    fewer before the ring's first stages, no spills."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-
-    def counts(**kw):
-        cubin = build_cubin(mla_decode_fp8_rs2_program.source("sm_90a", h_q=8, s_q=1, **kw), "sm_90a")
-        st = sass_stats(cubin, "sm_90a")
-        assert st.spill_stores == 0, (kw, st.spill_stores)
-        return collections.Counter(re.findall(r"\b(UBLKCP\.S\.G|LDG\.E\.128[\w.]*|BAR\.SYNC[\w.]*)\b", disassemble(cubin)))
-
-    loads, bulk = counts(), counts(q_copy="bulk")
-    assert loads["LDG.E.128.CONSTANT"] > 0 and sum(v for k, v in bulk.items() if k.startswith("LDG")) == 0, bulk
-    assert bulk["UBLKCP.S.G"] == loads["UBLKCP.S.G"] + 1, (loads, bulk)
-    assert bulk["BAR.SYNC.DEFER_BLOCKING"] == loads["BAR.SYNC.DEFER_BLOCKING"] - 1, (loads, bulk)
-    with pytest.raises(ValueError, match="q_copy must be"):
-        mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, q_copy="tma")
+def test_removed_rs2_knobs_are_refused():
+    """The knobs measured and removed in session 42 (lag, q_copy, merge, desc_add, one_body) are not keyword
+    arguments any more: a caller who still passes one is told so, not silently given the op's kernel."""
+    for kw in (dict(lag=8.0), dict(q_copy="bulk"), dict(merge="split"), dict(desc_add="u64"), dict(one_body=True)):
+        with pytest.raises(TypeError):
+            mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **kw)
 
 
 @pytest.mark.gpu
@@ -228,17 +187,6 @@ def test_gpu_two_chains_on_page_stages_match_the_reference(b, s_q, h_q, lens, pa
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(RS, chains=2, stage="page"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"q_copy": "bulk"}, {"merge": "split"}])
-@pytest.mark.parametrize("b,s_q,h_q,lens", [(3, 1, 7, [129, 64, 4000]), (2, 2, 5, [300, 2])])
-def test_gpu_prepared_rs2_variants_match_the_reference(b, s_q, h_q, lens, extra):
-    """rs2's variants prepared in session 41 with fewer than 16 query rows: q_copy="bulk" (the CTA's query rows in
-    one bulk copy, the ring's first stages issued without waiting for it: the rows the copy leaves unwritten
-    must come out as zeros in the permuted query, a select, whatever shared memory held) and merge="split" (each
-    chain merges and stores half of O, with rows past s_q * h_q skipped)."""
-    run_fp8_case(b, s_q, h_q, lens, 64, exact=True, tiling=dict(RS, chains=2, **extra))
-
-
 def _late_jumps(q, kv, table):
     # two tokens of sequence 0 with 24x / 48x its values: scores with a spread of ~9 and ~17 (log2 units; the
     # others ~0.4), so that some columns jump far above their running max late in the sequence
@@ -255,24 +203,20 @@ def _huge_last_group(q, kv, table):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lag", [None, 8.0])
 @pytest.mark.parametrize("edit", [_late_jumps, _huge_last_group])
-def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit, lag):
+def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit):
     """rs2 with a score far above the running max late in a sequence (O and l rescaled after many steps at one
     max), and with scales near fp16's limit for P * scale. Against the reference with run_fp8_case's bounds, no
-    inf or NaN; also with the running max allowed to lag up to 2^8 behind (lag=8, off in the op; its guard sends
-    such scales to the exact path)."""
-    run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2, **({} if lag is None else {"lag": lag})),
-                 edit=edit)
+    inf or NaN."""
+    run_fp8_case(2, 1, 16, [4000, 3000], 64, exact=True, tiling=dict(RS, chains=2), edit=edit)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"lag": 0.0}, {"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
-                                   {"q_copy": "bulk"}, {"desc_add": "u64"}, {"merge": "split"}])
+@pytest.mark.parametrize("extra", [{"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
-    """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the lazy softmax with
-    lag = 0 takes the exact path's values whenever it keeps the max; the number of register fragments (the op's
-    third for K, none, one for V) changes when groups are converted, not what; so does how a stage is loaded and
+    """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the number of register
+    fragments (the op's third for K, none, one for V) changes when groups are converted, not what; so does how a
+    stage is loaded and
     laid out (the op's stage="page" or TMA boxes: the same values into the same fragments, the rope's MMA from
     registers or shared memory). The same bits as the op's kernel on mixed lengths and splits."""
     from ops.mla_decode import _mla_decode_impl

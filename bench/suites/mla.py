@@ -200,10 +200,6 @@ SUITE = Suite(
         # the same with each stage six 2-D TMA boxes (RS2_STAGE: the op's is one bulk copy of the step's 41,984 bytes)
         Provider("tilecraft-fp8-rs2-boxes", lambda c, i: fp8_register(c, i, chains=2, stage="boxes"),
                  experimental=True, nbytes=nbytes_fp8),
-        # the same with session 41's leaner tail and descriptors (desc_add="u64", merge="split"): each within
-        # +-0.5% of the op's in interleaved A/B (NOTES "Session 42"); here under the bench's sustained power
-        Provider("tilecraft-fp8-rs2-lean", lambda c, i: fp8_register(c, i, chains=2, desc_add="u64", merge="split"),
-                 experimental=True, nbytes=nbytes_fp8),
         # the two-CTA rs kernel with split 0 (the older CTA on its SM) taking 33 or 34 of 64 steps (NOTES "Session 36")
         Provider("tilecraft-fp8-rs-w33", lambda c, i: fp8_register(c, i, older_64ths=33), experimental=True,
                  nbytes=nbytes_fp8),
