@@ -12,7 +12,8 @@ and the longest block; then, as medians over the blocks, in SM cycles: the prolo
 step's data, then per step the wait for data (data of step s - issued of step s-1: the tiles came
 later than the MMA threads were ready for them) and the work (issued - data: the decode and the
 WGMMA issue, including the wait for the step before's WGMMA; split as decode = decoded - data,
-launch = launched - decoded, retire = issued - launched), and the epilogue. A block that
+turn = waiting for the pingpong turn, launch = launched - turn, retire = issued - launched), and the
+epilogue. A block that
 waits for data is fed too slowly; one whose work is the step is bound by its own MMA threads.
 --no-decode swaps the decode out (bench.prof_mxfp4's diagnostic; wrong results). GPU only.
 """
@@ -80,7 +81,8 @@ def summarize(p, rows, k):
     span = lambda a, b: [med([_delta(r[at(i, a)], r[at(i, b)]) for r in full]) for i in range(steps)]  # noqa: E731
     out["work"] = span("data", "issued")
     out["decode"] = span("data", "decoded")           # the fragment's decode (and its raw loads)
-    out["launch"] = span("decoded", "launched")       # issuing the step's WGMMAs
+    out["turn"] = span("decoded", "turn")             # pingpong: waiting for the other warpgroup's issue
+    out["launch"] = span("turn", "launched")          # issuing the step's WGMMAs
     out["retire"] = span("launched", "issued")        # waiting for the step before's WGMMAs
     out["wait"] = [med([_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for r in full]) for i in range(1, steps)]
     return out
@@ -123,7 +125,7 @@ def main(argv=None):
               f"longest block {t['longest block ns']} ns")
         print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
-        for part in ("decode", "launch", "retire"):
+        for part in ("decode", "turn", "launch", "retire"):
             print(f"  {part + ':':<13} {' '.join(f'{w:.0f}' for w in t[part])}")
 
 

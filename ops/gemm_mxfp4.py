@@ -376,8 +376,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
-    "stored ns"); step s's SWAPPED_STEP_EVENTS (s < 64: "data", "decoded", "launched", "issued") to
-    Trace[b, 6 + 4s + e].
+    "stored ns"); step s's SWAPPED_STEP_EVENTS (s < 64: "data", "decoded", "turn", "launched", "issued") to
+    Trace[b, 6 + 5s + e].
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
@@ -531,8 +531,9 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
 # traced step's SWAPPED_STEP_EVENTS (SM clock)
 SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
-# each traced step's stamps: its tiles landed, decoded into the fragment, WGMMAs issued, the step before's retired
-SWAPPED_STEP_EVENTS = ("data", "decoded", "launched", "issued")
+# each traced step's stamps: its tiles landed, decoded into the fragment, its turn to issue (pingpong), WGMMAs issued,
+# the step before's retired
+SWAPPED_STEP_EVENTS = ("data", "decoded", "turn", "launched", "issued")
 SWAPPED_TRACE_STEPS = 64
 SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * SWAPPED_TRACE_STEPS
 

@@ -1457,9 +1457,9 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert "= clock()" not in plain and "= tc_globaltimer_lo()" not in plain
     stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
     ns = re.findall(r"Trace\[.*?\] = tc_globaltimer_lo\(\);", traced)
-    # 4 block events + 4 a step (data, decoded, launched, issued; the burst and the tails are separate
+    # 4 block events + 5 a step (data, decoded, turn, launched, issued; the burst and the tails are separate
     # code paths, each stamped); the global timer at entry and stored
-    assert len(stamps) >= 4 + 4 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
+    assert len(stamps) >= 4 + 5 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
 
 
@@ -1518,9 +1518,10 @@ def test_trace_mxfp4_summary_reads_the_stamps():
                 t += wait
             row[base + per * s] = t % 2 ** 32       # data
             row[base + per * s + 1] = (t + work // 2) % 2 ** 32     # decoded
-            row[base + per * s + 2] = (t + work // 2 + 10) % 2 ** 32    # launched
+            row[base + per * s + 2] = (t + work // 2 + 4) % 2 ** 32     # turn
+            row[base + per * s + 3] = (t + work // 2 + 14) % 2 ** 32    # launched
             t += work
-            row[base + per * s + 3] = t % 2 ** 32   # issued
+            row[base + per * s + 4] = t % 2 ** 32   # issued
         row[2] = t % 2 ** 32                        # loop done
         row[3] = (t + 40) % 2 ** 32                 # stored
         row[4] = (NS0 + start_ns) % 2 ** 32         # entry ns: the global timer wraps between blocks
@@ -1533,7 +1534,7 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     assert t["blocks"] == 3 and t["steps"] == 3
     assert t["prologue"] == 100 and t["first data"] == 500 and t["epilogue"] == 40
     assert t["work"] == [1000, 1000, 1000] and t["wait"] == [10, 10]
-    assert t["decode"] == [500] * 3 and t["launch"] == [10] * 3 and t["retire"] == [490] * 3
+    assert t["decode"] == [500] * 3 and t["turn"] == [4] * 3 and t["launch"] == [10] * 3 and t["retire"] == [486] * 3
     # ns: block 1 enters first, block 2 last and it is the longest (4300 cycles at 2 GHz)
     assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
 

@@ -154,6 +154,8 @@ def _reg_step(j, first, io):
             mark("decoded", s)
         if turn is not None:    # pingpong: this warpgroup's turn to issue (the other has issued its step)
             emit(T.sync_threads(PINGPONG_BAR + turn, 256))
+        if mark is not None:
+            mark("turn", s)
         emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                           clear_accum=False, policy=policy))
         if turn is not None:    # then the other's turn
@@ -264,8 +266,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # (one fragment, each step's WGMMA waited for before the next decode).
     # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
     # step's "data" (its tiles have arrived), "decoded" (its fragment is in registers; with parts > 1,
-    # the last part's), "launched" (its WGMMAs issued) and "issued" (the step before's WGMMAs retired,
-    # its stage released), "loop done" and "stored" (after the epilogue).
+    # the last part's), "turn" (pingpong: its turn to issue came; else as decoded), "launched" (its
+    # WGMMAs issued) and "issued" (the step before's WGMMAs retired, its stage released), "loop done"
+    # and "stored" (after the epilogue).
     # preload: (global region, shared buffer) pairs the producer copies by TMA before the first
     # stage, so that their requests reach memory ahead of the stages' (a prologue's loads by the MMA
     # threads queue behind them: bench/NOTES.md "MXFP4 v7"); the MMA threads wait for them after
