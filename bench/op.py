@@ -145,9 +145,11 @@ def combine_rounds(ts: list[dict]) -> dict:
         vals = [t[key] for t in ts if t.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    out = {k: med(k) for k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts")}
+    out = {k: med(k) for k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts", "host_ms", "gpu_rep_ms")}
+    out = {k: v for k, v in out.items() if v is not None or k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts")}
+    bound = [t["host_bound"] for t in ts if "host_bound" in t]
     return {**out, "min_ms": min(t["min_ms"] for t in ts), "reps": sum(t["reps"] for t in ts),
-            "round_median_ms": [t["median_ms"] for t in ts]}
+            "round_median_ms": [t["median_ms"] for t in ts], **({"host_bound": any(bound)} if bound else {})}
 
 
 def run_gpu(suite, cases, providers, args) -> list[dict]:
@@ -219,6 +221,10 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
             t = combine_rounds(timed[p.name])
             ms = t["median_ms"]
             row.update(t)
+            if t.get("host_bound"):
+                print(f"  {p.name} on {row['case']}: host-bound (the host issued a rep in {t['host_ms'] * 1e3:.0f} us, "
+                      f"the GPU ran one in {t['gpu_rep_ms'] * 1e3:.0f} us): its eager times include host gaps; "
+                      f"time it with --graph", file=sys.stderr)
             row["tflops"] = flops / (ms * 1e-3) / 1e12
             row["gbps"] = nbytes / (ms * 1e-3) / 1e9
             row["pct_ceiling"] = 100 * (row["gbps"] / ceil.copy_gbps if bound == "memory" else

@@ -284,7 +284,7 @@ def test_bench_rounds_rotate_the_provider_order_and_combine_by_median():
     assert main(["gemm", "--shape", "decode", "--rounds", "0"]) == 2
 
 
-def test_bench_gpu_loop_with_rounds(monkeypatch):
+def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
     """run_gpu's loop on fakes (no GPU): every provider called once for its output, then timed in each
     round's rotated order; a provider that cannot make the case reports its error and is not timed; a
     provider whose timing fails reports that; the others' rows combine their rounds."""
@@ -304,7 +304,9 @@ def test_bench_gpu_loop_with_rounds(monkeypatch):
         if name == "bad-timing":
             raise RuntimeError("boom")
         ms = {"a": 1.0, "b": 2.0}[name] * (1 + 0.1 * len(order))
-        return {"median_ms": ms, "min_ms": ms, "p20_ms": ms, "p80_ms": ms, "reps": 10}
+        host = {"a": 0.5, "b": 3.0}[name] * ms          # b's host is slower than its GPU: host-bound
+        return {"median_ms": ms, "min_ms": ms, "p20_ms": ms, "p80_ms": ms, "reps": 10, "host_ms": host,
+                "gpu_rep_ms": ms, "host_bound": timing.host_bound(host, ms)}
 
     class Clock:
         def __init__(self, *a):
@@ -343,6 +345,11 @@ def test_bench_gpu_loop_with_rounds(monkeypatch):
     assert by["a"]["round_median_ms"] == pytest.approx([1.1, 1.5, 1.6]) and by["a"]["median_ms"] == pytest.approx(1.5)
     assert by["b"]["reps"] == 30 and by["b"]["sm_mhz"] == 1500 and by["b"]["min_ms"] == pytest.approx(2.4)
     assert by["b"]["speedup_vs_ref"] == by["a"]["median_ms"] / by["b"]["median_ms"] and meta["rounds"] == 3
+    # a provider whose host issued reps as slowly as its GPU ran them is flagged, and told to use --graph
+    assert by["b"]["host_bound"] and not by["a"]["host_bound"]
+    err = capsys.readouterr().err
+    flagged = [line for line in err.splitlines() if "host-bound" in line]
+    assert len(flagged) == 1 and flagged[0].strip().startswith("b on ") and "--graph" in flagged[0], err
 
 
 def test_bench_notes_eager_rows_whose_median_is_far_from_their_min():
