@@ -51,6 +51,7 @@ def bench_cuda(fn, *, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: 
     est = max(start.elapsed_time(end) / 5, 1e-3)
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
+    torch.cuda.synchronize()        # the warm-up drained: the timed reps' issue starts with an empty queue
     reps = max(min_reps, min(max_reps, int(rep_ms / est)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
