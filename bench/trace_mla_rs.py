@@ -141,6 +141,10 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
     n0 = int(steps[0])
     if blocks == "rs2":
         _rs2_events(st, n0)
+        tail = rs2_tail(st, n0)
+        if tail:
+            print("  CTA 0's last steps (step: data wait, P V done after the step's start, cycles): "
+                  + "; ".join(f"{k}: {wait}, {done}" for k, wait, done in tail))
     elif n0 > 3:
         period = [int(st[k + 1, 0] - st[k, 0]) & 0xFFFFFFFF for k in range(1, min(n0, TRACE_STEPS) - 1)]
         print(f"  CTA 0's step period (cycles) {_stats(period)}; mean {sum(period) / len(period):.0f}")
@@ -152,6 +156,16 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
             for i in range(sp.shape[0]):
                 f.write(f"{i},{int(sm[i])},{int(steps[i])},{int(rel[i, 0])},{int(rel[i, 1])},{int(rel[i, 2])},"
                         f"{int(rel[i, 3])},{int(loop_cyc[i])}\n")
+
+
+def rs2_tail(st, n0, last=4):
+    """CTA 0's last `last` steps of the two-chain kernel (when they are among the traced ones): (step, cycles from
+    the step's start to its data, to its P V done). Long data waits here are the end of the stream arriving late
+    (with the pace, every CTA's last stages are released together), not the chains."""
+    if n0 > TRACE_STEPS or n0 < 1:
+        return []
+    return [(k, int(st[k, 1] - st[k, 0]) & 0xFFFFFFFF, int(st[k, 4] - st[k, 0]) & 0xFFFFFFFF)
+            for k in range(max(0, n0 - last), n0)]
 
 
 def _rs2_events(st, n0):

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from ops.mla_decode_fp8_rs import (RS2_PACE, latent_column, mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program,
-                                   q_column)
+from ops.mla_decode_fp8_rs import (RS2_PACE, TRACE_STEPS, latent_column, mla_decode_fp8_rs2_program,
+                                   mla_decode_fp8_rs_program, q_column)
 from tests.test_mla_decode import run_fp8_case
 
 RS = dict(register_fp8=True, kv_format="fp8")
@@ -157,6 +157,20 @@ def test_page_stages_lower_to_bulk_copies_without_spills():
     assert sass["F2FP.F16.E4M3.UNPACK_B"] == 512 and sass["UBLKCP.S.G"] > 0 and sass["UTMALDG.3D"] == 0, sass
     with pytest.raises(ValueError, match="stage must be"):
         mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, stage="rows")
+
+
+def test_trace_rs2_tail_reads_the_last_steps():
+    """bench.trace_mla_rs.rs2_tail: CTA 0's last steps' data wait and P V done after each step's start (32-bit
+    clock wrap included); nothing when the range is longer than the traced steps or empty."""
+    from bench.trace_mla_rs import rs2_tail
+
+    st = torch.zeros(TRACE_STEPS, 8, dtype=torch.long)
+    for k in range(10):
+        t0 = (2 ** 32 - 500 + 1000 * k) % 2 ** 32
+        st[k, 0], st[k, 1], st[k, 4] = t0, (t0 + 10 * k) % 2 ** 32, (t0 + 900) % 2 ** 32
+    assert rs2_tail(st, 10) == [(6, 60, 900), (7, 70, 900), (8, 80, 900), (9, 90, 900)]
+    assert rs2_tail(st, 2, last=4) == [(0, 0, 900), (1, 10, 900)]
+    assert rs2_tail(st, TRACE_STEPS + 1) == [] and rs2_tail(st, 0) == []
 
 
 def test_pace_tail_frees_the_last_stages_of_a_range():
