@@ -145,8 +145,8 @@ def combine_rounds(ts: list[dict]) -> dict:
         vals = [t[key] for t in ts if t.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    out = {k: med(k) for k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts", "host_ms", "gpu_rep_ms")}
-    out = {k: v for k, v in out.items() if v is not None or k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts")}
+    out = {k: med(k) for k in ("median_ms", "p20_ms", "p80_ms", "sm_mhz", "watts")}
+    out.update({k: med(k) for k in ("host_ms", "gpu_rep_ms") if med(k) is not None})     # eager timing only
     bound = [t["host_bound"] for t in ts if "host_bound" in t]
     return {**out, "min_ms": min(t["min_ms"] for t in ts), "reps": sum(t["reps"] for t in ts),
             "round_median_ms": [t["median_ms"] for t in ts], **({"host_bound": any(bound)} if bound else {})}

@@ -146,18 +146,22 @@ def card_identity(device: int = 0) -> dict:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return {}
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    gpu = visible[device] if device < len(visible) else str(device)
     try:
-        out = subprocess.run([exe, "-i", gpu, f"--query-gpu={','.join(CARD_FIELDS)}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run([exe, "-i", smi_index(device), f"--query-gpu={','.join(CARD_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return {}
-    values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")] if out.returncode == 0 and \
-        out.stdout.strip() else []
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    values = [v.strip() for v in lines[0].split(",")] if lines else []
     if len(values) != len(CARD_FIELDS):
         return {}
     return {f"gpu_{f.replace('.', '_')}": v for f, v in zip(CARD_FIELDS, values) if v not in ("", "[N/A]")}
+
+
+def smi_index(device: int) -> str:
+    """nvidia-smi's name (index or UUID) for torch's CUDA device `device`, through CUDA_VISIBLE_DEVICES."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[device] if device < len(visible) else str(device)
 
 
 class SmClock:
@@ -169,9 +173,7 @@ class SmClock:
     the kernel costs under that limit."""
 
     def __init__(self, device: int = 0, period_ms: int = 50):
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        self.gpu = ids[device] if device < len(ids) else str(device)     # nvidia-smi's index (or UUID)
+        self.gpu = smi_index(device)
         self.period_ms = period_ms
         self.samples: list[int] = []
         self.watts: list[float] = []

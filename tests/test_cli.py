@@ -199,6 +199,15 @@ def test_bench_times_without_value_checks(monkeypatch):
     assert "TILECRAFT_CHECK_VALUES" not in os.environ
 
 
+def _fake_nvidia_smi(tmp_path, monkeypatch, script):
+    # an nvidia-smi on PATH that runs `script` (sh), with CUDA_VISIBLE_DEVICES mapping torch's device 1 to GPU 5
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + script)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+
+
 def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
     """bench.timing.SmClock: the medians of the SM clock and the power nvidia-smi streams while the block
     runs, asked for the GPU CUDA_VISIBLE_DEVICES maps the device to; None where there is no nvidia-smi."""
@@ -206,13 +215,11 @@ def test_sm_clock_samples_nvidia_smi_while_a_block_runs(tmp_path, monkeypatch):
 
     from bench.timing import SmClock
 
-    smi = tmp_path / "nvidia-smi"
     # a driver without power.draw.instant refuses that field (exit 2): the plain one is asked for then
-    smi.write_text('#!/bin/sh\ncase "$*" in *loop-ms*) ;; *) [ -e "$(dirname "$0")/old" ] && exit 2; echo 500; exit 0;; esac\n'
-                   'echo "$@" > "$(dirname "$0")/args"\nprintf "1755, 412.5\\n1410, 690.25\\n1980, [N/A]\\n"\nexec sleep 30\n')
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    _fake_nvidia_smi(tmp_path, monkeypatch,
+                     'case "$*" in *loop-ms*) ;; *) [ -e "$(dirname "$0")/old" ] && exit 2; echo 500; exit 0;; esac\n'
+                     'echo "$@" > "$(dirname "$0")/args"\nprintf "1755, 412.5\\n1410, 690.25\\n1980, [N/A]\\n"\n'
+                     'exec sleep 30\n')
     for old_driver, field in ((False, "power.draw.instant"), (True, "power.draw")):
         if old_driver:
             (tmp_path / "old").touch()
@@ -234,12 +241,9 @@ def test_card_identity_names_the_card_nvidia_smi_reports(tmp_path, monkeypatch):
     CUDA_VISIBLE_DEVICES maps the device to ([N/A] fields left out); {} without nvidia-smi or when it fails."""
     from bench.timing import card_identity
 
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n[ -e "$(dirname "$0")/fail" ] && exit 9\n'
-                   'echo "GPU-d785a325-8dea, 700.00, 1980, [N/A], 580.159.04"\n')
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    _fake_nvidia_smi(tmp_path, monkeypatch,
+                     'echo "$@" > "$(dirname "$0")/args"\n[ -e "$(dirname "$0")/fail" ] && exit 9\n'
+                     'echo "GPU-d785a325-8dea, 700.00, 1980, [N/A], 580.159.04"\n')
     assert card_identity(1) == {"gpu_uuid": "GPU-d785a325-8dea", "gpu_power_limit": "700.00",
                                 "gpu_clocks_max_sm": "1980", "gpu_driver_version": "580.159.04"}
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "5"]
