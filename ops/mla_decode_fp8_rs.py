@@ -976,11 +976,10 @@ def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, fi
     for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
         kk = k + RS2_STAGES
         pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
-        if pace and pace_tail:      # the warp whose elected thread issues the stage; the last pace_tail go free
-            if tx < 288 and kk < n_iter - pace_tail:
-                T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
-                                         kk, n_iter, pace))
-        elif pace and tx < 288:     # the warp whose elected thread issues the stage
+        held = tx < 288             # the warp whose elected thread issues the stage
+        if pace_tail:               # the range's last pace_tail stages go out without the hold
+            held = T.And(held, kk < n_iter - pace_tail)
+        if pace and held:
             T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
                                      kk, n_iter, pace))
         T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
