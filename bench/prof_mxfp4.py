@@ -39,13 +39,12 @@ def no_decode():
 
 
 def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None, ahead=None, pair=None,
-             stage_out=None, pingpong=None):
+             stage_out=None):
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode, fold=fold, ahead=ahead, pair=pair, stage_out=stage_out,
-                                       pingpong=pingpong)
+                                       decode=decode, fold=fold, ahead=ahead, pair=pair, stage_out=stage_out)
             return out
         return run
     return make
@@ -66,7 +65,7 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-reduce": _swapped(1, fold=False), "swapped-ahead": _swapped(1, ahead=True),
          "swapped-now": _swapped(1, ahead=False), "swapped-pair": _swapped(1, pair=True),
          "swapped-unpaired": _swapped(1, pair=False), "swapped-staged": _swapped(1, stage_out=True),
-         "swapped-unstaged": _swapped(1, stage_out=False), "swapped-pingpong": _swapped(1, pingpong=True),
+         "swapped-unstaged": _swapped(1, stage_out=False),
          "swapped-2": _swapped(2), "tile": _tile}
 
 

@@ -12,7 +12,7 @@ and the longest block; then, as medians over the blocks, in SM cycles: the prolo
 step's data, then per step the wait for data (data of step s - issued of step s-1: the tiles came
 later than the MMA threads were ready for them) and the work (issued - data: the decode and the
 WGMMA issue, including the wait for the step before's WGMMA; split as decode = decoded - data,
-turn = waiting for the pingpong turn, launch = launched - turn, retire = issued - launched), and the
+launch = launched - decoded, retire = issued - launched), and the
 epilogue. A block that
 waits for data is fed too slowly; one whose work is the step is bound by its own MMA threads.
 --no-decode swaps the decode out (bench.prof_mxfp4's diagnostic; wrong results). GPU only.
@@ -81,8 +81,7 @@ def summarize(p, rows, k):
     span = lambda a, b: [med([_delta(r[at(i, a)], r[at(i, b)]) for r in full]) for i in range(steps)]  # noqa: E731
     out["work"] = span("data", "issued")
     out["decode"] = span("data", "decoded")           # the fragment's decode (and its raw loads)
-    out["turn"] = span("decoded", "turn")             # pingpong: waiting for the other warpgroup's issue
-    out["launch"] = span("turn", "launched")          # issuing the step's WGMMAs
+    out["launch"] = span("decoded", "launched")       # issuing the step's WGMMAs
     out["retire"] = span("launched", "issued")        # waiting for the step before's WGMMAs
     out["wait"] = [med([_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for r in full]) for i in range(1, steps)]
     return out
@@ -100,8 +99,6 @@ def main(argv=None):
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
-    ap.add_argument("--pingpong", choices=("auto", "on", "off"), default="auto",
-                    help="the MMA warpgroups issue their WGMMAs in turn")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -114,8 +111,7 @@ def main(argv=None):
                              fold={"auto": None, "on": True, "off": False}[args.fold],
                              ahead={"auto": None, "on": True, "off": False}[args.ahead],
                              pair={"auto": None, "on": True, "off": False}[args.pair],
-                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out],
-                             pingpong={"auto": None, "on": True, "off": False}[args.pingpong])
+                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
         t = summarize(p, rows, k)
         tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "
@@ -125,7 +121,7 @@ def main(argv=None):
               f"longest block {t['longest block ns']} ns")
         print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
-        for part in ("decode", "turn", "launch", "retire"):
+        for part in ("decode", "launch", "retire"):
             print(f"  {part + ':':<13} {' '.join(f'{w:.0f}' for w in t[part])}")
 
 

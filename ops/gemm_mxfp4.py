@@ -350,8 +350,7 @@ def _fragment_helper(name, decode):
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
                           scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
-                          ahead: bool = False, pair: bool = False, stage_out: bool = False,
-                          pingpong: bool = False):
+                          ahead: bool = False, pair: bool = False, stage_out: bool = False):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -369,15 +368,11 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
     to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
     4-byte stores from the accumulator layout.
-    pingpong=True (stage_k = 128): the two MMA warpgroups issue each step's WGMMAs in turn
-    (tile.mma_register_decoded_loop's pingpong), one decoding while the other's WGMMAs go in; the same
-    WGMMAs on each warpgroup's own rows (the same bits). bench/NOTES.md "Session 42": issuing a step's
-    WGMMAs stalls the warp 200-330 cycles at 64 tokens, and in phase both warpgroups stall at once.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
-    "stored ns"); step s's SWAPPED_STEP_EVENTS (s < 64: "data", "decoded", "turn", "launched", "issued") to
-    Trace[b, 6 + 5s + e].
+    "stored ns"); step s's SWAPPED_STEP_EVENTS (s < 64: "data", "decoded", "launched", "issued") to
+    Trace[b, 6 + 4s + e].
     Without it, Trace is bound but never touched."""
     assert k % stage_k == 0 and stage_k % BLOCK_K == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     assert k % SWAPPED_K_ALIGN == 0 and decode in SWAPPED_DECODES
@@ -433,7 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc, decoder,
-                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp, pingpong=pingpong,
+                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
                 # aligned), or loaded by the MMA threads while the first stages fly
@@ -453,13 +448,12 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v7", scale_tma: bool = True, pingpong: bool = False):
+                                 decode: str = "v7", scale_tma: bool = True):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros. scale_tma: the scale rows by TMA
-    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's); pingpong: the MMA warpgroups
-    issue their WGMMAs in turn (as mxfp4_gemm_nt_swapped's)."""
+    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -484,7 +478,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw, decode),
-                stages=stages, pingpong=pingpong,
+                stages=stages,
                 preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[g, tn * block_n + i, si]),
@@ -524,16 +518,14 @@ def plan_masked_swapped(max_m: int, k: int) -> dict:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
     # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
     scale_tma = True if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
-    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma,
-                pingpong=bool(SWAPPED_PINGPONG))
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma)
 
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
 # traced step's SWAPPED_STEP_EVENTS (SM clock)
 SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
-# each traced step's stamps: its tiles landed, decoded into the fragment, its turn to issue (pingpong), WGMMAs issued,
-# the step before's retired
-SWAPPED_STEP_EVENTS = ("data", "decoded", "turn", "launched", "issued")
+# each traced step's stamps: its tiles landed, decoded into the fragment, WGMMAs issued, the step before's retired
+SWAPPED_STEP_EVENTS = ("data", "decoded", "launched", "issued")
 SWAPPED_TRACE_STEPS = 64
 SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * SWAPPED_TRACE_STEPS
 
@@ -970,15 +962,12 @@ SWAPPED_PAIR = None
 SWAPPED_STAGE_OUT = None
 SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
-# the two MMA warpgroups issue their WGMMAs in turn (one decodes while the other's go in; prepared in session 42,
-# not yet measured: bench/NOTES.md "Session 42"): True / False for every plan with 128-deep stages
-SWAPPED_PINGPONG = False
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
-                 pair: bool | None = None, stage_out: bool | None = None, pingpong: bool | None = None) -> dict:
+                 pair: bool | None = None, stage_out: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -993,8 +982,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     splits == 2, and then no fold; the received half partial, 128 x tokens / 2 fp32, takes its room
     from the stages); stage_out: a split plan's partial goes out through shared memory (None:
     SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
-    taken from the stages: TileLang does not overlap it with the pipeline's tiles); pingpong: the MMA warpgroups
-    issue their WGMMAs in turn (None: SWAPPED_PINGPONG; only with 128-deep stages)."""
+    taken from the stages: TileLang does not overlap it with the pipeline's tiles)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1041,8 +1029,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
-                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out,
-                pingpong=bool(SWAPPED_PINGPONG if pingpong is None else pingpong) and stage_k == BLOCK_K)
+                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out)
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -1051,7 +1038,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                "pingpong": SWAPPED_PINGPONG, **override}      # in the launchers' key
+                **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 

@@ -1457,41 +1457,10 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert "= clock()" not in plain and "= tc_globaltimer_lo()" not in plain
     stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
     ns = re.findall(r"Trace\[.*?\] = tc_globaltimer_lo\(\);", traced)
-    # 4 block events + 5 a step (data, decoded, turn, launched, issued; the burst and the tails are separate
+    # 4 block events + 4 a step (data, decoded, launched, issued; the burst and the tails are separate
     # code paths, each stamped); the global timer at entry and stored
-    assert len(stamps) >= 4 + 5 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
+    assert len(stamps) >= 4 + 4 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
-
-
-def test_mxfp4_swapped_pingpong_takes_turns_at_the_wgmma():
-    """pingpong=True: before each step's WGMMAs a warpgroup waits on its own named barrier (14 + wg) and after them
-    arrives on the other's; warpgroup 1 hands warpgroup 0 the first turn and warpgroup 0 takes the last hand-over
-    after the loop (no arrival left pending); the WGMMAs stay in groups of eight; no spills; refused with
-    stages of two parts."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-    from ops.gemm_mxfp4 import mxfp4_swapped_program
-
-    for tokens, splits in ((8, 2), (64, 4)):
-        src = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=tokens, splits=splits, stages=6,
-                                           pingpong=True)
-        waits = src.count("tl::__sync_thread_partial(((((int)threadIdx.x) >> 7) + 14), 256);")
-        hands = src.count("tl::__named_barrier_arrive((15 - (((int)threadIdx.x) >> 7)), 256);")
-        assert waits == hands >= 4 and src.count("tl::__named_barrier_arrive(14, 256);") == 1
-        assert src.count("tl::__sync_thread_partial(14, 256);") == 1
-        cubin = build_cubin(src, "sm_90a")
-        assert sass_stats(cubin, "sm_90a").spill_stores == 0
-        ops_ = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassemble(cubin))
-        runs, n = [], 0          # HGMMAs between WARPGROUP instructions (ARRIVE before a group, DEPBAR after)
-        for op in ops_:
-            if op == "WARPGROUP":
-                runs, n = runs + [n] if n else runs, 0
-            n += op == "HGMMA"
-        assert runs and all(r == 8 for r in runs), runs
-    plain = mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=64, splits=4, stages=6)
-    assert "__named_barrier_arrive" not in plain
-    with pytest.raises(ValueError, match="pingpong=True"):
-        mxfp4_swapped_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=2, stages=3, stage_k=256,
-                                     pingpong=True)
 
 
 def test_trace_mxfp4_summary_reads_the_stamps():
@@ -1518,10 +1487,9 @@ def test_trace_mxfp4_summary_reads_the_stamps():
                 t += wait
             row[base + per * s] = t % 2 ** 32       # data
             row[base + per * s + 1] = (t + work // 2) % 2 ** 32     # decoded
-            row[base + per * s + 2] = (t + work // 2 + 4) % 2 ** 32     # turn
-            row[base + per * s + 3] = (t + work // 2 + 14) % 2 ** 32    # launched
+            row[base + per * s + 2] = (t + work // 2 + 14) % 2 ** 32    # launched
             t += work
-            row[base + per * s + 4] = t % 2 ** 32   # issued
+            row[base + per * s + 3] = t % 2 ** 32   # issued
         row[2] = t % 2 ** 32                        # loop done
         row[3] = (t + 40) % 2 ** 32                 # stored
         row[4] = (NS0 + start_ns) % 2 ** 32         # entry ns: the global timer wraps between blocks
@@ -1534,7 +1502,7 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     assert t["blocks"] == 3 and t["steps"] == 3
     assert t["prologue"] == 100 and t["first data"] == 500 and t["epilogue"] == 40
     assert t["work"] == [1000, 1000, 1000] and t["wait"] == [10, 10]
-    assert t["decode"] == [500] * 3 and t["turn"] == [4] * 3 and t["launch"] == [10] * 3 and t["retire"] == [486] * 3
+    assert t["decode"] == [500] * 3 and t["launch"] == [14] * 3 and t["retire"] == [486] * 3
     # ns: block 1 enters first, block 2 last and it is the longest (4300 cycles at 2 GHz)
     assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
 
@@ -1892,38 +1860,6 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
             assert torch.equal(out, want)
     finally:
         gemm_mxfp4.SWAPPED_FOLD = saved
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (16, 4096, 7168, False), (33, 384, 2048, True),
-                                       (64, 4096, 7168, True), (64, 7168, 2048, False), (9, 24576, 1536, False)])
-def test_gpu_mxfp4_swapped_pingpong_is_bitwise(m, n, k, big):
-    """SWAPPED_PINGPONG (session 42): the two MMA warpgroups issue their WGMMAs in turn; each still multiplies its
-    own rows in the same order: the default kernel's bits, with every e2m1 code and scales from the subnormal
-    2^-127 up (big: some over 2^1, the two-multiply decode), m tails, split-K folded, reduced, paired or staged
-    as the plans choose; and a second run the same (the named barriers leave nothing pending)."""
-    from ops import gemm_mxfp4
-
-    g = torch.Generator().manual_seed(m * 13 + n)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
-    args = (a.cuda(), packed.cuda(), scales.cuda())
-    saved = gemm_mxfp4.SWAPPED_PINGPONG
-    try:
-        gemm_mxfp4.SWAPPED_PINGPONG = False
-        want = ops.mxfp4_gemm_nt(*args).cpu()
-        gemm_mxfp4.SWAPPED_PINGPONG = True
-        assert gemm_mxfp4.plan_swapped(m, n, k)["pingpong"]
-        runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
-    finally:
-        gemm_mxfp4.SWAPPED_PINGPONG = saved
-    assert not want.isnan().any()
-    assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
-    assert calc_diff(runs[0], ref) < 1e-5
-    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu
@@ -2399,9 +2335,6 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
             monkeypatch.setattr(gemm_mxfp4, "SWAPPED_SCALE_TMA", scale_tma)
             again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
             assert torch.equal(again, out), (decode, scale_tma)
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_PINGPONG", True)    # the warpgroups' WGMMAs in turn: the same bits
-    again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
-    assert torch.equal(again, out), "pingpong"
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -2411,7 +2344,7 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True, pingpong=False)
+    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True)
     assert plan_masked_swapped(16, 1024)["scale_tma"]
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8

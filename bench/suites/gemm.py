@@ -191,9 +191,8 @@ def tilecraft_mxfp4_with(flag, value):
     default in the same run: SWAPPED_FOLD (split-K partials added in the kernel, True, or by the
     reduce kernel, False), SWAPPED_AHEAD (raw words a step ahead of their decode), SWAPPED_PAIR
     (2-split plans folding in clusters of two), SWAPPED_STAGE_OUT (partials out through shared memory
-    as whole rows), SWAPPED_PINGPONG (the MMA warpgroups issuing their WGMMAs in turn). True forces a
-    switch on every plan it can apply to; the op's defaults follow rules (bench/NOTES.md "MXFP4 v8",
-    "MXFP4 v9", "Session 42")."""
+    as whole rows). True forces a switch on every plan it can apply to; the op's defaults follow rules
+    (bench/NOTES.md "MXFP4 v8", "MXFP4 v9")."""
     def make(case, i):
         from ops import gemm_mxfp4
 
@@ -299,8 +298,7 @@ SUITE = Suite(
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
-                                           ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
-                                           ("tilecraft-pingpong", "SWAPPED_PINGPONG", True))],
+                                           ("tilecraft-staged", "SWAPPED_STAGE_OUT", True))],
                Provider("deep_gemm", deep_gemm, available=_deep_gemm_missing, peer=True)],
     kernels=_kernels,
     rate="fp8",

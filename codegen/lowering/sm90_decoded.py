@@ -133,7 +133,7 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, turn = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
@@ -152,14 +152,8 @@ def _reg_step(j, first, io):
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
         if mark is not None:
             mark("decoded", s)
-        if turn is not None:    # pingpong: this warpgroup's turn to issue (the other has issued its step)
-            emit(T.sync_threads(PINGPONG_BAR + turn, 256))
-        if mark is not None:
-            mark("turn", s)
         emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                           clear_accum=False, policy=policy))
-        if turn is not None:    # then the other's turn
-            emit(T.named_barrier_arrive(PINGPONG_BAR + 1 - turn, 256))
         if mark is not None:
             mark("launched", s)
         if len(frags) == 1:
@@ -199,13 +193,6 @@ def _reg_burst(first, count, io):
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
 
 
-# pingpong=True: the two MMA warpgroups issue their steps' WGMMAs in turn (named barriers PINGPONG_BAR + wg: a
-# warpgroup waits on its own, arrives on the other's), so that one decodes while the other's WGMMAs go in. Issuing
-# a step's eight WGMMAs stalls the issuing warp until the tensor pipe takes them (200-330 cycles a step at 64
-# tokens, bench/NOTES.md "Session 42"), and in phase both warpgroups decode together and then stall together.
-PINGPONG_BAR = 14           # and 15 (DECODE_BAR is 13; TileLang reserves 0-2)
-
-
 def _preload(preload, pre):
     # the producer's first TMA copies, ahead of the stages (they reach the memory system first)
     for src, dst in preload:
@@ -215,7 +202,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, pingpong):
+                    prologue, epilogue, mark, preload, pre, ramp, regs):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -236,15 +223,10 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         tid = T.get_thread_binding()
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
-        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              tid // 128 if pingpong else None)
+        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        if pingpong and tid >= 128:         # warpgroup 0 issues first
-            T.named_barrier_arrive(PINGPONG_BAR, 256)
         in_bursts(steps, _reg_burst, io)
-        if pingpong and tid < 128:          # warpgroup 1's last turn handed over (no arrival left pending)
-            T.sync_threads(PINGPONG_BAR, 256)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
@@ -254,7 +236,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, pingpong=False):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -266,7 +248,7 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # (one fragment, each step's WGMMA waited for before the next decode).
     # mark(event, step), if given, is called by the MMA threads at "entry", "prologue done", each
     # step's "data" (its tiles have arrived), "decoded" (its fragment is in registers; with parts > 1,
-    # the last part's), "turn" (pingpong: its turn to issue came; else as decoded), "launched" (its
+    # the last part's), "launched" (its
     # WGMMAs issued) and "issued" (the step before's WGMMAs retired, its stage released), "loop done"
     # and "stored" (after the epilogue).
     # preload: (global region, shared buffer) pairs the producer copies by TMA before the first
@@ -275,7 +257,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # the prologue.
     # ramp > 0 (< stages): the producer asks for the first `ramp` stages alone, the rest once the
     # first has landed (sm90.tma_producer)
-    # pingpong=True (two MMA warpgroups, stages of one part): they issue their WGMMAs in turn (PINGPONG_BAR)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -286,9 +267,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"{consumers} MMA threads")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
-    if pingpong and (consumers != 256 or parts != 1):
-        raise ValueError(f"pingpong=True takes two MMA warpgroups and stages of one part, got {consumers} MMA "
-                         f"threads and {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
@@ -316,4 +294,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, pingpong)
+                    ramp, regs)
