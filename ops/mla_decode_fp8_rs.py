@@ -969,17 +969,14 @@ def _rs2_epilogue_1(kl_s, frags, raw):
 
 @T.macro
 def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks, num_pages,
-                 tx, Pace, pace_seen, pace, raw, pace_tail=0):
+                 tx, Pace, pace_seen, pace, raw):
     # the producer warpgroup past the ring's first stages: each stage once its slot is free (held to the grid's
-    # pace first when pace > 0, but for the range's last pace_tail stages)
+    # pace first when pace > 0)
     T.set_max_nreg(RS2_PRODUCER_REGS, 0)
     for k in T.serial(T.max(n_iter - RS2_STAGES, 0)):
         kk = k + RS2_STAGES
         pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
-        held = tx < 288             # the warp whose elected thread issues the stage
-        if pace_tail:               # the range's last pace_tail stages go out without the hold
-            held = T.And(held, kk < n_iter - pace_tail)
-        if pace and held:
+        if pace and tx < 288:       # the warp whose elected thread issues the stage
             T.evaluate(T.call_extern("handle", "tc_pace", T.access_ptr(Pace[0], "r", 2), pace_seen.data,
                                      kk, n_iter, pace))
         T.mbarrier_wait_parity(empty[kk % RS2_STAGES], ((kk // RS2_STAGES) % 2) ^ 1)
@@ -996,7 +993,7 @@ def _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, fi
 def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                trace: bool = False, pace: int = RS2_PACE,
                                third_fragment: str | None = RS2_THIRD_FRAGMENT, probe: str | None = None,
-                               stage: str = RS2_STAGE, pace_tail: int = 0):
+                               stage: str = RS2_STAGE):
     """mla_decode_fp8_rs_program's kernel with two MMA warpgroups in one CTA taking alternate 64-token steps of
     the CTA's range from one ring of RS2_STAGES stages (one producer warpgroup), each with its own running max,
     sums and O^T, merged at the end (WG1's O^T through the freed stages). Two chains an SM as with two CTAs, but
@@ -1009,9 +1006,7 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     older/younger imbalance).
     pace > 0 (RS2_PACE): the ring is held to the grid's pace (tc_pace) through Pace, two int32 counters that are
     0 at the launch and that the launch leaves as it found them (ops._workspace.arrival_counters); it changes
-    when stages are issued, never what is computed (bitwise the same as pace=0). pace_tail > 0: the last pace_tail
-    stages of a CTA's range are issued without the hold (prepared in session 42, not yet measured: with the hold
-    every CTA's last stages are released together, ~10 MB at the very end; bench/NOTES.md "Session 42").
+    when stages are issued, never what is computed (bitwise the same as pace=0).
     stage ("page": RS2_STAGE, the op's; "boxes"): how the producer fills a stage, one bulk copy of the step's 64
     tokens as the cache holds them (the fills read 656-byte token rows, the rope through registers), or six 2-D
     TMA boxes into 128-byte-swizzled tiles (2.5-3.3% slower on a clean L2; the same bits).
@@ -1021,16 +1016,14 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
     Measured and removed (bench/NOTES.md "Session 39", "Session 41", "Session 42"): a running max allowed to lag
     behind the scores (lag), the query by one bulk copy ahead of the stages (q_copy), each chain merging half of O
     from its own last stage (merge="split"), 64-bit WGMMA descriptor adds (desc_add), both chains in one loop body
-    (one_body): none faster by 1%.
+    (one_body): none faster by 1%; in session 43, a CTA's last stages issued without the pace's hold (pace_tail):
+    no gain, and CTA 0's last data waits were short with the hold or without.
     probe (None: the op's; timing probes that compute wrong outputs, for bench.ab_mla_rs2 only): "release" frees each
     stage as soon as it arrives (the ring's bytes in flight without the chains' hold; the chains then read a
     stage the producer may be refilling), "stream" also skips the chains' MMAs and softmax (the kernel's own
     stream, prologue and epilogue)."""
     if pace < 0:
         raise ValueError(f"mla_decode_fp8_rs2: pace is a number of steps >= 0 (0: off), got {pace}")
-    if pace_tail < 0 or (pace_tail and not pace):
-        raise ValueError(f"mla_decode_fp8_rs2: pace_tail is a number of steps >= 0 and needs pace > 0, got "
-                         f"pace_tail={pace_tail}, pace={pace}")
     rows = s_q * h_q
     _check_shape("mla_decode_fp8_rs2", rows, page, dtype)
     if stage not in ("boxes", "page"):
@@ -1151,6 +1144,6 @@ def mla_decode_fp8_rs2_program(h_q: int, s_q: int, page: int = 64, dtype: str = 
                 _rs2_epilogue_1(kl_s, frags[1], raw)
             else:
                 _rs2_produce(KV, KVf, KVh, kl_s, ks_s, kr_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks,
-                             num_pages, tx, Pace, pace_seen, pace, raw, pace_tail)
+                             num_pages, tx, Pace, pace_seen, pace, raw)
 
     return mla_decode_fp8_rs2

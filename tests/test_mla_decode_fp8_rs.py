@@ -173,23 +173,11 @@ def test_trace_rs2_tail_reads_the_last_steps():
     assert rs2_tail(st, TRACE_STEPS + 1) == [] and rs2_tail(st, 0) == []
 
 
-def test_pace_tail_frees_the_last_stages_of_a_range():
-    """pace_tail=N: the producer's pace check is skipped for the last N stages of the CTA's range (one condition
-    on the issue index), nothing else changes; refused without a pace or below 0."""
-    plain = mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1)
-    tail = mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, pace_tail=4)
-    held = r"if \(\(\(\(int\)threadIdx\.x\) < 288\) && \(\(k_\d+ \+ 8\) < n_iter\)\)"
-    assert tail.count("tc_pace((") == plain.count("tc_pace((") == 1
-    assert re.search(held, tail) and not re.search(held, plain)
-    for bad in (dict(pace_tail=-1), dict(pace_tail=4, pace=0)):
-        with pytest.raises(ValueError, match="pace_tail"):
-            mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **bad)
-
-
 def test_removed_rs2_knobs_are_refused():
-    """The knobs measured and removed in session 42 (lag, q_copy, merge, desc_add, one_body) are not keyword
-    arguments any more: a caller who still passes one is told so, not silently given the op's kernel."""
-    for kw in (dict(lag=8.0), dict(q_copy="bulk"), dict(merge="split"), dict(desc_add="u64"), dict(one_body=True)):
+    """The knobs measured and removed in sessions 42 and 43 (lag, q_copy, merge, desc_add, one_body, pace_tail) are
+    not keyword arguments any more: a caller who still passes one is told so, not silently given the op's kernel."""
+    for kw in (dict(lag=8.0), dict(q_copy="bulk"), dict(merge="split"), dict(desc_add="u64"), dict(one_body=True),
+               dict(pace_tail=4)):
         with pytest.raises(TypeError):
             mla_decode_fp8_rs2_program.source("sm_90a", h_q=16, s_q=1, **kw)
 
@@ -239,8 +227,7 @@ def test_gpu_two_chains_follow_late_jumps_and_large_scales(edit):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"},
-                                   {"pace_tail": 4}])
+@pytest.mark.parametrize("extra", [{"third_fragment": None}, {"third_fragment": "v"}, {"stage": "boxes"}])
 def test_gpu_rs2_variants_are_bitwise_the_op(extra):
     """rs2's knobs that must not change a bit (bench/NOTES.md "Session 40", "Session 41"): the number of register
     fragments (the op's third for K, none, one for V) changes when groups are converted, not what; so does how a

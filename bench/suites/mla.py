@@ -194,9 +194,6 @@ SUITE = Suite(
         # the same without its pace (ops.mla_decode_fp8_rs.RS2_PACE: every CTA streams as fast as the DRAM serves its SM)
         Provider("tilecraft-fp8-rs2-nopace", lambda c, i: fp8_register(c, i, chains=2, pace=0), experimental=True,
                  nbytes=nbytes_fp8),
-        # the same with the pace off for each CTA's last 4 stages (pace_tail: no common release of every last stage)
-        Provider("tilecraft-fp8-rs2-pace-tail", lambda c, i: fp8_register(c, i, chains=2, pace_tail=4),
-                 experimental=True, nbytes=nbytes_fp8),
         # the same with K on two register fragments (ops.mla_decode_fp8_rs.RS2_THIRD_FRAGMENT: the op's has three)
         Provider("tilecraft-fp8-rs2-two-fragments", lambda c, i: fp8_register(c, i, chains=2, third_fragment=None),
                  experimental=True, nbytes=nbytes_fp8),
