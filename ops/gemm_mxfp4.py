@@ -569,8 +569,12 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens):
 
 
 @T.macro
-def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None):
+def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None, factor=None):
+    # factor(i, j): what accumulator element (row i, token j) is multiplied by before it is stored (None: 1)
     out = tile.read_accumulator(acc)
+    if factor is not None:
+        for i, j in tile.parallel(block_n, tokens):
+            out[i, j] = out[i, j] * factor(i, j)
     if staged is not None:   # through shared memory, then whole token rows of the tile
         for i, j in tile.parallel(block_n, tokens):
             staged[j, i] = T.if_then_else(steps > 0, out[i, j], 0.0)
@@ -967,7 +971,7 @@ SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
-                 pair: bool | None = None, stage_out: bool | None = None) -> dict:
+                 pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -982,7 +986,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     splits == 2, and then no fold; the received half partial, 128 x tokens / 2 fp32, takes its room
     from the stages); stage_out: a split plan's partial goes out through shared memory (None:
     SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
-    taken from the stages: TileLang does not overlap it with the pipeline's tiles)."""
+    taken from the stages: TileLang does not overlap it with the pipeline's tiles); a_bytes: bytes an activation
+    (2: bf16, 1: e4m3 for ops.gemm_w4a8)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -997,7 +1002,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
             continue
         parts = depth // BLOCK_K
         sk = k // depth
-        stage = tokens * depth * 2 + 128 * depth // 2
+        stage = tokens * depth * a_bytes + 128 * depth // 2
         if 2 * stage + 128 * 4 * 4 > budget:
             continue            # not even two stages (and the least scale rows) fit: a shallower stage
 

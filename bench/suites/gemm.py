@@ -2,7 +2,8 @@
 
 dense/grouped: flops = 2*m*n*k; bytes = m*k + n*k (fp8) + m*n*2 (bf16 out) + scales
 mxfp4 (bf16 a, e2m1 weights + an E8M0 byte per 32): the torch provider runs the bf16 GEMMs of the
-same shapes (per group for the grouped presets), what an engine without FP4 kernels runs.
+same shapes (per group for the grouped presets), what an engine without FP4 kernels runs; tilecraft-w4a8 the
+same weights against e4m3 activations (ops.mxfp4_w4a8_gemm_nt).
 """
 
 import torch
@@ -83,6 +84,18 @@ def tilecraft(case, i):
     if case["kind"] == "contiguous":
         return lambda: ops.m_grouped_fp8_gemm_nt_contiguous(i["qa"], i["sfa"], i["qb"], i["sfb"], i["m_indices"])
     return lambda: ops.m_grouped_fp8_gemm_nt_masked(i["qa"], i["sfa"], i["qb"], i["sfb"], i["masked_m"], case["m"])
+
+
+def tilecraft_w4a8(case, i):
+    """ops.mxfp4_w4a8_gemm_nt on the same weights (prepared once, outside the timing) and the activations as e4m3
+    with a per-token scale (quantized outside the timing, as an engine's previous kernel would hand them over)."""
+    if case["kind"] != "mxfp4":
+        raise ValueError(f"tilecraft-w4a8 runs the dense mxfp4 cases, got kind {case['kind']!r}")
+    a = i["a"][0].float()
+    sa = (a.abs().amax(1) / 448).clamp(min=2 ** -120)
+    a8 = (a / sa[:, None]).to(torch.float8_e4m3fn)
+    prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0])
+    return lambda: ops.mxfp4_w4a8_gemm_nt(a8, sa, *prep)
 
 
 def _with_flag(module, name, value):
@@ -293,6 +306,7 @@ SUITE = Suite(
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
+               Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),

@@ -133,7 +133,7 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, temps = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
@@ -152,8 +152,12 @@ def _reg_step(j, first, io):
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
         if mark is not None:
             mark("decoded", s)
-        emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
-                          clear_accum=False, policy=policy))
+        if temps is None:
+            emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
+                              clear_accum=False, policy=policy))
+        else:   # promote: this part's product into a fresh temporary, added to acc once it has landed
+            emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], temps[idx % 2],
+                              transpose_B=True, clear_accum=True, policy=policy))
         if mark is not None:
             mark("launched", s)
         if len(frags) == 1:
@@ -164,6 +168,8 @@ def _reg_step(j, first, io):
             emit(T.wait_wgmma(1))
             if u == 0:
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+            if temps is not None:
+                _promote(acc, temps[(idx - 1) % 2])
     if mark is not None:
         mark("issued", s)
 
@@ -184,13 +190,23 @@ def _when(cond, body):
         body()
 
 
+@T.macro
+def _promote(acc, temp):
+    # acc += a part's product (promote=True: FP8 WGMMAs keep fewer bits than fp32 over a long K)
+    for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+        acc[i, j] += temp[i, j]
+
+
 def _reg_burst(first, count, io):
-    frags, empty, stages = io[2], io[4], io[7]
+    frags, empty, stages, temps = io[2], io[4], io[7], io[14]
+    parts = int(io[0].shape[2]) // FRAGMENT_K
     for j in range(count):
         _reg_step(j, first, io)
     if len(frags) > 1:
         emit(T.wait_wgmma(0))
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
+        if temps is not None:
+            _promote(io[5], temps[(count * parts - 1) % 2])
 
 
 def _preload(preload, pre):
@@ -202,7 +218,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -223,7 +239,8 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         tid = T.get_thread_binding()
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
-        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps)
+        io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
+              temps)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
         in_bursts(steps, _reg_burst, io)
@@ -236,7 +253,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -257,6 +274,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # the prologue.
     # ramp > 0 (< stages): the producer asks for the first `ramp` stages alone, the rest once the
     # first has landed (sm90.tma_producer)
+    # promote=True (one block an SM): each part's WGMMAs go into a fresh fp32 temporary (two, alternating), added
+    # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
+    # so a long K is summed in fp32 a 128-deep part at a time
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -267,6 +287,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"{consumers} MMA threads")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
+    if promote and (blocks_per_sm != 1 or isinstance(decode, tuple)):
+        raise ValueError(f"promote=True takes one block an SM and a decode from shared memory, got "
+                         f"blocks_per_sm={blocks_per_sm}")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
@@ -289,9 +312,10 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
             raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even BURST), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
+    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(2)] if promote else None
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs)
+                    ramp, regs, temps)

@@ -1,0 +1,341 @@
+"""W4A8 on Hopper: C (m, n) bf16 = (A e4m3 x SA per token) @ (MXFP4 B)^T with FP8 WGMMA, for decode-sized m.
+
+The bf16-activation MXFP4 kernel (ops.gemm_mxfp4, swapped) spends most of a K step decoding e2m1 codes into bf16
+pairs (bench/NOTES.md "MXFP4 at 1-16 tokens"). With e4m3 activations the weights can go into an e4m3 WGMMA
+instead, and e2m1 -> e4m3 is a byte table: one PRMT turns four 3-bit magnitudes into four e4m3 bytes. A row's
+E8M0 block exponent is folded into the table (the table of 2^(e8 - R) x e2m1, R the row's reference), and
+2^(R - 127) is applied in the epilogue with the activations' per-token scale.
+
+The weights go through `prepare_mxfp4_w4a8` once (they are constants):
+- the codes are permuted inside each row's 64-byte K step so that the thread that owns a piece of WGMMA's register
+  fragment finds it in one 16-byte chunk, with its signs where one AND puts them (`_w4a8_code_words`);
+- each 32-block's E8M0 byte becomes the byte offset of its table in the kernel's 20-entry table (`table_offsets`):
+  d = e8 - rowmax + 6 (the row's largest block gets d = 6: 6 x 2^6 = 384 <= 448), entry d + 13, d clamped to
+  [-13, 6];
+- row_scale (n,) fp32 = 2^(rowmax - 133).
+Exact (every weight the same value as dequant_mxfp4's) where a block's exponent is within 14 binades of its row's
+largest (d >= -8: e4m3 subnormals reach 2^-9); further below, the block's values are rounded to e4m3's subnormals
+(absolute error <= 2^-10 x 2^(rowmax - 133), i.e. under 2^-16 of the row's largest weight magnitude);
+`w4a8_exact` says whether a prepared weight is exact.
+
+Each 128-deep K step's four WGMMAs (k32 each) go into a fresh fp32 temporary that is added to the accumulator once
+it has landed (tile.mma_register_decoded_loop's promote): Hopper's FP8 WGMMA keeps fewer bits than fp32.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import tilelang.language as T
+import torch
+
+from codegen import jit, targets, tile
+from codegen.program import tile_program
+from ops import _validate as check
+from ops._workspace import arrival_counters, bound_only
+from ops.gemm_mxfp4 import (BLOCK_K, MX, SWAPPED_K_ALIGN, SWAPPED_TOKENS, _stage_scale_rows, _store_swapped,
+                            _tma_scale_words, plan_swapped, swapped_scale_box)
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
+TABLE_ENTRIES = TABLE_HIGH - TABLE_LOW + 1
+EXACT_LOW = -8                      # d from here up: every e2m1 x 2^d is an e4m3 value
+
+
+def table_words() -> list:
+    """The kernel's table: entry d - TABLE_LOW is two 32-bit words, the e4m3 bytes of e2m1 magnitude 0..7 x 2^d
+    (round to nearest even; 0 below e4m3's smallest subnormal)."""
+    out = []
+    for d in range(TABLE_LOW, TABLE_HIGH + 1):
+        b = torch.tensor([v * 2.0 ** d for v in E2M1_VALUES]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+        out += [b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24]
+    return out
+
+
+def _table_values() -> torch.Tensor:
+    # (TABLE_ENTRIES, 8) fp32: the e4m3 values the table holds
+    b = torch.tensor(table_words(), dtype=torch.int64).view(TABLE_ENTRIES, 2)
+    by = torch.stack([(b >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(TABLE_ENTRIES, 8)
+    return by.to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+W4A8_SOURCE = r"""
+#include <tl_templates/cuda/common.h>
+__device__ const unsigned tc_w4a8_table[%(words)d] = {%(table)s};
+__device__ __forceinline__ void tc_w4a8_table_fill(void* tbl, int tid) {   // the table into shared memory
+  if (tid < %(words)d) reinterpret_cast<unsigned*>(tbl)[tid] = tc_w4a8_table[tid];
+}
+__device__ __forceinline__ unsigned tc_prmt(unsigned a, unsigned b, unsigned s) {   // sign mode off: s & 0x7777
+  unsigned d;
+  asm("prmt.b32 %%0, %%1, %%2, %%3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+// One word of the W4A8 layout -> two fragment words of four e4m3 each: nibbles 0-3 hold the first word's
+// magnitudes, 4-7 the second's; bit 3 of nibbles 1, 3, 5, 7 the first word's signs (bits 7, 15, 23, 31: in place),
+// of nibbles 0, 2, 4, 6 the second's (<< 4 puts them in place). t: the block's table (magnitude -> e4m3 byte).
+__device__ __forceinline__ void tc_w4a8_word(unsigned x, uint2 t, unsigned& o0, unsigned& o1) {
+  o0 = tc_prmt(t.x, t.y, x & 0x7777u) | (x & 0x80808080u);
+  o1 = tc_prmt(t.x, t.y, (x >> 16) & 0x7777u) | ((x << 4) & 0x80808080u);
+}
+// This thread's e4m3 fragment of a 128-deep step (4 k32 WGMMAs j: words (row r, K 32j + 4c..), (r + 8, same),
+// (r, K 32j + 16 + 4c..), (r + 8, same)) from its 16-byte chunk of each of its two rows (wr, wr8: word j is the
+// k32 block j) and their table offsets (tw: byte j is block j's entry x 8)
+__device__ __forceinline__ void tc_w4a8_fragment(void* dst, const void* wr, const void* wr8, int tw_r, int tw_r8,
+                                                 const void* tbl) {
+  const uint4 x = *reinterpret_cast<const uint4*>(wr);
+  const uint4 y = *reinterpret_cast<const uint4*>(wr8);
+  const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+  const char* tb = reinterpret_cast<const char*>(tbl);
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint2 t = *reinterpret_cast<const uint2*>(tb + __byte_perm((unsigned)tw_r, 0u, 0x4440u + j));
+    const uint2 u = *reinterpret_cast<const uint2*>(tb + __byte_perm((unsigned)tw_r8, 0u, 0x4440u + j));
+    tc_w4a8_word(xs[j], t, d[4 * j + 0], d[4 * j + 2]);
+    tc_w4a8_word(ys[j], u, d[4 * j + 1], d[4 * j + 3]);
+  }
+}
+"""
+
+
+def _source() -> str:
+    words = table_words()
+    return W4A8_SOURCE % dict(words=len(words), table=", ".join(f"0x{w:08x}u" for w in words))
+
+
+@T.macro
+def _w4a8_fragment(raw_at, rows, place, step, dst, sw, tbl):
+    # this thread's fragment of the step: chunk `place` (16 bytes) of each of its two rows
+    r, r8 = rows
+    T.evaluate(T.call_extern("handle", "tc_w4a8_fragment", dst, T.access_ptr(raw_at(r, 4 * place), "r", 4),
+                             T.access_ptr(raw_at(r8, 4 * place), "r", 4), sw[r, step], sw[r8, step],
+                             T.access_ptr(tbl[0], "r", 2 * TABLE_ENTRIES)))
+
+
+@T.macro
+def _fill_table(tbl):
+    T.evaluate(T.call_extern("handle", "tc_w4a8_table_fill", T.access_ptr(tbl[0], "w", 2 * TABLE_ENTRIES),
+                             T.get_thread_binding()))
+
+
+@tile_program(
+    "mxfp4_w4a8_gemm_nt_swapped",
+    targets=("cuda:sm_90a",),
+    examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=64, splits=4),
+              "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
+)
+def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
+                               splits: int = 1, scale_tma: bool = True, fold: bool = False):
+    """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
+    chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
+    per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
+    rows past m zero-filled). TIX (n, k/128) int32: a step's four table offsets of a row; RowScale (n,) and SA
+    (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
+    ops.gemm_fp8's reduce kernel or (fold) by the tile's last split block."""
+    assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    if fold and splits == 1:
+        raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
+    m, counts = T.dynamic("m, counts")
+    n_tiles, kb = n // block_n, k // BLOCK_K
+    per = -(-kb // splits)
+    box = swapped_scale_box(per, kb) if scale_tma else per
+    part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
+
+    @T.prim_func
+    def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
+                                   TIX: T.Tensor((n, kb), "int32"), RowScale: T.Tensor((n,), "float32"),
+                                   SA: T.Tensor((m,), "float32"), C: T.Tensor((m, n), "bfloat16"),
+                                   Part: T.Tensor(part_shape, "float32"), Count: T.Tensor((counts,), "int32")):
+        with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
+            tn, ts = tile.split_index(bid, (n_tiles, splits))
+            sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
+            tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
+            acc = tile.accumulator((block_n, tokens))         # C^T: weight rows x tokens
+            w0 = ts * per
+            s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
+            steps = T.max(T.min(per, kb - w0), 0)
+            T.import_source(_source())
+            loads = lambda blk: (  # noqa: E731
+                A[0:tokens, (w0 + blk) * BLOCK_K:(w0 + blk + 1) * BLOCK_K],
+                B[tn * block_n:(tn + 1) * block_n, (w0 + blk) * (BLOCK_K // 8):(w0 + blk + 1) * (BLOCK_K // 8)])
+            tile.mma_register_decoded_loop(
+                steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
+                               ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
+                lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
+                                                                     tbl),
+                stages=stages, promote=True,
+                preload=[(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
+                prologue=(lambda: _fill_table(tbl)) if scale_tma else lambda: _prologue(
+                    tbl, sw, lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
+                epilogue=lambda: _store_swapped(
+                    acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
+                    factor=lambda i, j: RowScale[tn * block_n + i] * SA[T.min(j, m - 1)]))
+
+    return mxfp4_w4a8_gemm_nt_swapped
+
+
+@T.macro
+def _prologue(tbl, sw, word_at):
+    _fill_table(tbl)
+    _stage_scale_rows(sw, word_at)
+
+
+# ---- the weights' layout -------------------------------------------------------------------------------------------
+
+def _w4a8_code_words(b: torch.Tensor) -> torch.Tensor:
+    """(n, k/2) OCP-packed e2m1 -> (n, k/2) uint8 in the W4A8 layout. K step s of a row (64 bytes) is four 16-byte
+    chunks, chunk c for the fragment's thread c of a quad; its word j (k32 block j) holds the codes of K
+    128s + 32j + 4c + t (the first fragment word, t = 0..3) and 128s + 32j + 16 + 4c + t (the second): nibble t
+    the first's magnitude t, nibble 4 + t the second's; the first's sign t at bit 3 of nibble 2t + 1, the second's
+    at bit 3 of nibble 2t."""
+    n, half = b.shape
+    k = 2 * half
+    codes = torch.stack([b & 0xF, b >> 4], -1).reshape(n, k).long()      # code of K index k
+    # K = 128 s + 32 j + 16 h + 4 c + t  ->  [n, s, j, h, c, t]
+    c6 = codes.view(n, k // 128, 4, 2, 4, 4)
+    mag, sign = c6 & 7, c6 >> 3
+    first, second = (0, 1)
+    word = torch.zeros(n, k // 128, 4, 4, dtype=torch.int64)        # [n, s, c, j]
+    for t in range(4):
+        word |= mag[:, :, :, first, :, t].transpose(2, 3) << (4 * t)
+        word |= mag[:, :, :, second, :, t].transpose(2, 3) << (16 + 4 * t)
+        word |= sign[:, :, :, first, :, t].transpose(2, 3) << (8 * t + 7)
+        word |= sign[:, :, :, second, :, t].transpose(2, 3) << (8 * t + 3)
+    by = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1)   # little-endian bytes of each word
+    return by.reshape(n, half).to(torch.uint8)
+
+
+def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor):
+    """MXFP4 weights (b (n, k/2) uint8 OCP-packed e2m1, sfb (n, k/32) uint8 E8M0, as ops.quant_mxfp4 writes them)
+    -> (codes (n, k/2) uint8, table offsets (n, k/32) uint8, row_scale (n,) fp32) for ops.mxfp4_w4a8_gemm_nt, on
+    b's device. Once per weight (a few torch ops; not for the hot path)."""
+    check.tensor("b", b, dtypes=(torch.uint8,), ndim=2)
+    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=2)
+    n, k = b.shape[0], 2 * b.shape[1]
+    if k % BLOCK_K:
+        raise ValueError(f"b must be (n, k/2) with k a multiple of {BLOCK_K}, got shape {tuple(b.shape)} (k={k})")
+    check.shape("sfb", sfb, (n, k // MX), "(n, k/32) E8M0")
+    check.same_device(b=b, sfb=sfb)
+    e = sfb.long()
+    rowmax = e.amax(1) if k else torch.zeros(n, dtype=torch.long, device=b.device)
+    d = (e - rowmax[:, None] + 6).clamp(TABLE_LOW, TABLE_HIGH)
+    offsets = ((d - TABLE_LOW) * 8).to(torch.uint8)
+    row_scale = torch.exp2((rowmax - 133).double()).float()
+    row_scale[(e == 255).any(1)] = float("nan")          # E8M0 255 is NaN (OCP MX): the row is NaN, as in dequant
+    return _w4a8_code_words(b.contiguous().cpu()).to(b.device), offsets.contiguous(), row_scale
+
+
+def w4a8_exact(sfb: torch.Tensor) -> bool:
+    """Whether prepare_mxfp4_w4a8 keeps every weight of these scales exactly (each block within 14 binades of its
+    row's largest)."""
+    e = sfb.long()
+    return bool(((e - e.amax(1, keepdim=True) + 6) >= EXACT_LOW).all()) if e.numel() else True
+
+
+def dequant_w4a8(codes: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The prepared weights' values, (n, k) fp32: what the kernel multiplies (its table's e4m3 values x row_scale)."""
+    n, half = codes.shape
+    k = 2 * half
+    by = codes.cpu().long().view(n, k // 128, 4, 4, 4)            # [n, s, c, j, byte]
+    word = sum(by[..., i] << (8 * i) for i in range(4))            # [n, s, c, j]
+    mag = torch.zeros(n, k // 128, 4, 2, 4, 4, dtype=torch.long)    # [n, s, j, h, c, t]
+    sign = torch.zeros_like(mag)
+    for t in range(4):
+        mag[:, :, :, 0, :, t] = ((word >> (4 * t)) & 7).transpose(2, 3)
+        mag[:, :, :, 1, :, t] = ((word >> (16 + 4 * t)) & 7).transpose(2, 3)
+        sign[:, :, :, 0, :, t] = ((word >> (8 * t + 7)) & 1).transpose(2, 3)
+        sign[:, :, :, 1, :, t] = ((word >> (8 * t + 3)) & 1).transpose(2, 3)
+    entry = (offsets.cpu().long() // 8).repeat_interleave(MX, 1).view(n, k // 128, 4, 2, 4, 4)
+    vals = _table_values()[entry, mag] * (1 - 2 * sign).float()
+    return vals.view(n, k) * row_scale.cpu().float()[:, None]
+
+
+# ---- the op ---------------------------------------------------------------------------------------------------------
+
+def mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale):
+    """fp32 (a * sfa) @ W^T with W the prepared weights' values (dequant_w4a8), bf16 out."""
+    w = dequant_w4a8(codes, offsets, row_scale)
+    out = (a.float().cpu() * sfa.float().cpu()[:, None]) @ w.T
+    return out.to(torch.bfloat16).to(a.device)
+
+
+def _check(a, sfa, codes, offsets, row_scale):
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=1, contiguous=True)
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=1, contiguous=True)
+    m, k = a.shape
+    n = codes.shape[0]
+    if k % BLOCK_K:
+        raise ValueError(f"a must be (m, k) with k a multiple of {BLOCK_K} (as prepare_mxfp4_w4a8's weights), got "
+                         f"shape {tuple(a.shape)}")
+    check.shape("codes", codes, (n, k // 2), "(n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
+    check.shape("offsets", offsets, (n, k // MX), "(n, k/32) from prepare_mxfp4_w4a8")
+    check.shape("row_scale", row_scale, (n,), "(n,) from prepare_mxfp4_w4a8")
+    check.shape("sfa", sfa, (m,), "fp32 per-token scales of a")
+    check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale)
+
+
+W4A8_MAX_M = max(SWAPPED_TOKENS)
+
+
+def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
+                       row_scale: torch.Tensor) -> torch.Tensor:
+    """C (m, n) bf16 = (a * sfa[:, None]) @ W^T: a (m, k) e4m3 with sfa (m,) fp32 per-token scales, W the MXFP4
+    weights prepared by prepare_mxfp4_w4a8 (codes, offsets, row_scale). sm_90a: FP8 WGMMA (m <= 64,
+    k % 512 == 0, n % 128 == 0); CPU: the fp32 reference of the prepared weights (slow)."""
+    _check(a, sfa, codes, offsets, row_scale)
+    m, k = a.shape
+    n = codes.shape[0]
+    if a.device.type == "cpu":
+        return mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale)
+    target = targets.resolve(a)
+    if target.name != "cuda:sm_90a":
+        raise ValueError(f"mxfp4_w4a8_gemm_nt runs on sm_90a (FP8 WGMMA) and the CPU, got target {target.name}")
+    if m > W4A8_MAX_M:
+        raise ValueError(f"mxfp4_w4a8_gemm_nt takes decode-sized m <= {W4A8_MAX_M}, got m={m}")
+    if k % SWAPPED_K_ALIGN or n % 128:
+        raise ValueError(f"mxfp4_w4a8_gemm_nt needs k % {SWAPPED_K_ALIGN} == 0 and n % 128 == 0, got n={n}, k={k}")
+    return _w4a8_op(a, sfa, codes, offsets, row_scale)
+
+
+@torch.library.custom_op("tilecraft::mxfp4_w4a8_gemm_nt", mutates_args=())
+def _w4a8_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
+             row_scale: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(a.shape[0], codes.shape[0], dtype=torch.bfloat16, device=a.device)
+    if a.shape[0]:
+        _launch(a, sfa, codes, offsets, row_scale, out)
+    return out
+
+
+@_w4a8_op.register_fake
+def _(a, sfa, codes, offsets, row_scale):
+    return a.new_empty(a.shape[0], codes.shape[0], dtype=torch.bfloat16)
+
+
+def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
+    128-deep stages; scale_tma and fold as plan_swapped chooses them."""
+    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1)
+    return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
+                fold=p["fold"])
+
+
+def _launch(a, sfa, codes, offsets, row_scale, out):
+    from backends.cuda.device import sm_count
+    from ops.gemm_fp8 import launch_split_k, split_k_launchers
+
+    m, k = a.shape
+    n = codes.shape[0]
+    check.aligned("a", a, 16, "loaded by TMA")
+    check.aligned("codes", codes, 16, "loaded by TMA")
+    target = targets.resolve(a)
+
+    def build():
+        p = plan_w4a8(m, n, k, sms=sm_count(a))
+        kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
+        return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
+
+    splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k), build)
+    count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
+    launch_split_k(kernel, reduce, (a, codes.view(torch.int32), _tma_scale_words(offsets), row_scale, sfa), out,
+                   splits, count=count)
+

@@ -1,0 +1,211 @@
+"""ops.mxfp4_w4a8_gemm_nt: e4m3 activations x MXFP4 weights through an e4m3 WGMMA (sm_90a), the weights prepared
+once by ops.prepare_mxfp4_w4a8."""
+
+import re
+
+import pytest
+import torch
+
+import ops
+from ops import gemm_w4a8
+from ops.gemm_w4a8 import (EXACT_LOW, TABLE_ENTRIES, TABLE_LOW, dequant_w4a8, mxfp4_w4a8_swapped_program,
+                           plan_w4a8, prepare_mxfp4_w4a8, table_words, w4a8_exact)
+
+
+def calc_diff(x, y):
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def weights(n, k, g, lo=110, hi=130):
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(lo, hi, (n, k // 32), generator=g, dtype=torch.uint8)
+    return packed, scales
+
+
+def activations(m, k, g):
+    a = (torch.randn(m, k, generator=g) * 3).to(torch.float8_e4m3fn)
+    sa = torch.rand(m, generator=g) + 0.5
+    return a, sa
+
+
+def test_table_holds_e2m1_times_two_to_the_d():
+    """Entry d of the table is e2m1 magnitude x 2^d in e4m3, exactly for d >= EXACT_LOW (e4m3 subnormals reach
+    2^-9), rounded to nearest below and 0 at the lowest entry."""
+    words = table_words()
+    assert len(words) == 2 * TABLE_ENTRIES
+    vals = gemm_w4a8._table_values()
+    e2m1 = torch.tensor(gemm_w4a8.E2M1_VALUES)
+    for i in range(TABLE_ENTRIES):
+        d = TABLE_LOW + i
+        want = e2m1 * 2.0 ** d
+        if d >= EXACT_LOW:
+            assert torch.equal(vals[i], want), d
+        else:
+            assert torch.equal(vals[i], want.to(torch.float8_e4m3fn).float()), d
+    assert (vals[0] == 0).all() and vals[-1, -1] == 384      # 6 x 2^6, the row's largest block
+
+
+def _fragment_word(x, lo, hi):
+    # the CUDA decode (tc_w4a8_word) in Python: prmt with a sign-free selector picks table bytes
+    table = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
+
+    def prmt(sel):
+        return sum(table[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+    o0 = prmt(x & 0x7777) | (x & 0x80808080)
+    o1 = prmt((x >> 16) & 0x7777) | ((x << 4) & 0x80808080 & 0xFFFFFFFF)
+    return o0, o1
+
+
+def test_layout_gives_each_thread_its_wgmma_fragment():
+    """Emulating the kernel's decode on the prepared words: thread c of a quad, word j of its 16-byte chunk of a
+    row's K step gives the e4m3 bytes of K 32j + 4c + t (first fragment word) and 32j + 16 + 4c + t (second), each
+    equal to the original code's value x 2^(e8 - rowmax + 6) (signs included: -0 stays a zero)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 4, 256
+    packed, scales = weights(n, k, g, lo=118, hi=128)
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    words = table_words()
+    ref = ops.dequant_mxfp4(packed, scales)              # (n, k)
+    by = codes.view(n, k // 128, 4, 4, 4).long()         # [row, step, c, j, byte]
+    for row in range(n):
+        for s in range(k // 128):
+            for c in range(4):
+                for j in range(4):
+                    x = sum(int(by[row, s, c, j, i]) << (8 * i) for i in range(4))
+                    e = int(offsets[row, (128 * s + 32 * j) // 32]) // 8
+                    o0, o1 = _fragment_word(x, words[2 * e], words[2 * e + 1])
+                    for w, base in ((o0, 32 * j + 4 * c), (o1, 32 * j + 16 + 4 * c)):
+                        got = torch.tensor([(w >> (8 * t)) & 0xFF for t in range(4)], dtype=torch.uint8)
+                        got = got.view(torch.float8_e4m3fn).float() * row_scale[row]
+                        want = ref[row, 128 * s + base:128 * s + base + 4]
+                        assert torch.equal(got, want), (row, s, c, j)
+
+
+def test_prepared_weights_are_exact_within_14_binades():
+    """dequant_w4a8 of the prepared weights equals dequant_mxfp4 bitwise when every block is within 14 binades of
+    its row's largest (the subnormal 2^-127 block and a NaN block included); further below, the values are
+    rounded to e4m3's subnormals, within 2^-10 of the row's unit 2^(rowmax - 133)."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 6, 1024
+    packed, scales = weights(n, k, g, lo=113, hi=128)
+    scales[1, :] = 1
+    scales[1, 3] = 0                 # 2^-127, the subnormal scale, one binade below the row's others
+    assert w4a8_exact(scales)
+    prepared = prepare_mxfp4_w4a8(packed, scales)
+    assert torch.equal(dequant_w4a8(*prepared), ops.dequant_mxfp4(packed, scales))
+    scales[2, 5] = 255               # NaN (OCP MX): the whole row is NaN in the prepared weights
+    prepared = prepare_mxfp4_w4a8(packed, scales)
+    assert dequant_w4a8(*prepared)[2].isnan().all() and not dequant_w4a8(*prepared)[3].isnan().any()
+    scales[2, 5] = 120
+    scales[4, 7] = 100               # 27 binades below the row's largest
+    assert not w4a8_exact(scales)
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    got, want = dequant_w4a8(codes, offsets, row_scale), ops.dequant_mxfp4(packed, scales)
+    assert torch.equal(got[:4], want[:4]) and torch.equal(got[5], want[5])
+    assert float((got[4] - want[4]).abs().max()) <= 2.0 ** -10 * float(row_scale[4])
+
+
+def test_cpu_op_is_the_fp32_product_and_matches_the_mxfp4_op():
+    """On CPU tensors the op is (a x sa) @ W^T in fp32, rounded to bf16; against ops.mxfp4_gemm_nt on the dequantized activations
+    it agrees to bf16 rounding."""
+    g = torch.Generator().manual_seed(2)
+    m, n, k = 5, 256, 512
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    out = ops.mxfp4_w4a8_gemm_nt(a, sa, *prepare_mxfp4_w4a8(packed, scales))
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    x, w = a.float() * sa[:, None], ops.dequant_mxfp4(packed, scales)
+    want = x @ w.T
+    # bf16 rounding, plus fp32 summation-order noise on the sum of |terms| (cancellation)
+    assert ((out.float() - want).abs() <= 2 ** -8 * want.abs() + 2 ** -18 * (x.abs() @ w.abs().T)).all()
+    other = ops.mxfp4_gemm_nt((a.float() * sa[:, None]).bfloat16(), packed, scales).float()
+    assert calc_diff(out.float(), other) < 1e-4
+
+
+def test_errors_name_the_argument():
+    g = torch.Generator().manual_seed(4)
+    packed, scales = weights(256, 512, g)
+    a, sa = activations(3, 512, g)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    with pytest.raises(TypeError, match="a must have dtype"):
+        ops.mxfp4_w4a8_gemm_nt(a.float(), sa, *prep)
+    with pytest.raises(TypeError, match="sfa must have dtype"):
+        ops.mxfp4_w4a8_gemm_nt(a, sa.double(), *prep)
+    with pytest.raises(ValueError, match="sfa must have shape"):
+        ops.mxfp4_w4a8_gemm_nt(a, sa[:2], *prep)
+    with pytest.raises(ValueError, match="codes must have shape"):
+        ops.mxfp4_w4a8_gemm_nt(a[:, :256].contiguous(), sa, *prep)
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        ops.mxfp4_w4a8_gemm_nt(a, sa, prep[0], prep[1][:, :8].contiguous(), prep[2])
+    with pytest.raises(ValueError, match="row_scale must have shape"):
+        ops.mxfp4_w4a8_gemm_nt(a, sa, prep[0], prep[1], prep[2][:7])
+    with pytest.raises(ValueError, match="k a multiple of 128"):
+        ops.mxfp4_w4a8_gemm_nt(a[:, :200].contiguous(), sa, prep[0][:, :100].contiguous(), prep[1], prep[2])
+    with pytest.raises(ValueError, match="sfb must have shape"):
+        prepare_mxfp4_w4a8(packed, scales[:, :3])
+    with pytest.raises(TypeError, match="b must have dtype"):
+        prepare_mxfp4_w4a8(packed.int(), scales)
+
+
+def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
+    """sm_90a: the fragment goes from registers into e4m3 x e4m3 WGMMAs (QGMMA in SASS, k32 each, four a step),
+    each step's product lands in a temporary that is added to the accumulator; no spills."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    for m, n, k in ((1, 4096, 7168), (64, 7168, 2048)):
+        p = plan_w4a8(m, n, k)
+        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
+        assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32" in src
+        assert src.count("tc_w4a8_fragment(") >= 4 and "tc_w4a8_table_fill(" in src
+        assert re.search(r"\(v_\.x\+v__1\.x\)", src), "the promotion's adds"
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        assert stats.histogram.get("QGMMA", 0) >= 8 and stats.spill_stores == 0 and stats.stack_bytes == 0
+    assert plan_w4a8(64, 4096, 7168)["stages"] >= plan_w4a8(64, 4096, 7168)["stages"]
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (1, 7168, 2048), (16, 4096, 7168), (33, 384, 2048),
+                                   (64, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536), (5, 256, 512)])
+def test_gpu_matches_the_fp32_product(m, n, k):
+    """Against the fp32 product of the same e4m3 activations and prepared weights: calc_diff < 1e-5 and every
+    element within bf16 rounding (promotion per 128-deep step keeps the sum fp32-accurate); the prepared weights
+    are exact here, so it is also the product with dequant_mxfp4's weights. Split-K plans folded or reduced as
+    planned; scale rows by TMA or by the MMA threads; repeated runs bitwise equal."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    packed, scales = weights(n, k, g)
+    scales[0, :3] = torch.tensor([0, 1, 5], dtype=torch.uint8)    # the subnormal 2^-127 and neighbours: a row of
+    scales[0, 3:] = torch.randint(0, 9, (k // 32 - 3,), generator=g, dtype=torch.uint8)   # tiny weights
+    a, sa = activations(m, k, g)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    assert w4a8_exact(scales)
+    ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    dev = [t.cuda() for t in (a, sa, *prep)]
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    again = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert torch.equal(out, again)
+    out = out.float().cpu()
+    assert not out.isnan().any()
+    assert calc_diff(out, ref) < 1e-5
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+def test_gpu_nan_rows_and_cuda_graphs():
+    """A NaN scale makes its row's output NaN and no other; the op replays in a CUDA graph with the same bits."""
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 3, 512, 1024
+    packed, scales = weights(n, k, g)
+    scales[7, 11] = 255
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert out[:, 7].isnan().all() and not out[:, :7].isnan().any() and not out[:, 8:].isnan().any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again = ops.mxfp4_w4a8_gemm_nt(*dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again[:, 8:], out[:, 8:])
