@@ -17,7 +17,7 @@ def calc_diff(x, y):
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
-def weights(n, k, g, lo=110, hi=130):
+def weights(n, k, g, lo=117, hi=130):
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     scales = torch.randint(lo, hi, (n, k // 32), generator=g, dtype=torch.uint8)
     return packed, scales
