@@ -34,6 +34,33 @@ def _delta(a, b):
     return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
 
 
+def trace_case_w4a8(m, n, k, warm=False):
+    """trace_case for ops.gemm_w4a8's kernel (e4m3 activations, FP8 WGMMA), planned by plan_w4a8."""
+    from ops import gemm_w4a8
+
+    p = gemm_w4a8.plan_w4a8(m, n, k)
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, device="cuda")
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
+        b, torch.randint(117, 127, (n, k // 32), dtype=torch.uint8, device="cuda"))
+    kern = gemm_w4a8.mxfp4_w4a8_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
+                                                        **p).launcher()
+    splits = 1 if p["pair"] else p["splits"]
+    blocks = n // 128 * p["splits"]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    part = torch.empty(splits, m if splits > 1 else 1, n, dtype=torch.float32, device="cuda")
+    trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")
+    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        if flush is not None:
+            flush.zero_()
+        kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, sa, out, part, trace, count)
+    torch.cuda.synchronize()
+    return {**p, "stage_k": 128}, trace.cpu().tolist()
+
+
 def trace_case(m, n, k, warm=False, **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
     p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
@@ -99,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
+    ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -106,14 +134,17 @@ def main(argv=None):
         no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
-        p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
-                             scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
-                             fold={"auto": None, "on": True, "off": False}[args.fold],
-                             ahead={"auto": None, "on": True, "off": False}[args.ahead],
-                             pair={"auto": None, "on": True, "off": False}[args.pair],
-                             stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
+        if args.w4a8:
+            p, rows = trace_case_w4a8(m, n, k, warm=args.warm)
+        else:
+            p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
+                                 scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
+                                 fold={"auto": None, "on": True, "off": False}[args.fold],
+                                 ahead={"auto": None, "on": True, "off": False}[args.ahead],
+                                 pair={"auto": None, "on": True, "off": False}[args.pair],
+                                 stage_out={"auto": None, "on": True, "off": False}[args.stage_out])
         t = summarize(p, rows, k)
-        tags = (" no-decode" if args.no_decode else "") + (" warm" if args.warm else "")
+        tags = "".join(t for t, on in ((" no-decode", args.no_decode), (" warm", args.warm), (" w4a8", args.w4a8)) if on)
         print(f"{case} {p}{tags}: {t['blocks']} blocks, {t['steps']} steps; "
               f"cycles (median over blocks): total {t['total']:.0f}, prologue {t['prologue']:.0f}, "
               f"first data {t['first data']:.0f}, epilogue {t['epilogue']:.0f}")

@@ -554,11 +554,14 @@ def _swapped_grid(blocks, threads, pair):
 
 
 @T.macro
-def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens):
+def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None):
     # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
-    # of K (steps == 0) contributes zeros
+    # of K (steps == 0) contributes zeros; factor as _store_swapped's
     half = tokens // 2
     out = tile.read_accumulator(acc)
+    if factor is not None:
+        for i, j in tile.parallel(block_n, tokens):
+            out[i, j] = out[i, j] * factor(i, j)
     for i, j in tile.parallel(block_n, tokens):
         if j < m and j // half != ts:
             tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))

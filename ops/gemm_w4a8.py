@@ -30,8 +30,10 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only
-from ops.gemm_mxfp4 import (BLOCK_K, MX, SWAPPED_K_ALIGN, SWAPPED_TOKENS, _stage_scale_rows, _store_swapped,
-                            _tma_scale_words, plan_swapped, swapped_scale_box)
+from ops.gemm_fp8 import _touch
+from ops.gemm_mxfp4 import (BLOCK_K, MX, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _pair_fold_swapped,
+                            _stage_scale_rows, _store_swapped, _swapped_grid, _tma_scale_words, _trace_stamp,
+                            plan_swapped, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -58,6 +60,11 @@ def _table_values() -> torch.Tensor:
 
 W4A8_SOURCE = r"""
 #include <tl_templates/cuda/common.h>
+__device__ __forceinline__ int tc_globaltimer_lo() {   // ns, low 32 bits (trace=True)
+  unsigned t;
+  asm volatile("mov.u32 %%0, %%%%globaltimer_lo;" : "=r"(t));
+  return (int)t;
+}
 __device__ const unsigned tc_w4a8_table[%(words)d] = {%(table)s};
 __device__ __forceinline__ void tc_w4a8_table_fill(void* tbl, int tid) {   // the table into shared memory
   if (tid < %(words)d) reinterpret_cast<unsigned*>(tbl)[tid] = tc_w4a8_table[tid];
@@ -122,36 +129,50 @@ def _fill_table(tbl):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                               splits: int = 1, scale_tma: bool = True, fold: bool = False):
+                               splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
+                               trace: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
     rows past m zero-filled). TIX (n, k/128) int32: a step's four table offsets of a row; RowScale (n,) and SA
     (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
-    ops.gemm_fp8's reduce kernel or (fold) by the tile's last split block."""
+    ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block, or (pair, splits == 2) by a cluster of
+    the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's. trace: its stamps
+    (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
+    if pair and (splits != 2 or fold):
+        raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
+                         f"fold=False, got splits={splits}, fold={fold}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb = n // block_n, k // BLOCK_K
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
-    part_shape = (splits, m, n) if splits > 1 else (1, 1, n)
+    part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
 
     @T.prim_func
     def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
                                    TIX: T.Tensor((n, kb), "int32"), RowScale: T.Tensor((n,), "float32"),
                                    SA: T.Tensor((m,), "float32"), C: T.Tensor((m, n), "bfloat16"),
-                                   Part: T.Tensor(part_shape, "float32"), Count: T.Tensor((counts,), "int32")):
-        with tile.grid(n_tiles * splits, 2 * block_n + tile.producer_threads()) as bid:
-            tn, ts = tile.split_index(bid, (n_tiles, splits))
+                                   Part: T.Tensor(part_shape, "float32"),
+                                   Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
+                                   Count: T.Tensor((counts,), "int32")):
+        with _swapped_grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), pair) as bid:
+            tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
+            recv = None
+            if pair:   # the other split's partial of this block's half of the tokens
+                recv = tile.stage((block_n, tokens // 2), "float32")
+                _touch(recv)
+                tile.cluster_barrier()            # both blocks started before either stores into the other
             sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
             acc = tile.accumulator((block_n, tokens))         # C^T: weight rows x tokens
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source())
+            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
+            factor = lambda i, j: RowScale[tn * block_n + i] * SA[T.min(j, m - 1)]  # noqa: E731
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (w0 + blk) * BLOCK_K:(w0 + blk + 1) * BLOCK_K],
                 B[tn * block_n:(tn + 1) * block_n, (w0 + blk) * (BLOCK_K // 8):(w0 + blk + 1) * (BLOCK_K // 8)])
@@ -161,12 +182,14 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
                 stages=stages, promote=True,
+                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 preload=[(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
                 prologue=(lambda: _fill_table(tbl)) if scale_tma else lambda: _prologue(
                     tbl, sw, lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=lambda: _store_swapped(
-                    acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
-                    factor=lambda i, j: RowScale[tn * block_n + i] * SA[T.min(j, m - 1)]))
+                epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens,
+                                                     factor=factor)) if pair else
+                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                        factor=factor)))
 
     return mxfp4_w4a8_gemm_nt_swapped
 
@@ -313,10 +336,10 @@ def _(a, sfa, codes, offsets, row_scale):
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
-    128-deep stages; scale_tma and fold as plan_swapped chooses them."""
-    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1)
+    128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials)."""
+    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False)
     return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
-                fold=p["fold"])
+                fold=p["fold"], pair=p["pair"])
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -332,10 +355,13 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a))
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
+        if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
+            return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
+    trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     launch_split_k(kernel, reduce, (a, codes.view(torch.int32), _tma_scale_words(offsets), row_scale, sfa), out,
-                   splits, count=count)
+                   splits, count=(trace, count))
 
