@@ -172,7 +172,9 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
             T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
-            factor = lambda i, j: RowScale[tn * block_n + i] * SA[T.min(j, m - 1)]  # noqa: E731
+            rs = tile.stage((block_n,), "float32")          # the epilogue's factors, staged by the prologue
+            sas = tile.stage((tokens,), "float32")
+            factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (w0 + blk) * BLOCK_K:(w0 + blk + 1) * BLOCK_K],
                 B[tn * block_n:(tn + 1) * block_n, (w0 + blk) * (BLOCK_K // 8):(w0 + blk + 1) * (BLOCK_K // 8)])
@@ -184,8 +186,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 stages=stages, promote=True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 preload=[(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
-                prologue=(lambda: _fill_table(tbl)) if scale_tma else lambda: _prologue(
-                    tbl, sw, lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
+                prologue=lambda: _prologue(tbl, rs, sas, lambda i: RowScale[tn * block_n + i],
+                                           lambda j: T.if_then_else(j < m, SA[T.min(j, m - 1)], 0.0),
+                                           None if scale_tma else sw,
+                                           lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens,
                                                      factor=factor)) if pair else
                 (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
@@ -195,9 +199,16 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 
 
 @T.macro
-def _prologue(tbl, sw, word_at):
+def _prologue(tbl, rs, sas, row_at, token_at, sw, word_at):
+    # the table, the epilogue's row and token factors (their loads under the first stages' rather than after the
+    # loop) and, without scale_tma, the scale rows
     _fill_table(tbl)
-    _stage_scale_rows(sw, word_at)
+    for i in tile.parallel(rs.shape[0]):
+        rs[i] = row_at(i)
+    for j in tile.parallel(sas.shape[0]):
+        sas[j] = token_at(j)
+    if sw is not None:
+        _stage_scale_rows(sw, word_at)
 
 
 # ---- the weights' layout -------------------------------------------------------------------------------------------
@@ -334,10 +345,15 @@ def _(a, sfa, codes, offsets, row_scale):
     return a.new_empty(a.shape[0], codes.shape[0], dtype=torch.bfloat16)
 
 
+W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
+W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
+
+
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials)."""
-    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False)
+    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
+                     pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
     return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                 fold=p["fold"], pair=p["pair"])
 
@@ -359,7 +375,9 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
-    splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k), build)
+    splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, W4A8_FOLD,
+                                            W4A8_SCALE_TMA),
+                                           build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     launch_split_k(kernel, reduce, (a, codes.view(torch.int32), _tma_scale_words(offsets), row_scale, sfa), out,

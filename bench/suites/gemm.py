@@ -98,6 +98,16 @@ def tilecraft_w4a8(case, i):
     return lambda: ops.mxfp4_w4a8_gemm_nt(a8, sa, *prep)
 
 
+def tilecraft_w4a8_with(flag):
+    """tilecraft-w4a8 with ops.gemm_w4a8.<flag> True: W4A8_FOLD (every split plan folds its partials in the
+    kernel), W4A8_SCALE_TMA (the table offsets by TMA on every plan)."""
+    def make(case, i):
+        from ops import gemm_w4a8
+
+        return with_switch(tilecraft_w4a8, gemm_w4a8, flag, True)(case, i)
+    return make
+
+
 def _with_flag(module, name, value):
     """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value."""
     return with_switch(tilecraft, module, name, value)
@@ -307,6 +317,8 @@ SUITE = Suite(
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
+               Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
+               Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
