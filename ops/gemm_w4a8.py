@@ -65,9 +65,19 @@ __device__ __forceinline__ int tc_globaltimer_lo() {   // ns, low 32 bits (trace
   asm volatile("mov.u32 %%0, %%%%globaltimer_lo;" : "=r"(t));
   return (int)t;
 }
-__device__ const unsigned tc_w4a8_table[%(words)d] = {%(table)s};
-__device__ __forceinline__ void tc_w4a8_table_fill(void* tbl, int tid) {   // the table into shared memory
-  if (tid < %(words)d) reinterpret_cast<unsigned*>(tbl)[tid] = tc_w4a8_table[tid];
+#include <cuda_fp8.h>
+// the table into shared memory, computed (a global load here would queue behind the stages' TMA traffic): word
+// tid is entry tid / 2's magnitudes 4 (tid %% 2) .. + 3, each e2m1 x 2^(tid / 2 + %(low)d) rounded to e4m3 (RN)
+__device__ __forceinline__ void tc_w4a8_table_fill(void* tbl, int tid) {
+  if (tid < %(words)d) {
+    const float f = exp2f((float)(tid / 2 + %(low)d));      // exact: a power of two
+    const bool h = tid & 1;
+    const unsigned a = __nv_cvt_float2_to_fp8x2(make_float2((h ? 2.0f : 0.0f) * f, (h ? 3.0f : 0.5f) * f),
+                                                __NV_SATFINITE, __NV_E4M3);
+    const unsigned b = __nv_cvt_float2_to_fp8x2(make_float2((h ? 4.0f : 1.0f) * f, (h ? 6.0f : 1.5f) * f),
+                                                __NV_SATFINITE, __NV_E4M3);
+    reinterpret_cast<unsigned*>(tbl)[tid] = (a & 0xFFFFu) | (b << 16);
+  }
 }
 __device__ __forceinline__ unsigned tc_prmt(unsigned a, unsigned b, unsigned s) {   // sign mode off: s & 0x7777
   unsigned d;
@@ -103,8 +113,7 @@ __device__ __forceinline__ void tc_w4a8_fragment(void* dst, const void* wr, cons
 
 
 def _source() -> str:
-    words = table_words()
-    return W4A8_SOURCE % dict(words=len(words), table=", ".join(f"0x{w:08x}u" for w in words))
+    return W4A8_SOURCE % dict(words=2 * TABLE_ENTRIES, low=TABLE_LOW)
 
 
 @T.macro
@@ -172,7 +181,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
             T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
-            rs = tile.stage((block_n,), "float32")          # the epilogue's factors, staged by the prologue
+            rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             sas = tile.stage((tokens,), "float32")
             factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
             loads = lambda blk: (  # noqa: E731
@@ -185,10 +194,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                                                      tbl),
                 stages=stages, promote=True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
-                preload=[(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
-                prologue=lambda: _prologue(tbl, rs, sas, lambda i: RowScale[tn * block_n + i],
-                                           lambda j: T.if_then_else(j < m, SA[T.min(j, m - 1)], 0.0),
-                                           None if scale_tma else sw,
+                # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
+                # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
+                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (SA[0:tokens], sas)]
+                + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else []),
+                prologue=lambda: _prologue(tbl, None if scale_tma else sw,
                                            lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens,
                                                      factor=factor)) if pair else
@@ -199,14 +209,9 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 
 
 @T.macro
-def _prologue(tbl, rs, sas, row_at, token_at, sw, word_at):
-    # the table, the epilogue's row and token factors (their loads under the first stages' rather than after the
-    # loop) and, without scale_tma, the scale rows
+def _prologue(tbl, sw, word_at):
+    # the table and, without scale_tma, the table offsets' rows
     _fill_table(tbl)
-    for i in tile.parallel(rs.shape[0]):
-        rs[i] = row_at(i)
-    for j in tile.parallel(sas.shape[0]):
-        sas[j] = token_at(j)
     if sw is not None:
         _stage_scale_rows(sw, word_at)
 
@@ -380,6 +385,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
-    launch_split_k(kernel, reduce, (a, codes.view(torch.int32), _tma_scale_words(offsets), row_scale, sfa), out,
+    args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
+    launch_split_k(kernel, reduce, args, out,
                    splits, count=(trace, count))
 
