@@ -488,8 +488,12 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 
 
 @T.macro
-def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens):
+def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None):
+    # factor(i, j): as _store_swapped's
     out = tile.read_accumulator(acc)
+    if factor is not None:
+        for i, j in tile.parallel(block_n, tokens):
+            out[i, j] = out[i, j] * factor(i, j)
     for i, j in tile.parallel(block_n, tokens):
         if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
             C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
@@ -504,15 +508,15 @@ def swapped_scale_box(per: int, kb: int) -> int:
     return per if per % 4 == 0 else min(kb, -(-(per + 3) // 4) * 4)
 
 
-def plan_masked_swapped(max_m: int, k: int) -> dict:
+def plan_masked_swapped(max_m: int, k: int, a_bytes: int = 2) -> dict:
     """The masked swapped kernel's token tile and stages (the block stages its whole K range of
-    scale words: k / 128 x 128 words)."""
+    scale words: k / 128 x 128 words); a_bytes: bytes an activation (1: ops.gemm_w4a8's e4m3)."""
     if k % SWAPPED_K_ALIGN:
         raise ValueError(f"the masked swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
     if SWAPPED_DECODE not in SWAPPED_DECODES:
         raise ValueError(f"ops.gemm_mxfp4.SWAPPED_DECODE must be one of {SWAPPED_DECODES}, got {SWAPPED_DECODE!r}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
-    stage = tokens * BLOCK_K * 2 + 128 * BLOCK_K // 2
+    stage = tokens * BLOCK_K * a_bytes + 128 * BLOCK_K // 2
     stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
     if stages < 2:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")

@@ -31,9 +31,10 @@ from codegen.program import tile_program
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only
 from ops.gemm_fp8 import _touch
-from ops.gemm_mxfp4 import (BLOCK_K, MX, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _pair_fold_swapped,
-                            _stage_scale_rows, _store_swapped, _swapped_grid, _tma_scale_words, _trace_stamp,
-                            plan_swapped, swapped_scale_box)
+from ops.gemm_mxfp4 import (BLOCK_K, MX, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
+                            _pair_fold_swapped, _stage_scale_rows, _store_masked_swapped, _store_swapped,
+                            _swapped_grid, _tma_scale_words, _trace_stamp, plan_masked_swapped, plan_swapped,
+                            swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -208,6 +209,56 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     return mxfp4_w4a8_gemm_nt_swapped
 
 
+@tile_program(
+    "mxfp4_w4a8_gemm_nt_masked_swapped",
+    targets=("cuda:sm_90a",),
+    examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
+)
+def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6):
+    """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
+    max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
+    W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
+    and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
+    token factors are read in the epilogue."""
+    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    groups, max_m = T.dynamic("groups, max_m")
+    n_tiles, kb = n // block_n, k // BLOCK_K
+
+    @T.prim_func
+    def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
+                                          B: T.Tensor((groups, n, k // 8), "int32"),
+                                          TIX: T.Tensor((groups, n, kb), "int32"),
+                                          RowScale: T.Tensor((groups, n), "float32"),
+                                          SA: T.Tensor((groups, max_m), "float32"),
+                                          MaskedM: T.Tensor((groups,), "int32"),
+                                          C: T.Tensor((groups, max_m, n), "bfloat16")):
+        with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
+            g, tn = tile.split_index(bid, (groups, n_tiles))
+            sw = tile.stage((block_n, kb), "int32")           # table offsets of (row, step)
+            tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
+            rs = tile.stage((block_n,), "float32")
+            acc = tile.accumulator((block_n, tokens))         # C^T of the group: weight rows x tokens
+            rows = MaskedM[g]
+            steps = T.if_then_else(rows > 0, kb, 0)
+            T.import_source(_source())
+            loads = lambda blk: (  # noqa: E731
+                A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
+                B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
+            tile.mma_register_decoded_loop(
+                steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
+                               ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
+                lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl),
+                stages=stages, promote=True,
+                preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
+                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)],
+                prologue=lambda: _fill_table(tbl),
+                epilogue=lambda: _store_masked_swapped(
+                    acc, C, g, tn, rows, max_m, block_n, tokens,
+                    factor=lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)]))
+
+    return mxfp4_w4a8_gemm_nt_masked_swapped
+
+
 @T.macro
 def _prologue(tbl, sw, word_at):
     # the table and, without scale_tma, the table offsets' rows
@@ -244,14 +295,19 @@ def _w4a8_code_words(b: torch.Tensor) -> torch.Tensor:
 def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor):
     """MXFP4 weights (b (n, k/2) uint8 OCP-packed e2m1, sfb (n, k/32) uint8 E8M0, as ops.quant_mxfp4 writes them)
     -> (codes (n, k/2) uint8, table offsets (n, k/32) uint8, row_scale (n,) fp32) for ops.mxfp4_w4a8_gemm_nt, on
-    b's device. Once per weight (a few torch ops; not for the hot path)."""
-    check.tensor("b", b, dtypes=(torch.uint8,), ndim=2)
-    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=2)
-    n, k = b.shape[0], 2 * b.shape[1]
+    b's device; grouped weights (g, n, k/2) and (g, n, k/32) -> (g, n, k/2), (g, n, k/32), (g, n) for
+    ops.m_grouped_mxfp4_w4a8_gemm_nt_masked. Once per weight (a few torch ops; not for the hot path)."""
+    check.tensor("b", b, dtypes=(torch.uint8,), ndim=(2, 3))
+    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=b.dim())
+    k = 2 * b.shape[-1]
     if k % BLOCK_K:
-        raise ValueError(f"b must be (n, k/2) with k a multiple of {BLOCK_K}, got shape {tuple(b.shape)} (k={k})")
-    check.shape("sfb", sfb, (n, k // MX), "(n, k/32) E8M0")
+        raise ValueError(f"b must be (..., n, k/2) with k a multiple of {BLOCK_K}, got shape {tuple(b.shape)} (k={k})")
+    check.shape("sfb", sfb, (*b.shape[:-1], k // MX), "(..., n, k/32) E8M0")
     check.same_device(b=b, sfb=sfb)
+    if b.dim() == 3:        # groups: each row on its own
+        codes, offsets, row_scale = prepare_mxfp4_w4a8(b.reshape(-1, b.shape[-1]), sfb.reshape(-1, sfb.shape[-1]))
+        return codes.view(b.shape), offsets.view(sfb.shape), row_scale.view(b.shape[:-1])
+    n = b.shape[0]
     e = sfb.long()
     rowmax = e.amax(1) if k else torch.zeros(n, dtype=torch.long, device=b.device)
     d = (e - rowmax[:, None] + 6).clamp(TABLE_LOW, TABLE_HIGH)
@@ -389,3 +445,71 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     launch_split_k(kernel, reduce, args, out,
                    splits, count=(trace, count))
 
+
+
+# ---- the masked grouped op (MoE decode) -----------------------------------------------------------------------------
+
+def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor,
+                                        offsets: torch.Tensor, row_scale: torch.Tensor,
+                                        masked_m: torch.Tensor) -> torch.Tensor:
+    """Decode-time grouped W4A8: a (g, max_m, k) e4m3 with sfa (g, max_m) fp32 per-token scales; the weights
+    (g, n, k/2), (g, n, k/32), (g, n) from prepare_mxfp4_w4a8; only the first masked_m[i] rows of group i are
+    computed, the rest of the (g, max_m, n) bf16 output is zeros. sm_90a: max_m <= 64, k % 512 == 0,
+    n % 128 == 0; CPU: the fp32 reference."""
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=3, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    G, max_m, k = a.shape
+    n = codes.shape[1]
+    if k % BLOCK_K:
+        raise ValueError(f"a must be (g, max_m, k) with k a multiple of {BLOCK_K}, got shape {tuple(a.shape)}")
+    check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[2]")
+    check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
+    check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    check.shape("sfa", sfa, (G, max_m), "fp32 per-token scales of a")
+    check.shape("masked_m", masked_m, (G,), "(groups,)")
+    check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale, masked_m=masked_m)
+    if a.device.type == "cpu":
+        if G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
+            raise ValueError(f"masked_m must be in [0, {max_m}]")
+        out = torch.zeros(G, max_m, n, dtype=torch.bfloat16)
+        for gi in range(G):
+            rows = int(masked_m[gi])
+            out[gi, :rows] = mxfp4_w4a8_gemm_nt_reference(a[gi, :rows], sfa[gi, :rows], codes[gi], offsets[gi],
+                                                          row_scale[gi])
+        return out
+    target = targets.resolve(a)
+    if target.name != "cuda:sm_90a":
+        raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_masked runs on sm_90a and the CPU, got target {target.name}")
+    if max_m > W4A8_MAX_M:
+        raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_masked takes max_m <= {W4A8_MAX_M}, got {max_m}")
+    if k % SWAPPED_K_ALIGN or n % 128 or k // BLOCK_K * 128 * 4 > SMEM_BUDGET // 2:
+        raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_masked needs k % {SWAPPED_K_ALIGN} == 0, n % 128 == 0 and "
+                         f"k <= {SMEM_BUDGET // 2 // 4}, got n={n}, k={k}")
+    return _w4a8_masked_op(a, sfa, codes, offsets, row_scale, masked_m)
+
+
+@torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())
+def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
+                    row_scale: torch.Tensor, masked_m: torch.Tensor) -> torch.Tensor:
+    G, max_m, k = a.shape
+    n = codes.shape[1]
+    out = torch.empty(G, max_m, n, dtype=torch.bfloat16, device=a.device)
+    if out.numel() == 0:
+        return out
+    check.aligned("a", a, 16, "loaded by TMA")
+    check.aligned("codes", codes, 16, "loaded by TMA")
+    target = targets.resolve(a)
+    p = plan_masked_swapped(max_m, k, a_bytes=1)
+    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], p["stages"]), lambda: (
+        mxfp4_w4a8_masked_program.compile(target, n=n, k=k, tokens=p["tokens"], stages=p["stages"]).launcher()))
+    kernel(a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), sfa, masked_m, out)
+    return out
+
+
+@_w4a8_masked_op.register_fake
+def _(a, sfa, codes, offsets, row_scale, masked_m):
+    return a.new_empty(*a.shape[:2], codes.shape[1], dtype=torch.bfloat16)

@@ -8,8 +8,8 @@ import torch
 
 import ops
 from ops import gemm_w4a8
-from ops.gemm_w4a8 import (EXACT_LOW, TABLE_ENTRIES, TABLE_LOW, dequant_w4a8, mxfp4_w4a8_swapped_program,
-                           plan_w4a8, prepare_mxfp4_w4a8, table_words, w4a8_exact)
+from ops.gemm_w4a8 import (EXACT_LOW, TABLE_ENTRIES, TABLE_LOW, dequant_w4a8, mxfp4_w4a8_masked_program,
+                           mxfp4_w4a8_swapped_program, plan_w4a8, prepare_mxfp4_w4a8, table_words, w4a8_exact)
 
 
 def calc_diff(x, y):
@@ -164,6 +164,48 @@ def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
     assert plan_w4a8(64, 4096, 7168)["stages"] >= plan_w4a8(64, 4096, 7168)["stages"]
 
 
+def grouped(G, max_m, n, k, g, masked):
+    packed, scales = weights(G * n, k, g)
+    a, sa = activations(G * max_m, k, g)
+    a, sa = a.view(G, max_m, k), sa.view(G, max_m).contiguous()
+    for gi, mm in enumerate(masked):
+        a[gi, mm:] = float("nan")     # rows past masked_m are never read
+        sa[gi, mm:] = float("nan")
+    return a, sa, packed.view(G, n, k // 2), scales.view(G, n, k // 32), torch.tensor(masked, dtype=torch.int32)
+
+
+def test_masked_grouped_cpu_equals_the_per_group_dense_op():
+    """The masked grouped op on CPU: group i's first masked_m[i] rows are the dense op's on them, the rest zeros;
+    grouped prepared weights are each group's own (row by row)."""
+    g = torch.Generator().manual_seed(5)
+    a, sa, packed, scales, masked = grouped(3, 5, 256, 512, g, [5, 0, 2])
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    assert prep[0].shape == packed.shape and prep[1].shape == scales.shape and prep[2].shape == (3, 256)
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a, sa, *prep, masked)
+    assert out.shape == (3, 5, 256) and not out.isnan().any()
+    for gi, mm in enumerate(masked.tolist()):
+        one = prepare_mxfp4_w4a8(packed[gi], scales[gi])
+        assert all(torch.equal(x, y[gi]) for x, y in zip(one, prep))
+        assert torch.equal(out[gi, :mm], ops.mxfp4_w4a8_gemm_nt(a[gi, :mm], sa[gi, :mm].contiguous(), *one))
+        assert (out[gi, mm:] == 0).all()
+    with pytest.raises(ValueError, match="masked_m must be in"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a, sa, *prep, torch.tensor([6, 0, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="sfa must have shape"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a, sa[:, :4].contiguous(), *prep, masked)
+
+
+def test_masked_program_lowers_to_e4m3_register_wgmma():
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import plan_masked_swapped
+
+    p = plan_masked_swapped(64, 7168, a_bytes=1)
+    assert p["stages"] == 8 and p["tokens"] == 64
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, tokens=64, stages=p["stages"])
+    assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3" in src
+    stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -209,3 +251,23 @@ def test_gpu_nan_rows_and_cuda_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(again[:, 8:], out[:, 8:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_m,masked", [(64, [64, 0, 17, 1]), (8, [3, 8, 0, 5]), (33, [33, 32, 0, 9])])
+def test_gpu_masked_grouped_matches_the_fp32_product(max_m, masked):
+    """Each group's first masked_m rows against the fp32 product of its rows and prepared weights (calc_diff <
+    1e-5, elementwise to bf16); the rest of the output zeros, with NaN in the rows past masked_m never read."""
+    g = torch.Generator().manual_seed(max_m)
+    G, n, k = len(masked), 256, 2048
+    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*[t.cuda() for t in (a, sa, *prep, mm)]).float().cpu()
+    assert not out.isnan().any()
+    w = ops.dequant_mxfp4(packed.view(G * n, k // 2), scales.view(G * n, k // 32)).view(G, n, k)
+    for gi, rows in enumerate(masked):
+        ref = (a[gi, :rows].float() * sa[gi, :rows, None]) @ w[gi].T
+        if rows:
+            assert calc_diff(out[gi, :rows], ref) < 1e-5
+            torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+        assert (out[gi, rows:] == 0).all()

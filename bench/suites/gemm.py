@@ -87,15 +87,19 @@ def tilecraft(case, i):
 
 
 def tilecraft_w4a8(case, i):
-    """ops.mxfp4_w4a8_gemm_nt on the same weights (prepared once, outside the timing) and the activations as e4m3
-    with a per-token scale (quantized outside the timing, as an engine's previous kernel would hand them over)."""
-    if case["kind"] != "mxfp4":
-        raise ValueError(f"tilecraft-w4a8 runs the dense mxfp4 cases, got kind {case['kind']!r}")
-    a = i["a"][0].float()
-    sa = (a.abs().amax(1) / 448).clamp(min=2 ** -120)
-    a8 = (a / sa[:, None]).to(torch.float8_e4m3fn)
-    prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0])
-    return lambda: ops.mxfp4_w4a8_gemm_nt(a8, sa, *prep)
+    """ops.mxfp4_w4a8_gemm_nt (mxfp4) or ops.m_grouped_mxfp4_w4a8_gemm_nt_masked (mxfp4-masked) on the same
+    weights (prepared once, outside the timing) and the activations as e4m3 with a per-token scale (quantized
+    outside the timing, as an engine's previous kernel would hand them over)."""
+    if case["kind"] not in ("mxfp4", "mxfp4-masked"):
+        raise ValueError(f"tilecraft-w4a8 runs the dense and masked mxfp4 cases, got kind {case['kind']!r}")
+    a = i["a"].float()                                   # (groups, m, k)
+    sa = (a.abs().amax(-1) / 448).clamp(min=2 ** -120)
+    a8 = (a / sa[..., None]).to(torch.float8_e4m3fn)
+    if case["kind"] == "mxfp4":
+        prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0])
+        return lambda: ops.mxfp4_w4a8_gemm_nt(a8[0], sa[0], *prep)
+    prep = ops.prepare_mxfp4_w4a8(i["packed"], i["scales"])
+    return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
 
 
 def tilecraft_w4a8_with(flag):
