@@ -46,7 +46,7 @@ def trace_case_w4a8(m, n, k, warm=False):
         b, torch.randint(117, 127, (n, k // 32), dtype=torch.uint8, device="cuda"))
     kern = gemm_w4a8.mxfp4_w4a8_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                         **p).launcher()
-    splits = 1 if p["pair"] or p["cluster"] else p["splits"]
+    splits = 1 if p["pair"] else p["splits"]
     blocks = n // 128 * p["splits"]
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     part = torch.empty(splits, m if splits > 1 else 1, n, dtype=torch.float32, device="cuda")
@@ -127,16 +127,11 @@ def main(argv=None):
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
-    ap.add_argument("--cluster", action="store_true", help="with --w4a8: ops.gemm_w4a8.W4A8_CLUSTER = True")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
 
         no_decode()
-    if args.cluster:
-        from ops import gemm_w4a8
-
-        gemm_w4a8.W4A8_CLUSTER = True
     for case in args.case:
         m, n, k = map(int, case.split("x"))
         if args.w4a8:

@@ -30,10 +30,10 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only
-from ops.gemm_fp8 import _in_order, _touch
+from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
                             _pair_fold_swapped, _stage_scale_rows, _store_masked_swapped, _store_swapped,
-                            _tma_scale_words, _trace_stamp, plan_masked_swapped, plan_swapped,
+                            _swapped_grid, _tma_scale_words, _trace_stamp, plan_masked_swapped, plan_swapped,
                             swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -140,17 +140,14 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, cluster: int = 0):
+                               trace: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
     rows past m zero-filled). TIX (n, k/128) int32: a step's four table offsets of a row; RowScale (n,) and SA
     (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
     ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block, or (pair, splits == 2) by a cluster of
-    the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's, or (cluster =
-    splits, 2 or 4) by a cluster of the tile's split blocks, each owning tokens / splits of the tile's tokens: every
-    block stores its partial of the others' tokens into their shared memory, one cluster barrier, then each adds
-    the splits' partials of its own tokens in split order (the reduce kernel's bits). trace: its stamps
+    the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's. trace: its stamps
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
@@ -158,15 +155,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     if pair and (splits != 2 or fold):
         raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
                          f"fold=False, got splits={splits}, fold={fold}")
-    if cluster and (cluster != splits or splits not in (2, 4) or fold or pair or tokens % splits):
-        raise ValueError(f"cluster folds the partials of a tile's split blocks: it needs cluster == splits in (2, 4), "
-                         f"tokens a multiple of it, fold=False and pair=False, got cluster={cluster}, "
-                         f"splits={splits}, tokens={tokens}, fold={fold}, pair={pair}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb = n // block_n, k // BLOCK_K
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
-    part_shape = (splits, m, n) if splits > 1 and not (pair or cluster) else (1, 1, n)
+    part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
 
     @T.prim_func
     def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
@@ -175,24 +168,20 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                    Part: T.Tensor(part_shape, "float32"),
                                    Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
                                    Count: T.Tensor((counts,), "int32")):
-        with _grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), 2 if pair else cluster) as bid:
-            tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair, cluster: ts is the block's rank in its cluster
+        with _swapped_grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), pair) as bid:
+            tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
                 recv = tile.stage((block_n, tokens // 2), "float32")
                 _touch(recv)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
-            if cluster:   # the other splits' partials of this block's tokens: rows of slot s - (s > ts) for split s
-                recv = tile.stage(((cluster - 1) * block_n, tokens // cluster), "float32")
-                _touch(recv)
-                tile.cluster_barrier()
             sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
             acc = tile.accumulator((block_n, tokens))         # C^T: weight rows x tokens
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source() + (tile.helper_source("cluster_store") if pair or cluster else ""))
+            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             sas = tile.stage((tokens,), "float32")
             factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
@@ -214,35 +203,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                            lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens,
                                                      factor=factor)) if pair else
-                (lambda: _cluster_fold(acc, C, recv, tn, ts, m, steps, block_n, tokens, cluster, factor)) if cluster
-                else
                 (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
                                         factor=factor)))
 
     return mxfp4_w4a8_gemm_nt_swapped
-
-
-def _grid(blocks, threads, cluster):
-    # cluster > 1: a tile's split blocks (consecutive ids, split innermost) are a cluster
-    return tile.cluster_grid(blocks, threads, cluster) if cluster > 1 else tile.grid(blocks, threads)
-
-
-@T.macro
-def _cluster_fold(acc, C, recv, tn, ts, m, steps, block_n, tokens, splits, factor):
-    # block ts of the cluster owns tokens [ts * q, (ts + 1) * q); a split past the end of K (steps == 0) adds zeros
-    q = tokens // splits
-    out = tile.read_accumulator(acc)
-    for i, j in tile.parallel(block_n, tokens):
-        out[i, j] = T.if_then_else(steps > 0, out[i, j] * factor(i, j), 0.0)
-    for i, j in tile.parallel(block_n, tokens):
-        if j < m and j // q != ts:       # into the owner's slot for split ts
-            tile.cluster_store(recv[(ts - T.if_then_else(ts > j // q, 1, 0)) * block_n + i, j % q], j // q, out[i, j])
-    tile.cluster_barrier()
-    for i, j in tile.parallel(block_n, tokens):
-        if j < m and j // q == ts:       # splits 0 .. splits-1 in order: the reduce kernel's bits
-            C[j, tn * block_n + i] = T.cast(_in_order(
-                [T.if_then_else(ts == s, out[i, j], recv[(s - T.if_then_else(s > ts, 1, 0)) * block_n + i, j % q])
-                 for s in range(splits)]), "bfloat16")
 
 
 @tile_program(
@@ -444,9 +408,6 @@ def _(a, sfa, codes, offsets, row_scale):
 
 W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
 W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
-# plans with 2 or 4 splits at <= 16 tokens fold in a cluster of their split blocks (None: 2 splits only, the pair
-# plan_swapped makes; True: 4 too; False: none, the fold)
-W4A8_CLUSTER = None
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
@@ -454,13 +415,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials)."""
     p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                      pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
-    out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
-               fold=p["fold"], pair=p["pair"], cluster=0)
-    if W4A8_CLUSTER is False and out["pair"]:
-        out.update(pair=False, fold=True)
-    if W4A8_CLUSTER and out["splits"] == 4 and out["fold"] and out["tokens"] % 4 == 0:
-        out.update(fold=False, cluster=4)
-    return out
+    return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
+                fold=p["fold"], pair=p["pair"])
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -476,12 +432,12 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a))
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
-        if p["pair"] or p["cluster"]:   # no partials in global memory: launched as one split (Part bound only)
+        if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, W4A8_FOLD,
-                                            W4A8_SCALE_TMA, W4A8_CLUSTER),
+                                            W4A8_SCALE_TMA),
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)

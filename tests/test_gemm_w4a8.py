@@ -164,26 +164,6 @@ def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
     assert plan_w4a8(64, 4096, 7168)["stages"] >= plan_w4a8(64, 4096, 7168)["stages"]
 
 
-def test_cluster_fold_plans_and_lowering(monkeypatch):
-    """W4A8_CLUSTER=True: 4-split plans at <= 16 tokens fold in a cluster of their 4 split blocks (distributed
-    shared-memory stores, cluster barriers, no partials in global memory), 2-split ones stay pairs; False: every
-    split plan folds through global memory; a cluster that is not the split count is refused."""
-    from backends.cuda.sass import build_cubin, sass_stats
-
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CLUSTER", True)
-    p = plan_w4a8(16, 4096, 7168)
-    assert (p["splits"], p["cluster"], p["fold"], p["pair"]) == (4, 4, False, False)
-    assert plan_w4a8(1, 7168, 2048)["pair"] and plan_w4a8(64, 4096, 7168)["cluster"] == 0
-    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p)
-    assert src.count("tc_cluster_store_f32(") >= 2 and src.count("__cluster_barrier_arrive()") >= 2
-    stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-    assert stats.spill_stores == 0 and stats.histogram.get("QGMMA", 0) >= 4
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CLUSTER", False)
-    assert plan_w4a8(1, 7168, 2048)["fold"] and plan_w4a8(16, 4096, 7168)["fold"]
-    with pytest.raises(ValueError, match="cluster folds"):
-        mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=4, cluster=2)
-
-
 def grouped(G, max_m, n, k, g, masked):
     packed, scales = weights(G * n, k, g)
     a, sa = activations(G * max_m, k, g)
@@ -252,25 +232,6 @@ def test_gpu_matches_the_fp32_product(m, n, k):
     assert not out.isnan().any()
     assert calc_diff(out, ref) < 1e-5
     torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 4096, 7168), (1, 256, 2048), (13, 256, 2048)])
-def test_gpu_cluster_fold_is_the_fold_bitwise(monkeypatch, m, n, k):
-    """The 4-split cluster fold adds the same scaled partials in the same order as the fold through global memory:
-    the same bits (and the fp32 product's values); repeated runs equal."""
-    g = torch.Generator().manual_seed(m + n)
-    packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CLUSTER", False)
-    want = ops.mxfp4_w4a8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CLUSTER", True)
-    assert plan_w4a8(m, n, k)["cluster"] == 4
-    got = [ops.mxfp4_w4a8_gemm_nt(*dev) for _ in range(2)]
-    assert torch.equal(got[0], want) and torch.equal(got[1], want)
-    ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
-    assert calc_diff(want.float().cpu(), ref) < 1e-5
 
 
 @pytest.mark.gpu
