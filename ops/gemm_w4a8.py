@@ -408,13 +408,12 @@ def _(a, sfa, codes, offsets, row_scale):
 
 W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
 W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
-W4A8_HALF = False   # plan split-K for half the SMs (fewer, longer splits: 2-split plans pair) (bench A/B)
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials)."""
-    p = plan_swapped(m, n, k, sms=sms // 2 if W4A8_HALF else sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
+    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                      pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
     return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                 fold=p["fold"], pair=p["pair"])
@@ -438,7 +437,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, W4A8_FOLD,
-                                            W4A8_SCALE_TMA, W4A8_HALF),
+                                            W4A8_SCALE_TMA),
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)

@@ -104,8 +104,7 @@ def tilecraft_w4a8(case, i):
 
 def tilecraft_w4a8_with(flag):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> True: W4A8_FOLD (every split plan folds its partials in the
-    kernel), W4A8_SCALE_TMA (the table offsets by TMA on every plan), W4A8_HALF (split-K planned for half the
-    SMs)."""
+    kernel), W4A8_SCALE_TMA (the table offsets by TMA on every plan)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -324,7 +323,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
-               Provider("tilecraft-w4a8-half", tilecraft_w4a8_with("W4A8_HALF"), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
