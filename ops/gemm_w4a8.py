@@ -140,7 +140,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False):
+                               trace: bool = False, group_scales: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -148,7 +148,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
     ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block, or (pair, splits == 2) by a cluster of
     the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's. trace: its stamps
-    (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched)."""
+    (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
+    group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
+    ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
+    product is promoted; the epilogue then multiplies by RowScale alone."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -160,11 +163,13 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
     part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
+    abox = swapped_scale_box(per, kb)                   # group_scales: the split's steps of SA (16-byte aligned box)
 
     @T.prim_func
     def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
                                    TIX: T.Tensor((n, kb), "int32"), RowScale: T.Tensor((n,), "float32"),
-                                   SA: T.Tensor((m,), "float32"), C: T.Tensor((m, n), "bfloat16"),
+                                   SA: T.Tensor((m, kb) if group_scales else (m,), "float32"),
+                                   C: T.Tensor((m, n), "bfloat16"),
                                    Part: T.Tensor(part_shape, "float32"),
                                    Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
                                    Count: T.Tensor((counts,), "int32")):
@@ -183,8 +188,15 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             steps = T.max(T.min(per, kb - w0), 0)
             T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
-            sas = tile.stage((tokens,), "float32")
-            factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
+            if group_scales:          # (token, step) factors of the split's steps, from step a0
+                sas = tile.stage((tokens, abox), "float32")
+                a0 = T.min(w0 // 4 * 4, kb - abox)
+                factor = lambda i, j: rs[i]  # noqa: E731
+                sa_region = SA[0:tokens, a0:a0 + abox]
+            else:
+                sas = tile.stage((tokens,), "float32")
+                factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
+                sa_region = SA[0:tokens]
             loads = lambda blk: (  # noqa: E731
                 A[0:tokens, (w0 + blk) * BLOCK_K:(w0 + blk + 1) * BLOCK_K],
                 B[tn * block_n:(tn + 1) * block_n, (w0 + blk) * (BLOCK_K // 8):(w0 + blk + 1) * (BLOCK_K // 8)])
@@ -193,11 +205,12 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, promote=True,
+                stages=stages,
+                promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
                 # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
-                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (SA[0:tokens], sas)]
+                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (sa_region, sas)]
                 + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else []),
                 prologue=lambda: _prologue(tbl, None if scale_tma else sw,
                                            lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
@@ -214,12 +227,14 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     targets=("cuda:sm_90a",),
     examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
 )
-def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6):
+def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
+                              group_scales: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
     and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
-    token factors are read in the epilogue."""
+    token factors are read in the epilogue, or (group_scales: SA (groups, max_m, k/128)) come by TMA with them and
+    multiply each step's product as it is promoted."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -229,7 +244,8 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                                           B: T.Tensor((groups, n, k // 8), "int32"),
                                           TIX: T.Tensor((groups, n, kb), "int32"),
                                           RowScale: T.Tensor((groups, n), "float32"),
-                                          SA: T.Tensor((groups, max_m), "float32"),
+                                          SA: T.Tensor((groups, max_m, kb) if group_scales else (groups, max_m),
+                                                       "float32"),
                                           MaskedM: T.Tensor((groups,), "int32"),
                                           C: T.Tensor((groups, max_m, n), "bfloat16")):
         with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
@@ -241,6 +257,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             rows = MaskedM[g]
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(_source())
+            sas = tile.stage((tokens, kb), "float32") if group_scales else None   # rows past max_m: 0 (TMA)
             loads = lambda blk: (  # noqa: E731
                 A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
                 B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
@@ -248,13 +265,15 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl),
-                stages=stages, promote=True,
+                stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
                 preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
-                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)],
+                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)]
+                + ([(SA[g, 0:tokens, 0:kb], sas)] if group_scales else []),
                 prologue=lambda: _fill_table(tbl),
                 epilogue=lambda: _store_masked_swapped(
                     acc, C, g, tn, rows, max_m, block_n, tokens,
-                    factor=lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)]))
+                    factor=(lambda i, j: rs[i]) if group_scales else
+                    (lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)])))
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
 
@@ -344,16 +363,21 @@ def dequant_w4a8(codes: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Te
 
 # ---- the op ---------------------------------------------------------------------------------------------------------
 
+def _dequant_a(a, sfa):
+    # a * sfa in fp32: sfa per token (m,) or per (token, 128 columns) (m, k/128)
+    a, sfa = a.float().cpu(), sfa.float().cpu()
+    return a * (sfa[:, None] if sfa.dim() == 1 else sfa.repeat_interleave(BLOCK_K, 1)[:, :a.shape[1]])
+
+
 def mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale):
     """fp32 (a * sfa) @ W^T with W the prepared weights' values (dequant_w4a8), bf16 out."""
     w = dequant_w4a8(codes, offsets, row_scale)
-    out = (a.float().cpu() * sfa.float().cpu()[:, None]) @ w.T
-    return out.to(torch.bfloat16).to(a.device)
+    return (_dequant_a(a, sfa) @ w.T).to(torch.bfloat16).to(a.device)
 
 
 def _check(a, sfa, codes, offsets, row_scale):
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
-    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=1, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(1, 2), contiguous=True)
     check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=1, contiguous=True)
@@ -365,7 +389,10 @@ def _check(a, sfa, codes, offsets, row_scale):
     check.shape("codes", codes, (n, k // 2), "(n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
     check.shape("offsets", offsets, (n, k // MX), "(n, k/32) from prepare_mxfp4_w4a8")
     check.shape("row_scale", row_scale, (n,), "(n,) from prepare_mxfp4_w4a8")
-    check.shape("sfa", sfa, (m,), "fp32 per-token scales of a")
+    if sfa.dim() == 1:
+        check.shape("sfa", sfa, (m,), "fp32 per-token scales of a")
+    else:
+        check.shape("sfa", sfa, (m, k // BLOCK_K), "fp32 scales of a per (token, 128 columns)")
     check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale)
 
 
@@ -374,9 +401,10 @@ W4A8_MAX_M = max(SWAPPED_TOKENS)
 
 def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
                        row_scale: torch.Tensor) -> torch.Tensor:
-    """C (m, n) bf16 = (a * sfa[:, None]) @ W^T: a (m, k) e4m3 with sfa (m,) fp32 per-token scales, W the MXFP4
-    weights prepared by prepare_mxfp4_w4a8 (codes, offsets, row_scale). sm_90a: FP8 WGMMA (m <= 64,
-    k % 512 == 0, n % 128 == 0); CPU: the fp32 reference of the prepared weights (slow)."""
+    """C (m, n) bf16 = (a * sfa) @ W^T: a (m, k) e4m3 with sfa (m,) fp32 per-token scales or (m, k/128) fp32 scales
+    per (token, 128 columns) (DeepGEMM's sfa, as per_token_group_quant_fp8 writes it), W the MXFP4 weights
+    prepared by prepare_mxfp4_w4a8 (codes, offsets, row_scale). sm_90a: FP8 WGMMA (m <= 64, k % 512 == 0,
+    n % 128 == 0); CPU: the fp32 reference of the prepared weights (slow)."""
     _check(a, sfa, codes, offsets, row_scale)
     m, k = a.shape
     n = codes.shape[0]
@@ -410,13 +438,38 @@ W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / F
 W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
 
 
-def plan_w4a8(m: int, n: int, k: int, sms: int = 132) -> dict:
+def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
-    128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials)."""
+    128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials); then as many
+    stages as fit next to this kernel's own tiles (the table, the factors: with group_scales a (tokens, steps)
+    block of them)."""
     p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                      pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
-    return dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
-                fold=p["fold"], pair=p["pair"])
+    out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
+               fold=p["fold"], pair=p["pair"])
+    if group_scales:
+        out["group_scales"] = True
+    if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
+        out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
+    if out["stages"] < 2:
+        raise ValueError(f"no W4A8 plan fits in shared memory for m={m}, n={n}, k={k}")
+    return out
+
+
+def _stage_bytes(tokens: int) -> int:
+    return tokens * BLOCK_K + 128 * BLOCK_K // 2          # e4m3 activations + packed weights of a 128-deep step
+
+
+def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
+                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
+    """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
+    its alignment padding)."""
+    kb = k // BLOCK_K
+    per = -(-kb // splits)
+    box = swapped_scale_box(per, kb) if scale_tma else per
+    sa = tokens * swapped_scale_box(per, kb) * 4 if group_scales else tokens * 4
+    recv = block_n * tokens // 2 * 4 if pair else 0
+    return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -429,22 +482,21 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
 
+    group = sfa.dim() == 2
+
     def build():
-        p = plan_w4a8(m, n, k, sms=sm_count(a))
+        p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
-    splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, W4A8_FOLD,
-                                            W4A8_SCALE_TMA),
-                                           build)
+    splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
+                                            W4A8_FOLD, W4A8_SCALE_TMA), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
-    launch_split_k(kernel, reduce, args, out,
-                   splits, count=(trace, count))
-
+    launch_split_k(kernel, reduce, args, out, splits, count=(trace, count))
 
 
 # ---- the masked grouped op (MoE decode) -----------------------------------------------------------------------------
@@ -452,12 +504,13 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
 def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor,
                                         offsets: torch.Tensor, row_scale: torch.Tensor,
                                         masked_m: torch.Tensor) -> torch.Tensor:
-    """Decode-time grouped W4A8: a (g, max_m, k) e4m3 with sfa (g, max_m) fp32 per-token scales; the weights
+    """Decode-time grouped W4A8: a (g, max_m, k) e4m3 with sfa (g, max_m) fp32 per-token scales or (g, max_m, k/128)
+    per (token, 128 columns); the weights
     (g, n, k/2), (g, n, k/32), (g, n) from prepare_mxfp4_w4a8; only the first masked_m[i] rows of group i are
     computed, the rest of the (g, max_m, n) bf16 output is zeros. sm_90a: max_m <= 64, k % 512 == 0,
     n % 128 == 0; CPU: the fp32 reference."""
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=3, contiguous=True)
-    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(2, 3), contiguous=True)
     check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
     check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
     check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
@@ -469,7 +522,10 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[2]")
     check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
     check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
-    check.shape("sfa", sfa, (G, max_m), "fp32 per-token scales of a")
+    if sfa.dim() == 2:
+        check.shape("sfa", sfa, (G, max_m), "fp32 per-token scales of a")
+    else:
+        check.shape("sfa", sfa, (G, max_m, k // BLOCK_K), "fp32 scales of a per (token, 128 columns)")
     check.shape("masked_m", masked_m, (G,), "(groups,)")
     check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale, masked_m=masked_m)
     if a.device.type == "cpu":
@@ -504,9 +560,16 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
     p = plan_masked_swapped(max_m, k, a_bytes=1)
-    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], p["stages"]), lambda: (
-        mxfp4_w4a8_masked_program.compile(target, n=n, k=k, tokens=p["tokens"], stages=p["stages"]).launcher()))
-    kernel(a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), sfa, masked_m, out)
+    group = sfa.dim() == 3
+    stages = p["stages"]
+    while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
+            p["tokens"] * (k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
+        stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
+    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group), lambda: (
+        mxfp4_w4a8_masked_program.compile(target, n=n, k=k, tokens=p["tokens"], stages=stages,
+                                          group_scales=group).launcher()))
+    kernel(a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale),
+           check.aligned_copy(sfa), masked_m, out)
     return out
 
 

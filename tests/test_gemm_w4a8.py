@@ -123,6 +123,51 @@ def test_cpu_op_is_the_fp32_product_and_matches_the_mxfp4_op():
     assert calc_diff(out.float(), other) < 1e-4
 
 
+def group_activations(m, k, g):
+    """e4m3 activations with DeepGEMM's per-(token, 128 columns) fp32 scales, from per_token_group_quant_fp8."""
+    return ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g) * 3)
+
+
+def test_cpu_op_with_per_group_activation_scales():
+    """sfa (m, k/128): each 128-column block of a row has its own scale (DeepGEMM's layout); the CPU op is the fp32
+    product of the dequantized activations; a per-token sfa given as (m, k/128) of one repeated value is the
+    per-token op to bf16 rounding."""
+    g = torch.Generator().manual_seed(6)
+    m, n, k = 4, 256, 1024
+    packed, scales = weights(n, k, g)
+    a, sfa = group_activations(m, k, g)
+    assert sfa.shape == (m, k // 128)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    out = ops.mxfp4_w4a8_gemm_nt(a, sfa, *prep)
+    x, w = ops.dequant_fp8_token_groups(a, sfa), ops.dequant_mxfp4(packed, scales)
+    want = x @ w.T
+    assert ((out.float() - want).abs() <= 2 ** -8 * want.abs() + 2 ** -18 * (x.abs() @ w.abs().T)).all()
+    sa = torch.rand(m, generator=g) + 0.5
+    torch.testing.assert_close(ops.mxfp4_w4a8_gemm_nt(a, sa[:, None].repeat(1, k // 128).contiguous(), *prep),
+                               ops.mxfp4_w4a8_gemm_nt(a, sa, *prep), rtol=2 ** -7, atol=1e-5)
+    with pytest.raises(ValueError, match="sfa must have shape"):
+        ops.mxfp4_w4a8_gemm_nt(a, sfa[:, :3].contiguous(), *prep)
+
+
+def test_group_scale_programs_promote_with_the_staged_factors():
+    """group_scales=True: the (token, step) factors come by TMA with the preloaded tiles and each step's product is
+    added times its factor (FFMA in SASS), dense and masked; the plans leave room for them; no spills."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import SMEM_BUDGET
+    from ops.gemm_w4a8 import w4a8_smem_bytes
+
+    for m, n, k in ((1, 4096, 7168), (64, 7168, 2048), (64, 7168, 16384)):
+        p = plan_w4a8(m, n, k, group_scales=True)
+        assert p["group_scales"] and w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
+        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
+        assert "tl::tma_load(SA_desc" in src and re.search(r"\* \(\(float\*\)sas\)\[", src)
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        assert stats.spill_stores == 0 and stats.histogram.get("FFMA", 0) >= 8
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, tokens=64, stages=7, group_scales=True)
+    assert "tl::tma_load(SA_desc" in src
+    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
+
+
 def test_errors_name_the_argument():
     g = torch.Generator().manual_seed(4)
     packed, scales = weights(256, 512, g)
@@ -235,6 +280,24 @@ def test_gpu_matches_the_fp32_product(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 4096, 7168), (64, 7168, 2048), (33, 384, 2048),
+                                   (9, 24576, 1536)])
+def test_gpu_per_group_activation_scales(m, n, k):
+    """sfa (m, k/128) from per_token_group_quant_fp8: against the fp32 product of the dequantized activations and
+    the weights (calc_diff < 1e-5, elementwise to bf16), every split plan; repeated runs bitwise equal."""
+    g = torch.Generator().manual_seed(m * 3 + n)
+    packed, scales = weights(n, k, g)
+    a, sfa = group_activations(m, k, g)
+    ref = ops.dequant_fp8_token_groups(a, sfa) @ ops.dequant_mxfp4(packed, scales).T
+    dev = [t.cuda() for t in (a, sfa, *prepare_mxfp4_w4a8(packed, scales))]
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert torch.equal(out, ops.mxfp4_w4a8_gemm_nt(*dev))
+    out = out.float().cpu()
+    assert calc_diff(out, ref) < 1e-5
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
 def test_gpu_nan_rows_and_cuda_graphs():
     """A NaN scale makes its row's output NaN and no other; the op replays in a CUDA graph with the same bits."""
     g = torch.Generator().manual_seed(9)
@@ -268,6 +331,27 @@ def test_gpu_masked_grouped_matches_the_fp32_product(max_m, masked):
     for gi, rows in enumerate(masked):
         ref = (a[gi, :rows].float() * sa[gi, :rows, None]) @ w[gi].T
         if rows:
+            assert calc_diff(out[gi, :rows], ref) < 1e-5
+            torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+        assert (out[gi, rows:] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_masked_grouped_per_group_activation_scales():
+    """The masked op with sfa (g, max_m, k/128): each group's rows against the fp32 product of its dequantized
+    activations; rows past masked_m zeros."""
+    g = torch.Generator().manual_seed(11)
+    G, max_m, n, k, masked = 3, 40, 256, 2048, [40, 0, 7]
+    packed, scales = weights(G * n, k, g)
+    a, sfa = group_activations(G * max_m, k, g)
+    a, sfa = a.view(G, max_m, k), sfa.view(G, max_m, k // 128)
+    mm = torch.tensor(masked, dtype=torch.int32)
+    prep = prepare_mxfp4_w4a8(packed.view(G, n, k // 2), scales.view(G, n, k // 32))
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*[t.cuda() for t in (a, sfa, *prep, mm)]).float().cpu()
+    w = ops.dequant_mxfp4(packed, scales).view(G, n, k)
+    for gi, rows in enumerate(masked):
+        if rows:
+            ref = ops.dequant_fp8_token_groups(a[gi, :rows], sfa[gi, :rows]) @ w[gi].T
             assert calc_diff(out[gi, :rows], ref) < 1e-5
             torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
         assert (out[gi, rows:] == 0).all()

@@ -133,7 +133,7 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, temps = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor) = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
@@ -169,7 +169,7 @@ def _reg_step(j, first, io):
             if u == 0:
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
             if temps is not None:
-                _promote(acc, temps[(idx - 1) % 2])
+                _promote(acc, temps[(idx - 1) % 2], pfactor, s - 1)
     if mark is not None:
         mark("issued", s)
 
@@ -191,14 +191,19 @@ def _when(cond, body):
 
 
 @T.macro
-def _promote(acc, temp):
-    # acc += a part's product (promote=True: FP8 WGMMAs keep fewer bits than fp32 over a long K)
-    for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
-        acc[i, j] += temp[i, j]
+def _promote(acc, temp, factor, step):
+    # acc += a part's product (promote=True: FP8 WGMMAs keep fewer bits than fp32 over a long K), times
+    # factor(j, step) for column j when promote is a callable
+    if factor is None:
+        for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] += temp[i, j]
+    else:
+        for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] += temp[i, j] * factor(j, step)
 
 
 def _reg_burst(first, count, io):
-    frags, empty, stages, temps = io[2], io[4], io[7], io[14]
+    frags, empty, stages, (temps, pfactor) = io[2], io[4], io[7], io[14]
     parts = int(io[0].shape[2]) // FRAGMENT_K
     for j in range(count):
         _reg_step(j, first, io)
@@ -206,7 +211,7 @@ def _reg_burst(first, count, io):
         emit(T.wait_wgmma(0))
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
         if temps is not None:
-            _promote(io[5], temps[(count * parts - 1) % 2])
+            _promote(io[5], temps[(count * parts - 1) % 2], pfactor, first + count - 1)
 
 
 def _preload(preload, pre):
@@ -276,7 +281,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # first has landed (sm90.tma_producer)
     # promote=True (one block an SM): each part's WGMMAs go into a fresh fp32 temporary (two, alternating), added
     # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
-    # so a long K is summed in fp32 a 128-deep part at a time
+    # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
+    # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -287,9 +293,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"{consumers} MMA threads")
     if blocks_per_sm not in (1, 2):
         raise ValueError(f"blocks_per_sm must be 1 or 2, got {blocks_per_sm}")
-    if promote and (blocks_per_sm != 1 or isinstance(decode, tuple)):
-        raise ValueError(f"promote=True takes one block an SM and a decode from shared memory, got "
-                         f"blocks_per_sm={blocks_per_sm}")
+    if promote is not False and (blocks_per_sm != 1 or isinstance(decode, tuple) or (callable(promote) and parts != 1)):
+        raise ValueError(f"promote takes one block an SM and a decode from shared memory (a factor: stages of one "
+                         f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
@@ -312,10 +318,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
             raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even BURST), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
-    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(2)] if promote else None
+    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(2)] if promote is not False else None
+    pfactor = promote if callable(promote) else None
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, temps)
+                    ramp, regs, (temps, pfactor))
