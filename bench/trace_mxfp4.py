@@ -111,6 +111,13 @@ def summarize(p, rows, k):
     out["launch"] = span("decoded", "launched")       # issuing the step's WGMMAs
     out["retire"] = span("launched", "issued")        # waiting for the step before's WGMMAs
     out["wait"] = [med([_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for r in full]) for i in range(1, steps)]
+    # block by block (--blocks): when each ends (ns after the first entry), its split (block id % splits: split
+    # innermost), its wait for the first data, its data waits in the loop and its epilogue (cycles)
+    ids = [b for b, r in enumerate(rows) if r[at(steps - 1, "issued")] != 0]
+    out["block ends"] = sorted(
+        (ns(r, "stored ns"), b, b % max(p.get("splits", 1), 1), _delta(r[e["prologue done"]], r[base]),
+         sum(_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for i in range(1, steps)),
+         _delta(r[e["loop done"]], r[e["stored"]])) for b, r in zip(ids, full))
     return out
 
 
@@ -127,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
+    ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
@@ -154,6 +162,13 @@ def main(argv=None):
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
         for part in ("decode", "launch", "retire"):
             print(f"  {part + ':':<13} {' '.join(f'{w:.0f}' for w in t[part])}")
+        if args.blocks and t["block ends"]:
+            ends = [x[0] for x in t["block ends"]]
+            pct = [ends[min(len(ends) - 1, int(q * len(ends)))] for q in (0, 0.1, 0.5, 0.9)] + [ends[-1]]
+            print(f"  block ends (ns; min p10 p50 p90 max): {' '.join(map(str, pct))}")
+            for end, b, split, first, waits, epi in t["block ends"][-8:]:
+                print(f"    block {b} (split {split}): ends {end} ns; first data {first}, "
+                      f"loop data waits {waits}, epilogue {epi} cycles")
 
 
 if __name__ == "__main__":

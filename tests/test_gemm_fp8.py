@@ -1505,6 +1505,8 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     assert t["decode"] == [500] * 3 and t["launch"] == [14] * 3 and t["retire"] == [486] * 3
     # ns: block 1 enters first, block 2 last and it is the longest (4300 cycles at 2 GHz)
     assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
+    # block by block, by end: (end ns, block, split, first data, loop data waits, epilogue); block 3 ran no step
+    assert [x[1] for x in t["block ends"]] == [1, 0, 2] and t["block ends"][-1] == (2350, 2, 0, 500, 60, 40)
 
 
 def test_mxfp4_swapped_plan_and_targets():
