@@ -1,15 +1,16 @@
-"""W4A8 on Hopper: C (m, n) bf16 = (A e4m3 x SA per token) @ (MXFP4 B)^T with FP8 WGMMA, for decode-sized m.
+"""W4A8 on Hopper: C (m, n) bf16 = (A e4m3 x SA) @ (MXFP4 B)^T with FP8 WGMMA, for decode-sized m.
 
 The bf16-activation MXFP4 kernel (ops.gemm_mxfp4, swapped) spends most of a K step decoding e2m1 codes into bf16
 pairs (bench/NOTES.md "MXFP4 at 1-16 tokens"). With e4m3 activations the weights can go into an e4m3 WGMMA
 instead, and e2m1 -> e4m3 is a byte table: one PRMT turns four 3-bit magnitudes into four e4m3 bytes. A row's
 E8M0 block exponent is folded into the table (the table of 2^(e8 - R) x e2m1, R the row's reference), and
-2^(R - 127) is applied in the epilogue with the activations' per-token scale.
+2^(R - 127) is applied in the epilogue, with the activations' scale when it is one a token; a scale per (token,
+128 columns) (DeepGEMM's sfa) multiplies each 128-deep step's product as it is promoted.
 
 The weights go through `prepare_mxfp4_w4a8` once (they are constants):
 - the codes are permuted inside each row's 64-byte K step so that the thread that owns a piece of WGMMA's register
   fragment finds it in one 16-byte chunk, with its signs where one AND puts them (`_w4a8_code_words`);
-- each 32-block's E8M0 byte becomes the byte offset of its table in the kernel's 20-entry table (`table_offsets`):
+- each 32-block's E8M0 byte becomes the byte offset of its table in the kernel's 20-entry table (`table_words`):
   d = e8 - rowmax + 6 (the row's largest block gets d = 6: 6 x 2^6 = 384 <= 448), entry d + 13, d clamped to
   [-13, 6];
 - row_scale (n,) fp32 = 2^(rowmax - 133).
