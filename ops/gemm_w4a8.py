@@ -437,6 +437,9 @@ def _(a, sfa, codes, offsets, row_scale):
 
 W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
 W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
+# 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
+# kernel): prepared in session 43 after 64x7168x2048 unsplit ran 0.7 us faster than split + reduce; not yet measured
+W4A8_PAIR_WIDE = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -450,6 +453,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
                fold=p["fold"], pair=p["pair"])
     if group_scales:
         out["group_scales"] = True
+    if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
+        out.update(pair=True, fold=False)
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -493,7 +498,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

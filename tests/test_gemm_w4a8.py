@@ -209,6 +209,23 @@ def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
     assert plan_w4a8(64, 4096, 7168)["stages"] >= plan_w4a8(64, 4096, 7168)["stages"]
 
 
+def test_wide_pair_plan(monkeypatch):
+    """W4A8_PAIR_WIDE: a 2-split plan over 16 tokens folds in a cluster pair (the received half partial, 128 x 32
+    fp32, taken from the stages where needed) instead of the reduce kernel; 4-split plans are left alone."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import SMEM_BUDGET
+    from ops.gemm_w4a8 import w4a8_smem_bytes
+
+    assert not plan_w4a8(64, 7168, 2048)["pair"]
+    monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
+    p = plan_w4a8(64, 7168, 2048)
+    assert p["pair"] and not p["fold"] and p["splits"] == 2 and w4a8_smem_bytes(7168, 2048, **p) <= SMEM_BUDGET
+    assert not plan_w4a8(64, 4096, 7168)["pair"]
+    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **p)
+    assert src.count("tc_cluster_store_f32(") >= 2
+    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
+
+
 def grouped(G, max_m, n, k, g, masked):
     packed, scales = weights(G * n, k, g)
     a, sa = activations(G * max_m, k, g)
@@ -295,6 +312,22 @@ def test_gpu_per_group_activation_scales(m, n, k):
     out = out.float().cpu()
     assert calc_diff(out, ref) < 1e-5
     torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (17, 256, 1024), (20, 8192, 1024)])
+def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
+    """W4A8_PAIR_WIDE: the pair adds the two scaled partials as the reduce kernel does (P0 + P1 == P1 + P0 in fp32):
+    the same bits."""
+    g = torch.Generator().manual_seed(m + k)
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    assert plan_w4a8(m, n, k)["splits"] == 2 and not plan_w4a8(m, n, k)["pair"]
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
+    assert plan_w4a8(m, n, k)["pair"]
+    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
 
 
 @pytest.mark.gpu
