@@ -331,6 +331,27 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
+def test_gpu_every_table_entry_is_the_prepared_value():
+    """One-hot activations read single weights back: out[t, n] = W[n, k_t] exactly (one product, no sum), for
+    blocks at every table entry (d from -13 to 6, rounded ones and the round-to-even tie 3 x 2^-10 included): the
+    kernel's table (computed on the GPU) holds what dequant_w4a8 says."""
+    g = torch.Generator().manual_seed(12)
+    m, n, k = 64, 256, 1024
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = (130 - 6 + torch.randint(-15, 7, (n, k // 32), generator=g)).to(torch.uint8)
+    scales[:, 0] = 130                        # each row's largest block: d = 6 there
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    assert not w4a8_exact(scales)
+    cols = torch.randperm(k, generator=g)[:m]
+    a = torch.zeros(m, k)
+    a[torch.arange(m), cols] = 1.0
+    out = ops.mxfp4_w4a8_gemm_nt(a.to(torch.float8_e4m3fn).cuda(), torch.ones(m).cuda(),
+                                 codes.cuda(), offsets.cuda(), row_scale.cuda()).cpu()
+    want = dequant_w4a8(codes, offsets, row_scale)[:, cols].T
+    assert torch.equal(out, want.bfloat16())
+
+
+@pytest.mark.gpu
 def test_gpu_nan_rows_and_cuda_graphs():
     """A NaN scale makes its row's output NaN and no other; the op replays in a CUDA graph with the same bits."""
     g = torch.Generator().manual_seed(9)
