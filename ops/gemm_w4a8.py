@@ -141,7 +141,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False):
+                               trace: bool = False, group_scales: bool = False, burst: int = 0):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -152,7 +152,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
-    product is promoted; the epilogue then multiplies by RowScale alone."""
+    product is promoted; the epilogue then multiplies by RowScale alone. burst: steps between the loop's drains
+    (every WGMMA retired; 0: sm90.BURST)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -165,6 +166,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     box = swapped_scale_box(per, kb) if scale_tma else per
     part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
     abox = swapped_scale_box(per, kb)                   # group_scales: the split's steps of SA (16-byte aligned box)
+    loop_burst = burst if burst else None               # (outside the prim_func: TVMScript parses `or` itself)
 
     @T.prim_func
     def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
@@ -206,7 +208,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages,
+                stages=stages, burst=loop_burst,
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
@@ -440,6 +442,10 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel): prepared in session 43 after 64x7168x2048 unsplit ran 0.7 us faster than split + reduce; not yet measured
 W4A8_PAIR_WIDE = False
+# the split's steps in as few drained bursts as fit 8 steps (14 steps: 2 x 7 instead of 4 + 4 + 4 + 2): each drain
+# retires every WGMMA (~150-250 cycles, the data-wait spikes every fourth step in the session-43 traces); not yet
+# measured
+W4A8_LONG_BURSTS = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -455,6 +461,9 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["group_scales"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
+    if W4A8_LONG_BURSTS:
+        per = -(-(k // BLOCK_K) // out["splits"])
+        out["burst"] = max(2, -(-per // -(-per // 8)))
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -467,7 +476,7 @@ def _stage_bytes(tokens: int) -> int:
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
-                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
+                    pair: bool = False, group_scales: bool = False, block_n: int = 128, burst: int = 0) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -498,7 +507,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_LONG_BURSTS), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -226,6 +226,22 @@ def test_wide_pair_plan(monkeypatch):
     assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
 
 
+def test_long_bursts_plan_and_lowering(monkeypatch):
+    """W4A8_LONG_BURSTS: a split's steps in as few drained bursts of <= 8 as cover it (14 steps: 7 + 7, 16: 8 + 8,
+    12: 6 + 6); the loop keeps its WGMMAs in groups of four k32 instructions; no spills; a burst below 2 refused."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    monkeypatch.setattr(gemm_w4a8, "W4A8_LONG_BURSTS", True)
+    assert plan_w4a8(1, 4096, 7168)["burst"] == 7 and plan_w4a8(64, 7168, 2048)["burst"] == 8
+    assert plan_w4a8(64, 24576, 1536)["burst"] == 6
+    p = plan_w4a8(1, 4096, 7168)
+    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p)
+    assert "for (int q = 0; q < 2; ++q)" in src
+    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
+    with pytest.raises(ValueError, match="burst must be >= 2"):
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=4, burst=1)
+
+
 def grouped(G, max_m, n, k, g, masked):
     packed, scales = weights(G * n, k, g)
     a, sa = activations(G * max_m, k, g)
@@ -349,6 +365,22 @@ def test_gpu_every_table_entry_is_the_prepared_value():
                                  codes.cuda(), offsets.cuda(), row_scale.cuda()).cpu()
     want = dequant_w4a8(codes, offsets, row_scale)[:, cols].T
     assert torch.equal(out, want.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536), (5, 1024, 5632),
+                                   (30, 4096, 5632)])
+def test_gpu_long_bursts_are_bitwise(monkeypatch, m, n, k):
+    """W4A8_LONG_BURSTS: the same WGMMAs and promotions in the same order, fewer drains: the same bits (uneven
+    splits and their tail bursts included: 44 steps in 8 splits of 6, the last of 2; 4 of 11)."""
+    g = torch.Generator().manual_seed(m + 2 * k)
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_LONG_BURSTS", True)
+    assert plan_w4a8(m, n, k)["burst"] > 4
+    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
 
 
 @pytest.mark.gpu

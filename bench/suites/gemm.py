@@ -110,7 +110,7 @@ def tilecraft_w4a8(case, i, group=False):
 def tilecraft_w4a8_with(flag):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> True: W4A8_FOLD (every split plan folds its partials in the
     kernel), W4A8_SCALE_TMA (the table offsets by TMA on every plan), W4A8_PAIR_WIDE (2-split plans over 16
-    tokens fold in a cluster pair)."""
+    tokens fold in a cluster pair), W4A8_LONG_BURSTS (up to 8 steps between the loop's drains)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -331,6 +331,7 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-pair", tilecraft_w4a8_with("W4A8_PAIR_WIDE"), experimental=True),
+               Provider("tilecraft-w4a8-bursts", tilecraft_w4a8_with("W4A8_LONG_BURSTS"), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
