@@ -291,6 +291,9 @@ def _prologue(tbl, sw, word_at):
 
 # ---- the weights' layout -------------------------------------------------------------------------------------------
 
+PREPARE_ROWS = 4096     # rows prepare_mxfp4_w4a8 permutes at once (~2 GB of int64 temporaries at k = 7168)
+
+
 def _w4a8_code_words(b: torch.Tensor) -> torch.Tensor:
     """(n, k/2) OCP-packed e2m1 -> (n, k/2) uint8 in the W4A8 layout. K step s of a row (64 bytes) is four 16-byte
     chunks, chunk c for the fragment's thread c of a quad; its word j (k32 block j) holds the codes of K
@@ -304,7 +307,7 @@ def _w4a8_code_words(b: torch.Tensor) -> torch.Tensor:
     c6 = codes.view(n, k // 128, 4, 2, 4, 4)
     mag, sign = c6 & 7, c6 >> 3
     first, second = (0, 1)
-    word = torch.zeros(n, k // 128, 4, 4, dtype=torch.int64)        # [n, s, c, j]
+    word = torch.zeros(n, k // 128, 4, 4, dtype=torch.int64, device=b.device)        # [n, s, c, j]
     for t in range(4):
         word |= mag[:, :, :, first, :, t].transpose(2, 3) << (4 * t)
         word |= mag[:, :, :, second, :, t].transpose(2, 3) << (16 + 4 * t)
@@ -336,7 +339,10 @@ def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor):
     offsets = ((d - TABLE_LOW) * 8).to(torch.uint8)
     row_scale = torch.exp2((rowmax - 133).double()).float()
     row_scale[(e == 255).any(1)] = float("nan")          # E8M0 255 is NaN (OCP MX): the row is NaN, as in dequant
-    return _w4a8_code_words(b.contiguous().cpu()).to(b.device), offsets.contiguous(), row_scale
+    codes = torch.empty_like(b)
+    for r in range(0, n, PREPARE_ROWS):     # on b's device, in row chunks (the permutation works in int64)
+        codes[r:r + PREPARE_ROWS] = _w4a8_code_words(b[r:r + PREPARE_ROWS])
+    return codes, offsets.contiguous(), row_scale
 
 
 def w4a8_exact(sfb: torch.Tensor) -> bool:

@@ -82,6 +82,18 @@ def test_layout_gives_each_thread_its_wgmma_fragment():
                         assert torch.equal(got, want), (row, s, c, j)
 
 
+def test_prepare_in_row_chunks_is_the_same(monkeypatch):
+    """prepare_mxfp4_w4a8 permutes the codes in chunks of PREPARE_ROWS rows (bounded temporaries on b's device):
+    any chunking gives the same prepared weights, 2-D and grouped."""
+    g = torch.Generator().manual_seed(8)
+    packed, scales = weights(300, 512, g)
+    whole = prepare_mxfp4_w4a8(packed, scales)
+    monkeypatch.setattr(gemm_w4a8, "PREPARE_ROWS", 64)
+    assert all(torch.equal(x, y) for x, y in zip(whole, prepare_mxfp4_w4a8(packed, scales)))
+    grouped3 = prepare_mxfp4_w4a8(packed.view(3, 100, 256), scales.view(3, 100, 16))
+    assert all(torch.equal(x.reshape(y.shape), y) for x, y in zip(grouped3, whole))
+
+
 def test_prepared_weights_are_exact_within_14_binades():
     """dequant_w4a8 of the prepared weights equals dequant_mxfp4 bitwise when every block is within 14 binades of
     its row's largest (the subnormal 2^-127 block and a NaN block included); further below, the values are
