@@ -205,6 +205,24 @@ def test_errors_name_the_argument():
         prepare_mxfp4_w4a8(packed.int(), scales)
 
 
+def test_ops_have_fake_implementations():
+    """Both GPU paths are torch custom ops whose fakes give the output's shape and dtype without running anything
+    (torch.compile traces through them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ops.gemm_w4a8 import _w4a8_masked_op, _w4a8_op
+
+    u8, f32 = torch.uint8, torch.float32
+    with FakeTensorMode():
+        out = _w4a8_op(torch.empty(5, 512, dtype=torch.float8_e4m3fn), torch.empty(5, 4, dtype=f32),
+                       torch.empty(256, 256, dtype=u8), torch.empty(256, 16, dtype=u8), torch.empty(256, dtype=f32))
+        grouped = _w4a8_masked_op(torch.empty(3, 8, 512, dtype=torch.float8_e4m3fn), torch.empty(3, 8, dtype=f32),
+                                  torch.empty(3, 256, 256, dtype=u8), torch.empty(3, 256, 16, dtype=u8),
+                                  torch.empty(3, 256, dtype=f32), torch.empty(3, dtype=torch.int32))
+    assert out.shape == (5, 256) and out.dtype == torch.bfloat16
+    assert grouped.shape == (3, 8, 256) and grouped.dtype == torch.bfloat16
+
+
 def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
     """sm_90a: the fragment goes from registers into e4m3 x e4m3 WGMMAs (QGMMA in SASS, k32 each, four a step),
     each step's product lands in a temporary that is added to the accumulator; no spills."""
