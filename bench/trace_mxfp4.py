@@ -34,31 +34,36 @@ def _delta(a, b):
     return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
 
 
+def _run_traced(kern, inputs, m, n, splits, blocks, warm):
+    """Three runs of a traced swapped kernel (kern(*inputs, out, part, trace, count)), the L2 flushed before each
+    unless warm; the last run's per-block trace rows as lists of ints. splits: the partials' (1 where none)."""
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    part = torch.empty(splits, m if splits > 1 else 1, n, dtype=torch.float32, device="cuda")
+    trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
+    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        if flush is not None:
+            flush.zero_()
+        kern(*inputs, out, part, trace, count)
+    torch.cuda.synchronize()
+    return trace.cpu().tolist()
+
+
 def trace_case_w4a8(m, n, k, warm=False):
     """trace_case for ops.gemm_w4a8's kernel (e4m3 activations, FP8 WGMMA), planned by plan_w4a8."""
     from ops import gemm_w4a8
 
     p = gemm_w4a8.plan_w4a8(m, n, k)
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    sa = torch.ones(m, device="cuda")
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
         b, torch.randint(117, 127, (n, k // 32), dtype=torch.uint8, device="cuda"))
     kern = gemm_w4a8.mxfp4_w4a8_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                         **p).launcher()
-    splits = 1 if p["pair"] else p["splits"]
-    blocks = n // 128 * p["splits"]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    part = torch.empty(splits, m if splits > 1 else 1, n, dtype=torch.float32, device="cuda")
-    trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
-    count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")
-    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    for _ in range(3):
-        if flush is not None:
-            flush.zero_()
-        kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, sa, out, part, trace, count)
-    torch.cuda.synchronize()
-    return {**p, "stage_k": 128}, trace.cpu().tolist()
+    inputs = (a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, torch.ones(m, device="cuda"))
+    rows = _run_traced(kern, inputs, m, n, 1 if p["pair"] else p["splits"], n // 128 * p["splits"], warm)
+    return {**p, "stage_k": 128}, rows
 
 
 def trace_case(m, n, k, warm=False, **plan):
@@ -69,18 +74,9 @@ def trace_case(m, n, k, warm=False, **plan):
     s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
     kern = gemm_mxfp4.mxfp4_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                     **p).launcher()
-    blocks = n // 128 * p["splits"]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    part = torch.empty(max(p["splits"], 1), m if p["splits"] > 1 else 1, n, dtype=torch.float32, device="cuda")
-    trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
-    count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
-    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    for _ in range(3):
-        if flush is not None:
-            flush.zero_()
-        kern(a, b.view(torch.int32), s.view(torch.int32), out, part, trace, count)
-    torch.cuda.synchronize()
-    return p, trace.cpu().tolist()
+    rows = _run_traced(kern, (a, b.view(torch.int32), s.view(torch.int32)), m, n, max(p["splits"], 1),
+                       n // 128 * p["splits"], warm)
+    return p, rows
 
 
 def summarize(p, rows, k):

@@ -308,7 +308,20 @@ SWAPPED_K_ALIGN = 512   # the swapped kernels TMA their scale rows: k / 128 word
 SWAPPED_STAGE_K = (128, 256, 512)  # K depths of a swapped pipeline stage, most preferred first (128: measured best)
 
 
-SWAPPED_DECODES = ("v6", "v7")   # tc_e2m1x2_bits: two multiplies, two masks; or a permute (sign mode), one mask
+SWAPPED_DECODES = ("v6", "v7")
+
+
+def swapped_loads(A, B, tn, k0, block_n, tokens, stage_k):
+    """The swapped kernels' loads(blk): stage k0 + blk's (tokens, stage_k) activations and the raw words of tile
+    tn's block_n weight rows. (Lambda parameters are named apart from every loop variable: the DSL tracks names.)"""
+    return lambda blk: (A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
+                        B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (stage_k // 8):(k0 + blk + 1) * (stage_k // 8)])
+
+
+def masked_swapped_loads(A, B, g, tn, block_n, tokens):
+    """swapped_loads for the masked grouped layout: group g's, 128-deep steps over the whole K."""
+    return lambda blk: (A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
+                        B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])   # tc_e2m1x2_bits: two multiplies, two masks; or a permute (sign mode), one mask
 
 
 @T.macro
@@ -415,9 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
-            loads = lambda blk: (  # noqa: E731
-                A[0:tokens, (k0 + blk) * stage_k:(k0 + blk + 1) * stage_k],
-                B[tn * block_n:(tn + 1) * block_n, (k0 + blk) * (stage_k // 8):(k0 + blk + 1) * (stage_k // 8)])
+            loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
             if ahead:     # (raw words to registers a step ahead, decode from them)
                 decoder = (lambda raw_at, rows, buf: _load_rows(raw_at, rows, buf),
                            lambda raw, rows, place, blk, dst: _decode_from(raw, rows, place, blk + w0 - s0, dst, sw,
@@ -470,10 +481,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
             rows = MaskedM[g]
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
-            # (lambda parameters are named apart from every loop variable: the DSL tracks names)
-            loads = lambda blk: (  # noqa: E731
-                A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
-                B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
+            loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
@@ -490,10 +498,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 @T.macro
 def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None):
     # factor(i, j): as _store_swapped's
-    out = tile.read_accumulator(acc)
-    if factor is not None:
-        for i, j in tile.parallel(block_n, tokens):
-            out[i, j] = out[i, j] * factor(i, j)
+    out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     for i, j in tile.parallel(block_n, tokens):
         if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
             C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
@@ -557,15 +562,25 @@ def _swapped_grid(blocks, threads, pair):
     return tile.cluster_grid(blocks, threads, 2) if pair else tile.grid(blocks, threads)
 
 
+def _scaled(out, factor, block_n, tokens):
+    # the accumulator's values multiplied in place by factor(row, token) (ops.gemm_w4a8's row and token scales)
+    if factor is not None:
+        _scale_in_place(out, factor, block_n, tokens)
+    return out
+
+
+@T.macro
+def _scale_in_place(out, factor, block_n, tokens):
+    for i, j in tile.parallel(block_n, tokens):
+        out[i, j] = out[i, j] * factor(i, j)
+
+
 @T.macro
 def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None):
     # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
     # of K (steps == 0) contributes zeros; factor as _store_swapped's
     half = tokens // 2
-    out = tile.read_accumulator(acc)
-    if factor is not None:
-        for i, j in tile.parallel(block_n, tokens):
-            out[i, j] = out[i, j] * factor(i, j)
+    out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     for i, j in tile.parallel(block_n, tokens):
         if j < m and j // half != ts:
             tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
@@ -578,10 +593,7 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
 @T.macro
 def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None, factor=None):
     # factor(i, j): what accumulator element (row i, token j) is multiplied by before it is stored (None: 1)
-    out = tile.read_accumulator(acc)
-    if factor is not None:
-        for i, j in tile.parallel(block_n, tokens):
-            out[i, j] = out[i, j] * factor(i, j)
+    out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     if staged is not None:   # through shared memory, then whole token rows of the tile
         for i, j in tile.parallel(block_n, tokens):
             staged[j, i] = T.if_then_else(steps > 0, out[i, j], 0.0)

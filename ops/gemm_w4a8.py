@@ -34,8 +34,8 @@ from ops._workspace import arrival_counters, bound_only
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
                             _pair_fold_swapped, _stage_scale_rows, _store_masked_swapped, _store_swapped,
-                            _swapped_grid, _tma_scale_words, _trace_stamp, plan_masked_swapped, plan_swapped,
-                            swapped_scale_box)
+                            _swapped_grid, _tma_scale_words, _trace_stamp, masked_swapped_loads, plan_masked_swapped,
+                            plan_swapped, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -200,9 +200,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 sas = tile.stage((tokens,), "float32")
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
                 sa_region = SA[0:tokens]
-            loads = lambda blk: (  # noqa: E731
-                A[0:tokens, (w0 + blk) * BLOCK_K:(w0 + blk + 1) * BLOCK_K],
-                B[tn * block_n:(tn + 1) * block_n, (w0 + blk) * (BLOCK_K // 8):(w0 + blk + 1) * (BLOCK_K // 8)])
+            loads = swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
@@ -261,9 +259,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(_source())
             sas = tile.stage((tokens, kb), "float32") if group_scales else None   # rows past max_m: 0 (TMA)
-            loads = lambda blk: (  # noqa: E731
-                A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
-                B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
+            loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
