@@ -141,7 +141,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False, burst: int = 0):
+                               trace: bool = False, group_scales: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -152,8 +152,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
-    product is promoted; the epilogue then multiplies by RowScale alone. burst: steps between the loop's drains
-    (every WGMMA retired; 0: sm90.BURST)."""
+    product is promoted; the epilogue then multiplies by RowScale alone."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -166,7 +165,6 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     box = swapped_scale_box(per, kb) if scale_tma else per
     part_shape = (splits, m, n) if splits > 1 and not pair else (1, 1, n)
     abox = swapped_scale_box(per, kb)                   # group_scales: the split's steps of SA (16-byte aligned box)
-    loop_burst = burst if burst else None               # (outside the prim_func: TVMScript parses `or` itself)
 
     @T.prim_func
     def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
@@ -192,10 +190,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             T.import_source(_source() + (tile.helper_source("cluster_store") if pair else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
-                sas = tile.stage((tokens, abox), "float32")
+                sas = tile.stage((tokens, _bank_spread(abox)), "float32")
                 a0 = T.min(w0 // 4 * 4, kb - abox)
                 factor = lambda i, j: rs[i]  # noqa: E731
-                sa_region = SA[0:tokens, a0:a0 + abox]
+                sa_region = SA[0:tokens, a0:a0 + _bank_spread(abox)]
             else:
                 sas = tile.stage((tokens,), "float32")
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
@@ -206,7 +204,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, burst=loop_burst,
+                stages=stages,
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
@@ -258,7 +256,8 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             rows = MaskedM[g]
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(_source())
-            sas = tile.stage((tokens, kb), "float32") if group_scales else None   # rows past max_m: 0 (TMA)
+            # rows past max_m and words past kb (the row's padding): 0 (TMA)
+            sas = tile.stage((tokens, _bank_spread(kb)), "float32") if group_scales else None
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
@@ -267,7 +266,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
                 preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
                          (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)]
-                + ([(SA[g, 0:tokens, 0:kb], sas)] if group_scales else []),
+                + ([(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)] if group_scales else []),
                 prologue=lambda: _fill_table(tbl),
                 epilogue=lambda: _store_masked_swapped(
                     acc, C, g, tn, rows, max_m, block_n, tokens,
@@ -275,6 +274,15 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                     (lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)])))
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
+
+
+def _bank_spread(words: int) -> int:
+    """The row length (fp32 words, a multiple of 4: TMA boxes are whole 16 bytes) of the (token, step) factor tile
+    that puts the four token pairs a quad reads at once (tokens 2q, q = 0..3) in four different banks: 2 x row mod 32
+    must be 8 or 24, i.e. row = 4 mod 8. With the row's own length (16 steps at k = 2048: 128 bytes between a quad's
+    tokens) every read was a 4-way bank conflict, 16 a step, and the per-(token, 128) kernels ran up to 30% slower
+    than the per-token ones (bench/NOTES.md "Session 44"). The TMA box reads past the row's end: zeros, never used."""
+    return words + (4 - words % 8) % 8
 
 
 @T.macro
@@ -442,12 +450,8 @@ def _(a, sfa, codes, offsets, row_scale):
 W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
 W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for splits of > 8 steps); True / False: all
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
-# kernel): prepared in session 43 after 64x7168x2048 unsplit ran 0.7 us faster than split + reduce; not yet measured
-W4A8_PAIR_WIDE = False
-# the split's steps in as few drained bursts as fit 8 steps (14 steps: 2 x 7 instead of 4 + 4 + 4 + 2): each drain
-# retires every WGMMA (~150-250 cycles, the data-wait spikes every fourth step in the session-43 traces); not yet
-# measured
-W4A8_LONG_BURSTS = False
+# kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
+W4A8_PAIR_WIDE = True
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -463,9 +467,6 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["group_scales"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
-    if W4A8_LONG_BURSTS:
-        per = -(-(k // BLOCK_K) // out["splits"])
-        out["burst"] = max(2, -(-per // -(-per // 8)))
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -478,13 +479,13 @@ def _stage_bytes(tokens: int) -> int:
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
-                    pair: bool = False, group_scales: bool = False, block_n: int = 128, burst: int = 0) -> int:
+                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
-    sa = tokens * swapped_scale_box(per, kb) * 4 if group_scales else tokens * 4
+    sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
     recv = block_n * tokens // 2 * 4 if pair else 0
     return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
 
@@ -509,7 +510,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_LONG_BURSTS), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
@@ -580,7 +581,7 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     group = sfa.dim() == 3
     stages = p["stages"]
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
-            p["tokens"] * (k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
+            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
     kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group), lambda: (
         mxfp4_w4a8_masked_program.compile(target, n=n, k=k, tokens=p["tokens"], stages=stages,

@@ -180,6 +180,22 @@ def test_group_scale_programs_promote_with_the_staged_factors():
     assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
 
 
+def test_group_scale_rows_spread_a_quads_reads_over_the_banks():
+    """The (token, step) factor tile's rows are padded so that the tokens a quad reads at once (2q, q = 0..3) sit
+    in four different banks (unpadded, 16 steps at k = 2048 made every read a 4-way conflict): whole 16-byte TMA
+    rows, never shorter than the steps; the masked kernel at k = 2048 reads its factors 20 words apart a token."""
+    from ops.gemm_w4a8 import _bank_spread
+
+    for words in range(4, 260, 4):
+        row = _bank_spread(words)
+        assert words <= row < words + 8 and row % 4 == 0
+        assert len({2 * q * row % 32 // 1 for q in range(4)}) == 4, (words, row)
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, tokens=64, stages=6, group_scales=True)
+    reads = re.findall(r"\(\(float\*\)sas\)\[[^\]]*\]", src)
+    reads = [r for r in reads if "threadIdx" in r]      # (the TMA's destination is sas[0])
+    assert reads and all("(int64_t)20)" in r and "(int64_t)16)" not in r for r in reads)
+
+
 def test_errors_name_the_argument():
     g = torch.Generator().manual_seed(4)
     packed, scales = weights(256, 512, g)
@@ -240,12 +256,14 @@ def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
 
 
 def test_wide_pair_plan(monkeypatch):
-    """W4A8_PAIR_WIDE: a 2-split plan over 16 tokens folds in a cluster pair (the received half partial, 128 x 32
-    fp32, taken from the stages where needed) instead of the reduce kernel; 4-split plans are left alone."""
+    """W4A8_PAIR_WIDE (the default): a 2-split plan over 16 tokens folds in a cluster pair (the received half
+    partial, 128 x 32 fp32, taken from the stages where needed) instead of the reduce kernel; 4-split plans are left
+    alone; False: the reduce kernel."""
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import SMEM_BUDGET
     from ops.gemm_w4a8 import w4a8_smem_bytes
 
+    monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", False)
     assert not plan_w4a8(64, 7168, 2048)["pair"]
     monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
     p = plan_w4a8(64, 7168, 2048)
@@ -254,22 +272,6 @@ def test_wide_pair_plan(monkeypatch):
     src = mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **p)
     assert src.count("tc_cluster_store_f32(") >= 2
     assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
-
-
-def test_long_bursts_plan_and_lowering(monkeypatch):
-    """W4A8_LONG_BURSTS: a split's steps in as few drained bursts of <= 8 as cover it (14 steps: 7 + 7, 16: 8 + 8,
-    12: 6 + 6); the loop keeps its WGMMAs in groups of four k32 instructions; no spills; a burst below 2 refused."""
-    from backends.cuda.sass import build_cubin, sass_stats
-
-    monkeypatch.setattr(gemm_w4a8, "W4A8_LONG_BURSTS", True)
-    assert plan_w4a8(1, 4096, 7168)["burst"] == 7 and plan_w4a8(64, 7168, 2048)["burst"] == 8
-    assert plan_w4a8(64, 24576, 1536)["burst"] == 6
-    p = plan_w4a8(1, 4096, 7168)
-    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p)
-    assert "for (int q = 0; q < 2; ++q)" in src
-    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
-    with pytest.raises(ValueError, match="burst must be >= 2"):
-        mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=4, burst=1)
 
 
 def grouped(G, max_m, n, k, g, masked):
@@ -363,12 +365,13 @@ def test_gpu_per_group_activation_scales(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (17, 256, 1024), (20, 8192, 1024)])
 def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
-    """W4A8_PAIR_WIDE: the pair adds the two scaled partials as the reduce kernel does (P0 + P1 == P1 + P0 in fp32):
-    the same bits."""
+    """W4A8_PAIR_WIDE (the default): the pair adds the two scaled partials as the reduce kernel does (P0 + P1 ==
+    P1 + P0 in fp32): the same bits as W4A8_PAIR_WIDE False."""
     g = torch.Generator().manual_seed(m + k)
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", False)
     assert plan_w4a8(m, n, k)["splits"] == 2 and not plan_w4a8(m, n, k)["pair"]
     want = ops.mxfp4_w4a8_gemm_nt(*dev)
     monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
@@ -395,22 +398,6 @@ def test_gpu_every_table_entry_is_the_prepared_value():
                                  codes.cuda(), offsets.cuda(), row_scale.cuda()).cpu()
     want = dequant_w4a8(codes, offsets, row_scale)[:, cols].T
     assert torch.equal(out, want.bfloat16())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536), (5, 1024, 5632),
-                                   (30, 4096, 5632)])
-def test_gpu_long_bursts_are_bitwise(monkeypatch, m, n, k):
-    """W4A8_LONG_BURSTS: the same WGMMAs and promotions in the same order, fewer drains: the same bits (uneven
-    splits and their tail bursts included: 44 steps in 8 splits of 6, the last of 2; 4 of 11)."""
-    g = torch.Generator().manual_seed(m + 2 * k)
-    packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    want = ops.mxfp4_w4a8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_LONG_BURSTS", True)
-    assert plan_w4a8(m, n, k)["burst"] > 4
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
 
 
 @pytest.mark.gpu

@@ -223,7 +223,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, burst):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -248,7 +248,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
               temps)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        in_bursts(steps, _reg_burst, io, size=burst)
+        in_bursts(steps, _reg_burst, io)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
@@ -258,7 +258,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, burst=None):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -283,7 +283,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
     # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
     # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
-    # burst: stages a drained burst (sm90.in_bursts; every WGMMA retired at its end, ~150-250 cycles; None: BURST)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -297,9 +296,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     if promote is not False and (blocks_per_sm != 1 or isinstance(decode, tuple) or (callable(promote) and parts != 1)):
         raise ValueError(f"promote takes one block an SM and a decode from shared memory (a factor: stages of one "
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
-    burst = BURST if burst is None else burst
-    if burst < 2 or (isinstance(decode, tuple) and burst % 2):
-        raise ValueError(f"burst must be >= 2 (even with raw words a step ahead), got {burst}")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
@@ -329,4 +325,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), burst)
+                    ramp, regs, (temps, pfactor))
