@@ -38,7 +38,9 @@ def _run_traced(kern, inputs, m, n, splits, blocks, warm):
     """Three runs of a traced swapped kernel (kern(*inputs, out, part, trace, count)), the L2 flushed before each
     unless warm; the last run's per-block trace rows as lists of ints. splits: the partials' (1 where none)."""
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    part = torch.empty(splits, m if splits > 1 else 1, n, dtype=torch.float32, device="cuda")
+    # every word READY_EMPTY, as the fenceless fold wants them (and leaves them): ops._workspace.ready_partials
+    part = torch.full((splits, m if splits > 1 else 1, n), gemm_mxfp4.READY_EMPTY, dtype=torch.int32,
+                      device="cuda").view(torch.float32)
     trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
     count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
     flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")

@@ -67,3 +67,34 @@ def arrival_counters(device, size):
             _COUNTERS.clear()
         t = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
     return t
+
+
+_READY: dict = {}
+_READY_KEPT: list = []
+
+
+def ready_partials(device, splits, rows, n):
+    """A (splits, rows, n) fp32 view of a buffer whose every word holds ops.gemm_mxfp4.READY_EMPTY, for the
+    swapped kernels' fenceless split-K fold, which sets each word it reads back to READY_EMPTY before it ends:
+    one buffer per (device, stream), as arrival_counters. A buffer outgrown by a larger call is kept, not
+    freed (a CUDA graph captured with it still points there). Under CUDA graph capture on a stream that has
+    none, the device's largest buffer is shared if it is large enough: filling a new one there would put the
+    fill into the graph, run on every replay (so a graph must not replay while an eager fold of the same size
+    runs on another stream); otherwise one is made there, fill and all."""
+    from ops.gemm_mxfp4 import READY_EMPTY
+
+    size = splits * rows * n
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    t = _READY.get(key)
+    if (t is None or t.numel() < size) and capturing:
+        shared = [b for (d, _), b in _READY.items() if d == device and b.numel() >= size]
+        if shared:
+            return max(shared, key=lambda b: b.numel())[:size].view(splits, rows, n)
+    if t is None or t.numel() < size:
+        if t is not None:
+            _READY_KEPT.append(t)
+        t = _READY[key] = torch.full((max(size, 1 << 16),), READY_EMPTY, dtype=torch.int32,
+                                     device=device).view(torch.float32)
+    return t[:size].view(splits, rows, n)

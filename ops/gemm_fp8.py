@@ -1107,19 +1107,21 @@ def split_k_launchers(kernel, target, n: int, splits: int, out_dtype: str, fold:
     return kernel.launcher(), reduce
 
 
-def launch_split_k(kernel, reduce, args, out, splits: int, count=None):
+def launch_split_k(kernel, reduce, args, out, splits: int, count=None, part=None):
     """Run a GEMM launcher that takes (*args, out, its fp32 partials (splits, rows, n)[, count: or
     any last argument(s) the kernel takes, e.g. a trace buffer; a tuple for several]),
     then, for splits > 1 (2-D outputs only) with a reduce launcher, the reduce into `out` (rows, n);
     without one the kernel folds its partials (count: the fold's zeroed per-tile arrival counters,
     unused by a cluster fold). With
-    one split the kernel never touches the partials, so a kept (1, 1, n) tensor is bound."""
+    one split the kernel never touches the partials, so a kept (1, 1, n) tensor is bound. part: the partials
+    tensor to bind (ops._workspace.ready_partials for the swapped kernels' fenceless fold), else a new one."""
     n = out.shape[-1]
     tail = () if count is None else count if isinstance(count, tuple) else (count,)
     if splits == 1:
         kernel(*args, out, bound_only(out.device, n, torch.float32).view(1, 1, n), *tail)
         return
-    part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
+    if part is None:
+        part = torch.empty(splits, out.shape[0], n, dtype=torch.float32, device=out.device)
     kernel(*args, out, part, *tail)
     if reduce is not None:
         reduce(part, out)

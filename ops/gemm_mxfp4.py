@@ -17,7 +17,7 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
-from ops._workspace import arrival_counters, bound_only
+from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops import _validate as check
 from ops.gemm_fp8 import _in_order, _touch
 from ops.quant import dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4
@@ -426,7 +426,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             w0 = ts * per                                 # the split's first scale word (128-deep step)
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else ""))
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
+                            + (READY_SOURCE if fold else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
             if ahead:     # (raw words to registers a step ahead, decode from them)
@@ -590,6 +591,50 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
             C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
 
 
+# The swapped kernels' split-K fold (fold=True) without fences: Part starts as READY_EMPTY in every word
+# (ops._workspace.ready_partials) and goes back to it as the tile's last block reads it. A split block stores its
+# partial (a value that is READY_EMPTY's bits is stored as the canonical NaN: arithmetic never makes it) and
+# arrives on the tile's counter with no fence; the last to arrive reads each split's words with relaxed loads,
+# again until none is READY_EMPTY. Its path after its loop is then the counter's round trip and one read of the
+# partials, where the fenced fold (threadFenceReduction's) waits for its own stores, then the counter, then the
+# reads: ~2500 cycles at 1x4096x7168 in the session-43 traces (bench/NOTES.md "Session 44").
+READY_EMPTY = -1            # 0xFFFFFFFF: a NaN with every payload bit set
+READY_SOURCE = r"""
+__device__ __forceinline__ float tc_ready_value(float v) {   // v, or the canonical NaN if v has READY_EMPTY's bits
+  return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
+}
+// C[0..3] (bf16) = ((P0 + P1) + P2) + ... of the four fp32 words at part + s * stride, each waited for until it is
+// not READY_EMPTY, then set back to READY_EMPTY (the next launch finds every word empty)
+__device__ __forceinline__ void tc_ready_fold4(void* c, float* part, long stride, int splits) {
+  float4 acc;
+  for (int s = 0; s < splits; ++s) {
+    float* p = part + s * stride;
+    unsigned x, y, z, w;
+    do {
+      asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(x), "=r"(y), "=r"(z), "=r"(w) : "l"(p) : "memory");
+    } while ((x == 0xFFFFFFFFu) | (y == 0xFFFFFFFFu) | (z == 0xFFFFFFFFu) | (w == 0xFFFFFFFFu));
+    const float4 v = make_float4(__uint_as_float(x), __uint_as_float(y), __uint_as_float(z), __uint_as_float(w));
+    if (s == 0) {
+      acc = v;
+    } else {
+      acc.x = __fadd_rn(acc.x, v.x), acc.y = __fadd_rn(acc.y, v.y);
+      acc.z = __fadd_rn(acc.z, v.z), acc.w = __fadd_rn(acc.w, v.w);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+  }
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+  *reinterpret_cast<uint2*>(c) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
+                                            *reinterpret_cast<const unsigned*>(&hi));
+}
+"""
+
+
+def _ready(v):
+    # a partial's value as stored for the fold (never READY_EMPTY's bits)
+    return T.call_extern("float32", "tc_ready_value", v)
+
+
 @T.macro
 def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None, factor=None):
     # factor(i, j): what accumulator element (row i, token j) is multiplied by before it is stored (None: 1)
@@ -600,20 +645,31 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
         tile.barrier(threads=2 * block_n)
         for j, i in tile.parallel(tokens, block_n):
             if j < m:
-                Part[ts, j, tn * block_n + i] = staged[j, i]
+                Part[ts, j, tn * block_n + i] = _ready(staged[j, i]) if fold else staged[j, i]
     else:
         for i, j in tile.parallel(block_n, tokens):
             if j < m:
                 if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
-                    Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, out[i, j], 0.0)
+                    Part[ts, j, tn * block_n + i] = (_ready(T.if_then_else(steps > 0, out[i, j], 0.0)) if fold else
+                                                     T.if_then_else(steps > 0, out[i, j], 0.0))
                 else:
                     C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
     if fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
-        if tile.last_arrival(Count, tn, splits, threads=2 * block_n):
-            for j, i in tile.parallel(tokens, block_n):
-                if j < m:
-                    C[j, tn * block_n + i] = T.cast(_in_order([Part[s, j, tn * block_n + i] for s in range(splits)]),
-                                                    "bfloat16")
+        if tile.last_arrival(Count, tn, splits, threads=2 * block_n, ordered=False):
+            _ready_fold(C, Part, tn, m, splits, block_n, tokens)
+
+
+@T.macro
+def _ready_fold(C, Part, tn, m, splits, block_n, tokens):
+    # four columns a thread at a time (tokens x block_n / 4 items over the 2 x block_n MMA threads)
+    tid = T.get_thread_binding()
+    for it in T.serial(-(-tokens * block_n // 4 // (2 * block_n))):
+        q = it * 2 * block_n + tid
+        j = q // (block_n // 4)
+        if j < m:
+            col = tn * block_n + q % (block_n // 4) * 4
+            T.evaluate(T.call_extern("handle", "tc_ready_fold4", T.address_of(C[j, col]), T.address_of(Part[0, j, col]),
+                                     T.cast(m, "int64") * Part.shape[2], splits))
 
 
 @tile_program(
@@ -1143,9 +1199,11 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     target = targets.resolve(a)
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
+    fold = counts and splits > 1 and reduce is None
     if counts:
-        tail = (*tail, arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device))
-    launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None)
+        tail = (*tail, arrival_counters(a.device, n // 128) if fold else bound_only(a.device))
+    launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None,
+                   part=ready_partials(a.device, splits, m, n) if fold else None)
 
 
 def _launchers(a, target, m, n, k, override):

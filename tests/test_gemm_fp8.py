@@ -1333,8 +1333,10 @@ def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
     """fold=True: the tile's last split block adds the partials in split order inside the kernel.
     The arrival is ordered by a named barrier of the 256 MMA threads (the producer warps have exited:
     a block-wide barrier would never complete), the counter is set back to 0 by the last block, and
-    no other barrier is added. The plan folds where a partial tile is at most 16 tokens and K is
-    split; SWAPPED_FOLD forces it; a kernel with one split cannot fold."""
+    no other barrier is added. No fence (no MEMBAR.*.GPU in SASS): the partials are stored as ready values
+    and the last block waits for each word it reads (tc_ready_fold4, four words a load), then empties it.
+    The plan folds where a partial tile is at most 16 tokens and K is split; SWAPPED_FOLD forces it; a
+    kernel with one split cannot fold."""
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped
 
@@ -1345,8 +1347,9 @@ def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
     assert folded.count("tl::__sync_thread_partial(11, 256);") == 2
     assert folded.count("__syncthreads()") == plain.count("__syncthreads()")
     assert re.search(r"Count\[.*?\] = 0;", folded)
-    # the fold reads each split's partial of the tile, in order, 16 bytes a load
-    assert len(re.findall(r"\*\(float4\*\)\(Part_local_cast_\d \+ 0\) = \*\(float4\*\)\(Part \+", folded)) == 2
+    assert "__threadfence" not in folded and "tc_ready" not in plain
+    assert re.search(r"Part\[.*\] = tc_ready_value\(", folded) and folded.count("tc_ready_fold4((&(C[") == 1
+    assert not re.search(r"MEMBAR\.\w+\.GPU", _sass_and_ptxas_log(folded)[0])
     assert plan_swapped(16, 4096, 7168)["fold"] and plan_swapped(1, 4096, 7168)["fold"]
     assert not plan_swapped(1, 7168, 2048)["fold"] and plan_swapped(1, 7168, 2048)["pair"]   # 2 splits: a pair
     assert not plan_swapped(64, 4096, 7168)["fold"] and not plan_swapped(32, 4096, 7168)["fold"]

@@ -380,6 +380,38 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (13, 4096, 7168), (16, 1024, 5632), (7, 512, 8192)])
+def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, m, n, k):
+    """The fold plans (4 splits and more, <= 16 tokens) of both swapped kernels, W4A8 and bf16, fold without fences:
+    the reduce kernel's bits (W4A8_FOLD / SWAPPED_FOLD False), a NaN scale's row NaN and no other (a NaN partial
+    is stored as a ready value: no wait for it), repeated calls equal, and every partials word READY_EMPTY again
+    after the calls (ops._workspace.ready_partials: the next call finds them empty)."""
+    from ops import _workspace, gemm_mxfp4
+
+    g = torch.Generator().manual_seed(m * 7 + k)
+    packed, scales = weights(n, k, g)
+    scales[5, 2] = 255
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    p = plan_w4a8(m, n, k)
+    assert p["fold"] and p["splits"] > 1
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), out)
+    assert out[:, 5].isnan().all() and not out[:, :5].isnan().any() and not out[:, 6:].isnan().any()
+    a16 = (a.float() * sa[:, None]).bfloat16().cuda()
+    pk, sc = packed.cuda(), scales.cuda()
+    assert gemm_mxfp4.plan_swapped(m, n, k)["fold"]
+    out16 = ops.mxfp4_gemm_nt(a16, pk, sc)
+    torch.cuda.synchronize()
+    for buf in _workspace._READY.values():
+        assert (buf.view(torch.int32) == gemm_mxfp4.READY_EMPTY).all()
+    monkeypatch.setattr(gemm_w4a8, "W4A8_FOLD", False)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_FOLD", False)
+    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), out)
+    assert torch.equal(ops.mxfp4_gemm_nt(a16, pk, sc), out16)
+
+
+@pytest.mark.gpu
 def test_gpu_every_table_entry_is_the_prepared_value():
     """One-hot activations read single weights back: out[t, n] = W[n, k_t] exactly (one product, no sum), for
     blocks at every table entry (d from -13 to 6, rounded ones and the round-to-even tie 3 x 2^-10 included): the
@@ -458,3 +490,22 @@ def test_gpu_masked_grouped_per_group_activation_scales():
             assert calc_diff(out[gi, :rows], ref) < 1e-5
             torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
         assert (out[gi, rows:] == 0).all()
+
+
+def test_ready_partials_start_empty_and_are_kept():
+    """ops._workspace.ready_partials: every word READY_EMPTY, one buffer per device and stream, views of it for
+    smaller calls, a larger call gets a new one and the old one is kept (a captured graph may point there)."""
+    from ops import _workspace
+    from ops.gemm_mxfp4 import READY_EMPTY
+
+    cpu = torch.device("cpu")
+    _workspace._READY.pop((cpu, 0), None)
+    p = _workspace.ready_partials(cpu, 4, 3, 4096)
+    assert p.shape == (4, 3, 4096) and p.dtype == torch.float32
+    assert (p.view(torch.int32) == READY_EMPTY).all() and p.isnan().all()
+    q = _workspace.ready_partials(cpu, 2, 1, 128)
+    assert q.data_ptr() == p.data_ptr()
+    kept = len(_workspace._READY_KEPT)
+    big = _workspace.ready_partials(cpu, 8, 16, 7168)
+    assert big.data_ptr() != p.data_ptr() and len(_workspace._READY_KEPT) == kept + 1
+    assert (big.view(torch.int32) == READY_EMPTY).all()

@@ -76,17 +76,19 @@ def _check_threads(word, threads):
 
 
 @T.macro
-def _arrive(count, index, arrivals, last, threads):
+def _arrive(count, index, arrivals, last, threads, ordered):
     _arrive_barrier(threads)                            # every thread's global stores are issued
     if T.get_thread_binding() == 0:
-        # release: the fence is cumulative, so it orders the whole block's stores (seen by thread 0
-        # through the barrier) before the arrival
-        T.evaluate(T.call_extern("handle", "__threadfence"))
+        if ordered:
+            # release: the fence is cumulative, so it orders the whole block's stores (seen by thread 0
+            # through the barrier) before the arrival
+            T.evaluate(T.call_extern("handle", "__threadfence"))
         prev = T.atomic_add(count[index], 1, return_prev=True)
         last[0] = T.if_then_else(prev == arrivals - 1, 1, 0)
         if prev == arrivals - 1:
             count[index] = 0                            # the next launch counts from zero again
-            T.evaluate(T.call_extern("handle", "__threadfence"))   # acquire: the others' stores
+            if ordered:
+                T.evaluate(T.call_extern("handle", "__threadfence"))   # acquire: the others' stores
     _arrive_barrier(threads)
 
 
@@ -97,12 +99,14 @@ def _arrive_barrier(threads):
 
 
 @register("last_arrival", "cuda")
-def last_arrival(count, index, arrivals, threads=None):
-    # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore
+def last_arrival(count, index, arrivals, threads=None, ordered=True):
+    # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore; ordered=False
+    # drops both fences (the last block learns it is last, not that the others' stores have landed: its
+    # reads must wait for each word themselves, e.g. ops.gemm_mxfp4's ready partials)
     if threads is not None:
         _check_threads("last_arrival", threads)
     last = T.alloc_shared((1,), "int32")
-    _arrive(count, index, arrivals, last, threads or 0)
+    _arrive(count, index, arrivals, last, threads or 0, ordered)
     return last[0]
 
 
