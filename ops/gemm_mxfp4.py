@@ -603,29 +603,47 @@ READY_SOURCE = r"""
 __device__ __forceinline__ float tc_ready_value(float v) {   // v, or the canonical NaN if v has READY_EMPTY's bits
   return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
 }
-// C[0..3] (bf16) = ((P0 + P1) + P2) + ... of the four fp32 words at part + s * stride, each waited for until it is
-// not READY_EMPTY, then set back to READY_EMPTY (the next launch finds every word empty)
-__device__ __forceinline__ void tc_ready_fold4(void* c, float* part, long stride, int splits) {
-  float4 acc;
-  for (int s = 0; s < splits; ++s) {
-    float* p = part + s * stride;
-    unsigned x, y, z, w;
-    do {
-      asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(x), "=r"(y), "=r"(z), "=r"(w) : "l"(p) : "memory");
-    } while ((x == 0xFFFFFFFFu) | (y == 0xFFFFFFFFu) | (z == 0xFFFFFFFFu) | (w == 0xFFFFFFFFu));
-    const float4 v = make_float4(__uint_as_float(x), __uint_as_float(y), __uint_as_float(z), __uint_as_float(w));
-    if (s == 0) {
-      acc = v;
-    } else {
-      acc.x = __fadd_rn(acc.x, v.x), acc.y = __fadd_rn(acc.y, v.y);
-      acc.z = __fadd_rn(acc.z, v.z), acc.w = __fadd_rn(acc.w, v.w);
+__device__ __forceinline__ uint4 tc_ready_load4(const float* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ bool tc_ready_empty4(uint4 v) {
+  return (v.x == 0xFFFFFFFFu) | (v.y == 0xFFFFFFFFu) | (v.z == 0xFFFFFFFFu) | (v.w == 0xFFFFFFFFu);
+}
+// For each of the first `valid` of kItems items i: C[i * item + 0..3] (bf16) = ((P0 + P1) + P2) + ... of the four
+// fp32 words at part + i * item + s * stride. Every item's and split's words are loaded at once (one round trip, not
+// kItems x kSplits), then any still READY_EMPTY loaded again until it is not; each is set back to READY_EMPTY (the
+// next launch finds every word empty).
+template <int kSplits, int kItems>
+__device__ __forceinline__ void tc_ready_fold4(void* c, float* part, long stride, long item, int valid) {
+  uint4 v[kItems][kSplits];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i)
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s)
+      if (i < valid) v[i][s] = tc_ready_load4(part + i * item + s * stride);
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    if (i >= valid) break;
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s) {
+      float* p = part + i * item + s * stride;
+      while (tc_ready_empty4(v[i][s])) v[i][s] = tc_ready_load4(p);
+      *reinterpret_cast<uint4*>(p) = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
     }
-    *reinterpret_cast<uint4*>(p) = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+    float4 acc = make_float4(__uint_as_float(v[i][0].x), __uint_as_float(v[i][0].y), __uint_as_float(v[i][0].z),
+                             __uint_as_float(v[i][0].w));
+#pragma unroll
+    for (int s = 1; s < kSplits; ++s) {
+      acc.x = __fadd_rn(acc.x, __uint_as_float(v[i][s].x)), acc.y = __fadd_rn(acc.y, __uint_as_float(v[i][s].y));
+      acc.z = __fadd_rn(acc.z, __uint_as_float(v[i][s].z)), acc.w = __fadd_rn(acc.w, __uint_as_float(v[i][s].w));
+    }
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+    reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(c) + i * item)[0] =
+        make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
   }
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-  *reinterpret_cast<uint2*>(c) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
-                                            *reinterpret_cast<const unsigned*>(&hi));
 }
 """
 
@@ -659,17 +677,25 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
             _ready_fold(C, Part, tn, m, splits, block_n, tokens)
 
 
-@T.macro
 def _ready_fold(C, Part, tn, m, splits, block_n, tokens):
-    # four columns a thread at a time (tokens x block_n / 4 items over the 2 x block_n MMA threads)
+    # four columns of a token a thread at a time: tokens x block_n / 4 such items over the 2 x block_n MMA threads,
+    # a thread's items rows = 8 tokens apart (block_n = 128), up to 8 items x splits loads in flight at once
+    rows = 2 * block_n // (block_n // 4)
+    items = -(-tokens // rows)
+    batch = max(1, min(items, 8 // splits))
+    for b in range(-(-items // batch)):
+        _ready_fold_batch(C, Part, tn, m, splits, block_n, rows, b * batch, min(batch, items - b * batch))
+
+
+@T.macro
+def _ready_fold_batch(C, Part, tn, m, splits, block_n, rows, first, count):
     tid = T.get_thread_binding()
-    for it in T.serial(-(-tokens * block_n // 4 // (2 * block_n))):
-        q = it * 2 * block_n + tid
-        j = q // (block_n // 4)
-        if j < m:
-            col = tn * block_n + q % (block_n // 4) * 4
-            T.evaluate(T.call_extern("handle", "tc_ready_fold4", T.address_of(C[j, col]), T.address_of(Part[0, j, col]),
-                                     T.cast(m, "int64") * Part.shape[2], splits))
+    j = first * rows + tid // (block_n // 4)
+    if j < m:
+        col = tn * block_n + tid % (block_n // 4) * 4
+        T.evaluate(T.call_extern("handle", f"tc_ready_fold4<{splits}, {count}>", T.address_of(C[j, col]),
+                                 T.address_of(Part[0, j, col]), T.cast(m, "int64") * Part.shape[2],
+                                 T.cast(rows, "int64") * Part.shape[2], T.min((m - j + rows - 1) // rows, count)))
 
 
 @tile_program(

@@ -1348,7 +1348,7 @@ def test_mxfp4_swapped_fold_arrives_among_the_mma_threads():
     assert folded.count("__syncthreads()") == plain.count("__syncthreads()")
     assert re.search(r"Count\[.*?\] = 0;", folded)
     assert "__threadfence" not in folded and "tc_ready" not in plain
-    assert re.search(r"Part\[.*\] = tc_ready_value\(", folded) and folded.count("tc_ready_fold4((&(C[") == 1
+    assert re.search(r"Part\[.*\] = tc_ready_value\(", folded) and folded.count("tc_ready_fold4<2, 2>((&(C[") == 1
     assert not re.search(r"MEMBAR\.\w+\.GPU", _sass_and_ptxas_log(folded)[0])
     assert plan_swapped(16, 4096, 7168)["fold"] and plan_swapped(1, 4096, 7168)["fold"]
     assert not plan_swapped(1, 7168, 2048)["fold"] and plan_swapped(1, 7168, 2048)["pair"]   # 2 splits: a pair
