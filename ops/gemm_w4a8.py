@@ -30,6 +30,7 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
+from ops import gemm_mxfp4
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
@@ -501,21 +502,24 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     target = targets.resolve(a)
 
     group = sfa.dim() == 2
+    fenced = gemm_mxfp4.SWAPPED_FENCED_FOLD
 
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
+        if fenced and p["fold"]:
+            p["fold"] = "fenced"
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, fenced), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
     launch_split_k(kernel, reduce, args, out, splits, count=(trace, count),
-                   part=ready_partials(a.device, splits, m, n) if splits > 1 and reduce is None else None)
+                   part=ready_partials(a.device, splits, m, n) if splits > 1 and reduce is None and not fenced else None)
 
 
 # ---- the masked grouped op (MoE decode) -----------------------------------------------------------------------------
