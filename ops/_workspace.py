@@ -58,10 +58,16 @@ _COUNTERS: dict = {}
 def arrival_counters(device, size):
     """At least `size` int32 zeros for kernels that count block arrivals (tile.last_arrival) and set
     each count back to 0 before they end: one tensor per (device, stream), zeroed once, so calls on
-    one stream, which run one after another, share it; calls on other streams get their own."""
+    one stream, which run one after another, share it; calls on other streams get their own. Under CUDA graph
+    capture on a stream that has none, the device's largest is shared if it is large enough (as ready_partials:
+    zeroing a new one there would put the fill into every replay)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     t = _COUNTERS.get(key)
+    if (t is None or t.numel() < size) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        shared = [c for (d, _), c in _COUNTERS.items() if d == device and c.numel() >= size]
+        if shared:
+            return max(shared, key=lambda c: c.numel())
     if t is None or t.numel() < size:
         if len(_COUNTERS) >= 256:
             _COUNTERS.clear()
