@@ -371,7 +371,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     of a step, loaded by TMA (rows past m zero-filled). splits > 1: fp32 partials per split,
     summed in order by ops.gemm_fp8.fp8_gemm_reduce_program, or (fold=True) by the last of a tile's
     split blocks to arrive on Count[tile] (tile.last_arrival): the same order, the same bits, no
-    reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block.
+    reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block. The fold
+    has no fences: Part must hold READY_EMPTY in every word (ops._workspace.ready_partials) and is
+    left so (see READY_SOURCE); fold="fenced": the fenced fold before session 44 (any Part; bench A/B).
     ahead=True: each MMA thread loads its raw words of step s + 1 into registers before it decodes
     step s (the loads' latency under the decode; stage_k = 128 only).
     pair=True (splits == 2): a tile's two split blocks are a cluster; each stores the half of its
@@ -427,7 +429,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
-                            + (READY_SOURCE if fold else ""))
+                            + (READY_SOURCE if fold is True else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
             if ahead:     # (raw words to registers a step ahead, decode from them)

@@ -148,7 +148,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
     rows past m zero-filled). TIX (n, k/128) int32: a step's four table offsets of a row; RowScale (n,) and SA
     (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
-    ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block, or (pair, splits == 2) by a cluster of
+    ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block (without fences, from a READY_EMPTY Part
+    as ops.gemm_mxfp4's swapped kernel; fold="fenced" as before session 44), or (pair, splits == 2) by a cluster of
     the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's. trace: its stamps
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
@@ -188,7 +189,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "") + (READY_SOURCE if fold else ""))
+            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "") + (READY_SOURCE if fold is True else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")
