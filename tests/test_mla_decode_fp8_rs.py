@@ -277,9 +277,9 @@ def test_gpu_pace_changes_nothing_computed_and_leaves_its_counters(stale):
 
 @pytest.mark.gpu
 def test_gpu_paced_kernel_in_a_cuda_graph():
-    """The op's FP8 kernel (rs2 with its pace) captured in a CUDA graph: its counters come from the capture
-    stream (ops._workspace.arrival_counters), the replay gives the eager call's bits on a new query, and every
-    counter is back at 0 after both."""
+    """The op's FP8 kernel (rs2 with its pace) captured in a CUDA graph: its counters are the eager stream's,
+    shared (ops._workspace.arrival_counters under capture: no zero fill in the graph), the replay gives the eager
+    call's bits on a new query, and every counter is back at 0 after both."""
     from ops._workspace import arrival_counters
     from tests.test_mla_decode import make_inputs
     import ops
