@@ -90,11 +90,10 @@ def ready_partials(device, splits, rows, n):
     from ops.gemm_mxfp4 import READY_EMPTY
 
     size = splits * rows * n
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     t = _READY.get(key)
-    if (t is None or t.numel() < size) and capturing:
+    if (t is None or t.numel() < size) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         shared = [b for (d, _), b in _READY.items() if d == device and b.numel() >= size]
         if shared:
             return max(shared, key=lambda b: b.numel())[:size].view(splits, rows, n)
