@@ -52,27 +52,39 @@ def bound_only(device, size=1, dtype=torch.int32):
     return t
 
 
+def _per_stream(table: dict, device, size: int, make):
+    """table[(device, stream)] when it has at least `size` elements, else make(the one it replaces, or None) put
+    there. Under CUDA graph capture on a stream that has
+    none large enough, the device's largest that is large enough is shared instead: making one there would put its
+    fill into the graph, run on every replay (so such a graph must not replay while an eager call that uses the
+    same buffer runs on another stream)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    t = table.get(key)
+    if t is not None and t.numel() >= size:
+        return t
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        shared = [b for (d, _), b in table.items() if d == device and b.numel() >= size]
+        if shared:
+            return max(shared, key=lambda b: b.numel())
+    t = table[key] = make(t)
+    return t
+
+
 _COUNTERS: dict = {}
 
 
 def arrival_counters(device, size):
     """At least `size` int32 zeros for kernels that count block arrivals (tile.last_arrival) and set
     each count back to 0 before they end: one tensor per (device, stream), zeroed once, so calls on
-    one stream, which run one after another, share it; calls on other streams get their own. Under CUDA graph
-    capture on a stream that has none, the device's largest is shared if it is large enough (as ready_partials:
-    zeroing a new one there would put the fill into every replay)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    t = _COUNTERS.get(key)
-    if (t is None or t.numel() < size) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        shared = [c for (d, _), c in _COUNTERS.items() if d == device and c.numel() >= size]
-        if shared:
-            return max(shared, key=lambda c: c.numel())
-    if t is None or t.numel() < size:
+    one stream, which run one after another, share it; calls on other streams get their own (under CUDA graph
+    capture: _per_stream)."""
+    def make(old):
         if len(_COUNTERS) >= 256:
             _COUNTERS.clear()
-        t = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-    return t
+        return torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+
+    return _per_stream(_COUNTERS, device, size, make)
 
 
 _READY: dict = {}
@@ -82,24 +94,15 @@ _READY_KEPT: list = []
 def ready_partials(device, splits, rows, n):
     """A (splits, rows, n) fp32 view of a buffer whose every word holds ops.gemm_mxfp4.READY_EMPTY, for the
     swapped kernels' fenceless split-K fold, which sets each word it reads back to READY_EMPTY before it ends:
-    one buffer per (device, stream), as arrival_counters. A buffer outgrown by a larger call is kept, not
-    freed (a CUDA graph captured with it still points there). Under CUDA graph capture on a stream that has
-    none, the device's largest buffer is shared if it is large enough: filling a new one there would put the
-    fill into the graph, run on every replay (so a graph must not replay while an eager fold of the same size
-    runs on another stream); otherwise one is made there, fill and all."""
+    one buffer per (device, stream), as arrival_counters (under CUDA graph capture: _per_stream). A buffer
+    outgrown by a larger call is kept, not freed (a CUDA graph captured with it still points there)."""
     from ops.gemm_mxfp4 import READY_EMPTY
 
     size = splits * rows * n
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    t = _READY.get(key)
-    if (t is None or t.numel() < size) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        shared = [b for (d, _), b in _READY.items() if d == device and b.numel() >= size]
-        if shared:
-            return max(shared, key=lambda b: b.numel())[:size].view(splits, rows, n)
-    if t is None or t.numel() < size:
-        if t is not None:
-            _READY_KEPT.append(t)
-        t = _READY[key] = torch.full((max(size, 1 << 16),), READY_EMPTY, dtype=torch.int32,
-                                     device=device).view(torch.float32)
-    return t[:size].view(splits, rows, n)
+
+    def make(old):
+        if old is not None:
+            _READY_KEPT.append(old)
+        return torch.full((max(size, 1 << 16),), READY_EMPTY, dtype=torch.int32, device=device).view(torch.float32)
+
+    return _per_stream(_READY, device, size, make)[:size].view(splits, rows, n)
