@@ -449,9 +449,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens)) if pair else
-                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                        staged)))
+                epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                          staged=staged))
 
     return mxfp4_gemm_nt_swapped
 
@@ -653,6 +652,16 @@ __device__ __forceinline__ void tc_ready_fold4(void* c, float* part, long stride
 def _ready(v):
     # a partial's value as stored for the fold (never READY_EMPTY's bits)
     return T.call_extern("float32", "tc_ready_value", v)
+
+
+def swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None,
+                     factor=None):
+    """The swapped kernels' epilogue (bf16 and ops.gemm_w4a8's): with recv (pair), the cluster pair's fold;
+    otherwise C, or the split's partial (then the fold or the reduce kernel)."""
+    if recv is not None:
+        return lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=factor)
+    return lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged,
+                                  factor=factor)
 
 
 @T.macro

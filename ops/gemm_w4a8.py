@@ -34,9 +34,9 @@ from ops import gemm_mxfp4
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
-                            _pair_fold_swapped, _stage_scale_rows, _store_masked_swapped, _store_swapped,
+                            _stage_scale_rows, _store_masked_swapped,
                             _swapped_grid, _tma_scale_words, _trace_stamp, masked_swapped_loads, plan_masked_swapped,
-                            plan_swapped, swapped_loads, swapped_scale_box)
+                            plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -219,10 +219,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else []),
                 prologue=lambda: _prologue(tbl, None if scale_tma else sw,
                                            lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=(lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens,
-                                                     factor=factor)) if pair else
-                (lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                        factor=factor)))
+                epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                          factor=factor))
 
     return mxfp4_w4a8_gemm_nt_swapped
 
