@@ -23,38 +23,16 @@
 #include <string>
 #include <vector>
 
+#include "probe_stream.cuh"
+
 constexpr int COPIES = 4, MIN_STEAL = 2;
 __constant__ int PAGE_BYTES;               // a step's bytes: TC_PAGE_BYTES, default 64 x 656 (the FP8 cache's page)
 
-__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bar_init(uint64_t* b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem(b)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, int parity) {
-  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
-               :: "r"(smem(b)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem(b)) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint64_t* b, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(b)) : "memory");
-}
 // one 3-D TMA box (x bytes into the token, token 0, page z) on an mbarrier
 __device__ __forceinline__ void box_load(void* dst, const CUtensorMap* map, int x, int z, uint64_t* b) {
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
                :: "r"(smem(dst)), "l"(map), "r"(x), "r"(0), "r"(z), "r"(smem(b)) : "memory");
 }
-__device__ __forceinline__ uint64_t now() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 template <int STAGES>
 struct Ring {
   uint64_t full[STAGES], empty[STAGES];
@@ -174,17 +152,6 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* pool, const
   }
 }
 
-// the L2 emptied by reading 256 MB (TC_FLUSH=read: nothing dirty left to write back during the timed launch, as
-// bench --flush read) or by writing it (the default, session 39's runs: up to an L2 of dirty lines written back
-// during the launch, which is what spread the CTAs' ends: bench/NOTES.md "Session 40")
-__global__ void read_flush(const int4* p, size_t n, int* sink) {
-  int acc = 0;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    acc ^= p[i].x ^ p[i].y ^ p[i].z ^ p[i].w;
-  if (acc == 0x7fffffff) *sink = acc;                   // (keeps the loads)
-}
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 int main(int argc, char** argv) {
   const int batch = argc > 1 ? atoi(argv[1]) : 128, n = argc > 2 ? atoi(argv[2]) : 64, reps = 9;
