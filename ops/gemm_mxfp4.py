@@ -373,7 +373,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     split blocks to arrive on Count[tile] (tile.last_arrival): the same order, the same bits, no
     reduce kernel. Count: >= n / block_n zeros, each set back to 0 by its tile's last block. The fold
     has no fences: Part must hold READY_EMPTY in every word (ops._workspace.ready_partials) and is
-    left so (see READY_SOURCE); fold="fenced": the fenced fold before session 44 (any Part; bench A/B).
+    left so (see READY_SOURCE).
     ahead=True: each MMA thread loads its raw words of step s + 1 into registers before it decodes
     step s (the loads' latency under the decode; stage_k = 128 only).
     pair=True (splits == 2): a tile's two split blocks are a cluster; each stores the half of its
@@ -429,7 +429,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
-                            + (READY_SOURCE if fold is True else ""))
+                            + (READY_SOURCE if fold else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
             if ahead:     # (raw words to registers a step ahead, decode from them)
@@ -674,22 +674,16 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
         tile.barrier(threads=2 * block_n)
         for j, i in tile.parallel(tokens, block_n):
             if j < m:
-                Part[ts, j, tn * block_n + i] = _ready(staged[j, i]) if fold is True else staged[j, i]
+                Part[ts, j, tn * block_n + i] = _ready(staged[j, i]) if fold else staged[j, i]
     else:
         for i, j in tile.parallel(block_n, tokens):
             if j < m:
                 if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
-                    Part[ts, j, tn * block_n + i] = (_ready(T.if_then_else(steps > 0, out[i, j], 0.0)) if fold is True else
+                    Part[ts, j, tn * block_n + i] = (_ready(T.if_then_else(steps > 0, out[i, j], 0.0)) if fold else
                                                      T.if_then_else(steps > 0, out[i, j], 0.0))
                 else:
                     C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
-    if fold == "fenced":   # (SWAPPED_FENCED_FOLD: the fold before session 44, for A/B runs)
-        if tile.last_arrival(Count, tn, splits, threads=2 * block_n):
-            for j, i in tile.parallel(tokens, block_n):
-                if j < m:
-                    C[j, tn * block_n + i] = T.cast(_in_order([Part[s, j, tn * block_n + i] for s in range(splits)]),
-                                                    "bfloat16")
-    elif fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
+    if fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
         if tile.last_arrival(Count, tn, splits, threads=2 * block_n, ordered=False):
             _ready_fold(C, Part, tn, m, splits, block_n, tokens)
 
@@ -1067,9 +1061,6 @@ SWAPPED_SCALE_TMA = None
 # faster in CUDA graphs; at 64 tokens 0.7-1.3 us slower, bench/NOTES.md "MXFP4 v8"); True / False
 # force it for every split plan
 SWAPPED_FOLD = None
-# True: fold plans (both swapped kernels, ops.gemm_w4a8's too) fold with fences as before session 44 (threadFence-
-# Reduction's order: own stores, fence, counter, reads) instead of the ready partials; bench A/B only
-SWAPPED_FENCED_FOLD = False
 SWAPPED_FOLD_TOKENS = 16
 # each MMA thread loads its raw words of step s + 1 into registers before it decodes step s (built
 # session 21, measured in "MXFP4 v8"); True / False: on / off for every swapped plan
@@ -1164,7 +1155,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                "fenced": SWAPPED_FENCED_FOLD, **override}      # in the launchers' key
+                **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 
@@ -1173,11 +1164,7 @@ def _swapped_launchers(a, target, m, n, k, override):
     from backends.cuda.device import sm_count
     from ops.gemm_fp8 import split_k_launchers
 
-    override = dict(override)
-    fenced = override.pop("fenced", False)
     p = plan_swapped(m, n, k, sms=sm_count(a), **override)
-    if fenced and p["fold"]:
-        p["fold"] = "fenced"
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
     if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
         return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
@@ -1250,11 +1237,10 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
-    ready = fold and not override.get("fenced")
     if counts:
         tail = (*tail, arrival_counters(a.device, n // 128) if fold else bound_only(a.device))
     launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None,
-                   part=ready_partials(a.device, splits, m, n) if ready else None)
+                   part=ready_partials(a.device, splits, m, n) if fold else None)
 
 
 def _launchers(a, target, m, n, k, override):

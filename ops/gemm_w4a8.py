@@ -30,7 +30,6 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
-from ops import gemm_mxfp4
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
@@ -149,7 +148,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     rows past m zero-filled). TIX (n, k/128) int32: a step's four table offsets of a row; RowScale (n,) and SA
     (m,) fp32 multiply the result (row x token). splits > 1: fp32 partials (already scaled), reduced in order by
     ops.gemm_fp8's reduce kernel, or (fold) by the tile's last split block (without fences, from a READY_EMPTY Part
-    as ops.gemm_mxfp4's swapped kernel; fold="fenced" as before session 44), or (pair, splits == 2) by a cluster of
+    as ops.gemm_mxfp4's swapped kernel), or (pair, splits == 2) by a cluster of
     the tile's two split blocks through distributed shared memory, as the bf16 swapped kernel's. trace: its stamps
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
@@ -192,7 +191,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "") + (READY_SOURCE if fold is True else ""))
+            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "") + (READY_SOURCE if fold else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")
@@ -543,19 +542,16 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
 
     group = sfa.dim() == 2
     tiles = codes.dim() == 4
-    fenced = gemm_mxfp4.SWAPPED_FENCED_FOLD
 
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
-        if fenced and p["fold"]:
-            p["fold"] = "fenced"
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, tiles=tiles, **p)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, fenced, tiles), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, tiles), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     words = codes.view(torch.int32)
@@ -563,7 +559,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         words = words.view(-1, 128, BLOCK_K // 8)
     args = (a, words, _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
     launch_split_k(kernel, reduce, args, out, splits, count=(trace, count),
-                   part=ready_partials(a.device, splits, m, n) if splits > 1 and reduce is None and not fenced else None)
+                   part=ready_partials(a.device, splits, m, n) if splits > 1 and reduce is None else None)
 
 
 # ---- the masked grouped op (MoE decode) -----------------------------------------------------------------------------
