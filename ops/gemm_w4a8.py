@@ -141,7 +141,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False, tiles: bool = False):
+                               trace: bool = False, group_scales: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -153,9 +153,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
-    product is promoted; the epilogue then multiplies by RowScale alone.
-    tiles=True: B in prepare_mxfp4_w4a8's layout="tiles" ((n / 128) x (k / 128) blocks of 128 rows x 64 bytes,
-    each contiguous), a stage one contiguous 8 KB TMA box instead of 128 rows' 64 bytes at the row pitch."""
+    product is promoted; the epilogue then multiplies by RowScale alone."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -170,8 +168,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     abox = swapped_scale_box(per, kb)                   # group_scales: the split's steps of SA (16-byte aligned box)
 
     @T.prim_func
-    def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"),
-                                   B: T.Tensor((n_tiles * kb, block_n, BLOCK_K // 8) if tiles else (n, k // 8), "int32"),
+    def mxfp4_w4a8_gemm_nt_swapped(A: T.Tensor((m, k), "float8_e4m3fn"), B: T.Tensor((n, k // 8), "int32"),
                                    TIX: T.Tensor((n, kb), "int32"), RowScale: T.Tensor((n,), "float32"),
                                    SA: T.Tensor((m, kb) if group_scales else (m,), "float32"),
                                    C: T.Tensor((m, n), "bfloat16"),
@@ -202,8 +199,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 sas = tile.stage((tokens,), "float32")
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
                 sa_region = SA[0:tokens]
-            loads = (_tile_loads(A, B, tn, w0, kb, block_n, tokens) if tiles else
-                     swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K))
+            loads = swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
@@ -288,12 +284,6 @@ def _bank_spread(words: int) -> int:
     return words + (4 - words % 8) % 8
 
 
-def _tile_loads(A, B, tn, k0, kb, block_n, tokens):
-    # swapped_loads with B tile-major (layout="tiles"): step k0 + blk of tile tn is block tn * kb + k0 + blk
-    return lambda blk: (A[0:tokens, (k0 + blk) * BLOCK_K:(k0 + blk + 1) * BLOCK_K],
-                        B[tn * kb + k0 + blk, 0:block_n, 0:BLOCK_K // 8])
-
-
 @T.macro
 def _prologue(tbl, sw, word_at):
     # the table and, without scale_tma, the table offsets' rows
@@ -330,23 +320,12 @@ def _w4a8_code_words(b: torch.Tensor) -> torch.Tensor:
     return by.reshape(n, half).to(torch.uint8)
 
 
-W4A8_LAYOUTS = ("rows", "tiles")
-
-
-def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor, layout: str = "rows"):
+def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor):
     """MXFP4 weights (b (n, k/2) uint8 OCP-packed e2m1, sfb (n, k/32) uint8 E8M0, as ops.quant_mxfp4 writes them)
     -> (codes (n, k/2) uint8, table offsets (n, k/32) uint8, row_scale (n,) fp32) for ops.mxfp4_w4a8_gemm_nt, on
     b's device; grouped weights (g, n, k/2) and (g, n, k/32) -> (g, n, k/2), (g, n, k/32), (g, n) for
-    ops.m_grouped_mxfp4_w4a8_gemm_nt_masked. Once per weight (a few torch ops; not for the hot path).
-    layout="tiles" (dense weights, n % 128 == 0): codes (n/128, k/128, 128, 64), each 128-row tile's 128-deep K
-    step one contiguous 8 KB block (the kernel's stage: one linear read; bench/NOTES.md "Session 44"); the same
-    values, the same results bit for bit."""
+    ops.m_grouped_mxfp4_w4a8_gemm_nt_masked. Once per weight (a few torch ops; not for the hot path)."""
     check.tensor("b", b, dtypes=(torch.uint8,), ndim=(2, 3))
-    if layout not in W4A8_LAYOUTS:
-        raise ValueError(f"layout must be one of {W4A8_LAYOUTS}, got {layout!r}")
-    if layout == "tiles" and (b.dim() != 2 or b.shape[0] % 128):
-        raise ValueError(f"layout='tiles' takes dense weights (n, k/2) with n a multiple of 128, got b of shape "
-                         f"{tuple(b.shape)}")
     check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=b.dim())
     k = 2 * b.shape[-1]
     if k % BLOCK_K:
@@ -366,22 +345,7 @@ def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor, layout: str = "rows")
     codes = torch.empty_like(b)
     for r in range(0, n, PREPARE_ROWS):     # on b's device, in row chunks (the permutation works in int64)
         codes[r:r + PREPARE_ROWS] = _w4a8_code_words(b[r:r + PREPARE_ROWS])
-    if layout == "tiles":
-        codes = codes.view(n // 128, 128, k // BLOCK_K, BLOCK_K // 2).transpose(1, 2).contiguous()
     return codes, offsets.contiguous(), row_scale
-
-
-def _code_rows(codes: torch.Tensor) -> torch.Tensor:
-    """Prepared codes in the rows layout, (n, k/2): layout="tiles" codes (n/128, k/128, 128, 64) put back."""
-    if codes.dim() != 4:
-        return codes
-    t, kb, rows, step = codes.shape
-    return codes.transpose(1, 2).reshape(t * rows, kb * step)
-
-
-def _n_of(codes: torch.Tensor) -> int:
-    # the weights' rows: (n, k/2) or (n/128, k/128, 128, 64)
-    return codes.shape[0] * codes.shape[2] if codes.dim() == 4 else codes.shape[0]
 
 
 def w4a8_exact(sfb: torch.Tensor) -> bool:
@@ -393,7 +357,6 @@ def w4a8_exact(sfb: torch.Tensor) -> bool:
 
 def dequant_w4a8(codes: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """The prepared weights' values, (n, k) fp32: what the kernel multiplies (its table's e4m3 values x row_scale)."""
-    codes = _code_rows(codes)
     n, half = codes.shape
     k = 2 * half
     by = codes.cpu().long().view(n, k // 128, 4, 4, 4)            # [n, s, c, j, byte]
@@ -427,19 +390,15 @@ def mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale):
 def _check(a, sfa, codes, offsets, row_scale):
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
     check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(1, 2), contiguous=True)
-    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=(2, 4), contiguous=True)
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=1, contiguous=True)
     m, k = a.shape
-    n = _n_of(codes)
+    n = codes.shape[0]
     if k % BLOCK_K:
         raise ValueError(f"a must be (m, k) with k a multiple of {BLOCK_K} (as prepare_mxfp4_w4a8's weights), got "
                          f"shape {tuple(a.shape)}")
-    if codes.dim() == 4:
-        check.shape("codes", codes, (n // 128, k // BLOCK_K, 128, BLOCK_K // 2),
-                    "(n/128, k/128, 128, 64) from prepare_mxfp4_w4a8(layout='tiles'), k = a.shape[1]")
-    else:
-        check.shape("codes", codes, (n, k // 2), "(n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
+    check.shape("codes", codes, (n, k // 2), "(n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
     check.shape("offsets", offsets, (n, k // MX), "(n, k/32) from prepare_mxfp4_w4a8")
     check.shape("row_scale", row_scale, (n,), "(n,) from prepare_mxfp4_w4a8")
     if sfa.dim() == 1:
@@ -460,7 +419,7 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
     n % 128 == 0); CPU: the fp32 reference of the prepared weights (slow)."""
     _check(a, sfa, codes, offsets, row_scale)
     m, k = a.shape
-    n = _n_of(codes)
+    n = codes.shape[0]
     if a.device.type == "cpu":
         return mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale)
     target = targets.resolve(a)
@@ -476,7 +435,7 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
 @torch.library.custom_op("tilecraft::mxfp4_w4a8_gemm_nt", mutates_args=())
 def _w4a8_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
              row_scale: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(a.shape[0], _n_of(codes), dtype=torch.bfloat16, device=a.device)
+    out = torch.empty(a.shape[0], codes.shape[0], dtype=torch.bfloat16, device=a.device)
     if a.shape[0]:
         _launch(a, sfa, codes, offsets, row_scale, out)
     return out
@@ -484,7 +443,7 @@ def _w4a8_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: t
 
 @_w4a8_op.register_fake
 def _(a, sfa, codes, offsets, row_scale):
-    return a.new_empty(a.shape[0], _n_of(codes), dtype=torch.bfloat16)
+    return a.new_empty(a.shape[0], codes.shape[0], dtype=torch.bfloat16)
 
 
 W4A8_FOLD = None    # None: plan_swapped's rule (fold at <= 16 tokens); True / False: every split plan (bench A/B)
@@ -535,29 +494,25 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     from ops.gemm_fp8 import launch_split_k, split_k_launchers
 
     m, k = a.shape
-    n = _n_of(codes)
+    n = codes.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
 
     group = sfa.dim() == 2
-    tiles = codes.dim() == 4
 
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
-        kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, tiles=tiles, **p)
+        kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, tiles), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
-    words = codes.view(torch.int32)
-    if tiles:                                   # (n/128 x k/128 blocks, 128 rows, 16 words)
-        words = words.view(-1, 128, BLOCK_K // 8)
-    args = (a, words, _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
+    args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
     launch_split_k(kernel, reduce, args, out, splits, count=(trace, count),
                    part=ready_partials(a.device, splits, m, n) if splits > 1 and reduce is None else None)
 

@@ -94,43 +94,6 @@ def test_prepare_in_row_chunks_is_the_same(monkeypatch):
     assert all(torch.equal(x.reshape(y.shape), y) for x, y in zip(grouped3, whole))
 
 
-def test_tiles_layout_is_the_rows_layout_regrouped():
-    """prepare_mxfp4_w4a8(layout="tiles"): the same code bytes, each (128-row tile, 128-deep step) one contiguous
-    64-byte-row block (n/128, k/128, 128, 64); the same dequantized weights and CPU op results; grouped weights,
-    n % 128 and unknown layouts refused, and a tiles tensor of the wrong shape named in the op's error."""
-    g = torch.Generator().manual_seed(14)
-    n, k, m = 256, 1024, 3
-    packed, scales = weights(n, k, g)
-    rows = prepare_mxfp4_w4a8(packed, scales)
-    tiles = prepare_mxfp4_w4a8(packed, scales, layout="tiles")
-    assert tiles[0].shape == (n // 128, k // 128, 128, 64) and tiles[0].is_contiguous()
-    assert torch.equal(tiles[0], rows[0].view(n // 128, 128, k // 128, 64).transpose(1, 2))
-    assert torch.equal(tiles[1], rows[1]) and torch.equal(tiles[2], rows[2])
-    assert torch.equal(dequant_w4a8(*tiles), dequant_w4a8(*rows))
-    a, sa = activations(m, k, g)
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(a, sa, *tiles), ops.mxfp4_w4a8_gemm_nt(a, sa, *rows))
-    with pytest.raises(ValueError, match="layout must be one of"):
-        prepare_mxfp4_w4a8(packed, scales, layout="cols")
-    with pytest.raises(ValueError, match="n a multiple of 128"):
-        prepare_mxfp4_w4a8(packed[:200], scales[:200], layout="tiles")
-    with pytest.raises(ValueError, match="n a multiple of 128"):
-        prepare_mxfp4_w4a8(packed.view(2, 128, -1), scales.view(2, 128, -1), layout="tiles")
-    with pytest.raises(ValueError, match="codes"):
-        ops.mxfp4_w4a8_gemm_nt(a, sa, tiles[0][:, :4].contiguous(), tiles[1], tiles[2])
-
-
-def test_tiles_program_loads_a_stage_as_one_block():
-    """tiles=True: B is (n/128 x k/128, 128, 16) words and a stage is one 3-D TMA box at block tn * kb + step
-    (coordinates 0, 0, block), the split's steps included; no spills."""
-    from backends.cuda.sass import build_cubin, sass_stats
-
-    p = plan_w4a8(1, 4096, 7168)
-    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, tiles=True, **p)
-    loads = re.findall(r"tl::tma_load\(B_desc, [^;]*;", src)
-    assert loads and all(re.search(r", 0, 0, \(*\(*\(\(int\)blockIdx\.x\) \* 14\) \+ s\)", x) for x in loads), loads
-    assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
-
-
 def test_prepared_weights_are_exact_within_14_binades():
     """dequant_w4a8 of the prepared weights equals dequant_mxfp4 bitwise when every block is within 14 binades of
     its row's largest (the subnormal 2^-127 block and a NaN block included); further below, the values are
@@ -449,21 +412,6 @@ def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, 
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_FOLD", False)
     assert same(ops.mxfp4_w4a8_gemm_nt(*dev), out)
     assert same(ops.mxfp4_gemm_nt(a16, pk, sc), out16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,group", [(1, 4096, 7168, False), (16, 7168, 2048, False), (64, 4096, 7168, False),
-                                         (9, 24576, 1536, False), (13, 4096, 7168, True)])
-def test_gpu_tiles_layout_gives_the_rows_bits(m, n, k, group):
-    """layout="tiles": the same stages in shared memory, so the same bits as the rows layout (fold, pair, reduce
-    and unsplit plans; per-token and per-(token, 128) sfa)."""
-    g = torch.Generator().manual_seed(m + n + k)
-    packed, scales = weights(n, k, g)
-    a, sa = group_activations(m, k, g) if group else activations(m, k, g)
-    a, sa, packed, scales = a.cuda(), sa.cuda(), packed.cuda(), scales.cuda()
-    want = ops.mxfp4_w4a8_gemm_nt(a, sa, *prepare_mxfp4_w4a8(packed, scales))
-    got = ops.mxfp4_w4a8_gemm_nt(a, sa, *prepare_mxfp4_w4a8(packed, scales, layout="tiles"))
-    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -86,15 +86,13 @@ def tilecraft(case, i):
     return lambda: ops.m_grouped_fp8_gemm_nt_masked(i["qa"], i["sfa"], i["qb"], i["sfb"], i["masked_m"], case["m"])
 
 
-def tilecraft_w4a8(case, i, group=False, layout="rows"):
+def tilecraft_w4a8(case, i, group=False):
     """ops.mxfp4_w4a8_gemm_nt (mxfp4) or ops.m_grouped_mxfp4_w4a8_gemm_nt_masked (mxfp4-masked) on the same
     weights (prepared once, outside the timing) and the activations as e4m3 with a per-token scale, or (group, the
     tilecraft-w4a8-group provider) per (token, 128 columns) from per_token_group_quant_fp8 (quantized outside the
-    timing, as an engine's previous kernel would hand them over). layout: prepare_mxfp4_w4a8's ("tiles": the
-    tilecraft-w4a8-tiles provider, dense cases only)."""
-    if case["kind"] not in ("mxfp4", "mxfp4-masked") or (layout != "rows" and case["kind"] != "mxfp4"):
-        raise ValueError(f"tilecraft-w4a8 runs the dense and masked mxfp4 cases (layout {layout!r}: dense only), got "
-                         f"kind {case['kind']!r}")
+    timing, as an engine's previous kernel would hand them over)."""
+    if case["kind"] not in ("mxfp4", "mxfp4-masked"):
+        raise ValueError(f"tilecraft-w4a8 runs the dense and masked mxfp4 cases, got kind {case['kind']!r}")
     a = i["a"].float()                                   # (groups, m, k)
     if group:
         a8, sa = ops.per_token_group_quant_fp8(a.view(-1, a.shape[-1]))
@@ -103,7 +101,7 @@ def tilecraft_w4a8(case, i, group=False, layout="rows"):
         sa = (a.abs().amax(-1) / 448).clamp(min=2 ** -120)
         a8 = (a / sa[..., None]).to(torch.float8_e4m3fn)
     if case["kind"] == "mxfp4":
-        prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0], layout=layout)
+        prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0])
         return lambda: ops.mxfp4_w4a8_gemm_nt(a8[0], sa[0], *prep)
     prep = ops.prepare_mxfp4_w4a8(i["packed"], i["scales"])
     return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
@@ -334,8 +332,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
-               Provider("tilecraft-w4a8-tiles", lambda case, i: tilecraft_w4a8(case, i, layout="tiles"),
-                        experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
