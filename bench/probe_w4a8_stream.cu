@@ -1,7 +1,7 @@
 // Does the W4A8 kernel's weight stream run faster from a tile-contiguous layout (bench/NOTES.md "Open GPU checks
 // (end of session 44)", item 1)? Streams the packed MXFP4 codes of an (n, k/2) uint8 weight the way the W4A8
 // split-K plan does, with nothing decoded: one CTA a (128-row tile, split), `steps` stages of 128 rows x 64 bytes
-// (a 128-deep K step) through an 8-deep shared-memory ring, the consumer optionally spinning TC_WORK cycles a stage
+// (a 128-deep K step) through a TC_STAGES-deep shared-memory ring (4-16, even; 8 as the plan today), the consumer optionally spinning TC_WORK cycles a stage
 // (the kernel's step is ~385 cycles of decode + WGMMA at 1-16 tokens). Two layouts of the same bytes:
 //   rows  as the op stages it today: one 2-D TMA box (64 bytes x 128 rows) at the row pitch k/2
 //   tile  as a prepared tile-major layout would: each (tile, step) one contiguous 8 KB, one cp.async.bulk
@@ -97,7 +97,9 @@ int main(int argc, char** argv) {
   const CUresult r = encode(&rows, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w, dims, pitch, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: %d\n", static_cast<int>(r)); return 1; }
-  auto kernel = stages == 4 ? stream<4> : stages == 6 ? stream<6> : stream<8>;
+  if (stages < 4 || stages > 16 || stages % 2) { printf("TC_STAGES must be 4-16 and even, got %d\n", stages); return 1; }
+  auto kernel = stages == 4 ? stream<4> : stages == 6 ? stream<6> : stages == 10 ? stream<10> : stages == 12 ? stream<12>
+               : stages == 14 ? stream<14> : stages == 16 ? stream<16> : stream<8>;
   const int smem_bytes = stages * STAGE_BYTES + 16 * stages;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaEvent_t e0, e1;

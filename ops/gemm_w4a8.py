@@ -451,6 +451,9 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
+# the deepest stage ring a plan asks for (plan_swapped's is 8; a deeper ring is capped at the split's steps and at
+# what fits): more of a split's weight stream in flight from the start (bench/NOTES.md "Session 45")
+W4A8_STAGES = 8
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -464,6 +467,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
                fold=p["fold"], pair=p["pair"])
     if group_scales:
         out["group_scales"] = True
+    if W4A8_STAGES > out["stages"]:
+        out["stages"] = max(out["stages"], min(W4A8_STAGES, -(-(k // BLOCK_K) // out["splits"])))
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
@@ -509,7 +514,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGES), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
@@ -579,7 +584,7 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     target = targets.resolve(a)
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     group = sfa.dim() == 3
-    stages = p["stages"]
+    stages = max(p["stages"], W4A8_STAGES)
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
             p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
