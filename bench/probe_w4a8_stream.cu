@@ -6,7 +6,8 @@
 //   rows  as the op stages it today: one 2-D TMA box (64 bytes x 128 rows) at the row pitch k/2
 //   tile  as a prepared tile-major layout would: each (tile, step) one contiguous 8 KB, one cp.async.bulk
 // The L2 is emptied by reading 256 MB before each launch (as bench --flush read).
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_w4a8 bench/probe_w4a8_stream.cu && [TC_WORK=385] [TC_STAGES=8] /tmp/probe_w4a8 [n] [k] [splits]
+// TC_RAMP=r: the producer asks for the first r stages alone and the rest once the first has landed.
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_w4a8 bench/probe_w4a8_stream.cu && [TC_WORK=385] [TC_STAGES=8] [TC_RAMP=0] /tmp/probe_w4a8 [n] [k] [splits]
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <algorithm>
@@ -27,7 +28,7 @@ __device__ __forceinline__ void box_load(void* dst, const CUtensorMap* map, int 
 
 // warp 0 lane 0 produces, warp 1 lane 0 consumes; CTA b = tile b / splits, split b % splits
 template <int STAGES>
-__global__ void __launch_bounds__(64, 1) stream(const unsigned char* w, int kb, int splits, int tile_layout, int work,
+__global__ void __launch_bounds__(64, 1) stream(const unsigned char* w, int kb, int splits, int tile_layout, int work, int ramp,
                                                 unsigned long long* span, int* sink,
                                                 const __grid_constant__ CUtensorMap rows) {
   extern __shared__ __align__(1024) unsigned char buf[];
@@ -38,13 +39,14 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* w, int kb, 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) bar_init(&full[s], 1), bar_init(&empty[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    span[blockIdx.x * 2] = now();
+    span[blockIdx.x * 3] = now();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int g = 0; g < steps; ++g) {
       const int slot = g % STAGES;
       if (g >= STAGES) bar_wait(&empty[slot], ((g / STAGES) - 1) & 1);
+      if (ramp && g == ramp) bar_wait(&full[0], 0);   // the first `ramp` stages alone, the rest once the first landed
       bar_expect(&full[slot], STAGE_BYTES);
       if (tile_layout)   // tile-major: [tile][step][128 rows][64 bytes]
         bulk_load(buf + slot * STAGE_BYTES, w + (static_cast<size_t>(tile) * kb + s0 + g) * STAGE_BYTES, STAGE_BYTES,
@@ -57,6 +59,7 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* w, int kb, 
     for (int g = 0; g < steps; ++g) {
       const int slot = g % STAGES;
       bar_wait(&full[slot], (g / STAGES) & 1);
+      if (g == 0) span[blockIdx.x * 3 + 1] = now();
       acc ^= reinterpret_cast<const int*>(buf + slot * STAGE_BYTES)[g & 255];
       if (work) {
         const long long t0 = clock64();
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(64, 1) stream(const unsigned char* w, int kb, 
       }
       bar_arrive(&empty[slot]);
     }
-    span[blockIdx.x * 2 + 1] = now();
+    span[blockIdx.x * 3 + 2] = now();
     if (acc == 0x7fffffff) *sink = acc;
   }
 }
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
   const int splits = argc > 3 ? atoi(argv[3]) : 4, reps = 15;
   const int stages = getenv("TC_STAGES") ? atoi(getenv("TC_STAGES")) : 8;
   const int work = getenv("TC_WORK") ? atoi(getenv("TC_WORK")) : 0;
+  const int ramp = getenv("TC_RAMP") ? atoi(getenv("TC_RAMP")) : 0;
   if (n % ROWS || k % 128) { printf("n must be a multiple of 128 and k of 128, got %d, %d\n", n, k); return 1; }
   const int kb = k / 128, blocks = n / ROWS * splits;
   const size_t bytes = static_cast<size_t>(n) * k / 2;
@@ -85,7 +89,7 @@ int main(int argc, char** argv) {
   CK(cudaMemset(w, 1, bytes));
   CK(cudaMalloc(&flush, 256 << 20));
   CK(cudaMemset(flush, 2, 256 << 20));
-  CK(cudaMalloc(&span, blocks * 2 * 8));
+  CK(cudaMalloc(&span, blocks * 3 * 8));
   CK(cudaMalloc(&sink, 4));
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult q;
@@ -97,6 +101,7 @@ int main(int argc, char** argv) {
   const CUresult r = encode(&rows, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w, dims, pitch, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: %d\n", static_cast<int>(r)); return 1; }
+  if (ramp < 0 || ramp >= stages) { printf("TC_RAMP must be in [0, TC_STAGES), got %d\n", ramp); return 1; }
   if (stages < 4 || stages > 16 || stages % 2) { printf("TC_STAGES must be 4-16 and even, got %d\n", stages); return 1; }
   auto kernel = stages == 4 ? stream<4> : stages == 6 ? stream<6> : stages == 10 ? stream<10> : stages == 12 ? stream<12>
                : stages == 14 ? stream<14> : stages == 16 ? stream<16> : stream<8>;
@@ -107,11 +112,11 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
   for (int layout = 0; layout < 2; ++layout) {
     std::vector<float> t;
-    std::vector<unsigned long long> sp(blocks * 2);
+    std::vector<unsigned long long> sp(blocks * 3);
     for (int rep = 0; rep < reps; ++rep) {
       read_flush<<<1024, 256>>>(reinterpret_cast<const int4*>(flush), (256u << 20) / 16, sink);
       CK(cudaEventRecord(e0));
-      kernel<<<blocks, 64, smem_bytes>>>(w, kb, splits, layout, work, span, sink, rows);
+      kernel<<<blocks, 64, smem_bytes>>>(w, kb, splits, layout, work, ramp, span, sink, rows);
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float ms;
@@ -119,16 +124,19 @@ int main(int argc, char** argv) {
       t.push_back(ms * 1000.f);
     }
     CK(cudaGetLastError());
-    CK(cudaMemcpy(sp.data(), span, blocks * 2 * 8, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(sp.data(), span, blocks * 3 * 8, cudaMemcpyDeviceToHost));
     unsigned long long t0 = ~0ull;
-    for (int i = 0; i < blocks; ++i) t0 = std::min(t0, sp[i * 2]);
-    std::vector<double> ends;
-    for (int i = 0; i < blocks; ++i) ends.push_back((sp[i * 2 + 1] - t0) / 1e3);
+    for (int i = 0; i < blocks; ++i) t0 = std::min(t0, sp[i * 3]);
+    std::vector<double> ends, firsts;
+    for (int i = 0; i < blocks; ++i) ends.push_back((sp[i * 3 + 2] - t0) / 1e3), firsts.push_back((sp[i * 3 + 1] - t0) / 1e3);
     std::sort(ends.begin(), ends.end());
+    std::sort(firsts.begin(), firsts.end());
     std::sort(t.begin(), t.end());
-    printf("%-4s n=%d k=%d splits=%d blocks=%d stages=%d work=%d: median %.2f us (min %.2f) %.0f GB/s; consumer ends "
-           "(us after the first start) min %.2f median %.2f max %.2f\n", layout ? "tile" : "rows", n, k, splits, blocks,
-           stages, work, t[reps / 2], t[0], bytes / t[reps / 2] / 1e3, ends[0], ends[blocks / 2], ends[blocks - 1]);
+    printf("%-4s n=%d k=%d splits=%d blocks=%d stages=%d ramp=%d work=%d: median %.2f us (min %.2f) %.0f GB/s; "
+           "(us after the first start) first data min %.2f median %.2f max %.2f, consumer ends min %.2f median %.2f "
+           "max %.2f\n", layout ? "tile" : "rows", n, k, splits, blocks, stages, ramp, work, t[reps / 2], t[0],
+           bytes / t[reps / 2] / 1e3, firsts[0], firsts[blocks / 2], firsts[blocks - 1], ends[0], ends[blocks / 2],
+           ends[blocks - 1]);
   }
   return 0;
 }
