@@ -141,7 +141,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False, ramp: int = 0):
+                               trace: bool = False, group_scales: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -153,9 +153,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
-    product is promoted; the epilogue then multiplies by RowScale alone.
-    ramp > 0: the producer asks for the first `ramp` stages alone and the rest once the first has landed
-    (tile.mma_register_decoded_loop's ramp; bench/NOTES.md "Session 45")."""
+    product is promoted; the epilogue then multiplies by RowScale alone."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -207,7 +205,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, ramp=ramp,
+                stages=stages,
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
@@ -453,12 +451,6 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
-# the deepest stage ring a plan asks for (plan_swapped's is 8; a deeper ring is capped at the split's steps and at
-# what fits): more of a split's weight stream in flight from the start (bench/NOTES.md "Session 45")
-W4A8_STAGES = 8
-# > 0: the producer asks for the first W4A8_RAMP stages alone, the rest once the first has landed, so that every
-# block's first stage is not queued behind the grid's whole burst (bench A/B; bench/NOTES.md "Session 45")
-W4A8_RAMP = 0
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -472,10 +464,6 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
                fold=p["fold"], pair=p["pair"])
     if group_scales:
         out["group_scales"] = True
-    if W4A8_STAGES > out["stages"]:
-        out["stages"] = max(out["stages"], min(W4A8_STAGES, -(-(k // BLOCK_K) // out["splits"])))
-    if 0 < W4A8_RAMP < out["stages"]:
-        out["ramp"] = W4A8_RAMP
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
@@ -490,7 +478,7 @@ def _stage_bytes(tokens: int) -> int:
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
-                    pair: bool = False, group_scales: bool = False, block_n: int = 128, ramp: int = 0) -> int:
+                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -521,7 +509,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGES, W4A8_RAMP), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
@@ -591,7 +579,7 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     target = targets.resolve(a)
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     group = sfa.dim() == 3
-    stages = max(p["stages"], W4A8_STAGES)
+    stages = p["stages"]
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
             p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K

@@ -415,30 +415,6 @@ def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag,value", [("W4A8_STAGES", 16), ("W4A8_RAMP", 2)])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 4096, 7168), (64, 4096, 7168), (13, 4096, 5120)])
-def test_gpu_ring_options_give_the_same_bits(monkeypatch, flag, value, m, n, k):
-    """W4A8_STAGES above 8 (a deeper ring, as far as the split's steps and shared memory go) and W4A8_RAMP (the first
-    stages asked for alone) change only when the stages are loaded: the same bits as the default plan, dense and
-    masked (whole K a block; the ramp is the dense plan's only)."""
-    g = torch.Generator().manual_seed(m * 5 + k)
-    packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    ga, gsa = activations(3 * m, k, g)
-    gp, gs = weights(n, k, g)
-    grouped = [ga.view(3, m, k).cuda(), gsa.view(3, m).cuda(),
-               *[t.cuda() for t in prepare_mxfp4_w4a8(torch.stack([gp, packed, gp]), torch.stack([gs, scales, gs]))],
-               torch.tensor([m, 0, max(m - 1, 1)], dtype=torch.int32, device="cuda")]
-    plan = plan_w4a8(m, n, k)
-    want, want_g = ops.mxfp4_w4a8_gemm_nt(*dev), ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*grouped)
-    monkeypatch.setattr(gemm_w4a8, flag, value)
-    assert plan_w4a8(m, n, k) != plan
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
-    assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*grouped), want_g)
-
-
-@pytest.mark.gpu
 def test_gpu_every_table_entry_is_the_prepared_value():
     """One-hot activations read single weights back: out[t, n] = W[n, k_t] exactly (one product, no sum), for
     blocks at every table entry (d from -13 to 6, rounded ones and the round-to-even tie 3 x 2^-10 included): the

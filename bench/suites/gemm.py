@@ -110,8 +110,7 @@ def tilecraft_w4a8(case, i, group=False):
 def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
-    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel), W4A8_STAGES 16 (deeper rings),
-    W4A8_RAMP 1 or 2 (the first stages asked for alone)."""
+    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -333,9 +332,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
-               Provider("tilecraft-w4a8-deep", tilecraft_w4a8_with("W4A8_STAGES", 16), experimental=True),
-               Provider("tilecraft-w4a8-ramp1", tilecraft_w4a8_with("W4A8_RAMP", 1), experimental=True),
-               Provider("tilecraft-w4a8-ramp2", tilecraft_w4a8_with("W4A8_RAMP", 2), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
