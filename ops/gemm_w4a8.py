@@ -451,10 +451,6 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
-# 256-row weight tiles (four MMA warpgroups a block, 640 threads) at <= 16 tokens where n % 256 == 0: twice the
-# decoding warps an SM on the same bytes a step per 128 rows (at 64 tokens the 96 registers a thread spill). Bench
-# A/B (bench/NOTES.md "Session 45")
-W4A8_WIDE_TILES = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -462,27 +458,23 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials); then as many
     stages as fit next to this kernel's own tiles (the table, the factors: with group_scales a (tokens, steps)
     block of them)."""
-    wide = W4A8_WIDE_TILES and m <= 16 and n % 256 == 0
-    # wide: plan_swapped's split and stage rules over n / 256 tiles (its tiles are 128 rows: n / 2 of them)
-    p = plan_swapped(m, n // 2 if wide else n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
+    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                      pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                fold=p["fold"], pair=p["pair"])
-    if wide:
-        out["block_n"] = 256
     if group_scales:
         out["group_scales"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
-        out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"], out.get("block_n", 128)))
+        out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
         raise ValueError(f"no W4A8 plan fits in shared memory for m={m}, n={n}, k={k}")
     return out
 
 
-def _stage_bytes(tokens: int, block_n: int = 128) -> int:
-    return tokens * BLOCK_K + block_n * BLOCK_K // 2      # e4m3 activations + packed weights of a 128-deep step
+def _stage_bytes(tokens: int) -> int:
+    return tokens * BLOCK_K + 128 * BLOCK_K // 2          # e4m3 activations + packed weights of a 128-deep step
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
@@ -494,7 +486,7 @@ def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale
     box = swapped_scale_box(per, kb) if scale_tma else per
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
     recv = block_n * tokens // 2 * 4 if pair else 0
-    return stages * _stage_bytes(tokens, block_n) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
+    return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -517,7 +509,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_WIDE_TILES), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
