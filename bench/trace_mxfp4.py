@@ -5,7 +5,7 @@ tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop
     python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm] [--decode v6|v7]
                                 [--scale-tma auto|on|off] [--ramp N]
 
-The traced run follows an L2 flush (as in a model, and as bench.op and bench.prof_mxfp4 time it;
+The traced run follows an L2 flush (--flush write, the default, or read as bench.op --flush read; as in a model;
 --warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
 the kernel's span (first block's entry to last block's stored), the spread of the blocks' entries
 and the longest block; then, as medians over the blocks, in SM cycles: the prologue, the wait for the first
@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from bench.timing import L2_FLUSH_BYTES
+from bench.timing import FLUSH_MODES, _flusher
 from ops import gemm_mxfp4
 from ops.gemm_mxfp4 import SWAPPED_STEP_EVENTS, SWAPPED_TRACE_EVENTS, SWAPPED_TRACE_STEPS, SWAPPED_TRACE_WORDS
 
@@ -34,7 +34,7 @@ def _delta(a, b):
     return (int(b) - int(a)) & 0xFFFFFFFF       # 32-bit clock: wraps
 
 
-def _run_traced(kern, inputs, m, n, splits, blocks, warm):
+def _run_traced(kern, inputs, m, n, splits, blocks, warm, flush_mode="write"):
     """Three runs of a traced swapped kernel (kern(*inputs, out, part, trace, count)), the L2 flushed before each
     unless warm; the last run's per-block trace rows as lists of ints. splits: the partials' (1 where none)."""
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -43,32 +43,38 @@ def _run_traced(kern, inputs, m, n, splits, blocks, warm):
                       device="cuda").view(torch.float32)
     trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
     count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
-    flush = None if warm else torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    flush = None if warm else _flusher(True, flush_mode)
     for _ in range(3):
         if flush is not None:
-            flush.zero_()
+            flush()
         kern(*inputs, out, part, trace, count)
     torch.cuda.synchronize()
     return trace.cpu().tolist()
 
 
-def trace_case_w4a8(m, n, k, warm=False):
-    """trace_case for ops.gemm_w4a8's kernel (e4m3 activations, FP8 WGMMA), planned by plan_w4a8."""
+def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_offsets=False):
+    """trace_case for ops.gemm_w4a8's kernel (e4m3 activations, FP8 WGMMA), planned by plan_w4a8 (scale_tma:
+    W4A8_SCALE_TMA's override; no_offsets: the diagnostic without the table offsets, wrong results)."""
     from ops import gemm_w4a8
 
-    p = gemm_w4a8.plan_w4a8(m, n, k)
+    old = gemm_w4a8.W4A8_SCALE_TMA
+    gemm_w4a8.W4A8_SCALE_TMA = scale_tma
+    try:
+        p = gemm_w4a8.plan_w4a8(m, n, k)
+    finally:
+        gemm_w4a8.W4A8_SCALE_TMA = old
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
         b, torch.randint(117, 127, (n, k // 32), dtype=torch.uint8, device="cuda"))
     kern = gemm_w4a8.mxfp4_w4a8_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
-                                                        **p).launcher()
+                                                        **p, **({"no_offsets": True} if no_offsets else {})).launcher()
     inputs = (a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, torch.ones(m, device="cuda"))
-    rows = _run_traced(kern, inputs, m, n, 1 if p["pair"] else p["splits"], n // 128 * p["splits"], warm)
-    return {**p, "stage_k": 128}, rows
+    rows = _run_traced(kern, inputs, m, n, 1 if p["pair"] else p["splits"], n // 128 * p["splits"], warm, flush_mode)
+    return {**p, "stage_k": 128, **({"no_offsets": True} if no_offsets else {})}, rows
 
 
-def trace_case(m, n, k, warm=False, **plan):
+def trace_case(m, n, k, warm=False, flush_mode="write", **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
     p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
     a = torch.randn(m, k, device="cuda").bfloat16()
@@ -77,7 +83,7 @@ def trace_case(m, n, k, warm=False, **plan):
     kern = gemm_mxfp4.mxfp4_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                     **p).launcher()
     rows = _run_traced(kern, (a, b.view(torch.int32), s.view(torch.int32)), m, n, max(p["splits"], 1),
-                       n // 128 * p["splits"], warm)
+                       n // 128 * p["splits"], warm, flush_mode)
     return p, rows
 
 
@@ -132,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
+    ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
     ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
     if args.no_decode:
@@ -141,9 +149,10 @@ def main(argv=None):
     for case in args.case:
         m, n, k = map(int, case.split("x"))
         if args.w4a8:
-            p, rows = trace_case_w4a8(m, n, k, warm=args.warm)
+            p, rows = trace_case_w4a8(m, n, k, warm=args.warm, flush_mode=args.flush, no_offsets=args.no_offsets,
+                                      scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma])
         else:
-            p, rows = trace_case(m, n, k, warm=args.warm, decode=args.decode, ramp=args.ramp,
+            p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, decode=args.decode, ramp=args.ramp,
                                  scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                  fold={"auto": None, "on": True, "off": False}[args.fold],
                                  ahead={"auto": None, "on": True, "off": False}[args.ahead],

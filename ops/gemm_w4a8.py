@@ -141,7 +141,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False):
+                               trace: bool = False, group_scales: bool = False, no_offsets: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -153,7 +153,9 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     (bench.trace_mxfp4 --w4a8; Trace otherwise bound, never touched).
     group_scales=True: SA is (m, k/128), a scale per (token, 128-deep step) (DeepGEMM's sfa, as
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
-    product is promoted; the epilogue then multiplies by RowScale alone."""
+    product is promoted; the epilogue then multiplies by RowScale alone.
+    no_offsets=True (a diagnostic, wrong results: bench.trace_mxfp4 --no-offsets): the table offsets are neither
+    loaded nor waited for (all zero), to time the kernel without its wait for them."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -211,9 +213,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
                 # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
                 preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (sa_region, sas)]
-                + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else []),
-                prologue=lambda: _prologue(tbl, None if scale_tma else sw,
-                                           lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)]),
+                + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma and not no_offsets else []),
+                prologue=lambda: _prologue(tbl, None if scale_tma and not no_offsets else sw,
+                                           (lambda i, si: 0) if no_offsets else
+                                           (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
                 epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
                                           factor=factor))
 
