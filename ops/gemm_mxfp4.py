@@ -19,7 +19,7 @@ from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops import _validate as check
-from ops.gemm_fp8 import _in_order, _touch
+from ops.gemm_fp8 import _touch
 from ops.quant import dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4
 
 MX = 32
@@ -415,7 +415,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
-                recv = tile.stage((block_n, tokens // 2), "float32")
+                recv = tile.stage((block_n, pair_recv_words(tokens)), "float32")
                 _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             staged = None
@@ -575,6 +575,19 @@ def _scaled(out, factor, block_n, tokens):
 def _scale_in_place(out, factor, block_n, tokens):
     for i, j in tile.parallel(block_n, tokens):
         out[i, j] = out[i, j] * factor(i, j)
+
+
+def pair_recv_words(tokens: int) -> int:
+    """The row length (fp32 words) of the pair fold's recv tile (block_n rows x the other block's half of the tokens).
+    A warp's store or load of accumulator elements touches 8 rows x 4 token pairs at once: with rows of 16 or 32
+    words, every row starts in bank 0 or 16 (4- and 8-way bank conflicts on both sides of the DSMEM exchange:
+    64x7168x2048's W4A8 epilogue took ~6300 cycles, bench/NOTES.md "Session 45"); 8 more words put rows 0-3 and
+    4-7 in distinct banks (2-way, the least for 4-byte accesses at 2-word token spacing)."""
+    half = tokens // 2
+    return half + 8 if PAIR_RECV_PAD and half % 16 == 0 else half
+
+
+PAIR_RECV_PAD = True    # False: recv rows of exactly half the tokens, as before session 45 (bench A/B)
 
 
 @T.macro
@@ -1135,7 +1148,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         pair = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_PAIR is None else SWAPPED_PAIR
     pair = pair and splits == 2
     if pair:
-        stages = min(stages, (budget - scale_bytes(splits) - 128 * tokens // 2 * 4) // stage)
+        stages = min(stages, (budget - scale_bytes(splits) - 128 * pair_recv_words(tokens) * 4) // stage)
     if stage_out is None:
         stage_out = (tokens >= SWAPPED_STAGE_OUT_TOKENS and splits >= 4 if SWAPPED_STAGE_OUT is None
                      else SWAPPED_STAGE_OUT)
@@ -1234,7 +1247,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     n = b.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
-    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())), PAIR_RECV_PAD)
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:

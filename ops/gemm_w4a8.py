@@ -30,12 +30,13 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
+from ops import gemm_mxfp4 as _gemm_mxfp4
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS, SWAPPED_TRACE_WORDS,
-                            _stage_scale_rows, _store_masked_swapped,
-                            _swapped_grid, _tma_scale_words, _trace_stamp, masked_swapped_loads, plan_masked_swapped,
-                            plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
+                            _stage_scale_rows, _store_masked_swapped, _swapped_grid, _tma_scale_words, _trace_stamp,
+                            masked_swapped_loads, pair_recv_words, plan_masked_swapped, plan_swapped, swapped_epilogue,
+                            swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -181,7 +182,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
-                recv = tile.stage((block_n, tokens // 2), "float32")
+                recv = tile.stage((block_n, pair_recv_words(tokens)), "float32")
                 _touch(recv)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
@@ -488,7 +489,7 @@ def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
-    recv = block_n * tokens // 2 * 4 if pair else 0
+    recv = block_n * pair_recv_words(tokens) * 4 if pair else 0
     return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
 
 
@@ -512,7 +513,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, _gemm_mxfp4.PAIR_RECV_PAD), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
