@@ -52,17 +52,19 @@ def _run_traced(kern, inputs, m, n, splits, blocks, warm, flush_mode="write"):
     return trace.cpu().tolist()
 
 
-def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_offsets=False):
+def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_offsets=False, pair_wide=None):
     """trace_case for ops.gemm_w4a8's kernel (e4m3 activations, FP8 WGMMA), planned by plan_w4a8 (scale_tma:
-    W4A8_SCALE_TMA's override; no_offsets: the diagnostic without the table offsets, wrong results)."""
+    W4A8_SCALE_TMA's override; pair_wide: W4A8_PAIR_WIDE's; no_offsets: the diagnostic without the table offsets,
+    wrong results)."""
     from ops import gemm_w4a8
 
-    old = gemm_w4a8.W4A8_SCALE_TMA
+    old = gemm_w4a8.W4A8_SCALE_TMA, gemm_w4a8.W4A8_PAIR_WIDE
     gemm_w4a8.W4A8_SCALE_TMA = scale_tma
+    gemm_w4a8.W4A8_PAIR_WIDE = old[1] if pair_wide is None else pair_wide
     try:
         p = gemm_w4a8.plan_w4a8(m, n, k)
     finally:
-        gemm_w4a8.W4A8_SCALE_TMA = old
+        gemm_w4a8.W4A8_SCALE_TMA, gemm_w4a8.W4A8_PAIR_WIDE = old
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
@@ -150,7 +152,8 @@ def main(argv=None):
         m, n, k = map(int, case.split("x"))
         if args.w4a8:
             p, rows = trace_case_w4a8(m, n, k, warm=args.warm, flush_mode=args.flush, no_offsets=args.no_offsets,
-                                      scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma])
+                                      scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
+                                      pair_wide={"auto": None, "on": True, "off": False}[args.pair])
         else:
             p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, decode=args.decode, ramp=args.ramp,
                                  scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
@@ -173,6 +176,12 @@ def main(argv=None):
             ends = [x[0] for x in t["block ends"]]
             pct = [ends[min(len(ends) - 1, int(q * len(ends)))] for q in (0, 0.1, 0.5, 0.9)] + [ends[-1]]
             print(f"  block ends (ns; min p10 p50 p90 max): {' '.join(map(str, pct))}")
+            by_split = {}
+            for end, b, split, first, waits, epi in t["block ends"]:
+                by_split.setdefault(split, []).append((end, epi))
+            print("  by split (median end ns, median epilogue cycles): " + ", ".join(
+                f"{sp}: {statistics.median(x[0] for x in v):.0f} / {statistics.median(x[1] for x in v):.0f}"
+                for sp, v in sorted(by_split.items())))
             for end, b, split, first, waits, epi in t["block ends"][-8:]:
                 print(f"    block {b} (split {split}): ends {end} ns; first data {first}, "
                       f"loop data waits {waits}, epilogue {epi} cycles")
