@@ -335,6 +335,8 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
                Provider("tilecraft-w4a8-nopad", tilecraft_w4a8_with("PAIR_RECV_PAD", False, module="gemm_mxfp4"),
                         experimental=True),
+               Provider("tilecraft-w4a8-pairload", tilecraft_w4a8_with("PAIR_EXCHANGE", "load", module="gemm_mxfp4"),
+                        experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
