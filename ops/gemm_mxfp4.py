@@ -428,8 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             w0 = ts * per                                 # the split's first scale word (128-deep step)
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") + PAIR_LOAD_SOURCE
-                                                                  if pair else "")
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
                             + (READY_SOURCE if fold else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
@@ -581,24 +580,12 @@ def _scale_in_place(out, factor, block_n, tokens):
 def pair_recv_words(tokens: int) -> int:
     """The row length (fp32 words) of the pair fold's recv tile (block_n rows x the other block's half of the tokens).
     A warp's store or load of accumulator elements touches 8 rows x 4 token pairs at once: with rows of 16 or 32
-    words, every row starts in bank 0 or 16 (4- and 8-way bank conflicts on both sides of the DSMEM exchange:
-    64x7168x2048's W4A8 epilogue took ~6300 cycles, bench/NOTES.md "Session 45"); 8 more words put rows 0-3 and
-    4-7 in distinct banks (2-way, the least for 4-byte accesses at 2-word token spacing)."""
+    words, every row starts in bank 0 or 16 (4- and 8-way bank conflicts on both sides of the DSMEM exchange); 8
+    more words put rows 0-3 and 4-7 in distinct banks (2-way, the least for 4-byte accesses at 2-word token
+    spacing). Measured (bench/NOTES.md "Session 45"): the 64-token W4A8 pair epilogue ~6300 -> ~5450 cycles in the
+    traces, the op's time unchanged (the rest of that epilogue is not the exchange)."""
     half = tokens // 2
-    return half + 8 if PAIR_RECV_PAD and half % 16 == 0 else half
-
-
-PAIR_RECV_PAD = True    # False: recv rows of exactly half the tokens, as before session 45 (bench A/B)
-# how the pair exchanges its halves: "store" (each block stores the other's half into the other's shared memory,
-# DSMEM stores) or "load" (each keeps the other's half in its own shared memory; the other reads it with DSMEM
-# loads, all issued at once, then a second cluster barrier before either exits). Bench A/B (bench/NOTES.md
-# "Session 45": the 64-token pair epilogue took ~5450 cycles against ~1060 for storing the partial to global)
-PAIR_EXCHANGE = "store"
-PAIR_LOAD_SOURCE = r"""
-__device__ __forceinline__ float tc_cluster_load_f32(const float* local, unsigned rank) {
-  return *static_cast<const float*>(__cluster_map_shared_rank(const_cast<float*>(local), rank));
-}
-"""
+    return half + 8 if half % 16 == 0 else half
 
 
 @T.macro
@@ -607,29 +594,13 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
     # of K (steps == 0) contributes zeros; factor as _store_swapped's
     half = tokens // 2
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
-    if PAIR_EXCHANGE == "load":
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half != ts:
-                recv[i, j % half] = T.if_then_else(steps > 0, out[i, j], 0.0)
-        tile.cluster_barrier()
-        # every DSMEM load into registers first (no global store between them: they go out together)
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half == ts:
-                out[i, j] = T.if_then_else(steps > 0, out[i, j], 0.0) + T.call_extern(
-                    "float32", "tc_cluster_load_f32", T.address_of(recv[i, j % half]), 1 - ts)
-        tile.cluster_barrier()      # the other block's loads from this one's shared memory are done
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half == ts:
-                C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
-    else:
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half != ts:
-                tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
-        tile.cluster_barrier()
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half == ts:
-                C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half],
-                                                "bfloat16")
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m and j // half != ts:
+            tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
+    tile.cluster_barrier()
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m and j // half == ts:
+            C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
 
 
 # The swapped kernels' split-K fold (fold=True) without fences: Part starts as READY_EMPTY in every word
@@ -1274,7 +1245,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     n = b.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
-    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())), PAIR_RECV_PAD, PAIR_EXCHANGE)
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:

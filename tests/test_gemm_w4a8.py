@@ -380,25 +380,6 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (17, 256, 1024), (50, 6144, 1024), (3, 7168, 2048)])
-def test_gpu_pair_exchange_by_loads_is_by_stores(monkeypatch, m, n, k):
-    """gemm_mxfp4.PAIR_EXCHANGE "load" (each block keeps the other's half; the other reads it by DSMEM loads) adds
-    the same two partials as "store": the same bits, W4A8 (8-64-token tiles) and the bf16-activation kernel."""
-    from ops import gemm_mxfp4
-
-    g = torch.Generator().manual_seed(m + 3 * k)
-    packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    a16, pk, sc = (a.float() * sa[:, None]).bfloat16().cuda(), packed.cuda(), scales.cuda()
-    assert plan_w4a8(m, n, k)["pair"]
-    want, want16 = ops.mxfp4_w4a8_gemm_nt(*dev), ops.mxfp4_gemm_nt(a16, pk, sc)
-    monkeypatch.setattr(gemm_mxfp4, "PAIR_EXCHANGE", "load")
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
-    assert torch.equal(ops.mxfp4_gemm_nt(a16, pk, sc), want16)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (13, 4096, 7168), (16, 1024, 5632), (7, 512, 8192)])
 def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, m, n, k):
     """The fold plans (4 splits and more, <= 16 tokens) of both swapped kernels, W4A8 and bf16, fold without fences:

@@ -107,15 +107,14 @@ def tilecraft_w4a8(case, i, group=False):
     return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
 
 
-def tilecraft_w4a8_with(flag, value=True, module="gemm_w4a8"):
+def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
-    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel); module="gemm_mxfp4": a switch of
-    the swapped kernels' shared parts (PAIR_RECV_PAD False: the pair fold's unpadded recv rows)."""
+    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel)."""
     def make(case, i):
-        import importlib
+        from ops import gemm_w4a8
 
-        return with_switch(tilecraft_w4a8, importlib.import_module(f"ops.{module}"), flag, value)(case, i)
+        return with_switch(tilecraft_w4a8, gemm_w4a8, flag, value)(case, i)
     return make
 
 
@@ -333,10 +332,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
-               Provider("tilecraft-w4a8-nopad", tilecraft_w4a8_with("PAIR_RECV_PAD", False, module="gemm_mxfp4"),
-                        experimental=True),
-               Provider("tilecraft-w4a8-pairload", tilecraft_w4a8_with("PAIR_EXCHANGE", "load", module="gemm_mxfp4"),
-                        experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
