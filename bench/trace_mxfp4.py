@@ -102,6 +102,12 @@ def summarize(p, rows, k):
            "first data": med([_delta(r[e["prologue done"]], r[base]) for r in full]),
            "epilogue": med([_delta(r[e["loop done"]], r[e["stored"]]) for r in full]),
            "total": med([_delta(r[e["entry"]], r[e["stored"]]) for r in full])}
+    # the epilogue's parts (its stamps: "scaled", "sent", "exchanged"; each median over the blocks that stamped both
+    # ends: "exchanged" only by a fold's last block)
+    marks = ("loop done", "scaled", "sent", "exchanged", "stored")
+    out["epilogue parts"] = {
+        f"{a} -> {b}": med([_delta(r[e[a]], r[e[b]]) for r in full if r[e[a]] and r[e[b]]])
+        for a, b in zip(marks, marks[1:])}
     # the global timer's low 32 bits, as offsets from the first block's entry (wrap-safe: the blocks'
     # stamps lie within 2^31 ns of each other)
     ref = full[0][e["entry ns"]] if full else 0
@@ -168,6 +174,7 @@ def main(argv=None):
               f"first data {t['first data']:.0f}, epilogue {t['epilogue']:.0f}")
         print(f"  global timer: span {t['span ns']} ns, entries spread over {t['entry spread ns']} ns, "
               f"longest block {t['longest block ns']} ns")
+        print("  epilogue: " + ", ".join(f"{name} {c:.0f}" for name, c in t["epilogue parts"].items()))
         print(f"  work a step:  {' '.join(f'{w:.0f}' for w in t['work'])}")
         print(f"  data wait:    {' '.join(f'{w:.0f}' for w in t['wait'])}")
         for part in ("decode", "launch", "retire"):

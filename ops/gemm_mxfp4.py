@@ -450,6 +450,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
                 epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                          mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None,
                                           staged=staged))
 
     return mxfp4_gemm_nt_swapped
@@ -534,7 +535,11 @@ def plan_masked_swapped(max_m: int, k: int, a_bytes: int = 2) -> dict:
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
 # traced step's SWAPPED_STEP_EVENTS (SM clock)
-SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns")
+SWAPPED_TRACE_EVENTS = ("entry", "prologue done", "loop done", "stored", "entry ns", "stored ns",
+                        # inside the epilogue (swapped_epilogue's mark): the accumulator read and scaled; the partial
+                        # sent (pair: stored into the other block; split: stored to Part); the exchange done (pair:
+                        # past the cluster barrier; fold: the tile's last block, past its arrival)
+                        "scaled", "sent", "exchanged")
 # each traced step's stamps: its tiles landed, decoded into the fragment, WGMMAs issued, the step before's retired
 SWAPPED_STEP_EVENTS = ("data", "decoded", "launched", "issued")
 SWAPPED_TRACE_STEPS = 64
@@ -589,15 +594,21 @@ def pair_recv_words(tokens: int) -> int:
 
 
 @T.macro
-def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None):
+def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None, mark=None):
     # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
     # of K (steps == 0) contributes zeros; factor as _store_swapped's
     half = tokens // 2
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
+    if mark is not None:
+        mark("scaled")
     for i, j in tile.parallel(block_n, tokens):
         if j < m and j // half != ts:
             tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
+    if mark is not None:
+        mark("sent")
     tile.cluster_barrier()
+    if mark is not None:
+        mark("exchanged")
     for i, j in tile.parallel(block_n, tokens):
         if j < m and j // half == ts:
             C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
@@ -666,19 +677,23 @@ def _ready(v):
 
 
 def swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None,
-                     factor=None):
+                     factor=None, mark=None):
     """The swapped kernels' epilogue (bf16 and ops.gemm_w4a8's): with recv (pair), the cluster pair's fold;
-    otherwise C, or the split's partial (then the fold or the reduce kernel)."""
+    otherwise C, or the split's partial (then the fold or the reduce kernel). mark(event), if given, stamps the
+    trace's epilogue events ("scaled", "sent", "exchanged": SWAPPED_TRACE_EVENTS)."""
     if recv is not None:
-        return lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=factor)
+        return lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=factor, mark=mark)
     return lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged,
-                                  factor=factor)
+                                  factor=factor, mark=mark)
 
 
 @T.macro
-def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None, factor=None):
+def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None, factor=None,
+                   mark=None):
     # factor(i, j): what accumulator element (row i, token j) is multiplied by before it is stored (None: 1)
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
+    if mark is not None:
+        mark("scaled")
     if staged is not None:   # through shared memory, then whole token rows of the tile
         for i, j in tile.parallel(block_n, tokens):
             staged[j, i] = T.if_then_else(steps > 0, out[i, j], 0.0)
@@ -694,8 +709,12 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
                                                      T.if_then_else(steps > 0, out[i, j], 0.0))
                 else:
                     C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
+    if mark is not None:
+        mark("sent")
     if fold:   # the tile's last split block adds the partials in split order (the reduce kernel's bits)
         if tile.last_arrival(Count, tn, splits, threads=2 * block_n, ordered=False):
+            if mark is not None:
+                mark("exchanged")
             _ready_fold(C, Part, tn, m, splits, block_n, tokens)
 
 

@@ -218,7 +218,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                            (lambda i, si: 0) if no_offsets else
                                            (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
                 epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                          factor=factor))
+                                          factor=factor,
+                                          mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None))
 
     return mxfp4_w4a8_gemm_nt_swapped
 

@@ -1,6 +1,7 @@
 """Quantizers and the block-scaled FP8 GEMM family (DeepGEMM layouts)."""
 
 import functools
+import math
 import re
 
 import pytest
@@ -1460,10 +1461,17 @@ def test_mxfp4_swapped_trace_stamps_only_when_asked():
     assert "= clock()" not in plain and "= tc_globaltimer_lo()" not in plain
     stamps = re.findall(r"Trace\[.*?\] = clock\(\);", traced)
     ns = re.findall(r"Trace\[.*?\] = tc_globaltimer_lo\(\);", traced)
-    # 4 block events + 4 a step (data, decoded, launched, issued; the burst and the tails are separate
-    # code paths, each stamped); the global timer at entry and stored
-    assert len(stamps) >= 4 + 4 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 6, (stamps, ns)
+    # 4 block events + the epilogue's "scaled" and "sent" + 4 a step (data, decoded, launched, issued; the burst
+    # and the tails are separate code paths, each stamped); the global timer at entry and stored
+    assert len(stamps) >= 6 + 4 * 4 and len(ns) == 2 and len(SWAPPED_TRACE_EVENTS) == 9, (stamps, ns)
     assert f"* {SWAPPED_TRACE_WORDS})" in traced
+    words = SWAPPED_TRACE_WORDS
+    for event in ("scaled", "sent"):
+        assert f"Trace[((((int)blockIdx.x) * {words}) + {SWAPPED_TRACE_EVENTS.index(event)})] = clock();" in traced
+    # the pair fold stamps its exchange (past the cluster barrier) too
+    paired = mxfp4_swapped_program.source("sm_90a", **params, pair=True, trace=True)
+    for event in ("scaled", "sent", "exchanged"):
+        assert f"Trace[((((int)blockIdx.x) * {words}) + {SWAPPED_TRACE_EVENTS.index(event)})] = clock();" in paired
 
 
 def test_trace_mxfp4_summary_reads_the_stamps():
@@ -1495,6 +1503,8 @@ def test_trace_mxfp4_summary_reads_the_stamps():
             row[base + per * s + 3] = t % 2 ** 32   # issued
         row[2] = t % 2 ** 32                        # loop done
         row[3] = (t + 40) % 2 ** 32                 # stored
+        row[6] = (t + 5) % 2 ** 32                  # scaled
+        row[7] = (t + 25) % 2 ** 32                 # sent (no "exchanged": not the fold's last block)
         row[4] = (NS0 + start_ns) % 2 ** 32         # entry ns: the global timer wraps between blocks
         row[5] = (NS0 + start_ns + (t + 40 - t0) // 2) % 2 ** 32    # stored ns (a 2 GHz SM clock)
         return [v - 2 ** 32 if v >= 2 ** 31 else v for v in row]   # int32 as the kernel writes it
@@ -1510,6 +1520,10 @@ def test_trace_mxfp4_summary_reads_the_stamps():
     assert t["entry spread ns"] == 200 and t["longest block ns"] == 2150 and t["span ns"] == 200 + 2150
     # block by block, by end: (end ns, block, split, first data, loop data waits, epilogue); block 3 ran no step
     assert [x[1] for x in t["block ends"]] == [1, 0, 2] and t["block ends"][-1] == (2350, 2, 0, 500, 60, 40)
+    # the epilogue's parts, each over the blocks that stamped both ends (none stamped "exchanged": nan)
+    parts = t["epilogue parts"]
+    assert parts["loop done -> scaled"] == 5 and parts["scaled -> sent"] == 20
+    assert math.isnan(parts["sent -> exchanged"]) and math.isnan(parts["exchanged -> stored"])
 
 
 def test_mxfp4_swapped_plan_and_targets():
