@@ -5,8 +5,8 @@ stages asked for alone; swapped-v6: the v6 decode; swapped-fold / -reduce: split
 by the reduce kernel; swapped-ahead / -now: raw words loaded a step ahead of their decode or not;
 swapped-pair / -unpaired: a 2-split plan's blocks folding in clusters of two, or not; swapped-staged /
 -unstaged: the partials out through shared memory as whole rows, or from the accumulator layout) and its
-split-K reduce against the decoded-tile kernel
-(ops.gemm_mxfp4.SWAPPED off), on bench.suites.gemm's mxfp4 preset.
+split-K reduce against the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off) and the W4A8 kernel (w4a8:
+ops.mxfp4_w4a8_gemm_nt, e4m3 activations), on bench.suites.gemm's mxfp4 preset.
 
     python -m bench.prof_mxfp4 [--out DIR] [--no-decode] [--paths swapped-1 swapped-ldg ...]
 
@@ -58,7 +58,19 @@ def _tile(a, b, s):
     return run
 
 
-# the swapped kernel at one or two blocks an SM, and the decoded-tile kernel (SWAPPED off)
+def _w4a8(a, b, s):
+    # ops.mxfp4_w4a8_gemm_nt on the same weights (prepared once) and the activations as e4m3 with a per-token scale
+    from ops import gemm_w4a8
+
+    af = a.float()
+    sa = (af.abs().amax(-1) / 448).clamp(min=2 ** -120)
+    a8 = (af / sa[:, None]).to(torch.float8_e4m3fn)
+    prep = gemm_w4a8.prepare_mxfp4_w4a8(b, s)
+    return lambda: gemm_w4a8.mxfp4_w4a8_gemm_nt(a8, sa, *prep)
+
+
+# the swapped kernel at one or two blocks an SM, and the decoded-tile kernel (SWAPPED off); w4a8: the e4m3-activation
+# kernel (its kernels: the GEMM and, where its plan has one, the split-K reduce)
 PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-ldg": _swapped(1, scale_tma=False), "swapped-ramp2": _swapped(1, ramp=2),
          "swapped-v6": _swapped(1, decode="v6"), "swapped-fold": _swapped(1, fold=True),
@@ -66,7 +78,7 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-now": _swapped(1, ahead=False), "swapped-pair": _swapped(1, pair=True),
          "swapped-unpaired": _swapped(1, pair=False), "swapped-staged": _swapped(1, stage_out=True),
          "swapped-unstaged": _swapped(1, stage_out=False),
-         "swapped-2": _swapped(2), "tile": _tile}
+         "swapped-2": _swapped(2), "tile": _tile, "w4a8": _w4a8}
 
 
 def kernel_times(fn, reps=REPS):
