@@ -76,6 +76,32 @@ def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_
     return {**p, "stage_k": 128, **({"no_offsets": True} if no_offsets else {})}, rows
 
 
+def trace_case_w4a8_masked(groups, m, n, k, warm=False, flush_mode="write"):
+    """The W4A8 masked kernel (ops.m_grouped_mxfp4_w4a8_gemm_nt_masked's, as planned) over `groups` groups of m tokens
+    each (every group full): its stamps, a row a block (group-major)."""
+    from ops import gemm_w4a8
+
+    p = gemm_w4a8.plan_w4a8_masked(m, k)
+    a = torch.randn(groups, m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
+    codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
+        b, torch.randint(117, 127, (groups, n, k // 32), dtype=torch.uint8, device="cuda"))
+    kern = gemm_w4a8.mxfp4_w4a8_masked_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
+                                                       **p).launcher()
+    blocks = groups * n // 128
+    out = torch.empty(groups, m, n, dtype=torch.bfloat16, device="cuda")
+    trace = torch.zeros(blocks, gemm_mxfp4.SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    masked = torch.full((groups,), m, dtype=torch.int32, device="cuda")
+    flush = None if warm else _flusher(True, flush_mode)
+    for _ in range(3):
+        if flush is not None:
+            flush()
+        kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, torch.ones(groups, m, device="cuda"),
+             masked, out, trace)
+    torch.cuda.synchronize()
+    return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
+
+
 def trace_case(m, n, k, warm=False, flush_mode="write", **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
     p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
@@ -149,6 +175,7 @@ def main(argv=None):
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
     ap.add_argument("--pair-vector", action="store_true", help="gemm_mxfp4.PAIR_VECTOR on (16-byte pair exchange)")
     ap.add_argument("--entries-ahead", action="store_true", help="w4a8: W4A8_ENTRIES_AHEAD on")
+    ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
     ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
@@ -163,7 +190,9 @@ def main(argv=None):
         no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
-        if args.w4a8:
+        if args.w4a8 and args.masked:
+            p, rows = trace_case_w4a8_masked(args.masked, m, n, k, warm=args.warm, flush_mode=args.flush)
+        elif args.w4a8:
             p, rows = trace_case_w4a8(m, n, k, warm=args.warm, flush_mode=args.flush, no_offsets=args.no_offsets,
                                       scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                       pair_wide={"auto": None, "on": True, "off": False}[args.pair])

@@ -282,26 +282,21 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                              group_scales: bool = False, entries_ahead: bool = False):
+                              group_scales: bool = False, entries_ahead: bool = False, trace: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
     and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
     token factors are read in the epilogue, or (group_scales: SA (groups, max_m, k/128)) come by TMA with them and
-    multiply each step's product as it is promoted. entries_ahead: as mxfp4_w4a8_swapped_program's."""
+    multiply each step's product as it is promoted. entries_ahead: as mxfp4_w4a8_swapped_program's. trace=True
+    (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace (blocks, SWAPPED_TRACE_WORDS) int32 with the
+    swapped kernel's stamps, a row a block (block = group x n tiles + tile)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
 
-    @T.prim_func
-    def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
-                                          B: T.Tensor((groups, n, k // 8), "int32"),
-                                          TIX: T.Tensor((groups, n, kb), "int32"),
-                                          RowScale: T.Tensor((groups, n), "float32"),
-                                          SA: T.Tensor((groups, max_m, kb) if group_scales else (groups, max_m),
-                                                       "float32"),
-                                          MaskedM: T.Tensor((groups,), "int32"),
-                                          C: T.Tensor((groups, max_m, n), "bfloat16")):
+    @T.macro
+    def body(A, B, TIX, RowScale, SA, MaskedM, C, Trace):
         with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
             g, tn = tile.split_index(bid, (groups, n_tiles))
             sw = tile.stage((block_n, kb), "int32")           # table offsets of (row, step)
@@ -323,6 +318,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 (lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl)),
                 ahead=(lambda frows, step: _w4a8_entries(frows, step, ents, sw, tbl)) if entries_ahead else None,
                 stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
+                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
                          (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)]
                 + ([(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)] if group_scales else []),
@@ -331,6 +327,29 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                     acc, C, g, tn, rows, max_m, block_n, tokens,
                     factor=(lambda i, j: rs[i]) if group_scales else
                     (lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)])))
+
+    sa_shape = (groups, max_m, kb) if group_scales else (groups, max_m)
+    if trace:       # bench.trace_mxfp4 --w4a8 --masked: Trace as the swapped kernel's (a row a block)
+        @T.prim_func
+        def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
+                                              B: T.Tensor((groups, n, k // 8), "int32"),
+                                              TIX: T.Tensor((groups, n, kb), "int32"),
+                                              RowScale: T.Tensor((groups, n), "float32"),
+                                              SA: T.Tensor(sa_shape, "float32"), MaskedM: T.Tensor((groups,), "int32"),
+                                              C: T.Tensor((groups, max_m, n), "bfloat16"),
+                                              Trace: T.Tensor((groups * n_tiles, SWAPPED_TRACE_WORDS), "int32")):
+            body(A, B, TIX, RowScale, SA, MaskedM, C, Trace)
+
+        return mxfp4_w4a8_gemm_nt_masked_swapped
+
+    @T.prim_func
+    def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
+                                          B: T.Tensor((groups, n, k // 8), "int32"),
+                                          TIX: T.Tensor((groups, n, kb), "int32"),
+                                          RowScale: T.Tensor((groups, n), "float32"),
+                                          SA: T.Tensor(sa_shape, "float32"), MaskedM: T.Tensor((groups,), "int32"),
+                                          C: T.Tensor((groups, max_m, n), "bfloat16")):
+        body(A, B, TIX, RowScale, SA, MaskedM, C, None)
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
 
@@ -634,6 +653,17 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     return _w4a8_masked_op(a, sfa, codes, offsets, row_scale, masked_m)
 
 
+def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False) -> dict:
+    """The masked kernel's token tile and stages: plan_masked_swapped's with e4m3 activations, then as many stages as
+    fit next to the table offsets (and, with group_scales, the (token, step) scales) of the whole K."""
+    p = plan_masked_swapped(max_m, k, a_bytes=1)
+    stages = p["stages"]
+    while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
+            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group_scales else 0) + 1024 > SMEM_BUDGET:
+        stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
+    return dict(tokens=p["tokens"], stages=stages)
+
+
 @torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())
 def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
                     row_scale: torch.Tensor, masked_m: torch.Tensor) -> torch.Tensor:
@@ -645,12 +675,9 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     check.aligned("a", a, 16, "loaded by TMA")
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
-    p = plan_masked_swapped(max_m, k, a_bytes=1)
     group = sfa.dim() == 3
+    p = plan_w4a8_masked(max_m, k, group)
     stages = p["stages"]
-    while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
-            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group else 0) + 1024 > SMEM_BUDGET:
-        stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
     ahead = W4A8_ENTRIES_AHEAD
     kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group, ahead),
                            lambda: mxfp4_w4a8_masked_program.compile(

@@ -316,6 +316,20 @@ def test_masked_program_lowers_to_e4m3_register_wgmma():
     assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0
 
 
+def test_masked_program_traces_only_when_asked():
+    """mxfp4_w4a8_masked_program(trace=True) (bench.trace_mxfp4 --w4a8 --masked): a last Trace argument with the
+    swapped kernel's stamps (entry, prologue, each step's events, loop done, stored); without it, no clock is read and
+    the kernel has no Trace argument."""
+    from ops.gemm_mxfp4 import SWAPPED_TRACE_WORDS
+    from ops.gemm_w4a8 import mxfp4_w4a8_masked_program, plan_w4a8_masked
+
+    p = plan_w4a8_masked(64, 2048)
+    plain = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, **p)
+    traced = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, trace=True, **p)
+    assert "clock()" not in plain and "Trace" not in plain
+    assert traced.count("= clock();") >= 4 + 4 and f"{SWAPPED_TRACE_WORDS})] = clock();" in traced
+
+
 def test_entries_ahead_loads_the_table_before_the_wait(monkeypatch):
     """W4A8_ENTRIES_AHEAD: each step's 8 table entries (LDS.64) are issued before the step's full-barrier wait (the
     loop's ahead=), the decode after it loads only the codes (LDS.128); no spills; default plans without it."""
