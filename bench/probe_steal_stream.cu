@@ -225,14 +225,10 @@ int main(int argc, char** argv) {
         read_flush<<<1024, 256>>>(reinterpret_cast<const int4*>(flush), (256u << 20) / 16, reinterpret_cast<int*>(pool));
       else
         CK(cudaMemsetAsync(flush, r, 256 << 20));
-      CK(cudaEventRecord(e0));
-      kernel<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
-                                                visits, span, wide, narrow, boxes);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms * 1000.f);
+      t.push_back(timed_us(e0, e1, [&, steal = steal, pace = pace] {   // (structured bindings: by copy)
+        kernel<<<batch, 64, smem_bytes>>>(pool, d_table, d_steps, batch, n, steal, pace, claim, exits, arrived,
+                                          visits, span, wide, narrow, boxes);
+      }));
     }
     CK(cudaGetLastError());
     std::vector<int> vis(pages);

@@ -40,3 +40,15 @@ __global__ void read_flush(const int4* p, size_t n, int* sink) {
 }
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+// Microseconds from e0 to e1 around one launch (launch() enqueues it on the default stream), waited for
+template <class Launch>
+float timed_us(cudaEvent_t e0, cudaEvent_t e1, Launch&& launch) {
+  CK(cudaEventRecord(e0));
+  launch();
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  return ms * 1000.f;
+}

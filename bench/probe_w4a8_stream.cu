@@ -115,13 +115,9 @@ int main(int argc, char** argv) {
     std::vector<unsigned long long> sp(blocks * 3);
     for (int rep = 0; rep < reps; ++rep) {
       read_flush<<<1024, 256>>>(reinterpret_cast<const int4*>(flush), (256u << 20) / 16, sink);
-      CK(cudaEventRecord(e0));
-      kernel<<<blocks, 64, smem_bytes>>>(w, kb, splits, layout, work, ramp, span, sink, rows);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms * 1000.f);
+      t.push_back(timed_us(e0, e1, [&] {
+        kernel<<<blocks, 64, smem_bytes>>>(w, kb, splits, layout, work, ramp, span, sink, rows);
+      }));
     }
     CK(cudaGetLastError());
     CK(cudaMemcpy(sp.data(), span, blocks * 3 * 8, cudaMemcpyDeviceToHost));

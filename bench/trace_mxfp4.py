@@ -43,13 +43,18 @@ def _run_traced(kern, inputs, m, n, splits, blocks, warm, flush_mode="write"):
                       device="cuda").view(torch.float32)
     trace = torch.zeros(blocks, SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
     count = torch.zeros(n // 128, dtype=torch.int32, device="cuda")     # fold: arrivals, back to 0 after each run
+    _three_runs(lambda: kern(*inputs, out, part, trace, count), warm, flush_mode)
+    return trace.cpu().tolist()
+
+
+def _three_runs(run, warm, flush_mode):
+    # the traced kernel three times, the L2 flushed before each unless warm (the trace keeps the last run's stamps)
     flush = None if warm else _flusher(True, flush_mode)
     for _ in range(3):
         if flush is not None:
             flush()
-        kern(*inputs, out, part, trace, count)
+        run()
     torch.cuda.synchronize()
-    return trace.cpu().tolist()
 
 
 def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_offsets=False, pair_wide=None):
@@ -92,13 +97,9 @@ def trace_case_w4a8_masked(groups, m, n, k, warm=False, flush_mode="write"):
     out = torch.empty(groups, m, n, dtype=torch.bfloat16, device="cuda")
     trace = torch.zeros(blocks, gemm_mxfp4.SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
     masked = torch.full((groups,), m, dtype=torch.int32, device="cuda")
-    flush = None if warm else _flusher(True, flush_mode)
-    for _ in range(3):
-        if flush is not None:
-            flush()
-        kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, torch.ones(groups, m, device="cuda"),
-             masked, out, trace)
-    torch.cuda.synchronize()
+    sa = torch.ones(groups, m, device="cuda")
+    _three_runs(lambda: kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, sa, masked, out, trace),
+                warm, flush_mode)
     return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
 
 
@@ -179,7 +180,8 @@ def main(argv=None):
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
     ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
-    gemm_mxfp4.PAIR_VECTOR = args.pair_vector or gemm_mxfp4.PAIR_VECTOR
+    if args.pair_vector:
+        gemm_mxfp4.PAIR_VECTOR = True
     if args.entries_ahead:
         from ops import gemm_w4a8
 

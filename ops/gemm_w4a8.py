@@ -328,27 +328,24 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                     factor=(lambda i, j: rs[i]) if group_scales else
                     (lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)])))
 
-    sa_shape = (groups, max_m, kb) if group_scales else (groups, max_m)
+    # the arguments' types, once for both signatures
+    a_t, b_t = T.Tensor((groups, max_m, k), "float8_e4m3fn"), T.Tensor((groups, n, k // 8), "int32")
+    tix_t, rs_t = T.Tensor((groups, n, kb), "int32"), T.Tensor((groups, n), "float32")
+    sa_t = T.Tensor((groups, max_m, kb) if group_scales else (groups, max_m), "float32")
+    mm_t, c_t = T.Tensor((groups,), "int32"), T.Tensor((groups, max_m, n), "bfloat16")
     if trace:       # bench.trace_mxfp4 --w4a8 --masked: Trace as the swapped kernel's (a row a block)
+        trace_t = T.Tensor((groups * n_tiles, SWAPPED_TRACE_WORDS), "int32")
+
         @T.prim_func
-        def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
-                                              B: T.Tensor((groups, n, k // 8), "int32"),
-                                              TIX: T.Tensor((groups, n, kb), "int32"),
-                                              RowScale: T.Tensor((groups, n), "float32"),
-                                              SA: T.Tensor(sa_shape, "float32"), MaskedM: T.Tensor((groups,), "int32"),
-                                              C: T.Tensor((groups, max_m, n), "bfloat16"),
-                                              Trace: T.Tensor((groups * n_tiles, SWAPPED_TRACE_WORDS), "int32")):
+        def mxfp4_w4a8_gemm_nt_masked_swapped(A: a_t, B: b_t, TIX: tix_t, RowScale: rs_t, SA: sa_t, MaskedM: mm_t,
+                                              C: c_t, Trace: trace_t):
             body(A, B, TIX, RowScale, SA, MaskedM, C, Trace)
 
         return mxfp4_w4a8_gemm_nt_masked_swapped
 
     @T.prim_func
-    def mxfp4_w4a8_gemm_nt_masked_swapped(A: T.Tensor((groups, max_m, k), "float8_e4m3fn"),
-                                          B: T.Tensor((groups, n, k // 8), "int32"),
-                                          TIX: T.Tensor((groups, n, kb), "int32"),
-                                          RowScale: T.Tensor((groups, n), "float32"),
-                                          SA: T.Tensor(sa_shape, "float32"), MaskedM: T.Tensor((groups,), "int32"),
-                                          C: T.Tensor((groups, max_m, n), "bfloat16")):
+    def mxfp4_w4a8_gemm_nt_masked_swapped(A: a_t, B: b_t, TIX: tix_t, RowScale: rs_t, SA: sa_t, MaskedM: mm_t,
+                                          C: c_t):
         body(A, B, TIX, RowScale, SA, MaskedM, C, None)
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
