@@ -282,13 +282,13 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                              group_scales: bool = False, entries_ahead: bool = False, trace: bool = False):
+                              group_scales: bool = False, trace: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
     and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
     token factors are read in the epilogue, or (group_scales: SA (groups, max_m, k/128)) come by TMA with them and
-    multiply each step's product as it is promoted. entries_ahead: as mxfp4_w4a8_swapped_program's. trace=True
+    multiply each step's product as it is promoted. trace=True
     (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace (blocks, SWAPPED_TRACE_WORDS) int32 with the
     swapped kernel's stamps, a row a block (block = group x n tiles + tile)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
@@ -305,18 +305,14 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             acc = tile.accumulator((block_n, tokens))         # C^T of the group: weight rows x tokens
             rows = MaskedM[g]
             steps = T.if_then_else(rows > 0, kb, 0)
-            T.import_source(_source(entries_ahead))
+            T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
             sas = tile.stage((tokens, _bank_spread(kb)), "float32") if group_scales else None
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
-            ents = T.alloc_local((16,), "uint32") if entries_ahead else None     # a step's 8 table entries
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
-                (lambda raw_at, frows, place, blk, dst: _w4a8_fragment_e(raw_at, frows, place, dst, ents))
-                if entries_ahead else
-                (lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl)),
-                ahead=(lambda frows, step: _w4a8_entries(frows, step, ents, sw, tbl)) if entries_ahead else None,
+                lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl),
                 stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
@@ -675,11 +671,9 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     group = sfa.dim() == 3
     p = plan_w4a8_masked(max_m, k, group)
     stages = p["stages"]
-    ahead = W4A8_ENTRIES_AHEAD
-    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group, ahead),
+    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group),
                            lambda: mxfp4_w4a8_masked_program.compile(
-                               target, n=n, k=k, tokens=p["tokens"], stages=stages, group_scales=group,
-                               **({"entries_ahead": True} if ahead else {})).launcher())
+                               target, n=n, k=k, tokens=p["tokens"], stages=stages, group_scales=group).launcher())
     kernel(a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale),
            check.aligned_copy(sfa), masked_m, out)
     return out

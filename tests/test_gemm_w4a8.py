@@ -436,20 +436,15 @@ def test_gpu_pair_vector_exchange_gives_the_same_bits(monkeypatch, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536)])
 def test_gpu_entries_ahead_gives_the_same_bits(monkeypatch, m, n, k, group):
     """W4A8_ENTRIES_AHEAD (a step's table entries loaded before its tiles are waited for) decodes the same values:
-    the default plan's bits, per-token and per-(token, 128) sfa, dense and masked (a group with one row fewer)."""
+    the default plan's bits, per-token and per-(token, 128) sfa."""
     g = torch.Generator().manual_seed(m * 3 + k)
     packed, scales = weights(n, k, g)
     a, sa = group_activations(m, k, g) if group else activations(m, k, g)
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    ga, gsa = group_activations(2 * m, k, g) if group else activations(2 * m, k, g)
-    grouped = [ga.view(2, m, k).cuda(), gsa.view(2, m, *gsa.shape[1:]).cuda(),
-               *[t.cuda() for t in prepare_mxfp4_w4a8(torch.stack([packed, packed]), torch.stack([scales, scales]))],
-               torch.tensor([m, max(m - 1, 0)], dtype=torch.int32, device="cuda")]
-    want, want_g = ops.mxfp4_w4a8_gemm_nt(*dev), ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*grouped)
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
     monkeypatch.setattr(gemm_w4a8, "W4A8_ENTRIES_AHEAD", True)
     assert plan_w4a8(m, n, k, group_scales=group)["entries_ahead"]
     assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
-    assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*grouped), want_g)
 
 
 @pytest.mark.gpu
