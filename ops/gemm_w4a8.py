@@ -115,35 +115,8 @@ __device__ __forceinline__ void tc_w4a8_fragment(void* dst, const void* wr, cons
 """
 
 
-def _source(entries_ahead: bool = False) -> str:
-    return W4A8_SOURCE % dict(words=2 * TABLE_ENTRIES, low=TABLE_LOW) + (ENTRIES_SOURCE if entries_ahead else "")
-
-
-ENTRIES_SOURCE = r"""
-// entries_ahead: the 8 table entries of this thread's two rows' four k32 blocks (tw: byte j is block j's entry x 8)
-// into registers e (2 words each: row r's blocks 0-3, then row r + 8's), loaded before the step's tiles are waited for
-__device__ __forceinline__ void tc_w4a8_entries(unsigned* e, int tw_r, int tw_r8, const void* tbl) {
-  const char* tb = reinterpret_cast<const char*>(tbl);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint2 t = *reinterpret_cast<const uint2*>(tb + __byte_perm((unsigned)tw_r, 0u, 0x4440u + j));
-    const uint2 u = *reinterpret_cast<const uint2*>(tb + __byte_perm((unsigned)tw_r8, 0u, 0x4440u + j));
-    e[2 * j] = t.x, e[2 * j + 1] = t.y, e[8 + 2 * j] = u.x, e[8 + 2 * j + 1] = u.y;
-  }
-}
-// tc_w4a8_fragment with the entries from tc_w4a8_entries
-__device__ __forceinline__ void tc_w4a8_fragment_e(void* dst, const void* wr, const void* wr8, const unsigned* e) {
-  const uint4 x = *reinterpret_cast<const uint4*>(wr);
-  const uint4 y = *reinterpret_cast<const uint4*>(wr8);
-  const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    tc_w4a8_word(xs[j], make_uint2(e[2 * j], e[2 * j + 1]), d[4 * j + 0], d[4 * j + 2]);
-    tc_w4a8_word(ys[j], make_uint2(e[8 + 2 * j], e[8 + 2 * j + 1]), d[4 * j + 1], d[4 * j + 3]);
-  }
-}
-"""
+def _source() -> str:
+    return W4A8_SOURCE % dict(words=2 * TABLE_ENTRIES, low=TABLE_LOW)
 
 
 @T.macro
@@ -153,21 +126,6 @@ def _w4a8_fragment(raw_at, rows, place, step, dst, sw, tbl):
     T.evaluate(T.call_extern("handle", "tc_w4a8_fragment", dst, T.access_ptr(raw_at(r, 4 * place), "r", 4),
                              T.access_ptr(raw_at(r8, 4 * place), "r", 4), sw[r, step], sw[r8, step],
                              T.access_ptr(tbl[0], "r", 2 * TABLE_ENTRIES)))
-
-
-@T.macro
-def _w4a8_entries(rows, step, ents, sw, tbl):
-    # entries_ahead: this thread's rows' table entries of the step into registers (before its tiles are waited for)
-    r, r8 = rows
-    T.evaluate(T.call_extern("handle", "tc_w4a8_entries", ents.data, sw[r, step], sw[r8, step],
-                             T.access_ptr(tbl[0], "r", 2 * TABLE_ENTRIES)))
-
-
-@T.macro
-def _w4a8_fragment_e(raw_at, rows, place, dst, ents):
-    r, r8 = rows
-    T.evaluate(T.call_extern("handle", "tc_w4a8_fragment_e", dst, T.access_ptr(raw_at(r, 4 * place), "r", 4),
-                             T.access_ptr(raw_at(r8, 4 * place), "r", 4), ents.data))
 
 
 @T.macro
@@ -184,8 +142,7 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               entries_ahead: bool = False):
+                               trace: bool = False, group_scales: bool = False, no_offsets: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -199,9 +156,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
     product is promoted; the epilogue then multiplies by RowScale alone.
     no_offsets=True (a diagnostic, wrong results: bench.trace_mxfp4 --no-offsets): the table offsets are neither
-    loaded nor waited for (all zero), to time the kernel without its wait for them.
-    entries_ahead=True: each step's table entries (offsets -> table: two dependent shared-memory loads) go into
-    registers before the step's tiles are waited for (the loop's ahead=), the decode then reads the codes only."""
+    loaded nor waited for (all zero), to time the kernel without its wait for them."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -236,8 +191,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source(entries_ahead) + pair_source(pair, tokens, block_n)
-                            + (READY_SOURCE if fold else ""))
+            T.import_source(_source() + pair_source(pair, tokens, block_n) + (READY_SOURCE if fold else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")
@@ -249,16 +203,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
                 sa_region = SA[0:tokens]
             loads = swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K)
-            ents = T.alloc_local((16,), "uint32") if entries_ahead else None     # a step's 8 table entries
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
-                (lambda raw_at, rows, place, blk, dst: _w4a8_fragment_e(raw_at, rows, place, dst, ents))
-                if entries_ahead else
-                (lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
-                                                                      tbl)),
-                ahead=(lambda rows, step: _w4a8_entries(rows, step + w0 - s0, ents, sw, tbl)) if entries_ahead
-                else None,
+                lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
+                                                                     tbl),
                 stages=stages,
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
@@ -523,10 +472,6 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
-# each step's table entries into registers before the step's tiles are waited for (the offsets -> table chain off
-# the step's path: the probe puts a step's cycle at ~14 of the kernel's, bench/NOTES.md "Session 45"). Bench A/B
-# (built after session 45's GPU time, not yet run)
-W4A8_ENTRIES_AHEAD = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -540,8 +485,6 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
                fold=p["fold"], pair=p["pair"])
     if group_scales:
         out["group_scales"] = True
-    if W4A8_ENTRIES_AHEAD:
-        out["entries_ahead"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
@@ -556,8 +499,7 @@ def _stage_bytes(tokens: int) -> int:
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
-                    pair: bool = False, group_scales: bool = False, block_n: int = 128,
-                    entries_ahead: bool = False) -> int:
+                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -588,8 +530,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, _gemm_mxfp4.PAIR_VECTOR,
-                                            W4A8_ENTRIES_AHEAD), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, _gemm_mxfp4.PAIR_VECTOR), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -330,26 +330,6 @@ def test_masked_program_traces_only_when_asked():
     assert traced.count("= clock();") >= 4 + 4 and f"{SWAPPED_TRACE_WORDS})] = clock();" in traced
 
 
-def test_entries_ahead_loads_the_table_before_the_wait(monkeypatch):
-    """W4A8_ENTRIES_AHEAD: each step's 8 table entries (LDS.64) are issued before the step's full-barrier wait (the
-    loop's ahead=), the decode after it loads only the codes (LDS.128); no spills; default plans without it."""
-    import re
-
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-
-    assert "entries_ahead" not in plan_w4a8(1, 4096, 7168)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_ENTRIES_AHEAD", True)
-    p = plan_w4a8(1, 4096, 7168)
-    assert p["entries_ahead"]
-    cubin = build_cubin(mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p), "sm_90a")
-    assert sass_stats(cubin, "sm_90a").spill_stores == 0
-    ops_ = re.findall(r"(TRYWAIT|LDS\.64|LDS\.128|QGMMA)", disassemble(cubin))
-    waits = [i for i, o in enumerate(ops_) if o == "TRYWAIT"]
-    # between two waits of the loop: the next step's entries, then (after the wait) its codes
-    tail = ops_[waits[2] + 1:waits[3]]
-    assert tail.count("LDS.64") == 8 and "LDS.128" in tail and tail.index("LDS.128") < tail.index("LDS.64")
-
-
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -428,22 +408,6 @@ def test_gpu_pair_vector_exchange_gives_the_same_bits(monkeypatch, m, n, k):
     assert p["pair"] and p["tokens"] >= 32
     want = ops.mxfp4_w4a8_gemm_nt(*dev)
     monkeypatch.setattr(gemm_mxfp4, "PAIR_VECTOR", True)
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("group", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536)])
-def test_gpu_entries_ahead_gives_the_same_bits(monkeypatch, m, n, k, group):
-    """W4A8_ENTRIES_AHEAD (a step's table entries loaded before its tiles are waited for) decodes the same values:
-    the default plan's bits, per-token and per-(token, 128) sfa."""
-    g = torch.Generator().manual_seed(m * 3 + k)
-    packed, scales = weights(n, k, g)
-    a, sa = group_activations(m, k, g) if group else activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    want = ops.mxfp4_w4a8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_ENTRIES_AHEAD", True)
-    assert plan_w4a8(m, n, k, group_scales=group)["entries_ahead"]
     assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
 
 

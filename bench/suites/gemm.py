@@ -116,8 +116,7 @@ def _gemm_mxfp4():
 def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
-    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel), W4A8_ENTRIES_AHEAD (the table
-    entries before each step's wait)."""
+    W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -339,7 +338,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
-               Provider("tilecraft-w4a8-ahead", tilecraft_w4a8_with("W4A8_ENTRIES_AHEAD"), experimental=True),
                Provider("tilecraft-w4a8-pairvec",
                         lambda case, i: with_switch(tilecraft_w4a8, _gemm_mxfp4(), "PAIR_VECTOR", True)(case, i),
                         experimental=True),

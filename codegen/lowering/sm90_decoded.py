@@ -133,13 +133,10 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
-        ahead = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor) = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
-    if ahead is not None:   # work that needs no stage data, issued before the wait (its latency under it)
-        ahead(rows, s)
     if regs is None:
         emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
     else:   # first is a multiple of BURST (even): buffer j % 2 holds step s
@@ -226,7 +223,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, ahead):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -248,7 +245,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              temps, ahead)
+              temps)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
         in_bursts(steps, _reg_burst, io)
@@ -261,7 +258,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, ahead=None):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -286,9 +283,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
     # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
     # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
-    # ahead(rows, step), if given (stages of one part, no raw words a step ahead): run by the MMA threads before
-    # each step's wait for its tiles, for work that needs none of the stage's data (e.g. a decode's table lookups
-    # from a preloaded tile into registers the decode then reads), so that its latency falls under the wait
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -302,8 +296,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     if promote is not False and (blocks_per_sm != 1 or isinstance(decode, tuple) or (callable(promote) and parts != 1)):
         raise ValueError(f"promote takes one block an SM and a decode from shared memory (a factor: stages of one "
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
-    if ahead is not None and (parts != 1 or isinstance(decode, tuple)):
-        raise ValueError(f"ahead= takes stages of one part and a decode from shared memory, got {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     threads = consumers + PRODUCER
@@ -333,4 +325,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), ahead)
+                    ramp, regs, (temps, pfactor))
