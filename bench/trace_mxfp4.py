@@ -174,13 +174,10 @@ def main(argv=None):
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
-    ap.add_argument("--pair-vector", action="store_true", help="gemm_mxfp4.PAIR_VECTOR on (16-byte pair exchange)")
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
     ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
-    if args.pair_vector:
-        gemm_mxfp4.PAIR_VECTOR = True
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
 

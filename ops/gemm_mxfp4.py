@@ -321,7 +321,7 @@ def swapped_loads(A, B, tn, k0, block_n, tokens, stage_k):
 def masked_swapped_loads(A, B, g, tn, block_n, tokens):
     """swapped_loads for the masked grouped layout: group g's, 128-deep steps over the whole K."""
     return lambda blk: (A[g, 0:tokens, blk * BLOCK_K:(blk + 1) * BLOCK_K],
-                        B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])   # tc_e2m1x2_bits: two multiplies, two masks; or a permute (sign mode), one mask
+                        B[g, tn * block_n:(tn + 1) * block_n, blk * (BLOCK_K // 8):(blk + 1) * (BLOCK_K // 8)])
 
 
 @T.macro
@@ -428,7 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             w0 = ts * per                                 # the split's first scale word (128-deep step)
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + pair_source(pair, tokens, block_n)
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
                             + (READY_SOURCE if fold else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
@@ -582,52 +582,6 @@ def _scale_in_place(out, factor, block_n, tokens):
         out[i, j] = out[i, j] * factor(i, j)
 
 
-# PAIR_VECTOR (bench A/B, off; built in session 45 after its GPU time, not yet run): at 32- and 64-token tiles the
-# pair sends the other block's half as 16-byte DSMEM stores (tc_pair_send) into recv laid out [row][c][t][e] (a
-# thread's 2 x tokens / 16 values of a row contiguous) instead of one 4-byte store a value: 4x fewer DSMEM
-# transactions. Why: the 64-token W4A8 pair epilogue takes ~5450 cycles against ~1060 for the split's plain
-# partial store, and neither its bank conflicts nor loads instead of stores changed the op (bench/NOTES.md
-# "Session 45"); 4096 4-byte remote accesses a block in ~4000 cycles looks like one DSMEM transaction a cycle.
-PAIR_VECTOR = False
-PAIR_VECTOR_SOURCE = r"""
-// The pair fold's send at 32/64-token tiles: this thread's accumulator values of the other block's half (v[4t + 2h
-// + e]: row r + 8h, token 8t + 2c + e) into the other block's recv, laid out [row][c][t - t0][e] with rows kW words
-// apart, as 16-byte DSMEM stores (zeros where the split had no step: live == 0).
-template <int kT, int kW, int kT0>
-__device__ __forceinline__ void tc_pair_send_half(const float* v, float* remote, int r, int c, int live) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float* dst = remote + (r + 8 * h) * kW + c * 2 * kT;
-#pragma unroll
-    for (int q = 0; q < kT / 2; ++q) {
-      const int t = kT0 + 2 * q;
-      float4 x = make_float4(v[4 * t + 2 * h], v[4 * t + 2 * h + 1], v[4 * t + 4 + 2 * h], v[4 * t + 5 + 2 * h]);
-      if (!live) x = make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<float4*>(dst + 4 * q) = x;
-    }
-  }
-}
-template <int kT, int kW>   // kT: t's in a half (tokens / 16), kW: recv's row stride (pair_recv_words)
-__device__ __forceinline__ void tc_pair_send(const float* v, float* recv, int ts, int live) {
-  const int tid = threadIdx.x, r = (tid >> 5) * 16 + ((tid & 31) >> 2), c = tid & 3;
-  float* remote = static_cast<float*>(__cluster_map_shared_rank(static_cast<void*>(recv), (unsigned)(1 - ts)));
-  if (ts == 0) tc_pair_send_half<kT, kW, kT>(v, remote, r, c, live);     // block 0 keeps t < kT, sends the rest
-  else tc_pair_send_half<kT, kW, 0>(v, remote, r, c, live);
-}
-"""
-
-
-def _pair_vector(tokens: int, block_n: int = 128) -> bool:
-    return PAIR_VECTOR and tokens >= 32 and block_n == 128
-
-
-def pair_source(pair: bool, tokens: int, block_n: int = 128) -> str:
-    """The device helpers a swapped program's pair fold imports (none without the pair)."""
-    if not pair:
-        return ""
-    return tile.helper_source("cluster_store") + (PAIR_VECTOR_SOURCE if _pair_vector(tokens, block_n) else "")
-
-
 def pair_recv_words(tokens: int) -> int:
     """The row length (fp32 words) of the pair fold's recv tile (block_n rows x the other block's half of the tokens).
     A warp's store or load of accumulator elements touches 8 rows x 4 token pairs at once: with rows of 16 or 32
@@ -635,8 +589,6 @@ def pair_recv_words(tokens: int) -> int:
     more words put rows 0-3 and 4-7 in distinct banks (2-way, the least for 4-byte accesses at 2-word token
     spacing). Measured (bench/NOTES.md "Session 45"): the 64-token W4A8 pair epilogue ~6300 -> ~5450 cycles in the
     traces, the op's time unchanged (the rest of that epilogue is not the exchange)."""
-    if _pair_vector(tokens):      # [row][c][t][e]: 8 x tokens / 16 words (+4 at 64 tokens: conflict-free 16 bytes)
-        return {32: 16, 64: 36}[tokens]
     half = tokens // 2
     return half + 8 if half % 16 == 0 else half
 
@@ -649,14 +601,9 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     if mark is not None:
         mark("scaled")
-    if _pair_vector(tokens, block_n):
-        kt = tokens // 16
-        T.evaluate(T.call_extern("handle", f"tc_pair_send<{kt}, {pair_recv_words(tokens)}>", out,
-                                 T.address_of(recv[0, 0]), ts, T.cast(steps > 0, "int32")))
-    else:
-        for i, j in tile.parallel(block_n, tokens):
-            if j < m and j // half != ts:
-                tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
+    for i, j in tile.parallel(block_n, tokens):
+        if j < m and j // half != ts:
+            tile.cluster_store(recv[i, j % half], j // half, T.if_then_else(steps > 0, out[i, j], 0.0))
     if mark is not None:
         mark("sent")
     tile.cluster_barrier()
@@ -664,17 +611,7 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
         mark("exchanged")
     for i, j in tile.parallel(block_n, tokens):
         if j < m and j // half == ts:
-            other = _recv_at(recv, i, j, ts, tokens)        # the other block's partial
-            C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + other, "bfloat16")
-
-
-def _recv_at(recv, i, j, ts, tokens):
-    # the other block's partial of (row i, token j) of this block's half: recv[i, j % half], or in PAIR_VECTOR's
-    # [row][c][t - t0][e] layout (c = j % 8 // 2, t = j // 8, e = j % 2; t0 = ts x tokens / 16)
-    if _pair_vector(tokens, recv.shape[0]):
-        kt = tokens // 16
-        return recv[i, (j % 8 // 2) * 2 * kt + (j // 8 - ts * kt) * 2 + j % 2]
-    return recv[i, j % (tokens // 2)]
+            C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
 
 
 # The swapped kernels' split-K fold (fold=True) without fences: Part starts as READY_EMPTY in every word
@@ -1327,7 +1264,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     n = b.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
-    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())), PAIR_VECTOR)
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:

@@ -30,13 +30,12 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
-from ops import gemm_mxfp4 as _gemm_mxfp4
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS,
                             SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
-                            _tma_scale_words, _trace_stamp, masked_swapped_loads, pair_recv_words, pair_source,
-                            plan_masked_swapped, plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
+                            _tma_scale_words, _trace_stamp, masked_swapped_loads, pair_recv_words, plan_masked_swapped,
+                            plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -191,7 +190,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source() + pair_source(pair, tokens, block_n) + (READY_SOURCE if fold else ""))
+            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "")
+                            + (READY_SOURCE if fold else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")
@@ -530,7 +530,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, _gemm_mxfp4.PAIR_VECTOR), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -394,24 +394,6 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (17, 256, 1024), (33, 7168, 2048)])
-def test_gpu_pair_vector_exchange_gives_the_same_bits(monkeypatch, m, n, k):
-    """gemm_mxfp4.PAIR_VECTOR (the pair's half sent as 16-byte DSMEM stores into a [row][c][t][e] recv, 32- and
-    64-token tiles) adds the same two partials as the 4-byte stores: the same bits, tails (m < tokens) included."""
-    from ops import gemm_mxfp4
-
-    g = torch.Generator().manual_seed(m + 5 * k)
-    packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
-    p = plan_w4a8(m, n, k)
-    assert p["pair"] and p["tokens"] >= 32
-    want = ops.mxfp4_w4a8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_mxfp4, "PAIR_VECTOR", True)
-    assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (13, 4096, 7168), (16, 1024, 5632), (7, 512, 8192)])
 def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, m, n, k):
     """The fold plans (4 splits and more, <= 16 tokens) of both swapped kernels, W4A8 and bf16, fold without fences:

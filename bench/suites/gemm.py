@@ -107,12 +107,6 @@ def tilecraft_w4a8(case, i, group=False):
     return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
 
 
-def _gemm_mxfp4():
-    from ops import gemm_mxfp4
-
-    return gemm_mxfp4
-
-
 def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
@@ -338,9 +332,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
-               Provider("tilecraft-w4a8-pairvec",
-                        lambda case, i: with_switch(tilecraft_w4a8, _gemm_mxfp4(), "PAIR_VECTOR", True)(case, i),
-                        experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
