@@ -499,13 +499,17 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 
 
 @T.macro
-def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None):
-    # factor(i, j): as _store_swapped's
+def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None):
+    # factor(i, j), mark(event): as _store_swapped's
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
+    if mark is not None:
+        mark("scaled")
     for i, j in tile.parallel(block_n, tokens):
         if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
             C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
                                                        T.cast(0, "bfloat16"))
+    if mark is not None:
+        mark("sent")
 
 
 def swapped_scale_box(per: int, kb: int) -> int:

@@ -231,13 +231,14 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                              group_scales: bool = False, trace: bool = False):
+                              group_scales: bool = False, token_scales_tma: bool = False, trace: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
     and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
-    token factors are read in the epilogue, or (group_scales: SA (groups, max_m, k/128)) come by TMA with them and
-    multiply each step's product as it is promoted. trace=True
+    token factors are read from global memory in the epilogue, or (token_scales_tma: SA's row of the group, which
+    needs max_m % 4 == 0 for TMA's 16-byte row stride) come by TMA with them, or (group_scales: SA (groups, max_m,
+    k/128)) come by TMA with them and multiply each step's product as it is promoted. trace=True
     (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace (blocks, SWAPPED_TRACE_WORDS) int32 with the
     swapped kernel's stamps, a row a block (block = group x n tiles + tile)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
@@ -256,7 +257,17 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
-            sas = tile.stage((tokens, _bank_spread(kb)), "float32") if group_scales else None
+            if group_scales:
+                sas = tile.stage((tokens, _bank_spread(kb)), "float32")
+                sa_region = [(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)]
+                factor = lambda i, j: rs[i]  # noqa: E731
+            elif token_scales_tma:     # tokens past max_m: 0 (TMA), never stored
+                sas = tile.stage((tokens,), "float32")
+                sa_region = [(SA[g, 0:tokens], sas)]
+                factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
+            else:   # loads by the MMA threads after the loop (they queue behind the grid's stages)
+                sas, sa_region = None, []
+                factor = lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)]  # noqa: E731
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
@@ -265,13 +276,11 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
-                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)]
-                + ([(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)] if group_scales else []),
+                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] + sa_region,
                 prologue=lambda: _fill_table(tbl),
                 epilogue=lambda: _store_masked_swapped(
-                    acc, C, g, tn, rows, max_m, block_n, tokens,
-                    factor=(lambda i, j: rs[i]) if group_scales else
-                    (lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)])))
+                    acc, C, g, tn, rows, max_m, block_n, tokens, factor=factor,
+                    mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if Trace is not None else None))
 
     # the arguments' types, once for both signatures
     a_t, b_t = T.Tensor((groups, max_m, k), "float8_e4m3fn"), T.Tensor((groups, n, k // 8), "int32")
@@ -472,6 +481,10 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
+# The masked kernel's per-token scales (sfa (g, max_m)) by the producer's TMA ahead of the stages, as the dense
+# kernel's, where max_m % 4 == 0; otherwise (and False: bench A/B) loaded from global memory in the epilogue, where
+# they queue behind the grid's stages (session 46: the masked epilogue ~3500-5900 cycles against ~1060 dense)
+W4A8_MASKED_SA_TMA = True
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -589,13 +602,16 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
 
 def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False) -> dict:
     """The masked kernel's token tile and stages: plan_masked_swapped's with e4m3 activations, then as many stages as
-    fit next to the table offsets (and, with group_scales, the (token, step) scales) of the whole K."""
+    fit next to the table offsets (and, with group_scales, the (token, step) scales) of the whole K; the per-token
+    scales by TMA (token_scales_tma) where SA's rows allow it (max_m % 4 == 0) and W4A8_MASKED_SA_TMA is on."""
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     stages = p["stages"]
+    sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
-            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group_scales else 0) + 1024 > SMEM_BUDGET:
-        stages -= 1           # room for the table offsets (and the (token, step) scales) of the whole K
-    return dict(tokens=p["tokens"], stages=stages)
+            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group_scales else 0) + (
+            p["tokens"] * 4 if sa_tma else 0) + 1024 > SMEM_BUDGET:
+        stages -= 1           # room for the table offsets (and the token scales) of the whole K
+    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma)
 
 
 @torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())
@@ -611,10 +627,9 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     target = targets.resolve(a)
     group = sfa.dim() == 3
     p = plan_w4a8_masked(max_m, k, group)
-    stages = p["stages"]
-    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, p["tokens"], stages, group),
-                           lambda: mxfp4_w4a8_masked_program.compile(
-                               target, n=n, k=k, tokens=p["tokens"], stages=stages, group_scales=group).launcher())
+    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, *p.values(), group),
+                           lambda: mxfp4_w4a8_masked_program.compile(target, n=n, k=k, group_scales=group,
+                                                                     **p).launcher())
     kernel(a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale),
            check.aligned_copy(sfa), masked_m, out)
     return out

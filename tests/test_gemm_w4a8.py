@@ -9,7 +9,8 @@ import torch
 import ops
 from ops import gemm_w4a8
 from ops.gemm_w4a8 import (EXACT_LOW, TABLE_ENTRIES, TABLE_LOW, dequant_w4a8, mxfp4_w4a8_masked_program,
-                           mxfp4_w4a8_swapped_program, plan_w4a8, prepare_mxfp4_w4a8, table_words, w4a8_exact)
+                           mxfp4_w4a8_swapped_program, plan_w4a8, plan_w4a8_masked, prepare_mxfp4_w4a8, table_words,
+                           w4a8_exact)
 
 
 def calc_diff(x, y):
@@ -321,13 +322,27 @@ def test_masked_program_traces_only_when_asked():
     swapped kernel's stamps (entry, prologue, each step's events, loop done, stored); without it, no clock is read and
     the kernel has no Trace argument."""
     from ops.gemm_mxfp4 import SWAPPED_TRACE_WORDS
-    from ops.gemm_w4a8 import mxfp4_w4a8_masked_program, plan_w4a8_masked
 
     p = plan_w4a8_masked(64, 2048)
     plain = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, **p)
     traced = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, trace=True, **p)
     assert "clock()" not in plain and "Trace" not in plain
     assert traced.count("= clock();") >= 4 + 4 and f"{SWAPPED_TRACE_WORDS})] = clock();" in traced
+
+
+def test_masked_token_scales_by_tma_where_the_rows_allow(monkeypatch):
+    """The masked kernel's per-token scales come by the producer's TMA (SA_desc, before the stages) where sfa's rows
+    are 16-byte strided (max_m % 4 == 0) and per-token; otherwise, and with W4A8_MASKED_SA_TMA off, the epilogue
+    loads them from global memory (an SA[...] read in the source, no SA descriptor)."""
+    assert plan_w4a8_masked(64, 2048)["token_scales_tma"] and plan_w4a8_masked(8, 7168)["token_scales_tma"]
+    assert not plan_w4a8_masked(33, 2048)["token_scales_tma"]
+    assert not plan_w4a8_masked(64, 2048, group_scales=True)["token_scales_tma"]
+    tma = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, **plan_w4a8_masked(64, 2048))
+    ldg = mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2048, **plan_w4a8_masked(33, 2048))
+    assert "tma_load(SA_desc" in tma and "SA[" not in tma
+    assert "SA_desc" not in ldg and "SA[" in ldg
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_SA_TMA", False)
+    assert not plan_w4a8_masked(64, 2048)["token_scales_tma"]
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------------
@@ -486,6 +501,24 @@ def test_gpu_masked_grouped_matches_the_fp32_product(max_m, masked):
             assert calc_diff(out[gi, :rows], ref) < 1e-5
             torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
         assert (out[gi, rows:] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_masked_token_scales_by_tma_give_the_same_bits(monkeypatch):
+    """W4A8_MASKED_SA_TMA (the token scales by TMA ahead of the stages) against the epilogue's global loads: the same
+    bits; NaN scales in the rows past masked_m never reach the output."""
+    g = torch.Generator().manual_seed(46)
+    G, max_m, n, k, masked = 4, 64, 256, 2048, [64, 0, 17, 1]
+    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked)
+    for gi, rows in enumerate(masked):
+        sa[gi, rows:] = float("nan")
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
+    assert plan_w4a8_masked(max_m, k)["token_scales_tma"]
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_SA_TMA", False)
+    ldg = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    assert not out.isnan().any() and torch.equal(out, ldg)
+    assert out[0].abs().sum() > 0
 
 
 @pytest.mark.gpu
