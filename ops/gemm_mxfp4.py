@@ -499,15 +499,25 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 
 
 @T.macro
-def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None):
-    # factor(i, j), mark(event): as _store_swapped's
+def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None, staged=None):
+    # factor(i, j), mark(event): as _store_swapped's; staged ((tokens, block_n + 8) bf16 in shared memory): the tile
+    # goes out token-major through it, as whole 256-byte rows of C (16-byte stores), instead of one 2-byte store a
+    # value from the accumulator's layout (4 scattered sectors a warp store)
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     if mark is not None:
         mark("scaled")
-    for i, j in tile.parallel(block_n, tokens):
-        if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
-            C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
-                                                       T.cast(0, "bfloat16"))
+    if staged is not None:
+        for i, j in tile.parallel(block_n, tokens):
+            staged[j, i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
+        tile.barrier(threads=2 * block_n)
+        for j, i in tile.parallel(tokens, block_n):
+            if j < max_m:
+                C[g, j, tn * block_n + i] = staged[j, i]
+    else:
+        for i, j in tile.parallel(block_n, tokens):
+            if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
+                C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
+                                                           T.cast(0, "bfloat16"))
     if mark is not None:
         mark("sent")
 

@@ -231,14 +231,16 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                              group_scales: bool = False, token_scales_tma: bool = False, trace: bool = False):
+                              group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
+                              trace: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
     and stores zeros. The table offsets of the whole K and the row factors come by TMA ahead of the stages; the
     token factors are read from global memory in the epilogue, or (token_scales_tma: SA's row of the group, which
     needs max_m % 4 == 0 for TMA's 16-byte row stride) come by TMA with them, or (group_scales: SA (groups, max_m,
-    k/128)) come by TMA with them and multiply each step's product as it is promoted. trace=True
+    k/128)) come by TMA with them and multiply each step's product as it is promoted. staged_out: C's tile goes out
+    through shared memory as whole rows (16-byte stores) instead of from the accumulator's layout. trace=True
     (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace (blocks, SWAPPED_TRACE_WORDS) int32 with the
     swapped kernel's stamps, a row a block (block = group x n tiles + tile)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
@@ -269,6 +271,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 sas, sa_region = None, []
                 factor = lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)]  # noqa: E731
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
+            staged = tile.stage((tokens, block_n + 8), "bfloat16") if staged_out else None    # 8: no bank conflicts
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
@@ -279,7 +282,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                          (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] + sa_region,
                 prologue=lambda: _fill_table(tbl),
                 epilogue=lambda: _store_masked_swapped(
-                    acc, C, g, tn, rows, max_m, block_n, tokens, factor=factor,
+                    acc, C, g, tn, rows, max_m, block_n, tokens, factor=factor, staged=staged,
                     mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if Trace is not None else None))
 
     # the arguments' types, once for both signatures
@@ -485,6 +488,9 @@ W4A8_PAIR_WIDE = True
 # kernel's, where max_m % 4 == 0; otherwise (and False: bench A/B) loaded from global memory in the epilogue, where
 # they queue behind the grid's stages (session 46: the masked epilogue ~3500-5900 cycles against ~1060 dense)
 W4A8_MASKED_SA_TMA = True
+# The masked kernel's C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a
+# value from the accumulator's layout (session 46: the stores took ~4700 cycles a block at 64x7168x2048; False: A/B)
+W4A8_MASKED_STAGED = True
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -607,11 +613,12 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False) -> dict:
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     stages = p["stages"]
     sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
+    staged = W4A8_MASKED_STAGED
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
             p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group_scales else 0) + (
-            p["tokens"] * 4 if sa_tma else 0) + 1024 > SMEM_BUDGET:
-        stages -= 1           # room for the table offsets (and the token scales) of the whole K
-    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma)
+            p["tokens"] * 4 if sa_tma else 0) + (p["tokens"] * 136 * 2 if staged else 0) + 1024 > SMEM_BUDGET:
+        stages -= 1           # room for the table offsets (and the token scales, the staged tile) of the whole K
+    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged)
 
 
 @torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())

@@ -345,6 +345,23 @@ def test_masked_token_scales_by_tma_where_the_rows_allow(monkeypatch):
     assert not plan_w4a8_masked(64, 2048)["token_scales_tma"]
 
 
+def test_masked_tile_out_through_shared_memory_as_whole_rows(monkeypatch):
+    """W4A8_MASKED_STAGED: the masked kernel's C tile is staged token-major in shared memory and stored as 16-byte
+    vectors (uint4 stores to C, no 2-byte ones); off, one 2-byte store a value from the accumulator's layout."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    p = plan_w4a8_masked(64, 2048)
+    assert p["staged_out"] and p["stages"] == 8
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p)
+    assert "*(uint4*)(C + " in src and "staged" in src
+    st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    assert st.histogram.get("STG", 0) == 4 and st.spill_stores == 0
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_STAGED", False)
+    p = plan_w4a8_masked(64, 2048)
+    assert not p["staged_out"]
+    assert "uint4*)(C + " not in mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p)
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -504,21 +521,24 @@ def test_gpu_masked_grouped_matches_the_fp32_product(max_m, masked):
 
 
 @pytest.mark.gpu
-def test_gpu_masked_token_scales_by_tma_give_the_same_bits(monkeypatch):
-    """W4A8_MASKED_SA_TMA (the token scales by TMA ahead of the stages) against the epilogue's global loads: the same
-    bits; NaN scales in the rows past masked_m never reach the output."""
+def test_gpu_masked_epilogue_options_give_the_same_bits(monkeypatch):
+    """W4A8_MASKED_SA_TMA (the token scales by TMA ahead of the stages) and W4A8_MASKED_STAGED (C's tile out through
+    shared memory as whole rows), each on and off: the same bits; NaN scales in the rows past masked_m never reach the
+    output."""
     g = torch.Generator().manual_seed(46)
     G, max_m, n, k, masked = 4, 64, 256, 2048, [64, 0, 17, 1]
     a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked)
     for gi, rows in enumerate(masked):
         sa[gi, rows:] = float("nan")
     args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
-    assert plan_w4a8_masked(max_m, k)["token_scales_tma"]
+    p = plan_w4a8_masked(max_m, k)
+    assert p["token_scales_tma"] and p["staged_out"]
     out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_SA_TMA", False)
-    ldg = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
-    assert not out.isnan().any() and torch.equal(out, ldg)
-    assert out[0].abs().sum() > 0
+    assert not out.isnan().any() and out[0].abs().sum() > 0
+    for sa_tma, staged in ((False, True), (True, False), (False, False)):
+        monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_SA_TMA", sa_tma)
+        monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_STAGED", staged)
+        assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args), out), (sa_tma, staged)
 
 
 @pytest.mark.gpu

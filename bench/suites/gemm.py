@@ -111,7 +111,8 @@ def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
     W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel), W4A8_MASKED_SA_TMA False (the
-    masked kernel's token scales loaded in its epilogue)."""
+    masked kernel's token scales loaded in its epilogue), W4A8_MASKED_STAGED False (its C tile stored from the
+    accumulator's layout)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -334,6 +335,8 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
                Provider("tilecraft-w4a8-saldg", tilecraft_w4a8_with("W4A8_MASKED_SA_TMA", False), experimental=True),
+               Provider("tilecraft-w4a8-unstaged", tilecraft_w4a8_with("W4A8_MASKED_STAGED", False),
+                        experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
