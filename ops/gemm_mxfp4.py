@@ -462,12 +462,13 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v7", scale_tma: bool = True):
+                                 decode: str = "v7", scale_tma: bool = True, staged_out: bool = False):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros. scale_tma: the scale rows by TMA
-    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's)."""
+    ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's). staged_out: C's tile
+    goes out through shared memory as whole rows (16-byte stores)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -485,6 +486,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
             steps = T.if_then_else(rows > 0, kb, 0)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
+            staged = tile.stage((tokens, block_n + 8), "bfloat16") if staged_out else None    # 8: no bank conflicts
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
@@ -493,7 +495,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                 preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[g, tn * block_n + i, si]),
-                epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens))
+                epilogue=lambda: _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, staged=staged))
 
     return mxfp4_gemm_nt_masked_swapped
 
@@ -539,12 +541,13 @@ def plan_masked_swapped(max_m: int, k: int, a_bytes: int = 2) -> dict:
         raise ValueError(f"ops.gemm_mxfp4.SWAPPED_DECODE must be one of {SWAPPED_DECODES}, got {SWAPPED_DECODE!r}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
     stage = tokens * BLOCK_K * a_bytes + 128 * BLOCK_K // 2
-    stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
+    staged = MASKED_STAGED and a_bytes == 2      # ops.gemm_w4a8 plans its own (W4A8_MASKED_STAGED)
+    stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4 - (tokens * 136 * 2 if staged else 0)) // stage)
     if stages < 2:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
     # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
     scale_tma = True if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
-    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma)
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma, staged_out=staged)
 
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
@@ -1043,6 +1046,9 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
 
 
 SWAPPED_MASKED = True    # masked groups of <= 64 rows on the swapped kernel (bench provider tilecraft-masked-tile: off)
+# its C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a value from the
+# accumulator's layout (the W4A8 masked kernel's 64x7168x2048 45 -> 34 us, session 46; False: bench A/B)
+MASKED_STAGED = True
 
 
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):

@@ -2330,7 +2330,7 @@ def test_gpu_grouped_mxfp4(mode):
 def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group;
     rows past masked_m (NaN here) never leak into another row and come out zeros; a group with no
-    rows is all zeros; either decode and either scale-row path give the same bits."""
+    rows is all zeros; either decode and either scale-row path, and C staged or not, give the same bits."""
     from ops import gemm_mxfp4
 
     g = torch.Generator().manual_seed(max_m)
@@ -2354,6 +2354,9 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
             monkeypatch.setattr(gemm_mxfp4, "SWAPPED_SCALE_TMA", scale_tma)
             again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
             assert torch.equal(again, out), (decode, scale_tma)
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_STAGED", False)    # C from the accumulator's layout: the same bits
+    again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
+    assert torch.equal(again, out)
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -2363,15 +2366,19 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True)
+    assert p == dict(tokens=64, stages=7, decode="v7", scale_tma=True, staged_out=True)
     assert plan_masked_swapped(16, 1024)["scale_tma"]
-    assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
+    assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 + 64 * 136 * 2 <= SMEM_BUDGET
+    assert plan_masked_swapped(64, 2048)["stages"] == 8
     assert plan_masked_swapped(1, 2048)["tokens"] == 8 and plan_masked_swapped(0, 2048)["tokens"] == 8
     with pytest.raises(ValueError, match="too long"):
         plan_masked_swapped(64, 128 * 420)
     src = mxfp4_masked_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, stages=4)
-    assert "tl::wgmma_rs<" in src
+    assert "tl::wgmma_rs<" in src and "uint4*)(C + " not in src
     _tma_wgmma_sass(src, "HGMMA")
+    # staged_out: C's tile as whole rows, 16-byte stores
+    assert "*(uint4*)(C + " in mxfp4_masked_swapped_program.source("sm_90a", n=256, k=1024, tokens=16, stages=4,
+                                                                    staged_out=True)
 
 
 @settings(max_examples=12, deadline=None)

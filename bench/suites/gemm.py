@@ -226,8 +226,9 @@ def tilecraft_mxfp4_with(flag, value):
     default in the same run: SWAPPED_FOLD (split-K partials added in the kernel, True, or by the
     reduce kernel, False), SWAPPED_AHEAD (raw words a step ahead of their decode), SWAPPED_PAIR
     (2-split plans folding in clusters of two), SWAPPED_STAGE_OUT (partials out through shared memory
-    as whole rows). True forces a switch on every plan it can apply to; the op's defaults follow rules
-    (bench/NOTES.md "MXFP4 v8", "MXFP4 v9")."""
+    as whole rows), MASKED_STAGED (the masked kernel's C tile out through shared memory as whole rows). True
+    forces a switch on every plan it can apply to; the op's defaults follow rules (bench/NOTES.md "MXFP4 v8",
+    "MXFP4 v9")."""
     def make(case, i):
         from ops import gemm_mxfp4
 
@@ -338,7 +339,8 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-unstaged", tilecraft_w4a8_with("W4A8_MASKED_STAGED", False),
                         experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
-                 for name, flag, value in (("tilecraft-fold", "SWAPPED_FOLD", True),
+                 for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
+                                           ("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
