@@ -541,8 +541,11 @@ def plan_masked_swapped(max_m: int, k: int, a_bytes: int = 2) -> dict:
         raise ValueError(f"ops.gemm_mxfp4.SWAPPED_DECODE must be one of {SWAPPED_DECODES}, got {SWAPPED_DECODE!r}")
     tokens = next(t for t in SWAPPED_TOKENS if t >= max(max_m, 1))
     stage = tokens * BLOCK_K * a_bytes + 128 * BLOCK_K // 2
-    staged = MASKED_STAGED and a_bytes == 2      # ops.gemm_w4a8 plans its own (W4A8_MASKED_STAGED)
-    stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4 - (tokens * 136 * 2 if staged else 0)) // stage)
+    stages = min(8, (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4) // stage)
+    # C staged as whole rows where that costs no stage (k = 7168: 8 -> 7 stages, 74 -> 80 us; session 46); ops.gemm_w4a8
+    # plans its own (W4A8_MASKED_STAGED)
+    staged = (MASKED_STAGED and a_bytes == 2
+              and (SMEM_BUDGET - 128 * (k // BLOCK_K) * 4 - tokens * 136 * 2) // stage >= stages)
     if stages < 2:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
     # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
@@ -1047,7 +1050,8 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
 
 SWAPPED_MASKED = True    # masked groups of <= 64 rows on the swapped kernel (bench provider tilecraft-masked-tile: off)
 # its C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a value from the
-# accumulator's layout (the W4A8 masked kernel's 64x7168x2048 45 -> 34 us, session 46; False: bench A/B)
+# accumulator's layout, where the staging costs no stage (plan_masked_swapped); session 46: 8x64x7168x2048 59.2 ->
+# 48.9 us; at k = 7168 it would cost a stage: 74.3 -> 79.8 us, so not there. False: bench A/B
 MASKED_STAGED = True
 
 
