@@ -86,14 +86,14 @@ def trace_case_w4a8_masked(groups, m, n, k, warm=False, flush_mode="write"):
     each (every group full): its stamps, a row a block (group-major)."""
     from ops import gemm_w4a8
 
-    p = gemm_w4a8.plan_w4a8_masked(m, k)
+    p = gemm_w4a8.plan_w4a8_masked(m, k, groups=groups, n=n)
     a = torch.randn(groups, m, k, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
     codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
         b, torch.randint(117, 127, (groups, n, k // 32), dtype=torch.uint8, device="cuda"))
     kern = gemm_w4a8.mxfp4_w4a8_masked_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                        **p).launcher()
-    blocks = groups * n // 128
+    blocks = groups * n // 128 // p["tiles"]
     out = torch.empty(groups, m, n, dtype=torch.bfloat16, device="cuda")
     trace = torch.zeros(blocks, gemm_mxfp4.SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
     masked = torch.full((groups,), m, dtype=torch.int32, device="cuda")
@@ -177,6 +177,8 @@ def main(argv=None):
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
     ap.add_argument("--sa-ldg", action="store_true", help="w4a8 --masked: token scales loaded in the epilogue "
                     "(W4A8_MASKED_SA_TMA off)")
+    ap.add_argument("--tiles", action="store_true", help="w4a8 --masked: several n tiles a block "
+                    "(W4A8_MASKED_TILES on)")
     ap.add_argument("--unstaged", action="store_true", help="w4a8 --masked: C stored from the accumulator's layout "
                     "(W4A8_MASKED_STAGED off)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
@@ -190,6 +192,10 @@ def main(argv=None):
         from ops import gemm_w4a8
 
         gemm_w4a8.W4A8_MASKED_STAGED = False
+    if args.tiles:
+        from ops import gemm_w4a8
+
+        gemm_w4a8.W4A8_MASKED_TILES = True
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
 

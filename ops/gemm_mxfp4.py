@@ -501,14 +501,18 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 
 
 @T.macro
-def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None, staged=None):
+def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None, staged=None,
+                          again=False):
     # factor(i, j), mark(event): as _store_swapped's; staged ((tokens, block_n + 8) bf16 in shared memory): the tile
     # goes out token-major through it, as whole 256-byte rows of C (16-byte stores), instead of one 2-byte store a
-    # value from the accumulator's layout (4 scattered sectors a warp store)
+    # value from the accumulator's layout (4 scattered sectors a warp store). again: staged may still be read by
+    # the block's previous tile's stores (several tiles a block): wait for them first
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     if mark is not None:
         mark("scaled")
     if staged is not None:
+        if again:
+            tile.barrier(threads=2 * block_n)
         for i, j in tile.parallel(block_n, tokens):
             staged[j, i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
         tile.barrier(threads=2 * block_n)

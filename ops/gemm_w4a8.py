@@ -34,7 +34,7 @@ from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS,
                             SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
-                            _tma_scale_words, _trace_stamp, masked_swapped_loads, pair_recv_words, plan_masked_swapped,
+                            _tma_scale_words, _trace_stamp, pair_recv_words, plan_masked_swapped,
                             plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -232,7 +232,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
-                              trace: bool = False):
+                              tiles: int = 1, trace: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -240,50 +240,65 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     token factors are read from global memory in the epilogue, or (token_scales_tma: SA's row of the group, which
     needs max_m % 4 == 0 for TMA's 16-byte row stride) come by TMA with them, or (group_scales: SA (groups, max_m,
     k/128)) come by TMA with them and multiply each step's product as it is promoted. staged_out: C's tile goes out
-    through shared memory as whole rows (16-byte stores) instead of from the accumulator's layout. trace=True
-    (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace (blocks, SWAPPED_TRACE_WORDS) int32 with the
-    swapped kernel's stamps, a row a block (block = group x n tiles + tile)."""
+    through shared memory as whole rows (16-byte stores) instead of from the accumulator's layout. tiles > 1: a block
+    takes that many consecutive n tiles of its group in one stream of steps (each tile's accumulator stored after its
+    last step while the producer streams the next tile's stages), so a grid of several waves runs as one and pays
+    its prologue and first data once a block. trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
+    (blocks, SWAPPED_TRACE_WORDS) int32 with the swapped kernel's stamps, a row a block (block = group x n tiles /
+    tiles + the block's index in the group)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    assert tiles >= 1 and (n // block_n) % tiles == 0
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
+    blocks_per_group = n_tiles // tiles
+    # step s: tile tt(s) of the block, K block kk(s) (one tile: s itself, no division in the loop)
+    kk = (lambda s: s) if tiles == 1 else (lambda s: s % kb)  # noqa: E731
+    tt = (lambda s: 0) if tiles == 1 else (lambda s: s // kb)  # noqa: E731
 
     @T.macro
     def body(A, B, TIX, RowScale, SA, MaskedM, C, Trace):
-        with tile.grid(groups * n_tiles, 2 * block_n + tile.producer_threads()) as bid:
-            g, tn = tile.split_index(bid, (groups, n_tiles))
-            sw = tile.stage((block_n, kb), "int32")           # table offsets of (row, step)
+        with tile.grid(groups * blocks_per_group, 2 * block_n + tile.producer_threads()) as bid:
+            g, tb = tile.split_index(bid, (groups, blocks_per_group))
+            tn0 = tb * tiles                                  # the block's first n tile
+            sw = tile.stage((tiles, block_n, kb), "int32")    # table offsets of (tile, row, step)
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
-            rs = tile.stage((block_n,), "float32")
+            rs = tile.stage((tiles, block_n), "float32")
             acc = tile.accumulator((block_n, tokens))         # C^T of the group: weight rows x tokens
             rows = MaskedM[g]
-            steps = T.if_then_else(rows > 0, kb, 0)
+            steps = T.if_then_else(rows > 0, tiles * kb, 0)   # step s: tile s // kb, K block s % kb
             T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
             if group_scales:
                 sas = tile.stage((tokens, _bank_spread(kb)), "float32")
                 sa_region = [(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)]
-                factor = lambda i, j: rs[i]  # noqa: E731
+                factor = lambda t: lambda i, j: rs[t, i]  # noqa: E731
             elif token_scales_tma:     # tokens past max_m: 0 (TMA), never stored
                 sas = tile.stage((tokens,), "float32")
                 sa_region = [(SA[g, 0:tokens], sas)]
-                factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
+                factor = lambda t: lambda i, j: rs[t, i] * sas[j]  # noqa: E731
             else:   # loads by the MMA threads after the loop (they queue behind the grid's stages)
                 sas, sa_region = None, []
-                factor = lambda i, j: rs[i] * SA[g, T.min(j, max_m - 1)]  # noqa: E731
-            loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
+                factor = lambda t: lambda i, j: rs[t, i] * SA[g, T.min(j, max_m - 1)]  # noqa: E731
             staged = tile.stage((tokens, block_n + 8), "bfloat16") if staged_out else None    # 8: no bank conflicts
+            store, epilogue = _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles,
+                                             steps, (lambda event: _trace_stamp(Trace, bid, event, 0))
+                                             if Trace is not None else None)
             tile.mma_register_decoded_loop(
-                steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
-                               ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
-                lambda raw_at, frows, place, blk, dst: _w4a8_fragment(raw_at, frows, place, blk, dst, sw, tbl),
-                stages=stages, promote=(lambda j, step: sas[j, step]) if group_scales else True,
+                steps, lambda s: (A[g, 0:tokens, kk(s) * BLOCK_K:(kk(s) + 1) * BLOCK_K],
+                                  B[g, (tn0 + tt(s)) * block_n:(tn0 + tt(s) + 1) * block_n,
+                                    kk(s) * (BLOCK_K // 8):(kk(s) + 1) * (BLOCK_K // 8)]),
+                [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
+                 ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
+                lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
+                                                                    _TileRows(sw, tt(s)), tbl),
+                stages=stages, promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
-                preload=[(RowScale[g, tn * block_n:(tn + 1) * block_n], rs),
-                         (TIX[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] + sa_region,
+                preload=[(RowScale[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
+                + [(TIX[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
+                + sa_region,
                 prologue=lambda: _fill_table(tbl),
-                epilogue=lambda: _store_masked_swapped(
-                    acc, C, g, tn, rows, max_m, block_n, tokens, factor=factor, staged=staged,
-                    mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if Trace is not None else None))
+                tile_done=(kb, store) if tiles > 1 else None,
+                epilogue=epilogue)
 
     # the arguments' types, once for both signatures
     a_t, b_t = T.Tensor((groups, max_m, k), "float8_e4m3fn"), T.Tensor((groups, n, k // 8), "int32")
@@ -291,7 +306,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     sa_t = T.Tensor((groups, max_m, kb) if group_scales else (groups, max_m), "float32")
     mm_t, c_t = T.Tensor((groups,), "int32"), T.Tensor((groups, max_m, n), "bfloat16")
     if trace:       # bench.trace_mxfp4 --w4a8 --masked: Trace as the swapped kernel's (a row a block)
-        trace_t = T.Tensor((groups * n_tiles, SWAPPED_TRACE_WORDS), "int32")
+        trace_t = T.Tensor((groups * blocks_per_group, SWAPPED_TRACE_WORDS), "int32")
 
         @T.prim_func
         def mxfp4_w4a8_gemm_nt_masked_swapped(A: a_t, B: b_t, TIX: tix_t, RowScale: rs_t, SA: sa_t, MaskedM: mm_t,
@@ -306,6 +321,37 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
         body(A, B, TIX, RowScale, SA, MaskedM, C, None)
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
+
+
+def _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles, steps, mark):
+    """A masked block's (store(t): tile t's accumulator into C, for tile_done; the epilogue: the last tile, and
+    before it the other tiles of a group with no rows, zeros: no step ran, so tile_done never stored them)."""
+    def store(t, mark=None):
+        _store_masked_swapped(acc, C, g, tn0 + t, rows, max_m, block_n, tokens, factor=factor(t), staged=staged,
+                              mark=mark, again=tiles > 1)
+
+    def epilogue():
+        for t in range(tiles - 1):
+            _when(steps == 0, lambda t=t: store(t))
+        store(tiles - 1, mark)
+    return store, epilogue
+
+
+class _TileRows:
+    """sw[r, step] for _w4a8_fragment over the (tiles, rows, steps) table offsets of a multi-tile block: tile t's."""
+
+    def __init__(self, sw, t):
+        self.sw, self.t = sw, t
+
+    def __getitem__(self, index):
+        r, step = index
+        return self.sw[self.t, r, step]
+
+
+@T.macro
+def _when(cond, body):
+    if cond:
+        body()
 
 
 def _bank_spread(words: int) -> int:
@@ -491,6 +537,10 @@ W4A8_MASKED_SA_TMA = True
 # The masked kernel's C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a
 # value from the accumulator's layout (session 46: the stores took ~4700 cycles a block at 64x7168x2048; False: A/B)
 W4A8_MASKED_STAGED = True
+# Several n tiles a masked block (plan_w4a8_masked's tiles): a grid of several waves as one, each block's prologue and
+# first data paid once and its tiles' epilogues under the next tile's stream (built in session 46 after its GPU
+# time; off until measured: provider tilecraft-w4a8-tiles)
+W4A8_MASKED_TILES = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -606,19 +656,33 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     return _w4a8_masked_op(a, sfa, codes, offsets, row_scale, masked_m)
 
 
-def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False) -> dict:
+def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int = 0, n: int = 0,
+                     sms: int = 132) -> dict:
     """The masked kernel's token tile and stages: plan_masked_swapped's with e4m3 activations, then as many stages as
     fit next to the table offsets (and, with group_scales, the (token, step) scales) of the whole K; the per-token
-    scales by TMA (token_scales_tma) where SA's rows allow it (max_m % 4 == 0) and W4A8_MASKED_SA_TMA is on."""
+    scales by TMA (token_scales_tma) where SA's rows allow it (max_m % 4 == 0) and W4A8_MASKED_SA_TMA is on; C staged
+    as whole rows with W4A8_MASKED_STAGED. tiles (W4A8_MASKED_TILES, given groups and n): the fewest n tiles a block
+    (a divisor of n / 128) that put the grid in one wave of `sms` blocks, if their table offsets fit next to 4+
+    stages; else 1."""
     p = plan_masked_swapped(max_m, k, a_bytes=1)
-    stages = p["stages"]
     sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
     staged = W4A8_MASKED_STAGED
-    while stages > 2 and stages * _stage_bytes(p["tokens"]) + 128 * (k // BLOCK_K) * 4 + (
-            p["tokens"] * _bank_spread(k // BLOCK_K) * 4 if group_scales else 0) + (
-            p["tokens"] * 4 if sa_tma else 0) + (p["tokens"] * 136 * 2 if staged else 0) + 1024 > SMEM_BUDGET:
+    kb = k // BLOCK_K
+
+    def fixed(tiles):   # shared memory besides the stages
+        return (tiles * (128 * kb * 4 + 128 * 4) + (p["tokens"] * _bank_spread(kb) * 4 if group_scales else 0)
+                + (p["tokens"] * 4 if sa_tma else 0) + (p["tokens"] * 136 * 2 if staged else 0) + 1024)
+
+    tiles = 1
+    if W4A8_MASKED_TILES and groups and n and n % 128 == 0 and groups * (n // 128) > sms:
+        n_tiles = n // 128
+        fit = [t for t in range(2, n_tiles + 1) if n_tiles % t == 0 and groups * n_tiles // t <= sms
+               and fixed(t) + 4 * _stage_bytes(p["tokens"]) <= SMEM_BUDGET]
+        tiles = fit[0] if fit else 1
+    stages = p["stages"]
+    while stages > 2 and stages * _stage_bytes(p["tokens"]) + fixed(tiles) > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the token scales, the staged tile) of the whole K
-    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged)
+    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
 
 
 @torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())
@@ -633,7 +697,7 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
     group = sfa.dim() == 3
-    p = plan_w4a8_masked(max_m, k, group)
+    p = plan_w4a8_masked(max_m, k, group, G, n)
     kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, *p.values(), group),
                            lambda: mxfp4_w4a8_masked_program.compile(target, n=n, k=k, group_scales=group,
                                                                      **p).launcher())

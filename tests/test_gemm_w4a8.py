@@ -362,6 +362,25 @@ def test_masked_tile_out_through_shared_memory_as_whole_rows(monkeypatch):
     assert "uint4*)(C + " not in mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p)
 
 
+def test_masked_tiles_plan_and_build(monkeypatch):
+    """W4A8_MASKED_TILES: the fewest n tiles a block (a divisor of n / 128) that put the masked grid in one wave, only
+    where the grid has more blocks than SMs and the tiles' table offsets fit; the multi-tile kernel builds without
+    spills and stores each tile as whole rows (4 vector stores a tile: 3 mid-loop tiles' in tile_done + the epilogue's
+    4 tiles, the first 3 only for a group with no rows)."""
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["tiles"] == 1          # off by default
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_TILES", True)
+    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["tiles"] == 4          # 448 tiles -> 112 blocks
+    p = plan_w4a8_masked(64, 7168, groups=8, n=4096)
+    assert p["tiles"] == 2 and p["stages"] == 8                                # 256 -> 128 blocks
+    assert plan_w4a8_masked(64, 2048, groups=2, n=7168)["tiles"] == 1          # 112 blocks: one wave already
+    assert plan_w4a8_masked(64, 2048)["tiles"] == 1                            # no grid given
+    p = plan_w4a8_masked(64, 2048, groups=8, n=7168)
+    st = sass_stats(build_cubin(mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p), "sm_90a"), "sm_90a")
+    assert st.spill_stores == 0 and st.histogram.get("STG", 0) == 4 + 4 * 4 and st.histogram.get("QGMMA", 0) >= 4
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -539,6 +558,26 @@ def test_gpu_masked_epilogue_options_give_the_same_bits(monkeypatch):
         monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_SA_TMA", sa_tma)
         monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_STAGED", staged)
         assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args), out), (sa_tma, staged)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,n,k,tiles", [(40, 512, 512, 2), (40, 1024, 512, 4), (36, 512, 2048, 2)])
+def test_gpu_masked_tiles_give_the_same_bits(monkeypatch, G, n, k, tiles):
+    """W4A8_MASKED_TILES (several n tiles a block, each stored after its last step while the next streams): the same
+    bits as one tile a block, with groups of 0, 1, partial and full rows (a group with no rows: every tile zeros)."""
+    g = torch.Generator().manual_seed(G + n + k)
+    max_m = 64
+    masked = torch.randint(0, max_m + 1, (G,), generator=g)
+    masked[:4] = torch.tensor([0, 1, max_m, 17])
+    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked.tolist())
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
+    one = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_TILES", True)
+    assert plan_w4a8_masked(max_m, k, groups=G, n=n)["tiles"] == tiles
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    assert not out.isnan().any() and out[2].abs().sum() > 0
+    assert torch.equal(out, one)
+    assert (out[0] == 0).all()
 
 
 @pytest.mark.gpu

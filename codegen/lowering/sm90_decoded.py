@@ -133,7 +133,7 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor) = io
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor) = io[:15]
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
@@ -203,7 +203,7 @@ def _promote(acc, temp, factor, step):
 
 
 def _reg_burst(first, count, io):
-    frags, empty, stages, (temps, pfactor) = io[2], io[4], io[7], io[14]
+    frags, empty, stages, (temps, pfactor), tile_done = io[2], io[4], io[7], io[14], io[15]
     parts = int(io[0].shape[2]) // FRAGMENT_K
     for j in range(count):
         _reg_step(j, first, io)
@@ -212,6 +212,17 @@ def _reg_burst(first, count, io):
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
         if temps is not None:
             _promote(io[5], temps[(count * parts - 1) % 2], pfactor, first + count - 1)
+    if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
+        _tile_boundary(first + count, tile_done[0], io[13], tile_done[1], io[5])
+
+
+@T.macro
+def _tile_boundary(done, period, steps, fn, acc):
+    # tile_done: after the burst that ends tile done / period - 1 (not the last: the epilogue stores that one), its
+    # accumulator goes out and is cleared for the next tile, while the producer keeps streaming the next one's stages
+    if done % period == 0 and done < steps:
+        fn(done // period - 1)
+        T.clear(acc)
 
 
 def _preload(preload, pre):
@@ -223,7 +234,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -245,7 +256,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              temps)
+              temps, tile_done)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
         in_bursts(steps, _reg_burst, io)
@@ -258,7 +269,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -283,6 +294,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
     # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
     # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
+    # tile_done=(period, fn) (several output tiles a block, one after the other in one stream of steps; period a
+    # multiple of BURST): after the burst that completes steps t * period .. (t + 1) * period - 1, fn(t) stores the
+    # accumulator and it is cleared, unless that was the last step (the epilogue's tile); the producer never stops
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -298,6 +312,10 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
+    if tile_done is not None and (blocks_per_sm != 1 or isinstance(decode, tuple) or tile_done[0] % BURST):
+        raise ValueError(f"tile_done takes one block an SM, a decode from shared memory and a period that is a "
+                         f"multiple of {BURST} (tiles end where bursts do), got blocks_per_sm={blocks_per_sm}, "
+                         f"period {tile_done[0]}")
     threads = consumers + PRODUCER
     have = launch_registers(threads * blocks_per_sm)
     grow = min(CONSUMER_REGS, (have * threads - PRODUCER_REGS * PRODUCER) // consumers // 8 * 8)
@@ -325,4 +343,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor))
+                    ramp, regs, (temps, pfactor), tile_done)
