@@ -177,8 +177,8 @@ def main(argv=None):
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
     ap.add_argument("--sa-ldg", action="store_true", help="w4a8 --masked: token scales loaded in the epilogue "
                     "(W4A8_MASKED_SA_TMA off)")
-    ap.add_argument("--tiles", action="store_true", help="w4a8 --masked: several n tiles a block "
-                    "(W4A8_MASKED_TILES on)")
+    ap.add_argument("--one-tile", action="store_true", help="w4a8 --masked: one n tile a block "
+                    "(W4A8_MASKED_TILES off)")
     ap.add_argument("--unstaged", action="store_true", help="w4a8 --masked: C stored from the accumulator's layout "
                     "(W4A8_MASKED_STAGED off)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
@@ -192,10 +192,10 @@ def main(argv=None):
         from ops import gemm_w4a8
 
         gemm_w4a8.W4A8_MASKED_STAGED = False
-    if args.tiles:
+    if args.one_tile:
         from ops import gemm_w4a8
 
-        gemm_w4a8.W4A8_MASKED_TILES = True
+        gemm_w4a8.W4A8_MASKED_TILES = False
     if args.no_decode:
         from bench.prof_mxfp4 import no_decode
 

@@ -537,10 +537,11 @@ W4A8_MASKED_SA_TMA = True
 # The masked kernel's C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a
 # value from the accumulator's layout (session 46: the stores took ~4700 cycles a block at 64x7168x2048; False: A/B)
 W4A8_MASKED_STAGED = True
-# Several n tiles a masked block (plan_w4a8_masked's tiles): a grid of several waves as one, each block's prologue and
-# first data paid once and its tiles' epilogues under the next tile's stream (built in session 46 after its GPU
-# time; off until measured: provider tilecraft-w4a8-tiles)
-W4A8_MASKED_TILES = False
+# Several n tiles a masked block where the grid would run more than two waves (plan_w4a8_masked's tiles): one wave,
+# each block's prologue and first data paid once and its tiles' epilogues under the next tile's stream. Session 46:
+# 8x64x7168x2048 34.4 -> 30.9 us (1.79x -> 1.99x torch); at two waves (8x64x4096x7168) it lost, 45.9 -> 47.2 us, so
+# the plan leaves those alone. False: one tile a block everywhere (bench A/B: provider tilecraft-w4a8-onetile)
+W4A8_MASKED_TILES = True
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -661,9 +662,10 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     """The masked kernel's token tile and stages: plan_masked_swapped's with e4m3 activations, then as many stages as
     fit next to the table offsets (and, with group_scales, the (token, step) scales) of the whole K; the per-token
     scales by TMA (token_scales_tma) where SA's rows allow it (max_m % 4 == 0) and W4A8_MASKED_SA_TMA is on; C staged
-    as whole rows with W4A8_MASKED_STAGED. tiles (W4A8_MASKED_TILES, given groups and n): the fewest n tiles a block
-    (a divisor of n / 128) that put the grid in one wave of `sms` blocks, if their table offsets fit next to 4+
-    stages; else 1."""
+    as whole rows with W4A8_MASKED_STAGED. tiles (W4A8_MASKED_TILES, given groups and n): where the grid would run
+    more than two waves, the fewest n tiles a block (a divisor of n / 128) that put it in one wave of `sms` blocks, if
+    their table offsets fit next to 4+ stages; else 1 (session 46: 8x64x7168x2048, 3.4 waves -> 4 tiles a block, 34.4
+    -> 30.9 us; 8x64x4096x7168, 2 waves -> 2 tiles, 45.9 -> 47.2 us)."""
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
     staged = W4A8_MASKED_STAGED
@@ -674,7 +676,7 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
                 + (p["tokens"] * 4 if sa_tma else 0) + (p["tokens"] * 136 * 2 if staged else 0) + 1024)
 
     tiles = 1
-    if W4A8_MASKED_TILES and groups and n and n % 128 == 0 and groups * (n // 128) > sms:
+    if W4A8_MASKED_TILES and groups and n and n % 128 == 0 and groups * (n // 128) > 2 * sms:
         n_tiles = n // 128
         fit = [t for t in range(2, n_tiles + 1) if n_tiles % t == 0 and groups * n_tiles // t <= sms
                and fixed(t) + 4 * _stage_bytes(p["tokens"]) <= SMEM_BUDGET]
@@ -697,7 +699,9 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
     group = sfa.dim() == 3
-    p = plan_w4a8_masked(max_m, k, group, G, n)
+    from backends.cuda.device import sm_count
+
+    p = plan_w4a8_masked(max_m, k, group, G, n, sms=sm_count(a))
     kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_masked", target.name, n, k, *p.values(), group),
                            lambda: mxfp4_w4a8_masked_program.compile(target, n=n, k=k, group_scales=group,
                                                                      **p).launcher())

@@ -364,16 +364,14 @@ def test_masked_tile_out_through_shared_memory_as_whole_rows(monkeypatch):
 
 def test_masked_tiles_plan_and_build(monkeypatch):
     """W4A8_MASKED_TILES: the fewest n tiles a block (a divisor of n / 128) that put the masked grid in one wave, only
-    where the grid has more blocks than SMs and the tiles' table offsets fit; the multi-tile kernel builds without
+    where the grid would run more than two waves and the tiles' table offsets fit; the multi-tile kernel builds without
     spills and stores each tile as whole rows (4 vector stores a tile: 3 mid-loop tiles' in tile_done + the epilogue's
     4 tiles, the first 3 only for a group with no rows)."""
     from backends.cuda.sass import build_cubin, sass_stats
 
-    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["tiles"] == 1          # off by default
-    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_TILES", True)
-    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["tiles"] == 4          # 448 tiles -> 112 blocks
-    p = plan_w4a8_masked(64, 7168, groups=8, n=4096)
-    assert p["tiles"] == 2 and p["stages"] == 8                                # 256 -> 128 blocks
+    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["tiles"] == 4          # 448 tiles (3.4 waves) -> 112 blocks
+    assert plan_w4a8_masked(64, 7168, groups=8, n=4096)["tiles"] == 1          # 256 tiles: two waves, left alone
+    assert plan_w4a8_masked(64, 7168, groups=12, n=4096)["tiles"] == 4         # 384 -> 96 (2 would be 192 > 132)
     assert plan_w4a8_masked(64, 2048, groups=2, n=7168)["tiles"] == 1          # 112 blocks: one wave already
     assert plan_w4a8_masked(64, 2048)["tiles"] == 1                            # no grid given
     p = plan_w4a8_masked(64, 2048, groups=8, n=7168)
@@ -561,7 +559,7 @@ def test_gpu_masked_epilogue_options_give_the_same_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G,n,k,tiles", [(40, 512, 512, 2), (40, 1024, 512, 4), (36, 512, 2048, 2)])
+@pytest.mark.parametrize("G,n,k,tiles", [(80, 512, 512, 4), (45, 768, 512, 3), (34, 1024, 2048, 4)])
 def test_gpu_masked_tiles_give_the_same_bits(monkeypatch, G, n, k, tiles):
     """W4A8_MASKED_TILES (several n tiles a block, each stored after its last step while the next streams): the same
     bits as one tile a block, with groups of 0, 1, partial and full rows (a group with no rows: every tile zeros)."""
@@ -571,6 +569,7 @@ def test_gpu_masked_tiles_give_the_same_bits(monkeypatch, G, n, k, tiles):
     masked[:4] = torch.tensor([0, 1, max_m, 17])
     a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked.tolist())
     args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_TILES", False)
     one = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
     monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_TILES", True)
     assert plan_w4a8_masked(max_m, k, groups=G, n=n)["tiles"] == tiles
