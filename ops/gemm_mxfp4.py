@@ -618,9 +618,10 @@ def pair_recv_words(tokens: int) -> int:
 
 
 @T.macro
-def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None, mark=None):
+def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None, mark=None, staged=None):
     # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
-    # of K (steps == 0) contributes zeros; factor as _store_swapped's
+    # of K (steps == 0) contributes zeros; factor as _store_swapped's; staged ((half, block_n + 8) bf16): the
+    # block's half goes out token-major through shared memory, as whole rows of C (16-byte stores)
     half = tokens // 2
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
     if mark is not None:
@@ -633,9 +634,20 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
     tile.cluster_barrier()
     if mark is not None:
         mark("exchanged")
-    for i, j in tile.parallel(block_n, tokens):
-        if j < m and j // half == ts:
-            C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half], "bfloat16")
+    if staged is not None:
+        for i, j in tile.parallel(block_n, tokens):
+            if j // half == ts:     # rows past m are staged too (never stored)
+                staged[j % half, i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half],
+                                             "bfloat16")
+        tile.barrier(threads=2 * block_n)
+        for jj, i in tile.parallel(half, block_n):
+            if ts * half + jj < m:
+                C[ts * half + jj, tn * block_n + i] = staged[jj, i]
+    else:
+        for i, j in tile.parallel(block_n, tokens):
+            if j < m and j // half == ts:
+                C[j, tn * block_n + i] = T.cast(T.if_then_else(steps > 0, out[i, j], 0.0) + recv[i, j % half],
+                                                "bfloat16")
 
 
 # The swapped kernels' split-K fold (fold=True) without fences: Part starts as READY_EMPTY in every word
@@ -703,10 +715,13 @@ def _ready(v):
 def swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None,
                      factor=None, mark=None):
     """The swapped kernels' epilogue (bf16 and ops.gemm_w4a8's): with recv (pair), the cluster pair's fold;
-    otherwise C, or the split's partial (then the fold or the reduce kernel). mark(event), if given, stamps the
+    otherwise C, or the split's partial (then the fold or the reduce kernel); staged: a shared tile the result goes
+    out through as whole rows (split partials: (tokens, block_n + 4) fp32; the pair's C: (tokens / 2, block_n + 8)
+    bf16). mark(event), if given, stamps the
     trace's epilogue events ("scaled", "sent", "exchanged": SWAPPED_TRACE_EVENTS)."""
-    if recv is not None:
-        return lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=factor, mark=mark)
+    if recv is not None:    # staged: the pair's (half, block_n + 8) bf16 tile of C
+        return lambda: _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=factor, mark=mark,
+                                          staged=staged)
     return lambda: _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, tokens, fold, staged,
                                   factor=factor, mark=mark)
 

@@ -141,7 +141,8 @@ def _fill_table(tbl):
 )
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
-                               trace: bool = False, group_scales: bool = False, no_offsets: bool = False):
+                               trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
+                               stage_out: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -155,10 +156,14 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     ops.per_token_group_quant_fp8 writes it), staged by TMA for the split's steps and applied when each step's
     product is promoted; the epilogue then multiplies by RowScale alone.
     no_offsets=True (a diagnostic, wrong results: bench.trace_mxfp4 --no-offsets): the table offsets are neither
-    loaded nor waited for (all zero), to time the kernel without its wait for them."""
+    loaded nor waited for (all zero), to time the kernel without its wait for them.
+    stage_out=True (splits > 1): the split's fp32 partial, or the pair's half of C, goes out through shared memory
+    as whole rows instead of from the accumulator's layout."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
+    if stage_out and splits == 1:
+        raise ValueError("stage_out=True stages split-K partials or the pair's half: it needs splits > 1")
     if pair and (splits != 2 or fold):
         raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
                          f"fold=False, got splits={splits}, fold={fold}")
@@ -184,6 +189,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 recv = tile.stage((block_n, pair_recv_words(tokens)), "float32")
                 _touch(recv)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
+            staged = None
+            if stage_out:   # the pair's half of C (bf16), or the split's partial (fp32), token-major
+                staged = (tile.stage((tokens // 2, block_n + 8), "bfloat16") if pair else
+                          tile.stage((tokens, block_n + 4), "float32"))
             sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
             acc = tile.accumulator((block_n, tokens))         # C^T: weight rows x tokens
@@ -219,7 +228,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                            (lambda i, si: 0) if no_offsets else
                                            (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
                 epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                          factor=factor,
+                                          staged=staged, factor=factor,
                                           mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None))
 
     return mxfp4_w4a8_gemm_nt_swapped
@@ -530,6 +539,10 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 # 2-split plans over 16 tokens fold in a cluster pair too (plan_swapped pairs up to 16 tokens; above, the reduce
 # kernel). Session 44: 64x7168x2048 10.8 -> 10.0 us (the reduce kernel's launch gone); False: the reduce kernel (A/B)
 W4A8_PAIR_WIDE = True
+# Split plans' results out through shared memory as whole rows (the split's fp32 partial, or the pair's half of C in
+# bf16) instead of from the accumulator's layout: the masked kernel's stores gained 1.1-11 us that way (session 46).
+# Built after session 46's GPU time: off until measured (provider tilecraft-w4a8-staged)
+W4A8_STAGE_OUT = False
 # The masked kernel's per-token scales (sfa (g, max_m)) by the producer's TMA ahead of the stages, as the dense
 # kernel's, where max_m % 4 == 0; otherwise (and False: bench A/B) loaded from global memory in the epilogue, where
 # they queue behind the grid's stages (session 46: the masked epilogue ~3500-5900 cycles against ~1060 dense)
@@ -557,6 +570,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["group_scales"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
+    if W4A8_STAGE_OUT and out["splits"] > 1:
+        out["stage_out"] = True
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -569,7 +584,8 @@ def _stage_bytes(tokens: int) -> int:
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
-                    pair: bool = False, group_scales: bool = False, block_n: int = 128) -> int:
+                    pair: bool = False, group_scales: bool = False, stage_out: bool = False,
+                    block_n: int = 128) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -577,7 +593,8 @@ def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale
     box = swapped_scale_box(per, kb) if scale_tma else per
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
     recv = block_n * pair_recv_words(tokens) * 4 if pair else 0
-    return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv
+    out = ((tokens // 2) * (block_n + 8) * 2 if pair else tokens * (block_n + 4) * 4) if stage_out else 0
+    return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv + out
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -600,7 +617,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -379,6 +379,26 @@ def test_masked_tiles_plan_and_build(monkeypatch):
     assert st.spill_stores == 0 and st.histogram.get("STG", 0) == 4 + 4 * 4 and st.histogram.get("QGMMA", 0) >= 4
 
 
+def test_stage_out_plans_and_builds(monkeypatch):
+    """W4A8_STAGE_OUT (off by default): every split plan stages its result as whole rows -- the pair its half of C as
+    16-byte bf16 stores, the split its fp32 partial as 16-byte stores -- within the shared-memory budget, no spills;
+    a one-split plan is refused."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import SMEM_BUDGET
+    from ops.gemm_w4a8 import w4a8_smem_bytes
+
+    assert "stage_out" not in plan_w4a8(64, 7168, 2048)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_STAGE_OUT", True)
+    for (m, n, k), vector in (((64, 7168, 2048), "*(uint4*)(C + "), ((64, 4096, 7168), "*(float4*)(Part + ")):
+        p = plan_w4a8(m, n, k)
+        assert p["stage_out"] and w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
+        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
+        assert vector in src, (m, n, k)
+        assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
+    with pytest.raises(ValueError, match="stage_out=True"):
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=256, k=1024, splits=1, stage_out=True)
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -440,6 +460,23 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
     monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
     assert plan_w4a8(m, n, k)["pair"]
     assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (64, 4096, 7168), (13, 4096, 7168),
+                                   (1, 7168, 2048), (33, 384, 2048)])
+def test_gpu_stage_out_gives_the_same_bits(monkeypatch, m, n, k):
+    """W4A8_STAGE_OUT (the pair's half of C, or the split's partial, out through shared memory as whole rows): the
+    same bits as the stores from the accumulator's layout, on pair, reduce and fold plans and odd token counts."""
+    g = torch.Generator().manual_seed(m + n + k)
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_STAGE_OUT", True)
+    assert bool(plan_w4a8(m, n, k).get("stage_out")) == (plan_w4a8(m, n, k)["splits"] > 1)
+    got = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert not got.isnan().any() and torch.equal(got, want)
 
 
 @pytest.mark.gpu
