@@ -428,8 +428,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             w0 = ts * per                                 # the split's first scale word (128-deep step)
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0    # where its staged words start
             steps = T.max(T.min(spl, sk - k0), 0)
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + (tile.helper_source("cluster_store") if pair else "")
-                            + (READY_SOURCE if fold else ""))
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + pair_source(pair) + (READY_SOURCE if fold else ""))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = swapped_loads(A, B, tn, k0, block_n, tokens, stage_k)
             if ahead:     # (raw words to registers a step ahead, decode from them)
@@ -604,6 +603,11 @@ def _scaled(out, factor, block_n, tokens):
 def _scale_in_place(out, factor, block_n, tokens):
     for i, j in tile.parallel(block_n, tokens):
         out[i, j] = out[i, j] * factor(i, j)
+
+
+def pair_source(pair: bool) -> str:
+    """The device helpers a swapped program's pair fold imports (none without the pair)."""
+    return tile.helper_source("cluster_store") if pair else ""
 
 
 def pair_recv_words(tokens: int) -> int:

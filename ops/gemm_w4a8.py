@@ -34,7 +34,7 @@ from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS,
                             SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
-                            _tma_scale_words, _trace_stamp, pair_recv_words, plan_masked_swapped,
+                            _tma_scale_words, _trace_stamp, pair_recv_words, pair_source, plan_masked_swapped,
                             plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -199,8 +199,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
-            T.import_source(_source() + (tile.helper_source("cluster_store") if pair else "")
-                            + (READY_SOURCE if fold else ""))
+            T.import_source(_source() + pair_source(pair) + (READY_SOURCE if fold else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")

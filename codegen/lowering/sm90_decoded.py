@@ -133,7 +133,8 @@ def _reg_step(j, first, io):
     the registers. Raw words a step ahead (regs): first wait for stage s + 1 and load its raw words
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
-    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor) = io[:15]
+    s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
+        _tile_done = io
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
