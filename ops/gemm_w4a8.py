@@ -32,8 +32,8 @@ from codegen.program import tile_program
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
-from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_TOKENS,
-                            SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
+from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
+                            SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
                             _tma_scale_words, _trace_stamp, pair_recv_words, pair_source, plan_masked_swapped,
                             plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
@@ -540,8 +540,10 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 W4A8_PAIR_WIDE = True
 # Split plans' results out through shared memory as whole rows (the split's fp32 partial, or the pair's half of C in
 # bf16) instead of from the accumulator's layout: the masked kernel's stores gained 1.1-11 us that way (session 46).
-# Built after session 46's GPU time: off until measured (provider tilecraft-w4a8-staged)
-W4A8_STAGE_OUT = False
+# None: tiles of >= SWAPPED_STAGE_OUT_TOKENS (64) tokens (session 47: 64x7168x2048 9.8 -> 9.4 us, 64x4096x7168
+# 14.5 -> 13.8; at 1 and 16 tokens within 0.1-0.2 us, the 1-token pair slower, so left out); True / False: every
+# split plan (bench A/B: provider tilecraft-w4a8-staged)
+W4A8_STAGE_OUT = None
 # The masked kernel's per-token scales (sfa (g, max_m)) by the producer's TMA ahead of the stages, as the dense
 # kernel's, where max_m % 4 == 0; otherwise (and False: bench A/B) loaded from global memory in the epilogue, where
 # they queue behind the grid's stages (session 46: the masked epilogue ~3500-5900 cycles against ~1060 dense)
@@ -558,9 +560,9 @@ W4A8_MASKED_TILES = True
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
-    128-deep stages; scale_tma, fold and pair as plan_swapped chooses them (no staged partials); then as many
-    stages as fit next to this kernel's own tiles (the table, the factors: with group_scales a (tokens, steps)
-    block of them)."""
+    128-deep stages; scale_tma, fold and pair as plan_swapped chooses them; the result staged as whole rows per
+    W4A8_STAGE_OUT; then as many stages as fit next to this kernel's own tiles (the table, the factors: with
+    group_scales a (tokens, steps) block of them)."""
     p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                      pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
@@ -569,7 +571,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["group_scales"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
-    if W4A8_STAGE_OUT and out["splits"] > 1:
+    stage = out["tokens"] >= SWAPPED_STAGE_OUT_TOKENS if W4A8_STAGE_OUT is None else W4A8_STAGE_OUT
+    if stage and out["splits"] > 1:
         out["stage_out"] = True
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))

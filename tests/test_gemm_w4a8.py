@@ -380,15 +380,18 @@ def test_masked_tiles_plan_and_build(monkeypatch):
 
 
 def test_stage_out_plans_and_builds(monkeypatch):
-    """W4A8_STAGE_OUT (off by default): every split plan stages its result as whole rows -- the pair its half of C as
-    16-byte bf16 stores, the split its fp32 partial as 16-byte stores -- within the shared-memory budget, no spills;
-    a one-split plan is refused."""
+    """W4A8_STAGE_OUT: by default (None) the split plans of 64-token tiles stage their result as whole rows -- the
+    pair its half of C as 16-byte bf16 stores, the split its fp32 partial as 16-byte stores -- within the
+    shared-memory budget, no spills; smaller tiles do not (True: all of them); a one-split plan is refused."""
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import SMEM_BUDGET
     from ops.gemm_w4a8 import w4a8_smem_bytes
 
-    assert "stage_out" not in plan_w4a8(64, 7168, 2048)
+    assert gemm_w4a8.W4A8_STAGE_OUT is None
+    assert plan_w4a8(64, 7168, 2048)["stage_out"] and plan_w4a8(33, 4096, 7168)["stage_out"]
+    assert "stage_out" not in plan_w4a8(16, 7168, 2048) and "stage_out" not in plan_w4a8(1, 4096, 7168)
     monkeypatch.setattr(gemm_w4a8, "W4A8_STAGE_OUT", True)
+    assert plan_w4a8(16, 7168, 2048)["stage_out"]
     for (m, n, k), vector in (((64, 7168, 2048), "*(uint4*)(C + "), ((64, 4096, 7168), "*(float4*)(Part + ")):
         p = plan_w4a8(m, n, k)
         assert p["stage_out"] and w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
@@ -472,6 +475,7 @@ def test_gpu_stage_out_gives_the_same_bits(monkeypatch, m, n, k):
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    monkeypatch.setattr(gemm_w4a8, "W4A8_STAGE_OUT", False)
     want = ops.mxfp4_w4a8_gemm_nt(*dev)
     monkeypatch.setattr(gemm_w4a8, "W4A8_STAGE_OUT", True)
     assert bool(plan_w4a8(m, n, k).get("stage_out")) == (plan_w4a8(m, n, k)["splits"] > 1)

@@ -113,7 +113,8 @@ def tilecraft_w4a8_with(flag, value=True):
     W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel), W4A8_MASKED_SA_TMA False (the
     masked kernel's token scales loaded in its epilogue), W4A8_MASKED_STAGED False (its C tile stored from the
     accumulator's layout), W4A8_MASKED_TILES False (one n tile a masked block),
-    W4A8_STAGE_OUT (split plans' partials, or the pair's C, out through shared memory as whole rows)."""
+    W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
+    False: none; the default stages 64-token tiles')."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -340,6 +341,7 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-unstaged", tilecraft_w4a8_with("W4A8_MASKED_STAGED", False),
                         experimental=True),
                Provider("tilecraft-w4a8-staged", tilecraft_w4a8_with("W4A8_STAGE_OUT", True), experimental=True),
+               Provider("tilecraft-w4a8-nostage", tilecraft_w4a8_with("W4A8_STAGE_OUT", False), experimental=True),
                Provider("tilecraft-w4a8-onetile", tilecraft_w4a8_with("W4A8_MASKED_TILES", False),
                         experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
