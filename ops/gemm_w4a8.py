@@ -142,7 +142,7 @@ def _fill_table(tbl):
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
                                trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               stage_out: bool = False):
+                               stage_out: bool = False, burst: int = 0):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -158,7 +158,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     no_offsets=True (a diagnostic, wrong results: bench.trace_mxfp4 --no-offsets): the table offsets are neither
     loaded nor waited for (all zero), to time the kernel without its wait for them.
     stage_out=True (splits > 1): the split's fp32 partial, or the pair's half of C, goes out through shared memory
-    as whole rows instead of from the accumulator's layout."""
+    as whole rows instead of from the accumulator's layout. burst: steps between the loop's WGMMA drains (0: the
+    target's default)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -216,7 +217,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages,
+                stages=stages, **_burst(burst),
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
@@ -240,7 +241,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
-                              tiles: int = 1, trace: bool = False):
+                              tiles: int = 1, trace: bool = False, burst: int = 0):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -251,11 +252,12 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     through shared memory as whole rows (16-byte stores) instead of from the accumulator's layout. tiles > 1: a block
     takes that many consecutive n tiles of its group in one stream of steps (each tile's accumulator stored after its
     last step while the producer streams the next tile's stages), so a grid of several waves runs as one and pays
-    its prologue and first data once a block. trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
+    its prologue and first data once a block (k / 128 a multiple of burst, the steps between the loop's WGMMA
+    drains; 0: the target's default, 4). trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
     (blocks, SWAPPED_TRACE_WORDS) int32 with the swapped kernel's stamps, a row a block (block = group x n tiles /
     tiles + the block's index in the group)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
-    assert tiles >= 1 and (n // block_n) % tiles == 0
+    assert tiles >= 1 and (n // block_n) % tiles == 0 and (tiles == 1 or (k // BLOCK_K) % (burst or 4) == 0)
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
     blocks_per_group = n_tiles // tiles
@@ -299,7 +301,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                  ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
-                stages=stages, promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
+                stages=stages, **_burst(burst), promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
                 + [(TIX[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
@@ -329,6 +331,11 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
         body(A, B, TIX, RowScale, SA, MaskedM, C, None)
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
+
+
+def _burst(burst: int) -> dict:
+    # the loop's burst= where a plan sets one (0: the target's default)
+    return {"burst": burst} if burst else {}
 
 
 def _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles, steps, mark):
@@ -556,6 +563,12 @@ W4A8_MASKED_STAGED = True
 # 8x64x7168x2048 34.4 -> 30.9 us (1.79x -> 1.99x torch); at two waves (8x64x4096x7168) it lost, 45.9 -> 47.2 us, so
 # the plan leaves those alone. False: one tile a block everywhere (bench A/B: provider tilecraft-w4a8-onetile)
 W4A8_MASKED_TILES = True
+# Steps between the loop's WGMMA drains on 64-token tiles (elsewhere sm90.BURST, 4). A drain waits for the last step's
+# WGMMA before the next decode; at 64 tokens that WGMMA (two warpgroups' m64n64k32 x 4, ~280 cycles of tensor time)
+# shows as a ~350-cycle data wait every fourth step (session 46's traces: steps ~480, every fourth ~830). 1-16 token
+# tiles measured no faster with 8 (session 44: their WGMMAs are short). None: the loop's default, 4 (bench A/B:
+# provider tilecraft-w4a8-burst4)
+W4A8_BURST_64 = 8
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -574,6 +587,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
     stage = out["tokens"] >= SWAPPED_STAGE_OUT_TOKENS if W4A8_STAGE_OUT is None else W4A8_STAGE_OUT
     if stage and out["splits"] > 1:
         out["stage_out"] = True
+    if out["tokens"] == 64 and W4A8_BURST_64:
+        out["burst"] = W4A8_BURST_64
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -587,7 +602,7 @@ def _stage_bytes(tokens: int) -> int:
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
                     pair: bool = False, group_scales: bool = False, stage_out: bool = False,
-                    block_n: int = 128) -> int:
+                    block_n: int = 128, burst: int = 0) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -619,7 +634,8 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT), build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64),
+                                           build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))
@@ -684,7 +700,8 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     as whole rows with W4A8_MASKED_STAGED. tiles (W4A8_MASKED_TILES, given groups and n): where the grid would run
     more than two waves, the fewest n tiles a block (a divisor of n / 128) that put it in one wave of `sms` blocks, if
     their table offsets fit next to 4+ stages; else 1 (session 46: 8x64x7168x2048, 3.4 waves -> 4 tiles a block, 34.4
-    -> 30.9 us; 8x64x4096x7168, 2 waves -> 2 tiles, 45.9 -> 47.2 us)."""
+    -> 30.9 us; 8x64x4096x7168, 2 waves -> 2 tiles, 45.9 -> 47.2 us). burst: W4A8_BURST_64 on 64-token tiles (with
+    several tiles a block, where k / 128 is a multiple of it)."""
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
     staged = W4A8_MASKED_STAGED
@@ -703,7 +720,10 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     stages = p["stages"]
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + fixed(tiles) > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the token scales, the staged tile) of the whole K
-    return dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
+    out = dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
+    if p["tokens"] == 64 and W4A8_BURST_64 and (tiles == 1 or kb % W4A8_BURST_64 == 0):
+        out["burst"] = W4A8_BURST_64
+    return out
 
 
 @torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_masked", mutates_args=())

@@ -465,6 +465,66 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
     assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
 
 
+def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
+    """W4A8_BURST_64: 64-token tiles (dense and masked) drain the WGMMA pipeline every 8 steps instead of 4 -- the
+    loop unrolls 8 steps (twice the QGMMAs between drains), no spills -- smaller tiles keep the default; several
+    tiles a block take it only where k / 128 is a multiple of it (tiles end where bursts do)."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    assert gemm_w4a8.W4A8_BURST_64 == 8
+    assert plan_w4a8(64, 7168, 2048)["burst"] == 8 and plan_w4a8(40, 4096, 7168)["burst"] == 8
+    assert "burst" not in plan_w4a8(16, 4096, 7168) and "burst" not in plan_w4a8(1, 7168, 2048)
+    assert plan_w4a8_masked(64, 2048, groups=8, n=7168)["burst"] == 8                   # 4 tiles, 16 steps each
+    assert "burst" not in plan_w4a8_masked(64, 1536, groups=8, n=7168)                  # 4 tiles of 12 steps
+    assert plan_w4a8_masked(64, 1536)["burst"] == 8                                    # one tile: any k
+    assert "burst" not in plan_w4a8_masked(8, 2048)
+    for prog, nk, p in ((mxfp4_w4a8_masked_program, dict(n=7168, k=2048), plan_w4a8_masked(64, 2048, groups=8, n=7168)),
+                        (mxfp4_w4a8_swapped_program, dict(n=7168, k=2048), plan_w4a8(64, 7168, 2048))):
+        counts = {}
+        for burst in (0, 8):
+            cubin = build_cubin(prog.source("sm_90a", **nk, **{**p, "burst": burst}), "sm_90a")
+            assert sass_stats(cubin, "sm_90a").spill_stores == 0
+            counts[burst] = disassemble(cubin).count("QGMMA")
+        assert counts == {0: 16, 8: 32}, counts
+    monkeypatch.setattr(gemm_w4a8, "W4A8_BURST_64", None)
+    assert "burst" not in plan_w4a8(64, 7168, 2048) and "burst" not in plan_w4a8_masked(64, 2048, groups=8, n=7168)
+    with pytest.raises(ValueError, match="burst must be"):
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=256, k=1024, tokens=64, burst=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (64, 4096, 7168), (37, 1024, 5632)])
+def test_gpu_long_bursts_give_the_same_bits(monkeypatch, m, n, k):
+    """W4A8_BURST_64 (8 steps between the WGMMA pipeline's drains at 64 tokens) against the loop's default (4):
+    the same bits on the pair, reduce and tail-burst plans (steps % 8 != 0)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    assert plan_w4a8(m, n, k)["burst"] == 8
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_BURST_64", None)
+    assert not out.isnan().any() and torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,n,k", [(34, 1024, 2048), (5, 384, 7168)])
+def test_gpu_masked_long_bursts_give_the_same_bits(monkeypatch, G, n, k):
+    """The masked kernel with W4A8_BURST_64 (with several tiles a block, and one tile over a long K) against the
+    default burst: the same bits, groups of 0, 1, partial and full rows."""
+    g = torch.Generator().manual_seed(G + n + k + 8)
+    max_m = 64
+    masked = torch.randint(0, max_m + 1, (G,), generator=g)
+    masked[:4] = torch.tensor([0, 1, max_m, 17])
+    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked.tolist())
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
+    assert plan_w4a8_masked(max_m, k, groups=G, n=n)["burst"] == 8
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_BURST_64", None)
+    assert not out.isnan().any() and out[2].abs().sum() > 0
+    assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args), out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (64, 4096, 7168), (13, 4096, 7168),
                                    (1, 7168, 2048), (33, 384, 2048)])

@@ -235,7 +235,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -260,7 +260,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
               temps, tile_done)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        in_bursts(steps, _reg_burst, io)
+        in_bursts(steps, _reg_burst, io, burst)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
@@ -270,7 +270,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -296,8 +296,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
     # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
     # tile_done=(period, fn) (several output tiles a block, one after the other in one stream of steps; period a
-    # multiple of BURST): after the burst that completes steps t * period .. (t + 1) * period - 1, fn(t) stores the
+    # multiple of burst): after the burst that completes steps t * period .. (t + 1) * period - 1, fn(t) stores the
     # accumulator and it is cleared, unless that was the last step (the epilogue's tile); the producer never stops
+    # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
+    # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
+    # "Session 47")
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -313,9 +316,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
-    if tile_done is not None and (blocks_per_sm != 1 or isinstance(decode, tuple) or tile_done[0] % BURST):
+    if not isinstance(burst, int) or not 2 <= burst <= 16:
+        raise ValueError(f"burst must be an int in [2, 16] (steps between WGMMA drains), got {burst!r}")
+    if tile_done is not None and (blocks_per_sm != 1 or isinstance(decode, tuple) or tile_done[0] % burst):
         raise ValueError(f"tile_done takes one block an SM, a decode from shared memory and a period that is a "
-                         f"multiple of {BURST} (tiles end where bursts do), got blocks_per_sm={blocks_per_sm}, "
+                         f"multiple of burst={burst} (tiles end where bursts do), got blocks_per_sm={blocks_per_sm}, "
                          f"period {tile_done[0]}")
     threads = consumers + PRODUCER
     have = launch_registers(threads * blocks_per_sm)
@@ -333,8 +338,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     frags = [T.alloc_fragment(d_shape, d_dtype) for _ in range(3 - blocks_per_sm)]
     regs = None
     if isinstance(decode, tuple):
-        if parts != 1 or blocks_per_sm != 1 or BURST % 2:
-            raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even BURST), "
+        if parts != 1 or blocks_per_sm != 1 or burst % 2:
+            raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even burst), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
     temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(2)] if promote is not False else None
@@ -344,4 +349,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done)
+                    ramp, regs, (temps, pfactor), tile_done, burst)
