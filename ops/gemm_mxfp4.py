@@ -461,15 +461,13 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     examples={"decode-8x4096x7168": dict(n=4096, k=7168, tokens=64, stages=7)},
 )
 def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
-                                 decode: str = "v7", scale_tma: bool = True, staged_out: bool = False,
-                                 burst: int = 0):
+                                 decode: str = "v7", scale_tma: bool = True, staged_out: bool = False):
     """The masked grouped layout (decode MoE: A (groups, max_m, k), max_m <= tokens <= 64; only the
     first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the swapped kernel:
     a block takes one group's 128 weight rows over the whole K (the groups fill the GPU, no
     split-K). A group with no rows loads nothing and stores zeros. scale_tma: the scale rows by TMA
     ahead of the stages, or by the MMA threads (as mxfp4_gemm_nt_swapped's). staged_out: C's tile
-    goes out through shared memory as whole rows (16-byte stores). burst: steps between the loop's
-    WGMMA drains (0: the target's default)."""
+    goes out through shared memory as whole rows (16-byte stores)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS and decode in SWAPPED_DECODES
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -492,7 +490,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
                 steps, loads, [((tokens, BLOCK_K), "bfloat16"), ((block_n, BLOCK_K // 8), "int32"),
                                ((block_n, BLOCK_K), "bfloat16")], acc,
                 lambda raw_at, frows, place, blk, dst: _decode_fragment(raw_at, frows, place, blk, dst, sw, decode),
-                stages=stages, **({"burst": burst} if burst else {}),
+                stages=stages,
                 preload=[(SFB[g, tn * block_n:(tn + 1) * block_n, 0:kb], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[g, tn * block_n + i, si]),
@@ -555,10 +553,7 @@ def plan_masked_swapped(max_m: int, k: int, a_bytes: int = 2) -> dict:
         raise ValueError(f"k={k} is too long for the masked swapped kernel's staged scales")
     # scale rows by TMA (the path measured, -042253Z) unless SWAPPED_SCALE_TMA is False
     scale_tma = True if SWAPPED_SCALE_TMA is None else SWAPPED_SCALE_TMA
-    out = dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma, staged_out=staged)
-    if MASKED_BURST_64 and a_bytes == 2 and tokens == 64:      # (ops.gemm_w4a8 plans its own: W4A8_BURST_64)
-        out["burst"] = MASKED_BURST_64
-    return out
+    return dict(tokens=tokens, stages=stages, decode=SWAPPED_DECODE, scale_tma=scale_tma, staged_out=staged)
 
 
 # SM clock at each event, then the global timer (ns, low 32 bits) at entry and stored; then each
@@ -1081,9 +1076,6 @@ SWAPPED_MASKED = True    # masked groups of <= 64 rows on the swapped kernel (be
 # accumulator's layout, where the staging costs no stage (plan_masked_swapped); session 46: 8x64x7168x2048 59.2 ->
 # 48.9 us; at k = 7168 it would cost a stage: 74.3 -> 79.8 us, so not there. False: bench A/B
 MASKED_STAGED = True
-# Steps between the masked kernel's WGMMA drains at 64-token tiles (ops.gemm_w4a8's W4A8_BURST_64, measured there in
-# session 47: 8x64x4096x7168 46.5 -> 44.9 us); None: the loop's default, 4 (bench A/B: tilecraft-masked-burst4)
-MASKED_BURST_64 = 8
 
 
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):

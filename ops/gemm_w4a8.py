@@ -566,8 +566,9 @@ W4A8_MASKED_TILES = True
 # Steps between the loop's WGMMA drains on 64-token tiles (elsewhere sm90.BURST, 4). A drain waits for the last step's
 # WGMMA before the next decode; at 64 tokens that WGMMA (two warpgroups' m64n64k32 x 4, ~280 cycles of tensor time)
 # shows as a ~350-cycle data wait every fourth step (session 46's traces: steps ~480, every fourth ~830). 1-16 token
-# tiles measured no faster with 8 (session 44: their WGMMAs are short). None: the loop's default, 4 (bench A/B:
-# provider tilecraft-w4a8-burst4)
+# tiles measured no faster with 8 (session 44: their WGMMAs are short). Session 47: masked 8x64x4096x7168 46.5 -> 44.9
+# us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
+# with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
 
 

@@ -2330,8 +2330,7 @@ def test_gpu_grouped_mxfp4(mode):
 def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group;
     rows past masked_m (NaN here) never leak into another row and come out zeros; a group with no
-    rows is all zeros; either decode and either scale-row path, C staged or not, and 4 or 8 steps between the
-    WGMMA drains (MASKED_BURST_64) give the same bits."""
+    rows is all zeros; either decode and either scale-row path, and C staged or not, give the same bits."""
     from ops import gemm_mxfp4
 
     g = torch.Generator().manual_seed(max_m)
@@ -2358,9 +2357,6 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     monkeypatch.setattr(gemm_mxfp4, "MASKED_STAGED", False)    # C from the accumulator's layout: the same bits
     again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
     assert torch.equal(again, out)
-    monkeypatch.setattr(gemm_mxfp4, "MASKED_BURST_64", None)   # drains every 4 steps at 64 tokens: the same bits
-    again = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
-    assert torch.equal(again, out)
 
 
 def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
@@ -2370,9 +2366,7 @@ def test_mxfp4_masked_swapped_lowers_to_register_wgmma():
     from ops.gemm_mxfp4 import SMEM_BUDGET, mxfp4_masked_swapped_program, plan_masked_swapped
 
     p = plan_masked_swapped(64, 7168)
-    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True, staged_out=False,   # staging would cost a stage
-                     burst=8)                                  # MASKED_BURST_64: 8 steps between drains at 64 tokens
-    assert "burst" not in plan_masked_swapped(16, 7168)
+    assert p == dict(tokens=64, stages=8, decode="v7", scale_tma=True, staged_out=False)   # staging would cost a stage
     assert plan_masked_swapped(16, 1024)["scale_tma"]
     assert p["stages"] * (64 * 256 + 128 * 64) + 128 * 56 * 4 <= SMEM_BUDGET
     q = plan_masked_swapped(64, 2048)

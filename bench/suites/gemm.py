@@ -115,7 +115,7 @@ def tilecraft_w4a8_with(flag, value=True):
     accumulator's layout), W4A8_MASKED_TILES False (one n tile a masked block),
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
-    every 4 steps, the loop's default, instead of 8; 16: every 16)."""
+    every 4 steps, the loop's default, instead of 8)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -344,12 +344,10 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-staged", tilecraft_w4a8_with("W4A8_STAGE_OUT", True), experimental=True),
                Provider("tilecraft-w4a8-nostage", tilecraft_w4a8_with("W4A8_STAGE_OUT", False), experimental=True),
                Provider("tilecraft-w4a8-burst4", tilecraft_w4a8_with("W4A8_BURST_64", None), experimental=True),
-               Provider("tilecraft-w4a8-burst16", tilecraft_w4a8_with("W4A8_BURST_64", 16), experimental=True),
                Provider("tilecraft-w4a8-onetile", tilecraft_w4a8_with("W4A8_MASKED_TILES", False),
                         experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
-                                           ("tilecraft-masked-burst4", "MASKED_BURST_64", None),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
