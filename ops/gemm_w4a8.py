@@ -547,8 +547,8 @@ W4A8_SCALE_TMA = None   # None: plan_swapped's rule (TMA'd table offsets for spl
 W4A8_PAIR_WIDE = True
 # Split plans' results out through shared memory as whole rows (the split's fp32 partial, or the pair's half of C in
 # bf16) instead of from the accumulator's layout: the masked kernel's stores gained 1.1-11 us that way (session 46).
-# None: tiles of >= SWAPPED_STAGE_OUT_TOKENS (64) tokens (session 47: 64x7168x2048 9.8 -> 9.4 us, 64x4096x7168
-# 14.5 -> 13.8; at 1 and 16 tokens within 0.1-0.2 us, the 1-token pair slower, so left out); True / False: every
+# None: tiles of >= SWAPPED_STAGE_OUT_TOKENS (64) tokens (session 47: 64x7168x2048 9.9 -> 9.7 us, 64x4096x7168
+# 14.5 -> 13.9; at 1 and 16 tokens within 0.1-0.2 us, the 1-token pair slower, so left out); True / False: every
 # split plan (bench A/B: provider tilecraft-w4a8-staged)
 W4A8_STAGE_OUT = None
 # The masked kernel's per-token scales (sfa (g, max_m)) by the producer's TMA ahead of the stages, as the dense
