@@ -525,6 +525,74 @@ def test_gpu_masked_long_bursts_give_the_same_bits(monkeypatch, G, n, k):
     assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args), out)
 
 
+def test_permuted_factors_put_a_threads_factors_side_by_side(monkeypatch):
+    """W4A8_GROUP_PERMUTED: _factor_slot is a permutation of a step's tokens that puts the columns the accumulator gives
+    a thread (8c + 2q + e) side by side; the group kernels then read a step's factors as 16-byte loads (4 a step at 64
+    tokens instead of 16 scalars), no spills; the smem count includes the rearranged copy."""
+    import collections
+
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+    from ops.gemm_mxfp4 import SMEM_BUDGET
+    from ops.gemm_w4a8 import _factor_slot, w4a8_smem_bytes
+
+    for tokens in (8, 16, 32, 64):
+        assert sorted(_factor_slot(j, tokens) for j in range(tokens)) == list(range(tokens))
+        for q in range(4):
+            mine = sorted(_factor_slot(8 * c + 2 * q + e, tokens) for c in range(tokens // 8) for e in (0, 1))
+            assert mine == list(range(q * tokens // 4, (q + 1) * tokens // 4)), (tokens, q)
+    assert "permuted_factors" not in plan_w4a8(64, 4096, 7168, group_scales=True)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_GROUP_PERMUTED", True)
+    p = plan_w4a8(64, 4096, 7168, group_scales=True)
+    assert p["permuted_factors"] and "permuted_factors" not in plan_w4a8(64, 4096, 7168)
+    assert w4a8_smem_bytes(4096, 7168, **p) <= SMEM_BUDGET
+    masked = plan_w4a8_masked(64, 7168, group_scales=True, groups=8, n=4096)
+    assert masked["permuted_factors"] and "permuted_factors" not in plan_w4a8_masked(64, 7168, groups=8, n=4096)
+    for prog, nk, q in ((mxfp4_w4a8_swapped_program, dict(n=4096, k=7168), p),
+                        (mxfp4_w4a8_masked_program, dict(n=4096, k=7168, group_scales=True), masked)):
+        cubin = build_cubin(prog.source("sm_90a", **nk, **q), "sm_90a")
+        assert sass_stats(cubin, "sm_90a").spill_stores == 0
+        ops_ = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", disassemble(cubin))
+        starts = [i for i, o in enumerate(ops_) if o.startswith("QGMMA")][::4]
+        step = collections.Counter(o for o in ops_[starts[3]:starts[4]] if o.startswith("LDS"))
+        assert step["LDS.128"] == 6 and step["LDS"] <= 2, step       # the factors' 4 + the codes' 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (16, 4096, 7168), (1, 7168, 2048), (37, 1024, 5632)])
+def test_gpu_permuted_factors_give_the_same_bits(monkeypatch, m, n, k):
+    """W4A8_GROUP_PERMUTED (per-(token, 128) sfa read from the rearranged copy as 16-byte vectors): the same bits as the
+    token-major reads, dense (reduce, fold, pair plans) and masked (several tiles a block, one tile over a long K)."""
+    g = torch.Generator().manual_seed(m + n + k + 47)
+    packed, scales = weights(n, k, g)
+    a, sfa = group_activations(m, k, g)
+    dev = [t.cuda() for t in (a, sfa, *prepare_mxfp4_w4a8(packed, scales))]
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_GROUP_PERMUTED", True)
+    assert plan_w4a8(m, n, k, group_scales=True)["permuted_factors"]
+    got = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,n,k", [(34, 1024, 2048), (5, 384, 7168)])
+def test_gpu_masked_permuted_factors_give_the_same_bits(monkeypatch, G, n, k):
+    """The masked kernel's per-(token, 128) factors from the rearranged copy: the same bits as token-major reads."""
+    g = torch.Generator().manual_seed(G + n + k + 47)
+    max_m = 64
+    masked = torch.randint(0, max_m + 1, (G,), generator=g)
+    masked[:4] = torch.tensor([0, 1, max_m, 17])
+    packed, scales = weights(G * n, k, g)
+    a, sfa = group_activations(G * max_m, k, g)
+    a, sfa = a.view(G, max_m, k), sfa.view(G, max_m, k // 128)
+    mm = masked.to(torch.int32)
+    args = [t.cuda() for t in (a, sfa, *prepare_mxfp4_w4a8(packed.view(G, n, k // 2), scales.view(G, n, k // 32)), mm)]
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_GROUP_PERMUTED", True)
+    assert plan_w4a8_masked(max_m, k, group_scales=True, groups=G, n=n)["permuted_factors"]
+    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    assert not got.isnan().any() and got[2].abs().sum() > 0 and torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (50, 6144, 1024), (64, 4096, 7168), (13, 4096, 7168),
                                    (1, 7168, 2048), (33, 384, 2048)])
