@@ -142,7 +142,7 @@ def _fill_table(tbl):
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
                                trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               stage_out: bool = False, burst: int = 0, permuted_factors: bool = False):
+                               stage_out: bool = False, burst: int = 0):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -159,8 +159,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     loaded nor waited for (all zero), to time the kernel without its wait for them.
     stage_out=True (splits > 1): the split's fp32 partial, or the pair's half of C, goes out through shared memory
     as whole rows instead of from the accumulator's layout. burst: steps between the loop's WGMMA drains (0: the
-    target's default). permuted_factors (group_scales): the (token, step) factors rearranged once, after they land,
-    step-major in _factor_slot order, so a thread reads its step's factors as 16-byte vectors."""
+    target's default)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -203,16 +202,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             steps = T.max(T.min(per, kb - w0), 0)
             T.import_source(_source() + pair_source(pair) + (READY_SOURCE if fold else ""))
             rs = tile.stage((block_n,), "float32")          # the epilogue's factors (TMA: tokens past m are 0)
-            sasp, promote = None, True
             if group_scales:          # (token, step) factors of the split's steps, from step a0
                 sas = tile.stage((tokens, _bank_spread(abox)), "float32")
                 a0 = T.min(w0 // 4 * 4, kb - abox)
                 factor = lambda i, j: rs[i]  # noqa: E731
                 sa_region = SA[0:tokens, a0:a0 + _bank_spread(abox)]
-                promote = lambda j, step: sas[j, step + w0 - a0]  # noqa: E731
-                if permuted_factors:
-                    sasp = tile.stage((abox * tokens,), "float32")
-                    promote = lambda j, step: sasp[(step + w0 - a0) * tokens + _factor_slot(j, tokens)]  # noqa: E731
             else:
                 sas = tile.stage((tokens,), "float32")
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
@@ -223,9 +217,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, **_burst(burst), promote=promote,
-                **({"after_preload": lambda: _permute_factors(sas, sasp, tokens, abox, 2 * block_n)}
-                   if sasp is not None else {}),
+                stages=stages, **_burst(burst),
+                promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
                 # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
@@ -248,8 +241,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
-                              tiles: int = 1, trace: bool = False, burst: int = 0,
-                              permuted_factors: bool = False):
+                              tiles: int = 1, trace: bool = False, burst: int = 0):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -261,7 +253,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     takes that many consecutive n tiles of its group in one stream of steps (each tile's accumulator stored after its
     last step while the producer streams the next tile's stages), so a grid of several waves runs as one and pays
     its prologue and first data once a block (k / 128 a multiple of burst, the steps between the loop's WGMMA
-    drains; 0: the target's default, 4). permuted_factors (group_scales): as the dense kernel's. trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
+    drains; 0: the target's default, 4). trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
     (blocks, SWAPPED_TRACE_WORDS) int32 with the swapped kernel's stamps, a row a block (block = group x n tiles /
     tiles + the block's index in the group)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
@@ -286,15 +278,10 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             steps = T.if_then_else(rows > 0, tiles * kb, 0)   # step s: tile s // kb, K block s % kb
             T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
-            sasp, promote = None, True
             if group_scales:
                 sas = tile.stage((tokens, _bank_spread(kb)), "float32")
                 sa_region = [(SA[g, 0:tokens, 0:_bank_spread(kb)], sas)]
                 factor = lambda t: lambda i, j: rs[t, i]  # noqa: E731
-                promote = lambda j, s: sas[j, kk(s)]  # noqa: E731
-                if permuted_factors:
-                    sasp = tile.stage((kb * tokens,), "float32")
-                    promote = lambda j, s: sasp[kk(s) * tokens + _factor_slot(j, tokens)]  # noqa: E731
             elif token_scales_tma:     # tokens past max_m: 0 (TMA), never stored
                 sas = tile.stage((tokens,), "float32")
                 sa_region = [(SA[g, 0:tokens], sas)]
@@ -314,9 +301,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                  ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
-                stages=stages, **_burst(burst), promote=promote,
-                **({"after_preload": lambda: _permute_factors(sas, sasp, tokens, kb, 2 * block_n)}
-                   if sasp is not None else {}),
+                stages=stages, **_burst(burst), promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
                 + [(TIX[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
@@ -346,24 +331,6 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
         body(A, B, TIX, RowScale, SA, MaskedM, C, None)
 
     return mxfp4_w4a8_gemm_nt_masked_swapped
-
-
-def _factor_slot(j, tokens: int):
-    """Where token j's factor sits in a step's row of permuted factors: the accumulator gives the thread at place q
-    (its lane % 4) the token columns 8c + 2q + e (c < tokens / 8, e < 2); slot q * tokens / 4 + 2c + e puts a thread's
-    tokens / 4 factors of a step side by side (16 at 64 tokens: four 16-byte loads instead of sixteen 4-byte ones)."""
-    return j % 8 // 2 * (tokens // 4) + j // 8 * 2 + j % 2
-
-
-@T.macro
-def _permute_factors(src, dst, tokens, cols, threads):
-    # src (tokens, >= cols) token-major, as TMA staged it; dst (cols * tokens,) step-major, each step's tokens in
-    # _factor_slot order; by the MMA threads once (the loop's after_preload, a barrier after it)
-    tid = T.get_thread_binding()
-    for r in T.serial(-(-tokens * cols // threads)):
-        w = tid + r * threads
-        if w < tokens * cols:
-            dst[w % cols * tokens + _factor_slot(w // cols, tokens)] = src[w // cols, w % cols]
 
 
 def _burst(burst: int) -> dict:
@@ -603,12 +570,6 @@ W4A8_MASKED_TILES = True
 # us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
 # with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
-# Per-(token, 128) sfa (group_scales): the staged (token, step) factors rearranged once, step-major with each thread's
-# factors of a step side by side (_factor_slot), so the promotion reads them as 16-byte vectors: a 64-token step then
-# loads 4 of them instead of 16 scalars (its 155 instructions against the per-token step's 139; session 47: the group
-# kernels 15-18% slower than per-token on the masked rows). Built after the GPU time: off until measured (provider
-# tilecraft-w4a8-group-perm)
-W4A8_GROUP_PERMUTED = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -622,8 +583,6 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
                fold=p["fold"], pair=p["pair"])
     if group_scales:
         out["group_scales"] = True
-        if W4A8_GROUP_PERMUTED:
-            out["permuted_factors"] = True
     if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
         out.update(pair=True, fold=False)
     stage = out["tokens"] >= SWAPPED_STAGE_OUT_TOKENS if W4A8_STAGE_OUT is None else W4A8_STAGE_OUT
@@ -644,15 +603,13 @@ def _stage_bytes(tokens: int) -> int:
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
                     pair: bool = False, group_scales: bool = False, stage_out: bool = False,
-                    block_n: int = 128, burst: int = 0, permuted_factors: bool = False) -> int:
+                    block_n: int = 128, burst: int = 0) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
-    if permuted_factors:
-        sa += tokens * swapped_scale_box(per, kb) * 4
     recv = block_n * pair_recv_words(tokens) * 4 if pair else 0
     out = ((tokens // 2) * (block_n + 8) * 2 if pair else tokens * (block_n + 4) * 4) if stage_out else 0
     return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv + out
@@ -678,8 +635,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
-                                            W4A8_GROUP_PERMUTED),
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64),
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
@@ -749,13 +705,11 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     several tiles a block, where k / 128 is a multiple of it)."""
     p = plan_masked_swapped(max_m, k, a_bytes=1)
     sa_tma = W4A8_MASKED_SA_TMA and not group_scales and max_m % 4 == 0
-    permuted = group_scales and W4A8_GROUP_PERMUTED
     staged = W4A8_MASKED_STAGED
     kb = k // BLOCK_K
 
     def fixed(tiles):   # shared memory besides the stages
         return (tiles * (128 * kb * 4 + 128 * 4) + (p["tokens"] * _bank_spread(kb) * 4 if group_scales else 0)
-                + (p["tokens"] * kb * 4 if permuted else 0)
                 + (p["tokens"] * 4 if sa_tma else 0) + (p["tokens"] * 136 * 2 if staged else 0) + 1024)
 
     tiles = 1
@@ -768,8 +722,6 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     while stages > 2 and stages * _stage_bytes(p["tokens"]) + fixed(tiles) > SMEM_BUDGET:
         stages -= 1           # room for the table offsets (and the token scales, the staged tile) of the whole K
     out = dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
-    if permuted:
-        out["permuted_factors"] = True
     if p["tokens"] == 64 and W4A8_BURST_64 and (tiles == 1 or kb % W4A8_BURST_64 == 0):
         out["burst"] = W4A8_BURST_64
     return out

@@ -107,7 +107,7 @@ def tilecraft_w4a8(case, i, group=False):
     return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
 
 
-def tilecraft_w4a8_with(flag, value=True, group=False):
+def tilecraft_w4a8_with(flag, value=True):
     """tilecraft-w4a8 with ops.gemm_w4a8.<flag> = value: W4A8_FOLD (every split plan folds its partials in the
     kernel; False: none does, the reduce kernel instead), W4A8_SCALE_TMA (the table offsets by TMA on every plan),
     W4A8_PAIR_WIDE False (2-split plans over 16 tokens through the reduce kernel), W4A8_MASKED_SA_TMA False (the
@@ -115,12 +115,11 @@ def tilecraft_w4a8_with(flag, value=True, group=False):
     accumulator's layout), W4A8_MASKED_TILES False (one n tile a masked block),
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
-    every 4 steps, the loop's default, instead of 8), W4A8_GROUP_PERMUTED (with group: per-(token, 128) sfa, the
-    factors read as 16-byte vectors)."""
+    every 4 steps, the loop's default, instead of 8)."""
     def make(case, i):
         from ops import gemm_w4a8
 
-        return with_switch(lambda c, j: tilecraft_w4a8(c, j, group=group), gemm_w4a8, flag, value)(case, i)
+        return with_switch(tilecraft_w4a8, gemm_w4a8, flag, value)(case, i)
     return make
 
 
@@ -337,8 +336,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
-               Provider("tilecraft-w4a8-group-perm", tilecraft_w4a8_with("W4A8_GROUP_PERMUTED", True, group=True),
-                        experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
                Provider("tilecraft-w4a8-reduce", tilecraft_w4a8_with("W4A8_FOLD", False), experimental=True),
                Provider("tilecraft-w4a8-saldg", tilecraft_w4a8_with("W4A8_MASKED_SA_TMA", False), experimental=True),

@@ -235,7 +235,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, after_preload):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -251,9 +251,6 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
             T.sync_threads(DECODE_BAR, consumers)      # the prologue's shared-memory writes are done
         if pre is not None:
             T.mbarrier_wait_parity(pre[0], 0)           # the preloaded tiles are in shared memory
-        if after_preload is not None:
-            after_preload()
-            T.sync_threads(DECODE_BAR, consumers)      # its shared-memory writes are done
         if mark is not None:
             mark("prologue done", 0)
         tid = T.get_thread_binding()
@@ -273,8 +270,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST,
-                              after_preload=None):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -305,8 +301,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
-    # after_preload (with preload): run by the MMA threads once the preloaded tiles have landed, before the first step,
-    # then a barrier of the MMA threads (e.g. to rearrange a preloaded tile in shared memory for the steps' reads)
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
@@ -322,8 +316,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
-    if after_preload is not None and not preload:
-        raise ValueError("after_preload runs once the preloaded tiles have landed: it needs preload")
     if not isinstance(burst, int) or not 2 <= burst <= 16:
         raise ValueError(f"burst must be an int in [2, 16] (steps between WGMMA drains), got {burst!r}")
     if tile_done is not None and (blocks_per_sm != 1 or isinstance(decode, tuple) or tile_done[0] % burst):
@@ -357,4 +349,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done, burst, after_preload)
+                    ramp, regs, (temps, pfactor), tile_done, burst)
