@@ -718,3 +718,14 @@ def test_ready_partials_start_empty_and_are_kept():
     big = _workspace.ready_partials(cpu, 8, 16, 7168)
     assert big.data_ptr() != p.data_ptr() and len(_workspace._READY_KEPT) == kept + 1
     assert (big.view(torch.int32) == READY_EMPTY).all()
+
+
+def test_ncu_w4a8_flags_parse_and_refuse_unknown_switches():
+    """bench.ncu_w4a8's NAME=VALUE switches: None / True / False / ints parsed, an unknown name refused by name."""
+    from bench.ncu_w4a8 import _flag
+
+    assert _flag("W4A8_BURST_64=None") == ("W4A8_BURST_64", None)
+    assert _flag("W4A8_BURST_64=4") == ("W4A8_BURST_64", 4)
+    assert _flag("W4A8_MASKED_TILES=False") == ("W4A8_MASKED_TILES", False)
+    with pytest.raises(SystemExit, match="no switch 'NOPE'"):
+        _flag("NOPE=1")
