@@ -12,14 +12,8 @@ import argparse
 import torch
 
 import ops
+from bench.ncu_call import profile_calls, switch
 from ops import gemm_fp8
-
-
-def _flag(text: str):
-    name, _, value = text.partition("=")
-    if not hasattr(gemm_fp8, name) or not name.isupper():
-        raise SystemExit(f"ops.gemm_fp8 has no switch {name!r}")
-    return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 def main() -> None:
@@ -30,7 +24,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args()
     m, n, k = (int(x) for x in args.shape.lower().split("x"))
-    for name, value in map(_flag, args.flags):
+    for name, value in (switch(gemm_fp8, f) for f in args.flags):
         setattr(gemm_fp8, name, value)
     g = torch.Generator().manual_seed(0)
     qa, sfa = ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g))
@@ -44,13 +38,7 @@ def main() -> None:
         call = lambda: dg.fp8_gemm_nt((qa, sfa_mn), (qb, sfb), out)  # noqa: E731
     else:
         call = lambda: ops.fp8_gemm_nt(qa, sfa, qb, sfb)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for _ in range(args.calls):
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_calls(call, args.calls)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,8 @@ import argparse
 import torch
 
 import ops
+from bench.ncu_call import profile_calls, switch
 from ops import gemm_w4a8
-
-
-def _flag(text: str):
-    name, _, value = text.partition("=")
-    if not hasattr(gemm_w4a8, name) or not name.isupper():
-        raise SystemExit(f"ops.gemm_w4a8 has no switch {name!r}")
-    parsed = {"None": None, "True": True, "False": False}.get(value, value)
-    return name, int(parsed) if isinstance(parsed, str) and parsed.lstrip("-").isdigit() else parsed
 
 
 def main() -> None:
@@ -35,7 +28,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()
     m, n, k = (int(x) for x in args.shape.lower().split("x"))
-    for name, value in map(_flag, args.flags):
+    for name, value in (switch(gemm_w4a8, f) for f in args.flags):
         setattr(gemm_w4a8, name, value)
     if not torch.cuda.is_available():
         raise SystemExit("bench.ncu_w4a8 needs a CUDA GPU")
@@ -58,13 +51,7 @@ def main() -> None:
     else:
         dev = [t.cuda() for t in (a8, sfa, *gemm_w4a8.prepare_mxfp4_w4a8(packed, scales))]
         call = lambda: ops.mxfp4_w4a8_gemm_nt(*dev)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for _ in range(args.calls):
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_calls(call, args.calls)
 
 
 if __name__ == "__main__":

@@ -253,11 +253,11 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     takes that many consecutive n tiles of its group in one stream of steps (each tile's accumulator stored after its
     last step while the producer streams the next tile's stages), so a grid of several waves runs as one and pays
     its prologue and first data once a block (k / 128 a multiple of burst, the steps between the loop's WGMMA
-    drains; 0: the target's default, 4). trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
+    drains; 0: the target's default). trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
     (blocks, SWAPPED_TRACE_WORDS) int32 with the swapped kernel's stamps, a row a block (block = group x n tiles /
     tiles + the block's index in the group)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
-    assert tiles >= 1 and (n // block_n) % tiles == 0 and (tiles == 1 or (k // BLOCK_K) % (burst or 4) == 0)
+    assert tiles >= 1 and (n // block_n) % tiles == 0     # (the loop checks that k / 128 is a multiple of burst)
     groups, max_m = T.dynamic("groups, max_m")
     n_tiles, kb = n // block_n, k // BLOCK_K
     blocks_per_group = n_tiles // tiles

@@ -721,11 +721,12 @@ def test_ready_partials_start_empty_and_are_kept():
 
 
 def test_ncu_w4a8_flags_parse_and_refuse_unknown_switches():
-    """bench.ncu_w4a8's NAME=VALUE switches: None / True / False / ints parsed, an unknown name refused by name."""
-    from bench.ncu_w4a8 import _flag
+    """The ncu drivers' NAME=VALUE switches (bench.ncu_call.switch): None / True / False / ints parsed, an unknown
+    name refused by name."""
+    from bench.ncu_call import switch
 
-    assert _flag("W4A8_BURST_64=None") == ("W4A8_BURST_64", None)
-    assert _flag("W4A8_BURST_64=4") == ("W4A8_BURST_64", 4)
-    assert _flag("W4A8_MASKED_TILES=False") == ("W4A8_MASKED_TILES", False)
+    assert switch(gemm_w4a8, "W4A8_BURST_64=None") == ("W4A8_BURST_64", None)
+    assert switch(gemm_w4a8, "W4A8_BURST_64=4") == ("W4A8_BURST_64", 4)
+    assert switch(gemm_w4a8, "W4A8_MASKED_TILES=False") == ("W4A8_MASKED_TILES", False)
     with pytest.raises(SystemExit, match="no switch 'NOPE'"):
-        _flag("NOPE=1")
+        switch(gemm_w4a8, "NOPE=1")
