@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("flags", nargs="*", help="NAME=VALUE switches of ops.gemm_fp8 (e.g. RASTER=8 MULTICAST=1)")
     ap.add_argument("--peer", choices=["deep_gemm"], default=None)
     ap.add_argument("--calls", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()   # switches may follow the options
     m, n, k = (int(x) for x in args.shape.lower().split("x"))
     for name, value in (switch(gemm_fp8, f) for f in args.flags):
         setattr(gemm_fp8, name, value)

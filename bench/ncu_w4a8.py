@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=0, help="masked grouped op over this many groups (0: dense)")
     ap.add_argument("--group-scales", action="store_true", help="sfa per (token, 128 columns)")
     ap.add_argument("--calls", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()   # switches may follow the options
     m, n, k = (int(x) for x in args.shape.lower().split("x"))
     for name, value in (switch(gemm_w4a8, f) for f in args.flags):
         setattr(gemm_w4a8, name, value)
