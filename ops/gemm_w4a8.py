@@ -27,6 +27,7 @@ it has landed (tile.mma_register_decoded_loop's promote): Hopper's FP8 WGMMA kee
 import tilelang.language as T
 import torch
 
+from backends.cuda import pdl
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
@@ -142,7 +143,7 @@ def _fill_table(tbl):
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
                                trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               stage_out: bool = False, burst: int = 0, promote_every: int = 1):
+                               stage_out: bool = False, burst: int = 0, pdl: bool = False):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -217,13 +218,16 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, **_burst(burst, promote_every),
+                stages=stages, **_burst(burst),
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
-                # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
-                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (sa_region, sas)]
+                # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43"). pdl: the weights'
+                # (row factors, table offsets, the first stages' codes) before the wait for the previous kernel,
+                # the activations' (SA, A) after it
+                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs)] + ([] if pdl else [(sa_region, sas)])
                 + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma and not no_offsets else []),
+                **({"gated": [(sa_region, sas)]} if pdl else {}),
                 prologue=lambda: _prologue(tbl, None if scale_tma and not no_offsets else sw,
                                            (lambda i, si: 0) if no_offsets else
                                            (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
@@ -241,7 +245,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
-                              tiles: int = 1, trace: bool = False, burst: int = 0, promote_every: int = 1):
+                              tiles: int = 1, trace: bool = False, burst: int = 0):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -301,8 +305,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                  ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
-                stages=stages, **_burst(burst, promote_every),
-                promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
+                stages=stages, **_burst(burst), promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
                 + [(TIX[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
@@ -334,9 +337,9 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     return mxfp4_w4a8_gemm_nt_masked_swapped
 
 
-def _burst(burst: int, promote_every: int = 1) -> dict:
-    # the loop's burst= where a plan sets one (0: the target's default), and promote_every= where it is not 1
-    return {**({"burst": burst} if burst else {}), **({"promote_every": promote_every} if promote_every != 1 else {})}
+def _burst(burst: int) -> dict:
+    # the loop's burst= where a plan sets one (0: the target's default)
+    return {"burst": burst} if burst else {}
 
 
 def _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles, steps, mark):
@@ -571,12 +574,12 @@ W4A8_MASKED_TILES = True
 # us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
 # with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
-# 128-deep steps whose products add up inside the FP8 WGMMA before the sum is promoted into the fp32 accumulator, with
-# per-token sfa (a step's product then carries no factor of its own). 1: every step, as DeepGEMM's FP8 kernels; 2: 256
-# deep, half the promotion's FADDs (at 64 tokens 32 a thread a step, on a step bound by issue: session 47). Error: a
-# WGMMA sum keeps ~14 bits (DeepSeek-V3's report); summing 8 k32 products instead of 4 before the fp32 add adds at most
-# ~2^-13 relative of the 256-deep partial, against e2m1's 2^-2 quantization step of every weight.
-W4A8_PROMOTE_EVERY = 1
+# The dense kernel written for programmatic dependent launch (backends.cuda.pdl): its producer asks for the weights'
+# first stages (and the row factors, table offsets) before griddepcontrol.wait, the activations after; the MMA threads
+# wait for the previous kernel after their prologue. Behind a programmatic edge of a CUDA graph its start then runs
+# under the previous kernel's tail; elsewhere the wait returns at once. False: the plain producer (bench A/B)
+W4A8_PDL = True
+PDL_KERNEL = "mxfp4_w4a8_gemm_nt_swapped_kernel"
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -597,8 +600,8 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["stage_out"] = True
     if out["tokens"] == 64 and W4A8_BURST_64:
         out["burst"] = W4A8_BURST_64
-    if not group_scales and W4A8_PROMOTE_EVERY != 1:
-        out["promote_every"] = W4A8_PROMOTE_EVERY
+    if W4A8_PDL:
+        out["pdl"] = True
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -612,7 +615,7 @@ def _stage_bytes(tokens: int) -> int:
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
                     pair: bool = False, group_scales: bool = False, stage_out: bool = False,
-                    block_n: int = 128, burst: int = 0, promote_every: int = 1) -> int:
+                    block_n: int = 128, burst: int = 0, pdl: bool = False) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -639,13 +642,15 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
+        if p.get("pdl"):
+            pdl.register(PDL_KERNEL)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
                                             W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
-                                            W4A8_PROMOTE_EVERY),
+                                            W4A8_PDL),
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
@@ -734,8 +739,6 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     out = dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
     if p["tokens"] == 64 and W4A8_BURST_64 and (tiles == 1 or kb % W4A8_BURST_64 == 0):
         out["burst"] = W4A8_BURST_64
-    if not group_scales and W4A8_PROMOTE_EVERY != 1:
-        out["promote_every"] = W4A8_PROMOTE_EVERY
     return out
 
 

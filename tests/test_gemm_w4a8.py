@@ -222,6 +222,46 @@ def test_errors_name_the_argument():
         prepare_mxfp4_w4a8(packed.int(), scales)
 
 
+def test_pdl_producer_asks_for_the_weights_before_the_wait():
+    """W4A8_PDL: the dense kernel lets the next grid launch (cudaTriggerProgrammaticLaunchCompletion), its producer
+    asks for the row factors, table offsets and the first stages' codes before waiting for the previous grid
+    (cudaGridDependencySynchronize), the activations (SA, A) only after it; the MMA threads wait too before their
+    first step, and every global write (C, partials, counters) comes after. Off: no wait, no trigger."""
+    for m, n, k in ((1, 4096, 7168), (64, 7168, 2048), (64, 4096, 7168)):
+        p = plan_w4a8(m, n, k)
+        assert p["pdl"]
+        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
+        body = src[src.index("mxfp4_w4a8_gemm_nt_swapped_kernel("):]
+        producer = body[body.index("cudaTriggerProgrammaticLaunchCompletion();"):]
+        producer, mma = producer.split("} else {", 1)
+        before, after = producer.split("cudaGridDependencySynchronize();", 1)
+        assert "tma_load(B_desc" in before and "RowScale" in before
+        assert "A_desc" not in before and "SA_desc" not in before
+        assert "tma_load(SA_desc" in after and "tma_load(A_desc" in after
+        assert body.count("cudaGridDependencySynchronize();") == 2
+        first = mma.index("cudaGridDependencySynchronize();")
+        assert all(w not in mma[:first] for w in ("C[", "Part[", "Count[", "atomic")), (m, n, k)
+    p = {**plan_w4a8(1, 4096, 7168), "pdl": False}
+    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p)
+    assert "cudaGridDependencySynchronize" not in src and "cudaTriggerProgrammatic" not in src
+
+
+def test_pdl_registry_and_arguments():
+    """backends.cuda.pdl: a kernel is registered by its compiled name; programmatic_edges takes a captured graph
+    (keep_graph=True) or a CUgraph handle and says what it got otherwise."""
+    from backends.cuda import pdl
+
+    pdl.register("some_kernel")
+    assert "some_kernel" in pdl.KERNELS
+    pdl.KERNELS.discard("some_kernel")
+    with pytest.raises(TypeError, match="name must be"):
+        pdl.register("")
+    with pytest.raises(TypeError, match="keep_graph=True"):
+        pdl.programmatic_edges("not a graph")
+    with pytest.raises(TypeError, match="keep_graph=True"):
+        pdl.programmatic_edges(0)
+
+
 def test_ops_have_fake_implementations():
     """Both GPU paths are torch custom ops whose fakes give the output's shape and dtype without running anything
     (torch.compile traces through them)."""
@@ -404,35 +444,6 @@ def test_stage_out_plans_and_builds(monkeypatch):
 
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
-def test_promotion_every_256_plan_and_build(monkeypatch):
-    """W4A8_PROMOTE_EVERY = 2: per-token plans (dense and masked) sum two 128-deep steps in the WGMMA before each fp32
-    promotion -- half the promotion's FADDs in the 64-token loop, the same QGMMAs and drains, no spills -- and
-    per-(token, 128) plans keep a promotion a step (each step has its own factor); the loop refuses it with a
-    factor."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-
-    cases = ((mxfp4_w4a8_masked_program, dict(n=7168, k=2048), lambda: plan_w4a8_masked(64, 2048, groups=8, n=7168)),
-             (mxfp4_w4a8_swapped_program, dict(n=7168, k=2048), lambda: plan_w4a8(64, 7168, 2048)))
-    seen = {}
-    for every in (1, 2):
-        monkeypatch.setattr(gemm_w4a8, "W4A8_PROMOTE_EVERY", every)
-        assert "promote_every" not in plan_w4a8(64, 4096, 7168, group_scales=True)
-        assert "promote_every" not in plan_w4a8_masked(64, 2048, group_scales=True)
-        for i, (prog, nk, plan) in enumerate(cases):
-            p = plan()
-            assert p.get("promote_every", 1) == every
-            cubin = build_cubin(prog.source("sm_90a", **nk, **p), "sm_90a")
-            st = sass_stats(cubin, "sm_90a")
-            assert st.spill_stores == 0
-            text = disassemble(cubin)
-            seen[every, i] = (st.histogram.get("FADD", 0), text.count("QGMMA"), text.count("DEPBAR"))
-    for i in range(len(cases)):
-        (fadd1, q1, d1), (fadd2, q2, d2) = seen[1, i], seen[2, i]
-        assert (q2, d2) == (q1, d1) and fadd1 - fadd2 == 128, seen      # 8 steps x 32 -> 4 x 32 a burst
-    with pytest.raises(ValueError, match="promote_every"):
-        mxfp4_w4a8_swapped_program.source("sm_90a", n=256, k=1024, tokens=64, group_scales=True, promote_every=2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (1, 7168, 2048), (16, 4096, 7168), (33, 384, 2048),
                                    (64, 4096, 7168), (64, 7168, 2048), (9, 24576, 1536), (5, 256, 512)])
@@ -522,51 +533,50 @@ def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,positive", [(64, 7168, 2048, False), (64, 4096, 7168, False),
-                                            (64, 4096, 7168, True), (1, 4096, 7168, True), (37, 1024, 5632, False)])
-def test_gpu_promotion_every_256_keeps_the_sum_accurate(monkeypatch, m, n, k, positive):
-    """W4A8_PROMOTE_EVERY 1 and 2 against the fp32 product, under test_gpu_matches_the_fp32_product's bounds
-    (calc_diff < 1e-5, every element to bf16's rounding), also where every product is positive (the sum grows
-    with K, the case a WGMMA sum of few bits loses most in); 256-deep promotion's largest error at most twice
-    the 128-deep one's plus half a bf16 step of the output's scale."""
-    g = torch.Generator().manual_seed(m + n + k)
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 7168, 2048), (64, 7168, 2048), (64, 4096, 7168)])
+def test_gpu_programmatic_edges_give_the_same_bits(m, n, k):
+    """A CUDA graph of calls each behind a kernel that writes its activations (a new a, sa a call, made from a
+    reduction over a 256 MB buffer so the writer runs long): with the edges into the W4A8 kernel made programmatic
+    (one a call) every call's result is bitwise the eager one's; the fold / pair / reduce plans' workspaces reused
+    call after call under the overlap."""
+    from backends.cuda.pdl import programmatic_edges
+
+    g = torch.Generator().manual_seed(m + n + k + 3)
     packed, scales = weights(n, k, g)
-    a, sa = activations(m, k, g)
-    if positive:
-        packed &= 0x77                     # both codes' sign bits off
-        a = a.float().abs().to(torch.float8_e4m3fn)
-    prep = prepare_mxfp4_w4a8(packed, scales)
-    ref = (a.float() * sa[:, None]).double() @ ops.dequant_mxfp4(packed, scales).double().T
-    dev = [t.cuda() for t in (a, sa, *prep)]
-    err = {}
-    for every in (1, 2):
-        monkeypatch.setattr(gemm_w4a8, "W4A8_PROMOTE_EVERY", every)
-        out = ops.mxfp4_w4a8_gemm_nt(*dev).double().cpu()
-        assert not out.isnan().any() and calc_diff(out, ref) < 1e-5, every
-        torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
-        err[every] = float((out - ref).abs().max())
-    assert err[2] <= 2 * err[1] + 2 ** -9 * float(ref.abs().max()), err
+    prep = [t.cuda() for t in prepare_mxfp4_w4a8(packed, scales)]
+    calls = 6
+    srcs = [[t.cuda() for t in activations(m, k, g)] for _ in range(calls)]
+    big = torch.ones(1 << 26, device="cuda")
+    a, sa = torch.empty_like(srcs[0][0]), torch.empty_like(srcs[0][1])
+    zero = torch.zeros((), device="cuda")
 
+    def write(i):   # a's bytes from src i, after a long reduction (its result is 2^26 x 0)
+        torch.mul(big.sum(), 0.0, out=zero)
+        a.view(torch.uint8).copy_(srcs[i][0].view(torch.uint8))
+        torch.add(srcs[i][1], zero, out=sa)
 
-@pytest.mark.gpu
-def test_gpu_masked_promotion_every_256_matches_the_fp32_product(monkeypatch):
-    """The masked kernel (several tiles a block, bursts of 8) with W4A8_PROMOTE_EVERY = 2: each group's rows against
-    the fp32 product under the dense test's bounds, the rows past masked_m zeros."""
-    monkeypatch.setattr(gemm_w4a8, "W4A8_PROMOTE_EVERY", 2)
-    g = torch.Generator().manual_seed(77)
-    G, max_m, n, k = 34, 64, 1024, 2048
-    masked = torch.randint(0, max_m + 1, (G,), generator=g)
-    masked[:4] = torch.tensor([0, 1, max_m, 17])
-    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked.tolist())
-    assert plan_w4a8_masked(max_m, k, groups=G, n=n)["promote_every"] == 2
-    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*[t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales),
-                                                                       mm)]).float().cpu()
-    for gi, rows in enumerate(masked.tolist()):
-        assert (out[gi, rows:] == 0).all()
-        if rows:
-            ref = (a[gi, :rows].float() * sa[gi, :rows, None]) @ ops.dequant_mxfp4(packed[gi], scales[gi]).T
-            assert calc_diff(out[gi, :rows], ref) < 1e-5, gi
-            torch.testing.assert_close(out[gi, :rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+    want = [ops.mxfp4_w4a8_gemm_nt(*srcs[i], *prep) for i in range(calls)]
+    outs = [torch.empty_like(want[0]) for _ in range(calls)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        write(0)
+        outs[0].copy_(ops.mxfp4_w4a8_gemm_nt(a, sa, *prep))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            write(i)
+            outs[i].copy_(ops.mxfp4_w4a8_gemm_nt(a, sa, *prep))
+    assert programmatic_edges(graph) == calls
+    graph.instantiate()
+    for _ in range(3):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(calls):
+            assert torch.equal(outs[i], want[i]), i
 
 
 @pytest.mark.gpu
