@@ -539,7 +539,7 @@ def test_gpu_programmatic_edges_give_the_same_bits(m, n, k):
     reduction over a 256 MB buffer so the writer runs long): with the edges into the W4A8 kernel made programmatic
     (one a call) every call's result is bitwise the eager one's; the fold / pair / reduce plans' workspaces reused
     call after call under the overlap."""
-    from backends.cuda.pdl import programmatic_edges
+    from backends.cuda.pdl import describe, programmatic_edges
 
     g = torch.Generator().manual_seed(m + n + k + 3)
     packed, scales = weights(n, k, g)
@@ -568,7 +568,7 @@ def test_gpu_programmatic_edges_give_the_same_bits(m, n, k):
         for i in range(calls):
             write(i)
             outs[i].copy_(ops.mxfp4_w4a8_gemm_nt(a, sa, *prep))
-    assert programmatic_edges(graph) == calls
+    assert programmatic_edges(graph) == calls, describe(graph)
     graph.instantiate()
     for _ in range(3):
         for o in outs:

@@ -95,14 +95,39 @@ def kernel_name(node: int) -> str | None:
     return (name.value or b"").decode() or None
 
 
-def programmatic_edges(graph, kernels=None) -> int:
-    """Make every plain edge of `graph` from a kernel node to a node of one of `kernels` (device function names;
-    default: the registered ones) programmatic. graph: a torch.cuda.CUDAGraph captured with keep_graph=True (call
-    its instantiate() afterwards), or a raw CUgraph handle. Returns how many edges changed."""
+def _handle(graph) -> int:
     handle = graph.raw_cuda_graph() if hasattr(graph, "raw_cuda_graph") else graph
     if not isinstance(handle, int) or handle == 0:
         raise TypeError(f"graph must be a torch.cuda.CUDAGraph captured with keep_graph=True or a CUgraph handle, "
                         f"got {graph!r}")
+    return handle
+
+
+def describe(graph) -> list[str]:
+    """The graph's edges as text, one a line: 'upstream -> downstream' with each node's kernel name (or its node
+    type) and the edge's (port, type) where it is not a plain one."""
+    handle = _handle(graph)
+    d = _driver()
+    out = []
+    for u, v, data in _edges(handle):
+        ends = []
+        for node in (u, v):
+            name = kernel_name(node)
+            if name is None:
+                kind = ctypes.c_int(-1)
+                _check(d.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
+                name = f"<node type {kind.value}>"
+            ends.append(name)
+        note = f" (port {data.from_port}, type {data.type})" if data.type or data.from_port else ""
+        out.append(f"{ends[0]} -> {ends[1]}{note}")
+    return out
+
+
+def programmatic_edges(graph, kernels=None) -> int:
+    """Make every plain edge of `graph` from a kernel node to a node of one of `kernels` (device function names;
+    default: the registered ones) programmatic. graph: a torch.cuda.CUDAGraph captured with keep_graph=True (call
+    its instantiate() afterwards), or a raw CUgraph handle. Returns how many edges changed."""
+    handle = _handle(graph)
     wanted = set(KERNELS if kernels is None else kernels)
     d = _driver()
     names: dict[int, str | None] = {}
