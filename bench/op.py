@@ -204,7 +204,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 try:
                     # the first call checked the values; the hot path does not sync
                     with values_unchecked(), SmClock(torch.cuda.current_device()) as clock:
-                        t = (bench_graph(fn, flush_mode=args.flush, pdl=p.pdl) if args.graph else
+                        t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
                              bench_cuda(fn, flush_mode=args.flush))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -86,15 +86,12 @@ def host_bound(host_ms: float, gpu_rep_ms: float) -> bool:
 
 
 def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 200,
-                flush_l2: bool = True, flush_mode: str = "write", pdl: bool = False) -> dict:
+                flush_l2: bool = True, flush_mode: str = "write") -> dict:
     """bench_cuda's numbers with no host in the loop: `calls` x (L2 flush, fn()) captured in one CUDA
     graph and replayed, minus a graph of the `calls` flushes alone; each quantile is (replay quantile
     - flush-only quantile) / calls. The GPU time of a call as a model's decode graph sees it, apart
     from launch jitter on the host (bench/NOTES.md "GEMM v5"). fn must be capturable: no host sync,
-    no allocation outside the graph's pool. pdl: the edges into kernels written for programmatic dependent launch
-    (backends.cuda.pdl) are made programmatic in the captured graph, so those kernels start under the tail of the
-    kernel before them (the flush here; in a model, the previous layer's last kernel); `pdl_edges` says how many
-    edges of a graph of `calls` calls changed."""
+    no allocation outside the graph's pool."""
     flush = _flusher(flush_l2, flush_mode)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -104,21 +101,14 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
-    edges = []
-
     def capture(with_fn):
-        graph = torch.cuda.CUDAGraph(keep_graph=True) if pdl else torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 if flush is not None:
                     flush()
                 if with_fn:
                     fn()
-        if pdl:
-            from backends.cuda.pdl import programmatic_edges
-
-            edges.append(programmatic_edges(graph))
-            graph.instantiate()
         return graph
 
     def replays(graph, reps):
@@ -142,7 +132,7 @@ def bench_graph(fn, *, calls: int = 16, rep_ms: float = 300.0, min_reps: int = 5
 
     (w0, w20, w50, w80), (b0, b20, b50, b80) = quantiles(times), quantiles(base)
     return {"median_ms": (w50 - b50) / calls, "min_ms": (w0 - b0) / calls, "p20_ms": (w20 - b20) / calls,
-            "p80_ms": (w80 - b80) / calls, "reps": reps * calls, **({"pdl_edges": edges[0]} if pdl else {})}
+            "p80_ms": (w80 - b80) / calls, "reps": reps * calls}
 
 
 CARD_FIELDS = ("uuid", "power.limit", "clocks.max.sm", "temperature.gpu", "driver_version")

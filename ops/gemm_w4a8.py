@@ -27,7 +27,6 @@ it has landed (tile.mma_register_decoded_loop's promote): Hopper's FP8 WGMMA kee
 import tilelang.language as T
 import torch
 
-from backends.cuda import pdl
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
@@ -143,7 +142,7 @@ def _fill_table(tbl):
 def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
                                trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               stage_out: bool = False, burst: int = 0, pdl: bool = False):
+                               stage_out: bool = False, burst: int = 0):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -222,12 +221,9 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
-                # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43"). pdl: the weights'
-                # (row factors, table offsets, the first stages' codes) before the wait for the previous kernel,
-                # the activations' (SA, A) after it
-                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs)] + ([] if pdl else [(sa_region, sas)])
+                # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
+                preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (sa_region, sas)]
                 + ([(TIX[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma and not no_offsets else []),
-                **({"gated": [(sa_region, sas)]} if pdl else {}),
                 prologue=lambda: _prologue(tbl, None if scale_tma and not no_offsets else sw,
                                            (lambda i, si: 0) if no_offsets else
                                            (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
@@ -574,12 +570,6 @@ W4A8_MASKED_TILES = True
 # us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
 # with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
-# The dense kernel written for programmatic dependent launch (backends.cuda.pdl): its producer asks for the weights'
-# first stages (and the row factors, table offsets) before griddepcontrol.wait, the activations after; the MMA threads
-# wait for the previous kernel after their prologue. Behind a programmatic edge of a CUDA graph its start then runs
-# under the previous kernel's tail; elsewhere the wait returns at once. False: the plain producer (bench A/B)
-W4A8_PDL = True
-PDL_KERNEL = "mxfp4_w4a8_gemm_nt_swapped_kernel"
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -600,8 +590,6 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         out["stage_out"] = True
     if out["tokens"] == 64 and W4A8_BURST_64:
         out["burst"] = W4A8_BURST_64
-    if W4A8_PDL:
-        out["pdl"] = True
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
         out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
     if out["stages"] < 2:
@@ -615,7 +603,7 @@ def _stage_bytes(tokens: int) -> int:
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
                     pair: bool = False, group_scales: bool = False, stage_out: bool = False,
-                    block_n: int = 128, burst: int = 0, pdl: bool = False) -> int:
+                    block_n: int = 128, burst: int = 0) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -642,15 +630,12 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     def build():
         p = plan_w4a8(m, n, k, sms=sm_count(a), group_scales=group)
         kernel = mxfp4_w4a8_swapped_program.compile(target, n=n, k=k, **p)
-        if p.get("pdl"):
-            pdl.register(PDL_KERNEL)
         if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
-                                            W4A8_PDL),
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64),
                                            build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)

@@ -222,46 +222,6 @@ def test_errors_name_the_argument():
         prepare_mxfp4_w4a8(packed.int(), scales)
 
 
-def test_pdl_producer_asks_for_the_weights_before_the_wait():
-    """W4A8_PDL: the dense kernel lets the next grid launch (cudaTriggerProgrammaticLaunchCompletion), its producer
-    asks for the row factors, table offsets and the first stages' codes before waiting for the previous grid
-    (cudaGridDependencySynchronize), the activations (SA, A) only after it; the MMA threads wait too before their
-    first step, and every global write (C, partials, counters) comes after. Off: no wait, no trigger."""
-    for m, n, k in ((1, 4096, 7168), (64, 7168, 2048), (64, 4096, 7168)):
-        p = plan_w4a8(m, n, k)
-        assert p["pdl"]
-        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
-        body = src[src.index("mxfp4_w4a8_gemm_nt_swapped_kernel("):]
-        producer = body[body.index("cudaTriggerProgrammaticLaunchCompletion();"):]
-        producer, mma = producer.split("} else {", 1)
-        before, after = producer.split("cudaGridDependencySynchronize();", 1)
-        assert "tma_load(B_desc" in before and "RowScale" in before
-        assert "A_desc" not in before and "SA_desc" not in before
-        assert "tma_load(SA_desc" in after and "tma_load(A_desc" in after
-        assert body.count("cudaGridDependencySynchronize();") == 2
-        first = mma.index("cudaGridDependencySynchronize();")
-        assert all(w not in mma[:first] for w in ("C[", "Part[", "Count[", "atomic")), (m, n, k)
-    p = {**plan_w4a8(1, 4096, 7168), "pdl": False}
-    src = mxfp4_w4a8_swapped_program.source("sm_90a", n=4096, k=7168, **p)
-    assert "cudaGridDependencySynchronize" not in src and "cudaTriggerProgrammatic" not in src
-
-
-def test_pdl_registry_and_arguments():
-    """backends.cuda.pdl: a kernel is registered by its compiled name; programmatic_edges takes a captured graph
-    (keep_graph=True) or a CUgraph handle and says what it got otherwise."""
-    from backends.cuda import pdl
-
-    pdl.register("some_kernel")
-    assert "some_kernel" in pdl.KERNELS
-    pdl.KERNELS.discard("some_kernel")
-    with pytest.raises(TypeError, match="name must be"):
-        pdl.register("")
-    with pytest.raises(TypeError, match="keep_graph=True"):
-        pdl.programmatic_edges("not a graph")
-    with pytest.raises(TypeError, match="keep_graph=True"):
-        pdl.programmatic_edges(0)
-
-
 def test_ops_have_fake_implementations():
     """Both GPU paths are torch custom ops whose fakes give the output's shape and dtype without running anything
     (torch.compile traces through them)."""
@@ -530,53 +490,6 @@ def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
     assert "burst" not in plan_w4a8(64, 7168, 2048) and "burst" not in plan_w4a8_masked(64, 2048, groups=8, n=7168)
     with pytest.raises(ValueError, match="burst must be"):
         mxfp4_w4a8_swapped_program.source("sm_90a", n=256, k=1024, tokens=64, burst=17)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 7168, 2048), (64, 7168, 2048), (64, 4096, 7168)])
-def test_gpu_programmatic_edges_give_the_same_bits(m, n, k):
-    """A CUDA graph of calls each behind a kernel that writes its activations (a new a, sa a call, made from a
-    reduction over a 256 MB buffer so the writer runs long): with the edges into the W4A8 kernel made programmatic
-    (one a call) every call's result is bitwise the eager one's; the fold / pair / reduce plans' workspaces reused
-    call after call under the overlap."""
-    from backends.cuda.pdl import describe, programmatic_edges
-
-    g = torch.Generator().manual_seed(m + n + k + 3)
-    packed, scales = weights(n, k, g)
-    prep = [t.cuda() for t in prepare_mxfp4_w4a8(packed, scales)]
-    calls = 6
-    srcs = [[t.cuda() for t in activations(m, k, g)] for _ in range(calls)]
-    big = torch.ones(1 << 26, device="cuda")
-    a, sa = torch.empty_like(srcs[0][0]), torch.empty_like(srcs[0][1])
-    zero = torch.zeros((), device="cuda")
-
-    def write(i):   # a's bytes from src i, after a long reduction (its result is 2^26 x 0)
-        torch.mul(big.sum(), 0.0, out=zero)
-        a.view(torch.uint8).copy_(srcs[i][0].view(torch.uint8))
-        torch.add(srcs[i][1], zero, out=sa)
-
-    want = [ops.mxfp4_w4a8_gemm_nt(*srcs[i], *prep) for i in range(calls)]
-    outs = [torch.empty_like(want[0]) for _ in range(calls)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        write(0)
-        outs[0].copy_(ops.mxfp4_w4a8_gemm_nt(a, sa, *prep))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            write(i)
-            outs[i].copy_(ops.mxfp4_w4a8_gemm_nt(a, sa, *prep))
-    assert programmatic_edges(graph) == calls, describe(graph)
-    graph.instantiate()
-    for _ in range(3):
-        for o in outs:
-            o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in range(calls):
-            assert torch.equal(outs[i], want[i]), i
 
 
 @pytest.mark.gpu

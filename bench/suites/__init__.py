@@ -20,7 +20,6 @@ class Provider:
     calls: int = 1                                      # op calls per timed thunk (times are divided by it)
     experimental: bool = False                          # a kernel variant the op does not choose: run only when named
     nbytes: Callable[[dict], float] | None = None       # bytes it moves when not the suite's (e.g. an FP8 cache)
-    pdl: bool = False                                   # --graph: programmatic edges into PDL kernels (backends.cuda.pdl)
 
 
 @dataclass

@@ -115,8 +115,7 @@ def tilecraft_w4a8_with(flag, value=True):
     accumulator's layout), W4A8_MASKED_TILES False (one n tile a masked block),
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
-    every 4 steps, the loop's default, instead of 8), W4A8_PDL False (the dense kernel's producer without the
-    programmatic launch's order: weights before activations)."""
+    every 4 steps, the loop's default, instead of 8)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -345,8 +344,6 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-staged", tilecraft_w4a8_with("W4A8_STAGE_OUT", True), experimental=True),
                Provider("tilecraft-w4a8-nostage", tilecraft_w4a8_with("W4A8_STAGE_OUT", False), experimental=True),
                Provider("tilecraft-w4a8-burst4", tilecraft_w4a8_with("W4A8_BURST_64", None), experimental=True),
-               Provider("tilecraft-w4a8-pdl", tilecraft_w4a8, experimental=True, pdl=True),
-               Provider("tilecraft-w4a8-nogate", tilecraft_w4a8_with("W4A8_PDL", False), experimental=True),
                Provider("tilecraft-w4a8-onetile", tilecraft_w4a8_with("W4A8_MASKED_TILES", False),
                         experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)

@@ -299,47 +299,6 @@ def tma_producer(steps, loads, a_s, b_s, full, empty, stages, share_a=1, ramp=0,
         _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark)
 
 
-PDL_AHEAD = 2   # steps whose b tiles go out before griddepcontrol.wait (pdl_producer)
-
-
-def pdl_producer(steps, loads, a_s, b_s, full, empty, stages, preload, gated, pre, ahead=PDL_AHEAD):
-    """tma_producer for a kernel launched behind another (programmatic dependent launch, backends.cuda.pdl): the
-    next grid may launch now (griddepcontrol.launch_dependents); what does not depend on the previous grid goes out
-    before waiting for it (griddepcontrol.wait returns once it has completed and its writes are visible): `preload`'s
-    copies (constants) and the b tiles (weights) of the first `ahead` steps; then `gated`'s copies and those steps'
-    a tiles, then the rest as tma_producer. Without a programmatic launch both instructions return at once, and the
-    a tiles and gated copies the first step waits for are queued behind `ahead` b tiles only (behind all 8 stages'
-    they cost 0.6-1.1 us a call: bench/NOTES.md "Session 48"). Each full barrier's producer arrival follows its
-    step's last copy, so no phase completes without a's bytes."""
-    emit(T.set_max_nreg(PRODUCER_REGS, 0))
-    emit(T.pdl_trigger())
-    for src, dst in preload:
-        emit(T.tma_copy(src, dst, barrier=pre[0]))
-    ahead = min(ahead, stages)
-    _first_b(steps, loads, b_s, full, ahead)
-    emit(T.pdl_sync())
-    for src, dst in gated:
-        emit(T.tma_copy(src, dst, barrier=pre[0]))
-    emit(T.mbarrier_arrive(pre[0]))
-    _first_a(steps, loads, a_s, full, ahead)
-    _producer_steps(steps, loads, a_s, b_s, full, empty, stages, 1, 0, None, None, ahead)
-
-
-@T.macro
-def _first_b(steps, loads, b_s, full, ahead):
-    for s in T.serial(ahead):
-        if s < steps:
-            T.tma_copy(loads(s)[1], b_s[s, :, :], barrier=full[s])
-
-
-@T.macro
-def _first_a(steps, loads, a_s, full, ahead):
-    for s in T.serial(ahead):
-        if s < steps:
-            T.tma_copy(loads(s)[0], a_s[s, :, :], barrier=full[s])
-            T.mbarrier_arrive(full[s])
-
-
 @T.macro
 def _side_step(s, side, slot, full):
     # mma_promoted_loop(side=(period, region_of, ring)): a small operand of the promotion (a tile's row
@@ -367,9 +326,8 @@ def _tma_step(src_a, src_b, a_s, b_s, slot, full, share_a):
 
 
 @T.macro
-def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark=None, first=0):
-    # first > 0: steps 0 .. first - 1 were issued elsewhere (pdl_producer)
-    for s in T.serial(T.min(first, steps), steps):
+def _producer_steps(steps, loads, a_s, b_s, full, empty, stages, share_a, ramp, side, mark=None):
+    for s in T.serial(steps):
         slot = s % stages
         if ramp > 0:
             if s == ramp:

@@ -29,7 +29,7 @@ from tilelang.layout import make_full_bank_swizzled_layout, make_half_bank_swizz
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
 from codegen.lowering.sm90 import (BURST, CONSUMER_REGS, PRODUCER, PRODUCER_REGS, _policy, check_register_split,
-                                   in_bursts, launch_registers, pdl_producer, tma_producer)
+                                   in_bursts, launch_registers, tma_producer)
 
 DECODE_BAR = 13        # named barrier id (TileLang reserves 0-2)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
@@ -235,15 +235,12 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, gated):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
-        if gated is not None:
-            pdl_producer(steps, loads, s_s, r_s, full, empty, stages, preload, gated, pre)
-        else:
-            if pre is not None:
-                _preload(preload, pre)
-            tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp)
+        if pre is not None:
+            _preload(preload, pre)
+        tma_producer(steps, loads, s_s, r_s, full, empty, stages, ramp=ramp)
     else:
         T.set_max_nreg(grow, 1)
         if mark is not None:
@@ -252,8 +249,6 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         if prologue is not None:
             prologue()
             T.sync_threads(DECODE_BAR, consumers)      # the prologue's shared-memory writes are done
-        if gated is not None:
-            T.pdl_sync()                                # (the producer's copies already wait for it)
         if pre is not None:
             T.mbarrier_wait_parity(pre[0], 0)           # the preloaded tiles are in shared memory
         if mark is not None:
@@ -275,8 +270,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST,
-                              gated=None):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -301,11 +295,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # to acc once they have retired: FP8 WGMMA accumulates in fewer bits than fp32 (DeepSeek-V3's report, ~14),
     # so a long K is summed in fp32 a 128-deep part at a time; promote=factor (a callable, stages of one part):
     # acc[i, j] += temp[i, j] * factor(j, step), e.g. an operand's per-(column, K block) scale
-    # gated (programmatic dependent launch, backends.cuda.pdl): (global region, shared buffer) pairs that, like every
-    # stage's shared operand, depend on the previous kernel; preload's regions and the raw tiles must not (weights).
-    # The producer issues preload and the first stages' raw tiles, waits for the previous grid (griddepcontrol), then
-    # gated and the shared operands; the MMA threads wait for it after their prologue (sm90.pdl_producer). An empty
-    # tuple: the same order with nothing gated.
     # tile_done=(period, fn) (several output tiles a block, one after the other in one stream of steps; period a
     # multiple of burst): after the burst that completes steps t * period .. (t + 1) * period - 1, fn(t) stores the
     # accumulator and it is cleared, unless that was the last step (the epilogue's tile); the producer never stops
@@ -325,9 +314,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     if promote is not False and (blocks_per_sm != 1 or isinstance(decode, tuple) or (callable(promote) and parts != 1)):
         raise ValueError(f"promote takes one block an SM and a decode from shared memory (a factor: stages of one "
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
-    if gated is not None and (ramp or blocks_per_sm != 1):
-        raise ValueError(f"gated (a programmatic launch's producer) takes ramp=0 and one block an SM, got ramp={ramp}, "
-                         f"blocks_per_sm={blocks_per_sm}")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     if not isinstance(burst, int) or not 2 <= burst <= 16:
@@ -360,8 +346,7 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pfactor = promote if callable(promote) else None
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
-    pre = T.alloc_barrier([PRODUCER]) if preload or gated is not None else None
+    pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done, burst,
-                    None if gated is None else tuple(gated))
+                    ramp, regs, (temps, pfactor), tile_done, burst)
