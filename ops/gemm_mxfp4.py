@@ -233,9 +233,27 @@ def _stage_scale_rows(sw, word_at):
         sw[i, si] = word_at(i, si)
 
 
-@T.macro
-def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words):
+# The shared-memory decode's threads (tile.mma_decoded_loop): True, a warp takes 32 consecutive rows of one column
+# range (the raw tile swizzled to match, swizzle_raw); False, 16 rows x both halves (two threads a row). The decoded
+# tile is 128B-swizzled for the WGMMA, so a quarter-warp's 16-byte stores of 4 rows x 2 halves hit 4 bank groups twice
+# (ncu, contiguous 4x1024x4096x7168: 23% of shared wavefronts excessive, 8 extra on each STS.128 and raw LDS.128;
+# bench/NOTES.md "Session 48"); 8 consecutive rows of one half hit 8.
+DECODE_ROW_WARPS = True
+
+
+def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words, row_warps):
     # a (block_n, block_k) tile: each thread decodes 8 * words values of one row
+    (_decode_by_rows if row_warps else _decode_by_pairs)(raw_at, b_at, sw, step, block_n, block_k, words)
+
+
+@T.macro
+def _decode_by_rows(raw_at, b_at, sw, step, block_n, block_k, words):
+    for q, i in tile.parallel(block_k // (8 * words), block_n):
+        _decode_words(raw_at, b_at, i, q, sw[step, i], words)
+
+
+@T.macro
+def _decode_by_pairs(raw_at, b_at, sw, step, block_n, block_k, words):
     for i, q in tile.parallel(block_n, block_k // (8 * words)):
         _decode_words(raw_at, b_at, i, q, sw[step, i], words)
 
@@ -247,7 +265,7 @@ def _decode_tile(raw_at, b_at, sw, step, block_n, block_k, words):
               "prefill-4096x7168": dict(n=4096, k=7168)},
 )
 def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, block_k: int = BLOCK_K,
-                       stages: int = 3, threads: int = 256, splits: int = 1):
+                       stages: int = 3, threads: int = 256, splits: int = 1, row_warps: bool = True):
     """bf16 A tiles by TMA; packed B tiles decoded to bf16 in shared memory; bf16 MMA: the K loop is
     tile.mma_decoded_loop (on sm_90a a TMA warpgroup, and the decode of step s+1 runs under the
     WGMMA of step s).
@@ -283,7 +301,9 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words, row_warps),
+                stages=stages,
+                swizzle_raw=row_warps,
                 # the block's scale words staged once (one 32-bit load per row and step), under the first loads
                 prologue=lambda: _stage_scales(sw, lambda si, i: SFB[tn * block_n + i, T.min(k0 + si, kb - 1)]),
                 epilogue=lambda: _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n))
@@ -829,7 +849,7 @@ GROUPED_MODES = ("contiguous", "masked")
               "masked-4096x7168": dict(n=4096, k=7168, mode="masked", block_m=64)},
 )
 def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n: int = 128, block_k: int = BLOCK_K,
-                          stages: int = 3, threads: int = 256):
+                          stages: int = 3, threads: int = 256, row_warps: bool = True):
     """Expert-grouped MXFP4 GEMM in fp8_gemm_nt's two grouped layouts: contiguous (rows of A in
     128-aligned expert segments, MIdx the expert of each row, -1 for padding rows: zeros out) or
     masked (A (groups, max_m, k), only the first MaskedM[g] rows of group g: zeros past them).
@@ -881,7 +901,9 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words), stages=stages,
+                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words, row_warps),
+                stages=stages,
+                swizzle_raw=row_warps,
                 prologue=lambda: _stage_scales(sw, lambda si, i: SFB[g, tn * block_n + i, si]),
                 epilogue=lambda: _store_grouped(acc, where, mode, block_m, block_n))
 
@@ -1094,8 +1116,9 @@ def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
             mxfp4_masked_swapped_program.compile(target, n=n, k=k, **p).launcher()))
         kernel(a, _code_words(b), _tma_scale_words(sfb), aux, out)
         return out
-    kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m), lambda: (
-        mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m).launcher()))
+    kernel = jit.launchers(("mxfp4_gemm_nt_grouped", target.name, mode, n, k, block_m, DECODE_ROW_WARPS), lambda: (
+        mxfp4_grouped_program.compile(target, n=n, k=k, mode=mode, block_m=block_m, row_warps=DECODE_ROW_WARPS)
+        .launcher()))
     m_idx = aux if mode == "contiguous" else bound_only(a.device, 1)
     masked_m = aux if mode == "masked" else bound_only(a.device, G)
     kernel(a, _code_words(b), _scale_words(sfb), m_idx, masked_m, out)
@@ -1311,7 +1334,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     n = b.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
-    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())), DECODE_ROW_WARPS)
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:
@@ -1325,7 +1348,7 @@ def _launchers(a, target, m, n, k, override):
     from ops.gemm_fp8 import split_k_launchers
 
     p = {**plan(m, n, k, sms=sm_count(a)), **override}
-    kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
+    kernel = mxfp4_gemm_program.compile(target, n=n, k=k, row_warps=DECODE_ROW_WARPS, **p)
     return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
 
 

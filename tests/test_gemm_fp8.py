@@ -2326,6 +2326,31 @@ def test_gpu_grouped_mxfp4(mode):
 
 
 @pytest.mark.gpu
+def test_gpu_mxfp4_decode_by_rows_is_the_pairs_decode_bitwise(monkeypatch):
+    """DECODE_ROW_WARPS (a warp decodes 32 rows of one half, the raw tile swizzled by TMA) against two threads a row
+    (the raw tile plain): the same bits from the shared-memory decode's grouped (contiguous, padding rows included)
+    and dense kernels."""
+    import ops.gemm_mxfp4 as gm
+    from ops.gemm_mxfp4 import _launch
+
+    g = torch.Generator().manual_seed(11)
+    G, n, k = 4, 256, 1024
+    b, sfb = mxfp4_groups(G, n, k, g)
+    aux = torch.tensor([1] * 128 + [3] * 100 + [-1] * 28 + [0] * 128 + [-1] * 128, dtype=torch.int32)
+    a = torch.randn(aux.numel(), k, generator=g).bfloat16()
+    dense = torch.randn(200, 1536, generator=g).bfloat16(), *ops.quant_mxfp4(torch.randn(384, 1536, generator=g))
+    outs = {}
+    for rows in (True, False):
+        monkeypatch.setattr(gm, "DECODE_ROW_WARPS", rows)
+        grouped = ops.m_grouped_mxfp4_gemm_nt_contiguous(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda())
+        out = torch.full((200, 384), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _launch(*(t.cuda() for t in dense), out, splits=1)
+        outs[rows] = (grouped, out)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    assert not outs[True][1].isnan().any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("max_m,masked", [(1, [1, 0, 1, 1]), (37, [37, 0, 5, 20]), (64, [64, 63, 0, 1])])
 def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
     """The masked layout on the swapped kernel (ops.gemm_mxfp4.SWAPPED_MASKED): exact per group;

@@ -238,8 +238,8 @@ def _decoded_loop(steps, loads, a_s, raw, b_s, acc, decode, raw_at, b_at, stages
 
 
 @register("mma_decoded_loop", "*")
-def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=None, epilogue=None):
-    # the plain pipelined loop: decode, then the MMA, then the next step's decode
+def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=None, epilogue=None, swizzle_raw=False):
+    # the plain pipelined loop: decode, then the MMA, then the next step's decode (swizzle_raw: sm_90a's TMA layout)
     if prologue is not None:
         prologue()                      # every thread, before the loop (the sync pass orders it)
     (a_shape, a_dtype), (raw_shape, raw_dtype), (b_shape, b_dtype) = operands

@@ -94,14 +94,19 @@ def _warpgroups(steps, loads, a_s, r_s, b_s, full, empty, acc, decode, stages, c
 
 
 @register("mma_decoded_loop", "cuda:sm_90a")
-def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=None, epilogue=None):
+def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=None, epilogue=None, swizzle_raw=False):
     # the grid was opened with producer_threads() more threads than the MMA warpgroups
+    # swizzle_raw: the raw tile swizzled by TMA (64-byte rows: 64-byte swizzle), so that a quarter-warp reading the
+    # same 16 bytes of 8 consecutive rows hits 8 different bank groups (a decode whose warps walk rows)
     consumers = state()["threads"] - PRODUCER
     check_register_split(consumers + PRODUCER, [(PRODUCER, PRODUCER_REGS), (consumers, consumer_regs(consumers))])
     require_pass_configs(PASS_CONFIGS)
     (a_shape, a_dtype), (raw_shape, raw_dtype), (b_shape, b_dtype) = operands
     a_s = T.alloc_shared((stages, *a_shape), a_dtype)
     r_s = T.alloc_shared((stages, *raw_shape), raw_dtype)
+    if swizzle_raw:
+        T.annotate_layout({r_s: (make_half_bank_swizzled_layout if raw_shape[1] * 4 == 64
+                                 else make_full_bank_swizzled_layout)(r_s)})
     b_s = T.alloc_shared((2, *b_shape), b_dtype)
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
