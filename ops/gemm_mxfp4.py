@@ -1319,8 +1319,8 @@ def _tma_scale_words(sfb):
 
 
 def _launch(a, b, sfb, out, **override):
-    """mxfp4_gemm_program, planned by plan (+ override)."""
-    _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, override)
+    """mxfp4_gemm_program, planned by plan (+ override; the decode's thread layout per DECODE_ROW_WARPS)."""
+    _launch_planned("mxfp4_gemm_nt", _launchers, a, b, sfb, out, {"row_warps": DECODE_ROW_WARPS, **override})
 
 
 def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_words=_scale_words, counts=False):
@@ -1334,7 +1334,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     n = b.shape[0]
     check.aligned("a", a, 16, "loaded by TMA")
     target = targets.resolve(a)
-    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())), DECODE_ROW_WARPS)
+    key = (name, target.name, a.device.index, m, n, k, tuple(sorted(override.items())))
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:
@@ -1348,7 +1348,7 @@ def _launchers(a, target, m, n, k, override):
     from ops.gemm_fp8 import split_k_launchers
 
     p = {**plan(m, n, k, sms=sm_count(a)), **override}
-    kernel = mxfp4_gemm_program.compile(target, n=n, k=k, row_warps=DECODE_ROW_WARPS, **p)
+    kernel = mxfp4_gemm_program.compile(target, n=n, k=k, **p)
     return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16"))
 
 

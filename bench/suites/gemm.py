@@ -229,7 +229,8 @@ def tilecraft_mxfp4_with(flag, value):
     default in the same run: SWAPPED_FOLD (split-K partials added in the kernel, True, or by the
     reduce kernel, False), SWAPPED_AHEAD (raw words a step ahead of their decode), SWAPPED_PAIR
     (2-split plans folding in clusters of two), SWAPPED_STAGE_OUT (partials out through shared memory
-    as whole rows), MASKED_STAGED (the masked kernel's C tile out through shared memory as whole rows). True
+    as whole rows), MASKED_STAGED (the masked kernel's C tile out through shared memory as whole rows),
+    DECODE_ROW_WARPS False (the shared-memory decode's old thread layout: two threads a row). True
     forces a switch on every plan it can apply to; the op's defaults follow rules (bench/NOTES.md "MXFP4 v8",
     "MXFP4 v9")."""
     def make(case, i):
