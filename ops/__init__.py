@@ -2,8 +2,8 @@
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
 from ops.gemm_mxfp4 import m_grouped_mxfp4_gemm_nt_contiguous, m_grouped_mxfp4_gemm_nt_masked, mxfp4_gemm_nt
-from ops.gemm_w4a8 import (dequant_w4a8, m_grouped_mxfp4_w4a8_gemm_nt_masked, mxfp4_w4a8_gemm_nt, prepare_mxfp4_w4a8,
-                           w4a8_exact)
+from ops.gemm_w4a8 import (dequant_w4a8, m_grouped_mxfp4_w4a8_gemm_nt_contiguous, m_grouped_mxfp4_w4a8_gemm_nt_masked,
+                           mxfp4_w4a8_gemm_nt, prepare_mxfp4_w4a8, w4a8_exact)
 from ops.gemm_fp8 import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                           m_grouped_fp8_gemm_nt_sorted)
 from ops.quant import (dequant_fp8_blocks, dequant_fp8_token_groups, dequant_mx_fp8, dequant_mxfp4,
@@ -25,7 +25,7 @@ __all__ = ["rms_norm", "rms_norm_reference", "mla_decode", "mla_decode_reference
            "moe_tile_items",
            "eplb_plan", "EplbPlan",
            "topk_select", "topk_select_reference",
-           "fp8_gemm_nt", "mxfp4_gemm_nt", "mxfp4_w4a8_gemm_nt", "m_grouped_mxfp4_w4a8_gemm_nt_masked", "prepare_mxfp4_w4a8", "dequant_w4a8", "w4a8_exact",
+           "fp8_gemm_nt", "mxfp4_gemm_nt", "mxfp4_w4a8_gemm_nt", "m_grouped_mxfp4_w4a8_gemm_nt_masked", "m_grouped_mxfp4_w4a8_gemm_nt_contiguous", "prepare_mxfp4_w4a8", "dequant_w4a8", "w4a8_exact",
            "m_grouped_mxfp4_gemm_nt_contiguous", "m_grouped_mxfp4_gemm_nt_masked",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "m_grouped_fp8_gemm_nt_sorted",

@@ -521,19 +521,23 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
 
 @T.macro
 def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=None, mark=None, staged=None,
-                          again=False):
-    # factor(i, j), mark(event): as _store_swapped's; staged ((tokens, block_n + 8) bf16 in shared memory): the tile
+                          again=False, live=None):
+    # rows: the group's row count (token j is live below it), or live(j) instead (ops.gemm_w4a8's contiguous layout:
+    # a chunk's padding rows); factor(i, j), mark(event): as _store_swapped's; staged ((tokens, block_n + 8) bf16 in
+    # shared memory): the tile
     # goes out token-major through it, as whole 256-byte rows of C (16-byte stores), instead of one 2-byte store a
     # value from the accumulator's layout (4 scattered sectors a warp store). again: staged may still be read by
     # the block's previous tile's stores (several tiles a block): wait for them first
     out = _scaled(tile.read_accumulator(acc), factor, block_n, tokens)
+    if live is None:
+        live = lambda j: j < rows  # noqa: E731
     if mark is not None:
         mark("scaled")
     if staged is not None:
         if again:
             tile.barrier(threads=2 * block_n)
         for i, j in tile.parallel(block_n, tokens):
-            staged[j, i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
+            staged[j, i] = T.if_then_else(live(j), T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
         tile.barrier(threads=2 * block_n)
         for j, i in tile.parallel(tokens, block_n):
             if j < max_m:
@@ -541,7 +545,7 @@ def _store_masked_swapped(acc, C, g, tn, rows, max_m, block_n, tokens, factor=No
     else:
         for i, j in tile.parallel(block_n, tokens):
             if j < max_m:   # tokens past masked_m (and every token of a group with none) are zeros
-                C[g, j, tn * block_n + i] = T.if_then_else(j < rows, T.cast(out[i, j], "bfloat16"),
+                C[g, j, tn * block_n + i] = T.if_then_else(live(j), T.cast(out[i, j], "bfloat16"),
                                                            T.cast(0, "bfloat16"))
     if mark is not None:
         mark("sent")

@@ -29,6 +29,7 @@ import torch
 
 from codegen import jit, targets, tile
 from codegen.program import tile_program
+from ops import _dispatch, _values
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
@@ -237,11 +238,14 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 @tile_program(
     "mxfp4_w4a8_gemm_nt_masked_swapped",
     targets=("cuda:sm_90a",),
-    examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8)},
+    examples={"decode-8x64x4096x7168": dict(n=4096, k=7168, tokens=64, stages=8),
+              "prefill-contiguous-4096x7168": dict(n=4096, k=7168, tokens=128, stages=6, staged_out=True,
+                                                   contiguous=True, token_scales_tma=True)},
 )
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
-                              tiles: int = 1, trace: bool = False, burst: int = 0):
+                              tiles: int = 1, trace: bool = False, burst: int = 0, contiguous: bool = False,
+                              temps: int = 2):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -255,10 +259,20 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     its prologue and first data once a block (k / 128 a multiple of burst, the steps between the loop's WGMMA
     drains; 0: the target's default). trace=True (bench.trace_mxfp4 --w4a8 --masked G): a last argument Trace
     (blocks, SWAPPED_TRACE_WORDS) int32 with the swapped kernel's stamps, a row a block (block = group x n tiles /
-    tiles + the block's index in the group)."""
-    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
+    tiles + the block's index in the group).
+    contiguous=True (MoE prefill: ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous, tokens 64 or 128): a "group" is a
+    chunk of `tokens` rows of the contiguous layout (A, SA and C viewed (chunks, tokens, ...), max_m = tokens), and
+    MaskedM is MIdx (chunks, tokens), each row's expert (-1: padding). A chunk lies in one 128-aligned segment: its
+    first row's expert picks the weights (B, TIX, RowScale have their own group count, the experts), a chunk whose
+    first row is padding is all padding (zeros, nothing loaded), and the chunk's row ids come by TMA with the
+    factors so that each padding row stores zeros. temps: the promotion's fp32 temporaries (2: a part's WGMMA
+    runs while the one before is added; 1: a third of the registers less, for 128-token tiles)."""
+    assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0
+    assert tokens in (W4A8_CONTIGUOUS_TOKENS if contiguous else SWAPPED_TOKENS), tokens
     assert tiles >= 1 and (n // block_n) % tiles == 0     # (the loop checks that k / 128 is a multiple of burst)
     groups, max_m = T.dynamic("groups, max_m")
+    experts = T.dynamic("experts") if contiguous else groups
+    wgroups = experts                                     # the weights' group count
     n_tiles, kb = n // block_n, k // BLOCK_K
     blocks_per_group = n_tiles // tiles
     # step s: tile tt(s) of the block, K block kk(s) (one tile: s itself, no division in the loop)
@@ -274,7 +288,16 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
             rs = tile.stage((tiles, block_n), "float32")
             acc = tile.accumulator((block_n, tokens))         # C^T of the group: weight rows x tokens
-            rows = MaskedM[g]
+            if contiguous:   # the chunk's expert (clamped: unchecked ids never index past B); its row ids by TMA
+                e = T.min(T.max(MaskedM[g, 0], 0), wgroups - 1)
+                rows = T.if_then_else(MaskedM[g, 0] >= 0, tokens, 0)
+                ids = tile.stage((tokens,), "int32")
+                id_region = [(MaskedM[g, 0:tokens], ids)]
+                live = lambda j: ids[j] >= 0  # noqa: E731
+            else:
+                e = g
+                rows = MaskedM[g]
+                id_region, live = [], None
             steps = T.if_then_else(rows > 0, tiles * kb, 0)   # step s: tile s // kb, K block s % kb
             T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
@@ -292,29 +315,31 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
             staged = tile.stage((tokens, block_n + 8), "bfloat16") if staged_out else None    # 8: no bank conflicts
             store, epilogue = _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles,
                                              steps, (lambda event: _trace_stamp(Trace, bid, event, 0))
-                                             if Trace is not None else None)
+                                             if Trace is not None else None, live)
             tile.mma_register_decoded_loop(
                 steps, lambda s: (A[g, 0:tokens, kk(s) * BLOCK_K:(kk(s) + 1) * BLOCK_K],
-                                  B[g, (tn0 + tt(s)) * block_n:(tn0 + tt(s) + 1) * block_n,
+                                  B[e, (tn0 + tt(s)) * block_n:(tn0 + tt(s) + 1) * block_n,
                                     kk(s) * (BLOCK_K // 8):(kk(s) + 1) * (BLOCK_K // 8)]),
                 [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
                  ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
-                stages=stages, **_burst(burst), promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
+                stages=stages, **_burst(burst), **({} if temps == 2 else {"temps": temps}),
+                promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
-                preload=[(RowScale[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
-                + [(TIX[g, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
-                + sa_region,
+                preload=[(RowScale[e, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
+                + [(TIX[e, (tn0 + t) * block_n:(tn0 + t + 1) * block_n, 0:kb], sw[t, :, :]) for t in range(tiles)]
+                + sa_region + id_region,
                 prologue=lambda: _fill_table(tbl),
                 tile_done=(kb, store) if tiles > 1 else None,
                 epilogue=epilogue)
 
     # the arguments' types, once for both signatures
-    a_t, b_t = T.Tensor((groups, max_m, k), "float8_e4m3fn"), T.Tensor((groups, n, k // 8), "int32")
-    tix_t, rs_t = T.Tensor((groups, n, kb), "int32"), T.Tensor((groups, n), "float32")
+    a_t, b_t = T.Tensor((groups, max_m, k), "float8_e4m3fn"), T.Tensor((wgroups, n, k // 8), "int32")
+    tix_t, rs_t = T.Tensor((wgroups, n, kb), "int32"), T.Tensor((wgroups, n), "float32")
     sa_t = T.Tensor((groups, max_m, kb) if group_scales else (groups, max_m), "float32")
-    mm_t, c_t = T.Tensor((groups,), "int32"), T.Tensor((groups, max_m, n), "bfloat16")
+    mm_t = T.Tensor((groups, max_m) if contiguous else (groups,), "int32")
+    c_t = T.Tensor((groups, max_m, n), "bfloat16")
     if trace:       # bench.trace_mxfp4 --w4a8 --masked: Trace as the swapped kernel's (a row a block)
         trace_t = T.Tensor((groups * blocks_per_group, SWAPPED_TRACE_WORDS), "int32")
 
@@ -338,12 +363,13 @@ def _burst(burst: int) -> dict:
     return {"burst": burst} if burst else {}
 
 
-def _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles, steps, mark):
+def _masked_stores(acc, C, g, tn0, rows, max_m, block_n, tokens, factor, staged, tiles, steps, mark, live=None):
     """A masked block's (store(t): tile t's accumulator into C, for tile_done; the epilogue: the last tile, and
-    before it the other tiles of a group with no rows, zeros: no step ran, so tile_done never stored them)."""
+    before it the other tiles of a group with no rows, zeros: no step ran, so tile_done never stored them). live(j):
+    which of the tokens are rows (None: j < rows)."""
     def store(t, mark=None):
         _store_masked_swapped(acc, C, g, tn0 + t, rows, max_m, block_n, tokens, factor=factor(t), staged=staged,
-                              mark=mark, again=tiles > 1)
+                              mark=mark, again=tiles > 1, live=live)
 
     def epilogue():
         for t in range(tiles - 1):
@@ -753,3 +779,119 @@ def _w4a8_masked_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, off
 @_w4a8_masked_op.register_fake
 def _(a, sfa, codes, offsets, row_scale, masked_m):
     return a.new_empty(*a.shape[:2], codes.shape[1], dtype=torch.bfloat16)
+
+
+# ---- the contiguous grouped op (MoE prefill) --------------------------------------------------------------------------
+
+# Token tiles of the contiguous kernel (the WGMMA's N): a 128-aligned segment holds whole tiles. At 128 tokens each
+# 128-deep step's decode (the same instructions as at 64) feeds twice the MMA work.
+W4A8_CONTIGUOUS_TOKENS = (64, 128)
+W4A8_CONTIGUOUS_TILE = 128      # the planned tile (bench A/B: provider tilecraft-w4a8-contig64)
+
+
+def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0) -> dict:
+    """The contiguous kernel's plan (mxfp4_w4a8_masked_program(contiguous=True)): W4A8_CONTIGUOUS_TILE tokens a tile
+    (or `tokens`), the token scales (or the (token, step) scales) and the chunk's row ids by TMA, C staged as whole
+    rows, 8 steps between WGMMA drains where k / 128 allows, one promotion temporary at 128 tokens (registers), and as
+    many stages as fit next to the whole K's table offsets."""
+    tokens = tokens or W4A8_CONTIGUOUS_TILE
+    if tokens not in W4A8_CONTIGUOUS_TOKENS:
+        raise ValueError(f"the contiguous W4A8 kernel's token tile must be one of {W4A8_CONTIGUOUS_TOKENS}, got {tokens}")
+    if k % SWAPPED_K_ALIGN:
+        raise ValueError(f"the contiguous W4A8 kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd table offsets), got k={k}")
+    kb = k // BLOCK_K
+    fixed = (128 * kb * 4 + 128 * 4 + (tokens * _bank_spread(kb) * 4 if group_scales else tokens * 4)
+             + tokens * (128 + 8) * 2 + tokens * 4 + 2 * TABLE_ENTRIES * 4 + 1024)
+    stages = min(8, (SMEM_BUDGET - fixed) // _stage_bytes(tokens))
+    if stages < 2:
+        raise ValueError(f"k={k} is too long for the contiguous W4A8 kernel's staged table offsets")
+    out = dict(tokens=tokens, stages=stages, token_scales_tma=not group_scales, staged_out=True, contiguous=True)
+    if group_scales:
+        out["group_scales"] = True
+    if kb % 8 == 0:
+        out["burst"] = 8
+    if tokens == 128:
+        out["temps"] = 1
+    return out
+
+
+def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor,
+                                            offsets: torch.Tensor, row_scale: torch.Tensor,
+                                            m_indices: torch.Tensor) -> torch.Tensor:
+    """Prefill-time grouped W4A8 (MoE experts): a (M, k) e4m3 in 128-aligned segments per expert (moe_dispatch's
+    contiguous layout, M % 128 == 0) with sfa (M,) fp32 per-token scales or (M, k/128) per (token, 128 columns);
+    m_indices (M,) int32 each row's expert, -1 for padding rows (their output is zeros; a segment's padding rows
+    follow its live ones); the weights (g, n, k/2), (g, n, k/32), (g, n) from prepare_mxfp4_w4a8. Returns (M, n)
+    bf16 = (a * sfa) @ W[m_indices[r]]^T row by row. sm_90a: k % 512 == 0, n % 128 == 0, e4m3 WGMMA with the
+    weights decoded into registers, 128 rows of a tile the WGMMA's N; CPU: the fp32 reference."""
+    check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(1, 2), contiguous=True)
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    M, k = a.shape
+    G, n = codes.shape[:2]
+    if k % BLOCK_K:
+        raise ValueError(f"a must be (M, k) with k a multiple of {BLOCK_K}, got shape {tuple(a.shape)}")
+    if M % 128:
+        raise ValueError(f"a's row count must be a multiple of 128 (the segment alignment), got {M}")
+    check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
+    check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
+    check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    if sfa.dim() == 1:
+        check.shape("sfa", sfa, (M,), "fp32 per-token scales of a")
+    else:
+        check.shape("sfa", sfa, (M, k // BLOCK_K), "fp32 scales of a per (token, 128 columns)")
+    check.shape("m_indices", m_indices, (M,), "(M,) one per row of a")
+    check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale, m_indices=m_indices)
+    if ((a.device.type == "cpu" or _values.enabled(m_indices)) and M
+            and bool(((m_indices < -1) | (m_indices >= G)).any())):
+        raise ValueError(f"m_indices must be in [-1, {G})")
+    if a.device.type == "cpu":
+        out = torch.zeros(M, n, dtype=torch.bfloat16)
+        for gi in range(G):
+            rows = (m_indices == gi).nonzero().flatten()
+            if rows.numel():
+                out[rows] = mxfp4_w4a8_gemm_nt_reference(a[rows], sfa[rows], codes[gi], offsets[gi], row_scale[gi])
+        return out
+    target = targets.resolve(a)
+    if target.name != "cuda:sm_90a":
+        raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_contiguous runs on sm_90a and the CPU, got target "
+                         f"{target.name}")
+    if k % SWAPPED_K_ALIGN or n % 128:
+        raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_contiguous needs k % {SWAPPED_K_ALIGN} == 0 and n % 128 == 0, "
+                         f"got n={n}, k={k}")
+    plan_w4a8_contiguous(k, sfa.dim() == 2)        # k too long for the staged table offsets: its ValueError here
+    return _dispatch.call(_w4a8_contiguous_op, _w4a8_contiguous_impl, a, sfa, codes, offsets, row_scale, m_indices)
+
+
+def _w4a8_contiguous_impl(a, sfa, codes, offsets, row_scale, m_indices):
+    M, k = a.shape
+    G, n = codes.shape[:2]
+    out = torch.empty(M, n, dtype=torch.bfloat16, device=a.device)
+    if out.numel() == 0:
+        return out
+    check.aligned("a", a, 16, "loaded by TMA")
+    check.aligned("codes", codes, 16, "loaded by TMA")
+    target = targets.resolve(a)
+    group = sfa.dim() == 2
+    p = plan_w4a8_contiguous(k, group)
+    t = p["tokens"]
+    kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_contiguous", target.name, n, k, *sorted(p.items())),
+                           lambda: mxfp4_w4a8_masked_program.compile(target, n=n, k=k, **p).launcher())
+    sfa = check.aligned_copy(sfa)
+    kernel(a.view(M // t, t, k), codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale),
+           sfa.view(M // t, t, *sfa.shape[1:]), check.aligned_copy(m_indices).view(M // t, t), out.view(M // t, t, n))
+    return out
+
+
+@torch.library.custom_op("tilecraft::m_grouped_mxfp4_w4a8_gemm_nt_contiguous", mutates_args=())
+def _w4a8_contiguous_op(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor,
+                        row_scale: torch.Tensor, m_indices: torch.Tensor) -> torch.Tensor:
+    return _w4a8_contiguous_impl(a, sfa, codes, offsets, row_scale, m_indices)
+
+
+@_w4a8_contiguous_op.register_fake
+def _(a, sfa, codes, offsets, row_scale, m_indices):
+    return a.new_empty(a.shape[0], codes.shape[1], dtype=torch.bfloat16)

@@ -227,7 +227,7 @@ def test_ops_have_fake_implementations():
     (torch.compile traces through them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ops.gemm_w4a8 import _w4a8_masked_op, _w4a8_op
+    from ops.gemm_w4a8 import _w4a8_contiguous_op, _w4a8_masked_op, _w4a8_op
 
     u8, f32 = torch.uint8, torch.float32
     with FakeTensorMode():
@@ -236,8 +236,12 @@ def test_ops_have_fake_implementations():
         grouped = _w4a8_masked_op(torch.empty(3, 8, 512, dtype=torch.float8_e4m3fn), torch.empty(3, 8, dtype=f32),
                                   torch.empty(3, 256, 256, dtype=u8), torch.empty(3, 256, 16, dtype=u8),
                                   torch.empty(3, 256, dtype=f32), torch.empty(3, dtype=torch.int32))
+        contiguous = _w4a8_contiguous_op(torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.empty(256, dtype=f32),
+                                         torch.empty(3, 384, 256, dtype=u8), torch.empty(3, 384, 16, dtype=u8),
+                                         torch.empty(3, 384, dtype=f32), torch.empty(256, dtype=torch.int32))
     assert out.shape == (5, 256) and out.dtype == torch.bfloat16
     assert grouped.shape == (3, 8, 256) and grouped.dtype == torch.bfloat16
+    assert contiguous.shape == (256, 384) and contiguous.dtype == torch.bfloat16
 
 
 def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
@@ -303,6 +307,68 @@ def test_masked_grouped_cpu_equals_the_per_group_dense_op():
         ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a, sa, *prep, torch.tensor([6, 0, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="sfa must have shape"):
         ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a, sa[:, :4].contiguous(), *prep, masked)
+
+
+def contiguous(segments, n, k, g, group_scales=False):
+    """MoE prefill rows: expert e's segments[e] rows padded to a multiple of 128 (ids -1, a and sa NaN there: never
+    read into a live row's output), the weights of len(segments) experts."""
+    G = len(segments)
+    packed, scales = weights(G * n, k, g)
+    ids = torch.cat([torch.cat([torch.full((rows,), e), torch.full((-rows % 128,), -1)])
+                     for e, rows in enumerate(segments)]).int()
+    a, sa = activations(ids.numel(), k, g)
+    if group_scales:
+        sa = torch.rand(ids.numel(), k // 128, generator=g) + 0.5
+    a.view(torch.uint8)[ids < 0] = 0x7F            # e4m3fn NaN
+    sa[ids < 0] = float("nan")
+    return a, sa, packed.view(G, n, k // 2), scales.view(G, n, k // 32), ids
+
+
+def test_contiguous_grouped_cpu_equals_the_per_expert_dense_op():
+    """The contiguous grouped op on CPU: each expert's rows are the dense op's on them (any sfa layout), padding rows
+    zeros; bad ids, row counts and scale shapes raise, naming the argument."""
+    g = torch.Generator().manual_seed(7)
+    for group_scales in (False, True):
+        a, sa, packed, scales, ids = contiguous([130, 0, 64], 256, 512, g, group_scales)
+        prep = prepare_mxfp4_w4a8(packed, scales)
+        out = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a, sa, *prep, ids)
+        assert out.shape == (a.shape[0], 256) and not out.isnan().any()
+        for e in range(3):
+            rows = (ids == e).nonzero().flatten()
+            one = prepare_mxfp4_w4a8(packed[e], scales[e])
+            assert torch.equal(out[rows], ops.mxfp4_w4a8_gemm_nt(a[rows], sa[rows], *one))
+        assert (out[ids < 0] == 0).all()
+    bad = ids.clone()
+    bad[3] = 3
+    with pytest.raises(ValueError, match="m_indices must be in"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a, sa, *prep, bad)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a[:200], sa[:200], *prep, ids[:200])
+    with pytest.raises(ValueError, match="sfa must have shape"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a, sa[:, :2].contiguous(), *prep, ids)
+    with pytest.raises(ValueError, match="m_indices must have shape"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a, sa, *prep, ids[:128])
+    with pytest.raises(TypeError, match="m_indices"):
+        ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a, sa, *prep, ids.long())
+
+
+def test_contiguous_program_lowers_to_128_token_register_wgmma():
+    """The contiguous plan: 128-token tiles (e4m3 register WGMMA, N = 128) with one promotion temporary, the chunk's
+    row ids and token scales by TMA with the table offsets, C staged as whole rows; no spills at k = 7168."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_w4a8 import plan_w4a8_contiguous
+
+    p = plan_w4a8_contiguous(7168)
+    assert p["tokens"] == 128 and p["temps"] == 1 and p["stages"] >= 5 and p["burst"] == 8
+    assert plan_w4a8_contiguous(7168, group_scales=True)["stages"] >= 4
+    assert "temps" not in plan_w4a8_contiguous(2048, tokens=64)
+    with pytest.raises(ValueError, match="token tile"):
+        plan_w4a8_contiguous(2048, tokens=32)
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, **p)
+    assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 128" in src
+    assert "tl::tma_load(MaskedM_desc" in src and "tl::tma_load(SA_desc" in src
+    stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0 and stats.stack_bytes == 0
 
 
 def test_masked_program_lowers_to_e4m3_register_wgmma():
@@ -730,3 +796,53 @@ def test_ncu_w4a8_flags_parse_and_refuse_unknown_switches():
     assert switch(gemm_w4a8, "W4A8_MASKED_TILES=False") == ("W4A8_MASKED_TILES", False)
     with pytest.raises(SystemExit, match="no switch 'NOPE'"):
         switch(gemm_w4a8, "NOPE=1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments,n,k", [([130, 0, 64, 300], 256, 2048), ([256, 17], 384, 7168)])
+@pytest.mark.parametrize("group_scales", [False, True])
+def test_gpu_contiguous_grouped_matches_the_fp32_product(monkeypatch, segments, n, k, group_scales):
+    """The contiguous W4A8 kernel: each expert's rows against the fp32 product of its rows and prepared weights
+    (calc_diff < 1e-5, elementwise to bf16), padding rows zeros with NaN in their a and sa never read into a live
+    row; 128- and 64-token tiles (one and two promotion temporaries) give the same bits; empty experts and an expert
+    whose segment ends in padding mid-tile included."""
+    g = torch.Generator().manual_seed(n + k + group_scales)
+    a, sa, packed, scales, ids = contiguous(segments, n, k, g, group_scales)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    args = [t.cuda() for t in (a, sa, *prep, ids)]
+    out = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    got = out.float().cpu()
+    assert not got.isnan().any() and (got[ids < 0] == 0).all()
+    G = len(segments)
+    w = ops.dequant_mxfp4(packed.view(G * n, k // 2), scales.view(G * n, k // 32)).view(G, n, k)
+    scale = sa[:, :, None].expand(-1, -1, 128).reshape(sa.shape[0], k) if group_scales else sa[:, None]
+    for e in range(G):
+        rows = (ids == e).nonzero().flatten()
+        if rows.numel():
+            ref = (a[rows].float() * scale[rows]) @ w[e].T
+            assert calc_diff(got[rows], ref) < 1e-5
+            torch.testing.assert_close(got[rows], ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_TILE", 64)
+    assert torch.equal(ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args), out)
+
+
+@pytest.mark.gpu
+def test_gpu_contiguous_grouped_in_a_cuda_graph():
+    """The contiguous op replays in a CUDA graph with the same bits, ids and activations changed between replays
+    read anew (nothing about the segments is planned on the host)."""
+    g = torch.Generator().manual_seed(31)
+    a, sa, packed, scales, ids = contiguous([200, 56], 256, 2048, g)
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), ids)]
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, want)
+    flipped = torch.where(args[-1] >= 0, 1 - args[-1], args[-1])      # the two experts swapped
+    args[-1].copy_(flipped)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args))
+    assert not torch.equal(again, want)

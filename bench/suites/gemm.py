@@ -26,6 +26,11 @@ PRESETS = {
     "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=7168, k=2048)],   # an expert's down projection
+    # MoE prefill alone (contiguous): the up projection at two sizes (the larger one the FP8 grouped preset's) and the
+    # down projection
+    "mxfp4-prefill": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
+                      dict(kind="mxfp4-contiguous", groups=4, m=8192, n=4096, k=7168),
+                      dict(kind="mxfp4-contiguous", groups=8, m=1024, n=7168, k=2048)],
 }
 MXFP4_KINDS = ("mxfp4", "mxfp4-contiguous", "mxfp4-masked")
 
@@ -87,12 +92,11 @@ def tilecraft(case, i):
 
 
 def tilecraft_w4a8(case, i, group=False):
-    """ops.mxfp4_w4a8_gemm_nt (mxfp4) or ops.m_grouped_mxfp4_w4a8_gemm_nt_masked (mxfp4-masked) on the same
-    weights (prepared once, outside the timing) and the activations as e4m3 with a per-token scale, or (group, the
-    tilecraft-w4a8-group provider) per (token, 128 columns) from per_token_group_quant_fp8 (quantized outside the
-    timing, as an engine's previous kernel would hand them over)."""
-    if case["kind"] not in ("mxfp4", "mxfp4-masked"):
-        raise ValueError(f"tilecraft-w4a8 runs the dense and masked mxfp4 cases, got kind {case['kind']!r}")
+    """ops.mxfp4_w4a8_gemm_nt (mxfp4), ops.m_grouped_mxfp4_w4a8_gemm_nt_masked (mxfp4-masked) or
+    ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous (mxfp4-contiguous) on the same weights (prepared once, outside the
+    timing) and the activations as e4m3 with a per-token scale, or (group, the tilecraft-w4a8-group provider) per
+    (token, 128 columns) from per_token_group_quant_fp8 (quantized outside the timing, as an engine's previous kernel
+    would hand them over)."""
     a = i["a"].float()                                   # (groups, m, k)
     if group:
         a8, sa = ops.per_token_group_quant_fp8(a.view(-1, a.shape[-1]))
@@ -104,6 +108,8 @@ def tilecraft_w4a8(case, i, group=False):
         prep = ops.prepare_mxfp4_w4a8(i["packed"][0], i["scales"][0])
         return lambda: ops.mxfp4_w4a8_gemm_nt(a8[0], sa[0], *prep)
     prep = ops.prepare_mxfp4_w4a8(i["packed"], i["scales"])
+    if case["kind"] == "mxfp4-contiguous":
+        return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a8, sa, *prep, i["m_indices"])
     return lambda: ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a8, sa, *prep, i["masked_m"])
 
 
@@ -115,7 +121,8 @@ def tilecraft_w4a8_with(flag, value=True):
     accumulator's layout), W4A8_MASKED_TILES False (one n tile a masked block),
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
-    every 4 steps, the loop's default, instead of 8)."""
+    every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
+    tiles, two promotion temporaries)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -347,6 +354,7 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-burst4", tilecraft_w4a8_with("W4A8_BURST_64", None), experimental=True),
                Provider("tilecraft-w4a8-onetile", tilecraft_w4a8_with("W4A8_MASKED_TILES", False),
                         experimental=True),
+               Provider("tilecraft-w4a8-contig64", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILE", 64), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),

@@ -158,15 +158,23 @@ def _reg_step(j, first, io):
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
         if mark is not None:
             mark("decoded", s)
+        if temps is not None and len(temps) == 1 and idx > 0:
+            # one temporary: the part before (still in it) retires and is added before this part's WGMMAs reuse it
+            emit(T.wait_wgmma(0))
+            if u == 0:
+                emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+            _promote(acc, temps[0], pfactor, s - 1)
         if temps is None:
             emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                               clear_accum=False, policy=policy))
         else:   # promote: this part's product into a fresh temporary, added to acc once it has landed
-            emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], temps[idx % 2],
+            emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], temps[idx % len(temps)],
                               transpose_B=True, clear_accum=True, policy=policy))
         if mark is not None:
             mark("launched", s)
-        if len(frags) == 1:
+        if temps is not None and len(temps) == 1:
+            pass            # retired and added before the next part's WGMMAs (above) or at the burst's drain
+        elif len(frags) == 1:
             emit(T.wait_wgmma(0))
             if u == parts - 1:
                 emit(T.mbarrier_arrive(empty[slot]))
@@ -217,7 +225,7 @@ def _reg_burst(first, count, io):
         emit(T.wait_wgmma(0))
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
         if temps is not None:
-            _promote(io[5], temps[(count * parts - 1) % 2], pfactor, first + count - 1)
+            _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, first + count - 1)
     if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
         _tile_boundary(first + count, tile_done[0], io[13], tile_done[1], io[5])
 
@@ -275,7 +283,8 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST,
+                              temps=2):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -303,6 +312,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # tile_done=(period, fn) (several output tiles a block, one after the other in one stream of steps; period a
     # multiple of burst): after the burst that completes steps t * period .. (t + 1) * period - 1, fn(t) stores the
     # accumulator and it is cleared, unless that was the last step (the epilogue's tile); the producer never stops
+    # temps (promote): 2 temporaries, a part's WGMMA into one while the part before is added from the other; 1: a
+    # third fewer registers (wide token tiles: 128 tokens, acc + 2 temps + 2 fragments would be 224 a thread): the
+    # part before is waited for and added just before the next part's WGMMAs are issued, after its decode
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
@@ -319,6 +331,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     if promote is not False and (blocks_per_sm != 1 or isinstance(decode, tuple) or (callable(promote) and parts != 1)):
         raise ValueError(f"promote takes one block an SM and a decode from shared memory (a factor: stages of one "
                          f"part), got blocks_per_sm={blocks_per_sm}, {parts} parts")
+    if temps not in (1, 2) or (temps == 1 and promote is False):
+        raise ValueError(f"temps (the promotion's temporaries) must be 1 or 2, with promote, got temps={temps!r}, "
+                         f"promote={promote!r}")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     if not isinstance(burst, int) or not 2 <= burst <= 16:
@@ -347,7 +362,7 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
             raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even burst), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
-    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(2)] if promote is not False else None
+    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(temps)] if promote is not False else None
     pfactor = promote if callable(promote) else None
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
