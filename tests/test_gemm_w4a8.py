@@ -354,12 +354,13 @@ def test_contiguous_grouped_cpu_equals_the_per_expert_dense_op():
 
 def test_contiguous_program_lowers_to_128_token_register_wgmma():
     """The contiguous plan: 128-token tiles (e4m3 register WGMMA, N = 128) with one promotion temporary, the chunk's
-    row ids and token scales by TMA with the table offsets, C staged as whole rows; no spills at k = 7168."""
+    row ids and token scales by TMA with the table offsets, C staged as whole rows, no tail bursts (k / 128 a
+    multiple of 8; elsewhere whole_bursts is refused); no spills at k = 7168."""
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_w4a8 import plan_w4a8_contiguous
 
     p = plan_w4a8_contiguous(7168)
-    assert p["tokens"] == 128 and p["temps"] == 1 and p["stages"] >= 5 and p["burst"] == 8
+    assert p["tokens"] == 128 and p["temps"] == 1 and p["stages"] >= 5 and p["burst"] == 8 and p["whole_bursts"]
     assert plan_w4a8_contiguous(7168, group_scales=True)["stages"] >= 4
     assert "temps" not in plan_w4a8_contiguous(2048, tokens=64)
     with pytest.raises(ValueError, match="token tile"):
@@ -367,8 +368,27 @@ def test_contiguous_program_lowers_to_128_token_register_wgmma():
     src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, **p)
     assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 128" in src
     assert "tl::tma_load(MaskedM_desc" in src and "tl::tma_load(SA_desc" in src
+    # whole bursts: 8 unrolled steps (a fragment decode each, plus the helper's definition), no tails of 1 .. 7
+    assert src.count("tc_w4a8_fragment(") == 9
+    with pytest.raises(ValueError, match="whole_bursts needs"):
+        mxfp4_w4a8_masked_program.source("sm_90a", n=256, k=2560, **p)
     stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
     assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0 and stats.stack_bytes == 0
+
+
+def test_contiguous_tiles_plan(monkeypatch):
+    """W4A8_CONTIGUOUS_TILES: the most n tiles a block (a divisor of n / 128, <= 8) whose table offsets fit next to
+    4 stages: 8 at k = 2048, 2 at k = 7168; one where n is one tile; off, always one. The plan builds."""
+    from ops.gemm_w4a8 import plan_w4a8_contiguous
+
+    assert "tiles" not in plan_w4a8_contiguous(2048, n=7168)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_TILES", True)
+    p = plan_w4a8_contiguous(2048, n=7168)
+    assert p["tiles"] == 8 and p["stages"] >= 4
+    assert plan_w4a8_contiguous(2048, n=384)["tiles"] == 3
+    assert plan_w4a8_contiguous(7168, n=4096)["tiles"] == 2 and "tiles" not in plan_w4a8_contiguous(2048, n=128)
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=384, k=2048, **plan_w4a8_contiguous(2048, n=384))
+    assert src.count("tl::tma_load(TIX_desc") >= 3 and src.count("tl::tma_load(RowScale_desc") >= 3
 
 
 def test_masked_program_lowers_to_e4m3_register_wgmma():
@@ -846,3 +866,17 @@ def test_gpu_contiguous_grouped_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(again, ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args))
     assert not torch.equal(again, want)
+
+
+@pytest.mark.gpu
+def test_gpu_contiguous_tiles_give_the_same_bits(monkeypatch):
+    """W4A8_CONTIGUOUS_TILES (several n tiles a block, each stored while the next streams): the same bits as one
+    tile a block, padding chunks (all tiles zeros) and mid-tile padding included."""
+    g = torch.Generator().manual_seed(49)
+    a, sa, packed, scales, ids = contiguous([200, 0, 56, 128], 768, 2048, g)
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), ids)]
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_TILES", True)
+    assert gemm_w4a8.plan_w4a8_contiguous(2048, n=768)["tiles"] == 6
+    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    assert not got.isnan().any() and torch.equal(got, want)

@@ -265,13 +265,17 @@ def _tail(steps, rest, burst, io, size):
         burst(steps - rest, rest, io)
 
 
-def in_bursts(steps, burst, io, size=BURST):
+def in_bursts(steps, burst, io, size=BURST, tails=True):
     """Steps 0 .. steps - 1 as bursts of `size` (`burst(first, count, io)` emits count steps, a Python
     int, unrolled, and leaves no WGMMA in flight), then the last 1 .. size - 1 as one burst.
     ptxas (13.x) does not follow a WGMMA group across a loop back edge: one still in flight there
     makes it serialize every WGMMA of the kernel (C7514), so nothing may be in flight at the back
-    edge or at any join."""
+    edge or at any join. tails=False: the caller knows steps is a multiple of size, and the size - 1
+    tail bursts (as many unrolled steps again as the bursts' own, minus one: 28 more at size 8) are
+    not emitted."""
     _bursts_of(steps, burst, io, size)
+    if not tails:
+        return
     for rest in range(1, size):         # a Python loop: a T.macro would make it a T.serial
         _tail(steps, rest, burst, io, size)
 

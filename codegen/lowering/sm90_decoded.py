@@ -248,7 +248,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, tails):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -273,7 +273,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
               temps, tile_done)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        in_bursts(steps, _reg_burst, io, burst)
+        in_bursts(steps, _reg_burst, io, burst, tails=tails)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
@@ -284,7 +284,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
                               blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST,
-                              temps=2):
+                              temps=2, whole_bursts=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -315,6 +315,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # temps (promote): 2 temporaries, a part's WGMMA into one while the part before is added from the other; 1: a
     # third fewer registers (wide token tiles: 128 tokens, acc + 2 temps + 2 fragments would be 224 a thread): the
     # part before is waited for and added just before the next part's WGMMAs are issued, after its decode
+    # whole_bursts=True: the caller promises steps % burst == 0 (e.g. steps is 0 or k / 128 with k / 128 a multiple of
+    # burst): the tail bursts of 1 .. burst - 1 steps are not emitted (a third to a fifth of the code to lower and run)
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
@@ -369,4 +371,4 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done, burst)
+                    ramp, regs, (temps, pfactor), tile_done, burst, not whole_bursts)
