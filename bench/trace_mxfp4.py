@@ -103,6 +103,32 @@ def trace_case_w4a8_masked(groups, m, n, k, warm=False, flush_mode="write"):
     return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
 
 
+def trace_case_w4a8_contiguous(groups, m, n, k, warm=False, flush_mode="write"):
+    """The W4A8 contiguous kernel (ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous's, as planned) over `groups` experts of
+    m rows each (m a multiple of 128, no padding): its stamps, a row a block (chunk-major)."""
+    from ops import gemm_w4a8
+
+    if m % 128:
+        raise SystemExit(f"--contiguous takes m (rows an expert) a multiple of 128, got {m}")
+    p = gemm_w4a8.plan_w4a8_contiguous(k, n=n)
+    t = p["tokens"]
+    rows = groups * m
+    a = torch.randn(rows // t, t, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
+    codes, offsets, row_scale = gemm_w4a8.prepare_mxfp4_w4a8(
+        b, torch.randint(117, 127, (groups, n, k // 32), dtype=torch.uint8, device="cuda"))
+    kern = gemm_w4a8.mxfp4_w4a8_masked_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
+                                                       **p).launcher()
+    blocks = rows // t * (n // 128) // p.get("tiles", 1)
+    out = torch.empty(rows // t, t, n, dtype=torch.bfloat16, device="cuda")
+    trace = torch.zeros(blocks, gemm_mxfp4.SWAPPED_TRACE_WORDS, dtype=torch.int32, device="cuda")
+    ids = torch.arange(groups, dtype=torch.int32, device="cuda").repeat_interleave(m).view(rows // t, t)
+    sa = torch.ones(rows // t, t, device="cuda")
+    _three_runs(lambda: kern(a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, sa, ids, out, trace),
+                warm, flush_mode)
+    return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
+
+
 def trace_case(m, n, k, warm=False, flush_mode="write", **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
     p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
@@ -162,7 +188,7 @@ def summarize(p, rows, k):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", nargs="*", default=list(CASES), help="MxNxK (m <= 64)")
+    ap.add_argument("--case", nargs="*", default=list(CASES), help="MxNxK (m <= 64; with --contiguous, rows an expert)")
     ap.add_argument("--no-decode", action="store_true", help="the kernel without its decode (wrong results)")
     ap.add_argument("--warm", action="store_true", help="no L2 flush before the traced run")
     ap.add_argument("--decode", choices=gemm_mxfp4.SWAPPED_DECODES, default=None, help="the fragment decode")
@@ -175,6 +201,8 @@ def main(argv=None):
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
+    ap.add_argument("--contiguous", type=int, default=0, help="w4a8: the contiguous kernel over this many experts of m "
+                    "rows (m a multiple of 128; MoE prefill)")
     ap.add_argument("--sa-ldg", action="store_true", help="w4a8 --masked: token scales loaded in the epilogue "
                     "(W4A8_MASKED_SA_TMA off)")
     ap.add_argument("--one-tile", action="store_true", help="w4a8 --masked: one n tile a block "
@@ -202,7 +230,9 @@ def main(argv=None):
         no_decode()
     for case in args.case:
         m, n, k = map(int, case.split("x"))
-        if args.w4a8 and args.masked:
+        if args.w4a8 and args.contiguous:
+            p, rows = trace_case_w4a8_contiguous(args.contiguous, m, n, k, warm=args.warm, flush_mode=args.flush)
+        elif args.w4a8 and args.masked:
             p, rows = trace_case_w4a8_masked(args.masked, m, n, k, warm=args.warm, flush_mode=args.flush)
         elif args.w4a8:
             p, rows = trace_case_w4a8(m, n, k, warm=args.warm, flush_mode=args.flush, no_offsets=args.no_offsets,
