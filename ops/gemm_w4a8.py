@@ -245,7 +245,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
                               tiles: int = 1, trace: bool = False, burst: int = 0, contiguous: bool = False,
-                              temps: int = 2, whole_bursts: bool = False):
+                              temps: int = 2, whole_bursts: bool = False, split_n: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -267,7 +267,9 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     first row is padding is all padding (zeros, nothing loaded), and the chunk's row ids come by TMA with the
     factors so that each padding row stores zeros. temps: the promotion's fp32 temporaries (2: a part's WGMMA
     runs while the one before is added; 1: a third of the registers less, for 128-token tiles). whole_bursts
-    (k / 128 a multiple of burst): a block's steps are 0 or tiles x k / 128, so the loop's tail bursts are left out."""
+    (k / 128 a multiple of burst): a block's steps are 0 or tiles x k / 128, so the loop's tail bursts are left out. split_n
+    (temps=2): each step's WGMMAs as two halves of the tokens, each promoted from its own half-width temporary while
+    the other half runs (tile.mma_register_decoded_loop's split_n)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0
     assert tokens in (W4A8_CONTIGUOUS_TOKENS if contiguous else SWAPPED_TOKENS), tokens
     assert tiles >= 1 and (n // block_n) % tiles == 0     # (the loop checks that k / 128 is a multiple of burst)
@@ -328,7 +330,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
                 stages=stages, **_burst(burst), **({} if temps == 2 else {"temps": temps}),
-                **({"whole_bursts": True} if whole_bursts else {}),
+                **({"whole_bursts": True} if whole_bursts else {}), **({"split_n": True} if split_n else {}),
                 promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[e, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
@@ -799,6 +801,12 @@ W4A8_CONTIGUOUS_TILES = False
 # so they never run): 8 unrolled steps instead of 36, TileLang's lowering ~4x shorter (what a first call compiles).
 # The session-49 timings ran with the tails; False: them again (bench A/B: provider tilecraft-w4a8-tails)
 W4A8_CONTIGUOUS_WHOLE = True
+# 128-token tiles: the promotion as two halves of the tokens, each with its own temporary (tile.mma_register_decoded_
+# loop's split_n), instead of one temporary. With one, ptxas puts the next step's decoded fragment in the registers of
+# the one the in-flight WGMMA reads and waits for that WGMMA in the middle of the decode (session 49's SASS): the
+# decode's second half, the 64 adds and the issue run with this warpgroup's tensor work idle (~1000 cycles a step
+# against 512 of tensor work). Built after session 49's GPU time, not run: off (bench A/B: provider tilecraft-w4a8-split)
+W4A8_CONTIGUOUS_SPLIT = False
 
 
 def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n: int = 0) -> dict:
@@ -834,7 +842,10 @@ def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n:
         if W4A8_CONTIGUOUS_WHOLE:
             out["whole_bursts"] = True
     if tokens == 128:
-        out["temps"] = 1
+        if W4A8_CONTIGUOUS_SPLIT:
+            out["split_n"] = True
+        else:
+            out["temps"] = 1
     if tiles > 1:
         out["tiles"] = tiles
     return out

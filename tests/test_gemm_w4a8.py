@@ -376,6 +376,26 @@ def test_contiguous_program_lowers_to_128_token_register_wgmma():
     assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0 and stats.stack_bytes == 0
 
 
+def test_contiguous_split_promotion_pipelines_its_halves(monkeypatch):
+    """W4A8_CONTIGUOUS_SPLIT: the 128-token step as two 64-token WGMMA halves, each promoted from its own temporary
+    while the other half runs: QGMMA 64x64 only, every wait in the loop leaves one group in flight (DEPBAR.LE 1; the
+    burst's drain the one full wait), the accumulator keeps its 64 registers a thread; no spills, with either sfa."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+    from ops.gemm_w4a8 import plan_w4a8_contiguous
+
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_SPLIT", True)
+    for group_scales in (False, True):
+        p = plan_w4a8_contiguous(7168, group_scales, n=4096)
+        assert p["split_n"] and "temps" not in p
+        src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, **p)
+        assert "float out[64];" in src
+        cubin = build_cubin(src, "sm_90a")
+        stats, sass = sass_stats(cubin, "sm_90a"), disassemble(cubin)
+        assert stats.spill_stores == 0 and stats.stack_bytes == 0 and stats.histogram.get("QGMMA", 0) == 64
+        assert "QGMMA.64x128" not in sass and sass.count("DEPBAR.LE gsb0, 0x1") >= 14
+        assert sass.count("DEPBAR.LE gsb0, 0x0") == 1
+
+
 def test_contiguous_tiles_plan(monkeypatch):
     """W4A8_CONTIGUOUS_TILES: the most n tiles a block (a divisor of n / 128, <= 8) whose table offsets fit next to
     4 stages: 8 at k = 2048, 2 at k = 7168; one where n is one tile; off, always one. The plan builds."""
@@ -880,3 +900,18 @@ def test_gpu_contiguous_tiles_give_the_same_bits(monkeypatch):
     assert gemm_w4a8.plan_w4a8_contiguous(2048, n=768)["tiles"] == 6
     got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
     assert not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [2048, 7168])
+@pytest.mark.parametrize("group_scales", [False, True])
+def test_gpu_contiguous_split_promotion_gives_the_same_bits(monkeypatch, k, group_scales):
+    """W4A8_CONTIGUOUS_SPLIT (each step's WGMMAs in two token halves with a temporary each) against one temporary:
+    every column gets the same products added in the same order, so the same bits."""
+    g = torch.Generator().manual_seed(k + group_scales + 5)
+    a, sa, packed, scales, ids = contiguous([300, 0, 128, 17], 256, k, g, group_scales)
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), ids)]
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_SPLIT", True)
+    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
+    assert not got.isnan().any() and got.abs().sum() > 0 and torch.equal(got, want)
