@@ -551,11 +551,33 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
     target = targets.resolve(a)
     if target.name != "cuda:sm_90a":
         raise ValueError(f"mxfp4_w4a8_gemm_nt runs on sm_90a (FP8 WGMMA) and the CPU, got target {target.name}")
-    if m > W4A8_MAX_M:
-        raise ValueError(f"mxfp4_w4a8_gemm_nt takes decode-sized m <= {W4A8_MAX_M}, got m={m}")
+    if m > W4A8_MAX_M and not W4A8_DENSE_PREFILL:
+        raise ValueError(f"mxfp4_w4a8_gemm_nt takes decode-sized m <= {W4A8_MAX_M}, got m={m} "
+                         f"(ops.gemm_w4a8.W4A8_DENSE_PREFILL: larger m on the contiguous kernel, not yet GPU-tested)")
     if k % SWAPPED_K_ALIGN or n % 128:
         raise ValueError(f"mxfp4_w4a8_gemm_nt needs k % {SWAPPED_K_ALIGN} == 0 and n % 128 == 0, got n={n}, k={k}")
+    if m > W4A8_MAX_M:
+        return _w4a8_dense_prefill(a, sfa, codes, offsets, row_scale)
     return _w4a8_op(a, sfa, codes, offsets, row_scale)
+
+
+# m > 64 on the contiguous kernel as one expert (rows padded to a multiple of 128 where they are not: a copy of a and
+# sfa). Built in session 49 after its GPU time (test_gpu_dense_prefill_is_the_contiguous_op), not run: off, and m > 64
+# is refused
+W4A8_DENSE_PREFILL = False
+
+
+def _w4a8_dense_prefill(a, sfa, codes, offsets, row_scale):
+    m, k = a.shape
+    rows = -(-m // 128) * 128
+    if rows != m:       # zero rows past m (their ids -1: never stored but as zeros, sliced off)
+        a = torch.cat([a, a.new_zeros(rows - m, k)])
+        sfa = torch.cat([sfa, sfa.new_ones(rows - m, *sfa.shape[1:])])
+    ids = torch.zeros(rows, dtype=torch.int32, device=a.device)
+    ids[m:] = -1
+    out = _dispatch.call(_w4a8_contiguous_op, _w4a8_contiguous_impl, a, sfa.contiguous(), codes[None], offsets[None],
+                         row_scale[None], ids)
+    return out[:m]
 
 
 @torch.library.custom_op("tilecraft::mxfp4_w4a8_gemm_nt", mutates_args=())
@@ -602,6 +624,11 @@ W4A8_MASKED_TILES = True
 # us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
 # with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
+# The masked loop without its tail bursts where k / 128 is a multiple of W4A8_BURST_64 (a block runs 0 or tiles x k /
+# 128 steps: the tails never run), as the contiguous kernel's (W4A8_CONTIGUOUS_WHOLE): the same executed instructions,
+# a fraction of the code to lower and build. Built in session 49, not run: off (bench A/B: provider
+# tilecraft-w4a8-mwhole)
+W4A8_MASKED_WHOLE = False
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -756,6 +783,8 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     out = dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
     if p["tokens"] == 64 and W4A8_BURST_64 and (tiles == 1 or kb % W4A8_BURST_64 == 0):
         out["burst"] = W4A8_BURST_64
+        if W4A8_MASKED_WHOLE and kb % W4A8_BURST_64 == 0:
+            out["whole_bursts"] = True
     return out
 
 

@@ -396,6 +396,18 @@ def test_contiguous_split_promotion_pipelines_its_halves(monkeypatch):
         assert sass.count("DEPBAR.LE gsb0, 0x0") == 1
 
 
+def test_masked_whole_bursts_plan(monkeypatch):
+    """W4A8_MASKED_WHOLE: 64-token masked plans whose k / 128 is a multiple of the burst leave the tail bursts out (8
+    unrolled steps); other K and the shorter token tiles keep them; off by default."""
+    assert "whole_bursts" not in plan_w4a8_masked(64, 2048, groups=8, n=7168)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_WHOLE", True)
+    p = plan_w4a8_masked(64, 2048, groups=8, n=7168)
+    assert p["whole_bursts"] and p["tiles"] == 4
+    assert "whole_bursts" not in plan_w4a8_masked(64, 2560) and "whole_bursts" not in plan_w4a8_masked(8, 7168)
+    src = mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p)
+    assert src.count("tc_w4a8_fragment(") == 9
+
+
 def test_contiguous_tiles_plan(monkeypatch):
     """W4A8_CONTIGUOUS_TILES: the most n tiles a block (a divisor of n / 128, <= 8) whose table offsets fit next to
     4 stages: 8 at k = 2048, 2 at k = 7168; one where n is one tile; off, always one. The plan builds."""
@@ -915,3 +927,46 @@ def test_gpu_contiguous_split_promotion_gives_the_same_bits(monkeypatch, k, grou
     monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_SPLIT", True)
     got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
     assert not got.isnan().any() and got.abs().sum() > 0 and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,n,k", [(8, 7168, 2048), (3, 512, 7168)])
+def test_gpu_masked_whole_bursts_give_the_same_bits(monkeypatch, G, n, k):
+    """W4A8_MASKED_WHOLE (the masked loop built without its tail bursts, which never run): the same bits, with
+    several tiles a block (8 groups at n = 7168) and one (k = 7168), groups of 0, 1, partial and full rows."""
+    g = torch.Generator().manual_seed(G * n + k)
+    max_m = 64
+    masked = [0, 1, max_m, 17] + [max_m] * (G - 4) if G > 4 else [0, 1, max_m][:G]
+    a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked)
+    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_WHOLE", True)
+    assert plan_w4a8_masked(max_m, k, groups=G, n=n).get("whole_bursts")
+    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    assert not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 200])
+def test_gpu_dense_prefill_is_the_contiguous_op(monkeypatch, m):
+    """W4A8_DENSE_PREFILL: m > 64 runs the contiguous kernel as one expert (rows padded to 128 where needed): the
+    contiguous op's bits on the same rows, near the fp32 product; off, m > 64 is refused."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 256, 2048
+    packed, scales = weights(n, k, g)
+    a, sa = activations(m, k, g)
+    prep = prepare_mxfp4_w4a8(packed, scales)
+    dev = [t.cuda() for t in (a, sa, *prep)]
+    with pytest.raises(ValueError, match="decode-sized"):
+        ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_DENSE_PREFILL", True)
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert out.shape == (m, n) and not out.isnan().any()
+    rows = -(-m // 128) * 128
+    a_pad = torch.cat([dev[0], torch.zeros(rows - m, k, device="cuda").to(torch.float8_e4m3fn)])
+    sa_pad = torch.cat([dev[1], torch.ones(rows - m, device="cuda")])
+    ids = torch.tensor([0] * m + [-1] * (rows - m), dtype=torch.int32, device="cuda")
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a_pad, sa_pad, *(t[None] for t in dev[2:]), ids)[:m]
+    assert torch.equal(out, want)
+    ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    assert calc_diff(out.float().cpu(), ref) < 1e-5

@@ -124,7 +124,7 @@ def tilecraft_w4a8_with(flag, value=True):
     every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
     tiles, two promotion temporaries), W4A8_CONTIGUOUS_TILES (several n tiles a contiguous block at short K), W4A8_CONTIGUOUS_WHOLE False (the
     contiguous loop with its tail bursts, as session 49 timed it), W4A8_CONTIGUOUS_SPLIT (the 128-token promotion in
-    two column halves)."""
+    two column halves), W4A8_MASKED_WHOLE (the masked loop without its dead tail bursts)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -360,6 +360,7 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-ctiles", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILES"), experimental=True),
                Provider("tilecraft-w4a8-tails", tilecraft_w4a8_with("W4A8_CONTIGUOUS_WHOLE", False), experimental=True),
                Provider("tilecraft-w4a8-split", tilecraft_w4a8_with("W4A8_CONTIGUOUS_SPLIT"), experimental=True),
+               Provider("tilecraft-w4a8-mwhole", tilecraft_w4a8_with("W4A8_MASKED_WHOLE"), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
