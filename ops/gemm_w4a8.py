@@ -927,6 +927,8 @@ def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, 
     if k % SWAPPED_K_ALIGN or n % 128:
         raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_contiguous needs k % {SWAPPED_K_ALIGN} == 0 and n % 128 == 0, "
                          f"got n={n}, k={k}")
+    if G == 0 and M:
+        raise ValueError("codes must hold at least one expert's weights (g >= 1) for rows of a to be computed")
     plan_w4a8_contiguous(k, sfa.dim() == 2)        # k too long for the staged table offsets: its ValueError here
     return _dispatch.call(_w4a8_contiguous_op, _w4a8_contiguous_impl, a, sfa, codes, offsets, row_scale, m_indices)
 
