@@ -251,11 +251,14 @@ def tilecraft_mxfp4_with(flag, value):
 
 def torch_scaled_mm(case, i):
     """torch.nn.functional.scaled_mm with BlockWise1x128 (a) and BlockWise128x128 (b); for mxfp4
-    rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs)."""
+    rows, the bf16 GEMM of the same shape (what an engine without FP4 kernels runs) on the weights before their
+    MXFP4 quantization (its rel err is that quantization's)."""
     if case["kind"] == "mxfp4":
         return lambda: i["a"][0] @ i["w"][0].T
     if case["kind"] in MXFP4_KINDS:
         a = i["a"].view(case["groups"], case["m"], case["k"])
+        if case["kind"] == "mxfp4-contiguous":     # the op's (groups x m, n) rows (a view)
+            return lambda: torch.bmm(a, i["w"].transpose(1, 2)).view(-1, case["n"])
         return lambda: torch.bmm(a, i["w"].transpose(1, 2))
     if case["kind"] != "dense":
         raise ValueError("torch has no grouped block-scaled GEMM")
