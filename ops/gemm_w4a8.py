@@ -267,17 +267,16 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     first row is padding is all padding (zeros, nothing loaded), and the chunk's row ids come by TMA with the
     factors so that each padding row stores zeros. temps: the promotion's fp32 temporaries (2: a part's WGMMA
     runs while the one before is added; 1: a third of the registers less, for 128-token tiles). whole_bursts
-    (k / 128 a multiple of burst): a block's steps are 0 or tiles x k / 128, so the loop's tail bursts are left out. split_n
-    (temps=2): each step's WGMMAs as two halves of the tokens, each promoted from its own half-width temporary while
-    the other half runs (tile.mma_register_decoded_loop's split_n)."""
+    (k / 128 a multiple of burst): a block's steps are 0 or tiles x k / 128, so the loop's tail bursts are left
+    out. split_n (temps=2): each step's WGMMAs as two halves of the tokens, each promoted from its own half-width
+    temporary while the other half runs (tile.mma_register_decoded_loop's split_n)."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0
     assert tokens in (W4A8_CONTIGUOUS_TOKENS if contiguous else SWAPPED_TOKENS), tokens
     assert tiles >= 1 and (n // block_n) % tiles == 0     # (the loop checks that k / 128 is a multiple of burst)
     if whole_bursts and (not burst or (k // BLOCK_K) % burst):
         raise ValueError(f"whole_bursts needs a burst given and k / 128 a multiple of it, got k={k}, burst={burst}")
     groups, max_m = T.dynamic("groups, max_m")
-    experts = T.dynamic("experts") if contiguous else groups
-    wgroups = experts                                     # the weights' group count
+    wgroups = T.dynamic("experts") if contiguous else groups   # the weights' group count
     n_tiles, kb = n // block_n, k // BLOCK_K
     blocks_per_group = n_tiles // tiles
     # step s: tile tt(s) of the block, K block kk(s) (one tile: s itself, no division in the loop)
@@ -715,17 +714,11 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     n % 128 == 0; CPU: the fp32 reference."""
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=3, contiguous=True)
     check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(2, 3), contiguous=True)
-    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
-    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
-    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
     check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
     G, max_m, k = a.shape
-    n = codes.shape[1]
     if k % BLOCK_K:
         raise ValueError(f"a must be (g, max_m, k) with k a multiple of {BLOCK_K}, got shape {tuple(a.shape)}")
-    check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[2]")
-    check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
-    check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    n = _check_grouped_weights(codes, offsets, row_scale, k, groups=G)
     if sfa.dim() == 2:
         check.shape("sfa", sfa, (G, max_m), "fp32 per-token scales of a")
     else:
@@ -750,6 +743,19 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
         raise ValueError(f"m_grouped_mxfp4_w4a8_gemm_nt_masked needs k % {SWAPPED_K_ALIGN} == 0, n % 128 == 0 and "
                          f"k <= {SMEM_BUDGET // 2 // 4}, got n={n}, k={k}")
     return _w4a8_masked_op(a, sfa, codes, offsets, row_scale, masked_m)
+
+
+def _check_grouped_weights(codes, offsets, row_scale, k, groups=None):
+    """The grouped ops' prepared weights (g, n, k/2), (g, n, k/32), (g, n) against a's k (and groups, where a has its
+    own group count); returns n."""
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    G, n = (codes.shape[0] if groups is None else groups), codes.shape[1]
+    check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[-1]")
+    check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
+    check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    return n
 
 
 def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int = 0, n: int = 0,
@@ -816,7 +822,7 @@ def _(a, sfa, codes, offsets, row_scale, masked_m):
     return a.new_empty(*a.shape[:2], codes.shape[1], dtype=torch.bfloat16)
 
 
-# ---- the contiguous grouped op (MoE prefill) --------------------------------------------------------------------------
+# ---- the contiguous grouped op (MoE prefill) ------------------------------------------------------------------------
 
 # Token tiles of the contiguous kernel (the WGMMA's N): a 128-aligned segment holds whole tiles. At 128 tokens each
 # 128-deep step's decode (the same instructions as at 64) feeds twice the MMA work.
@@ -834,7 +840,8 @@ W4A8_CONTIGUOUS_WHOLE = True
 # loop's split_n), instead of one temporary. With one, ptxas puts the next step's decoded fragment in the registers of
 # the one the in-flight WGMMA reads and waits for that WGMMA in the middle of the decode (session 49's SASS): the
 # decode's second half, the 64 adds and the issue run with this warpgroup's tensor work idle (~1000 cycles a step
-# against 512 of tensor work). Built after session 49's GPU time, not run: off (bench A/B: provider tilecraft-w4a8-split)
+# against 512 of tensor work). Built after session 49's GPU time, not run: off (bench A/B: provider
+# tilecraft-w4a8-split)
 W4A8_CONTIGUOUS_SPLIT = False
 
 
@@ -847,9 +854,11 @@ def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n:
     their prologue once and store each tile while the next one streams (the masked kernel's `tiles`)."""
     tokens = tokens or W4A8_CONTIGUOUS_TILE
     if tokens not in W4A8_CONTIGUOUS_TOKENS:
-        raise ValueError(f"the contiguous W4A8 kernel's token tile must be one of {W4A8_CONTIGUOUS_TOKENS}, got {tokens}")
+        raise ValueError(f"the contiguous W4A8 kernel's token tile must be one of {W4A8_CONTIGUOUS_TOKENS}, "
+                         f"got {tokens}")
     if k % SWAPPED_K_ALIGN:
-        raise ValueError(f"the contiguous W4A8 kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd table offsets), got k={k}")
+        raise ValueError(f"the contiguous W4A8 kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd table offsets), "
+                         f"got k={k}")
     kb = k // BLOCK_K
 
     def fixed(tiles):   # shared memory besides the stages
@@ -891,19 +900,14 @@ def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, 
     weights decoded into registers, 128 rows of a tile the WGMMA's N; CPU: the fp32 reference."""
     check.tensor("a", a, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
     check.tensor("sfa", sfa, dtypes=(torch.float32,), ndim=(1, 2), contiguous=True)
-    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=3, contiguous=True)
-    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=3, contiguous=True)
-    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=2, contiguous=True)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
     M, k = a.shape
-    G, n = codes.shape[:2]
     if k % BLOCK_K:
         raise ValueError(f"a must be (M, k) with k a multiple of {BLOCK_K}, got shape {tuple(a.shape)}")
     if M % 128:
         raise ValueError(f"a's row count must be a multiple of 128 (the segment alignment), got {M}")
-    check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[1]")
-    check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
-    check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    n = _check_grouped_weights(codes, offsets, row_scale, k)
+    G = codes.shape[0]
     if sfa.dim() == 1:
         check.shape("sfa", sfa, (M,), "fp32 per-token scales of a")
     else:

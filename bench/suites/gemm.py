@@ -97,6 +97,8 @@ def tilecraft_w4a8(case, i, group=False):
     timing) and the activations as e4m3 with a per-token scale, or (group, the tilecraft-w4a8-group provider) per
     (token, 128 columns) from per_token_group_quant_fp8 (quantized outside the timing, as an engine's previous kernel
     would hand them over)."""
+    if case["kind"] not in MXFP4_KINDS:
+        raise ValueError(f"tilecraft-w4a8 runs the mxfp4 cases (MXFP4 weights), got kind {case['kind']!r}")
     a = i["a"].float()                                   # (groups, m, k)
     if group:
         a8, sa = ops.per_token_group_quant_fp8(a.view(-1, a.shape[-1]))
@@ -122,9 +124,10 @@ def tilecraft_w4a8_with(flag, value=True):
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
     every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
-    tiles, two promotion temporaries), W4A8_CONTIGUOUS_TILES (several n tiles a contiguous block at short K), W4A8_CONTIGUOUS_WHOLE False (the
-    contiguous loop with its tail bursts, as session 49 timed it), W4A8_CONTIGUOUS_SPLIT (the 128-token promotion in
-    two column halves), W4A8_MASKED_WHOLE (the masked loop without its dead tail bursts)."""
+    tiles, two promotion temporaries), W4A8_CONTIGUOUS_TILES (several n tiles a contiguous block at short K),
+    W4A8_CONTIGUOUS_WHOLE False (the contiguous loop with its tail bursts, as session 49 timed it),
+    W4A8_CONTIGUOUS_SPLIT (the 128-token promotion in two column halves), W4A8_MASKED_WHOLE (the masked loop without
+    its dead tail bursts)."""
     def make(case, i):
         from ops import gemm_w4a8
 

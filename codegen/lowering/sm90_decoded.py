@@ -139,8 +139,8 @@ def _reg_step(j, first, io):
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
-        _tile_done = io[:16]
-    split = io[16]
+        _tile_done, split = io
+    one_temp = temps is not None and len(temps) == 1
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
     slot = s % stages
@@ -164,7 +164,7 @@ def _reg_step(j, first, io):
             if mark is not None:
                 mark("launched", s)
             continue
-        if temps is not None and len(temps) == 1 and idx > 0:
+        if one_temp and idx > 0:
             # one temporary: the part before (still in it) retires and is added before this part's WGMMAs reuse it
             emit(T.wait_wgmma(0))
             if u == 0:
@@ -178,7 +178,7 @@ def _reg_step(j, first, io):
                               transpose_B=True, clear_accum=True, policy=policy))
         if mark is not None:
             mark("launched", s)
-        if temps is not None and len(temps) == 1:
+        if one_temp:
             pass            # retired and added before the next part's WGMMAs (above) or at the burst's drain
         elif len(frags) == 1:
             emit(T.wait_wgmma(0))
@@ -330,8 +330,8 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
-                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None, burst=BURST,
-                              temps=2, whole_bursts=False, split_n=False):
+                              blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None,
+                              burst=BURST, temps=2, whole_bursts=False, split_n=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
