@@ -5,7 +5,8 @@ sequence's cache of 576-wide latent vectors (512 latent + 64 rope); V is the fir
 of the same cache rows. One CTA owns 64 query rows of one sequence and one split of its KV
 blocks; splits are combined by a second kernel. Written once with codegen.tile words: the KV
 loop is tile.attention_loop (on sm_90a a hand-written producer warpgroup and two MMA warpgroups,
-codegen/lowering/sm90_attention.py; elsewhere the compiler's pipelined loop).
+codegen/lowering/sm90_attention.py; on Ascend the Cube and the two vector cores of an AI core,
+codegen/lowering/ascend_attention.py; elsewhere the compiler's pipelined loop).
 
 Cost per sequence (bf16): bytes ~ seqlen * 576 * 2 (the cache, read once per 64-row tile),
 flops = 2 * s_q * h_q * seqlen * (576 + 512).
@@ -91,23 +92,20 @@ def _load_page(BlockTable, bi, blk, page, num_pages, pidx):
 
 def _query_tiles(q_at, row_of, block_m, rows, parts):
     """The query tile, one operand tile per (first column, width, dtype) part: row i holds query row
-    row_of(i) (q_at(row, column) reads it), zero past the sequence's rows. Loads are QV values wide
-    (8- and 16-byte loads where there were 2-byte ones: a CTA's 72 KB at h_q = 128 took ~36K cycles
-    in 43 dependent rounds, "MLA v12"), and two neighbouring parts of one shape load in one loop
+    row_of(i) (q_at(row, column) reads it), zero past the sequence's rows. Written by tile.fill_operands
+    QV values wide (8- and 16-byte loads where there were 2-byte ones: a CTA's 72 KB at h_q = 128 took
+    ~36K cycles in 43 dependent rounds, "MLA v12"), two neighbouring parts of one shape in one loop
     (twice the loads in flight a thread). q_at and row_of are closures so that the loops use the
     kernel's own scalars: macro arguments become copies, which cost the two-converter FP8 kernel 6
     spilled registers."""
     tiles = [tile.operand((block_m, w), dt) for _, w, dt in parts]
     n = 0
     while n < len(parts):
-        if n + 1 < len(parts) and parts[n][1:] == parts[n + 1][1:]:
-            _load_query_pair(tiles[n], tiles[n + 1], row_of, _query_value(q_at, rows, parts[n][0], parts[n][2]),
-                             _query_value(q_at, rows, parts[n + 1][0], parts[n][2]), block_m, parts[n][1])
-            n += 2
-        else:
-            _load_query_part(tiles[n], row_of, _query_value(q_at, rows, parts[n][0], parts[n][2]), block_m,
-                             parts[n][1])
-            n += 1
+        pair = n + 1 < len(parts) and parts[n][1:] == parts[n + 1][1:]
+        tile.fill_operands(tiles[n:n + 1 + pair], row_of,
+                           [_query_value(q_at, rows, parts[n + u][0], parts[n][2]) for u in range(1 + pair)],
+                           vector=QV)
+        n += 1 + pair
     return tiles
 
 
@@ -123,28 +121,9 @@ def _as(x, dt):
 QV = 8  # query values a thread loads at once (16 bytes of bf16; TileLang may split it in two 8-byte loads)
 
 
-@T.macro
-def _load_query_part(t, row_of, value, block_m, w):
-    for i, jv in tile.parallel(block_m, w // QV):
-        r = row_of(i)
-        for v in T.vectorized(QV):
-            t[i, jv * QV + v] = value(r, jv * QV + v)
-
-
-@T.macro
-def _load_query_pair(t0, t1, row_of, value0, value1, block_m, w):
-    for i, jv in tile.parallel(block_m, w // QV):
-        r = row_of(i)
-        for v in T.vectorized(QV):
-            t0[i, jv * QV + v] = value0(r, jv * QV + v)
-            t1[i, jv * QV + v] = value1(r, jv * QV + v)
-
-
 @tile_program(
     "mla_decode",
-    # not ascend:950 yet: the online softmax's row statistics do not lower on a vector core that holds
-    # half the rows (TileLang: "Invalid reduce output shape"), so the program says so by name instead
-    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    targets=GPU_TARGETS,
     examples={
         "h16": dict(h_q=16, s_q=1, page=64),
         "h128": dict(h_q=128, s_q=1, page=64),
@@ -269,29 +248,32 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
     @T.macro
     def epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si, splits, max_splits):
-        # o: columns col0.. of the output tile (unnormalized); l, m: row sums and maxima (log2 domain)
-        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-            o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
-        if si < splits:
-            if splits == 1:
-                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                    r = mt * BLOCK_M + i
-                    if r < rows:
-                        Out[bi, r, col0 + j] = T.cast(o[i, j], sdt)
-                if stats:
-                    for i in tile.parallel(BLOCK_M):
-                        r = mt * BLOCK_M + i
+        # o: columns col0.. of the output tile (unnormalized); l, m: row sums and maxima (log2 domain), of
+        # the rows this core's vector code holds (tile.split_rows: all 64, or a half on Ascend)
+        mine, first = tile.split_rows(BLOCK_M)
+        with tile.vector():
+            for i, j in tile.parallel(mine, o.shape[1]):
+                o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
+            if si < splits:
+                if splits == 1:
+                    for i, j in tile.parallel(mine, o.shape[1]):
+                        r = mt * BLOCK_M + first + i
                         if r < rows:
-                            Lse[bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2,
-                                                                        neg_inf)
-            else:
-                slot = bi * max_splits + si
-                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                    OPart[slot, mt * BLOCK_M + i, col0 + j] = o[i, j]
-                if stats:
-                    for i in tile.parallel(BLOCK_M):
-                        LsePart[slot, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]),
-                                                                         neg_inf)  # base 2
+                            Out[bi, r, col0 + j] = T.cast(o[i, j], sdt)
+                    if stats:
+                        for i in tile.parallel(mine):
+                            r = mt * BLOCK_M + first + i
+                            if r < rows:
+                                Lse[bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2,
+                                                                            neg_inf)
+                else:
+                    slot = bi * max_splits + si
+                    for i, j in tile.parallel(mine, o.shape[1]):
+                        OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
+                    if stats:
+                        for i in tile.parallel(mine):
+                            LsePart[slot, mt * BLOCK_M + first + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]),
+                                                                                     neg_inf)  # base 2
 
     @T.macro
     def epilogue_t(o_t, col0, l_s, m_s, stats, Out, Lse, OPart, LsePart, bi, si, splits, max_splits):
@@ -716,7 +698,14 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     "Session 34").
     Otherwise fp8: the raw bytes and the
     bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
-    (the producer warpgroup converts); elsewhere 64-token steps one stage deep, 128 threads."""
+    (the producer warpgroup converts); on sm_100a 64-token steps one stage deep, 128 threads. On ascend:950
+    (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
+    if targets.get(target).vendor == "ascend":
+        # ascend:950 (generated Ascend C, never run): 64-token steps for the bf16 cache; the FP8 cache's raw
+        # step, its converted K halves and V^T halves fit the vector cores' UB at 32 tokens (64 need 227 KB of
+        # the 152 KB that TileLang's schedule leaves them)
+        return dict(block_n=32, stages=2, threads=128, kv_format="fp8") if kv_format == "fp8" else \
+            dict(block_n=BLOCK_N, stages=2, threads=128)
     sm90 = targets.get(target).name == "cuda:sm_90a"
     most = SWAPPED_TILES["fp8-rope-direct" if kv_format == "fp8" else "bf16"][-1]
     swapped = sm90 and page >= BLOCK_N and rows <= most

@@ -212,10 +212,35 @@ def test_fp8_two_converters_build():
     assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
 
 
-def test_ascend_is_refused_by_name():
-    # the decode loop does not lower for Ascend yet (README: "not lowered"); the combine does
-    with pytest.raises(ValueError, match="no lowering for ascend:950"):
-        mla_decode_program.source("ascend", h_q=16, s_q=1)
+@pytest.mark.parametrize("kv_format,h_q,page", [("bf16", 16, 64), ("bf16", 128, 16), ("fp8", 64, 64)])
+def test_ascend_source_splits_the_step_between_cube_and_vector_cores(kv_format, h_q, page):
+    """ascend:950 (codegen/lowering/ascend_attention.py; generated Ascend C, no device): the Cube scores the
+    three query parts against K and multiplies P by V^T (the Cube's NT form), both from L1; the vector cores
+    run the softmax on half the query rows each and hand P and V^T (and the FP8 cache's converted K) to L1."""
+    tiling = pick_tiling(h_q, kv_format, "ascend:950", page)
+    n = tiling["block_n"]
+    assert n == (32 if kv_format == "fp8" else 64)
+    src = mla_decode_program.source("ascend", h_q=h_q, s_q=1, page=page, **tiling)
+    gemms = re.findall(r"ascend_gemm_l1<([^>]*)>", src)
+    assert sorted(set(gemms)) == sorted({f"64, 256, {n}, 256, true, bfloat16_t",     # S += Q_latent K_latent^T
+                                         f"64, 64, {n}, 64, true, bfloat16_t",       # S += Q_rope K_rope^T
+                                         f"64, {n}, 256, {n}, true, bfloat16_t"})    # O_part = P V_part
+    assert len(gemms) == 5
+    aic, aiv = src[src.index("if ASC_IS_AIC"):src.index("if ASC_IS_AIV")], src[src.index("if ASC_IS_AIV"):]
+    assert "asc_get_sub_block_id() * 32" in aiv                      # half of the 64 query rows a vector core
+    loop = aiv[aiv.index("for ("):]
+    # each step: P and both V^T halves (and with FP8 the three converted K parts) into L1
+    assert loop.count("asc_copy_ub2l1") == (1 + 2 + (3 if kv_format == "fp8" else 0))
+    if kv_format == "fp8":   # the raw step comes into UB, K and V^T are converted there (e4m3 -> bf16 * scale)
+        assert "asc_copy_gm2l1" not in src and "e4m3" in src
+    else:                    # K straight from the cache into L1; V's columns into UB to be zeroed past the end
+        assert aic.count("asc_copy_gm2l1_nd2nz") == 3 * (64 // min(page, 64))
+        assert "exp2f" in src
+    with pytest.raises(ValueError, match="cuda:sm_90a only"):
+        mla_decode_program.source("ascend", h_q=128, s_q=1, page=64, seesaw=True)
+
+
+def test_ascend_combine_lowers():
     assert "mla_combine" in mla_combine_program.source("ascend", h_q=16, s_q=1)
 
 

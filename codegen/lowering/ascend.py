@@ -258,3 +258,23 @@ def atomic_add(dst, value, return_prev=False):
             slots.append(tirx.BufferLoad(var, [0]))
         dst = tirx.BufferLoad(dst.buffer, slots)
     return A.atomic_add(dst, value, return_prev=return_prev)
+
+
+@register("fill_operands", "ascend")
+def fill_operands(tiles, row_of, values, vector=1):
+    # L1 takes no stores from vector code: each vector core computes its half of the rows in UB, and a
+    # dual copy puts both halves into the L1 tile
+    rows = int(tiles[0].shape[0])
+    half, first = split_rows(rows)
+    threads = state().get("threads", 128)
+    for t, value in zip(tiles, values):
+        ub = A.alloc_shared((half, *t.shape[1:]), t.dtype)
+        _fill_half(ub, row_of, value, first, threads)
+        emit(A.dual_copy(ub, t))
+
+
+@A.macro
+def _fill_half(ub, row_of, value, first, threads):
+    with A.SimtVF(threads=threads):
+        for i, j in A.Parallel(ub.shape[0], ub.shape[1]):
+            ub[i, j] = value(row_of(first + i), j)

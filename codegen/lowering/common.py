@@ -267,6 +267,38 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, **options):
                      "fragment layout (cuda:sm_90a); elsewhere decode into a tile (tile.mma_decoded_loop)")
 
 
+# ---- fill_operands: operand tiles written value by value -------------------------------------------
+
+@register("fill_operands", "*")
+def fill_operands(tiles, row_of, values, vector=1):
+    # the threads write the tiles, `vector` columns at once; two tiles of one shape share the loop
+    rows, width = (int(e) for e in tiles[0].shape)
+    if width % vector or len(tiles) not in (1, 2) or len(values) != len(tiles):
+        raise ValueError(f"fill_operands takes one or two tiles with a value each and a width that is a multiple of "
+                         f"vector={vector}; got {len(tiles)} tiles, {len(values)} values, width {width}")
+    if len(tiles) == 1:
+        _fill_one(tiles[0], row_of, values[0], rows, width, vector)
+    else:
+        _fill_pair(tiles[0], tiles[1], row_of, values[0], values[1], rows, width, vector)
+
+
+@T.macro
+def _fill_one(t, row_of, value, rows, w, vec):
+    for i, jv in tile.parallel(rows, w // vec):
+        r = row_of(i)
+        for v in T.vectorized(vec):
+            t[i, jv * vec + v] = value(r, jv * vec + v)
+
+
+@T.macro
+def _fill_pair(t0, t1, row_of, value0, value1, rows, w, vec):
+    for i, jv in tile.parallel(rows, w // vec):
+        r = row_of(i)
+        for v in T.vectorized(vec):
+            t0[i, jv * vec + v] = value0(r, jv * vec + v)
+            t1[i, jv * vec + v] = value1(r, jv * vec + v)
+
+
 # ---- attention_loop: online-softmax attention over staged KV steps --------------------------------
 
 def _emit_maybe(stmt):
