@@ -1690,6 +1690,79 @@ def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
 
 
+def test_mxfp4_native_ascend_is_the_cube_block_scaled_mad():
+    """ascend:950 (codegen/lowering/ascend_block_scaled.py; generated Ascend C, no device): the same native
+    program on the Cube's block-scaled MAD, e4m3 x e4m3 with the E8M0 scale bytes in L1: A, B and both scale
+    tiles go straight from global memory to L1 each step; the epilogue's vector cores store half the rows each.
+    Its MAD takes one dtype, and e2m1 cannot be widened on chip there, so e2m1 B is refused by name."""
+    from ops.gemm_mxfp4 import mxfp4_native_program
+
+    src = mxfp4_native_program.source("ascend", n=4096, k=7168, b_format="e4m3")
+    assert "ascend_blockscaled_gemm_l1<128, 128, 128, 128, true, 2, float8_e4m3_t, uint8_t, float>" in src
+    aic = src[src.index("if ASC_IS_AIC"):src.index("if ASC_IS_AIV")]
+    loop = aic[aic.index("for ("):]
+    assert loop.count("asc_copy_gm2l1_nd2nz") == 2 and loop.count("asc_copy_gm2l1_dn2nz") == 2   # A, B; SFA, SFB
+    assert "asc_get_sub_block_id() * 64" in src
+    with pytest.raises(ValueError, match="widen_e2m1_to_e4m3"):
+        mxfp4_native_program.source("ascend", n=4096, k=7168)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "masked"])
+def test_grouped_mxfp4_native_is_block_scaled_on_sm100a_and_ascend(mode):
+    """The grouped layouts on block-scaled MMAs (mxfp4_grouped_native_program; compiled only): on sm_100a the
+    e4m3 x e2m1 UTCQMMA with UTCCP scale copies, no spills; on ascend:950 the Cube's block-scaled MAD on widened
+    weights. A tile whose rows are not computed (padding, past masked_m) stores zeros: the store selects on
+    the step count and the row's group or mask."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4 import mxfp4_grouped_native_program
+
+    src = mxfp4_grouped_native_program.source("ascend", n=4096, k=7168, mode=mode, b_format="e4m3")
+    assert "ascend_blockscaled_gemm_l1<128, 128, 128, 128, true, 2, float8_e4m3_t, uint8_t, float>" in src
+    assert ("MaskedM" if mode == "masked" else "MIdx") in src[src.index("simt_vf"):src.index("__global__")]
+    src = mxfp4_grouped_native_program.source("sm_100a", n=4096, k=7168, mode=mode)
+    assert "tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3" in src
+    try:
+        st = sass_stats(build_cubin(src, "sm_100a"), "sm_100a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
+
+
+def test_grouped_mxfp4_native_op_checks_and_fakes():
+    """The grouped native path is a custom op with a fake; mx_scale_words keeps the groups' dimension."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ops.gemm_mxfp4 import _mxfp4_grouped_native_op, mx_scale_words
+
+    s = torch.arange(2 * 3 * 8, dtype=torch.uint8).view(2, 3, 8)
+    w = mx_scale_words(s, 4)
+    assert w.shape == (2, 2, 4)
+    for g in range(2):
+        assert torch.equal(w[g], mx_scale_words(s[g].contiguous(), 4))
+    with FakeTensorMode():
+        out = _mxfp4_grouped_native_op("masked", torch.empty(2, 64, 256, dtype=torch.float8_e4m3fn),
+                                       torch.empty(2, 64, 8, dtype=torch.uint8), torch.empty(2, 128, 128, dtype=torch.uint8),
+                                       torch.empty(2, 128, 8, dtype=torch.uint8), torch.empty(2, dtype=torch.int32))
+    assert out.shape == (2, 64, 128) and out.dtype == torch.bfloat16
+
+
+def test_widened_e2m1_weights_hold_the_same_values():
+    """widen_e2m1_to_e4m3 (the Ascend native path's weights): every packed byte's two codes, low nibble first,
+    as e4m3 of the same value and sign (-0 included); the E8M0 scales apply unchanged."""
+    from ops.gemm_mxfp4 import widen_e2m1_to_e4m3
+
+    every = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    ref = ops.dequant_mxfp4(every, torch.full((8, 2), 127, dtype=torch.uint8))
+    wide = widen_e2m1_to_e4m3(every)
+    assert wide.shape == (8, 64) and wide.dtype == torch.float8_e4m3fn
+    assert torch.equal(wide.float(), ref) and torch.equal(wide.float().signbit(), ref.signbit())
+    b, sfb = ops.quant_mxfp4(torch.randn(128, 256))
+    assert torch.equal(ops.dequant_mx_fp8(widen_e2m1_to_e4m3(b), sfb), ops.dequant_mxfp4(b, sfb))
+    with pytest.raises(TypeError, match="b"):
+        widen_e2m1_to_e4m3(b.view(torch.int8))
+
+
 def test_mx_scale_words_for_the_native_kernel():
     """Word (s, r) of the native kernel's scales: row r's 4 E8M0 bytes of K step s, little-endian
     (byte j scales K values 128s + 32j ..), step-major; padding rows hold 2^0 (127)."""

@@ -255,7 +255,7 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
 @register("mma_block_scaled_loop", "*")
 def mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=32, stages=2, epilogue=None,
                           scale_dtype="int32"):
-    raise ValueError("mma_block_scaled_loop needs block-scaled tensor cores (cuda:sm_100a); this target has "
+    raise ValueError("mma_block_scaled_loop needs block-scaled tensor cores (cuda:sm_100a, ascend:950); this target has "
                      "none: decode the operands instead (tile.mma_decoded_loop)")
 
 
