@@ -260,7 +260,7 @@ def _decode_by_pairs(raw_at, b_at, sw, step, block_n, block_k, words):
 
 @tile_program(
     "mxfp4_gemm_nt",
-    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
     examples={"decode-7168x2048": dict(n=7168, k=2048, block_m=64, splits=2),
               "prefill-4096x7168": dict(n=4096, k=7168)},
 )
@@ -292,7 +292,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             acc = tile.accumulator((block_m, block_n))
             k0 = ts * per
             steps = T.max(T.min(per, kb - k0), 0)
-            T.import_source(E2M1_SOURCE)
+            tile.import_cuda_helpers(E2M1_SOURCE)
             # one step's tiles: A (TMA zero-fills rows past m) and the packed codes as 32-bit words
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731
@@ -301,7 +301,7 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words, row_warps),
+                _decoder(sw, block_n, block_k, words, row_warps),
                 stages=stages,
                 swizzle_raw=row_warps,
                 # the block's scale words staged once (one 32-bit load per row and step), under the first loads
@@ -309,6 +309,40 @@ def mxfp4_gemm_program(n: int, k: int, block_m: int = 128, block_n: int = 128, b
                 epilogue=lambda: _store(acc, C, Part, tm, tn, ts, m, steps, splits, block_m, block_n))
 
     return mxfp4_gemm_nt
+
+
+def _decoder(sw, block_n, block_k, words, row_warps):
+    """The decoded-tile programs' decode(raw_at, b_at, step): the CUDA helpers' (_decode_tile); called with rows=
+    (a target whose vector cores each decode part of the tile into their own: ascend:950), plain TileLang's."""
+    def decode(raw_at, b_at, blk, rows=None):
+        if rows is None:
+            return _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words, row_warps)
+        return _decode_rows(raw_at, b_at, sw, blk, rows[1], block_k)
+    return decode
+
+
+@T.macro
+def _decode_rows(raw_at, dst, sw, step, first, block_k):
+    """The decode in plain TileLang (no CUDA helpers): dst (rows, block_k) = this core's rows of the step's tile,
+    row i being the tile's row first + i: code c % 8 of raw word (i, c / 8), times 2^(E8M0 byte c / 32 of the row's
+    scale word - 127), exact in fp32 and in the 16-bit result."""
+    for i, c in tile.parallel(dst.shape[0], block_k):
+        dst[i, c] = T.cast(_e2m1_value(T.shift_right(raw_at(i, c // 8), 4 * (c % 8)) & 15) *
+                           _e8m0_value(T.shift_right(sw[step, first + i], 8 * (c // MX)) & 255), dst.dtype)
+
+
+def _e2m1_value(code):
+    # magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: from 2 up, (2 + odd) * 2^(code / 2 - 2); bit 3 the sign
+    mag = code & 7
+    value = T.if_then_else(mag < 2, T.cast(mag, "float32") * 0.5,
+                           T.cast(2 + mag % 2, "float32") * T.cast(T.shift_left(1, mag // 2), "float32") * 0.25)
+    return T.if_then_else(code >= 8, -value, value)
+
+
+def _e8m0_value(e):
+    # 2^(e - 127) as fp32 bits (e = 0: the subnormal 2^-127), NaN for 255 (OCP MX)
+    return T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.if_then_else(e == 0, 0x00400000, T.shift_left(e, 23))),
+                         "float32")
 
 
 @T.macro
@@ -936,7 +970,7 @@ def _store_native_grouped(acc, C, MIdx, MaskedM, masked, g, row0, tn, steps, blo
 
 @tile_program(
     "mxfp4_gemm_nt_grouped",
-    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
     examples={"contiguous-4096x7168": dict(n=4096, k=7168, mode="contiguous"),
               "masked-4096x7168": dict(n=4096, k=7168, mode="masked", block_m=64)},
 )
@@ -983,7 +1017,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             # is all padding, and only zeros are stored for it
             live = row0 < limit if masked else row0 < limit and MIdx[T.min(row0, rows - 1)] >= 0
             steps = T.if_then_else(live, kb, 0)
-            T.import_source(E2M1_SOURCE)
+            tile.import_cuda_helpers(E2M1_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731
                 A[g, row0:row0 + block_m, blk * block_k:(blk + 1) * block_k] if masked
@@ -993,7 +1027,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             tile.mma_decoded_loop(
                 steps, loads, [((block_m, block_k), "bfloat16"), ((block_n, block_k // 8), "int32"),
                                ((block_n, block_k), "bfloat16")], acc,
-                lambda raw_at, b_at, blk: _decode_tile(raw_at, b_at, sw, blk, block_n, block_k, words, row_warps),
+                _decoder(sw, block_n, block_k, words, row_warps),
                 stages=stages,
                 swizzle_raw=row_warps,
                 prologue=lambda: _stage_scales(sw, lambda si, i: SFB[g, tn * block_n + i, si]),
@@ -1004,18 +1038,21 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
 
 @T.macro
 def _store_grouped(acc, where, mode, block_m, block_n):
+    # the rows of the tile this core's vector code holds: all, or a half on Ascend (tile.split_rows)
     C, MIdx, row0, height, limit, g, tn, steps = where
     out = tile.read_accumulator(acc)
-    for i, j in tile.parallel(block_m, block_n):
-        r = row0 + i
-        if r < height:
-            # no K step ran (a tile past MaskedM): zeros, whatever the accumulator holds
-            keep = steps > 0 and r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
-            value = T.if_then_else(keep, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
-            if mode == "masked":
-                C[g, r, tn * block_n + j] = value
-            else:
-                C[r, tn * block_n + j] = value
+    mine, first = tile.split_rows(block_m)
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height:
+                # no K step ran (a tile past MaskedM): zeros, whatever the accumulator holds
+                keep = steps > 0 and r < limit and (MIdx[r] >= 0 if mode == "contiguous" else True)
+                value = T.if_then_else(keep, T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
+                if mode == "masked":
+                    C[g, r, tn * block_n + j] = value
+                else:
+                    C[r, tn * block_n + j] = value
 
 
 def grouped_smem_bytes(k: int, block_m: int, block_n: int = 128, block_k: int = BLOCK_K, stages: int = 3) -> int:
@@ -1056,9 +1093,10 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     (mxfp4_gemm_nt_swapped), other shapes the decoded-tile kernel: both multiply the exactly
     dequantized weights in fp32 accumulators (their sums may differ in the last bits).
     On sm_100a, e4m3 a with MX scales takes the native block-scaled kernel (mxfp4_gemm_nt_native:
-    compiled, never run on a device). On ascend:950 that is the only form (the Cube's block-scaled MAD,
-    with the weights widened to e4m3 first: generated Ascend C, never run on a device)."""
-    if _native_target(a, sfa, "mxfp4_gemm_nt") is not None:
+    compiled, never run on a device); on ascend:950 too (the Cube's block-scaled MAD, with the weights
+    widened to e4m3 first), and there the other forms of a take the decoded-tile kernel (the vector cores
+    decode B into UB, the Cube multiplies in bf16): generated Ascend C, never run on a device."""
+    if _native_target(a, sfa) is not None:
         return _mxfp4_native(a, b, sfb, sfa)
     a = _a_as_bf16(a, sfa, 2)
     _check_dense(a, torch.bfloat16, b, sfb)
@@ -1173,8 +1211,8 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
     output is zeros); b (g, n, k/2) uint8 packed e2m1, sfb (g, n, k/32) uint8 E8M0. Returns (M, n)
     bf16 = a @ dequant(b[m_indices[r]])^T row by row. a may be e4m3 with sfa (M, ceil(k/128)) fp32
     or (M, k/32) uint8 E8M0, as in mxfp4_gemm_nt (on sm_100a and ascend:950 the latter takes the native
-    block-scaled kernel, mxfp4_grouped_native_program; on ascend:950 it is the only form)."""
-    native = _native_target(a, sfa, "m_grouped_mxfp4_gemm_nt_contiguous") is not None
+    block-scaled kernel, mxfp4_grouped_native_program)."""
+    native = _native_target(a, sfa) is not None
     a = a if native else _a_as_bf16(a, sfa, 2)
     G, n, k = _check_grouped(a, b, sfb, 2, native)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
@@ -1194,8 +1232,8 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     are computed (the rest are zeros); b (g, n, k/2) uint8, sfb (g, n, k/32) uint8. Returns
     (g, max_m, n) bf16. expected_m is a tiling hint: <= 64 picks 64-row tiles. a may be e4m3 with
     sfa (g, max_m, ceil(k/128)) fp32 or (g, max_m, k/32) uint8 E8M0, as in mxfp4_gemm_nt (on sm_100a and
-    ascend:950 the latter takes the native block-scaled kernel; on ascend:950 it is the only form)."""
-    native = _native_target(a, sfa, "m_grouped_mxfp4_gemm_nt_masked") is not None
+    ascend:950 the latter takes the native block-scaled kernel)."""
+    native = _native_target(a, sfa) is not None
     a = a if native else _a_as_bf16(a, sfa, 3)
     G, n, k = _check_grouped(a, b, sfb, 3, native)
     if a.shape[0] != G:
@@ -1212,19 +1250,13 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
 
 
-def _native_target(a, sfa, op):
-    """The target whose block-scaled MMAs take this call (e4m3 a with OCP MX sfa on sm_100a or ascend:950), or
-    None; on ascend:950, whose only MXFP4 path that is, any other form of a is refused by name."""
-    if a.device.type == "cpu":
+def _native_target(a, sfa):
+    """The target whose block-scaled MMAs take this call (e4m3 a with OCP MX sfa on sm_100a or ascend:950), or None
+    (the decoded-tile kernels: bf16 a, or a dequantized to bf16 first)."""
+    if a.device.type == "cpu" or sfa is None or sfa.dtype != torch.uint8 or a.dtype != torch.float8_e4m3fn:
         return None
     target = targets.resolve(a)
-    if sfa is not None and sfa.dtype == torch.uint8 and a.dtype == torch.float8_e4m3fn and target.name in NATIVE_TARGETS:
-        return target
-    if target.vendor == "ascend":
-        raise ValueError(f"{op} on ascend:950 takes e4m3 a with OCP MX sfa (E8M0 per 32 columns, uint8): the Cube's "
-                         f"block-scaled MAD; got a {a.dtype}" + (f" with sfa {sfa.dtype}" if sfa is not None else
-                                                                 " without sfa"))
-    return None
+    return target if target.name in NATIVE_TARGETS else None
 
 
 def _grouped_native(mode, a, sfa, b, sfb, aux):

@@ -1747,6 +1747,65 @@ def test_grouped_mxfp4_native_op_checks_and_fakes():
     assert out.shape == (2, 64, 128) and out.dtype == torch.bfloat16
 
 
+def test_plain_decode_is_the_exact_dequant():
+    """_decode_rows, the decode the vector cores run on ascend:950 (plain TileLang, no CUDA helpers), run on the
+    cpu target: every code of random words, low nibble first, times 2^(E8M0 - 127) of its 32-column block,
+    equals dequant_mxfp4 bit for bit (signs and zeros included), E8M0 0 (2^-127), 254 and 255 (NaN) among them."""
+    import tilelang.language as T
+
+    from codegen import tile
+    from codegen.program import tile_program
+    from ops.gemm_mxfp4 import _decode_rows
+
+    rows, block_k, steps = 8, 128, 2
+
+    @tile_program("test_plain_decode", targets=("cpu",))
+    def program():
+        @T.prim_func
+        def main(Raw: T.Tensor((steps, rows, block_k // 8), "int32"), SW: T.Tensor((steps, rows), "int32"),
+                 Out: T.Tensor((steps, rows, block_k), "float32")):
+            with tile.grid(1, 1):
+                sw = tile.stage((steps, rows), "int32")
+                dst = tile.stage((rows, block_k), "float32")
+                for si, i in tile.parallel(steps, rows):
+                    sw[si, i] = SW[si, i]
+                for s in T.serial(steps):
+                    _decode_rows(lambda i, w: Raw[s, i, w], dst, sw, s, 0, block_k)
+                    for i, c in tile.parallel(rows, block_k):
+                        Out[s, i, c] = dst[i, c]
+        return main
+
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (rows, steps * block_k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (rows, steps * block_k // 32), dtype=torch.uint8, generator=g)
+    scales[0, 0], scales[1, 1], scales[2, 2], scales[3, 3] = 0, 255, 254, 1
+    ref = ops.dequant_mxfp4(packed, scales)
+    out = torch.zeros(steps, rows, block_k)
+    program.compile("cpu")(packed.view(torch.int32).view(rows, steps, block_k // 8).transpose(0, 1).contiguous(),
+                           scales.view(torch.int32).view(rows, steps).t().contiguous(), out)
+    got = out.transpose(0, 1).reshape(rows, steps * block_k)
+    assert torch.equal(got.isnan(), ref.isnan()) and ref.isnan().any()
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num()) and torch.equal(got.signbit(), ref.signbit())
+
+
+@pytest.mark.parametrize("name,params", [("mxfp4_gemm_nt", dict(n=4096, k=7168)),
+                                         ("mxfp4_gemm_nt", dict(n=7168, k=2048, block_m=64, splits=2)),
+                                         ("mxfp4_gemm_nt_grouped", dict(n=4096, k=7168, mode="contiguous")),
+                                         ("mxfp4_gemm_nt_grouped", dict(n=4096, k=7168, mode="masked", block_m=64))])
+def test_ascend_mxfp4_decodes_in_the_vector_cores(name, params):
+    """ascend:950 (codegen/lowering/ascend_decoded.py; generated Ascend C, no device): the decoded-tile programs
+    with bf16 a. Each vector core decodes its 64 of the tile's 128 rows into UB with the plain decode (no CUDA
+    helper in the source), a dual copy puts them into L1 (ND -> NZ), and the Cube multiplies in bf16."""
+    from codegen import program
+
+    src = program.get(name).source("ascend", **params)
+    bm = params.get("block_m", 128)
+    assert f"ascend_gemm_l1<{bm}, 128, 128, 128, true, bfloat16_t>" in src
+    aiv = src[src.index("if ASC_IS_AIV"):]
+    assert "ascend_nd2nz_scatter<64, 128, bfloat16_t, bfloat16_t>" in aiv and "asc_copy_ub2l1" in aiv
+    assert "tc_e2m1" not in src and "asc_get_sub_block_id() * 64" in src
+
+
 def test_widened_e2m1_weights_hold_the_same_values():
     """widen_e2m1_to_e4m3 (the Ascend native path's weights): every packed byte's two codes, low nibble first,
     as e4m3 of the same value and sign (-0 included); the E8M0 scales apply unchanged."""

@@ -278,3 +278,10 @@ def _fill_half(ub, row_of, value, first, threads):
     with A.SimtVF(threads=threads):
         for i, j in A.Parallel(ub.shape[0], ub.shape[1]):
             ub[i, j] = value(row_of(first + i), j)
+
+
+@register("import_cuda_helpers", "ascend")
+def import_cuda_helpers(text):
+    # CUDA helper text has no place in Ascend C: a program that imports it calls those helpers only on its
+    # CUDA paths (e.g. a decode whose Ascend form is plain TileLang)
+    return None

@@ -250,6 +250,13 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
                   epilogue or (lambda: None))
 
 
+# ---- import_cuda_helpers: device helper source for CUDA targets ------------------------------------
+
+@register("import_cuda_helpers", "*")
+def import_cuda_helpers(text):
+    return T.import_source(text)
+
+
 # ---- mma_block_scaled_loop: only where tensor cores take block scales --------------------------
 
 @register("mma_block_scaled_loop", "*")
