@@ -7,7 +7,11 @@ is bound by the weight bytes, which are a quarter of bf16's: that is the point.
 
 The K loop is tile.mma_decoded_loop (on sm_90a the decode of step s+1 runs under the WGMMA of
 step s); the decode is a CUDA helper that places the codes' bits into bf16x2 words, and the E8M0
-scales are read as 32-bit words, the 4 bytes of a row's K step (bench/NOTES.md "MXFP4 v4").
+scales are read as 32-bit words, the 4 bytes of a row's K step (bench/NOTES.md "MXFP4 v4"). On
+ascend:950 the vector cores decode with plain TileLang (_decode_rows) and the Cube multiplies in bf16.
+
+e4m3 activations with OCP MX scales take block-scaled MMAs where a target has them (sm_100a's
+UTCQMMA, ascend:950's block-scaled MAD): mxfp4_native_program, mxfp4_grouped_native_program.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
