@@ -2,6 +2,7 @@
 implementation, validates its inputs, and runs the kernel lowered for the tensors' device."""
 
 from ops.gemm_mxfp4 import m_grouped_mxfp4_gemm_nt_contiguous, m_grouped_mxfp4_gemm_nt_masked, mxfp4_gemm_nt
+from ops import gemm_mxfp4_native  # noqa: F401  (registers the block-scaled programs)
 from ops.gemm_w4a8 import (dequant_w4a8, m_grouped_mxfp4_w4a8_gemm_nt_contiguous, m_grouped_mxfp4_w4a8_gemm_nt_masked,
                            mxfp4_w4a8_gemm_nt, prepare_mxfp4_w4a8, w4a8_exact)
 from ops.gemm_fp8 import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,

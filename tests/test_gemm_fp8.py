@@ -1674,7 +1674,7 @@ def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
 
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4 import mxfp4_native_program
+    from ops.gemm_mxfp4_native import mxfp4_native_program
 
     src = mxfp4_native_program.source("sm_100a", n=4096, k=7168)
     desc = int(re.search(r"tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3, false>\(.*?static_cast<uint32_t>"
@@ -1695,7 +1695,7 @@ def test_mxfp4_native_ascend_is_the_cube_block_scaled_mad():
     program on the Cube's block-scaled MAD, e4m3 x e4m3 with the E8M0 scale bytes in L1: A, B and both scale
     tiles go straight from global memory to L1 each step; the epilogue's vector cores store half the rows each.
     Its MAD takes one dtype, and e2m1 cannot be widened on chip there, so e2m1 B is refused by name."""
-    from ops.gemm_mxfp4 import mxfp4_native_program
+    from ops.gemm_mxfp4_native import mxfp4_native_program
 
     src = mxfp4_native_program.source("ascend", n=4096, k=7168, b_format="e4m3")
     assert "ascend_blockscaled_gemm_l1<128, 128, 128, 128, true, 2, float8_e4m3_t, uint8_t, float>" in src
@@ -1715,7 +1715,7 @@ def test_grouped_mxfp4_native_is_block_scaled_on_sm100a_and_ascend(mode):
     the step count and the row's group or mask."""
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4 import mxfp4_grouped_native_program
+    from ops.gemm_mxfp4_native import mxfp4_grouped_native_program
 
     src = mxfp4_grouped_native_program.source("ascend", n=4096, k=7168, mode=mode, b_format="e4m3")
     assert "ascend_blockscaled_gemm_l1<128, 128, 128, 128, true, 2, float8_e4m3_t, uint8_t, float>" in src
@@ -1733,7 +1733,7 @@ def test_grouped_mxfp4_native_op_checks_and_fakes():
     """The grouped native path is a custom op with a fake; mx_scale_words keeps the groups' dimension."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ops.gemm_mxfp4 import _mxfp4_grouped_native_op, mx_scale_words
+    from ops.gemm_mxfp4_native import _mxfp4_grouped_native_op, mx_scale_words
 
     s = torch.arange(2 * 3 * 8, dtype=torch.uint8).view(2, 3, 8)
     w = mx_scale_words(s, 4)
@@ -1809,7 +1809,7 @@ def test_ascend_mxfp4_decodes_in_the_vector_cores(name, params):
 def test_widened_e2m1_weights_hold_the_same_values():
     """widen_e2m1_to_e4m3 (the Ascend native path's weights): every packed byte's two codes, low nibble first,
     as e4m3 of the same value and sign (-0 included); the E8M0 scales apply unchanged."""
-    from ops.gemm_mxfp4 import widen_e2m1_to_e4m3
+    from ops.gemm_mxfp4_native import widen_e2m1_to_e4m3
 
     every = torch.arange(256, dtype=torch.uint8).view(8, 32)
     ref = ops.dequant_mxfp4(every, torch.full((8, 2), 127, dtype=torch.uint8))
@@ -1825,7 +1825,7 @@ def test_widened_e2m1_weights_hold_the_same_values():
 def test_mx_scale_words_for_the_native_kernel():
     """Word (s, r) of the native kernel's scales: row r's 4 E8M0 bytes of K step s, little-endian
     (byte j scales K values 128s + 32j ..), step-major; padding rows hold 2^0 (127)."""
-    from ops.gemm_mxfp4 import mx_scale_words
+    from ops.gemm_mxfp4_native import mx_scale_words
 
     s = torch.arange(3 * 8, dtype=torch.uint8).view(3, 8)
     w = mx_scale_words(s, 4)
@@ -1843,7 +1843,7 @@ def test_mxfp4_native_op_has_a_fake_implementation():
     shape and dtype without running anything (torch.compile traces through it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ops.gemm_mxfp4 import _mxfp4_native_op
+    from ops.gemm_mxfp4_native import _mxfp4_native_op
 
     with FakeTensorMode():
         out = _mxfp4_native_op(torch.empty(5, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 128, dtype=torch.uint8),

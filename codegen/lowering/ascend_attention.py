@@ -33,8 +33,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
                    direct=None, all_visible=None, seesaw=False, own_p=False):
     if swapped or raw_rows is not None or stage_raw or direct is not None or seesaw or own_p or trace is not None:
-        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True, own_p=True, trace=) "
-                         "is lowered on cuda:sm_90a only, not on ascend:950")
+        raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True, own_p=True, "
+                         "trace=) is lowered on cuda:sm_90a only, not on ascend:950")
     if getattr(value, "row_scales", None) is not None:
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "
                          "with swapped=True only")

@@ -7,8 +7,9 @@ riding in the MAD as on sm_100a's UTCQMMA). Per step, everything goes straight f
 TileLang 0.1.15's Ascend block-scaled MAD takes A and B of one dtype, and its UB -> L1 copies convert ND to the
 Cube's NZ order for 16- and 32-bit types only, so e2m1 B cannot be widened to e4m3 on chip: a program with e4m3 A
 passes its MXFP4 weights widened to e4m3 once (exact: every e2m1 value is an e4m3 value, the E8M0 scales
-unchanged; ops.gemm_mxfp4.widen_e2m1_to_e4m3). The scales arrive as sm_100a's scale words (a step's 4 E8M0 bytes
-of a row in one int32, step-major) and are read as bytes. Generated Ascend C only: no Ascend device has run it."""
+unchanged; ops.gemm_mxfp4_native.widen_e2m1_to_e4m3). The scales arrive as sm_100a's scale words (a step's 4
+E8M0 bytes of a row in one int32, step-major) and are read as bytes. Generated Ascend C only: no Ascend device
+has run it."""
 
 import tilelang.ascend.language as A
 import tilelang.language as T
@@ -29,13 +30,16 @@ def mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=32, 
     if scale_k != MX:
         raise ValueError(f"mma_block_scaled_loop on ascend:950 takes OCP MX scales (scale_k={MX}), got {scale_k}")
     if str(scale_dtype) != "int32":
-        raise ValueError(f"mma_block_scaled_loop on ascend:950 reads int32 scale words, got scale_dtype={scale_dtype}")
+        raise ValueError(f"mma_block_scaled_loop on ascend:950 reads int32 scale words, got scale_dtype="
+                         f"{scale_dtype}")
     if _is_fp4(b_dtype) and not _is_fp4(a_dtype):
-        raise ValueError(f"mma_block_scaled_loop on ascend:950: the Cube's block-scaled MAD takes A and B of one dtype "
-                         f"(TileLang 0.1.15), got {a_dtype} and {b_dtype}, and e2m1 cannot be widened on chip (no 8-bit "
-                         "UB -> L1 copy): pass B widened to e4m3 (exact, ops.gemm_mxfp4.widen_e2m1_to_e4m3)")
+        raise ValueError(f"mma_block_scaled_loop on ascend:950: the Cube's block-scaled MAD takes A and B of one "
+                         f"dtype (TileLang 0.1.15), got {a_dtype} and {b_dtype}, and e2m1 cannot be widened on chip "
+                         "(no 8-bit UB -> L1 copy): pass B widened to e4m3 (exact, "
+                         "ops.gemm_mxfp4_native.widen_e2m1_to_e4m3)")
     if str(a_dtype) != str(b_dtype):
-        raise ValueError(f"mma_block_scaled_loop on ascend:950: A and B must have one dtype, got {a_dtype} and {b_dtype}")
+        raise ValueError(f"mma_block_scaled_loop on ascend:950: A and B must have one dtype, got {a_dtype} and "
+                         f"{b_dtype}")
     depth = int(a_shape[1])
     a_l1 = A.alloc_l1(tuple(a_shape), a_dtype)
     b_l1 = A.alloc_l1(tuple(b_shape), b_dtype)
