@@ -23,7 +23,7 @@ from ops.gemm_mxfp4 import BLOCK_K, GROUPED_MODES, MX, _check_dense, _scale_word
 @tile_program(
     "mxfp4_gemm_nt_native",
     targets=("cuda:sm_100a", "ascend:950"),
-    examples={"4096x7168": dict(n=4096, k=7168)},
+    examples={"4096x7168": dict(n=4096, k=7168), "ascend-4096x7168": dict(n=4096, k=7168, b_format="e4m3")},
 )
 def mxfp4_native_program(n: int, k: int, block_m: int = 128, block_n: int = 128, stages: int = 4,
                          b_format: str = "e2m1"):
@@ -68,7 +68,8 @@ def mxfp4_native_program(n: int, k: int, block_m: int = 128, block_n: int = 128,
     "mxfp4_gemm_nt_grouped_native",
     targets=("cuda:sm_100a", "ascend:950"),
     examples={"contiguous-4096x7168": dict(n=4096, k=7168, mode="contiguous"),
-              "masked-4096x7168": dict(n=4096, k=7168, mode="masked")},
+              "masked-4096x7168": dict(n=4096, k=7168, mode="masked"),
+              "ascend-contiguous-4096x7168": dict(n=4096, k=7168, mode="contiguous", b_format="e4m3")},
 )
 def mxfp4_grouped_native_program(n: int, k: int, mode: str = "contiguous", block_m: int = 128, block_n: int = 128,
                                  stages: int = 4, b_format: str = "e2m1"):
