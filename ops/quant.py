@@ -46,7 +46,7 @@ def _fp8_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 QUANT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@tile_program("token_group_quant_fp8", targets=("cuda:sm_90a", "cuda:sm_100a"),
+@tile_program("token_group_quant_fp8", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950"),
               examples={"h7168-bf16": dict(k=7168), "h1536-bf16": dict(k=1536)})
 def token_group_quant_program(k: int, dtype: str = "bfloat16", groups_per_block: int = 4, threads: int = 128):
     """Q[r, g*128 + j] = e4m3(clamp(X[r, g*128 + j] / S[r, g])), S[r, g] = absmax(group) / 448 (1 if 0).
@@ -88,7 +88,7 @@ def token_group_quant_program(k: int, dtype: str = "bfloat16", groups_per_block:
 def _quant_kernel_fits(x, group_size, ue8m0) -> bool:
     # (the kernel reads x 16 bytes a thread: a view that does not start 16-byte aligned takes the
     # torch path, the same bits)
-    return (x.device.type == "cuda" and group_size == 128 and not ue8m0 and x.shape[1] % 128 == 0
+    return (x.device.type in ("cuda", "npu") and group_size == 128 and not ue8m0 and x.shape[1] % 128 == 0
             and x.shape[1] > 0 and x.is_contiguous() and x.data_ptr() % 16 == 0)
 
 

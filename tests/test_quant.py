@@ -22,6 +22,14 @@ def test_quant_program_builds_without_spills(target):
     assert stats.spill_stores == 0 and stats.spill_loads == 0
 
 
+def test_quant_program_lowers_for_ascend():
+    """ascend:950 (generated Ascend C, no device): the same program as one vector function, a group's absmax
+    reduced across 32 lanes, e4m3 stores of 4 values a thread, one scale a group."""
+    src = token_group_quant_program.source("ascend", k=7168)
+    assert "__simt_vf__" in src and "AscendAllReduce<tl::MaxOp, 32" in src
+    assert "fp8_e4_4_t" in src and "__vector__ void token_group_quant_kernel" in src
+
+
 def test_cpu_path_is_the_reference():
     x = torch.randn(5, 384) * 3
     q, sf = ops.per_token_group_quant_fp8(x)
