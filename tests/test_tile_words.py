@@ -136,3 +136,39 @@ def test_gemm_words_run_on_gpu(dtype):
     c = torch.full((256, 192), float("nan"), device="cuda")
     GEMM.compile("sm_90a", m=256, n=192, k=512, dtype=dtype)(a, b, c)
     torch.testing.assert_close(c, a.float() @ b.float().T, atol=2e-2, rtol=2e-3)
+
+
+def _fill_builder(rows: int = 8, width: int = 16, valid: int = 5):
+    """Two operand tiles written by tile.fill_operands (row i holds source row rows - 1 - i, zero past `valid`),
+    then copied out."""
+    @T.prim_func
+    def fill(X: T.Tensor((valid, 2 * width), "float32"), Y: T.Tensor((2, rows, width), "float32")):
+        with tile.grid(1, 1):
+            t0 = tile.operand((rows, width), "float32")
+            t1 = tile.operand((rows, width), "float32")
+            value = lambda c: (lambda r, j: T.if_then_else(  # noqa: E731
+                r < valid, X[T.min(r, valid - 1), c + j], T.float32(0)))
+            tile.fill_operands([t0, t1], lambda i: rows - 1 - i, [value(0), value(width)], vector=4)
+            for i, j in tile.parallel(rows, width):
+                Y[0, i, j] = t0[i, j]
+                Y[1, i, j] = t1[i, j]
+    return fill
+
+
+def test_fill_operands_runs_on_cpu_and_checks_its_tiles():
+    """tile.fill_operands (the MLA query tiles' word): two tiles of one shape in one loop, `vector` columns at a
+    time, each row from row_of(row), on the cpu target; and its checks of the tiles it is given."""
+    from types import SimpleNamespace
+
+    from codegen.lowering.common import fill_operands
+
+    x = torch.randn(5, 32)
+    y = torch.full((2, 8, 16), float("nan"))
+    TileProgram("test_fill_operands", _fill_builder, ("cpu",)).compile("cpu")(x, y)
+    ref = torch.zeros(2, 8, 16)
+    ref[0, 3:], ref[1, 3:] = x[:, :16].flip(0), x[:, 16:].flip(0)
+    assert torch.equal(y, ref)
+    with pytest.raises(ValueError, match="multiple of vector=8"):
+        fill_operands([SimpleNamespace(shape=(64, 12))], None, [None], vector=8)
+    with pytest.raises(ValueError, match="one or two tiles"):
+        fill_operands([SimpleNamespace(shape=(64, 16))] * 3, None, [None] * 3, vector=8)
