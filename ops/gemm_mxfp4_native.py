@@ -17,7 +17,7 @@ from codegen.program import tile_program
 from ops import _dispatch
 from ops import _validate as check
 from ops._workspace import bound_only
-from ops.gemm_mxfp4 import BLOCK_K, GROUPED_MODES, MX, _check_dense, _scale_words, _store
+from ops.gemm_mxfp4 import BLOCK_K, GROUPED_MODES, MX, _check_dense, _scale_words, _store, _store_grouped
 
 
 @tile_program(
@@ -119,28 +119,12 @@ def mxfp4_grouped_native_program(n: int, k: int, mode: str = "contiguous", block
             tile.mma_block_scaled_loop(
                 steps, loads, scale_loads, [((block_m, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K), b_tile)], acc,
                 scale_k=MX, stages=stages,
-                epilogue=lambda: _store_native_grouped(acc, C, MIdx, MaskedM, masked, gm, row0, tn, steps, block_m,
-                                                       block_n))
+                # the decoded-tile program's store: zeros wherever no step ran or the row is padding / past MaskedM
+                epilogue=lambda: _store_grouped(acc, (C, MIdx, row0, max_m if masked else rows,
+                                                      MaskedM[gm] if masked else rows, gm, tn, steps),
+                                                mode, block_m, block_n))
 
     return mxfp4_gemm_nt_grouped_native
-
-
-@T.macro
-def _store_native_grouped(acc, C, MIdx, MaskedM, masked, g, row0, tn, steps, block_m, block_n):
-    # every row of the tile that C has: the product where the row is computed, else zeros (an accumulator that no
-    # step wrote is never read as a value)
-    out = tile.read_accumulator(acc)
-    mine, first = tile.split_rows(block_m)
-    with tile.vector():
-        for i, j in tile.parallel(mine, block_n):
-            r = row0 + first + i
-            if masked:
-                if r < C.shape[1]:
-                    C[g, r, tn * block_n + j] = T.if_then_else(steps > 0 and r < MaskedM[g],
-                                                               T.cast(out[i, j], "bfloat16"), T.cast(0, "bfloat16"))
-            else:
-                C[r, tn * block_n + j] = T.if_then_else(steps > 0 and MIdx[r] >= 0, T.cast(out[i, j], "bfloat16"),
-                                                        T.cast(0, "bfloat16"))
 
 
 def mx_scale_words(scales, rows_pad=None):

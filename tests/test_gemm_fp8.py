@@ -1666,14 +1666,25 @@ def test_burst_loop_is_guarded_where_a_split_has_no_full_burst():
         "\n".join(lines[first_wait - 4:first_wait + 1])
 
 
+def _assert_block_scaled_sm100a(src):
+    """The sm_100a build of a native MXFP4 source: block-scaled tcgen05 MMAs (UTCQMMA), the E8M0 scale words
+    copied to tensor memory (UTCCP), no spills."""
+    from backends import ToolchainError
+    from backends.cuda.sass import build_cubin, sass_stats
+
+    try:
+        st = sass_stats(build_cubin(src, "sm_100a"), "sm_100a")
+    except ToolchainError as e:
+        pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
+
+
 def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     """The sm_100a native MXFP4 program (tile.mma_block_scaled_loop): e4m3 x e2m1 block-scaled
     tcgen05 MMAs (UTCQMMA) with the E8M0 scale words copied to tensor memory (UTCCP), no spills;
     its instruction descriptor says A e4m3, B e2m1, UE8M0 scales, M = N = 128. Compiled only: no
     sm_100a device has run it. Targets without block-scaled tensor cores refuse it."""
 
-    from backends import ToolchainError
-    from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4_native import mxfp4_native_program
 
     src = mxfp4_native_program.source("sm_100a", n=4096, k=7168)
@@ -1683,11 +1694,7 @@ def test_mxfp4_native_sm100a_is_block_scaled_tcgen05():
     assert (desc >> 17) & 63 == 128 >> 3 and (desc >> 27) & 3 == 128 >> 7 and (desc >> 23) & 1 == 1
     with pytest.raises(ValueError, match="sm_100a"):
         mxfp4_native_program.source("sm_90a", n=4096, k=7168)
-    try:
-        st = sass_stats(build_cubin(src, "sm_100a"), "sm_100a")
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
+    _assert_block_scaled_sm100a(src)
 
 
 def test_mxfp4_native_ascend_is_the_cube_block_scaled_mad():
@@ -1713,20 +1720,18 @@ def test_grouped_mxfp4_native_is_block_scaled_on_sm100a_and_ascend(mode):
     e4m3 x e2m1 UTCQMMA with UTCCP scale copies, no spills; on ascend:950 the Cube's block-scaled MAD on widened
     weights. A tile whose rows are not computed (padding, past masked_m) stores zeros: the store selects on
     the step count and the row's group or mask."""
-    from backends import ToolchainError
-    from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4_native import mxfp4_grouped_native_program
 
     src = mxfp4_grouped_native_program.source("ascend", n=4096, k=7168, mode=mode, b_format="e4m3")
     assert "ascend_blockscaled_gemm_l1<128, 128, 128, 128, true, 2, float8_e4m3_t, uint8_t, float>" in src
-    assert ("MaskedM" if mode == "masked" else "MIdx") in src[src.index("simt_vf"):src.index("__global__")]
+    store = src[src.index("simt_vf"):src.index("__global__")]   # the vector cores' store selects each row
+    if mode == "masked":   # against the group's MaskedM, read once into `limit`
+        assert "MaskedM[" in src and re.search(r"<\s*limit\b", store)
+    else:                  # against its row's group id
+        assert "MIdx[" in store
     src = mxfp4_grouped_native_program.source("sm_100a", n=4096, k=7168, mode=mode)
     assert "tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3" in src
-    try:
-        st = sass_stats(build_cubin(src, "sm_100a"), "sm_100a")
-    except ToolchainError as e:
-        pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert st.histogram.get("UTCQMMA", 0) > 0 and st.histogram.get("UTCCP", 0) > 0 and st.spill_stores == 0
+    _assert_block_scaled_sm100a(src)
 
 
 def test_grouped_mxfp4_native_op_checks_and_fakes():

@@ -2,7 +2,7 @@
 their own thread count; matrix operands sit in L1 and the Cube accumulates into L0C."""
 
 import tilelang.ascend.language as A
-from tvm import tirx
+from tvm import ir, tirx
 from tilelang.ascend.language.kernel import _get_current_simtvf
 
 from codegen.rules import register
@@ -285,3 +285,11 @@ def import_cuda_helpers(text):
     # CUDA helper text has no place in Ascend C: a program that imports it calls those helpers only on its
     # CUDA paths (e.g. a decode whose Ascend form is plain TileLang)
     return None
+
+
+def narrow(region, axis, start, extent):
+    """The region with axis `axis` narrowed to [start, start + extent) of its own range (rules that copy part of a
+    tile's rows or columns: each vector core's half)."""
+    ranges = list(region.region)
+    ranges[axis] = ir.Range.from_min_extent(ranges[axis].min + start, extent)
+    return tirx.BufferRegion(region.buffer, ranges)

@@ -19,10 +19,9 @@ k (block_n tokens):
 The scheduling between the Cube and the vector cores (flags, buffers) is TileLang's Ascend auto-schedule
 of the pipelined loop. Generated Ascend C only: no Ascend device has run it."""
 
-from tvm import ir, tirx
-
 import tilelang.ascend.language as A
 from codegen import tile
+from codegen.lowering.ascend import narrow
 from codegen.lowering.common import online_softmax
 from codegen.rules import register
 from codegen.tile import emit, state
@@ -80,7 +79,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                 if part in v:
                     idx = v.index(part)
                     h, c0 = halves[idx]
-                    emit(A.copy(_columns(src, c0, h), v_ub[idx][row0:row0 + rows, :]))
+                    emit(A.copy(narrow(src, -1, c0, h), v_ub[idx][row0:row0 + rows, :]))
             for idx in range(len(v)):
                 _transpose(vt_ub[idx], _reader(v_ub[idx]), valid, threads)
         else:
@@ -123,13 +122,6 @@ def _reader(buf):
 def _converted(value, part, read, c0):
     # (token, column) of this core's columns (from c0) of operand part `part`, converted from the raw step
     return lambda i, j: value(part, i, c0 + j, read)
-
-
-def _columns(region, start, extent):
-    # the region's last axis narrowed to [start, start + extent) of its columns
-    ranges = list(region.region)
-    ranges[-1] = ir.Range.from_min_extent(ranges[-1].min + start, extent)
-    return tirx.BufferRegion(region.buffer, ranges)
 
 
 @A.macro

@@ -11,7 +11,7 @@ only: no Ascend device has run it."""
 import tilelang.ascend.language as A
 import tilelang.language as T
 
-from codegen.lowering.ascend import split_rows
+from codegen.lowering.ascend import narrow, split_rows
 from codegen.rules import register
 from codegen.tile import state
 
@@ -31,18 +31,11 @@ def mma_decoded_loop(steps, loads, operands, acc, decode, stages=2, prologue=Non
     if prologue is not None:
         _in_vector(prologue, threads)
     # the step's copies as (source region, destination), built in Python (the loop's DSL would bind regions)
-    copies = [lambda s: (loads(s)[0], a_l1), lambda s: (_rows(loads(s)[1], first, count), raw)]
+    copies = [lambda s: (loads(s)[0], a_l1), lambda s: (narrow(loads(s)[1], -2, first, count), raw)]
     _loop(steps, copies, lambda s: decode(lambda i, j: raw[i, j], tile_ub, s, rows=(count, first)), tile_ub, a_l1,
           b_l1, acc.buf, stages, threads)
     if epilogue is not None:
         epilogue()
-
-
-def _rows(region, first, count):
-    # rows [first, first + count) of a region whose leading axes (groups) are single indices
-    *lead, r, c = region.region
-    return region.buffer[(*(x.min for x in lead), slice(r.min + first, r.min + first + count),
-                          slice(c.min, c.min + c.extent))]
 
 
 @T.macro

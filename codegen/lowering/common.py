@@ -262,8 +262,8 @@ def import_cuda_helpers(text):
 @register("mma_block_scaled_loop", "*")
 def mma_block_scaled_loop(steps, loads, scale_loads, operands, acc, scale_k=32, stages=2, epilogue=None,
                           scale_dtype="int32"):
-    raise ValueError("mma_block_scaled_loop needs block-scaled tensor cores (cuda:sm_100a, ascend:950); this target has "
-                     "none: decode the operands instead (tile.mma_decoded_loop)")
+    raise ValueError("mma_block_scaled_loop needs block-scaled tensor cores (cuda:sm_100a, ascend:950); this "
+                     "target has none: decode the operands instead (tile.mma_decoded_loop)")
 
 
 # ---- mma_register_decoded_loop: only where the MMA takes an operand from registers ---------------
