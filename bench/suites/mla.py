@@ -27,6 +27,9 @@ PRESETS = {
     "sweep": _cases([(128, 128, 1, n) for n in (1024, 2048, 4096, 8192, 16384, 32768)]),
     "small": _cases([(2, 16, 1, 1024), (2, 128, 2, 300)]),
     "fp8": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192)]),   # the rows of the FP8 cache's 1.6x target
+    # the FP8 cache above 16 query rows (ops.mla_decode_fp8_rows64 against the op's kernel and the bf16 cache)
+    "fp8-64": _cases([(64, 32, 1, 8192), (128, 64, 1, 4096), (8, 64, 1, 8192), (128, 128, 1, 4096),
+                      (128, 128, 2, 4096), (32, 128, 1, 16384)]),
     # the FP8 cache's <= 16-row kernel across batch sizes (splits), MTP (2 x 8 rows) and a long context
     "fp8-16": _cases([(1, 16, 1, 8192), (8, 16, 1, 8192), (32, 16, 1, 4096), (64, 16, 1, 8192), (128, 16, 1, 4096),
                       (128, 8, 2, 4096), (16, 16, 1, 32768)]),
@@ -105,6 +108,18 @@ def fp8_register(case, i, **options):
     tiling = dict(register_fp8=True, kv_format="fp8", **options)
     run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
                                    tiling=tiling, kv_format="fp8")
+    run()                                        # compiles (or says why this shape cannot take it)
+    return run
+
+
+def fp8_rows64(case, i):
+    """The FP8 cache through ops.mla_decode_fp8_rows64 (64 query rows a CTA, the e4m3 latent converted into WGMMA's
+    register operand, the two MMA warpgroups in a seesaw; built in session 51, not the op's choice)."""
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=dict(kv_format="fp8", rows64=True), kv_format="fp8")
     run()                                        # compiles (or says why this shape cannot take it)
     return run
 
@@ -190,6 +205,7 @@ SUITE = Suite(
         Provider("tilecraft-fp8-fold", lambda c, i: tilecraft_variant(c, i, FP8_FOLD), experimental=True,
                  nbytes=nbytes_fp8),
         # two MMA warpgroups a CTA on alternate steps: the op's kernel since session 37 (tilecraft-fp8 runs it)
+        Provider("tilecraft-fp8-rows64", fp8_rows64, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
         # the same without its pace (ops.mla_decode_fp8_rs.RS2_PACE: every CTA streams as fast as the DRAM serves its SM)
         Provider("tilecraft-fp8-rs2-nopace", lambda c, i: fp8_register(c, i, chains=2, pace=0), experimental=True,

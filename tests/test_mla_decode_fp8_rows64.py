@@ -1,0 +1,103 @@
+"""ops.mla_decode_fp8_rows64: the FP8-cache MLA decode at 64 query rows a CTA (the e4m3 latent converted into WGMMA's
+register operand, two MMA warpgroups in a seesaw), against the reference on the exactly dequantized cache."""
+
+import collections
+import re
+
+import pytest
+import torch
+
+from ops.mla_decode_fp8_rows64 import mla_decode_fp8_rows64_program
+from tests.test_mla_decode import run_fp8_case
+
+ROWS64 = dict(kv_format="fp8", rows64=True)
+
+
+def test_lowers_to_register_operand_wgmma_without_spills():
+    """Each warpgroup's step: the rope's 4 m64n64k16 MMAs (bf16, A from registers), each latent group's two
+    64-column halves (2 x 4 fp16 RS MMAs, the group loop not unrolled), the P V of a step (2 groups x 2 m64 tiles x
+    4: 16) at its three sites (own step, the other's, the last step's); 64 F2FP unpacks a group's V fragment, 16 a
+    K half; one stmatrix.x4 a 16-row block of P (4 a group copy, the copies' loop unrolled); a bar.arrive each for
+    P_READY and P_FREE. Two MMA warpgroups at setmaxnreg 240, no spills (the largest live set: O^T's 128 registers,
+    S^T 32, a group's partial 32 and K's two half fragments)."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1)
+    assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_alloc<240>" in src
+    cubin = build_cubin(src, "sm_90a")
+    st = sass_stats(cubin, "sm_90a")
+    assert st.spill_stores == 0 and st.spill_loads == 0, (st.spill_stores, st.spill_loads)
+    sass = disassemble(cubin)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    counts = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|F2FP\.F16\.E4M3\.UNPACK_B|STSM[\w.]*|BAR\.ARV)\b",
+                                            sass))
+    assert counts["HGMMA.64x64x16.F32"] == 2 * (8 + 3 * 16) and counts["HGMMA.64x64x16.F32.BF16"] == 2 * 4, counts
+    assert counts["F2FP.F16.E4M3.UNPACK_B"] == 2 * (2 * 16 + 3 * 64), counts
+    assert counts["STSM.16.MT88.4"] == 2 * 16 and counts["BAR.ARV"] == 2 * 2, counts
+
+
+def test_shared_memory_and_the_swizzled_tiles_are_aligned():
+    """The stages, Q^T and the P copies fit one SM's 227 KB, and the 128-byte-swizzled P tiles (written by
+    stmatrix with the swizzle computed from their offset) and Q^T start on 1 KB boundaries."""
+    src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=128, s_q=1)
+    offsets = {m.group(1): int(m.group(2)) for m in
+               re.finditer(r"(\w+) = \(\(\w+\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src)}
+    assert offsets["p_s"] % 1024 == 0 and offsets["ql_s"] % 1024 == 0, offsets
+    assert offsets["kl_s"] % 16 == 0, offsets
+
+
+def test_refuses_what_it_is_not_built_for():
+    for bad, msg in ((dict(page=32), "multiple of 64"), (dict(dtype="float16"), "bfloat16")):
+        with pytest.raises(ValueError, match=msg):
+            mla_decode_fp8_rows64_program.source("sm_90a", **{**dict(h_q=64, s_q=1), **bad})
+    with pytest.raises(ValueError, match="no lowering for cuda:sm_100a"):
+        mla_decode_fp8_rows64_program.source("sm_100a", h_q=64, s_q=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 64, [1000, 64], 64), (3, 1, 64, [53, 1, 0], 64),
+                                                 (2, 1, 128, [4096, 3000], 64), (2, 2, 32, [700, 33], 128),
+                                                 (3, 1, 48, [129, 4000, 2], 256), (1, 4, 32, [5000], 64),
+                                                 (2, 1, 64, [16384, 130], 64), (4, 1, 20, [191, 192, 193, 65], 64)])
+def test_gpu_matches_reference(b, s_q, h_q, lens, page):
+    """Against the reference on the exactly dequantized cache (fp32) with the bf16 kernels' bounds (the values are
+    e4m3 exactly; P is rounded to fp16 after its scale): NaN tails and NaN pages must not leak; lengths 0, 1, 2 and
+    odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
+    two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=ROWS64)
+
+
+def _late_jumps(q, kv, table):
+    # tokens of sequence 0 with 24x / 48x its values: some columns jump far above their running max late, in a step
+    # scored by either warpgroup (the factors then cross between them)
+    for t, f in ((2500, 24), (3900, 48), (3960, 64)):
+        kv[table[0, t // 64], t % 64] *= f
+
+
+@pytest.mark.gpu
+def test_gpu_follows_late_jumps():
+    run_fp8_case(2, 1, 64, [4000, 3000], 64, exact=True, tiling=ROWS64, edit=_late_jumps)
+
+
+@pytest.mark.gpu
+def test_gpu_is_deterministic_and_unsplit_matches_split():
+    """Two runs give the same bits (the row sums' partials are added in a fixed order); one split (the output written
+    by the kernel) and eight (partials and the combine) agree to the combine's rounding."""
+    from ops.mla_decode import MlaSchedule, _mla_decode_impl
+    from tests.test_mla_decode import D, make_inputs
+    import ops
+
+    lens = [3000, 700]
+    q, kv, table, seqlens = make_inputs(2, 1, 64, lens, page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+
+    def run(splits):
+        sched = MlaSchedule(torch.full((2,), splits, dtype=torch.int32, device="cuda"), splits, 64, False, seqlens)
+        return _mla_decode_impl(q, cache, table, seqlens, D ** -0.5, True, sched, tiling=ROWS64, kv_format="fp8")
+
+    a, a_lse = run(8)
+    b, b_lse = run(8)
+    assert torch.equal(a, b) and torch.equal(a_lse, b_lse)
+    one, one_lse = run(1)
+    torch.testing.assert_close(one.float(), a.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(one_lse, a_lse, atol=1e-5, rtol=1e-6)
