@@ -761,7 +761,8 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     elif tiling.get("rows64"):       # sm_90a, FP8 cache, 64 rows a CTA: ops.mla_decode_fp8_rows64 (not the op's choice)
         from ops.mla_decode_fp8_rows64 import mla_decode_fp8_rows64_program
 
-        main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal)
+        main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
+                                                     v_scaled=tiling.get("v_scaled", False))
     else:
         main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])

@@ -45,7 +45,9 @@ from ops.mla_decode_fp8_rs import (D_QK, D_ROPE, D_V, GROUP, GROUPS, HELPER_SOUR
                                    _rs2_issue, _rs2_page, _split_range)
 
 ROWS = 64                        # query rows a CTA (a row tile): WGMMA's N
-STAGES = 2                       # 64-token stages of 41,984 bytes (Q^T 72 KB + P 64 KB leave room for two)
+# 64-token stages of 41,984 bytes: Q^T 72 KB + the scaled P copies 64 KB leave room for two; v_scaled (one unscaled
+# P, 16 KB) for three
+STAGES, V_SCALED_STAGES = 2, 3
 MMA_REGS, PRODUCER_REGS = 240, 24   # 128 x (2 x 240 + 24) = 64,512 of 65,536 registers
 # K's four groups as 64-column fragments: 2 (the second half filled under the first's MMA) or 1 (each waited)
 K_FRAGMENTS = 2
@@ -242,9 +244,11 @@ __device__ __forceinline__ void tc64_rescale_l(float* l, const float* alpha) {
 // (P * scale_g[token])^T into group g's 64 x 64 fp16 tile of the buffer p (row h, 128-byte rows, TMA's 128-byte
 // swizzle): a warp's 16 tokens x 64 rows are four stmatrix.x4.trans of four 8 x 8 matrices (token half rv, row
 // block nb); lane l gives the address of row l % 8 of matrix l / 8
+// (SCALED = 0, v_scaled: P itself, the one tile g = 0)
+template <int SCALED>
 __device__ __forceinline__ void tc64_p_store(void* p, const float* s, const void* stage, int g) {
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, mi = lane >> 3;
-  const float2 sc = tc64_scales(stage, g);
+  const float2 sc = SCALED ? tc64_scales(stage, g) : make_float2(1.f, 1.f);
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(p)) + g * 8192;
 #pragma unroll
   for (int nbp = 0; nbp < 4; ++nbp) {
@@ -253,12 +257,42 @@ __device__ __forceinline__ void tc64_p_store(void* p, const float* s, const void
     for (int i = 0; i < 4; ++i) {
       const int rv = i & 1, nb = 2 * nbp + (i >> 1);
       const float f = rv ? sc.y : sc.x;
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r[i]) : "f"(s[nb * 4 + rv * 2 + 1] * f), "f"(s[nb * 4 + rv * 2] * f));
+      if (SCALED)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r[i]) : "f"(s[nb * 4 + rv * 2 + 1] * f), "f"(s[nb * 4 + rv * 2] * f));
+      else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r[i]) : "f"(s[nb * 4 + rv * 2 + 1]), "f"(s[nb * 4 + rv * 2]));
     }
     const int h = 16 * nbp + 8 * (mi >> 1) + (lane & 7), chunk = 2 * w + (mi & 1);
     const unsigned addr = base + h * 128 + ((chunk ^ (h & 7)) << 4);
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                  :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  }
+}
+// v_scaled: tc_e4m3_v_fragment<1> (V^T's fragment of a group from the stage's token rows) with each token's group scale
+// applied in fp16 (mul.f16x2 on the token pairs the fragment holds: (t, t + 1) and (t + 8, t + 9)), so that P needs
+// one unscaled copy. The dequantized values must stay below 65504 in magnitude (fp16), the scaled-P kernels' bound
+// is the scale's. scales: the stage's byte 512 + 4g of token 0.
+__device__ __forceinline__ void tc64_v_fragment_scaled(void* dst, const void* base, const void* scales, int cw, int c) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  const unsigned char* sc = reinterpret_cast<const unsigned char*>(scales);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 16 * j + 2 * c;
+    const unsigned w0 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t, 4 * cw));
+    const unsigned w1 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 1, 4 * cw));
+    const unsigned w8 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 8, 4 * cw));
+    const unsigned w9 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 9, 4 * cw));
+    unsigned f01, f89;      // the token pairs' scales, the first token in the low half
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(f01) : "f"(*reinterpret_cast<const float*>(sc + (t + 1) * 656)),
+                                                    "f"(*reinterpret_cast<const float*>(sc + t * 656)));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(f89) : "f"(*reinterpret_cast<const float*>(sc + (t + 9) * 656)),
+                                                    "f"(*reinterpret_cast<const float*>(sc + (t + 8) * 656)));
+    const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+    const unsigned lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
+    const unsigned v[8] = {tc_e4m3x2_f16x2(lo01), tc_e4m3x2_f16x2_hi(lo01), tc_e4m3x2_f16x2(lo89), tc_e4m3x2_f16x2_hi(lo89),
+                           tc_e4m3x2_f16x2(hi01), tc_e4m3x2_f16x2_hi(hi01), tc_e4m3x2_f16x2(hi89), tc_e4m3x2_f16x2_hi(hi89)};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[8 * j + i]) : "r"(v[i]), "r"((i >> 1) & 1 ? f89 : f01));
   }
 }
 // O^T (two groups) *= alpha, skipped where none of this thread's columns changed its max (alpha = 1 exactly)
@@ -366,15 +400,25 @@ def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
 
 @T.macro
 def _pv(w, kl_s, slot, p_s, pw, a_v, o0, o1):
-    # O^T of groups 2w, 2w + 1 += V^T (P * scale_g)^T, P from p_s[pw]; one V fragment, each group's MMA waited
-    # for before the next fill (two would not fit beside O^T and a live S^T)
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment<1>", a_v.data, _lat(kl_s, slot, 2 * w), tid // 4, tid % 4))
-    T.wgmma_gemm(a_v, p_s[pw, 2 * w, :, :], o0, transpose_B=True)
+    # O^T of groups 2w, 2w + 1 += V^T (P * scale_g)^T, P from p_s[pw] (its copy of the group; v_scaled, one P copy
+    # and the scales in V's fragment); one V fragment, each group's MMA waited for before the next fill (two would
+    # not fit beside O^T and a live S^T)
+    _v_fill(kl_s, slot, 2 * w, a_v, p_s.shape[1] == 1)
+    T.wgmma_gemm(a_v, p_s[pw, 0 if p_s.shape[1] == 1 else 2 * w, :, :], o0, transpose_B=True)
     T.wait_wgmma(0)
-    T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment<1>", a_v.data, _lat(kl_s, slot, 2 * w + 1), tid // 4,
-                             tid % 4))
-    T.wgmma_gemm(a_v, p_s[pw, 2 * w + 1, :, :], o1, transpose_B=True)
+    _v_fill(kl_s, slot, 2 * w + 1, a_v, p_s.shape[1] == 1)
+    T.wgmma_gemm(a_v, p_s[pw, 0 if p_s.shape[1] == 1 else 2 * w + 1, :, :], o1, transpose_B=True)
+
+
+@T.macro
+def _v_fill(kl_s, slot, g, a_v, scaled):
+    tid = T.get_thread_binding() % 128
+    if scaled:
+        T.evaluate(T.call_extern("handle", "tc64_v_fragment_scaled", a_v.data, _lat(kl_s, slot, g),
+                                 T.access_ptr(kl_s[slot, 0, D_V + 4 * g], "r", STEP * TOKEN_BYTES - D_V - 4 * g),
+                                 tid // 4, tid % 4))
+    else:
+        T.evaluate(T.call_extern("handle", "tc_e4m3_v_fragment<1>", a_v.data, _lat(kl_s, slot, g), tid // 4, tid % 4))
 
 
 @T.macro
@@ -383,12 +427,12 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
     # barrier phase is still k's (neither warpgroup has released it), so the wait returns at once and orders the
     # stage's bytes for this warpgroup too
     T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_READY + (1 - w), 256))
-    T.mbarrier_wait_parity(full[k % STAGES], (k // STAGES) % 2)
+    T.mbarrier_wait_parity(full[k % kl_s.shape[0]], (k // kl_s.shape[0]) % 2)
     T.evaluate(T.call_extern("handle", "tc64_alpha_of", T.access_ptr(al_s[1 - w, 0], "r", ROWS), alpha.data))
     T.evaluate(T.call_extern("handle", "tc64_rescale_o", o0.data, o1.data, alpha.data))
     T.evaluate(T.call_extern("handle", "tc64_rescale_l", l_t.data, alpha.data))
-    _pv(w, kl_s, k % STAGES, p_s, 1 - w, a_v, o0, o1)
-    T.mbarrier_arrive(empty[k % STAGES])
+    _pv(w, kl_s, k % kl_s.shape[0], p_s, 1 - w, a_v, o0, o1)
+    T.mbarrier_arrive(empty[k % kl_s.shape[0]])
 
 
 @T.macro
@@ -402,8 +446,8 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
     l_t[1] = 0.0
     for j in T.serial((n_iter + 1 - w) // 2):
         k = 2 * j + w
-        slot = k % STAGES
-        T.mbarrier_wait_parity(full[slot], (k // STAGES) % 2)
+        slot = k % kl_s.shape[0]
+        T.mbarrier_wait_parity(full[slot], (k // kl_s.shape[0]) % 2)
         valid = seqlen - (first + k) * STEP
         if valid < STEP:       # the sequence's short last step: its tokens past the end zeroed (latent, scales)
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
@@ -422,9 +466,10 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
         T.evaluate(T.call_extern("handle", "tc64_sums", s_t.data, alpha.data, l_t.data))
         if k >= 2:             # the other warpgroup's P V of step k - 2 is done with p_s[w]
             T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_FREE + w, 256))
-        for g in range(GROUPS):
-            T.evaluate(T.call_extern("handle", "tc64_p_store", T.access_ptr(p_s[w, 0, 0, 0], "w", GROUPS * ROWS * STEP),
-                                     s_t.data, _stage(kl_s, slot), g))
+        for g in range(p_s.shape[1]):      # the scaled copies (v_scaled: P)
+            T.evaluate(T.call_extern("handle", f"tc64_p_store<{int(p_s.shape[1] > 1)}>",
+                                     T.access_ptr(p_s[w, 0, 0, 0], "w", p_s.shape[1] * ROWS * STEP), s_t.data,
+                                     _stage(kl_s, slot), g))
         T.evaluate(T.call_extern("handle", "tc64_p_ready", BAR_MAX + w, BAR_P_READY + w))
         T.wait_wgmma(0)        # step k - 1's P V: O^T complete for the rescale, p_s[1 - w] read
         if k >= 1 and k + 1 < n_iter:
@@ -496,11 +541,12 @@ def _load_query(Q, bi, row0, rows, ql_s, qr_s, ql_loc, qr_loc):
 def _produce(KV, KVf, KVh, kl_s, full, empty, BlockTable, bi, first, n_iter, page, max_blocks, num_pages):
     # the producer warpgroup past the ring's first stages: each stage once both MMA warpgroups have released its slot
     T.set_max_nreg(PRODUCER_REGS, 0)
-    for k in T.serial(T.max(n_iter - STAGES, 0)):
-        kk = k + STAGES
+    stages = kl_s.shape[0]
+    for k in T.serial(T.max(n_iter - stages, 0)):
+        kk = k + stages
         pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
-        T.mbarrier_wait_parity(empty[kk % STAGES], ((kk // STAGES) % 2) ^ 1)
-        _rs2_issue(KV, KVf, KVh, kl_s, kl_s, kl_s, full, kk % STAGES, pidx, (first + kk) * STEP % page, True)
+        T.mbarrier_wait_parity(empty[kk % stages], ((kk // stages) % 2) ^ 1)
+        _rs2_issue(KV, KVf, KVh, kl_s, kl_s, kl_s, full, kk % stages, pidx, (first + kk) * STEP % page, True)
 
 
 def _check(rows, page, dtype):
@@ -520,11 +566,19 @@ def _check(rows, page, dtype):
     pass_configs=lambda t, params: {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True,
                                       "tl.disable_safe_memory_legalize": True},
 )
-def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True):
+def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
+                                  v_scaled: bool = False):
     """The FP8-cache MLA decode at 64 query rows a CTA (this module's docstring), one CTA per (sequence, split,
     64-row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
-    outputs are mla_decode_program's with kv_format="fp8"."""
+    outputs are mla_decode_program's with kv_format="fp8".
+
+    v_scaled=True: the group scales go into V^T's fragment (fp16 multiplies of the converted token pairs) instead of
+    four scaled copies of P, so P is one unscaled 8 KB tile a warpgroup and the ring has three stages instead of
+    two (a warpgroup's next step can be in flight while it computes). The dequantized cache values must then stay
+    below 65504 in magnitude (they become fp16 operands); the default kernel's bound is on the scales (P * scale)."""
     rows = s_q * h_q
+    stages = V_SCALED_STAGES if v_scaled else STAGES
+    copies = 1 if v_scaled else GROUPS
     _check(rows, page, dtype)
     causal = causal and s_q > 1
     m_tiles = -(-rows // ROWS)
@@ -550,15 +604,15 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
         with T.Kernel(batch * max_splits * m_tiles, threads=3 * 128) as bid:
             ql_s = T.alloc_shared((GROUPS, ROWS, GROUP), "float16")        # Q^T's latent, fp16, columns permuted
             qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")
-            kl_s = T.alloc_shared((STAGES, STEP, TOKEN_BYTES), "float8_e4m3fn")   # a step's tokens as the cache holds them
-            p_s = T.alloc_shared((2, GROUPS, ROWS, STEP), "float16")        # P * scale_g: p_s[w] written by WG w
+            kl_s = T.alloc_shared((stages, STEP, TOKEN_BYTES), "float8_e4m3fn")   # a step's tokens as the cache holds them
+            p_s = T.alloc_shared((2, copies, ROWS, STEP), "float16")        # P * scale_g (or P): p_s[w] written by WG w
             red = T.alloc_shared((2, 512), "float32")                       # each warpgroup's step-max exchange
             m_s = T.alloc_shared((2, ROWS), "float32")                      # running maxima after WG w's last step
             al_s = T.alloc_shared((2, ROWS), "float32")                     # the factors of WG w's last step
             lpart = T.alloc_shared((8, ROWS), "float32")                    # the row sums' 8 partials
             l_s = T.alloc_shared((ROWS,), "float32")
-            full = T.alloc_barrier([128] * STAGES)
-            empty = T.alloc_barrier([256] * STAGES)
+            full = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([256] * stages)
             frags = [(T.alloc_fragment((STEP, D_ROPE), "bfloat16"), T.alloc_fragment((STEP, 64), "float16"),
                       T.alloc_fragment((STEP, 64), "float16"), T.alloc_fragment((GROUP, STEP), "float16"),
                       T.alloc_fragment((STEP, ROWS), "float32"), T.alloc_fragment((STEP, ROWS), "float32"),
@@ -583,7 +637,7 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
             base = seqlen - s_q + 1 if causal else seqlen
             # the ring's first stages, then the query (permuted fp16 latent, bf16 rope; rows past s_q * h_q zero)
             if tx >= 256 and n_iter > 0:
-                for k in T.serial(T.min(n_iter, STAGES)):
+                for k in T.serial(T.min(n_iter, stages)):
                     _rs2_issue(KV, KVf, KVh, kl_s, kl_s, kl_s, full, k,
                                _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages),
                                (first + k) * STEP % page, True)

@@ -36,6 +36,22 @@ def test_lowers_to_register_operand_wgmma_without_spills():
     assert counts["STSM.16.MT88.4"] == 2 * 16 and counts["BAR.ARV"] == 2 * 2, counts
 
 
+def test_v_scaled_takes_the_scales_into_v_and_three_stages():
+    """v_scaled: the scales multiply V^T's converted token pairs (mul.f16x2: 32 a group's fragment, 3 sites x 2
+    groups), P is one tile (4 stmatrix.x4 a step), and the third stage fits (three full and three empty barriers).
+    ptxas keeps one word in local memory (the thread's quad place, reloaded twice a step), nothing else."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, v_scaled=True)
+    assert "full[2].init(128);" in src and "empty[2].init(256);" in src and "full[3]" not in src
+    cubin = build_cubin(src, "sm_90a")
+    st = sass_stats(cubin, "sm_90a")
+    assert st.spill_stores <= 1, (st.spill_stores, st.spill_loads)
+    counts = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|HMUL2|STSM[\w.]*)\b", disassemble(cubin)))
+    assert counts["HMUL2"] == 2 * 3 * 2 * 32 and counts["STSM.16.MT88.4"] == 2 * 4, counts
+    assert counts["HGMMA.64x64x16.F32"] == 2 * (8 + 3 * 16), counts
+
+
 def test_shared_memory_and_the_swizzled_tiles_are_aligned():
     """The stages, Q^T and the P copies fit one SM's 227 KB, and the 128-byte-swizzled P tiles (written by
     stmatrix with the swizzle computed from their offset) and Q^T start on 1 KB boundaries."""
@@ -59,12 +75,13 @@ def test_refuses_what_it_is_not_built_for():
                                                  (2, 1, 128, [4096, 3000], 64), (2, 2, 32, [700, 33], 128),
                                                  (3, 1, 48, [129, 4000, 2], 256), (1, 4, 32, [5000], 64),
                                                  (2, 1, 64, [16384, 130], 64), (4, 1, 20, [191, 192, 193, 65], 64)])
-def test_gpu_matches_reference(b, s_q, h_q, lens, page):
+@pytest.mark.parametrize("v_scaled", [False, True])
+def test_gpu_matches_reference(b, s_q, h_q, lens, page, v_scaled):
     """Against the reference on the exactly dequantized cache (fp32) with the bf16 kernels' bounds (the values are
     e4m3 exactly; P is rounded to fp16 after its scale): NaN tails and NaN pages must not leak; lengths 0, 1, 2 and
     odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
     two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine."""
-    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=ROWS64)
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, v_scaled=v_scaled))
 
 
 def _late_jumps(q, kv, table):
@@ -75,8 +92,9 @@ def _late_jumps(q, kv, table):
 
 
 @pytest.mark.gpu
-def test_gpu_follows_late_jumps():
-    run_fp8_case(2, 1, 64, [4000, 3000], 64, exact=True, tiling=ROWS64, edit=_late_jumps)
+@pytest.mark.parametrize("v_scaled", [False, True])
+def test_gpu_follows_late_jumps(v_scaled):
+    run_fp8_case(2, 1, 64, [4000, 3000], 64, exact=True, tiling=dict(ROWS64, v_scaled=v_scaled), edit=_late_jumps)
 
 
 @pytest.mark.gpu

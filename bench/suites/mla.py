@@ -112,14 +112,15 @@ def fp8_register(case, i, **options):
     return run
 
 
-def fp8_rows64(case, i):
+def fp8_rows64(case, i, **options):
     """The FP8 cache through ops.mla_decode_fp8_rows64 (64 query rows a CTA, the e4m3 latent converted into WGMMA's
-    register operand, the two MMA warpgroups in a seesaw; built in session 51, not the op's choice)."""
+    register operand, the two MMA warpgroups in a seesaw; built in session 51, not the op's choice). options:
+    v_scaled=True (the scales in V's fragment, one P copy, three stages)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
     run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
-                                   tiling=dict(kv_format="fp8", rows64=True), kv_format="fp8")
+                                   tiling=dict(kv_format="fp8", rows64=True, **options), kv_format="fp8")
     run()                                        # compiles (or says why this shape cannot take it)
     return run
 
@@ -206,6 +207,8 @@ SUITE = Suite(
                  nbytes=nbytes_fp8),
         # two MMA warpgroups a CTA on alternate steps: the op's kernel since session 37 (tilecraft-fp8 runs it)
         Provider("tilecraft-fp8-rows64", fp8_rows64, experimental=True, nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-rows64-vs", lambda c, i: fp8_rows64(c, i, v_scaled=True), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
         # the same without its pace (ops.mla_decode_fp8_rs.RS2_PACE: every CTA streams as fast as the DRAM serves its SM)
         Provider("tilecraft-fp8-rs2-nopace", lambda c, i: fp8_register(c, i, chains=2, pace=0), experimental=True,
