@@ -27,6 +27,9 @@ The row sums: each thread keeps two (columns 8q + 2c + {0, 1}: the step's sums o
 reduce-scattered over the 8 lanes of its column place), rescaled by every step's factor; the 8 partials of a
 column (4 warps x 2 warpgroups) are added in a fixed order at the end (deterministic, batch-invariant).
 
+Where s_q * h_q <= 32 the tile is 32 rows (rows_tile=32: WGMMA's N 32, O^T 64 registers a thread, ~150 in all),
+and the ring takes three stages (four with v_scaled) instead of two.
+
 Status: built and checked on the CPU (ptxas: no spills; the WGMMA and unpack counts) in session 51, when no GPU
 was lent; not run. The op does not choose it; tiling dict(kv_format="fp8", rows64=True) through
 ops.mla_decode._mla_decode_impl and bench provider tilecraft-fp8-rows64 do.
@@ -44,10 +47,9 @@ from codegen.program import tile_program
 from ops.mla_decode_fp8_rs import (D_QK, D_ROPE, D_V, GROUP, GROUPS, HELPER_SOURCE, LN2, STEP, TOKEN_BYTES,
                                    _rs2_issue, _rs2_page, _split_range)
 
-ROWS = 64                        # query rows a CTA (a row tile): WGMMA's N
-# 64-token stages of 41,984 bytes: Q^T 72 KB + the scaled P copies 64 KB leave room for two; v_scaled (one unscaled
-# P, 16 KB) for three
-STAGES, V_SCALED_STAGES = 2, 3
+ROWS = 64                        # query rows a CTA (a row tile): WGMMA's N; 32 where s_q * h_q <= 32
+BLOCK_M = 64                     # the op's row padding (OPart, LsePart; mla_decode_program's tiles)
+SMEM_BYTES = 232448              # an H200 CTA's shared memory (227 KB)
 MMA_REGS, PRODUCER_REGS = 240, 24   # 128 x (2 x 240 + 24) = 64,512 of 65,536 registers
 # K's four groups as 64-column fragments: 2 (the second half filled under the first's MMA) or 1 (each waited)
 K_FRAGMENTS = 2
@@ -78,26 +80,28 @@ __device__ __forceinline__ void tc64_k_half(void* dst, const void* base, int r, 
     d[4 * j + 3] = tc_e4m3x2_f16x2_hi(v[j]);
   }
 }
-// The query's 64 rows of a row tile (rows_here of them real, the rest zeros) in 16-byte chunks, every load issued
+// The query's N rows of a row tile (rows_here of them real, the rest zeros) in 16-byte chunks, every load issued
 // before any conversion (one round trip; a loop of loads each stored before the next is one round trip a load):
-// chunk i < 11 of this thread is latent chunk idx = 384 i + t of 4096 (row idx / 64, columns 8 (idx % 64) ..),
-// converted to fp16 into ql[8i ..]; chunk i < 2 of the rope is idx = 384 i + t of 512 (row idx / 8, rope columns
+// chunk i < LI of this thread is latent chunk idx = 384 i + t of 64 N (row idx / 64, columns 8 (idx % 64) ..),
+// converted to fp16 into ql[8i ..]; chunk i < RI of the rope is idx = 384 i + t of 8 N (row idx / 8, rope columns
 // 8 (idx % 8) ..) into qr[8i ..] as it is. Q: the tile's row 0, column 0 (576 bf16 a row).
+template <int N>
 __device__ __forceinline__ void tc64_query_chunks(void* ql, void* qr, const void* Q, int rows_here) {
+  constexpr int LI = (64 * N + 383) / 384, RI = (8 * N + 383) / 384;
   const int t = threadIdx.x;
   const unsigned short* at = reinterpret_cast<const unsigned short*>(Q);
-  uint4 raw[13];
+  uint4 raw[LI + RI];
 #pragma unroll
-  for (int i = 0; i < 13; ++i) {
-    const int idx = i < 11 ? 384 * i + t : 384 * (i - 11) + t;
-    const bool in = i < 11 ? idx < 4096 : idx < 512;
-    const int h = i < 11 ? idx >> 6 : idx >> 3;
-    const int col = i < 11 ? 8 * (idx & 63) : 512 + 8 * (idx & 7);
+  for (int i = 0; i < LI + RI; ++i) {
+    const int idx = i < LI ? 384 * i + t : 384 * (i - LI) + t;
+    const bool in = i < LI ? idx < 64 * N : idx < 8 * N;
+    const int h = i < LI ? idx >> 6 : idx >> 3;
+    const int col = i < LI ? 8 * (idx & 63) : 512 + 8 * (idx & 7);
     raw[i] = in && h < rows_here ? *reinterpret_cast<const uint4*>(at + h * 576 + col) : make_uint4(0u, 0u, 0u, 0u);
   }
   unsigned* dl = reinterpret_cast<unsigned*>(ql);
 #pragma unroll
-  for (int i = 0; i < 11; ++i) {
+  for (int i = 0; i < LI; ++i) {
     const unsigned w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -106,8 +110,8 @@ __device__ __forceinline__ void tc64_query_chunks(void* ql, void* qr, const void
       dl[4 * i + p] = r;
     }
   }
-  reinterpret_cast<uint4*>(qr)[0] = raw[11];
-  reinterpret_cast<uint4*>(qr)[1] = raw[12];
+#pragma unroll
+  for (int i = 0; i < RI; ++i) reinterpret_cast<uint4*>(qr)[i] = raw[LI + i];
 }
 // the scales of group g of this thread's token rows r, r + 8 (stage bytes 512.. of each 656-byte token)
 __device__ __forceinline__ float2 tc64_scales(const void* stage, int g) {
@@ -116,17 +120,19 @@ __device__ __forceinline__ float2 tc64_scales(const void* stage, int g) {
   return make_float2(at[r * 164], at[(r + 8) * 164]);
 }
 // S^T += scale_g[token] * (K_g Q_g^T)
+template <int N>
 __device__ __forceinline__ void tc64_fold(float* s, const float* acc, const void* stage, int g) {
   const float2 sc = tc64_scales(stage, g);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = fmaf(acc[i], (i >> 1) & 1 ? sc.y : sc.x, s[i]);
+  for (int i = 0; i < N / 2; ++i) s[i] = fmaf(acc[i], (i >> 1) & 1 ? sc.y : sc.x, s[i]);
 }
 // scores of tokens at or past a column's limit become -inf: limit = min(base + row / h_q (causal), end), row =
 // row0 + the column (row0: the row tile's first row)
+template <int N>
 __device__ __forceinline__ void tc64_mask(float* s, int tok0, int base, int end, int h_q, int causal, int row0) {
   const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & 3) * 16 + lane / 4, c = lane & 3;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < N / 2; ++i) {
     const int row = row0 + (i >> 2) * 8 + 2 * c + (i & 1);
     const int lim = causal ? min(base + row / h_q, end) : end;
     if (tok0 + r + 8 * ((i >> 1) & 1) >= lim) s[i] = -INFINITY;
@@ -134,49 +140,54 @@ __device__ __forceinline__ void tc64_mask(float* s, int tok0, int base, int end,
 }
 // the step's column maxima over its 64 tokens, in two parts so that nothing is held in registers between them:
 // tc64_max_put, a max over the thread's two token rows and a shuffle over its 8 quads, written by lanes 0-3 of each
-// warp into red (parity buffered: 2 x 4 warps x 4 places x 16 slots), then the warpgroup's named barrier;
+// warp into red (parity buffered: 2 x 4 warps x 4 places x N / 4 slots), then the warpgroup's named barrier;
 // tc64_max_get, the 4 warps' maxima read back (the same in every thread of a column)
+template <int N>
 __device__ __forceinline__ void tc64_max_put(const float* s, float* red, int parity, int bar) {
+  constexpr int SL = N / 4;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  float mx[16];
+  float mx[SL];
 #pragma unroll
-  for (int hs = 0; hs < 16; ++hs) mx[hs] = fmaxf(s[(hs >> 1) * 4 + (hs & 1)], s[(hs >> 1) * 4 + 2 + (hs & 1)]);
+  for (int hs = 0; hs < SL; ++hs) mx[hs] = fmaxf(s[(hs >> 1) * 4 + (hs & 1)], s[(hs >> 1) * 4 + 2 + (hs & 1)]);
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
 #pragma unroll
-    for (int hs = 0; hs < 16; ++hs) mx[hs] = fmaxf(mx[hs], __shfl_xor_sync(0xFFFFFFFFu, mx[hs], off));
+    for (int hs = 0; hs < SL; ++hs) mx[hs] = fmaxf(mx[hs], __shfl_xor_sync(0xFFFFFFFFu, mx[hs], off));
   }
-  float* buf = red + parity * 256;
+  float* buf = red + parity * 16 * SL;
   if (lane < 4) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      *reinterpret_cast<float4*>(buf + warp * 64 + lane * 16 + 4 * i) = make_float4(mx[4 * i], mx[4 * i + 1], mx[4 * i + 2], mx[4 * i + 3]);
+    for (int i = 0; i < SL / 4; ++i)
+      *reinterpret_cast<float4*>(buf + warp * 4 * SL + lane * SL + 4 * i) = make_float4(mx[4 * i], mx[4 * i + 1], mx[4 * i + 2], mx[4 * i + 3]);
   }
   asm volatile("bar.sync %0, 128;" :: "r"(bar) : "memory");
 }
+template <int N>
 __device__ __forceinline__ void tc64_max_get(float* mx, const float* red, int parity) {
-  const float* buf = red + parity * 256 + (threadIdx.x & 3) * 16;
+  constexpr int SL = N / 4;
+  const float* buf = red + parity * 16 * SL + (threadIdx.x & 3) * SL;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < SL / 4; ++i) {
     float4 m = *reinterpret_cast<const float4*>(buf + 4 * i);
 #pragma unroll
     for (int w = 1; w < 4; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(buf + w * 64 + 4 * i);
+      const float4 v = *reinterpret_cast<const float4*>(buf + w * 4 * SL + 4 * i);
       m.x = fmaxf(m.x, v.x), m.y = fmaxf(m.y, v.y), m.z = fmaxf(m.z, v.z), m.w = fmaxf(m.w, v.w);
     }
     mx[4 * i] = m.x, mx[4 * i + 1] = m.y, mx[4 * i + 2] = m.z, mx[4 * i + 3] = m.w;
   }
 }
-// the softmax of a step on its maxima mx: the running maxima m_prev (64 columns, log2 domain, written by the
+// the softmax of a step on its maxima mx: the running maxima m_prev (N columns, log2 domain, written by the
 // previous step's warpgroup) become m_next, alpha[hs] = exp2(m_old - m_new) (1 where the column has seen only
 // -inf), written to al_out for the other warpgroup (by warp 0's lanes 0-3: one column each a slot); s becomes
 // P = exp2(s * scale_log2 - m_new) (0 in a column that has seen only -inf)
+template <int N>
 __device__ __forceinline__ void tc64_softmax(float* s, const float* mx, const float* m_prev, float* m_next,
                                              float* al_out, float* alpha, float scale_log2) {
   const int lane = threadIdx.x & 31, c = lane & 3;
   const bool writer = ((threadIdx.x >> 5) & 3) == 0 && lane < 4;
 #pragma unroll
-  for (int hs = 0; hs < 16; ++hs) {
+  for (int hs = 0; hs < N / 4; ++hs) {
     const int col = (hs >> 1) * 8 + 2 * c + (hs & 1);
     const float mo = m_prev[col], mn = fmaxf(mo, mx[hs] * scale_log2);
     alpha[hs] = mn == -INFINITY ? 1.0f : tc_ex2(mo - mn);
@@ -187,71 +198,82 @@ __device__ __forceinline__ void tc64_softmax(float* s, const float* mx, const fl
     if (writer) m_next[col] = mn, al_out[col] = alpha[hs];
   }
 }
-// alpha[hs] of this thread's column slots from a factor row (64 columns) in shared memory
+// alpha[hs] of this thread's column slots from a factor row (N columns) in shared memory
+template <int N>
 __device__ __forceinline__ void tc64_alpha_of(const float* al, float* alpha) {
   const int c = threadIdx.x & 3;
 #pragma unroll
-  for (int nb = 0; nb < 8; ++nb) {
+  for (int nb = 0; nb < N / 8; ++nb) {
     const float2 v = *reinterpret_cast<const float2*>(al + nb * 8 + 2 * c);
     alpha[2 * nb] = v.x, alpha[2 * nb + 1] = v.y;
   }
 }
-// v[16] (this thread's column slots) -> the slots 2q and 2q + 1 (q = lane / 4) by selects (no local memory)
-__device__ __forceinline__ void tc64_pick2(const float* v, float* out) {
+// The row sums are kept as N / 32 values a thread: those of its column slots q (N / 32) + i (q = lane / 4), the
+// slots that a halving over q's bits 2, 1, 0 keeps (an upper half where the bit is set). tc64_pick: v[N / 4] ->
+// those slots by selects (no local memory); the column of slot hs is 8 (hs / 2) + 2c + hs % 2.
+template <int N>
+__device__ __forceinline__ void tc64_pick(const float* v, float* out) {
+  constexpr int SL = N / 4;
   const int q = (threadIdx.x & 31) >> 2;
-  float a[8], b[4];
+  float a[SL];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = (q & 4) ? v[8 + i] : v[i];
+  for (int i = 0; i < SL; ++i) a[i] = v[i];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = (q & 2) ? a[4 + i] : a[i];
-  out[0] = (q & 1) ? b[2] : b[0];
-  out[1] = (q & 1) ? b[3] : b[1];
+  for (int i = 0; i < SL / 2; ++i) a[i] = (q & 4) ? a[SL / 2 + i] : a[i];
+#pragma unroll
+  for (int i = 0; i < SL / 4; ++i) a[i] = (q & 2) ? a[SL / 4 + i] : a[i];
+#pragma unroll
+  for (int i = 0; i < SL / 8; ++i) out[i] = (q & 1) ? a[SL / 8 + i] : a[i];
 }
-// l = l * alpha + (P's column sums over the warp's 16 token rows) for columns 8q + 2c + {0, 1}: the sums of the
-// thread's two token rows reduce-scattered over the 8 lanes of its column place (14 shuffles: a lane keeps the
-// half its lane bit selects, as tc64_pick2 does)
+// l = l * alpha + (P's column sums over the warp's 16 token rows) for the kept slots: the sums of the thread's two
+// token rows reduce-scattered over the 8 lanes of its column place (the same halving, each half's other side sent
+// to the lane across: 7 N / 32 shuffles)
+template <int N>
 __device__ __forceinline__ void tc64_sums(const float* s, const float* alpha, float* l) {
+  constexpr int SL = N / 4;
   const int lane = threadIdx.x & 31;
-  float v[16], a[8], b[4], al[2];
+  float v[SL], al[SL / 8];
 #pragma unroll
-  for (int hs = 0; hs < 16; ++hs) v[hs] = s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)];
+  for (int hs = 0; hs < SL; ++hs) v[hs] = s[(hs >> 1) * 4 + (hs & 1)] + s[(hs >> 1) * 4 + 2 + (hs & 1)];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < SL / 2; ++i) {
     const bool up = lane & 16;
-    const float send = up ? v[i] : v[8 + i];
-    a[i] = (up ? v[8 + i] : v[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 16);
+    const float send = up ? v[i] : v[SL / 2 + i];
+    v[i] = (up ? v[SL / 2 + i] : v[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 16);
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < SL / 4; ++i) {
     const bool up = lane & 8;
-    const float send = up ? a[i] : a[4 + i];
-    b[i] = (up ? a[4 + i] : a[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 8);
+    const float send = up ? v[i] : v[SL / 4 + i];
+    v[i] = (up ? v[SL / 4 + i] : v[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 8);
   }
-  tc64_pick2(alpha, al);
+  tc64_pick<N>(alpha, al);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < SL / 8; ++i) {
     const bool up = lane & 4;
-    const float send = up ? b[i] : b[2 + i];
-    l[i] = fmaf(l[i], al[i], (up ? b[2 + i] : b[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 4));
+    const float send = up ? v[i] : v[SL / 8 + i];
+    l[i] = fmaf(l[i], al[i], (up ? v[SL / 8 + i] : v[i]) + __shfl_xor_sync(0xFFFFFFFFu, send, 4));
   }
 }
-// l *= alpha for columns 8q + 2c + {0, 1} (a step the other warpgroup scored)
+// l *= alpha for the kept slots (a step the other warpgroup scored)
+template <int N>
 __device__ __forceinline__ void tc64_rescale_l(float* l, const float* alpha) {
-  float al[2];
-  tc64_pick2(alpha, al);
-  l[0] *= al[0], l[1] *= al[1];
+  float al[N / 32];
+  tc64_pick<N>(alpha, al);
+#pragma unroll
+  for (int i = 0; i < N / 32; ++i) l[i] *= al[i];
 }
-// (P * scale_g[token])^T into group g's 64 x 64 fp16 tile of the buffer p (row h, 128-byte rows, TMA's 128-byte
-// swizzle): a warp's 16 tokens x 64 rows are four stmatrix.x4.trans of four 8 x 8 matrices (token half rv, row
+// (P * scale_g[token])^T into group g's N x 64 fp16 tile of the buffer p (row h, 128-byte rows, TMA's 128-byte
+// swizzle): a warp's 16 tokens x N rows are N / 16 stmatrix.x4.trans of four 8 x 8 matrices (token half rv, row
 // block nb); lane l gives the address of row l % 8 of matrix l / 8
 // (SCALED = 0, v_scaled: P itself, the one tile g = 0)
-template <int SCALED>
+template <int N, int SCALED>
 __device__ __forceinline__ void tc64_p_store(void* p, const float* s, const void* stage, int g) {
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, mi = lane >> 3;
   const float2 sc = SCALED ? tc64_scales(stage, g) : make_float2(1.f, 1.f);
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(p)) + g * 8192;
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(p)) + g * N * 128;
 #pragma unroll
-  for (int nbp = 0; nbp < 4; ++nbp) {
+  for (int nbp = 0; nbp < N / 16; ++nbp) {
     unsigned r[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -295,15 +317,17 @@ __device__ __forceinline__ void tc64_v_fragment_scaled(void* dst, const void* ba
     for (int i = 0; i < 8; ++i) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[8 * j + i]) : "r"(v[i]), "r"((i >> 1) & 1 ? f89 : f01));
   }
 }
-// O^T (two groups) *= alpha, skipped where none of this thread's columns changed its max (alpha = 1 exactly)
+// O^T (two groups, N values a thread each) *= alpha, skipped where none of this thread's columns changed its max
+// (alpha = 1 exactly)
+template <int N>
 __device__ __forceinline__ void tc64_rescale_o(float* o0, float* o1, const float* alpha) {
   bool same = true;
 #pragma unroll
-  for (int hs = 0; hs < 16; ++hs) same = same && alpha[hs] == 1.f;
+  for (int hs = 0; hs < N / 4; ++hs) same = same && alpha[hs] == 1.f;
   if (same) return;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    const float a = alpha[((i >> 2) & 7) * 2 + (i & 1)];
+  for (int i = 0; i < N; ++i) {
+    const float a = alpha[((i >> 2) & (N / 8 - 1)) * 2 + (i & 1)];
     o0[i] *= a, o1[i] *= a;
   }
 }
@@ -318,24 +342,28 @@ __device__ __forceinline__ void tc64_p_ready(int own, int bar) {
   asm volatile("bar.sync %0, 128;" :: "r"(own) : "memory");
   asm volatile("bar.arrive %0, 256;" :: "r"(bar) : "memory");
 }
-// the end: this thread's two row sums into lpart[(2 wg + warp) * 64 + column]
+// the end: this thread's kept row sums into lpart[(4 wg + warp) * N + column]
+template <int N>
 __device__ __forceinline__ void tc64_put_sums(float* lpart, const float* l, int wg) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int col = 8 * (lane >> 2) + 2 * (lane & 3);
-  *reinterpret_cast<float2*>(lpart + (4 * wg + warp) * 64 + col) = make_float2(l[0], l[1]);
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < N / 32; ++i) {
+    const int hs = q * (N / 32) + i;
+    lpart[(4 * wg + warp) * N + 8 * (hs >> 1) + 2 * c + (hs & 1)] = l[i];
+  }
 }
 // O = O^T's columns / l, row-major: a thread's four values of a (group, column) are four consecutive latent columns
 // (V^T's permuted M order): one 16-byte (fp32) or 8-byte (bf16) store each. Columns at or past `rows` are not
 // stored; a column with l = 0 stores zeros. out, first_row: the output and the tile's row 0 in it (the row
 // computed here, not kept in registers through the loop); g0: the warpgroup's first group.
-template <typename OutT>
+template <int N, typename OutT>
 __device__ __forceinline__ void tc64_store_o(OutT* out, int first_row, const float* o0, const float* o1, int g0,
                                              const float* l_s, int rows) {
   OutT* row0 = out + static_cast<long long>(first_row) * 512;
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = lane >> 2, c = lane & 3;
   const float* o[2] = {o0, o1};
 #pragma unroll
-  for (int hs = 0; hs < 16; ++hs) {
+  for (int hs = 0; hs < N / 4; ++hs) {
     const int nb = hs >> 1, e = hs & 1, h = 8 * nb + 2 * c + e;
     if (h >= rows) continue;
     const float l = l_s[h], inv = l > 0.f ? 1.f / l : 0.f;
@@ -344,11 +372,11 @@ __device__ __forceinline__ void tc64_store_o(OutT* out, int first_row, const flo
       const float* v = o[gg] + nb * 4 + e;
       OutT* at = row0 + h * 512 + (g0 + gg) * 128 + 4 * (8 * w + q);
       if constexpr (sizeof(OutT) == 4) {
-        *reinterpret_cast<float4*>(at) = make_float4(v[0] * inv, v[2] * inv, v[32] * inv, v[34] * inv);
+        *reinterpret_cast<float4*>(at) = make_float4(v[0] * inv, v[2] * inv, v[N / 2] * inv, v[N / 2 + 2] * inv);
       } else {
         unsigned lo, hi;
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(v[2] * inv), "f"(v[0] * inv));
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v[34] * inv), "f"(v[32] * inv));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v[N / 2 + 2] * inv), "f"(v[N / 2] * inv));
         *reinterpret_cast<uint2*>(at) = make_uint2(lo, hi);
       }
     }
@@ -395,7 +423,7 @@ def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
             _k_half(kl_s, slot, g, 1, a_k0)
             T.wgmma_gemm(a_k0, ql_s[g, :, 64:128], acc, transpose_B=True)
         T.wait_wgmma(0)
-        T.evaluate(T.call_extern("handle", "tc64_fold", s_t.data, acc.data, _stage(kl_s, slot), g))
+        T.evaluate(T.call_extern("handle", f"tc64_fold<{acc.shape[1]}>", s_t.data, acc.data, _stage(kl_s, slot), g))
 
 
 @T.macro
@@ -428,9 +456,10 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
     # stage's bytes for this warpgroup too
     T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_READY + (1 - w), 256))
     T.mbarrier_wait_parity(full[k % kl_s.shape[0]], (k // kl_s.shape[0]) % 2)
-    T.evaluate(T.call_extern("handle", "tc64_alpha_of", T.access_ptr(al_s[1 - w, 0], "r", ROWS), alpha.data))
-    T.evaluate(T.call_extern("handle", "tc64_rescale_o", o0.data, o1.data, alpha.data))
-    T.evaluate(T.call_extern("handle", "tc64_rescale_l", l_t.data, alpha.data))
+    n = al_s.shape[1]
+    T.evaluate(T.call_extern("handle", f"tc64_alpha_of<{n}>", T.access_ptr(al_s[1 - w, 0], "r", n), alpha.data))
+    T.evaluate(T.call_extern("handle", f"tc64_rescale_o<{n}>", o0.data, o1.data, alpha.data))
+    T.evaluate(T.call_extern("handle", f"tc64_rescale_l<{n}>", l_t.data, alpha.data))
     _pv(w, kl_s, k % kl_s.shape[0], p_s, 1 - w, a_v, o0, o1)
     T.mbarrier_arrive(empty[k % kl_s.shape[0]])
 
@@ -439,11 +468,11 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
            full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
+    n = m_s.shape[1]                 # rows a tile (WGMMA's N)
     T.set_max_nreg(MMA_REGS, 1)
     T.fill(o0, 0.0)
     T.fill(o1, 0.0)
-    l_t[0] = 0.0
-    l_t[1] = 0.0
+    T.fill(l_t, 0.0)
     for j in T.serial((n_iter + 1 - w) // 2):
         k = 2 * j + w
         slot = k % kl_s.shape[0]
@@ -453,28 +482,28 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
                                      BAR_TAIL + w))
         _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t)
-        T.evaluate(T.call_extern("handle", "tc64_mask", s_t.data, (first + k) * STEP, base, seqlen, h_q, int(causal),
+        T.evaluate(T.call_extern("handle", f"tc64_mask<{n}>", s_t.data, (first + k) * STEP, base, seqlen, h_q, int(causal),
                                  row0))
-        T.evaluate(T.call_extern("handle", "tc64_max_put", s_t.data, T.access_ptr(red[w, 0], "r", 512), j % 2,
+        T.evaluate(T.call_extern("handle", f"tc64_max_put<{n}>", s_t.data, T.access_ptr(red[w, 0], "r", 8 * n), j % 2,
                                  BAR_MAX + w))
         if k >= 1:             # step k - 1 (the other warpgroup's): its P V, and its maxima for this softmax
             _other_pv(w, k - 1, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha)
-        T.evaluate(T.call_extern("handle", "tc64_max_get", mx.data, T.access_ptr(red[w, 0], "r", 512), j % 2))
-        T.evaluate(T.call_extern("handle", "tc64_softmax", s_t.data, mx.data, T.access_ptr(m_s[1 - w, 0], "r", ROWS),
-                                 T.access_ptr(m_s[w, 0], "w", ROWS), T.access_ptr(al_s[w, 0], "w", ROWS), alpha.data,
+        T.evaluate(T.call_extern("handle", f"tc64_max_get<{n}>", mx.data, T.access_ptr(red[w, 0], "r", 8 * n), j % 2))
+        T.evaluate(T.call_extern("handle", f"tc64_softmax<{n}>", s_t.data, mx.data, T.access_ptr(m_s[1 - w, 0], "r", n),
+                                 T.access_ptr(m_s[w, 0], "w", n), T.access_ptr(al_s[w, 0], "w", n), alpha.data,
                                  scale_log2))
-        T.evaluate(T.call_extern("handle", "tc64_sums", s_t.data, alpha.data, l_t.data))
+        T.evaluate(T.call_extern("handle", f"tc64_sums<{n}>", s_t.data, alpha.data, l_t.data))
         if k >= 2:             # the other warpgroup's P V of step k - 2 is done with p_s[w]
             T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_FREE + w, 256))
         for g in range(p_s.shape[1]):      # the scaled copies (v_scaled: P)
-            T.evaluate(T.call_extern("handle", f"tc64_p_store<{int(p_s.shape[1] > 1)}>",
-                                     T.access_ptr(p_s[w, 0, 0, 0], "w", p_s.shape[1] * ROWS * STEP), s_t.data,
+            T.evaluate(T.call_extern("handle", f"tc64_p_store<{n}, {int(p_s.shape[1] > 1)}>",
+                                     T.access_ptr(p_s[w, 0, 0, 0], "w", p_s.shape[1] * n * STEP), s_t.data,
                                      _stage(kl_s, slot), g))
         T.evaluate(T.call_extern("handle", "tc64_p_ready", BAR_MAX + w, BAR_P_READY + w))
         T.wait_wgmma(0)        # step k - 1's P V: O^T complete for the rescale, p_s[1 - w] read
         if k >= 1 and k + 1 < n_iter:
             T.evaluate(T.call_extern("handle", "tc64_arrive", BAR_P_FREE + (1 - w)))
-        T.evaluate(T.call_extern("handle", "tc64_rescale_o", o0.data, o1.data, alpha.data))
+        T.evaluate(T.call_extern("handle", f"tc64_rescale_o<{n}>", o0.data, o1.data, alpha.data))
         _pv(w, kl_s, slot, p_s, w, a_v, o0, o1)
         T.mbarrier_arrive(empty[slot])
     if n_iter >= 1 and (n_iter - 1) % 2 != w:     # the last step is the other warpgroup's: its P V
@@ -485,14 +514,15 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
 
 @T.macro
 def _epilogue(w, frags, lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter, row0, rows, h_q):
-    # both MMA warpgroups: the row sums' 8 partials added in a fixed order (WG0's first 64 threads), the lse from the
+    # both MMA warpgroups: the row sums' 8 partials added in a fixed order (WG0's first n threads), the lse from the
     # last step's maxima, then each warpgroup's two groups of O stored
+    n = l_s.shape[0]
     o0, o1, l_t = frags[6], frags[7], frags[10]
-    T.evaluate(T.call_extern("handle", "tc64_put_sums", T.access_ptr(lpart[0, 0], "w", 8 * ROWS), l_t.data, w))
+    T.evaluate(T.call_extern("handle", f"tc64_put_sums<{n}>", T.access_ptr(lpart[0, 0], "w", 8 * n), l_t.data, w))
     T.evaluate(T.call_extern("handle", "tc_bar", BAR_BOTH, 256))
     if w == 0:
         tx = T.get_thread_binding()
-        if tx < ROWS:
+        if tx < n:
             total = (((lpart[0, tx] + lpart[1, tx]) + (lpart[2, tx] + lpart[3, tx])) +
                      ((lpart[4, tx] + lpart[5, tx]) + (lpart[6, tx] + lpart[7, tx])))
             l_s[tx] = total
@@ -506,23 +536,25 @@ def _epilogue(w, frags, lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, split
     T.evaluate(T.call_extern("handle", "tc_bar", BAR_BOTH, 256))
     if si < splits:
         if splits == 1:
-            T.evaluate(T.call_extern("handle", "tc64_store_o", T.access_ptr(Out[0, 0, 0], "w", 1), bi * rows + row0,
-                                     o0.data, o1.data, 2 * w, T.access_ptr(l_s[0], "r", ROWS), T.min(rows - row0, ROWS)))
+            T.evaluate(T.call_extern("handle", f"tc64_store_o<{n}>", T.access_ptr(Out[0, 0, 0], "w", 1),
+                                     bi * rows + row0, o0.data, o1.data, 2 * w, T.access_ptr(l_s[0], "r", n),
+                                     T.min(rows - row0, n)))
         else:
-            T.evaluate(T.call_extern("handle", "tc64_store_o", T.access_ptr(OPart[0, 0, 0], "w", 1),
+            T.evaluate(T.call_extern("handle", f"tc64_store_o<{n}>", T.access_ptr(OPart[0, 0, 0], "w", 1),
                                      (bi * max_splits + si) * (T.int32(OPart.shape[1])) + row0,
-                                     o0.data, o1.data, 2 * w, T.access_ptr(l_s[0], "r", ROWS), ROWS))
+                                     o0.data, o1.data, 2 * w, T.access_ptr(l_s[0], "r", n), n))
 
 
 @T.macro
 def _load_query(Q, bi, row0, rows, ql_s, qr_s, ql_loc, qr_loc):
     # Q^T's latent in fp16 with its columns permuted (q_column), its rope in bf16; rows past s_q * h_q zero. The
     # loads are one helper's (all in flight at once), the stores TileLang's (ql_s's layout is the WGMMA's)
+    n = qr_s.shape[0]
     tx = T.get_thread_binding()
-    T.evaluate(T.call_extern("handle", "tc64_query_chunks", ql_loc.data, qr_loc.data,
-                             T.access_ptr(Q[bi, row0, 0], "r", ROWS * D_QK), T.min(rows - row0, ROWS)))
-    for i in T.unroll(11):
-        if i * 384 + tx < ROWS * D_V // 8:
+    T.evaluate(T.call_extern("handle", f"tc64_query_chunks<{n}>", ql_loc.data, qr_loc.data,
+                             T.access_ptr(Q[bi, row0, 0], "r", n * D_QK), T.min(rows - row0, n)))
+    for i in T.unroll(ql_loc.shape[0] // 8):
+        if i * 384 + tx < n * D_V // 8:
             h = (i * 384 + tx) // 64
             m = (i * 384 + tx) % 64
             for p in T.unroll(4):
@@ -531,8 +563,8 @@ def _load_query(Q, bi, row0, rows, ql_s, qr_s, ql_loc, qr_loc):
                 k = 16 * ((sc % 32) // 4) + 8 * ((sc % 4) // 2) + 2 * (sc // 32)
                 ql_s[m // 16, h, k] = ql_loc[8 * i + 2 * p]
                 ql_s[m // 16, h, k + 1] = ql_loc[8 * i + 2 * p + 1]
-    for i in T.unroll(2):
-        if i * 384 + tx < ROWS * D_ROPE // 8:
+    for i in T.unroll(qr_loc.shape[0] // 8):
+        if i * 384 + tx < n * D_ROPE // 8:
             for e in T.unroll(8):
                 qr_s[(i * 384 + tx) // 8, (i * 384 + tx) % 8 * 8 + e] = qr_loc[8 * i + e]
 
@@ -547,6 +579,13 @@ def _produce(KV, KVf, KVh, kl_s, full, empty, BlockTable, bi, first, n_iter, pag
         pidx = _rs2_page(BlockTable, bi, first + kk, page, max_blocks, num_pages)   # before the wait
         T.mbarrier_wait_parity(empty[kk % stages], ((kk // stages) % 2) ^ 1)
         _rs2_issue(KV, KVf, KVh, kl_s, kl_s, kl_s, full, kk % stages, pidx, (first + kk) * STEP % page, True)
+
+
+def _stages(rt, copies):
+    """The 64-token stages that fit beside everything else in shared memory (at most four)."""
+    other = (GROUPS * rt * GROUP * 2 + rt * D_ROPE * 2 + 2 * copies * rt * STEP * 2 + 2 * 8 * rt * 4 + 2 * 2 * rt * 4
+             + 8 * rt * 4 + rt * 4 + 1024)
+    return min(4, (SMEM_BYTES - other) // (STEP * TOKEN_BYTES))
 
 
 def _check(rows, page, dtype):
@@ -567,22 +606,31 @@ def _check(rows, page, dtype):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                                  v_scaled: bool = False):
-    """The FP8-cache MLA decode at 64 query rows a CTA (this module's docstring), one CTA per (sequence, split,
-    64-row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
+                                  v_scaled: bool = False, rows_tile: int | None = None):
+    """The FP8-cache MLA decode at up to 64 query rows a CTA (this module's docstring), one CTA per (sequence,
+    split, row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
     outputs are mla_decode_program's with kv_format="fp8".
+
+    rows_tile (WGMMA's N): 64, or 32 where s_q * h_q <= 32 (the default there: half the accumulators and P, so a
+    third stage fits with the scaled copies and a fourth with v_scaled). The ring takes as many 41,984-byte stages
+    as shared memory leaves, at most four.
 
     v_scaled=True: the group scales go into V^T's fragment (fp16 multiplies of the converted token pairs) instead of
     four scaled copies of P, so P is one unscaled 8 KB tile a warpgroup and the ring has three stages instead of
     two (a warpgroup's next step can be in flight while it computes). The dequantized cache values must then stay
     below 65504 in magnitude (they become fp16 operands); the default kernel's bound is on the scales (P * scale)."""
     rows = s_q * h_q
-    stages = V_SCALED_STAGES if v_scaled else STAGES
-    copies = 1 if v_scaled else GROUPS
     _check(rows, page, dtype)
+    rt = rows_tile or (32 if rows <= 32 else ROWS)
+    if rt not in (32, 64) or (rt == 32 and rows > 32):
+        raise ValueError(f"mla_decode_fp8_rows64: rows_tile must be 64, or 32 with s_q * h_q <= 32; got {rows_tile} "
+                         f"for {rows} rows")
+    copies = 1 if v_scaled else GROUPS
+    stages = _stages(rt, copies)
     causal = causal and s_q > 1
-    m_tiles = -(-rows // ROWS)
-    rows_pad = m_tiles * ROWS
+    m_tiles = -(-rows // rt)
+    rows_pad = -(-rows // BLOCK_M) * BLOCK_M
+    li, ri = -(-64 * rt // 384), -(-8 * rt // 384)     # the query's 16-byte chunks a thread: latent, rope
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
 
     @T.prim_func
@@ -602,32 +650,32 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
         scale_log2: T.float32,
     ):
         with T.Kernel(batch * max_splits * m_tiles, threads=3 * 128) as bid:
-            ql_s = T.alloc_shared((GROUPS, ROWS, GROUP), "float16")        # Q^T's latent, fp16, columns permuted
-            qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")
+            ql_s = T.alloc_shared((GROUPS, rt, GROUP), "float16")          # Q^T's latent, fp16, columns permuted
+            qr_s = T.alloc_shared((rt, D_ROPE), "bfloat16")
             kl_s = T.alloc_shared((stages, STEP, TOKEN_BYTES), "float8_e4m3fn")   # a step's tokens as the cache holds them
-            p_s = T.alloc_shared((2, copies, ROWS, STEP), "float16")        # P * scale_g (or P): p_s[w] written by WG w
-            red = T.alloc_shared((2, 512), "float32")                       # each warpgroup's step-max exchange
-            m_s = T.alloc_shared((2, ROWS), "float32")                      # running maxima after WG w's last step
-            al_s = T.alloc_shared((2, ROWS), "float32")                     # the factors of WG w's last step
-            lpart = T.alloc_shared((8, ROWS), "float32")                    # the row sums' 8 partials
-            l_s = T.alloc_shared((ROWS,), "float32")
+            p_s = T.alloc_shared((2, copies, rt, STEP), "float16")          # P * scale_g (or P): p_s[w] written by WG w
+            red = T.alloc_shared((2, 8 * rt), "float32")                    # each warpgroup's step-max exchange
+            m_s = T.alloc_shared((2, rt), "float32")                        # running maxima after WG w's last step
+            al_s = T.alloc_shared((2, rt), "float32")                       # the factors of WG w's last step
+            lpart = T.alloc_shared((8, rt), "float32")                      # the row sums' 8 partials
+            l_s = T.alloc_shared((rt,), "float32")
             full = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([256] * stages)
             frags = [(T.alloc_fragment((STEP, D_ROPE), "bfloat16"), T.alloc_fragment((STEP, 64), "float16"),
                       T.alloc_fragment((STEP, 64), "float16"), T.alloc_fragment((GROUP, STEP), "float16"),
-                      T.alloc_fragment((STEP, ROWS), "float32"), T.alloc_fragment((STEP, ROWS), "float32"),
-                      T.alloc_fragment((GROUP, ROWS), "float32"), T.alloc_fragment((GROUP, ROWS), "float32"),
-                      T.alloc_local((16,), "float32"), T.alloc_local((16,), "float32"),
-                      T.alloc_local((2,), "float32")) for _ in range(2)]
-            ql_loc = T.alloc_local((88,), "float16")                      # the query's chunks in flight
-            qr_loc = T.alloc_local((16,), "bfloat16")
+                      T.alloc_fragment((STEP, rt), "float32"), T.alloc_fragment((STEP, rt), "float32"),
+                      T.alloc_fragment((GROUP, rt), "float32"), T.alloc_fragment((GROUP, rt), "float32"),
+                      T.alloc_local((rt // 4,), "float32"), T.alloc_local((rt // 4,), "float32"),
+                      T.alloc_local((rt // 32,), "float32")) for _ in range(2)]
+            ql_loc = T.alloc_local((8 * li,), "float16")                  # the query's chunks in flight
+            qr_loc = T.alloc_local((8 * ri,), "bfloat16")
             T.annotate_layout({p_s: make_full_bank_swizzled_layout(p_s)})
             T.import_source(HELPER_SOURCE + HELPER64_SOURCE)
 
             mt = bid % m_tiles
             si = (bid // m_tiles) % max_splits
             bi = bid // (m_tiles * max_splits)
-            row0 = mt * ROWS
+            row0 = mt * rt
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             tx = T.get_thread_binding()
@@ -642,7 +690,7 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
                                _rs2_page(BlockTable, bi, first + k, page, max_blocks, num_pages),
                                (first + k) * STEP % page, True)
             _load_query(Q, bi, row0, rows, ql_s, qr_s, ql_loc, qr_loc)
-            for w, h in T.Parallel(2, ROWS):
+            for w, h in T.Parallel(2, rt):
                 m_s[w, h] = -T.infinity("float32")
             T.sync_threads()
             if tx < 128:

@@ -36,6 +36,26 @@ def test_lowers_to_register_operand_wgmma_without_spills():
     assert counts["STSM.16.MT88.4"] == 2 * 16 and counts["BAR.ARV"] == 2 * 2, counts
 
 
+def test_32_row_tiles_halve_the_accumulators_and_take_a_third_stage():
+    """s_q * h_q <= 32: WGMMA's N is 32 (the same MMA sites at m64n32k16, 2 stmatrix.x4 a P copy), 151 registers
+    at most (R < 160: no spills), and three stages (four with v_scaled) fit beside Q^T and the P copies."""
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+
+    for v_scaled, stages in ((False, 3), (True, 4)):
+        src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=32, s_q=1, v_scaled=v_scaled)
+        assert f"full[{stages - 1}].init(128);" in src and f"full[{stages}]" not in src
+        cubin = build_cubin(src, "sm_90a")
+        st = sass_stats(cubin, "sm_90a")
+        assert st.spill_stores == 0 and st.spill_loads == 0, (st.spill_stores, st.spill_loads)
+        sass = disassemble(cubin)
+        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 160
+        counts = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|STSM[\w.]*)\b", sass))
+        assert counts["HGMMA.64x32x16.F32"] == 2 * (8 + 3 * 16) and counts["HGMMA.64x32x16.F32.BF16"] == 2 * 4, counts
+        assert counts["STSM.16.MT88.4"] == 2 * (2 if v_scaled else 8), counts
+    with pytest.raises(ValueError, match="rows_tile must be 64, or 32"):
+        mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, rows_tile=32)
+
+
 def test_v_scaled_takes_the_scales_into_v_and_three_stages():
     """v_scaled: the scales multiply V^T's converted token pairs (mul.f16x2: 32 a group's fragment, 3 sites x 2
     groups), P is one tile (4 stmatrix.x4 a step), and the third stage fits (three full and three empty barriers).
@@ -74,13 +94,16 @@ def test_refuses_what_it_is_not_built_for():
 @pytest.mark.parametrize("b,s_q,h_q,lens,page", [(2, 1, 64, [1000, 64], 64), (3, 1, 64, [53, 1, 0], 64),
                                                  (2, 1, 128, [4096, 3000], 64), (2, 2, 32, [700, 33], 128),
                                                  (3, 1, 48, [129, 4000, 2], 256), (1, 4, 32, [5000], 64),
-                                                 (2, 1, 64, [16384, 130], 64), (4, 1, 20, [191, 192, 193, 65], 64)])
+                                                 (2, 1, 64, [16384, 130], 64), (4, 1, 20, [191, 192, 193, 65], 64),
+                                                 (2, 1, 32, [8192, 1000], 64), (2, 2, 16, [700, 2], 128),
+                                                 (3, 1, 17, [129, 0, 4000], 64)])
 @pytest.mark.parametrize("v_scaled", [False, True])
 def test_gpu_matches_reference(b, s_q, h_q, lens, page, v_scaled):
     """Against the reference on the exactly dequantized cache (fp32) with the bf16 kernels' bounds (the values are
     e4m3 exactly; P is rounded to fp16 after its scale): NaN tails and NaN pages must not leak; lengths 0, 1, 2 and
     odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
-    two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine."""
+    two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine; 32-row tiles
+    (s_q * h_q <= 32: 32, 2 x 16, 17, 20)."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, v_scaled=v_scaled))
 
 
