@@ -342,6 +342,15 @@ __device__ __forceinline__ void tc64_p_ready(int own, int bar) {
   asm volatile("bar.sync %0, 128;" :: "r"(own) : "memory");
   asm volatile("bar.arrive %0, 256;" :: "r"(bar) : "memory");
 }
+// debug: S^T (or P) of this thread into dump[token * 512 + col0 + column] (fp32), WGMMA's accumulator layout read as
+// the other helpers read it
+template <int N>
+__device__ __forceinline__ void tc64_dump(void* dump, const float* s, int col0) {
+  const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & 3) * 16 + lane / 4, c = lane & 3;
+  float* d = reinterpret_cast<float*>(dump);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) d[(r + 8 * ((i >> 1) & 1)) * 512 + col0 + (i >> 2) * 8 + 2 * c + (i & 1)] = s[i];
+}
 // the end: this thread's kept row sums into lpart[(4 wg + warp) * N + column]
 template <int N>
 __device__ __forceinline__ void tc64_put_sums(float* lpart, const float* l, int wg) {
@@ -466,7 +475,7 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
 
 @T.macro
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
-           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t):
+           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
     n = m_s.shape[1]                 # rows a tile (WGMMA's N)
     T.set_max_nreg(MMA_REGS, 1)
@@ -482,6 +491,9 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
                                      BAR_TAIL + w))
         _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t)
+        if dump is not None and w == 0:     # debug: the CTA's first step's scores as folded (dump columns 0..)
+            if j == 0:
+                T.evaluate(T.call_extern("handle", f"tc64_dump<{n}>", dump, s_t.data, 0))
         T.evaluate(T.call_extern("handle", f"tc64_mask<{n}>", s_t.data, (first + k) * STEP, base, seqlen, h_q, int(causal),
                                  row0))
         T.evaluate(T.call_extern("handle", f"tc64_max_put<{n}>", s_t.data, T.access_ptr(red[w, 0], "r", 8 * n), j % 2,
@@ -493,6 +505,9 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
                                  T.access_ptr(m_s[w, 0], "w", n), T.access_ptr(al_s[w, 0], "w", n), alpha.data,
                                  scale_log2))
         T.evaluate(T.call_extern("handle", f"tc64_sums<{n}>", s_t.data, alpha.data, l_t.data))
+        if dump is not None and w == 0:     # debug: its P (dump columns 64..)
+            if j == 0:
+                T.evaluate(T.call_extern("handle", f"tc64_dump<{n}>", dump, s_t.data, 64))
         if k >= 2:             # the other warpgroup's P V of step k - 2 is done with p_s[w]
             T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_FREE + w, 256))
         for g in range(p_s.shape[1]):      # the scaled copies (v_scaled: P)
@@ -606,7 +621,7 @@ def _check(rows, page, dtype):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                                  v_scaled: bool = False, rows_tile: int | None = None):
+                                  v_scaled: bool = False, rows_tile: int | None = None, debug: bool = False):
     """The FP8-cache MLA decode at up to 64 query rows a CTA (this module's docstring), one CTA per (sequence,
     split, row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
     outputs are mla_decode_program's with kv_format="fp8".
@@ -614,6 +629,10 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
     rows_tile (WGMMA's N): 64, or 32 where s_q * h_q <= 32 (the default there: half the accumulators and P, so a
     third stage fits with the scaled copies and a fourth with v_scaled). The ring takes as many 41,984-byte stages
     as shared memory leaves, at most four.
+
+    debug=True (a GPU test's diagnosis, unsplit launches only): WG0 writes its CTA's first step's S^T as folded
+    (before the mask) and its P into OPart[bid] (rows: tokens; columns 0.. and 64..: query rows), so that a wrong
+    result can be placed in the scores, the softmax or after.
 
     v_scaled=True: the group scales go into V^T's fragment (fp16 multiplies of the converted token pairs) instead of
     four scaled copies of P, so P is one unscaled 8 KB tile a warpgroup and the ring has three stages instead of
@@ -695,7 +714,8 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
             T.sync_threads()
             if tx < 128:
                 _chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[0])
+                       al_s, full, empty, *frags[0],
+                       dump=T.access_ptr(OPart[bid, 0, 0], "w", STEP * D_V) if debug else None)
                 _epilogue(0, frags[0], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)
             elif tx < 256:

@@ -142,3 +142,43 @@ def test_gpu_is_deterministic_and_unsplit_matches_split():
     one, one_lse = run(1)
     torch.testing.assert_close(one.float(), a.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(one_lse, a_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,v_scaled", [(64, False), (64, True), (32, False)])
+def test_gpu_first_step_scores_and_p(h_q, v_scaled):
+    """Diagnosis for the tests above (debug=True): each CTA's first step's S^T as folded (the rope's bf16 product
+    plus each group's fp16 product times its token scale) and its P, against fp32 from the same rounded operands.
+    A failure here puts an error in the query, the K fragments or the fold (S) or the softmax (P); a pass beside a
+    failing output puts it after them (P's copies, V's fragments, O, the row sums)."""
+    from codegen import targets
+    from ops.mla_decode import LOG2E
+    from tests.test_mla_decode import D, make_inputs
+    import ops
+
+    b, lens = 2, [300, 64]                     # a full first step in both sequences
+    q, kv, table, seqlens = make_inputs(b, 1, h_q, lens, page=64, device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    kernel = mla_decode_fp8_rows64_program.compile(targets.resolve(q, cache), h_q=h_q, s_q=1, page=64,
+                                                   dtype="bfloat16", causal=True, v_scaled=v_scaled, debug=True)
+    kv8 = cache.view(cache.shape[0], 64, cache.shape[-1]).view(torch.float8_e4m3fn)
+    out = torch.empty(b, h_q, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
+    o_part = torch.zeros(b, 64, 512, dtype=torch.float32, device="cuda")
+    lse_part = torch.empty(b, 64, dtype=torch.float32, device="cuda")
+    splits = torch.ones(b, dtype=torch.int32, device="cuda")
+    scale_log2 = D ** -0.5 * LOG2E
+    kernel.launcher()(q.view(b, h_q, D), kv8, kv8.view(torch.float32), kv8.view(torch.bfloat16), table, seqlens, splits,
+                      out, lse, o_part, lse_part, 1, float(scale_log2))
+    deq = ops.dequantize_mla_kv_fp8(cache).view(-1, 64, D)
+    for i in range(b):
+        k = deq[table[i, 0].long()]                                                       # (64 tokens, 576)
+        qi = q[i, 0].float()
+        s = qi[:, :512].half().float() @ k[:, :512].T + qi[:, 512:] @ k[:, 512:].T       # (h_q, 64)
+        s_t = s.T                                                                         # (tokens, rows)
+        got = o_part[i, :, :h_q]
+        torch.testing.assert_close(got, s_t, atol=1e-3 * float(s_t.abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"sequence {i}: the first step's scores: {m}")
+        p = torch.exp2(s_t * scale_log2 - (s_t * scale_log2).max(0).values)
+        torch.testing.assert_close(o_part[i, :, 64:64 + h_q], p, atol=1e-4, rtol=1e-3,
+                                   msg=lambda m: f"sequence {i}: the first step's P: {m}")
