@@ -50,6 +50,10 @@ KV_FORMATS = ("bf16", "fp8")
 # into WGMMA's register operand, two MMA warpgroups on alternate steps, one CTA an SM; bench/NOTES.md "Session 38")
 REGISTER_FP8_ROWS = 16
 REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
+# the FP8 cache above 16 query rows on sm_90a: ops.mla_decode_fp8_rows64 (rows as WGMMA's N, 32 or 64 a CTA, the
+# e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51"). Built, not yet
+# run on a GPU: off until its tests pass and it is measured faster (then True)
+ROWS64_FP8 = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -711,6 +715,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     swapped = sm90 and page >= BLOCK_N and rows <= most
     if kv_format == "fp8" and swapped and rows <= REGISTER_FP8_ROWS:
         return dict(REGISTER_FP8)
+    if kv_format == "fp8" and sm90 and ROWS64_FP8 and page >= BLOCK_N:
+        return dict(kv_format="fp8", rows64=True)
     if kv_format != "fp8":
         if not sm90:
             # the generic loop with 256 threads needs 233,472 bytes of shared memory on sm_100a (the

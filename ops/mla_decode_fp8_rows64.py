@@ -51,8 +51,6 @@ ROWS = 64                        # query rows a CTA (a row tile): WGMMA's N; 32 
 BLOCK_M = 64                     # the op's row padding (OPart, LsePart; mla_decode_program's tiles)
 SMEM_BYTES = 232448              # an H200 CTA's shared memory (227 KB)
 MMA_REGS, PRODUCER_REGS = 240, 24   # 128 x (2 x 240 + 24) = 64,512 of 65,536 registers
-# K's four groups as 64-column fragments: 2 (the second half filled under the first's MMA) or 1 (each waited)
-K_FRAGMENTS = 2
 # named barriers: P_READY 1 + w, P_FREE 3 + w, the step maxima 5 + w, a short step's zeroing 7 + w, both MMA
 # warpgroups 9 (TileLang's own sync pass is off for this program; bar 0 is __syncthreads)
 BAR_P_READY, BAR_P_FREE, BAR_MAX, BAR_TAIL, BAR_BOTH = 1, 3, 5, 7, 9
@@ -411,7 +409,7 @@ def _k_half(kl_s, slot, g, h, a_k):
 
 
 @T.macro
-def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
+def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments):
     # S^T = the rope's K Q_r^T (bf16 from the stage's token rows into registers), then each group's two 64-column
     # halves into acc, folded into S^T with the group's token scales
     tid = T.get_thread_binding() % 128
@@ -420,7 +418,7 @@ def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
                              tid // 32 * 16 + tid % 32 // 4, tid % 4))
     T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
     for g in range(GROUPS):
-        if K_FRAGMENTS == 2:
+        if k_fragments == 2:
             _k_half(kl_s, slot, g, 0, a_k0)
             T.wgmma_gemm(a_k0, ql_s[g, :, 0:64], acc, transpose_B=True, clear_accum=True)
             _k_half(kl_s, slot, g, 1, a_k1)
@@ -475,7 +473,7 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
 
 @T.macro
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
-           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None):
+           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
     n = m_s.shape[1]                 # rows a tile (WGMMA's N)
     T.set_max_nreg(MMA_REGS, 1)
@@ -490,7 +488,7 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
         if valid < STEP:       # the sequence's short last step: its tokens past the end zeroed (latent, scales)
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
                                      BAR_TAIL + w))
-        _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t)
+        _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments)
         if dump is not None and w == 0:     # debug: the CTA's first step's scores as folded (dump columns 0..)
             if j == 0:
                 T.evaluate(T.call_extern("handle", f"tc64_dump<{n}>", dump, s_t.data, 0))
@@ -621,7 +619,8 @@ def _check(rows, page, dtype):
                                       "tl.disable_safe_memory_legalize": True},
 )
 def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                                  v_scaled: bool = False, rows_tile: int | None = None, debug: bool = False):
+                                  v_scaled: bool = False, rows_tile: int | None = None, debug: bool = False,
+                                  k_fragments: int = 2):
     """The FP8-cache MLA decode at up to 64 query rows a CTA (this module's docstring), one CTA per (sequence,
     split, row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
     outputs are mla_decode_program's with kv_format="fp8".
@@ -629,6 +628,9 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
     rows_tile (WGMMA's N): 64, or 32 where s_q * h_q <= 32 (the default there: half the accumulators and P, so a
     third stage fits with the scaled copies and a fourth with v_scaled). The ring takes as many 41,984-byte stages
     as shared memory leaves, at most four.
+
+    k_fragments: K's groups as two 64-column register fragments, the second filled under the first's MMA (2), or
+    one, each half's MMA waited for before the next fill (1: 16 registers fewer).
 
     debug=True (a GPU test's diagnosis, unsplit launches only): WG0 writes its CTA's first step's S^T as folded
     (before the mask) and its P into OPart[bid] (rows: tokens; columns 0.. and 64..: query rows), so that a wrong
@@ -641,6 +643,8 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
     rows = s_q * h_q
     _check(rows, page, dtype)
     rt = rows_tile or (32 if rows <= 32 else ROWS)
+    if k_fragments not in (1, 2):
+        raise ValueError(f"mla_decode_fp8_rows64: k_fragments must be 1 or 2, got {k_fragments}")
     if rt not in (32, 64) or (rt == 32 and rows > 32):
         raise ValueError(f"mla_decode_fp8_rows64: rows_tile must be 64, or 32 with s_q * h_q <= 32; got {rows_tile} "
                          f"for {rows} rows")
@@ -714,13 +718,13 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
             T.sync_threads()
             if tx < 128:
                 _chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[0],
+                       al_s, full, empty, *frags[0], k_fragments=k_fragments,
                        dump=T.access_ptr(OPart[bid, 0, 0], "w", STEP * D_V) if debug else None)
                 _epilogue(0, frags[0], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)
             elif tx < 256:
                 _chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[1])
+                       al_s, full, empty, *frags[1], k_fragments=k_fragments)
                 _epilogue(1, frags[1], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)
             else:

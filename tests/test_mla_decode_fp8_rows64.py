@@ -182,3 +182,20 @@ def test_gpu_first_step_scores_and_p(h_q, v_scaled):
         p = torch.exp2(s_t * scale_log2 - (s_t * scale_log2).max(0).values)
         torch.testing.assert_close(o_part[i, :, 64:64 + h_q], p, atol=1e-4, rtol=1e-3,
                                    msg=lambda m: f"sequence {i}: the first step's P: {m}")
+
+
+def test_the_op_takes_it_only_behind_its_switch(monkeypatch):
+    """ops.mla_decode.ROWS64_FP8 (off until measured): on, sm_90a FP8 caches above 16 rows with 64+-token pages get
+    this kernel; 16 rows keep the two-chain kernel, 32-token pages and other targets what they had."""
+    import importlib
+
+    m = importlib.import_module("ops.mla_decode")      # (ops.mla_decode is also the op's name)
+    before = {(r, p, t): m.pick_tiling(r, "fp8", t, p) for r in (16, 32, 128) for p in (32, 64) for t in ("sm_90a", "sm_100a")}
+    assert all(not x.get("rows64") for x in before.values())
+    monkeypatch.setattr(m, "ROWS64_FP8", True)
+    for (r, p, t), was in before.items():
+        now = m.pick_tiling(r, "fp8", t, p)
+        assert now == (dict(kv_format="fp8", rows64=True) if t == "sm_90a" and r > 16 and p >= 64 else was), (r, p, t)
+    assert not m.pick_tiling(128, "bf16", "sm_90a", 64).get("rows64")
+    with pytest.raises(ValueError, match="k_fragments must be 1 or 2"):
+        mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, k_fragments=3)
