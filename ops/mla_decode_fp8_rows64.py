@@ -349,6 +349,15 @@ __device__ __forceinline__ void tc64_dump(void* dump, const float* s, int col0) 
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) d[(r + 8 * ((i >> 1) & 1)) * 512 + col0 + (i >> 2) * 8 + 2 * c + (i & 1)] = s[i];
 }
+// trace=True: the warpgroup's first thread writes the SM clock of event e of step k into stamps[8 k + e] (int32 bits;
+// each warpgroup stamps only its own steps)
+__device__ __forceinline__ void tc64_stamp(void* at, int k, int e) {
+  if ((threadIdx.x & 127) == 0 && k < 64) {
+    int t;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(t) :: "memory");
+    reinterpret_cast<int*>(at)[8 * k + e] = t;
+  }
+}
 // the end: this thread's kept row sums into lpart[(4 wg + warp) * N + column]
 template <int N>
 __device__ __forceinline__ void tc64_put_sums(float* lpart, const float* l, int wg) {
@@ -471,9 +480,21 @@ def _other_pv(w, k, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha):
     T.mbarrier_arrive(empty[k % kl_s.shape[0]])
 
 
+TRACE_STEPS = 64
+TRACE_EVENTS = ("start", "data", "scores", "other's P V issued", "softmax", "P free", "P ready", "own P V issued")
+
+
+@T.macro
+def _stamp(stamps, k, e):
+    # trace=True: the warpgroup's first thread writes the SM clock at event e of its step k (TRACE_EVENTS)
+    if stamps is not None:
+        T.evaluate(T.call_extern("handle", "tc64_stamp", stamps, k, e))
+
+
 @T.macro
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
-           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2):
+           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2,
+           stamps=None):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
     n = m_s.shape[1]                 # rows a tile (WGMMA's N)
     T.set_max_nreg(MMA_REGS, 1)
@@ -483,12 +504,15 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
     for j in T.serial((n_iter + 1 - w) // 2):
         k = 2 * j + w
         slot = k % kl_s.shape[0]
+        _stamp(stamps, k, 0)
         T.mbarrier_wait_parity(full[slot], (k // kl_s.shape[0]) % 2)
+        _stamp(stamps, k, 1)
         valid = seqlen - (first + k) * STEP
         if valid < STEP:       # the sequence's short last step: its tokens past the end zeroed (latent, scales)
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
                                      BAR_TAIL + w))
         _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments)
+        _stamp(stamps, k, 2)
         if dump is not None and w == 0:     # debug: the CTA's first step's scores as folded (dump columns 0..)
             if j == 0:
                 T.evaluate(T.call_extern("handle", f"tc64_dump<{n}>", dump, s_t.data, 0))
@@ -498,6 +522,7 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
                                  BAR_MAX + w))
         if k >= 1:             # step k - 1 (the other warpgroup's): its P V, and its maxima for this softmax
             _other_pv(w, k - 1, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha)
+        _stamp(stamps, k, 3)
         T.evaluate(T.call_extern("handle", f"tc64_max_get<{n}>", mx.data, T.access_ptr(red[w, 0], "r", 8 * n), j % 2))
         T.evaluate(T.call_extern("handle", f"tc64_softmax<{n}>", s_t.data, mx.data, T.access_ptr(m_s[1 - w, 0], "r", n),
                                  T.access_ptr(m_s[w, 0], "w", n), T.access_ptr(al_s[w, 0], "w", n), alpha.data,
@@ -506,19 +531,23 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
         if dump is not None and w == 0:     # debug: its P (dump columns 64..)
             if j == 0:
                 T.evaluate(T.call_extern("handle", f"tc64_dump<{n}>", dump, s_t.data, 64))
+        _stamp(stamps, k, 4)
         if k >= 2:             # the other warpgroup's P V of step k - 2 is done with p_s[w]
             T.evaluate(T.call_extern("handle", "tc_bar", BAR_P_FREE + w, 256))
+        _stamp(stamps, k, 5)
         for g in range(p_s.shape[1]):      # the scaled copies (v_scaled: P)
             T.evaluate(T.call_extern("handle", f"tc64_p_store<{n}, {int(p_s.shape[1] > 1)}>",
                                      T.access_ptr(p_s[w, 0, 0, 0], "w", p_s.shape[1] * n * STEP), s_t.data,
                                      _stage(kl_s, slot), g))
         T.evaluate(T.call_extern("handle", "tc64_p_ready", BAR_MAX + w, BAR_P_READY + w))
+        _stamp(stamps, k, 6)
         T.wait_wgmma(0)        # step k - 1's P V: O^T complete for the rescale, p_s[1 - w] read
         if k >= 1 and k + 1 < n_iter:
             T.evaluate(T.call_extern("handle", "tc64_arrive", BAR_P_FREE + (1 - w)))
         T.evaluate(T.call_extern("handle", f"tc64_rescale_o<{n}>", o0.data, o1.data, alpha.data))
         _pv(w, kl_s, slot, p_s, w, a_v, o0, o1)
         T.mbarrier_arrive(empty[slot])
+        _stamp(stamps, k, 7)
     if n_iter >= 1 and (n_iter - 1) % 2 != w:     # the last step is the other warpgroup's: its P V
         T.wait_wgmma(0)
         _other_pv(w, n_iter - 1, kl_s, p_s, al_s, full, empty, a_v, o0, o1, l_t, alpha)
@@ -620,7 +649,7 @@ def _check(rows, page, dtype):
 )
 def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                   v_scaled: bool = False, rows_tile: int | None = None, debug: bool = False,
-                                  k_fragments: int = 2):
+                                  k_fragments: int = 2, trace: bool = False):
     """The FP8-cache MLA decode at up to 64 query rows a CTA (this module's docstring), one CTA per (sequence,
     split, row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
     outputs are mla_decode_program's with kv_format="fp8".
@@ -631,6 +660,11 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
 
     k_fragments: K's groups as two 64-column register fragments, the second filled under the first's MMA (2), or
     one, each half's MMA waited for before the next fill (1: 16 registers fewer).
+
+    trace=True (bench.trace_mla_rows64; unsplit launches with OPart of batch slots): each warpgroup's first thread
+    writes the SM clock at TRACE_EVENTS of its own steps among the first TRACE_STEPS into OPart[bid, 0] (int32 bits,
+    8 a step), and WG0 its span (tc_span: global timer at entry, loop start, loop end, exit; SM clock over the
+    loop; its SM; its steps) into OPart[bid, 1, 0:8].
 
     debug=True (a GPU test's diagnosis, unsplit launches only): WG0 writes its CTA's first step's S^T as folded
     (before the mask) and its P into OPart[bid] (rows: tokens; columns 0.. and 64..: query rows), so that a wrong
@@ -643,6 +677,8 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
     rows = s_q * h_q
     _check(rows, page, dtype)
     rt = rows_tile or (32 if rows <= 32 else ROWS)
+    if trace and debug:
+        raise ValueError("mla_decode_fp8_rows64: trace and debug both write OPart[bid]: take one")
     if k_fragments not in (1, 2):
         raise ValueError(f"mla_decode_fp8_rows64: k_fragments must be 1 or 2, got {k_fragments}")
     if rt not in (32, 64) or (rt == 32 and rows > 32):
@@ -695,6 +731,9 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
             T.annotate_layout({p_s: make_full_bank_swizzled_layout(p_s)})
             T.import_source(HELPER_SOURCE + HELPER64_SOURCE)
 
+            if trace:
+                if T.get_thread_binding() == 0:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 0, 0))
             mt = bid % m_tiles
             si = (bid // m_tiles) % max_splits
             bi = bid // (m_tiles * max_splits)
@@ -717,14 +756,22 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
                 m_s[w, h] = -T.infinity("float32")
             T.sync_threads()
             if tx < 128:
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 1, 0))
                 _chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
                        al_s, full, empty, *frags[0], k_fragments=k_fragments,
-                       dump=T.access_ptr(OPart[bid, 0, 0], "w", STEP * D_V) if debug else None)
+                       dump=T.access_ptr(OPart[bid, 0, 0], "w", STEP * D_V) if debug else None,
+                       stamps=T.access_ptr(OPart[bid, 0, 0], "w", 8 * TRACE_STEPS) if trace else None)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 2, 0))
                 _epilogue(0, frags[0], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)
+                if trace:
+                    T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 3, n_iter))
             elif tx < 256:
                 _chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[1], k_fragments=k_fragments)
+                       al_s, full, empty, *frags[1], k_fragments=k_fragments,
+                       stamps=T.access_ptr(OPart[bid, 0, 0], "w", 8 * TRACE_STEPS) if trace else None)
                 _epilogue(1, frags[1], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)
             else:

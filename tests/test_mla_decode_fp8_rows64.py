@@ -199,3 +199,31 @@ def test_the_op_takes_it_only_behind_its_switch(monkeypatch):
     assert not m.pick_tiling(128, "bf16", "sm_90a", 64).get("rows64")
     with pytest.raises(ValueError, match="k_fragments must be 1 or 2"):
         mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, k_fragments=3)
+
+
+def test_trace_stamps_each_warpgroups_steps_and_the_tool_reads_them():
+    """trace=True: 8 stamps a step in each warpgroup's loop, the span by WG0 (entry, loop start, loop end, exit), no
+    spills added; refused with debug (both write OPart[bid]). bench.trace_mla_rows64.step_table: each warpgroup's
+    own steps (k % 2 == w), its period over two of the CTA's steps, event offsets after the step's start (32-bit
+    clock wrap included)."""
+    import re
+
+    from backends.cuda.sass import build_cubin, sass_stats
+    from bench.trace_mla_rows64 import step_table
+    from ops.mla_decode_fp8_rows64 import TRACE_EVENTS, TRACE_STEPS
+
+    src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, trace=True)
+    assert len(re.findall(r"\btc64_stamp\(stamps", src)) == 2 * 8 and len(re.findall(r"\btc_span\(\(", src)) == 4
+    st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    assert st.spill_stores == 0, st.spill_stores
+    assert not re.findall(r"\btc64_stamp\(stamps", mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1))
+    with pytest.raises(ValueError, match="trace and debug"):
+        mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, trace=True, debug=True)
+    stamps = torch.zeros(TRACE_STEPS, 8, dtype=torch.long)
+    for k in range(TRACE_STEPS):
+        t0 = (2 ** 32 - 3000 + 1500 * k + (100 if k % 2 else 0)) % 2 ** 32
+        for e in range(8):
+            stamps[k, e] = (t0 + (10 * e if k % 2 == 0 else 20 * e)) % 2 ** 32
+    rows = step_table(stamps, 4, 28)
+    assert rows[0][0] == 3000 and rows[1][0] == 3000
+    assert rows[0][1][TRACE_EVENTS[1]] == (10, 10, 10) and rows[1][1][TRACE_EVENTS[7]] == (140, 140, 140)
