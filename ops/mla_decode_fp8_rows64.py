@@ -30,9 +30,11 @@ column (4 warps x 2 warpgroups) are added in a fixed order at the end (determini
 Where s_q * h_q <= 32 the tile is 32 rows (rows_tile=32: WGMMA's N 32, O^T 64 registers a thread, ~150 in all),
 and the ring takes three stages (four with v_scaled) instead of two.
 
-Status: built and checked on the CPU (ptxas: no spills; the WGMMA and unpack counts) in session 51, when no GPU
-was lent; not run. The op does not choose it; tiling dict(kv_format="fp8", rows64=True) through
-ops.mla_decode._mla_decode_impl and bench provider tilecraft-fp8-rows64 do.
+Status: built and checked on the CPU (ptxas: no spills at the op's shapes; the WGMMA and unpack counts; the
+barrier protocol by a model) in session 51, when no GPU was lent; not run. The op takes it only with
+ops.mla_decode.ROWS64_FP8 on (off until measured); tiling dict(kv_format="fp8", rows64=True) through
+ops.mla_decode._mla_decode_impl and bench providers tilecraft-fp8-rows64(-vs) run it. Options: v_scaled (three
+stages), rows_tile, k_fragments, debug (the first step's S^T and P dumped), trace (bench.trace_mla_rows64).
 
 Pages of 64 tokens or more (a step inside one page); the query must be bfloat16 (the cache's rope is bf16); the
 latent query is rounded to fp16, so |q| and the cache scales must stay below 65504 (as the <= 16-row kernel's).
