@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ops.mla_decode_fp8_rows64 import mla_decode_fp8_rows64_program
 from tests.test_mla_decode import run_fp8_case
@@ -227,3 +229,38 @@ def test_trace_stamps_each_warpgroups_steps_and_the_tool_reads_them():
     rows = step_table(stamps, 4, 28)
     assert rows[0][0] == 3000 and rows[1][0] == 3000
     assert rows[0][1][TRACE_EVENTS[1]] == (10, 10, 10) and rows[1][1][TRACE_EVENTS[7]] == (140, 140, 140)
+
+
+@pytest.mark.gpu
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([32, 64, 128]),
+       page=st.sampled_from([64, 128]), data=st.data())
+def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
+    """ops.mla_decode(kv_format="fp8") with ROWS64_FP8 on (the op's schedule, custom op and combine around the
+    kernel): hypothesis over batch, s_q, h_q, page size and lengths (0-3000), against the reference on the exactly
+    dequantized cache with run_fp8_case's bounds."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "ROWS64_FP8", True)
+    lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant_with_the_switch_on(monkeypatch):
+    """TILECRAFT_BATCH_INVARIANT=1 with the switch on: each sequence's output is bitwise the same alone and in a batch."""
+    import importlib
+
+    import ops
+    from tests.test_mla_decode import make_inputs
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "ROWS64_FP8", True)
+    monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
+    q, kv, table, lens = make_inputs(3, 1, 64, [5000, 300, 1100], device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    full, full_lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, kv_format="fp8")
+    for i in range(3):
+        one, one_lse = ops.mla_decode(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], softmax_scale=0.05,
+                                      kv_format="fp8")
+        assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])
