@@ -16,32 +16,12 @@ import argparse
 
 import torch
 
-import ops
 from bench.timing import FLUSH_MODES, _flusher
+from bench.trace_mla_rs import _inputs, _stats, _u32
 from ops.mla_decode import BLOCK_M, D_QK, D_V, LOG2E
 from ops.mla_decode_fp8_rows64 import TRACE_EVENTS, TRACE_STEPS, mla_decode_fp8_rows64_program
 
-PAGE = 64
-
-
-def _inputs(b, h_q, seqlen):
-    g = torch.Generator().manual_seed(0)
-    pages = -(-seqlen // PAGE)
-    kv = torch.randn(b * pages, PAGE, 1, D_QK, generator=g).bfloat16().cuda()
-    cache = ops.quantize_mla_kv_fp8(kv).view(b * pages, PAGE, -1).view(torch.float8_e4m3fn)
-    q = (torch.randn(b, h_q, D_QK, generator=g) / 4).bfloat16().cuda()
-    table = torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)
-    lens = torch.full((b,), seqlen, dtype=torch.int32, device="cuda")
-    return q, cache, table, lens
-
-
-def _u32(x):
-    return x.view(torch.int32).long() & 0xFFFFFFFF
-
-
-def _stats(v):
-    v = sorted(v)
-    return f"min {v[0]:.0f}, median {v[len(v) // 2]:.0f}, max {v[-1]:.0f}" if v else "-"
+PAGE = 64     # (bench.trace_mla_rs's inputs: 64-token pages)
 
 
 def step_table(st, first, last):
@@ -68,7 +48,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     b, h_q, seqlen = (int(x) for x in args.case.split("x"))
-    q, cache, table, lens = _inputs(b, h_q, seqlen)
+    q, cache, table, lens = _inputs(b, seqlen, h_q)
     rows_pad = -(-h_q // BLOCK_M) * BLOCK_M
     m_tiles = -(-h_q // (32 if h_q <= 32 else 64))
     out = torch.empty(b, h_q, D_V, dtype=torch.bfloat16, device="cuda")

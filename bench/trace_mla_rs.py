@@ -35,12 +35,12 @@ from ops.mla_decode_fp8_rs import (RS2_TRACE_EVENTS, SPAN_ROW, TRACE_EVENTS, TRA
 H_Q, SEQLEN, PAGE = 16, 4096, 64
 
 
-def _inputs(b, seqlen):
+def _inputs(b, seqlen, h_q=H_Q):
     g = torch.Generator().manual_seed(0)
-    pages = seqlen // PAGE
+    pages = -(-seqlen // PAGE)
     kv = torch.randn(b * pages, PAGE, 1, D_QK, generator=g).bfloat16().cuda()
     cache = ops.quantize_mla_kv_fp8(kv).view(b * pages, PAGE, -1).view(torch.float8_e4m3fn)
-    q = (torch.randn(b, H_Q, D_QK, generator=g) / 4).bfloat16().cuda()
+    q = (torch.randn(b, h_q, D_QK, generator=g) / 4).bfloat16().cuda()
     table = torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)
     lens = torch.full((b,), seqlen, dtype=torch.int32, device="cuda")
     return q, cache, table, lens

@@ -295,26 +295,19 @@ __device__ __forceinline__ void tc64_p_store(void* p, const float* s, const void
 // one unscaled copy. The dequantized values must stay below 65504 in magnitude (fp16), the scaled-P kernels' bound
 // is the scale's. scales: the stage's byte 512 + 4g of token 0.
 __device__ __forceinline__ void tc64_v_fragment_scaled(void* dst, const void* base, const void* scales, int cw, int c) {
+  tc_e4m3_v_fragment<1>(dst, base, cw, c);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
   const unsigned char* sc = reinterpret_cast<const unsigned char*>(scales);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int t = 16 * j + 2 * c;
-    const unsigned w0 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t, 4 * cw));
-    const unsigned w1 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 1, 4 * cw));
-    const unsigned w8 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 8, 4 * cw));
-    const unsigned w9 = *reinterpret_cast<const unsigned*>(tc_lat<1>(base, t + 9, 4 * cw));
-    unsigned f01, f89;      // the token pairs' scales, the first token in the low half
+    const int t = 16 * j + 2 * c;      // d[8j ..] holds tokens (t, t + 1) and (t + 8, t + 9) as fp16 pairs
+    unsigned f01, f89;                 // the token pairs' scales, the first token in the low half
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(f01) : "f"(*reinterpret_cast<const float*>(sc + (t + 1) * 656)),
                                                     "f"(*reinterpret_cast<const float*>(sc + t * 656)));
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(f89) : "f"(*reinterpret_cast<const float*>(sc + (t + 9) * 656)),
                                                     "f"(*reinterpret_cast<const float*>(sc + (t + 8) * 656)));
-    const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-    const unsigned lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
-    const unsigned v[8] = {tc_e4m3x2_f16x2(lo01), tc_e4m3x2_f16x2_hi(lo01), tc_e4m3x2_f16x2(lo89), tc_e4m3x2_f16x2_hi(lo89),
-                           tc_e4m3x2_f16x2(hi01), tc_e4m3x2_f16x2_hi(hi01), tc_e4m3x2_f16x2(hi89), tc_e4m3x2_f16x2_hi(hi89)};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[8 * j + i]) : "r"(v[i]), "r"((i >> 1) & 1 ? f89 : f01));
+    for (int i = 0; i < 8; ++i) asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(d[8 * j + i]) : "r"((i >> 1) & 1 ? f89 : f01));
   }
 }
 // O^T (two groups, N values a thread each) *= alpha, skipped where none of this thread's columns changed its max
