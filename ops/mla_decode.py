@@ -51,8 +51,9 @@ KV_FORMATS = ("bf16", "fp8")
 REGISTER_FP8_ROWS = 16
 REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # the FP8 cache above 16 query rows on sm_90a: ops.mla_decode_fp8_rows64 (rows as WGMMA's N, 32 or 64 a CTA, the
-# e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51"). Built, not yet
-# run on a GPU: off until its tests pass and it is measured faster (then True)
+# e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51"). Its GPU tests
+# pass, but it measured 0.45-0.60x today's FP8 path (NOTES "Session 52": the scores drain after every latent group):
+# off, kept for the A/B (bench providers tilecraft-fp8-rows64, -vs)
 ROWS64_FP8 = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
