@@ -540,8 +540,9 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
                        row_scale: torch.Tensor) -> torch.Tensor:
     """C (m, n) bf16 = (a * sfa) @ W^T: a (m, k) e4m3 with sfa (m,) fp32 per-token scales or (m, k/128) fp32 scales
     per (token, 128 columns) (DeepGEMM's sfa, as per_token_group_quant_fp8 writes it), W the MXFP4 weights
-    prepared by prepare_mxfp4_w4a8 (codes, offsets, row_scale). sm_90a: FP8 WGMMA (m <= 64, k % 512 == 0,
-    n % 128 == 0); CPU: the fp32 reference of the prepared weights (slow)."""
+    prepared by prepare_mxfp4_w4a8 (codes, offsets, row_scale). sm_90a: FP8 WGMMA (k % 512 == 0, n % 128 == 0;
+    m <= 64 the decode kernel, larger m the contiguous grouped kernel as one expert); CPU: the fp32 reference of the
+    prepared weights (slow)."""
     _check(a, sfa, codes, offsets, row_scale)
     m, k = a.shape
     n = codes.shape[0]
@@ -552,7 +553,7 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
         raise ValueError(f"mxfp4_w4a8_gemm_nt runs on sm_90a (FP8 WGMMA) and the CPU, got target {target.name}")
     if m > W4A8_MAX_M and not W4A8_DENSE_PREFILL:
         raise ValueError(f"mxfp4_w4a8_gemm_nt takes decode-sized m <= {W4A8_MAX_M}, got m={m} "
-                         f"(ops.gemm_w4a8.W4A8_DENSE_PREFILL: larger m on the contiguous kernel, not yet GPU-tested)")
+                         f"(ops.gemm_w4a8.W4A8_DENSE_PREFILL is off)")
     if k % SWAPPED_K_ALIGN or n % 128:
         raise ValueError(f"mxfp4_w4a8_gemm_nt needs k % {SWAPPED_K_ALIGN} == 0 and n % 128 == 0, got n={n}, k={k}")
     if m > W4A8_MAX_M:
@@ -561,9 +562,8 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
 
 
 # m > 64 on the contiguous kernel as one expert (rows padded to a multiple of 128 where they are not: a copy of a and
-# sfa). Built in session 49 after its GPU time (test_gpu_dense_prefill_is_the_contiguous_op), not run: off, and m > 64
-# is refused
-W4A8_DENSE_PREFILL = False
+# sfa). Built in session 49; its GPU test (the contiguous op's bits) passed in session 52, on. False: m > 64 refused
+W4A8_DENSE_PREFILL = True
 
 
 def _w4a8_dense_prefill(a, sfa, codes, offsets, row_scale):

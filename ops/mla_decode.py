@@ -51,10 +51,11 @@ KV_FORMATS = ("bf16", "fp8")
 REGISTER_FP8_ROWS = 16
 REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # the FP8 cache above 16 query rows on sm_90a: ops.mla_decode_fp8_rows64 (rows as WGMMA's N, 32 or 64 a CTA, the
-# e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51"). Its GPU tests
-# pass, but it measured 0.45-0.60x today's FP8 path (NOTES "Session 52": the scores drain after every latent group):
-# off, kept for the A/B (bench providers tilecraft-fp8-rows64, -vs)
-ROWS64_FP8 = False
+# e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51") for s_q * h_q
+# up to ROWS64_FP8 (0: never). Measured (NOTES "Session 52", H200): at 32 rows (its 32-row tile) 1.12x today's path
+# and 1.09x the bf16 cache at 64 x 32 x 8192; at 64 rows a tile 0.9x and less, so those stay on the 32-token-step
+# kernel (bench providers tilecraft-fp8-rows64, -vs time them)
+ROWS64_FP8 = 32
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -699,8 +700,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     ops.mla_decode_fp8_rs instead (REGISTER_FP8: the e4m3 latent converted exactly to fp16 straight into
     WGMMA's register operand, the scales folded into the scores and P, two MMA warpgroups a CTA on alternate
     steps, "Session 38"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
-    rows bf16 with the scales applied by the converters (1.26x the 32-token-step kernel at h_q = 32,
-    "Session 34").
+    rows to ops.mla_decode_fp8_rows64 (ROWS64_FP8: its 32-row tile, 1.12x the swapped kernel that converts to
+    bf16 operand tiles, "Session 52").
     Otherwise fp8: the raw bytes and the
     bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
     (the producer warpgroup converts); on sm_100a 64-token steps one stage deep, 128 threads. On ascend:950
@@ -716,7 +717,7 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     swapped = sm90 and page >= BLOCK_N and rows <= most
     if kv_format == "fp8" and swapped and rows <= REGISTER_FP8_ROWS:
         return dict(REGISTER_FP8)
-    if kv_format == "fp8" and sm90 and ROWS64_FP8 and page >= BLOCK_N:
+    if kv_format == "fp8" and sm90 and rows <= ROWS64_FP8 and page >= BLOCK_N:
         return dict(kv_format="fp8", rows64=True)
     if kv_format != "fp8":
         if not sm90:

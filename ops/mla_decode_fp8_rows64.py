@@ -27,14 +27,17 @@ The row sums: each thread keeps two (columns 8q + 2c + {0, 1}: the step's sums o
 reduce-scattered over the 8 lanes of its column place), rescaled by every step's factor; the 8 partials of a
 column (4 warps x 2 warpgroups) are added in a fixed order at the end (deterministic, batch-invariant).
 
-Where s_q * h_q <= 32 the tile is 32 rows (rows_tile=32: WGMMA's N 32, O^T 64 registers a thread, ~150 in all),
-and the ring takes three stages (four with v_scaled) instead of two.
+Where s_q * h_q <= 32 the tile is 32 rows (rows_tile=32: WGMMA's N 32, O^T 64 registers a thread, ~200 in all
+with the MMAs' operands live while they run), and the ring takes three stages (four with v_scaled) instead of two.
 
-Status: built and checked on the CPU (ptxas: no spills at the op's shapes; the WGMMA and unpack counts; the
-barrier protocol by a model) in session 51, when no GPU was lent; not run. The op takes it only with
-ops.mla_decode.ROWS64_FP8 on (off until measured); tiling dict(kv_format="fp8", rows64=True) through
-ops.mla_decode._mla_decode_impl and bench providers tilecraft-fp8-rows64(-vs) run it. Options: v_scaled (three
-stages), rows_tile, k_fragments, debug (the first step's S^T and P dumped), trace (bench.trace_mla_rows64).
+Status (session 52, H200; bench/NOTES.md "Session 52"): GPU tests pass. The op takes it for s_q * h_q in 17-32
+(ops.mla_decode.ROWS64_FP8 = 32): 0.144 ms at 64 x 32 x 8192, 1.12x the swapped kernel it replaces and 1.09x the
+bf16 cache. At 64 rows a tile it is slower than the op's 32-token-step kernel (0.24 against 0.22 ms at 128 x 64 x
+4096 with v_scaled), so larger row counts stay there. The first build ran 2-3x slower: ptxas serialized every WGMMA
+(C7513) because the group loop was entered with the rope's MMAs in flight; `_scores` peels group 0 and a CPU test
+checks ptxas's log. Tiling dict(kv_format="fp8", rows64=True) through ops.mla_decode._mla_decode_impl and bench
+providers tilecraft-fp8-rows64(-vs) run it at any row count. Options: v_scaled (three stages), rows_tile,
+k_fragments, debug (the first step's S^T and P dumped), trace (bench.trace_mla_rows64).
 
 Pages of 64 tokens or more (a step inside one page); the query must be bfloat16 (the cache's rope is bf16); the
 latent query is rounded to fp16, so |q| and the cache scales must stay below 65504 (as the <= 16-row kernel's).
@@ -413,28 +416,38 @@ def _k_half(kl_s, slot, g, h, a_k):
 
 
 @T.macro
+def _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, g):
+    # latent group g's two 64-column halves into acc, drained, then folded into S^T with the group's token scales
+    if k_fragments == 2:
+        _k_half(kl_s, slot, g, 0, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[g, :, 0:64], acc, transpose_B=True, clear_accum=True)
+        _k_half(kl_s, slot, g, 1, a_k1)
+        T.wgmma_gemm(a_k1, ql_s[g, :, 64:128], acc, transpose_B=True)
+    else:
+        _k_half(kl_s, slot, g, 0, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[g, :, 0:64], acc, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(0)
+        _k_half(kl_s, slot, g, 1, a_k0)
+        T.wgmma_gemm(a_k0, ql_s[g, :, 64:128], acc, transpose_B=True)
+    T.wait_wgmma(0)
+    T.evaluate(T.call_extern("handle", f"tc64_fold<{acc.shape[1]}>", s_t.data, acc.data, _stage(kl_s, slot), g))
+
+
+@T.macro
 def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments):
     # S^T = the rope's K Q_r^T (bf16 from the stage's token rows into registers), then each group's two 64-column
-    # halves into acc, folded into S^T with the group's token scales
+    # halves into acc, folded into S^T with the group's token scales. Group 0 is peeled: its fill overlaps the rope's
+    # MMAs and its drain covers them, so nothing is in flight when the loop of groups 1-3 begins. Entered with the
+    # rope's MMAs in flight, the loop (whose fold writes S^T, the rope's accumulator) made ptxas serialize every
+    # WGMMA of the kernel (C7513), and unrolling it spills (bench/NOTES.md "Session 52").
     tid = T.get_thread_binding() % 128
     T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
                              T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
                              tid // 32 * 16 + tid % 32 // 4, tid % 4))
     T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
-    for g in range(GROUPS):
-        if k_fragments == 2:
-            _k_half(kl_s, slot, g, 0, a_k0)
-            T.wgmma_gemm(a_k0, ql_s[g, :, 0:64], acc, transpose_B=True, clear_accum=True)
-            _k_half(kl_s, slot, g, 1, a_k1)
-            T.wgmma_gemm(a_k1, ql_s[g, :, 64:128], acc, transpose_B=True)
-        else:
-            _k_half(kl_s, slot, g, 0, a_k0)
-            T.wgmma_gemm(a_k0, ql_s[g, :, 0:64], acc, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            _k_half(kl_s, slot, g, 1, a_k0)
-            T.wgmma_gemm(a_k0, ql_s[g, :, 64:128], acc, transpose_B=True)
-        T.wait_wgmma(0)
-        T.evaluate(T.call_extern("handle", f"tc64_fold<{acc.shape[1]}>", s_t.data, acc.data, _stage(kl_s, slot), g))
+    _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, 0)
+    for g in T.serial(1, GROUPS):
+        _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, g)
 
 
 @T.macro
@@ -541,6 +554,7 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
             T.evaluate(T.call_extern("handle", "tc64_arrive", BAR_P_FREE + (1 - w)))
         T.evaluate(T.call_extern("handle", f"tc64_rescale_o<{n}>", o0.data, o1.data, alpha.data))
         _pv(w, kl_s, slot, p_s, w, a_v, o0, o1)
+        T.wait_wgmma(0)        # V's fragment free before the next step's fills (in flight into them: spills)
         T.mbarrier_arrive(empty[slot])
         _stamp(stamps, k, 7)
     if n_iter >= 1 and (n_iter - 1) % 2 != w:     # the last step is the other warpgroup's: its P V

@@ -949,14 +949,16 @@ def test_gpu_masked_whole_bursts_give_the_same_bits(monkeypatch, G, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [128, 200])
 def test_gpu_dense_prefill_is_the_contiguous_op(monkeypatch, m):
-    """W4A8_DENSE_PREFILL: m > 64 runs the contiguous kernel as one expert (rows padded to 128 where needed): the
-    contiguous op's bits on the same rows, near the fp32 product; off, m > 64 is refused."""
+    """W4A8_DENSE_PREFILL (on): m > 64 runs the contiguous kernel as one expert (rows padded to 128 where needed):
+    the contiguous op's bits on the same rows, near the fp32 product; off, m > 64 is refused."""
     g = torch.Generator().manual_seed(m)
     n, k = 256, 2048
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
     prep = prepare_mxfp4_w4a8(packed, scales)
     dev = [t.cuda() for t in (a, sa, *prep)]
+    assert gemm_w4a8.W4A8_DENSE_PREFILL
+    monkeypatch.setattr(gemm_w4a8, "W4A8_DENSE_PREFILL", False)
     with pytest.raises(ValueError, match="decode-sized"):
         ops.mxfp4_w4a8_gemm_nt(*dev)
     monkeypatch.setattr(gemm_w4a8, "W4A8_DENSE_PREFILL", True)

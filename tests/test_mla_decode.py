@@ -557,19 +557,25 @@ def test_gpu_fp8_cache(b, s_q, h_q, lens, page):
     run_fp8_case(b, s_q, h_q, lens, page)
 
 
+# the FP8 cache's swapped kernel at 17-32 rows: the op's until session 52, now its fallback with ROWS64_FP8 = 0
+SWAPPED_FP8_32 = dict(block_n=64, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True)
+
+
 @pytest.mark.gpu
-def test_gpu_fp8_swapped_32_rows():
-    """The op's FP8 kernel at 17-32 query rows: swapped, e4m3 -> bf16 in the converters, the rope direct
-    (its row statistics in the S^T tile's spare words, or it would not fit). 32 heads, and 2 tokens x 16
-    heads (causal), against the reference; lengths 0 and 1, NaN tails."""
-    assert pick_tiling(32, "fp8", "sm_90a", 64) == dict(block_n=64, stages=2, raw_stages=2, kv_format="fp8",
-                                                        swapped=True, rope_direct=True)
+def test_gpu_fp8_swapped_32_rows(monkeypatch):
+    """The FP8 kernel at 17-32 query rows with ops.mla_decode.ROWS64_FP8 = 0: swapped, e4m3 -> bf16 in the
+    converters, the rope direct (its row statistics in the S^T tile's spare words, or it would not fit). 32 heads,
+    and 2 tokens x 16 heads (causal), against the reference; lengths 0 and 1, NaN tails."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "ROWS64_FP8", 0)
+    assert pick_tiling(32, "fp8", "sm_90a", 64) == SWAPPED_FP8_32
     run_fp8_case(3, 1, 32, [1000, 1, 0], 64)
     run_fp8_case(2, 2, 16, [700, 64], 64)
 
 
 def test_fp8_swapped_kernel_fits_at_32_rows(monkeypatch):
-    """The op's FP8 kernel at 32 rows needs all of sm_90a's 227 KB of shared memory: 231,424 dynamic bytes
+    """The swapped FP8 kernel at 32 rows (the op's with ROWS64_FP8 = 0) needs all of sm_90a's 227 KB of shared memory: 231,424 dynamic bytes
     plus the mbarriers' static ones, which cost a whole KB (the dynamic buffer starts 1 KB aligned after
     them). codegen.jit counts both (at 231,808 + 1 KB the launch failed on the H200, "Session 34"); the
     row statistics kept in the S^T tile's spare words bring it under. Operand tiles 1 KB aligned, no spills."""
@@ -579,7 +585,7 @@ def test_fp8_swapped_kernel_fits_at_32_rows(monkeypatch):
     real = jit.block_shared_memory
     monkeypatch.setattr(jit, "block_shared_memory", lambda device_mod: needs.append(real(device_mod)) or needs[-1])
     monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")       # lowered here, not read from the cache
-    src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **pick_tiling(32, "fp8", "sm_90a", 64))
+    src = mla_decode_program.source("sm_90a", h_q=32, s_q=1, **SWAPPED_FP8_32)
     assert needs == [227 * 1024], needs
     assert "extern __shared__ __align__(1024)" in src and "__shared__ __align__(16) uint64_t" in src
     _assert_operand_tiles_1kb_aligned(src)
@@ -605,7 +611,7 @@ def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None):
         out, lse = _mla_decode_impl(q, cache, table, seqlens, scale, True, None, tiling=tiling, kv_format="fp8")
     assert not out.isnan().any()
     chosen = tiling or pick_tiling(s_q * h_q, "fp8", "sm_90a", page)
-    exact = exact or chosen.get("fold_scales", False) or chosen.get("register_fp8", False)
+    exact = exact or any(chosen.get(k, False) for k in ("fold_scales", "register_fp8", "rows64"))
     # the kernel multiplies the dequantized cache rounded to bf16 (or, exact, unrounded): compare with exactly that
     deq = ops.dequantize_mla_kv_fp8(cache)
     deq = deq if exact else deq.to(torch.bfloat16)

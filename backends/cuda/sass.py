@@ -70,8 +70,9 @@ def _gencode(arch: str) -> list[str]:
     return ["-gencode", f"arch=compute_{num}{suffix},code=sm_{num}{suffix}"]
 
 
-def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes:
-    """Compile CUDA source (as TileLang emits it) to a cubin for `arch` with our nvcc."""
+def compile_cubin(source: str, arch: str, flags: list[str] | None = None) -> tuple[bytes, str]:
+    """Compile CUDA source (as TileLang emits it) to a cubin for `arch` with our nvcc; returns the cubin and ptxas's
+    verbose log (registers, spills, and its performance warnings: see wgmma_serialized)."""
     from tilelang import env as tl_env  # template and CUTLASS include dirs ship with TileLang
 
     tc = find_toolchain()
@@ -80,11 +81,27 @@ def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes
         src.write_text(source)
         cmd = [str(tc.nvcc), "--cubin", "-O3", "-lineinfo", "-std=c++20", *_gencode(arch),
                f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}",
-               f"-I{tc.cuda_home / 'include'}", *(flags or []), "-o", str(out), str(src)]
+               f"-I{tc.cuda_home / 'include'}", "-Xptxas", "-v", *(flags or []), "-o", str(out), str(src)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ToolchainError(f"nvcc failed ({' '.join(cmd[:6])} ...):\n{proc.stdout}{proc.stderr}")
-        return out.read_bytes()
+        return out.read_bytes(), "\n".join(l for l in (proc.stdout + proc.stderr).splitlines() if "ptxas" in l)
+
+
+def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes:
+    """Compile CUDA source (as TileLang emits it) to a cubin for `arch` with our nvcc."""
+    return compile_cubin(source, arch, flags)[0]
+
+
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (wgmma[^\n]*?) in the function '(\w+)'")
+
+
+def wgmma_serialized(ptxas_log: str) -> list[str]:
+    """ptxas's "wgmma.mma_async instructions are serialized" warnings (C7513 input registers, C7515 accumulators, ...)
+    in a compile_cubin log: when ptxas cannot prove a WGMMA pipeline safe anywhere in a kernel, it waits after every
+    WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA). One non-unrolled loop around RS WGMMAs was enough
+    (bench/NOTES.md "Session 52")."""
+    return [f"{code} in {fn}: {text}" for code, text, fn in _SERIALIZED.findall(ptxas_log)]
 
 
 def _run_tool(name: str, args: list[str], cubin: bytes) -> str:
