@@ -79,6 +79,20 @@ def test_sass_histogram_parser():
     assert histogram(sass) == {"HGMMA": 2, "LDG": 1, "UTMALDG": 1}
 
 
+def test_wgmma_serialization_warnings_are_read_from_the_ptxas_log():
+    """backends.cuda.sass.wgmma_serialized: ptxas's C75xx performance warnings (the C7513 line as CUDA 13.0's ptxas
+    printed it for session 51's FP8 MLA kernel), one entry per warning naming the code and the function."""
+    from backends.cuda.sass import wgmma_serialized
+
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining input registers of a wgmma between start and end of the pipeline stage in the function 'mla_decode_fp8_rows64_kernel'
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and end of the pipeline stage in the function 'k2'
+ptxas info    : Used 168 registers, used 10 barriers, 1024 bytes smem"""
+    found = wgmma_serialized(log)
+    assert [f.split(":")[0] for f in found] == ["C7513 in mla_decode_fp8_rows64_kernel", "C7514 in k2"], found
+    assert wgmma_serialized("ptxas info    : Used 168 registers") == []
+
+
 SETMAXNREG_PROBE = r"""
 extern "C" __global__ void __launch_bounds__(384, 1) probe(const float* __restrict__ in, float* __restrict__ out,
                                                            int n) {

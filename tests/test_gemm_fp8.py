@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ops
+from backends.cuda.sass import wgmma_serialized
 from ops.gemm_fp8 import fp8_gemm_program
 
 
@@ -615,28 +616,11 @@ OVERLAP_CASES = [dict(n=2112, k=7168, block_m=128, block_n=64, splits=4, stages=
 
 
 def _build_with_ptxas_log(src: str, arch: str = "sm_90a"):
-    """(cubin, ptxas -v output): build_cubin's nvcc command plus -Xptxas -v, keeping what it prints
-    (ptxas reports WGMMA serialization, C7514 / C7517, only there)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    """(cubin, ptxas -v output) of a source (ptxas reports WGMMA serialization only there:
+    backends.cuda.sass.wgmma_serialized reads it)."""
+    from backends.cuda.sass import compile_cubin
 
-    from tilelang import env as tl_env
-
-    from backends import ToolchainError
-    from backends.cuda.toolchain import find_toolchain
-
-    tc = find_toolchain()
-    with tempfile.TemporaryDirectory(prefix="tilecraft-ptxas-") as tmp:
-        cu, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
-        cu.write_text(src)
-        cmd = [str(tc.nvcc), "--cubin", "-O3", "-lineinfo", "-std=c++20", "-gencode", f"arch=compute_{arch[3:]},code={arch}",
-               f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", f"-I{tc.cuda_home / 'include'}",
-               "-Xptxas", "-v", "-o", str(out), str(cu)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ToolchainError(f"nvcc failed:\n{proc.stdout}{proc.stderr}")
-        return out.read_bytes(), proc.stdout + proc.stderr
+    return compile_cubin(src, arch)
 
 
 def _sass_and_ptxas_log(src: str):
@@ -682,7 +666,7 @@ def _tma_wgmma_sass(src: str, mma: str) -> str:
     hist = histogram(sass)
     assert hist.get(mma, 0) > 0 and hist.get("UTMALDG", 0) > 0
     assert hist.get("STL", 0) == 0 and hist.get("LDL", 0) == 0 and "0 bytes spill stores, 0 bytes spill loads" in log
-    assert "C7514" not in log and "C7517" not in log, log[-2000:]
+    assert wgmma_serialized(log) == [], log[-2000:]
     return sass
 
 
@@ -893,7 +877,7 @@ def test_multicast_loads_a_once_per_cluster_on_sm90a(mode):
     assert "tma_load_multicast" in src and "block_rank_in_cluster() ^ 1" in src
     sass, log = _sass_and_ptxas_log(src)
     assert "UTMALDG.2D.MULTICAST" in sass or "UTMALDG.3D.MULTICAST" in sass
-    assert "0 bytes spill stores, 0 bytes spill loads" in log and "C7514" not in log
+    assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == []
     with pytest.raises(ValueError, match="even number of n tiles"):
         fp8_gemm_program.source("sm_90a", n=384, k=1024, overlap=True, multicast=True)
     with pytest.raises(ValueError, match="overlap=True"):

@@ -71,8 +71,8 @@ def _gencode(arch: str) -> list[str]:
 
 
 def compile_cubin(source: str, arch: str, flags: list[str] | None = None) -> tuple[bytes, str]:
-    """Compile CUDA source (as TileLang emits it) to a cubin for `arch` with our nvcc; returns the cubin and ptxas's
-    verbose log (registers, spills, and its performance warnings: see wgmma_serialized)."""
+    """Compile CUDA source (as TileLang emits it) to a cubin for `arch` with our nvcc; returns the cubin and what
+    nvcc printed, ptxas's verbose log included (registers, spills, its performance warnings: wgmma_serialized)."""
     from tilelang import env as tl_env  # template and CUTLASS include dirs ship with TileLang
 
     tc = find_toolchain()
@@ -85,7 +85,7 @@ def compile_cubin(source: str, arch: str, flags: list[str] | None = None) -> tup
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ToolchainError(f"nvcc failed ({' '.join(cmd[:6])} ...):\n{proc.stdout}{proc.stderr}")
-        return out.read_bytes(), "\n".join(l for l in (proc.stdout + proc.stderr).splitlines() if "ptxas" in l)
+        return out.read_bytes(), proc.stdout + proc.stderr
 
 
 def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes:
@@ -93,12 +93,12 @@ def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes
     return compile_cubin(source, arch, flags)[0]
 
 
-_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (wgmma[^\n]*?) in the function '(\w+)'")
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?) in the function '(\w+)'")
 
 
 def wgmma_serialized(ptxas_log: str) -> list[str]:
-    """ptxas's "wgmma.mma_async instructions are serialized" warnings (C7513 input registers, C7515 accumulators, ...)
-    in a compile_cubin log: when ptxas cannot prove a WGMMA pipeline safe anywhere in a kernel, it waits after every
+    """ptxas's WGMMA performance warnings in a compile_cubin log ("(C75xx) Potential Performance Loss: wgmma.mma_async
+    instructions are serialized due to ...": C7513 input registers, C7514, C7515 accumulators, C7517 an injected wait): when ptxas cannot prove a WGMMA pipeline safe anywhere in a kernel, it waits after every
     WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA). One non-unrolled loop around RS WGMMAs was enough
     (bench/NOTES.md "Session 52")."""
     return [f"{code} in {fn}: {text}" for code, text, fn in _SERIALIZED.findall(ptxas_log)]
