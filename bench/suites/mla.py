@@ -33,6 +33,10 @@ PRESETS = {
     # the FP8 cache's <= 16-row kernel across batch sizes (splits), MTP (2 x 8 rows) and a long context
     "fp8-16": _cases([(1, 16, 1, 8192), (8, 16, 1, 8192), (32, 16, 1, 4096), (64, 16, 1, 8192), (128, 16, 1, 4096),
                       (128, 8, 2, 4096), (16, 16, 1, 32768)]),
+    # 17-32 rows (ops.mla_decode.ROWS64_FP8: the 64-row kernel's 32-row tile since session 52) across batch sizes,
+    # MTP (2 x 16 rows) and a long context; tilecraft-fp8-swapped32 is the kernel it replaced
+    "fp8-32": _cases([(64, 32, 1, 8192), (128, 32, 1, 4096), (8, 32, 1, 8192), (1, 32, 1, 16384), (128, 16, 2, 4096),
+                      (16, 32, 1, 32768)]),
 }
 
 
@@ -125,6 +129,10 @@ def fp8_rows64(case, i, **options):
     return run
 
 
+# the FP8 cache's kernel at 17-32 rows before session 52 (ops.mla_decode.ROWS64_FP8 = 0 gives it back)
+FP8_SWAPPED_32 = dict(block_n=64, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True)
+
+
 def fp8_swapped_with(case, i, **options):
     """The FP8 cache through the swapped fold kernel (FP8_FOLD) with its options changed:
     stage_raw (the converters read a raw chunk into registers and reload its staging before
@@ -208,6 +216,8 @@ SUITE = Suite(
         # two MMA warpgroups a CTA on alternate steps: the op's kernel since session 37 (tilecraft-fp8 runs it)
         Provider("tilecraft-fp8-rows64", fp8_rows64, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rows64-vs", lambda c, i: fp8_rows64(c, i, v_scaled=True), experimental=True,
+                 nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-swapped32", lambda c, i: tilecraft_variant(c, i, FP8_SWAPPED_32), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
         # the same without its pace (ops.mla_decode_fp8_rs.RS2_PACE: every CTA streams as fast as the DRAM serves its SM)
