@@ -1,6 +1,6 @@
 """Where a step of the FP8 MLA kernel at up to 64 query rows a CTA (ops.mla_decode_fp8_rows64) spends its cycles.
 
-    python -m bench.trace_mla_rows64 [--case 128x64x4096] [--v-scaled] [--flush read|write] [--reps 20]   # GPU
+    python -m bench.trace_mla_rows64 [--case 128x64x4096] [--v-scaled] [--k-scaled] [--flush read|write] [--reps 20]   # GPU
 
 One unsplit launch of b sequences (b CTAs a row tile), the cache as the op would hold it. Printed:
 - the kernel's time with and without trace=True (CUDA events, the L2 flushed before each launch): the trace's cost;
@@ -44,6 +44,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="128x64x4096", help="BxH_QxSEQLEN (s_q = 1)")
     ap.add_argument("--v-scaled", action="store_true", help="the three-stage variant (scales in V's fragment)")
+    ap.add_argument("--k-scaled", action="store_true", help="the scales in K's fragments (one drain for the scores)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read", help="how the L2 is flushed before each launch")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
@@ -59,10 +60,11 @@ def main(argv=None):
     launch_args = (q, cache, cache.view(torch.float32), cache.view(torch.bfloat16), table, lens, splits, out, lse,
                    o_part, lse_part, 1, float(D_QK ** -0.5 * LOG2E))
     flush = _flusher(True, args.flush)
-    line = f"== {args.case}{' v_scaled' if args.v_scaled else ''}, {args.flush} flush, {m_tiles} row tile(s) a sequence:"
+    variant = "".join(f" {n}" for n, on in (("v_scaled", args.v_scaled), ("k_scaled", args.k_scaled)) if on)
+    line = f"== {args.case}{variant}, {args.flush} flush, {m_tiles} row tile(s) a sequence:"
     for trace in (False, True):
         kernel = mla_decode_fp8_rows64_program.compile("sm_90a", h_q=h_q, s_q=1, page=PAGE, v_scaled=args.v_scaled,
-                                                       trace=trace)
+                                                       k_scaled=args.k_scaled, trace=trace)
         launch = kernel.launcher()
         times = []
         for _ in range(args.reps):

@@ -766,11 +766,12 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         opts = {k: v for k, v in tiling.items() if k not in ("register_fp8", "kv_format", "chains")}
         program = mla_decode_fp8_rs2_program if tiling.get("chains", 1) == 2 else mla_decode_fp8_rs_program
         main = program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **opts)
-    elif tiling.get("rows64"):       # sm_90a, FP8 cache, 64 rows a CTA: ops.mla_decode_fp8_rows64 (not the op's choice)
+    elif tiling.get("rows64"):       # sm_90a, FP8 cache, rows as WGMMA's N: ops.mla_decode_fp8_rows64 (17-32 rows)
         from ops.mla_decode_fp8_rows64 import mla_decode_fp8_rows64_program
 
+        opts = {k: v for k, v in tiling.items() if k not in ("rows64", "kv_format")}
         main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
-                                                     v_scaled=tiling.get("v_scaled", False))
+                                                     **opts)
     else:
         main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])

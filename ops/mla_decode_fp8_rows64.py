@@ -36,7 +36,8 @@ bf16 cache. At 64 rows a tile it is slower than the op's 32-token-step kernel (0
 4096 with v_scaled), so larger row counts stay there. The first build ran 2-3x slower: ptxas serialized every WGMMA
 (C7513) because the group loop was entered with the rope's MMAs in flight; `_scores` peels group 0 and a CPU test
 checks ptxas's log. Tiling dict(kv_format="fp8", rows64=True) through ops.mla_decode._mla_decode_impl and bench
-providers tilecraft-fp8-rows64(-vs) run it at any row count. Options: v_scaled (three stages), rows_tile,
+providers tilecraft-fp8-rows64(-vs, -vks) run it at any row count. Options: v_scaled (three stages), k_scaled (the
+scales in K's fragments, one drain for the scores; built after session 52's GPU time, not run), rows_tile,
 k_fragments, debug (the first step's S^T and P dumped), trace (bench.trace_mla_rows64).
 
 Pages of 64 tokens or more (a step inside one page); the query must be bfloat16 (the cache's rope is bf16); the
@@ -126,6 +127,39 @@ __device__ __forceinline__ float2 tc64_scales(const void* stage, int g) {
 template <int N>
 __device__ __forceinline__ void tc64_fold(float* s, const float* acc, const void* stage, int g) {
   const float2 sc = tc64_scales(stage, g);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s[i] = fmaf(acc[i], (i >> 1) & 1 ? sc.y : sc.x, s[i]);
+}
+// k_scaled: this thread's tokens' largest group scale (r, r + 8), the factor taken out of K's fragments
+__device__ __forceinline__ float2 tc64_max_scale(const void* stage) {
+  float2 m = tc64_scales(stage, 0);
+#pragma unroll
+  for (int g = 1; g < 4; ++g) {
+    const float2 v = tc64_scales(stage, g);
+    m.x = fmaxf(m.x, v.x), m.y = fmaxf(m.y, v.y);
+  }
+  return m;
+}
+// k_scaled: tc64_k_half with each token's values times scale_g / (its largest group scale), in fp16 (at most 448
+// in magnitude: no overflow; a group whose scale is below 2^-14 of the largest loses precision only far below the
+// token's largest values); a token whose scales are all zero (a zeroed tail) gets zeros
+template <int H>
+__device__ __forceinline__ void tc64_k_half_scaled(void* dst, const void* base, const void* stage, int g, int r,
+                                                   int c) {
+  tc64_k_half<H>(dst, base, r, c);
+  const float2 sc = tc64_scales(stage, g), mx = tc64_max_scale(stage);
+  const float q0 = mx.x > 0.f ? sc.x / mx.x : 0.f, q8 = mx.y > 0.f ? sc.y / mx.y : 0.f;
+  unsigned f0, f8;
+  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(f0) : "f"(q0));
+  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(f8) : "f"(q8));
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(d[i]) : "r"(i & 1 ? f8 : f0));
+}
+// k_scaled: S^T += (largest group scale)[token] * acc (the four groups' sum, each already in its ratio)
+template <int N>
+__device__ __forceinline__ void tc64_fold_max(float* s, const float* acc, const void* stage) {
+  const float2 sc = tc64_max_scale(stage);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) s[i] = fmaf(acc[i], (i >> 1) & 1 ? sc.y : sc.x, s[i]);
 }
@@ -434,6 +468,43 @@ def _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, g):
 
 
 @T.macro
+def _k_scaled_half(kl_s, slot, ql_s, a_k, acc, g, h, first):
+    # k_scaled: group g's half h, its tokens' scale ratios in the fragment, into acc (no drain)
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", f"tc64_k_half_scaled<{h}>", a_k.data, _lat(kl_s, slot, g),
+                             _stage(kl_s, slot), g, tid // 32 * 16 + tid % 32 // 4, tid % 4))
+    T.wgmma_gemm(a_k, ql_s[g, :, h * 64:(h + 1) * 64], acc, transpose_B=True, clear_accum=first)
+
+
+@T.macro
+def _scores_k_scaled(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
+    # S^T = the rope's K Q_r^T + (largest group scale)[token] * sum_g (K_g * ratio_g) Q_g^T: the eight halves into
+    # acc on two alternating fragments, each refilled once the MMA before the last is done (wait 1: the fills run
+    # under the MMAs), one drain, one fold
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
+                             T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
+                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
+    T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
+    _k_scaled_half(kl_s, slot, ql_s, a_k0, acc, 0, 0, True)
+    _k_scaled_half(kl_s, slot, ql_s, a_k1, acc, 0, 1, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k0, acc, 1, 0, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k1, acc, 1, 1, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k0, acc, 2, 0, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k1, acc, 2, 1, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k0, acc, 3, 0, False)
+    T.wait_wgmma(1)
+    _k_scaled_half(kl_s, slot, ql_s, a_k1, acc, 3, 1, False)
+    T.wait_wgmma(0)
+    T.evaluate(T.call_extern("handle", f"tc64_fold_max<{acc.shape[1]}>", s_t.data, acc.data, _stage(kl_s, slot)))
+
+
+@T.macro
 def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments):
     # S^T = the rope's K Q_r^T (bf16 from the stage's token rows into registers), then each group's two 64-column
     # halves into acc, folded into S^T with the group's token scales. Group 0 is peeled: its fill overlaps the rope's
@@ -501,7 +572,7 @@ def _stamp(stamps, k, e):
 
 @T.macro
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
-           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2,
+           full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2, k_scaled=False,
            stamps=None):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
     n = m_s.shape[1]                 # rows a tile (WGMMA's N)
@@ -519,7 +590,10 @@ def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, 
         if valid < STEP:       # the sequence's short last step: its tokens past the end zeroed (latent, scales)
             T.evaluate(T.call_extern("handle", "tc_zero_tail<1>", _stage(kl_s, slot), _stage(kl_s, slot), valid,
                                      BAR_TAIL + w))
-        _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments)
+        if k_scaled:
+            _scores_k_scaled(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t)
+        else:
+            _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments)
         _stamp(stamps, k, 2)
         if dump is not None and w == 0:     # debug: the CTA's first step's scores as folded (dump columns 0..)
             if j == 0:
@@ -658,7 +732,7 @@ def _check(rows, page, dtype):
 )
 def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
                                   v_scaled: bool = False, rows_tile: int | None = None, debug: bool = False,
-                                  k_fragments: int = 2, trace: bool = False):
+                                  k_fragments: int = 2, trace: bool = False, k_scaled: bool = False):
     """The FP8-cache MLA decode at up to 64 query rows a CTA (this module's docstring), one CTA per (sequence,
     split, row tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and
     outputs are mla_decode_program's with kv_format="fp8".
@@ -669,6 +743,11 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
 
     k_fragments: K's groups as two 64-column register fragments, the second filled under the first's MMA (2), or
     one, each half's MMA waited for before the next fill (1: 16 registers fewer).
+
+    k_scaled=True (bench/NOTES.md "Session 52"): the group scales go into K's fp16 fragments as ratios to each
+    token's largest group scale (at most 1, so the values stay below 448), the eight halves accumulate with no drain
+    between groups, and the largest scale multiplies the sum once; the fp16 products round K (2^-11 relative),
+    where the default kernel's K is e4m3 exactly. Takes two fragments (k_fragments 2).
 
     trace=True (bench.trace_mla_rows64; unsplit launches with OPart of batch slots): each warpgroup's first thread
     writes the SM clock at TRACE_EVENTS of its own steps among the first TRACE_STEPS into OPart[bid, 0] (int32 bits,
@@ -690,6 +769,8 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
         raise ValueError("mla_decode_fp8_rows64: trace and debug both write OPart[bid]: take one")
     if k_fragments not in (1, 2):
         raise ValueError(f"mla_decode_fp8_rows64: k_fragments must be 1 or 2, got {k_fragments}")
+    if k_scaled and k_fragments != 2:
+        raise ValueError("mla_decode_fp8_rows64: k_scaled fills two K fragments alternately (k_fragments=2)")
     if rt not in (32, 64) or (rt == 32 and rows > 32):
         raise ValueError(f"mla_decode_fp8_rows64: rows_tile must be 64, or 32 with s_q * h_q <= 32; got {rows_tile} "
                          f"for {rows} rows")
@@ -768,7 +849,7 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
                 if trace:
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 1, 0))
                 _chain(0, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[0], k_fragments=k_fragments,
+                       al_s, full, empty, *frags[0], k_fragments=k_fragments, k_scaled=k_scaled,
                        dump=T.access_ptr(OPart[bid, 0, 0], "w", STEP * D_V) if debug else None,
                        stamps=T.access_ptr(OPart[bid, 0, 0], "w", 8 * TRACE_STEPS) if trace else None)
                 if trace:
@@ -779,7 +860,7 @@ def mla_decode_fp8_rows64_program(h_q: int, s_q: int, page: int = 64, dtype: str
                     T.evaluate(T.call_extern("handle", "tc_span", T.access_ptr(OPart[bid, 1, 0], "w", 8), 3, n_iter))
             elif tx < 256:
                 _chain(1, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s,
-                       al_s, full, empty, *frags[1], k_fragments=k_fragments,
+                       al_s, full, empty, *frags[1], k_fragments=k_fragments, k_scaled=k_scaled,
                        stamps=T.access_ptr(OPart[bid, 0, 0], "w", 8 * TRACE_STEPS) if trace else None)
                 _epilogue(1, frags[1], lpart, l_s, m_s, Out, Lse, OPart, LsePart, bi, si, splits, max_splits, n_iter,
                           row0, rows, h_q)

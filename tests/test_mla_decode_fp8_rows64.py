@@ -79,6 +79,30 @@ def test_v_scaled_takes_the_scales_into_v_and_three_stages():
     assert counts["HGMMA.64x64x16.F32"] == 2 * (32 + 3 * 16), counts
 
 
+def test_k_scaled_takes_the_scales_into_k_and_drains_the_scores_once():
+    """k_scaled: each K half's fragment times its tokens' scale ratios (mul.f16x2: 16 a half, 8 halves a step), the
+    eight halves' MMAs on two alternating fragments with a wait for all but the last between them (no drain per
+    group: one wgmma.wait_group 0 for the scores, against four), the same MMA and unpack counts as the default, and
+    ptxas keeps them asynchronous. Alone it spills nothing; with v_scaled a few words (stored before the loop).
+    It needs the two fragments."""
+    from backends.cuda.sass import compile_cubin, disassemble, sass_stats, wgmma_serialized
+
+    for v_scaled, most_spills, hmul2 in ((False, 0, 2 * 8 * 16), (True, 8, 2 * 8 * 16 + 2 * 3 * 2 * 32)):
+        src = mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, v_scaled=v_scaled, k_scaled=True)
+        assert src.count("tc64_k_half_scaled<0>(") == 2 * 4 and src.count("tl::wait_wgmma<1>();") == 2 * 6
+        assert src.count("tc64_fold_max<64>(") == 2 and "tc64_fold<64>(v" not in src
+        cubin, log = compile_cubin(src, "sm_90a")
+        assert wgmma_serialized(log) == [], wgmma_serialized(log)
+        st = sass_stats(cubin, "sm_90a")
+        assert st.spill_stores <= most_spills, (v_scaled, st.spill_stores, st.spill_loads)
+        counts = collections.Counter(re.findall(r"\b(HGMMA\.[\w.]+|F2FP\.F16\.E4M3\.UNPACK_B|HMUL2)\b",
+                                                disassemble(cubin)))
+        assert counts["HGMMA.64x64x16.F32"] == 2 * (32 + 3 * 16) and counts["HGMMA.64x64x16.F32.BF16"] == 2 * 4, counts
+        assert counts["F2FP.F16.E4M3.UNPACK_B"] == 2 * (8 * 16 + 3 * 64) and counts["HMUL2"] == hmul2, counts
+    with pytest.raises(ValueError, match="k_scaled fills two K fragments"):
+        mla_decode_fp8_rows64_program.source("sm_90a", h_q=64, s_q=1, k_scaled=True, k_fragments=1)
+
+
 def test_shared_memory_and_the_swizzled_tiles_are_aligned():
     """The stages, Q^T and the P copies fit one SM's 227 KB, and the 128-byte-swizzled P tiles (written by
     stmatrix with the swizzle computed from their offset) and Q^T start on 1 KB boundaries."""
@@ -104,14 +128,15 @@ def test_refuses_what_it_is_not_built_for():
                                                  (2, 1, 64, [16384, 130], 64), (4, 1, 20, [191, 192, 193, 65], 64),
                                                  (2, 1, 32, [8192, 1000], 64), (2, 2, 16, [700, 2], 128),
                                                  (3, 1, 17, [129, 0, 4000], 64)])
-@pytest.mark.parametrize("v_scaled", [False, True])
-def test_gpu_matches_reference(b, s_q, h_q, lens, page, v_scaled):
+@pytest.mark.parametrize("variant", [{}, {"v_scaled": True}, {"v_scaled": True, "k_scaled": True}],
+                         ids=["plain", "v_scaled", "vk_scaled"])
+def test_gpu_matches_reference(b, s_q, h_q, lens, page, variant):
     """Against the reference on the exactly dequantized cache (fp32) with the bf16 kernels' bounds (the values are
     e4m3 exactly; P is rounded to fp16 after its scale): NaN tails and NaN pages must not leak; lengths 0, 1, 2 and
     odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
     two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine; 32-row tiles
-    (s_q * h_q <= 32: 32, 2 x 16, 17, 20)."""
-    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, v_scaled=v_scaled))
+    (s_q * h_q <= 32: 32, 2 x 16, 17, 20). k_scaled rounds K's scaled values to fp16 (2^-11), inside the bounds."""
+    run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, **variant))
 
 
 def _late_jumps(q, kv, table):
@@ -122,9 +147,10 @@ def _late_jumps(q, kv, table):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_scaled", [False, True])
-def test_gpu_follows_late_jumps(v_scaled):
-    run_fp8_case(2, 1, 64, [4000, 3000], 64, exact=True, tiling=dict(ROWS64, v_scaled=v_scaled), edit=_late_jumps)
+@pytest.mark.parametrize("variant", [{}, {"v_scaled": True}, {"v_scaled": True, "k_scaled": True}],
+                         ids=["plain", "v_scaled", "vk_scaled"])
+def test_gpu_follows_late_jumps(variant):
+    run_fp8_case(2, 1, 64, [4000, 3000], 64, exact=True, tiling=dict(ROWS64, **variant), edit=_late_jumps)
 
 
 @pytest.mark.gpu

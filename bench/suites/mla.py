@@ -118,8 +118,9 @@ def fp8_register(case, i, **options):
 
 def fp8_rows64(case, i, **options):
     """The FP8 cache through ops.mla_decode_fp8_rows64 (64 query rows a CTA, the e4m3 latent converted into WGMMA's
-    register operand, the two MMA warpgroups in a seesaw; built in session 51, not the op's choice). options:
-    v_scaled=True (the scales in V's fragment, one P copy, three stages)."""
+    register operand, the two MMA warpgroups in a seesaw; the op's at 17-32 rows since session 52). options:
+    v_scaled=True (the scales in V's fragment, one P copy, three stages), k_scaled=True (the scales in K's fragments
+    as ratios to each token's largest: one drain for the scores)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
@@ -217,6 +218,8 @@ SUITE = Suite(
         Provider("tilecraft-fp8-rows64", fp8_rows64, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rows64-vs", lambda c, i: fp8_rows64(c, i, v_scaled=True), experimental=True,
                  nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-rows64-vks", lambda c, i: fp8_rows64(c, i, v_scaled=True, k_scaled=True),
+                 experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-swapped32", lambda c, i: tilecraft_variant(c, i, FP8_SWAPPED_32), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-rs2", lambda c, i: fp8_register(c, i, chains=2), experimental=True, nbytes=nbytes_fp8),
