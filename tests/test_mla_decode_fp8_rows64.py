@@ -135,7 +135,8 @@ def test_gpu_matches_reference(b, s_q, h_q, lens, page, variant):
     e4m3 exactly; P is rounded to fp16 after its scale): NaN tails and NaN pages must not leak; lengths 0, 1, 2 and
     odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
     two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine; 32-row tiles
-    (s_q * h_q <= 32: 32, 2 x 16, 17, 20). k_scaled rounds K's scaled values to fp16 (2^-11), inside the bounds."""
+    (s_q * h_q <= 32: 32, 2 x 16, 17, 20). k_scaled rounds its scaled K to fp16: the reference reads the cache as
+    it rounds it (k_scaled_dequant; the lse would differ by ~2^-10 relative otherwise)."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, **variant))
 
 
