@@ -136,7 +136,8 @@ def test_gpu_matches_reference(b, s_q, h_q, lens, page, variant):
     odd and even step counts (the last step scored by either warpgroup, the other taking its P V after its loop);
     two row tiles (h_q = 128, s_q = 4); padding rows (48, 20); causal s_q > 1; splits and the combine; 32-row tiles
     (s_q * h_q <= 32: 32, 2 x 16, 17, 20). k_scaled rounds its scaled K to fp16: the reference reads the cache as
-    it rounds it (k_scaled_dequant; against the exact cache the lse differed by 1.6e-5 in a CPU emulation, bound 1e-5)."""
+    it rounds it (k_scaled_dequant; against the exact cache the lse differed by 1.6e-5 in a CPU emulation, bound
+    1e-5)."""
     run_fp8_case(b, s_q, h_q, lens, page, exact=True, tiling=dict(ROWS64, **variant))
 
 
