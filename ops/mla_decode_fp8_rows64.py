@@ -573,8 +573,7 @@ def _stamp(stamps, k, e):
 @T.macro
 def _chain(w, n_iter, first, seqlen, base, h_q, causal, scale_log2, row0, ql_s, qr_s, kl_s, p_s, red, m_s, al_s,
            full, empty, a_r, a_k0, a_k1, a_v, acc, s_t, o0, o1, mx, alpha, l_t, dump=None, k_fragments=2,
-           k_scaled=False,
-           stamps=None):
+           k_scaled=False, stamps=None):
     # MMA warpgroup w: its own steps k = w, w + 2, ... (scores, softmax, P), and the P V of every step
     n = m_s.shape[1]                 # rows a tile (WGMMA's N)
     T.set_max_nreg(MMA_REGS, 1)
