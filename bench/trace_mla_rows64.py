@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from bench.timing import FLUSH_MODES, _flusher
-from bench.trace_mla_rs import _inputs, _stats, _u32
+from bench.trace_mla_rs import _inputs, _stats, _timed, _u32
 from ops.mla_decode import BLOCK_M, D_QK, D_V, LOG2E
 from ops.mla_decode_fp8_rows64 import TRACE_EVENTS, TRACE_STEPS, mla_decode_fp8_rows64_program
 
@@ -65,17 +65,7 @@ def main(argv=None):
     for trace in (False, True):
         kernel = mla_decode_fp8_rows64_program.compile("sm_90a", h_q=h_q, s_q=1, page=PAGE, v_scaled=args.v_scaled,
                                                        k_scaled=args.k_scaled, trace=trace)
-        launch = kernel.launcher()
-        times = []
-        for _ in range(args.reps):
-            flush()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            launch(*launch_args)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
-        line += f" {'traced' if trace else 'plain'} {sorted(times)[len(times) // 2]:.1f} us (min {min(times):.1f})"
+        line += _timed(kernel.launcher(), launch_args, flush, args.reps, "traced" if trace else "plain")
     print(line)
     st = _u32(o_part[0, 0, :8 * TRACE_STEPS].contiguous()).cpu().view(TRACE_STEPS, 8)
     for w, (period, events) in step_table(st, 4, 28).items():

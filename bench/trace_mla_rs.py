@@ -50,6 +50,21 @@ def _u32(x):
     return x.view(torch.int32).long() & 0xFFFFFFFF
 
 
+def _timed(launch, args, flush, reps, name):
+    """' NAME median us (min us)' of reps CUDA-event-timed launches, each after flush() (None: the L2 left warm)."""
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        launch(*args)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return f" {name} {sorted(times)[reps // 2]:.1f} us (min {min(times):.1f})"
+
+
 def _stats(v):
     v = sorted(v)
     return f"min {v[0]:.0f}, median {v[len(v) // 2]:.0f}, max {v[-1]:.0f}"
@@ -104,18 +119,7 @@ def spans(b, splits, blocks, reps, csv_dir=None, flush_l2=True, flush_mode="read
     line = (f"== b={b}, splits={splits}, blocks_per_sm={blocks}{f', {flush_mode} flush' if flush_l2 else ', L2 warm'}"
             f"{f', {json.dumps(variant)}' if variant else ''}:")
     for trace in (False, True):
-        launch = _compile(blocks, trace, variant).launcher()
-        times = []
-        for _ in range(reps):
-            if flush is not None:
-                flush()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            launch(*args)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
-        line += f" {'traced' if trace else 'plain'} {sorted(times)[reps // 2]:.1f} us (min {min(times):.1f})"
+        line += _timed(_compile(blocks, trace, variant).launcher(), args, flush, reps, "traced" if trace else "plain")
     print(line)
     sp = _u32(o_part[:, SPAN_ROW, :8].contiguous()).cpu()
     t0 = int(sp[:, 0].min())

@@ -468,6 +468,16 @@ def _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, g):
 
 
 @T.macro
+def _rope(kl_s, slot, qr_s, a_r, s_t):
+    # S^T = the rope's K Q_r^T: bf16 from the stage's token rows into registers, its MMAs issued (not drained)
+    tid = T.get_thread_binding() % 128
+    T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
+                             T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
+                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
+    T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
+
+
+@T.macro
 def _k_scaled_half(kl_s, slot, ql_s, a_k, acc, g, h, first):
     # k_scaled: group g's half h, its tokens' scale ratios in the fragment, into acc (no drain)
     tid = T.get_thread_binding() % 128
@@ -481,11 +491,7 @@ def _scores_k_scaled(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t):
     # S^T = the rope's K Q_r^T + (largest group scale)[token] * sum_g (K_g * ratio_g) Q_g^T: the eight halves into
     # acc on two alternating fragments, each refilled once the MMA before the last is done (wait 1: the fills run
     # under the MMAs), one drain, one fold
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
-                             T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
-                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
-    T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
+    _rope(kl_s, slot, qr_s, a_r, s_t)
     _k_scaled_half(kl_s, slot, ql_s, a_k0, acc, 0, 0, True)
     _k_scaled_half(kl_s, slot, ql_s, a_k1, acc, 0, 1, False)
     T.wait_wgmma(1)
@@ -511,11 +517,7 @@ def _scores(kl_s, slot, ql_s, qr_s, a_r, a_k0, a_k1, acc, s_t, k_fragments):
     # MMAs and its drain covers them, so nothing is in flight when the loop of groups 1-3 begins. Entered with the
     # rope's MMAs in flight, the loop (whose fold writes S^T, the rope's accumulator) made ptxas serialize every
     # WGMMA of the kernel (C7513), and unrolling it spills (bench/NOTES.md "Session 52").
-    tid = T.get_thread_binding() % 128
-    T.evaluate(T.call_extern("handle", "tc_rope_fragment", a_r.data,
-                             T.access_ptr(kl_s[slot, 0, D_V + 16], "r", STEP * TOKEN_BYTES - D_V - 16),
-                             tid // 32 * 16 + tid % 32 // 4, tid % 4))
-    T.wgmma_gemm(a_r, qr_s, s_t, transpose_B=True, clear_accum=True)
+    _rope(kl_s, slot, qr_s, a_r, s_t)
     _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, 0)
     for g in T.serial(1, GROUPS):
         _group(kl_s, slot, ql_s, a_k0, a_k1, acc, s_t, k_fragments, g)
