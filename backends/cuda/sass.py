@@ -97,10 +97,11 @@ _SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?) i
 
 
 def wgmma_serialized(ptxas_log: str) -> list[str]:
-    """ptxas's WGMMA performance warnings in a compile_cubin log ("(C75xx) Potential Performance Loss: wgmma.mma_async
-    instructions are serialized due to ...": C7513 input registers, C7514, C7515 accumulators, C7517 an injected wait): when ptxas cannot prove a WGMMA pipeline safe anywhere in a kernel, it waits after every
-    WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA). One non-unrolled loop around RS WGMMAs was enough
-    (bench/NOTES.md "Session 52")."""
+    """ptxas's WGMMA performance warnings in a compile_cubin log, one "CODE in FUNCTION: text" each ("(C75xx)
+    Potential Performance Loss: wgmma.mma_async instructions are serialized due to ...": C7513 input registers, C7514
+    and C7515 accumulator registers defined or read mid-pipeline, ...). Where ptxas cannot prove a WGMMA pipeline
+    safe anywhere in a kernel it waits after every WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA): session
+    51's FP8 MLA kernel lost 2-3x to one loop entered with MMAs in flight (bench/NOTES.md "Session 52")."""
     return [f"{code} in {fn}: {text}" for code, text, fn in _SERIALIZED.findall(ptxas_log)]
 
 
