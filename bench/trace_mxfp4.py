@@ -110,7 +110,7 @@ def trace_case_w4a8_contiguous(groups, m, n, k, warm=False, flush_mode="write"):
 
     if m % 128:
         raise SystemExit(f"--contiguous takes m (rows an expert) a multiple of 128, got {m}")
-    p = gemm_w4a8.plan_w4a8_contiguous(k, n=n)
+    p = gemm_w4a8.plan_w4a8_contiguous(k)
     t = p["tokens"]
     rows = groups * m
     a = torch.randn(rows // t, t, k, device="cuda").to(torch.float8_e4m3fn)
@@ -203,8 +203,6 @@ def main(argv=None):
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
     ap.add_argument("--contiguous", type=int, default=0, help="w4a8: the contiguous kernel over this many experts of m "
                     "rows (m a multiple of 128; MoE prefill)")
-    ap.add_argument("--split", action="store_true", help="w4a8 --contiguous: the promotion in two token halves "
-                    "(W4A8_CONTIGUOUS_SPLIT on)")
     ap.add_argument("--sa-ldg", action="store_true", help="w4a8 --masked: token scales loaded in the epilogue "
                     "(W4A8_MASKED_SA_TMA off)")
     ap.add_argument("--one-tile", action="store_true", help="w4a8 --masked: one n tile a block "
@@ -214,10 +212,6 @@ def main(argv=None):
     ap.add_argument("--flush", choices=FLUSH_MODES, default="write", help="how the L2 is flushed before each run")
     ap.add_argument("--blocks", action="store_true", help="also when the blocks end: percentiles, the last eight")
     args = ap.parse_args(argv)
-    if args.split:
-        from ops import gemm_w4a8
-
-        gemm_w4a8.W4A8_CONTIGUOUS_SPLIT = True
     if args.sa_ldg:
         from ops import gemm_w4a8
 

@@ -245,7 +245,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
 def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                               group_scales: bool = False, token_scales_tma: bool = False, staged_out: bool = False,
                               tiles: int = 1, trace: bool = False, burst: int = 0, contiguous: bool = False,
-                              temps: int = 2, whole_bursts: bool = False, split_n: bool = False):
+                              temps: int = 2, whole_bursts: bool = False):
     """The masked grouped layout (MoE decode: A (groups, max_m, k) e4m3 with SA (groups, max_m) per-token scales,
     max_m <= tokens <= 64; only the first MaskedM[g] rows of group g are computed, the rest of C is zeros) on the
     W4A8 kernel: a block takes one group's 128 weight rows over the whole K; a group with no rows loads nothing
@@ -268,8 +268,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
     factors so that each padding row stores zeros. temps: the promotion's fp32 temporaries (2: a part's WGMMA
     runs while the one before is added; 1: a third of the registers less, for 128-token tiles). whole_bursts
     (k / 128 a multiple of burst): a block's steps are 0 or tiles x k / 128, so the loop's tail bursts are left
-    out. split_n (temps=2): each step's WGMMAs as two halves of the tokens, each promoted from its own half-width
-    temporary while the other half runs (tile.mma_register_decoded_loop's split_n)."""
+    out."""
     assert k % SWAPPED_K_ALIGN == 0 and n % block_n == 0
     assert tokens in (W4A8_CONTIGUOUS_TOKENS if contiguous else SWAPPED_TOKENS), tokens
     assert tiles >= 1 and (n // block_n) % tiles == 0     # (the loop checks that k / 128 is a multiple of burst)
@@ -329,7 +328,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 lambda raw_at, frows, place, s, dst: _w4a8_fragment(raw_at, frows, place, kk(s), dst,
                                                                     _TileRows(sw, tt(s)), tbl),
                 stages=stages, **_burst(burst), **({} if temps == 2 else {"temps": temps}),
-                **({"whole_bursts": True} if whole_bursts else {}), **({"split_n": True} if split_n else {}),
+                **({"whole_bursts": True} if whole_bursts else {}),
                 promote=(lambda j, s: sas[j, kk(s)]) if group_scales else True,
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if Trace is not None else None,
                 preload=[(RowScale[e, (tn0 + t) * block_n:(tn0 + t + 1) * block_n], rs[t, :]) for t in range(tiles)]
@@ -623,11 +622,12 @@ W4A8_MASKED_TILES = True
 # us, 8x64x7168x2048 31.4 -> 30.1, dense 64-token rows within 0.2 us (the bf16-activation masked kernel lost 1-5 us
 # with it: not there). None: the loop's default, 4 (bench A/B: provider tilecraft-w4a8-burst4)
 W4A8_BURST_64 = 8
-# The masked loop without its tail bursts where k / 128 is a multiple of W4A8_BURST_64 (a block runs 0 or tiles x k /
-# 128 steps: the tails never run), as the contiguous kernel's (W4A8_CONTIGUOUS_WHOLE): the same executed instructions,
-# a fraction of the code to lower and build. Built in session 49, not run: off (bench A/B: provider
-# tilecraft-w4a8-mwhole)
-W4A8_MASKED_WHOLE = False
+# The masked and contiguous loops without their tail bursts where k / 128 is a multiple of the burst (a block runs 0 or
+# tiles x k / 128 steps, so the tails never run): 8 unrolled steps instead of 36, TileLang's lowering ~4x shorter
+# (what a first call compiles), the same executed instructions. Session 52 (H200): the contiguous kernel with its
+# tails and the masked kernel without them timed the same as the defaults (NOTES "Session 52"). False: the tails
+# again (bench A/B: provider tilecraft-w4a8-tails)
+W4A8_WHOLE_BURSTS = True
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
@@ -789,7 +789,7 @@ def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int
     out = dict(tokens=p["tokens"], stages=stages, token_scales_tma=sa_tma, staged_out=staged, tiles=tiles)
     if p["tokens"] == 64 and W4A8_BURST_64 and (tiles == 1 or kb % W4A8_BURST_64 == 0):
         out["burst"] = W4A8_BURST_64
-        if W4A8_MASKED_WHOLE and kb % W4A8_BURST_64 == 0:
+        if W4A8_WHOLE_BURSTS and kb % W4A8_BURST_64 == 0:
             out["whole_bursts"] = True
     return out
 
@@ -828,30 +828,16 @@ def _(a, sfa, codes, offsets, row_scale, masked_m):
 # 128-deep step's decode (the same instructions as at 64) feeds twice the MMA work.
 W4A8_CONTIGUOUS_TOKENS = (64, 128)
 W4A8_CONTIGUOUS_TILE = 128      # the planned tile (bench A/B: provider tilecraft-w4a8-contig64)
-# Several n tiles a contiguous block where the table offsets allow (short K; plan_w4a8_contiguous): built in session 49
-# (source checked on the CPU; test_gpu_contiguous_tiles_give_the_same_bits written after that session's GPU time),
-# neither run nor timed yet, so off (bench A/B: provider tilecraft-w4a8-ctiles)
-W4A8_CONTIGUOUS_TILES = False
-# The contiguous loop without its tail bursts where k / 128 is a multiple of 8 (a block runs 0 or tiles x k / 128 steps,
-# so they never run): 8 unrolled steps instead of 36, TileLang's lowering ~4x shorter (what a first call compiles).
-# The session-49 timings ran with the tails; False: them again (bench A/B: provider tilecraft-w4a8-tails)
-W4A8_CONTIGUOUS_WHOLE = True
-# 128-token tiles: the promotion as two halves of the tokens, each with its own temporary (tile.mma_register_decoded_
-# loop's split_n), instead of one temporary. With one, ptxas puts the next step's decoded fragment in the registers of
-# the one the in-flight WGMMA reads and waits for that WGMMA in the middle of the decode (session 49's SASS): the
-# decode's second half, the 64 adds and the issue run with this warpgroup's tensor work idle (~1000 cycles a step
-# against 512 of tensor work). Built after session 49's GPU time, not run: off (bench A/B: provider
-# tilecraft-w4a8-split)
-W4A8_CONTIGUOUS_SPLIT = False
+# Not kept (session 52, H200, mxfp4-prefill; NOTES "Session 52"): several n tiles a contiguous block at short K, and
+# the 128-token promotion as two column halves with a temporary each; both 1-2% slower than one tile and one
+# temporary.
 
 
-def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n: int = 0) -> dict:
+def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0) -> dict:
     """The contiguous kernel's plan (mxfp4_w4a8_masked_program(contiguous=True)): W4A8_CONTIGUOUS_TILE tokens a tile
     (or `tokens`), the token scales (or the (token, step) scales) and the chunk's row ids by TMA, C staged as whole
     rows, 8 steps between WGMMA drains where k / 128 allows, one promotion temporary at 128 tokens (registers), and as
-    many stages as fit next to the whole K's table offsets. With W4A8_CONTIGUOUS_TILES (and n given): the most n tiles
-    a block (a divisor of n / 128, at most 8) whose table offsets fit next to 4 stages, so that a short K's blocks pay
-    their prologue once and store each tile while the next one streams (the masked kernel's `tiles`)."""
+    many stages as fit next to the whole K's table offsets (one n tile a block)."""
     tokens = tokens or W4A8_CONTIGUOUS_TILE
     if tokens not in W4A8_CONTIGUOUS_TOKENS:
         raise ValueError(f"the contiguous W4A8 kernel's token tile must be one of {W4A8_CONTIGUOUS_TOKENS}, "
@@ -861,15 +847,11 @@ def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n:
                          f"got k={k}")
     kb = k // BLOCK_K
 
-    def fixed(tiles):   # shared memory besides the stages
-        return (tiles * (128 * kb * 4 + 128 * 4) + (tokens * _bank_spread(kb) * 4 if group_scales else tokens * 4)
-                + tokens * (128 + 8) * 2 + tokens * 4 + 2 * TABLE_ENTRIES * 4 + 1024)
-
-    tiles = 1
-    if W4A8_CONTIGUOUS_TILES and n and n % 128 == 0 and kb % 8 == 0:
-        fit = [t for t in range(2, 9) if (n // 128) % t == 0 and fixed(t) + 4 * _stage_bytes(tokens) <= SMEM_BUDGET]
-        tiles = fit[-1] if fit else 1
-    stages = min(8, (SMEM_BUDGET - fixed(tiles)) // _stage_bytes(tokens))
+    # shared memory besides the stages: the table offsets and row factors, the token scales, the staged C tile, the
+    # row ids, the decode table
+    fixed = (128 * kb * 4 + 128 * 4 + (tokens * _bank_spread(kb) * 4 if group_scales else tokens * 4)
+             + tokens * (128 + 8) * 2 + tokens * 4 + 2 * TABLE_ENTRIES * 4 + 1024)
+    stages = min(8, (SMEM_BUDGET - fixed) // _stage_bytes(tokens))
     if stages < 2:
         raise ValueError(f"k={k} is too long for the contiguous W4A8 kernel's staged table offsets")
     out = dict(tokens=tokens, stages=stages, token_scales_tma=not group_scales, staged_out=True, contiguous=True)
@@ -877,15 +859,10 @@ def plan_w4a8_contiguous(k: int, group_scales: bool = False, tokens: int = 0, n:
         out["group_scales"] = True
     if kb % 8 == 0:
         out["burst"] = 8
-        if W4A8_CONTIGUOUS_WHOLE:
+        if W4A8_WHOLE_BURSTS:
             out["whole_bursts"] = True
     if tokens == 128:
-        if W4A8_CONTIGUOUS_SPLIT:
-            out["split_n"] = True
-        else:
-            out["temps"] = 1
-    if tiles > 1:
-        out["tiles"] = tiles
+        out["temps"] = 1
     return out
 
 
@@ -947,7 +924,7 @@ def _w4a8_contiguous_impl(a, sfa, codes, offsets, row_scale, m_indices):
     check.aligned("codes", codes, 16, "loaded by TMA")
     target = targets.resolve(a)
     group = sfa.dim() == 2
-    p = plan_w4a8_contiguous(k, group, n=n)
+    p = plan_w4a8_contiguous(k, group)
     t = p["tokens"]
     kernel = jit.launchers(("mxfp4_w4a8_gemm_nt_contiguous", target.name, n, k, *sorted(p.items())),
                            lambda: mxfp4_w4a8_masked_program.compile(target, n=n, k=k, **p).launcher())

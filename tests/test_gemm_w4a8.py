@@ -376,51 +376,22 @@ def test_contiguous_program_lowers_to_128_token_register_wgmma():
     assert stats.histogram.get("QGMMA", 0) >= 4 and stats.spill_stores == 0 and stats.stack_bytes == 0
 
 
-def test_contiguous_split_promotion_pipelines_its_halves(monkeypatch):
-    """W4A8_CONTIGUOUS_SPLIT: the 128-token step as two 64-token WGMMA halves, each promoted from its own temporary
-    while the other half runs: QGMMA 64x64 only, every wait in the loop leaves one group in flight (DEPBAR.LE 1; the
-    burst's drain the one full wait), the accumulator keeps its 64 registers a thread; no spills, with either sfa."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+def test_masked_whole_bursts_plan(monkeypatch):
+    """W4A8_WHOLE_BURSTS (on): 64-token masked plans whose k / 128 is a multiple of the burst leave the tail bursts
+    out (8 unrolled steps); other K and the shorter token tiles keep them; off, every plan keeps them."""
     from ops.gemm_w4a8 import plan_w4a8_contiguous
 
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_SPLIT", True)
-    for group_scales in (False, True):
-        p = plan_w4a8_contiguous(7168, group_scales, n=4096)
-        assert p["split_n"] and "temps" not in p
-        src = mxfp4_w4a8_masked_program.source("sm_90a", n=4096, k=7168, **p)
-        assert "float out[64];" in src
-        cubin = build_cubin(src, "sm_90a")
-        stats, sass = sass_stats(cubin, "sm_90a"), disassemble(cubin)
-        assert stats.spill_stores == 0 and stats.stack_bytes == 0 and stats.histogram.get("QGMMA", 0) == 64
-        assert "QGMMA.64x128" not in sass and sass.count("DEPBAR.LE gsb0, 0x1") >= 14
-        assert sass.count("DEPBAR.LE gsb0, 0x0") == 1
-
-
-def test_masked_whole_bursts_plan(monkeypatch):
-    """W4A8_MASKED_WHOLE: 64-token masked plans whose k / 128 is a multiple of the burst leave the tail bursts out (8
-    unrolled steps); other K and the shorter token tiles keep them; off by default."""
-    assert "whole_bursts" not in plan_w4a8_masked(64, 2048, groups=8, n=7168)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_WHOLE", True)
     p = plan_w4a8_masked(64, 2048, groups=8, n=7168)
     assert p["whole_bursts"] and p["tiles"] == 4
     assert "whole_bursts" not in plan_w4a8_masked(64, 2560) and "whole_bursts" not in plan_w4a8_masked(8, 7168)
     src = mxfp4_w4a8_masked_program.source("sm_90a", n=7168, k=2048, **p)
     assert src.count("tc_w4a8_fragment(") == 9
+    monkeypatch.setattr(gemm_w4a8, "W4A8_WHOLE_BURSTS", False)
+    assert "whole_bursts" not in plan_w4a8_masked(64, 2048, groups=8, n=7168)
+    assert "whole_bursts" not in plan_w4a8_contiguous(7168)
 
 
-def test_contiguous_tiles_plan(monkeypatch):
-    """W4A8_CONTIGUOUS_TILES: the most n tiles a block (a divisor of n / 128, <= 8) whose table offsets fit next to
-    4 stages: 8 at k = 2048, 2 at k = 7168; one where n is one tile; off, always one. The plan builds."""
-    from ops.gemm_w4a8 import plan_w4a8_contiguous
 
-    assert "tiles" not in plan_w4a8_contiguous(2048, n=7168)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_TILES", True)
-    p = plan_w4a8_contiguous(2048, n=7168)
-    assert p["tiles"] == 8 and p["stages"] >= 4
-    assert plan_w4a8_contiguous(2048, n=384)["tiles"] == 3
-    assert plan_w4a8_contiguous(7168, n=4096)["tiles"] == 2 and "tiles" not in plan_w4a8_contiguous(2048, n=128)
-    src = mxfp4_w4a8_masked_program.source("sm_90a", n=384, k=2048, **plan_w4a8_contiguous(2048, n=384))
-    assert src.count("tl::tma_load(TIX_desc") >= 3 and src.count("tl::tma_load(RowScale_desc") >= 3
 
 
 def test_masked_program_lowers_to_e4m3_register_wgmma():
@@ -596,7 +567,9 @@ def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
     assert "burst" not in plan_w4a8_masked(64, 1536, groups=8, n=7168)                  # 4 tiles of 12 steps
     assert plan_w4a8_masked(64, 1536)["burst"] == 8                                    # one tile: any k
     assert "burst" not in plan_w4a8_masked(8, 2048)
-    for prog, nk, p in ((mxfp4_w4a8_masked_program, dict(n=7168, k=2048), plan_w4a8_masked(64, 2048, groups=8, n=7168)),
+    # (the masked plan with its tail bursts: whole_bursts needs a burst given)
+    masked = {**plan_w4a8_masked(64, 2048, groups=8, n=7168), "whole_bursts": False}
+    for prog, nk, p in ((mxfp4_w4a8_masked_program, dict(n=7168, k=2048), masked),
                         (mxfp4_w4a8_swapped_program, dict(n=7168, k=2048), plan_w4a8(64, 7168, 2048))):
         counts = {}
         for burst in (0, 8):
@@ -901,48 +874,21 @@ def test_gpu_contiguous_grouped_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-def test_gpu_contiguous_tiles_give_the_same_bits(monkeypatch):
-    """W4A8_CONTIGUOUS_TILES (several n tiles a block, each stored while the next streams): the same bits as one
-    tile a block, padding chunks (all tiles zeros) and mid-tile padding included."""
-    g = torch.Generator().manual_seed(49)
-    a, sa, packed, scales, ids = contiguous([200, 0, 56, 128], 768, 2048, g)
-    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), ids)]
-    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_TILES", True)
-    assert gemm_w4a8.plan_w4a8_contiguous(2048, n=768)["tiles"] == 6
-    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
-    assert not got.isnan().any() and torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [2048, 7168])
-@pytest.mark.parametrize("group_scales", [False, True])
-def test_gpu_contiguous_split_promotion_gives_the_same_bits(monkeypatch, k, group_scales):
-    """W4A8_CONTIGUOUS_SPLIT (each step's WGMMAs in two token halves with a temporary each) against one temporary:
-    every column gets the same products added in the same order, so the same bits."""
-    g = torch.Generator().manual_seed(k + group_scales + 5)
-    a, sa, packed, scales, ids = contiguous([300, 0, 128, 17], 256, k, g, group_scales)
-    args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), ids)]
-    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CONTIGUOUS_SPLIT", True)
-    got = ops.m_grouped_mxfp4_w4a8_gemm_nt_contiguous(*args)
-    assert not got.isnan().any() and got.abs().sum() > 0 and torch.equal(got, want)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("G,n,k", [(8, 7168, 2048), (3, 512, 7168)])
 def test_gpu_masked_whole_bursts_give_the_same_bits(monkeypatch, G, n, k):
-    """W4A8_MASKED_WHOLE (the masked loop built without its tail bursts, which never run): the same bits, with
-    several tiles a block (8 groups at n = 7168) and one (k = 7168), groups of 0, 1, partial and full rows."""
+    """W4A8_WHOLE_BURSTS (on: the masked loop built without its tail bursts, which never run): the same bits as the
+    loop with them, with several tiles a block (8 groups at n = 7168) and one (k = 7168), groups of 0, 1, partial
+    and full rows."""
     g = torch.Generator().manual_seed(G * n + k)
     max_m = 64
     masked = [0, 1, max_m, 17] + [max_m] * (G - 4) if G > 4 else [0, 1, max_m][:G]
     a, sa, packed, scales, mm = grouped(G, max_m, n, k, g, masked)
     args = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales), mm)]
-    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
-    monkeypatch.setattr(gemm_w4a8, "W4A8_MASKED_WHOLE", True)
     assert plan_w4a8_masked(max_m, k, groups=G, n=n).get("whole_bursts")
     got = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_WHOLE_BURSTS", False)
+    assert not plan_w4a8_masked(max_m, k, groups=G, n=n).get("whole_bursts")
+    want = ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(*args)
     assert not got.isnan().any() and torch.equal(got, want)
 
 

@@ -124,10 +124,8 @@ def tilecraft_w4a8_with(flag, value=True):
     W4A8_STAGE_OUT (True: every split plan's partials, or the pair's C, out through shared memory as whole rows;
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
     every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
-    tiles, two promotion temporaries), W4A8_CONTIGUOUS_TILES (several n tiles a contiguous block at short K),
-    W4A8_CONTIGUOUS_WHOLE False (the contiguous loop with its tail bursts, as session 49 timed it),
-    W4A8_CONTIGUOUS_SPLIT (the 128-token promotion in two column halves), W4A8_MASKED_WHOLE (the masked loop without
-    its dead tail bursts)."""
+    tiles, two promotion temporaries), W4A8_WHOLE_BURSTS False (the masked and contiguous loops with their tail
+    bursts, which never run)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -363,10 +361,7 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-onetile", tilecraft_w4a8_with("W4A8_MASKED_TILES", False),
                         experimental=True),
                Provider("tilecraft-w4a8-contig64", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILE", 64), experimental=True),
-               Provider("tilecraft-w4a8-ctiles", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILES"), experimental=True),
-               Provider("tilecraft-w4a8-tails", tilecraft_w4a8_with("W4A8_CONTIGUOUS_WHOLE", False), experimental=True),
-               Provider("tilecraft-w4a8-split", tilecraft_w4a8_with("W4A8_CONTIGUOUS_SPLIT"), experimental=True),
-               Provider("tilecraft-w4a8-mwhole", tilecraft_w4a8_with("W4A8_MASKED_WHOLE"), experimental=True),
+               Provider("tilecraft-w4a8-tails", tilecraft_w4a8_with("W4A8_WHOLE_BURSTS", False), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),

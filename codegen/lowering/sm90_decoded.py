@@ -139,7 +139,7 @@ def _reg_step(j, first, io):
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
-        _tile_done, split = io
+        _tile_done = io
     one_temp = temps is not None and len(temps) == 1
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j
@@ -159,11 +159,6 @@ def _reg_step(j, first, io):
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
         if mark is not None:
             mark("decoded", s)
-        if split is not None:   # two column halves, each into its own temporary (split_n)
-            _split_issue(idx, s, slot, u, frag, s_s, acc, temps, pfactor, empty, stages, policy, split)
-            if mark is not None:
-                mark("launched", s)
-            continue
         if one_temp and idx > 0:
             # one temporary: the part before (still in it) retires and is added before this part's WGMMAs reuse it
             emit(T.wait_wgmma(0))
@@ -192,42 +187,6 @@ def _reg_step(j, first, io):
                 _promote(acc, temps[(idx - 1) % 2], pfactor, s - 1)
     if mark is not None:
         mark("issued", s)
-
-
-def _split_issue(idx, s, slot, u, frag, s_s, acc, temps, pfactor, empty, stages, policy, half):
-    """split_n: part idx's product as two WGMMA groups over the shared operand's column halves (tokens 0 .. half - 1
-    into temps[0], half .. 2 half - 1 into temps[1]). Before each half goes out, the part before's same half retires
-    (wait 1: the other half stays in flight) and is added to its columns of acc; the tensor pipe always holds a
-    half of this warpgroup while it adds the other, and the decode before (of this part) ran under both."""
-    for h in range(2):
-        if idx > 0:
-            emit(T.wait_wgmma(1))
-            if h == 1 and u == 0:
-                emit(T.mbarrier_arrive(empty[(s - 1) % stages]))    # the part before's last reader is done
-            _promote_cols(acc, temps[h], pfactor, s - 1, h * half, half)
-        emit(T.wgmma_gemm(frag, s_s[slot, h * half:(h + 1) * half, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], temps[h],
-                          transpose_B=True, clear_accum=True, policy=policy))
-
-
-@T.macro
-def _layout_anchor(steps, frag, s_s, acc, policy):
-    # split_n: acc is never a WGMMA's own accumulator (its halves are added from the temporaries), so TileLang would
-    # infer its fragment layout from the adds alone (it gave one of half the registers and dropped the second half's);
-    # a WGMMA into acc that never runs (steps >= 0) gives it the accumulator layout of the whole tile
-    if steps < 0:
-        T.clear(frag)
-        T.wgmma_gemm(frag, s_s[0, :, 0:FRAGMENT_K], acc, transpose_B=True, clear_accum=True, policy=policy)
-
-
-@T.macro
-def _promote_cols(acc, temp, factor, step, col0, width):
-    # acc[:, col0 .. col0 + width) += temp (times factor(column, step))
-    if factor is None:
-        for i, j in T.Parallel(acc.shape[0], width):
-            acc[i, col0 + j] += temp[i, j]
-    else:
-        for i, j in T.Parallel(acc.shape[0], width):
-            acc[i, col0 + j] += temp[i, j] * factor(col0 + j, step)
 
 
 def _fetch_raw(s, steps, full, r_s, stages, buf, load, rows):
@@ -266,10 +225,7 @@ def _reg_burst(first, count, io):
     if len(frags) > 1:
         emit(T.wait_wgmma(0))
         emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
-        if io[16] is not None:      # split_n: both halves of the last part
-            for h in range(2):
-                _promote_cols(io[5], temps[h], pfactor, first + count - 1, h * io[16], io[16])
-        elif temps is not None:
+        if temps is not None:
             _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, first + count - 1)
     if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
         _tile_boundary(first + count, tile_done[0], io[13], tile_done[1], io[5])
@@ -293,7 +249,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, tails, split):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, tails):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -315,11 +271,9 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
         r = tid // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              temps, tile_done, split)
+              temps, tile_done)
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        if split is not None:
-            _layout_anchor(steps, frags[0], s_s, acc, policy)
         in_bursts(steps, _reg_burst, io, burst, tails=tails)
         if mark is not None:
             mark("loop done", 0)
@@ -331,7 +285,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
                               blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None,
-                              burst=BURST, temps=2, whole_bursts=False, split_n=False):
+                              burst=BURST, temps=2, whole_bursts=False):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -362,10 +316,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # temps (promote): 2 temporaries, a part's WGMMA into one while the part before is added from the other; 1: a
     # third fewer registers (wide token tiles: 128 tokens, acc + 2 temps + 2 fragments would be 224 a thread): the
     # part before is waited for and added just before the next part's WGMMAs are issued, after its decode
-    # split_n=True (promote, one part a stage): each part's WGMMA as two halves of the shared operand's columns (the
-    # tokens), each into its own temporary of half the columns: the registers of temps=1 (acc + one acc's worth) with
-    # the overlap of temps=2 (a half of the part before retires and is added while the other half still runs; the
-    # next part's decode runs under both)
     # whole_bursts=True: the caller promises steps % burst == 0 (e.g. steps is 0 or k / 128 with k / 128 a multiple of
     # burst): the tail bursts of 1 .. burst - 1 steps are not emitted (a third to a fifth of the code to lower and run)
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
@@ -387,11 +337,6 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     if temps not in (1, 2) or (temps == 1 and promote is False):
         raise ValueError(f"temps (the promotion's temporaries) must be 1 or 2, with promote, got temps={temps!r}, "
                          f"promote={promote!r}")
-    if split_n and (promote is False or parts != 1 or temps != 2 or blocks_per_sm != 1 or isinstance(decode, tuple)
-                    or acc.shape[1] % 16):
-        raise ValueError(f"split_n takes promote, stages of one part, temps=2, one block an SM, a decode from shared "
-                         f"memory and a multiple of 16 columns, got promote={promote!r}, {parts} parts, temps={temps}, "
-                         f"blocks_per_sm={blocks_per_sm}, acc {tuple(acc.shape)}")
     if not 0 <= ramp < stages:
         raise ValueError(f"ramp must be in [0, stages={stages}), got {ramp}")
     if not isinstance(burst, int) or not 2 <= burst <= 16:
@@ -420,13 +365,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
             raise ValueError(f"raw words a step ahead need stages of one part and one block an SM (an even burst), "
                              f"got {parts} parts, blocks_per_sm={blocks_per_sm}")
         regs = [T.alloc_local((2 * raw_shape[1],), raw_dtype) for _ in range(2)]
-    temp_shape = (acc.shape[0], acc.shape[1] // 2) if split_n else acc.shape
-    temps = [T.alloc_fragment(temp_shape, "float32") for _ in range(temps)] if promote is not False else None
+    temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(temps)] if promote is not False else None
     pfactor = promote if callable(promote) else None
     full = _full_barriers(stages)
     empty = T.alloc_barrier([consumers] * stages)
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done, burst, not whole_bursts,
-                    acc.shape[1] // 2 if split_n else None)
+                    ramp, regs, (temps, pfactor), tile_done, burst, not whole_bursts)
