@@ -27,10 +27,12 @@ PRESETS = {
                       dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=7168, k=2048)],   # an expert's down projection
     # MoE prefill alone (contiguous): the up projection at two sizes (the larger one the FP8 grouped preset's) and the
-    # down projection
+    # down projection; then dense prefill GEMMs (one weight, m > 64: mxfp4_w4a8_gemm_nt runs the contiguous kernel)
     "mxfp4-prefill": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
                       dict(kind="mxfp4-contiguous", groups=4, m=8192, n=4096, k=7168),
-                      dict(kind="mxfp4-contiguous", groups=8, m=1024, n=7168, k=2048)],
+                      dict(kind="mxfp4-contiguous", groups=8, m=1024, n=7168, k=2048),
+                      dict(kind="mxfp4", m=4096, n=4096, k=7168),
+                      dict(kind="mxfp4", m=4096, n=7168, k=2048)],
 }
 MXFP4_KINDS = ("mxfp4", "mxfp4-contiguous", "mxfp4-masked")
 
