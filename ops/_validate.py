@@ -3,6 +3,7 @@ what was expected (ValueError for values/shapes, TypeError for types)."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -60,9 +61,20 @@ def shape(name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
 
 
 def number(name: str, v, *, lo=None, hi=None, integer=False):
+    """v must be an int (integer=True) or a finite number (NaN and infinities pass no range check), within
+    [lo, hi] where those are given."""
     kinds = (int,) if integer else (int, float)
     if isinstance(v, bool) or not isinstance(v, kinds):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(v).__name__}")
+    if not integer and not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def flag(name: str, v) -> bool:
+    """v must be a bool (a string such as 'no' is not taken as True)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
     return v

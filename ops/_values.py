@@ -9,6 +9,8 @@ from tilecraft import env
 def enabled(*tensors) -> bool:
     if not env.flag("TILECRAFT_CHECK_VALUES"):
         return False
+    if any(t is not None and t.is_meta for t in tensors):     # shapes only (tracing, fake tensors): no values
+        return False
     if any(t is not None and t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
         return False
     return True

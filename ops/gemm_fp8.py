@@ -1242,29 +1242,35 @@ def _(mode, a, sfa, b, sfb, aux, out_dtype, block_m):
 
 
 def _call(mode, a, sfa, b, sfb, aux, out, out_dtype, block_m):
-    """Into the caller's `out` (eager), or a new tensor through the custom op (traceable)."""
+    """Into the caller's `out` (eager), or a new tensor through the custom op (traceable). out_dtype None: out's
+    dtype, or bf16."""
     if out is not None:
+        if out_dtype is not None and isinstance(out, torch.Tensor) and out.dtype != out_dtype:
+            raise ValueError(f"out_dtype={out_dtype} disagrees with out's dtype {out.dtype}: give one of them")
         return _run(mode, a, sfa, b, sfb, aux, _check_out(out, (*a.shape[:-1], b.shape[-2]), a.device), block_m)
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     return _dispatch.call(_fp8_gemm_op, _fp8_gemm_impl, mode, a, sfa, b, sfb, aux, out_dtype, block_m)
 
 
-def fp8_gemm_nt(a, sfa, b, sfb, out=None, out_dtype=torch.bfloat16):
+def fp8_gemm_nt(a, sfa, b, sfb, out=None, out_dtype=None):
     """C (m, n) = dequant(a) @ dequant(b)^T. a (m, k) e4m3, sfa (m, ceil(k/128)) fp32 (UE8M0 powers
     of two welcome); b (n, k) e4m3, sfb (ceil(n/128), ceil(k/128)) fp32. k % 128 == 0, n % 64 == 0,
-    any m >= 0. `out` (m, n) bf16/fp32 is written in place when given."""
+    any m >= 0. `out` (m, n) bf16/fp32 is written in place when given; out_dtype (bf16 or fp32; default
+    out's dtype, or bf16) must agree with it."""
     _check_operands(a, sfa, b, sfb, grouped=False, masked=False)
     m = a.shape[0]
     return _call("dense", a, sfa, b.unsqueeze(0), sfb.unsqueeze(0), None, out, out_dtype, 64 if m <= 64 else 128)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dtype=torch.bfloat16):
+def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dtype=None):
     """Expert-grouped rows: a (M, k) in 128-aligned segments per expert, m_indices (M,) int32 giving
     each row's expert (-1: padding rows, whose output is zeros); b (g, n, k), sfb (g, n/128, k/128)."""
     _check_operands(a, sfa, b, sfb, grouped=True, masked=False)
     check.tensor("m_indices", m_indices, dtypes=(torch.int32,), ndim=1, contiguous=True)
     check.shape("m_indices", m_indices, (a.shape[0],), "(M,) one per row of a")
+    check.same_device(a=a, m_indices=m_indices)
     M = a.shape[0]
     if M % GROUP:
         raise ValueError(f"a's row count must be a multiple of {GROUP} (the segment alignment), got {M}")
@@ -1273,7 +1279,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dt
     return _call("contiguous", a, sfa, b, sfb, m_indices, out, out_dtype, 128)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=None, out_dtype=torch.bfloat16):
+def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=None, out_dtype=None):
     """Decode-time grouped GEMM: a (g, max_m, k), sfa (g, max_m, k/128); only the first masked_m[i]
     rows of group i are computed (the rest are zeros). expected_m is a tiling hint: <= 64 picks
     64-row tiles."""
@@ -1283,13 +1289,16 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=
         raise ValueError(f"b must have one matrix per group of a ({G}), got shape {tuple(b.shape)}")
     check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
     check.shape("masked_m", masked_m, (G,), "(groups,)")
+    check.same_device(a=a, masked_m=masked_m)
+    if expected_m is not None:
+        check.number("expected_m", expected_m, lo=0, integer=True)
     if _values.enabled(masked_m) and bool(((masked_m < 0) | (masked_m > max_m)).any()):
         raise ValueError(f"masked_m must be in [0, {max_m}]")
     block_m = 64 if (expected_m or max_m) <= 64 else 128
     return _call("masked", a, sfa, b, sfb, masked_m, out, out_dtype, block_m)
 
 
-def m_grouped_fp8_gemm_nt_sorted(a, sfa, b, sfb, items, out=None, out_dtype=torch.bfloat16):
+def m_grouped_fp8_gemm_nt_sorted(a, sfa, b, sfb, items, out=None, out_dtype=None):
     """MoE decode's grouped GEMM over compact rows: a (rows, k) e4m3 sorted by expert with no padding
     (moe_dispatch(layout="contiguous", align=1)), sfa (rows, k/128); b (g, n, k), sfb (g, n/128, k/128);
     items (max_items, 3) int32 work items (expert, first row, row count) from

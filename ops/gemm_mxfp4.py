@@ -1076,6 +1076,8 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
     check.tensor("masked_m", masked_m, dtypes=(torch.int32,), ndim=1, contiguous=True)
     check.shape("masked_m", masked_m, (G,), "(groups,)")
     check.same_device(a=a, b=b, sfb=sfb, masked_m=masked_m)
+    if expected_m is not None:
+        check.number("expected_m", expected_m, lo=0, integer=True)
     max_m = a.shape[1]
     if _values.enabled(masked_m) and G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
         raise ValueError(f"masked_m must be in [0, {max_m}]")

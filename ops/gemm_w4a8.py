@@ -530,6 +530,7 @@ def _check(a, sfa, codes, offsets, row_scale):
     else:
         check.shape("sfa", sfa, (m, k // BLOCK_K), "fp32 scales of a per (token, 128 columns)")
     check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale)
+    _check_offsets(offsets)
 
 
 W4A8_MAX_M = max(SWAPPED_TOKENS)
@@ -755,7 +756,19 @@ def _check_grouped_weights(codes, offsets, row_scale, k, groups=None):
     check.shape("codes", codes, (G, n, k // 2), "(g, n, k/2) from prepare_mxfp4_w4a8, k = a.shape[-1]")
     check.shape("offsets", offsets, (G, n, k // MX), "(g, n, k/32) from prepare_mxfp4_w4a8")
     check.shape("row_scale", row_scale, (G, n), "(g, n) from prepare_mxfp4_w4a8")
+    _check_offsets(offsets)
     return n
+
+
+def _check_offsets(offsets):
+    # the kernels index their e4m3 table (TABLE_ENTRIES entries of 8 bytes) by these bytes: anything else than
+    # prepare_mxfp4_w4a8's values would read past it
+    if _values.enabled(offsets) and offsets.numel():
+        bad = (offsets % 8 != 0) | (offsets > 8 * (TABLE_ENTRIES - 1))
+        if bool(bad.any()):
+            v = int(offsets.flatten()[int(bad.flatten().long().argmax())])
+            raise ValueError(f"offsets must be prepare_mxfp4_w4a8's table offsets (multiples of 8 up to "
+                             f"{8 * (TABLE_ENTRIES - 1)}), got {v}")
 
 
 def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int = 0, n: int = 0,

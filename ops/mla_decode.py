@@ -13,6 +13,7 @@ flops = 2 * s_q * h_q * seqlen * (576 + 512).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import operator
 from dataclasses import dataclass, field
 
 import tilelang.language as T
@@ -574,8 +575,17 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
     check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    check.number("s_q", s_q, lo=1, hi=MAX_S_Q, integer=True)
+    check.number("h_q", h_q, lo=1, hi=MAX_HEADS, integer=True)
+    try:
+        max_blocks = operator.index(max_blocks)
+    except TypeError:
+        raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}") from None
+    if num_sms is not None:
+        check.number("num_sms", num_sms, lo=1, integer=True)
     if batch_invariant is None:
         batch_invariant = env.flag("TILECRAFT_BATCH_INVARIANT")
+    check.flag("batch_invariant", batch_invariant)
     b = cache_seqlens.shape[0]
     rows = s_q * h_q
     m_tiles = -(-rows // BLOCK_M)
@@ -824,6 +834,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     """
     _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, kv_format)
     _validate_values(kv_cache, block_table, cache_seqlens)
+    if sched is not None and not isinstance(sched, MlaSchedule):
+        raise TypeError(f"sched must be an MlaSchedule from get_mla_schedule (or None), got {type(sched).__name__}")
     if q.device.type == "cpu":
         cache = dequantize_mla_kv_fp8(kv_cache) if kv_format == "fp8" else kv_cache
         out, lse = mla_decode_reference(q, cache, block_table, cache_seqlens, head_dim_v,
@@ -845,7 +857,7 @@ def quantize_mla_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
     rope values kept in bf16. Works on any device (torch ops); write new tokens with it.
     """
     check.tensor("kv", kv, dtypes=(torch.bfloat16,), contiguous=True)
-    if kv.shape[-1] != D_QK:
+    if kv.dim() == 0 or kv.shape[-1] != D_QK:
         raise ValueError(f"kv's last dimension must be {D_QK}, got {tuple(kv.shape)}")
     lead = kv.shape[:-1]
     latent = kv[..., :D_V].float().reshape(*lead, 4, 128)
@@ -862,7 +874,7 @@ def quantize_mla_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
 def dequantize_mla_kv_fp8(cache: torch.Tensor) -> torch.Tensor:
     """FP8 token layout (..., 656) uint8 -> (..., 576) float32, exactly (fp8 * scale, rope as is)."""
     check.tensor("cache", cache, dtypes=(torch.uint8,), contiguous=True)
-    if cache.shape[-1] != FP8_TOKEN_BYTES:
+    if cache.dim() == 0 or cache.shape[-1] != FP8_TOKEN_BYTES:
         raise ValueError(f"cache's last dimension must be {FP8_TOKEN_BYTES}, got {tuple(cache.shape)}")
     lead = cache.shape[:-1]
     q8 = cache[..., :D_V].contiguous().view(torch.float8_e4m3fn).float().reshape(*lead, 4, 128)

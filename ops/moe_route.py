@@ -447,6 +447,7 @@ def moe_route(logits, top_k, *, bias=None, scoring="sigmoid", n_group=1, topk_gr
     NaN or inf logits raise ValueError (the check reads the values; see TILECRAFT_CHECK_VALUES).
     """
     _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_factor)
+    check.flag("renormalize", renormalize)
     finite = torch.isfinite(logits).all() if _values.enabled(logits) and logits.numel() else None
     out = _dispatch.call(_moe_route_op, _moe_route_impl, logits, bias, int(top_k), scoring, int(n_group),
                          int(topk_group), bool(renormalize), float(routed_scaling_factor))
@@ -467,6 +468,8 @@ def moe_hash_route(logits, input_ids, tid2eid, *, scoring="sqrtsoftplus", renorm
     check.same_device(logits=logits, input_ids=input_ids, tid2eid=tid2eid)
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    check.flag("renormalize", renormalize)
+    check.number("routed_scaling_factor", routed_scaling_factor)
     E = logits.shape[1]
     if _values.enabled(logits) and input_ids.numel():
         if bool(((input_ids < 0) | (input_ids >= tid2eid.shape[0])).any()):

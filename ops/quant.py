@@ -96,6 +96,7 @@ def per_token_group_quant_fp8(x, group_size=128, ue8m0=False):
     """x (m, k) bf16/fp16/fp32 -> (x_fp8 (m, k) e4m3, sf (m, ceil(k/group_size)) fp32)."""
     check.tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check.number("group_size", group_size, lo=1, integer=True)
+    check.flag("ue8m0", ue8m0)
     if _quant_kernel_fits(x, group_size, ue8m0):
         m, k = x.shape
         q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -121,6 +122,7 @@ def per_block_quant_fp8(w, block=128, ue8m0=False):
     """w (n, k) -> (w_fp8 (n, k) e4m3, sf (ceil(n/block), ceil(k/block)) fp32)."""
     check.tensor("w", w, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check.number("block", block, lo=1, integer=True)
+    check.flag("ue8m0", ue8m0)
     n, k = w.shape
     bn, bk = math.ceil(n / block), math.ceil(k / block)
     padded = torch.nn.functional.pad(w.float(), (0, bk * block - k, 0, bn * block - n))
@@ -131,14 +133,24 @@ def per_block_quant_fp8(w, block=128, ue8m0=False):
 
 
 def dequant_fp8_token_groups(x_fp8, sf, group_size=128):
-    """Exact fp32 value of per_token_group_quant_fp8's output."""
+    """Exact fp32 value of per_token_group_quant_fp8's output: x_fp8 (m, k) e4m3, sf (m, ceil(k/group_size))."""
+    check.tensor("x_fp8", x_fp8, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    check.tensor("sf", sf, dtypes=(torch.float32,), ndim=2)
+    check.number("group_size", group_size, lo=1, integer=True)
     m, k = x_fp8.shape
+    check.shape("sf", sf, (m, math.ceil(k / group_size)), "(m, ceil(k/group_size)) fp32")
+    check.same_device(x_fp8=x_fp8, sf=sf)
     return x_fp8.float() * sf.repeat_interleave(group_size, dim=1)[:, :k]
 
 
 def dequant_fp8_blocks(w_fp8, sf, block=128):
-    """Exact fp32 value of per_block_quant_fp8's output."""
+    """Exact fp32 value of per_block_quant_fp8's output: w_fp8 (n, k) e4m3, sf (ceil(n/block), ceil(k/block))."""
+    check.tensor("w_fp8", w_fp8, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    check.tensor("sf", sf, dtypes=(torch.float32,), ndim=2)
+    check.number("block", block, lo=1, integer=True)
     n, k = w_fp8.shape
+    check.shape("sf", sf, (math.ceil(n / block), math.ceil(k / block)), "(ceil(n/block), ceil(k/block)) fp32")
+    check.same_device(w_fp8=w_fp8, sf=sf)
     return w_fp8.float() * sf.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
 
 
@@ -177,6 +189,8 @@ def dequant_mx_fp8(x_fp8, scales):
     uint8 E8M0, one per 32 values along k."""
     check.tensor("x_fp8", x_fp8, dtypes=(torch.float8_e4m3fn,))
     check.tensor("scales", scales, dtypes=(torch.uint8,))
+    if x_fp8.dim() == 0:
+        raise ValueError("x_fp8 must have at least one dimension (..., k), got a 0-dim tensor")
     k = x_fp8.shape[-1]
     if k % 32:
         raise ValueError(f"x_fp8's last dimension must be a multiple of 32 (one E8M0 scale per 32), got {k}")

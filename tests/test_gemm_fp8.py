@@ -72,6 +72,27 @@ def test_quantizer_errors():
         ops.per_token_group_quant_fp8(torch.zeros(2, 128, dtype=torch.int32))
 
 
+def test_quantizer_flags_and_dequant_inputs_are_checked():
+    """ue8m0 must be a bool (a string such as 'no' is not taken as True); the exact dequant helpers check their
+    scales' shape (too many columns were cut off silently) and dtypes."""
+    x = torch.randn(4, 256)
+    with pytest.raises(TypeError, match="ue8m0 must be a bool, got str"):
+        ops.per_token_group_quant_fp8(x, ue8m0="no")
+    with pytest.raises(TypeError, match="ue8m0 must be a bool"):
+        ops.per_block_quant_fp8(x, ue8m0=None)
+    q, sf = ops.per_token_group_quant_fp8(x)
+    with pytest.raises(ValueError, match=r"sf must have shape \(4, 2\)"):
+        ops.dequant_fp8_token_groups(q, torch.cat([sf, sf], 1))
+    with pytest.raises(TypeError, match="x_fp8 must have dtype float8_e4m3fn"):
+        ops.dequant_fp8_token_groups(q.view(torch.uint8), sf)
+    qb, sfb = ops.per_block_quant_fp8(torch.randn(256, 128))
+    with pytest.raises(ValueError, match=r"sf must have shape \(2, 1\)"):
+        ops.dequant_fp8_blocks(qb, sfb[:1])
+    with pytest.raises(ValueError, match="at least one dimension"):
+        ops.dequant_mx_fp8(torch.zeros((), dtype=torch.float8_e4m3fn), torch.zeros((), dtype=torch.uint8))
+    assert torch.equal(ops.dequant_fp8_token_groups(q, sf), q.float() * sf.repeat_interleave(128, 1))
+
+
 # ---- GEMMs on CPU tensors: the exact-dequant reference ---------------------------------------------
 
 def quantized(m, n, k, g):
@@ -138,6 +159,29 @@ def test_gemm_errors():
     with pytest.raises(ValueError, match=r"m_indices must be in \[-1, 1\)"):
         ops.m_grouped_fp8_gemm_nt_contiguous(torch.cat([qa] * 32), torch.cat([sfa] * 32), qb[None], sfb[None],
                                              torch.full((128,), 3, dtype=torch.int32))
+
+
+def test_gemm_scalars_devices_and_out_dtype_are_checked():
+    """expected_m is an int >= 0; m_indices and masked_m must be on a's device (a meta tensor there reads no
+    values); out_dtype that disagrees with `out` is refused instead of ignored."""
+    g = torch.Generator().manual_seed(5)
+    a, b, qa, sfa, qb, sfb = quantized(4, 128, 256, g)
+    mm = torch.tensor([4], dtype=torch.int32)
+    args = (qa[None], sfa[None], qb[None], sfb[None], mm)
+    with pytest.raises(TypeError, match="expected_m must be an int, got str"):
+        ops.m_grouped_fp8_gemm_nt_masked(*args, expected_m="64")
+    with pytest.raises(ValueError, match=r"expected_m must be in \[0, None\], got -3"):
+        ops.m_grouped_fp8_gemm_nt_masked(*args, expected_m=-3)
+    with pytest.raises(ValueError, match="masked_m on meta"):
+        ops.m_grouped_fp8_gemm_nt_masked(*args[:4], mm.to("meta"))
+    pad = torch.zeros(128, 256).to(torch.float8_e4m3fn)
+    ids = torch.zeros(128, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="m_indices on meta"):
+        ops.m_grouped_fp8_gemm_nt_contiguous(pad, torch.ones(128, 2), qb[None], sfb[None], ids)
+    with pytest.raises(ValueError, match="disagrees with out's dtype"):
+        ops.fp8_gemm_nt(qa, sfa, qb, sfb, out=torch.empty(4, 128, dtype=torch.bfloat16), out_dtype=torch.float32)
+    out = torch.empty(4, 128, dtype=torch.float32)
+    assert ops.fp8_gemm_nt(qa, sfa, qb, sfb, out=out) is out
 
 
 def test_the_fast_operand_check_accepts_exactly_what_the_named_checks_accept():

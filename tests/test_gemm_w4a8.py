@@ -222,6 +222,23 @@ def test_errors_name_the_argument():
         prepare_mxfp4_w4a8(packed.int(), scales)
 
 
+def test_offsets_outside_the_table_are_refused():
+    """The kernels index their e4m3 table by the offsets' bytes: a value prepare_mxfp4_w4a8 never writes (past the
+    table, or not a multiple of 8) is refused by name, dense and grouped, before it reaches a kernel."""
+    g = torch.Generator().manual_seed(6)
+    packed, scales = weights(256, 512, g)
+    a, sa = activations(3, 512, g)
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    for bad in (255, 8 * TABLE_ENTRIES, 4):
+        off = offsets.clone()
+        off[1, 2] = bad
+        with pytest.raises(ValueError, match=f"offsets must be prepare_mxfp4_w4a8's table offsets.*got {bad}"):
+            ops.mxfp4_w4a8_gemm_nt(a, sa, codes, off, row_scale)
+        with pytest.raises(ValueError, match="offsets must be prepare_mxfp4_w4a8's table offsets"):
+            ops.m_grouped_mxfp4_w4a8_gemm_nt_masked(a[None], sa[None], codes[None], off[None], row_scale[None],
+                                                     torch.tensor([3], dtype=torch.int32))
+
+
 def test_ops_have_fake_implementations():
     """Both GPU paths are torch custom ops whose fakes give the output's shape and dtype without running anything
     (torch.compile traces through them)."""

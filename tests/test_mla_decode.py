@@ -114,6 +114,35 @@ def test_invalid_inputs_name_the_argument():
         ops.mla_decode(q, kv, table, lens, softmax_scale=0.1, kv_format="int4")
 
 
+def test_schedule_and_scalars_are_checked():
+    """get_mla_schedule's scalars are ints in range (s_q, h_q as the op's), batch_invariant a bool; the op's
+    sched must be an MlaSchedule; a non-finite softmax_scale is refused (it gave zeros and a NaN lse); the FP8
+    cache helpers take at least one dimension."""
+    lens = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(TypeError, match="s_q must be an int, got str"):
+        get_mla_schedule(lens, "1", 16, 4)
+    with pytest.raises(ValueError, match=r"s_q must be in \[1, 8\], got 0"):
+        get_mla_schedule(lens, 0, 16, 4)
+    with pytest.raises(ValueError, match=r"h_q must be in \[1, 128\], got -4"):
+        get_mla_schedule(lens, 1, -4, 4)
+    with pytest.raises(TypeError, match="max_blocks must be an int, got float"):
+        get_mla_schedule(lens, 1, 16, 2.7)
+    with pytest.raises(ValueError, match="num_sms must be in"):
+        get_mla_schedule(lens, 1, 16, 4, num_sms=0)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        get_mla_schedule(lens, 1, 16, 4, batch_invariant="no")
+    q, kv, table, lens = make_inputs(2, 1, 16, [10, 20])
+    with pytest.raises(TypeError, match="sched must be an MlaSchedule"):
+        ops.mla_decode(q, kv, table, lens, softmax_scale=0.1, sched="garbage")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            ops.mla_decode(q, kv, table, lens, softmax_scale=bad)
+    with pytest.raises(ValueError, match="kv's last dimension must be 576"):
+        ops.quantize_mla_kv_fp8(torch.zeros((), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cache's last dimension must be 656"):
+        ops.dequantize_mla_kv_fp8(torch.zeros((), dtype=torch.uint8))
+
+
 def test_out_of_range_values_are_caught():
     q, kv, table, lens = make_inputs(2, 1, 16, [10, 20])
     bad = table.clone()

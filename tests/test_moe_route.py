@@ -115,6 +115,22 @@ def test_invalid_inputs():
         ops.moe_route(bad, 4)
 
 
+def test_flags_and_factors_are_checked():
+    """renormalize must be a bool ('no' was taken as True), routed_scaling_factor a finite number, in both
+    routers."""
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        ops.moe_route(x, 4, renormalize="no")
+    with pytest.raises(ValueError, match="routed_scaling_factor must be a finite number"):
+        ops.moe_route(x, 4, routed_scaling_factor=float("nan"))
+    ids = torch.zeros(4, dtype=torch.int32)
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="routed_scaling_factor must be a number, got str"):
+        ops.moe_hash_route(x, ids, table, routed_scaling_factor="2")
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        ops.moe_hash_route(x, ids, table, renormalize=1)
+
+
 def test_hash_route():
     logits = torch.randn(5, 16)
     tid2eid = torch.randint(0, 16, (100, 3), dtype=torch.int32)

@@ -100,6 +100,14 @@ def test_invalid_inputs_name_the_argument():
         ops.rms_norm(torch.tensor(1.0), torch.randn(1))
 
 
+def test_non_finite_eps_is_refused():
+    """eps NaN or inf gave all-NaN or all-zero rows; it must be a finite number >= 0."""
+    x, w = torch.randn(2, 64), torch.randn(64)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number"):
+            ops.rms_norm(x, w, eps=bad)
+
+
 def test_custom_op_contract():
     x, w = torch.randn(3, 64), torch.randn(64)
     torch.library.opcheck(_rms_norm_op, (x, w, 1e-6))
