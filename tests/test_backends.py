@@ -81,15 +81,21 @@ def test_sass_histogram_parser():
 
 def test_wgmma_serialization_warnings_are_read_from_the_ptxas_log():
     """backends.cuda.sass.wgmma_serialized: ptxas's C75xx performance warnings (the C7513 line as CUDA 13.0's ptxas
-    printed it for session 51's FP8 MLA kernel), one entry per warning naming the code and the function."""
+    printed it for session 51's FP8 MLA kernel; C7512, which says "for the function" and was missed until session
+    53; C7507, setmaxnreg ignored, which names no function), one entry per warning naming the code and the
+    function."""
     from backends.cuda.sass import wgmma_serialized
 
     log = """ptxas info    : 0 bytes gmem
 ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining input registers of a wgmma between start and end of the pipeline stage in the function 'mla_decode_fp8_rows64_kernel'
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and end of the pipeline stage in the function 'k2'
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'mla_decode_fp8_rows64_kernel'
+ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum register requirements.
 ptxas info    : Used 168 registers, used 10 barriers, 1024 bytes smem"""
     found = wgmma_serialized(log)
-    assert [f.split(":")[0] for f in found] == ["C7513 in mla_decode_fp8_rows64_kernel", "C7514 in k2"], found
+    assert [f.split(":")[0] for f in found] == ["C7513 in mla_decode_fp8_rows64_kernel", "C7514 in k2",
+                                                "C7512 in mla_decode_fp8_rows64_kernel", "C7507"], found
+    assert "insufficient register resources" in found[2] and "setmaxnreg" in found[3]
     assert wgmma_serialized("ptxas info    : Used 168 registers") == []
 
 

@@ -93,16 +93,21 @@ def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes
     return compile_cubin(source, arch, flags)[0]
 
 
-_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?) in the function '(\w+)'")
+# "... in the function 'f'" (C7513-C7515: operands mid-pipeline) or "... for the function 'f'" (C7512: insufficient
+# registers); C7507 ("'setmaxnreg' ignored to maintain minimum register requirements") names no function
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?)(?: (?:in|for) the function '(\w+)'|\.?$)",
+                         re.MULTILINE)
 
 
 def wgmma_serialized(ptxas_log: str) -> list[str]:
-    """ptxas's WGMMA performance warnings in a compile_cubin log, one "CODE in FUNCTION: text" each ("(C75xx)
-    Potential Performance Loss: wgmma.mma_async instructions are serialized due to ...": C7513 input registers, C7514
-    and C7515 accumulator registers defined or read mid-pipeline, ...). Where ptxas cannot prove a WGMMA pipeline
-    safe anywhere in a kernel it waits after every WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA): session
-    51's FP8 MLA kernel lost 2-3x to one loop entered with MMAs in flight (bench/NOTES.md "Session 52")."""
-    return [f"{code} in {fn}: {text}" for code, text, fn in _SERIALIZED.findall(ptxas_log)]
+    """ptxas's performance warnings in a compile_cubin log, one "CODE in FUNCTION: text" each ("(C75xx) Potential
+    Performance Loss: ..."): C7512 WGMMAs serialized for insufficient registers, C7513 input registers, C7514 and
+    C7515 accumulator registers defined or read mid-pipeline; C7507 setmaxnreg ignored (the kernel keeps its launch
+    registers in every warpgroup). Where ptxas cannot prove a WGMMA pipeline safe anywhere in a kernel it waits
+    after every WGMMA of that kernel (WARPGROUP.DEPBAR after each HGMMA): session 51's FP8 MLA kernel lost 2-3x to
+    one loop entered with MMAs in flight (bench/NOTES.md "Session 52"). Before session 53 the pattern wanted "in
+    the function" and missed C7512's "for the function" (bench/NOTES.md "Session 53")."""
+    return [f"{code} in {fn}: {text}" if fn else f"{code}: {text}" for code, text, fn in _SERIALIZED.findall(ptxas_log)]
 
 
 def _run_tool(name: str, args: list[str], cubin: bytes) -> str:
