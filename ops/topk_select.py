@@ -482,7 +482,8 @@ def topk_select(scores, k, *, lengths=None):
     """Indices of the k largest values of each row: (R, k) int32, ascending, -1 past a short row.
 
     scores (R, N) fp32 (bf16/fp16 are upcast); lengths (R,) int32 limits row r to its first
-    lengths[r] columns. Exact; ties go to the lower index. NaN scores raise ValueError.
+    lengths[r] columns, clamped to [0, N] (a length past N means the whole row, a negative one an empty row:
+    the kernel reads no column outside the row). Exact; ties go to the lower index. NaN scores raise ValueError.
     """
     check.tensor("scores", scores, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     check.number("k", k, lo=1, hi=MAX_K, integer=True)
