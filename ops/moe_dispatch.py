@@ -357,7 +357,9 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
                         acc[c] = 0.0
                     for j in T.serial(top_k):
                         for c in tile.parallel(hidden):
-                            acc[c] += W[t, j] * tile.to_f32(Y[T.max(Pos[t, j], 0), c], dtype)
+                            # (clamped into y: a position past it, from a mapping not moe_dispatch's, reads no
+                            # memory outside y; moe_combine refuses it where value checks run)
+                            acc[c] += W[t, j] * tile.to_f32(Y[T.min(T.max(Pos[t, j], 0), rows - 1), c], dtype)
                     for c in tile.parallel(hidden):
                         Out[t, c] = tile.from_f32(acc[c], dtype)
 
@@ -727,6 +729,9 @@ def moe_combine(y, mapping, weights):
     pos = mapping.positions if ep is None else ep.send_positions
     check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
     check.same_device(y=y, weights=weights, positions=pos)
+    if ep is None and _values.enabled(pos) and pos.numel() and bool((pos >= rows).any()):
+        raise ValueError(f"mapping.positions must be rows of y's dispatch layout (< {rows}), got "
+                         f"{int(pos.max())}: pass the mapping moe_dispatch returned with these rows")
     if y.device.type == "cuda":
         check.aligned("y", y, 16, "its rows are read 16 bytes a thread")
     if ep is not None:

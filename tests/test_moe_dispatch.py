@@ -1,5 +1,7 @@
 """ops.moe_dispatch / ops.moe_combine: layouts the grouped GEMMs take, exact round trips."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -144,6 +146,10 @@ def test_invalid_inputs():
         ops.moe_combine(xd, m, torch.ones(4, 3))
     with pytest.raises(ValueError, match="y must have shape"):
         ops.moe_combine(xd[:-1].contiguous(), m, torch.ones(4, 2))
+    # a mapping whose positions point past y (not moe_dispatch's): refused, never read
+    bad = dataclasses.replace(m, positions=m.positions + xd.shape[0])
+    with pytest.raises(ValueError, match=r"mapping.positions must be rows of y's dispatch layout"):
+        ops.moe_combine(xd, bad, torch.ones(4, 2))
 
 
 @pytest.mark.gpu
