@@ -183,7 +183,8 @@ def sass_of(wg0, pv, reg_parts, pv_parts, roles):
     config = {"tl.disable_warp_specialized": True, "tl.enable_fast_math": True, "tl.disable_buffer_init_check": True,
               "tl.disable_thread_storage_sync": True}
     with tilelang.transform.PassContext(config=config), Target({"kind": "cuda", "arch": "sm_90a"}) as t:
-        src = tilelang.lower(build(wg0, pv, roles=roles, reg_parts=reg_parts, pv_parts=pv_parts), target=t).kernel_source
+        prim = build(wg0, pv, roles=roles, reg_parts=reg_parts, pv_parts=pv_parts)
+        src = tilelang.lower(prim, target=t).kernel_source
     cubin, log = compile_cubin(src, "sm_90a")
     sass = disassemble(cubin)
     return (max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)), sass.count("STL"), sass.count("LDL"),

@@ -1195,6 +1195,7 @@ def _run(mode, a, sfa, b, sfb, aux, out, block_m):
     """Compute into `out`: the exact-dequant reference on CPU tensors, the tile program elsewhere."""
     n, k = b.shape[-2], b.shape[-1]
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         if mode == "sorted":
             return m_grouped_sorted_reference(a, sfa, b, sfb, aux, out, block_m)
         if mode == "dense":

@@ -1096,6 +1096,7 @@ MASKED_STAGED = True
 
 def _mxfp4_grouped_impl(mode, a, b, sfb, aux, block_m):
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         return m_grouped_mxfp4_reference(a, b, sfb, aux, mode)
     out = torch.empty(*a.shape[:-1], b.shape[1], dtype=torch.bfloat16, device=a.device)
     if out.numel() == 0:
@@ -1132,6 +1133,7 @@ def _(mode, a, b, sfb, aux, block_m):
 
 def _mxfp4_impl(a, b, sfb):
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         return mxfp4_gemm_nt_reference(a, b, sfb)
     m, k = a.shape
     n = b.shape[0]

@@ -547,6 +547,7 @@ def mxfp4_w4a8_gemm_nt(a: torch.Tensor, sfa: torch.Tensor, codes: torch.Tensor, 
     m, k = a.shape
     n = codes.shape[0]
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         return mxfp4_w4a8_gemm_nt_reference(a, sfa, codes, offsets, row_scale)
     target = targets.resolve(a)
     if target.name != "cuda:sm_90a":
@@ -727,6 +728,7 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     check.shape("masked_m", masked_m, (G,), "(groups,)")
     check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale, masked_m=masked_m)
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         if G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
             raise ValueError(f"masked_m must be in [0, {max_m}]")
         out = torch.zeros(G, max_m, n, dtype=torch.bfloat16)
@@ -908,6 +910,7 @@ def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, 
             and bool(((m_indices < -1) | (m_indices >= G)).any())):
         raise ValueError(f"m_indices must be in [-1, {G})")
     if a.device.type == "cpu":
+        targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         out = torch.zeros(M, n, dtype=torch.bfloat16)
         for gi in range(G):
             rows = (m_indices == gi).nonzero().flatten()

@@ -843,6 +843,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     if sched is not None and not isinstance(sched, MlaSchedule):
         raise TypeError(f"sched must be an MlaSchedule from get_mla_schedule (or None), got {type(sched).__name__}")
     if q.device.type == "cpu":
+        targets.resolve(q)      # (TILECRAFT_TARGET naming another device is an error here too)
         cache = dequantize_mla_kv_fp8(kv_cache) if kv_format == "fp8" else kv_cache
         out, lse = mla_decode_reference(q, cache, block_table, cache_seqlens, head_dim_v,
                                         softmax_scale=softmax_scale, causal=causal)

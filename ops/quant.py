@@ -105,6 +105,7 @@ def per_token_group_quant_fp8(x, group_size=128, ue8m0=False):
             kernel = token_group_quant_program.compile(targets.resolve(x), k=k, dtype=QUANT_DTYPES[x.dtype])
             kernel.launcher()(x, q, sf)
         return q, sf
+    targets.resolve(x)          # (TILECRAFT_TARGET naming another device is an error here too)
     return token_group_quant_reference(x, group_size, ue8m0)
 
 

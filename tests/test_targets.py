@@ -38,6 +38,30 @@ def test_env_var_overrides_detection_and_is_checked(monkeypatch):
         targets.resolve(torch.zeros(2))
 
 
+def test_every_op_checks_the_env_var_on_cpu_tensors(monkeypatch):
+    """The ops whose CPU tensors run a torch reference check TILECRAFT_TARGET as the compiled ops do: a target for
+    another device, or an unknown one, is an error rather than silently ignored; cpu is accepted."""
+    import ops
+
+    g = torch.Generator().manual_seed(0)
+    qa, sfa = ops.per_token_group_quant_fp8(torch.randn(4, 256, generator=g))
+    qb, sfb = ops.per_block_quant_fp8(torch.randn(128, 256, generator=g))
+    packed, scales = ops.quant_mxfp4(torch.randn(128, 256, generator=g))
+    prep = ops.prepare_mxfp4_w4a8(packed, scales)
+    x = torch.randn(4, 256, generator=g)
+    calls = [lambda: ops.fp8_gemm_nt(qa, sfa, qb, sfb), lambda: ops.per_token_group_quant_fp8(x),
+             lambda: ops.mxfp4_gemm_nt(x.bfloat16(), packed, scales),
+             lambda: ops.mxfp4_w4a8_gemm_nt(qa, sfa[:, 0].contiguous(), *prep)]
+    monkeypatch.setenv("TILECRAFT_TARGET", "cpu")
+    for call in calls:
+        call()
+    for bad, match in (("sm_90a", "TILECRAFT_TARGET=cuda:sm_90a runs on 'cuda' devices"), ("riscv", "unknown target")):
+        monkeypatch.setenv("TILECRAFT_TARGET", bad)
+        for call in calls:
+            with pytest.raises(ValueError, match=match):
+                call()
+
+
 def test_explicit_target_beats_env(monkeypatch):
     monkeypatch.setenv("TILECRAFT_TARGET", "sm_90a")
     assert targets.resolve(torch.zeros(2), target="cpu").name == "cpu"

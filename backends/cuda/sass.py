@@ -95,8 +95,8 @@ def build_cubin(source: str, arch: str, flags: list[str] | None = None) -> bytes
 
 # "... in the function 'f'" (C7513-C7515: operands mid-pipeline) or "... for the function 'f'" (C7512: insufficient
 # registers); C7507 ("'setmaxnreg' ignored to maintain minimum register requirements") names no function
-_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?)(?: (?:in|for) the function '(\w+)'|\.?$)",
-                         re.MULTILINE)
+_SERIALIZED = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: ([^\n]*?)(?: (?:in|for) the function '(\w+)'|\.?$)", re.MULTILINE)
 
 
 def wgmma_serialized(ptxas_log: str) -> list[str]:
