@@ -380,7 +380,7 @@ def combine_program(hidden: int, top_k: int, dtype: str = "bfloat16", threads: i
                     val[c] = tile.to_f32(Y[Loc[base + q], c], dtype)
             else:
                 for c in tile.parallel(hidden):
-                    val[c] = tile.to_f32(Ret[T.max(Pos[t, j], 0), c], dtype)
+                    val[c] = tile.to_f32(Ret[T.min(T.max(Pos[t, j], 0), ret_rows - 1), c], dtype)
             # one multiply-add, as in the one-source kernel: nvcc fuses both into the same FFMA
             # (a multiply-add in each branch was left as FMUL + FADD: other bits)
             for c in tile.parallel(hidden):
