@@ -13,8 +13,8 @@ Three warpgroups, no producer warpgroup, one 32-token step a ring slot:
 
 A step moves 2 x 16 KB of latent and 4 KB of rope into shared memory, reads K (36 KB) once for the scores and V
 (2 x 16 KB) and P (2 x 4 KB) for the P V MMAs: Q is never read from shared memory but its rope (8 KB a step).
-The scores run as m64n32k16 (a 32-token step keeps S at 16 registers and the ring five slots deep in 186 KB, the
-loads of a slot going out ~4 steps before its use).
+The scores run as m64n32k16 (a 32-token step keeps S at 16 registers and the ring five slots deep: with each slot's
+P and factors and Q's rope, 214.5 KB of shared memory; a slot's loads go out ~4 steps before its use).
 
 Synchronization: full[slot] (TMA bytes; 128 producer arrivals), ready[slot] (WG0's 128 threads, after P and the
 factors are written and fenced for the async proxy), empty[slot] (WG1 and WG2's 256 threads after their P V MMAs
