@@ -25,7 +25,7 @@ VARS: dict[str, EnvVar] = {
         EnvVar("TILECRAFT_CACHE_DIR", "~/.cache/tilecraft",
                "where compiled kernels (and generated sources, `codegen.show`) are kept between processes"),
         EnvVar("TILECRAFT_DISABLE_DISK_CACHE", "0", "1: compile in every process, keep kernels in memory only"),
-        EnvVar("TILECRAFT_NVCC", "", "path of the nvcc to use; default: CUDA_HOME, then PATH, then the nvidia-cuda-nvcc wheel"),
+        EnvVar("TILECRAFT_NVCC", "", "path of the nvcc to use; default: CUDA_HOME, then CUDA_PATH, then PATH, then the nvidia-cuda-nvcc wheel"),
         EnvVar("TILECRAFT_BISHENG", "", "path of CANN's bisheng compiler; default: BISHENG_HOME/bin, ASCEND_HOME_PATH, then PATH"),
         EnvVar("TILECRAFT_BATCH_INVARIANT", "0", "1: MLA decode splits each sequence the same way whatever the batch (bitwise batch-invariant)"),
         EnvVar("TILECRAFT_CHECK_VALUES", "1", "0: skip checks that read tensor values (index ranges, finite router logits): one device sync per call, never during CUDA graph capture"),
