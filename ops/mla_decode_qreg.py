@@ -81,10 +81,15 @@ def _issue(KV, BlockTable, bi, tok, page, max_blocks, num_pages, k0_s, k1_s, kr_
                                       "tl.disable_safe_memory_legalize": True, "tl.enable_fast_math": True},
 )
 def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                            ring: int = RING):
+                            ring: int = RING, defer_ready: bool = True):
     """The bf16-cache MLA decode with Q in registers (this module's docstring), one CTA per (sequence, split, row
     tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and outputs are
-    mla_decode_program's (KVf and KVh are taken and not read). ring: the 32-token slots (5 fit)."""
+    mla_decode_program's (KVf and KVh are taken and not read). ring: the 32-token slots (5 fit).
+
+    defer_ready (default): WG0 tells the P V warpgroups that step k - 1's P is ready only after it has issued step
+    k's score MMAs, so their P V of step k - 1 enters the tensor pipe behind those and is still running while WG0
+    does step k's softmax (which otherwise leaves the pipe idle, ~200-250 cycles a step: S is single-buffered). The
+    same products in the same order; False: ready as soon as P is written."""
     rows = s_q * h_q
     _check(rows, page, dtype, ring)
     causal = causal and s_q > 1
@@ -173,6 +178,9 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     T.wgmma_gemm(q0, k0_s[slot, :, :], s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(q1, k1_s[slot, :, :], s, transpose_B=True)
                     T.wgmma_gemm(qr_s, kr_s[slot, :, :], s, transpose_B=True)
+                    if defer_ready:          # step k - 1's P (written and fenced last iteration), behind these MMAs
+                        if k > 0:
+                            T.mbarrier_arrive(ready[(k + ring - 1) % ring])
                     T.wait_wgmma(0)
                     # mask (past the end, causal), then the online softmax in the log2 domain
                     for i, j in T.Parallel(ROWS, STEP):
@@ -192,7 +200,11 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     for i, j in T.Parallel(ROWS, STEP):
                         p_s[slot, i, j] = T.cast(s[i, j], "bfloat16")
                     T.fence_proxy_async()
-                    T.mbarrier_arrive(ready[slot])
+                    if not defer_ready:
+                        T.mbarrier_arrive(ready[slot])
+                if defer_ready:                  # the last step's P
+                    if n_iter > 0:
+                        T.mbarrier_arrive(ready[(n_iter - 1) % ring])
                 # 1 / the row sums (0 where a row saw nothing) for the P V warpgroups, the lse
                 for i in T.Parallel(ROWS):
                     l_s[i] = T.if_then_else(l[i] > 0.0, 1.0 / l[i], 0.0)

@@ -6,9 +6,10 @@
 # and 128 rows; the h_q 16/32 rows say why they cannot take it). Expected (written before any run): a step's tensor
 # floor ~2490 cycles for 64 tokens against FlashMLA's measured ~3140 and ours ~3700: 128 x 128 x 4096 from 0.29 ms
 # to ~0.22-0.26 if the roles overlap (FlashMLA 0.262); the h_q 64 row (memory-bound, 0.164 today) about even.
-# If a test fails: the first suspects are the RS score MMAs' N = 32 B tiles, V read MN-major from 32-token slots,
-# and the tail zeroing. ~5 minutes.
+# tilecraft-qreg-nodefer: P ready before the next step's score MMAs are issued (WG0's softmax then leaves the tensor
+# pipe idle): expected ~10-15% slower than the default (defer_ready). If a test fails: the first suspects are the RS
+# score MMAs' N = 32 B tiles, V read MN-major from 32-token slots, and the tail zeroing. ~5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TESTS="tests/test_mla_decode_qreg.py@2" DEADLINE=330 TEST_BUDGET=150 bash bench/gpu_session.sh tests \
-  "mla decode tilecraft,tilecraft-qreg --flush read --rounds 2"
+  "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer --flush read --rounds 2"
