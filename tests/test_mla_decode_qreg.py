@@ -34,6 +34,21 @@ def test_lowers_with_q_in_registers_and_asynchronous_mmas():
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < WG0_REGS
 
 
+def test_defer_ready_announces_p_behind_the_next_steps_mmas():
+    """defer_ready (default): WG0's arrive on ready for step k - 1 sits between step k's last score MMA batch and
+    its wait, and the last step's after the loop; without it, right after P's stores and fence, before the next
+    step's MMAs."""
+    deferred = mla_decode_qreg_program.source("sm_90a", h_q=64, s_q=1)
+    eager = mla_decode_qreg_program.source("sm_90a", h_q=64, s_q=1, defer_ready=False)
+    loop = deferred[deferred.index("for (int k = 0; k < n_iter; ++k)"):]
+    arrive, commit, wait = loop.index("ready[((k + 4) % 5)].arrive();"), loop.index("tl::wgmma_ss<"), \
+        loop.index("tl::wait_wgmma<0>();")
+    assert commit < arrive < wait
+    assert "ready[((n_iter + 4) % 5)].arrive();" in deferred
+    loop = eager[eager.index("for (int k = 0; k < n_iter; ++k)"):]
+    assert loop.index("tl::fence_proxy_async();\n      ready[(k % 5)].arrive();") > loop.index("tl::wait_wgmma<0>();")
+
+
 def test_shapes_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="multiple of 64"):
         mla_decode_qreg_program.source("sm_90a", h_q=16, s_q=1)
