@@ -33,7 +33,7 @@ spills), never run: the op does not take it (a bench provider, tilecraft-qreg, a
 import tilelang.language as T
 
 from codegen.program import tile_program
-from ops.mla_decode_fp8_rs import _split_range
+from ops.mla_decode_fp8_rs import _rs2_page, _split_range
 
 D_QK, D_V, D_ROPE = 576, 512, 64
 HALF = D_V // 2                  # the latent columns of a P V warpgroup (and of each Q register fragment)
@@ -65,7 +65,7 @@ def _check(rows, page, dtype, ring):
 @T.macro
 def _issue(KV, BlockTable, bi, tok, page, max_blocks, num_pages, k0_s, k1_s, kr_s, full, slot):
     # the step of tokens [tok, tok + STEP) (inside one page) into `slot`, on full[slot]; every producer thread arrives
-    pidx = T.min(T.max(BlockTable[bi, T.min(tok // page, max_blocks - 1)], 0), num_pages - 1)
+    pidx = _rs2_page(BlockTable, bi, tok // BLOCK, page, max_blocks, num_pages)
     off = tok % page
     T.tma_copy(KV[pidx, off:off + STEP, 0:HALF], k0_s[slot, :, :], barrier=full[slot])
     T.tma_copy(KV[pidx, off:off + STEP, HALF:D_V], k1_s[slot, :, :], barrier=full[slot])
@@ -213,36 +213,15 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                         lse2 = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
                         if splits == 1:
                             if row0 + i < rows:
-                                Lse[bi, (row0 + i) % h_q, (row0 + i) // h_q] = \
-                                    T.if_then_else(l[i] > 0.0, lse2 * LN2, neg_inf)
+                                Lse[bi, (row0 + i) % h_q, (row0 + i) // h_q] = lse2 * LN2
                         else:
                             LsePart[bi * max_splits + si, row0 + i] = lse2
-            elif tx < 256:
-                T.set_max_nreg(PV_REGS, 0)
-                T.clear(o0)
-                for k in T.serial(n_iter):
-                    slot = k % ring
-                    T.mbarrier_wait_parity(ready[slot], (k // ring) % 2)
-                    for i, j in T.Parallel(ROWS, HALF):
-                        o0[i, j] = o0[i, j] * al_s[slot, i]
-                    T.wgmma_gemm(p_s[slot, :, :], k0_s[slot, :, :], o0)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(empty[slot])
-                    if k + ring < n_iter:   # the producer: the slot's next step once WG2 has released it too
-                        T.mbarrier_wait_parity(empty[slot], (k // ring) % 2)
-                        _issue(KV, BlockTable, bi, tok0 + (k + ring) * STEP, page, max_blocks, num_pages, k0_s, k1_s,
-                               kr_s, full, slot)
-            else:
-                T.set_max_nreg(PV_REGS, 0)
-                T.clear(o1)
-                for k in T.serial(n_iter):
-                    slot = k % ring
-                    T.mbarrier_wait_parity(ready[slot], (k // ring) % 2)
-                    for i, j in T.Parallel(ROWS, HALF):
-                        o1[i, j] = o1[i, j] * al_s[slot, i]
-                    T.wgmma_gemm(p_s[slot, :, :], k1_s[slot, :, :], o1)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(empty[slot])
+            elif tx < 256:                # WG1: its P V, and the producer of the ring
+                _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k0_s, o0,
+                         lambda k, slot: _issue(KV, BlockTable, bi, tok0 + (k + ring) * STEP, page, max_blocks,
+                                                num_pages, k0_s, k1_s, kr_s, full, slot))
+            else:                         # WG2: its P V
+                _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k1_s, o1, None)
             T.sync_threads()                # l_s written; every loop done
             if si < splits:
                 if tx >= 128 and tx < 256:
@@ -251,6 +230,26 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     _store(o1, HALF, l_s, Out, OPart, bi, si, splits, max_splits, row0, rows)
 
     return mla_decode_qreg
+
+
+@T.macro
+def _pv_loop(n_iter, ring, ready, empty, al_s, p_s, v_s, o, produce):
+    # a P V warpgroup: O_w = alpha * O_w + P V_w a step (V_w: the slot's latent half v_s, read MN-major), the slot
+    # released on empty; produce(k, slot) (WG1's): once both warpgroups have released the slot, its step k + ring
+    T.set_max_nreg(PV_REGS, 0)
+    T.clear(o)
+    for k in T.serial(n_iter):
+        slot = k % ring
+        T.mbarrier_wait_parity(ready[slot], (k // ring) % 2)
+        for i, j in T.Parallel(ROWS, HALF):
+            o[i, j] = o[i, j] * al_s[slot, i]
+        T.wgmma_gemm(p_s[slot, :, :], v_s[slot, :, :], o)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(empty[slot])
+        if produce is not None:
+            if k + ring < n_iter:
+                T.mbarrier_wait_parity(empty[slot], (k // ring) % 2)
+                produce(k, slot)
 
 
 @T.macro
