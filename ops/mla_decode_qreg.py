@@ -47,7 +47,48 @@ BAR_WG0 = 1                      # WG0's named barrier (bar 0 is __syncthreads)
 HELPER_SOURCE = r"""
 // the 128 threads of one warpgroup meet (a named barrier)
 __device__ __forceinline__ void qreg_bar(int id) { asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory"); }
+// trace=True: the warpgroup's first thread writes the SM clock of event e of its step k into stamps[8 k + e]
+__device__ __forceinline__ void qreg_stamp(void* stamps, int k, int e) {
+  if ((threadIdx.x & 127) == 0 && k < 64) {
+    int t;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(t) :: "memory");
+    reinterpret_cast<int*>(stamps)[8 * k + e] = t;
+  }
+}
+// trace=True: the CTA's span (thread `by` writes): global timer at entry (e 0), WG0's loop start (1) and end (2), the
+// exit (3) in span[e]; the SM clock at loop start and end in span[4], span[5]; at exit the SM's id and the CTA's steps
+// in span[6], span[7]
+__device__ __forceinline__ void qreg_span(void* at, int e, int steps, int by) {
+  if ((int)threadIdx.x != by) return;
+  unsigned* span = reinterpret_cast<unsigned*>(at);
+  unsigned g, c, sm;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(g) :: "memory");
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  span[e] = g;
+  if (e == 1 || e == 2) span[4 + e - 1] = c;
+  if (e == 3) { span[6] = sm; span[7] = (unsigned)steps; }
+}
 """
+# trace=True (bench.trace_mla_qreg): per role (0 WG0, 1 WG1, 2 WG2) the events of its first TRACE_STEPS steps, SM
+# clocks into OPart[bid, role, 8 k + e]; the CTA's span (qreg_span) into OPart[bid, SPAN_ROW, 0:8]
+TRACE_STEPS = 64
+TRACE_EVENTS = {0: ("start", "data", "scores issued", "scores done", "softmax", "P ready"),
+                1: ("start", "P ready", "rescaled", "P V issued", "P V done", "slot free", "reloaded"),
+                2: ("start", "P ready", "rescaled", "P V issued", "P V done")}
+SPAN_ROW = 3
+
+
+@T.macro
+def _stamp(stamps, k, e):
+    if stamps is not None:
+        T.evaluate(T.call_extern("handle", "qreg_stamp", stamps, k, e))
+
+
+@T.macro
+def _span(span, e, steps, by):
+    if span is not None:
+        T.evaluate(T.call_extern("handle", "qreg_span", span, e, steps, by))
 
 
 def _check(rows, page, dtype, ring):
@@ -81,7 +122,7 @@ def _issue(KV, BlockTable, bi, tok, page, max_blocks, num_pages, k0_s, k1_s, kr_
                                       "tl.disable_safe_memory_legalize": True, "tl.enable_fast_math": True},
 )
 def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat16", causal: bool = True,
-                            ring: int = RING, defer_ready: bool = True):
+                            ring: int = RING, defer_ready: bool = True, trace: bool = False):
     """The bf16-cache MLA decode with Q in registers (this module's docstring), one CTA per (sequence, split, row
     tile) as mla_decode_program's grid (bid = (bi * max_splits + si) * m_tiles + mt); its arguments and outputs are
     mla_decode_program's (KVf and KVh are taken and not read). ring: the 32-token slots (5 fit).
@@ -89,7 +130,11 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
     defer_ready (default): WG0 tells the P V warpgroups that step k - 1's P is ready only after it has issued step
     k's score MMAs, so their P V of step k - 1 enters the tensor pipe behind those and is still running while WG0
     does step k's softmax (which otherwise leaves the pipe idle, ~200-250 cycles a step: S is single-buffered). The
-    same products in the same order; False: ready as soon as P is written."""
+    same products in the same order; False: ready as soon as P is written.
+
+    trace (bench.trace_mla_qreg; unsplit launches, OPart with a slot per CTA): each role's first thread writes the SM
+    clock at its TRACE_EVENTS of its first TRACE_STEPS steps into OPart[bid, role], and the CTA's span into
+    OPart[bid, SPAN_ROW]; the outputs are the same."""
     rows = s_q * h_q
     _check(rows, page, dtype, ring)
     causal = causal and s_q > 1
@@ -114,6 +159,8 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
         scale_log2: T.float32,
     ):
         with T.Kernel(batch * max_splits * m_tiles, threads=3 * 128) as bid:
+            stamps = [T.access_ptr(OPart[bid, r, 0], "w", 8 * TRACE_STEPS) if trace else None for r in range(3)]
+            span = T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8) if trace else None
             k0_s = T.alloc_shared((ring, STEP, HALF), "bfloat16")     # latent columns 0..255 (WG1's V)
             k1_s = T.alloc_shared((ring, STEP, HALF), "bfloat16")     # latent columns 256..511 (WG2's V)
             kr_s = T.alloc_shared((ring, STEP, D_ROPE), "bfloat16")   # the rope
@@ -141,6 +188,8 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
             splits = Splits[bi]
             seqlen = SeqLens[bi]
             tx = T.get_thread_binding()
+            T.import_source(HELPER_SOURCE)
+            _span(span, 0, 0, 0)
             split_v = T.alloc_local((2,), "int32")
             split_v[0], split_v[1] = _split_range(si, splits, T.ceildiv(seqlen, BLOCK))
             tok0 = split_v[0] * BLOCK                                 # the split's first token
@@ -152,7 +201,6 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                 for k in T.serial(T.min(n_iter, ring)):
                     _issue(KV, BlockTable, bi, tok0 + k * STEP, page, max_blocks, num_pages, k0_s, k1_s, kr_s, full,
                            k)
-            T.import_source(HELPER_SOURCE)
             T.copy(Q[bi, row0:row0 + ROWS, D_V:D_QK], qr_s)
             T.fence_proxy_async()         # (qr_s is read by the score MMAs: the async proxy)
             T.sync_threads()
@@ -164,9 +212,12 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     q1[i, j] = Q[bi, row0 + i, HALF + j]
                 T.fill(m, neg_inf)
                 T.fill(l, 0.0)
+                _span(span, 1, 0, 0)
                 for k in T.serial(n_iter):
                     slot = k % ring
+                    _stamp(stamps[0], k, 0)
                     T.mbarrier_wait_parity(full[slot], (k // ring) % 2)
+                    _stamp(stamps[0], k, 1)
                     t0 = tok0 + k * STEP
                     if t0 + STEP > seqlen:        # the sequence's short last step: V's rows past its end zeroed
                         for j, c in T.Parallel(STEP, HALF):
@@ -178,10 +229,12 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     T.wgmma_gemm(q0, k0_s[slot, :, :], s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(q1, k1_s[slot, :, :], s, transpose_B=True)
                     T.wgmma_gemm(qr_s, kr_s[slot, :, :], s, transpose_B=True)
+                    _stamp(stamps[0], k, 2)
                     if defer_ready:          # step k - 1's P (written and fenced last iteration), behind these MMAs
                         if k > 0:
                             T.mbarrier_arrive(ready[(k + ring - 1) % ring])
                     T.wait_wgmma(0)
+                    _stamp(stamps[0], k, 3)
                     # mask (past the end, causal), then the online softmax in the log2 domain
                     for i, j in T.Parallel(ROWS, STEP):
                         lim = T.min(base + (row0 + i) // h_q, seqlen) if causal else seqlen
@@ -197,11 +250,14 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                         l[i] = l[i] * alpha + ls[i]
                         al_s[slot, i] = alpha
                         m[i] = m_new[i]
+                    _stamp(stamps[0], k, 4)
                     for i, j in T.Parallel(ROWS, STEP):
                         p_s[slot, i, j] = T.cast(s[i, j], "bfloat16")
                     T.fence_proxy_async()
+                    _stamp(stamps[0], k, 5)
                     if not defer_ready:
                         T.mbarrier_arrive(ready[slot])
+                _span(span, 2, 0, 0)
                 if defer_ready:                  # the last step's P
                     if n_iter > 0:
                         T.mbarrier_arrive(ready[(n_iter - 1) % ring])
@@ -219,37 +275,47 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
             elif tx < 256:                # WG1: its P V, and the producer of the ring
                 _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k0_s, o0,
                          lambda k, slot: _issue(KV, BlockTable, bi, tok0 + (k + ring) * STEP, page, max_blocks,
-                                                num_pages, k0_s, k1_s, kr_s, full, slot))
+                                                num_pages, k0_s, k1_s, kr_s, full, slot), stamps[1])
             else:                         # WG2: its P V
-                _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k1_s, o1, None)
+                _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k1_s, o1, None, stamps[2])
             T.sync_threads()                # l_s written; every loop done
             if si < splits:
                 if tx >= 128 and tx < 256:
                     _store(o0, 0, l_s, Out, OPart, bi, si, splits, max_splits, row0, rows)
                 elif tx >= 256:
                     _store(o1, HALF, l_s, Out, OPart, bi, si, splits, max_splits, row0, rows)
+            if trace:
+                T.sync_threads()
+                _span(span, 3, n_iter, 0)
 
     return mla_decode_qreg
 
 
 @T.macro
-def _pv_loop(n_iter, ring, ready, empty, al_s, p_s, v_s, o, produce):
+def _pv_loop(n_iter, ring, ready, empty, al_s, p_s, v_s, o, produce, stamps=None):
     # a P V warpgroup: O_w = alpha * O_w + P V_w a step (V_w: the slot's latent half v_s, read MN-major), the slot
     # released on empty; produce(k, slot) (WG1's): once both warpgroups have released the slot, its step k + ring
     T.set_max_nreg(PV_REGS, 0)
     T.clear(o)
     for k in T.serial(n_iter):
         slot = k % ring
+        _stamp(stamps, k, 0)
         T.mbarrier_wait_parity(ready[slot], (k // ring) % 2)
+        _stamp(stamps, k, 1)
         for i, j in T.Parallel(ROWS, HALF):
             o[i, j] = o[i, j] * al_s[slot, i]
+        _stamp(stamps, k, 2)
         T.wgmma_gemm(p_s[slot, :, :], v_s[slot, :, :], o)
+        _stamp(stamps, k, 3)
         T.wait_wgmma(0)
+        _stamp(stamps, k, 4)
         T.mbarrier_arrive(empty[slot])
         if produce is not None:
             if k + ring < n_iter:
                 T.mbarrier_wait_parity(empty[slot], (k // ring) % 2)
+                _stamp(stamps, k, 5)
                 produce(k, slot)
+                _stamp(stamps, k, 6)
 
 
 @T.macro

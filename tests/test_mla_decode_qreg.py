@@ -49,6 +49,38 @@ def test_defer_ready_announces_p_behind_the_next_steps_mmas():
     assert loop.index("tl::fence_proxy_async();\n      ready[(k % 5)].arrive();") > loop.index("tl::wait_wgmma<0>();")
 
 
+def test_trace_stamps_each_roles_steps_and_the_tool_reads_them():
+    """trace=True: WG0 stamps 6 events a step, each P V warpgroup 5 and WG1 2 more around its reloads, the span 4
+    times; the kernel keeps its shape (same MMAs, one wait a loop, no spills, no C75xx), and the default build has no
+    stamp. bench.trace_mla_qreg.role_table: a role's period and event offsets after its step's start (32-bit clock
+    wrap included)."""
+    import torch
+
+    from backends.cuda.sass import compile_cubin, disassemble, sass_stats, wgmma_serialized
+    from bench.trace_mla_qreg import role_table
+    from ops.mla_decode_qreg import TRACE_EVENTS, TRACE_STEPS
+
+    src = mla_decode_qreg_program.source("sm_90a", h_q=128, s_q=1, trace=True)
+    stamps = re.findall(r"\bqreg_stamp\((stamps\w*), k\w*, (\d)\)", src)
+    assert collections.Counter(e for _, e in stamps) == {"0": 3, "1": 3, "2": 3, "3": 3, "4": 3, "5": 2, "6": 1}
+    assert len(re.findall(r"\bqreg_span\(span, \d", src)) == 4
+    cubin, log = compile_cubin(src, "sm_90a")
+    assert wgmma_serialized(log) == []
+    st = sass_stats(cubin, "sm_90a")
+    assert st.spill_stores == 0 and st.spill_loads == 0
+    sass = disassemble(cubin)
+    assert len(re.findall(r"\bHGMMA\.", sass)) == 40 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 3
+    assert "qreg_stamp(" not in mla_decode_qreg_program.source("sm_90a", h_q=128, s_q=1).split("extern \"C\"")[1]
+    st = torch.zeros(TRACE_STEPS, 8, dtype=torch.long)
+    for k in range(TRACE_STEPS):
+        t0 = (2 ** 32 - 5000 + 1300 * k) % 2 ** 32
+        for e in range(8):
+            st[k, e] = (t0 + 100 * e) % 2 ** 32
+    period, events = role_table(st, 1, 2, 20)
+    assert period == 1300 and events["P ready"] == (100, 100, 100) and events["reloaded"] == (600, 600, 600)
+    assert list(events) == list(TRACE_EVENTS[1][1:])
+
+
 def test_shapes_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="multiple of 64"):
         mla_decode_qreg_program.source("sm_90a", h_q=16, s_q=1)

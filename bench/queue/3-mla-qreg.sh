@@ -8,8 +8,13 @@
 # to ~0.22-0.26 if the roles overlap (FlashMLA 0.262); the h_q 64 row (memory-bound, 0.164 today) about even.
 # tilecraft-qreg-nodefer: P ready before the next step's score MMAs are issued (WG0's softmax then leaves the tensor
 # pipe idle): expected ~10-15% slower than the default (defer_ready). If a test fails: the first suspects are the RS
-# score MMAs' N = 32 B tiles, V read MN-major from 32-token slots, and the tail zeroing. ~5 minutes.
+# score MMAs' N = 32 B tiles, V read MN-major from 32-token slots, and the tail zeroing. Then, where each role's
+# step goes (bench.trace_mla_qreg, one wave of 132 CTAs, defer_ready on and off): read it against the expected
+# ~1250-1350 cycles a 32-token step before changing anything. ~6.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TESTS="tests/test_mla_decode_qreg.py@2" DEADLINE=330 TEST_BUDGET=150 bash bench/gpu_session.sh tests \
   "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer --flush read --rounds 2"
+for flags in "" "--no-defer"; do
+  timeout 100 python3 -m bench.trace_mla_qreg $flags 2>&1 | tee -a "${OUT:-/tmp}/trace-mla-qreg.txt" | tail -30
+done
