@@ -1,5 +1,7 @@
 """Checks that read tensor values. Each costs a device sync, so they are skipped while a CUDA graph
-is being captured and when TILECRAFT_CHECK_VALUES=0; kernels still clamp what they index."""
+is being captured and when TILECRAFT_CHECK_VALUES=0; kernels still clamp the indices they read through (block
+tables, MoE positions). The W4A8 table offsets are not clamped in the kernels' decode loop: they are
+a prepared weight, checked once per tensor (ops.gemm_w4a8._check_offsets)."""
 
 import torch
 

@@ -764,13 +764,20 @@ def _check_grouped_weights(codes, offsets, row_scale, k, groups=None):
 
 def _check_offsets(offsets):
     # the kernels index their e4m3 table (TABLE_ENTRIES entries of 8 bytes) by these bytes: anything else than
-    # prepare_mxfp4_w4a8's values would read past it
+    # prepare_mxfp4_w4a8's values would read past it. Offsets are a prepared weight: once a tensor passed, it is
+    # marked with its version counter and not read again (no device sync a call) until it is written in place
+    # (inference-mode tensors have no counter: read every call)
     if _values.enabled(offsets) and offsets.numel():
+        version = None if offsets.is_inference() else offsets._version   # (inference tensors keep no counter)
+        if version is not None and getattr(offsets, "_tilecraft_checked", None) == version:
+            return
         bad = (offsets % 8 != 0) | (offsets > 8 * (TABLE_ENTRIES - 1))
         if bool(bad.any()):
             v = int(offsets.flatten()[int(bad.flatten().long().argmax())])
             raise ValueError(f"offsets must be prepare_mxfp4_w4a8's table offsets (multiples of 8 up to "
                              f"{8 * (TABLE_ENTRIES - 1)}), got {v}")
+        if version is not None:
+            offsets._tilecraft_checked = version
 
 
 def plan_w4a8_masked(max_m: int, k: int, group_scales: bool = False, groups: int = 0, n: int = 0,

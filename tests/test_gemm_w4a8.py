@@ -239,6 +239,26 @@ def test_offsets_outside_the_table_are_refused():
                                                      torch.tensor([3], dtype=torch.int32))
 
 
+def test_offsets_are_read_once_until_written_in_place():
+    """A tensor of offsets that passed is not read again (no device sync an eager call), but writing it in place
+    (its version counter moves) brings the check back."""
+    g = torch.Generator().manual_seed(7)
+    packed, scales = weights(256, 512, g)
+    a, sa = activations(3, 512, g)
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    ops.mxfp4_w4a8_gemm_nt(a, sa, codes, offsets, row_scale)
+    assert offsets._tilecraft_checked == offsets._version
+    offsets[1, 2] = 255
+    with pytest.raises(ValueError, match="got 255"):
+        ops.mxfp4_w4a8_gemm_nt(a, sa, codes, offsets, row_scale)
+    with torch.inference_mode():              # no version counter: checked every call
+        codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+        ops.mxfp4_w4a8_gemm_nt(a, sa, codes, offsets, row_scale)
+        offsets[1, 2] = 255
+        with pytest.raises(ValueError, match="got 255"):
+            ops.mxfp4_w4a8_gemm_nt(a, sa, codes, offsets, row_scale)
+
+
 def test_ops_have_fake_implementations():
     """Both GPU paths are torch custom ops whose fakes give the output's shape and dtype without running anything
     (torch.compile traces through them)."""
