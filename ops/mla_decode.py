@@ -782,12 +782,14 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         opts = {k: v for k, v in tiling.items() if k not in ("rows64", "kv_format")}
         main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
                                                      **opts)
-    elif tiling.get("qreg"):         # sm_90a, bf16 cache, Q in registers: ops.mla_decode_qreg (built, not yet run)
-        from ops.mla_decode_qreg import mla_decode_qreg_program
+    elif tiling.get("qreg"):         # sm_90a, Q in registers: ops.mla_decode_qreg / _fp8_qreg (built, not yet run)
+        if kv_format == "fp8":
+            from ops.mla_decode_fp8_qreg import mla_decode_fp8_qreg_program as program
+        else:
+            from ops.mla_decode_qreg import mla_decode_qreg_program as program
 
-        opts = {k: v for k, v in tiling.items() if k != "qreg"}
-        main = mla_decode_qreg_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
-                                               **opts)
+        opts = {k: v for k, v in tiling.items() if k not in ("qreg", "kv_format")}
+        main = program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **opts)
     else:
         main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
