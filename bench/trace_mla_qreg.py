@@ -103,8 +103,9 @@ def main(argv=None):
     loop_cyc = ((sp[:, 5] - sp[:, 4]) & 0xFFFFFFFF).double()
     n = sp[:, 7].double()
     busy = n > 0
-    print(f"  span {int(rel[:, 3].max()) / 1e3:.1f} us; per CTA (ns): prologue {_stats((rel[:, 1] - rel[:, 0]).tolist())}; "
-          f"loop {_stats(loop_ns.tolist())}; epilogue {_stats((rel[:, 3] - rel[:, 2]).tolist())}")
+    print(f"  span {int(rel[:, 3].max()) / 1e3:.1f} us; per CTA (ns): "
+          f"prologue {_stats((rel[:, 1] - rel[:, 0]).tolist())}; loop {_stats(loop_ns.tolist())}; "
+          f"epilogue {_stats((rel[:, 3] - rel[:, 2]).tolist())}")
     print(f"  WG0's loop cycles a 32-token step {_stats((loop_cyc[busy] / n[busy]).tolist())}; SM MHz over the loop "
           f"{_stats((loop_cyc[busy] / loop_ns[busy] * 1e3).tolist())}; SMs used {len(set(sp[:, 6].tolist()))}")
 

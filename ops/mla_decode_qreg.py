@@ -97,8 +97,8 @@ def _check(rows, page, dtype, ring):
                          f"got {rows}")
     if page < BLOCK or page % BLOCK:
         raise ValueError(f"mla_decode_qreg steps inside one page: page must be a multiple of {BLOCK}, got {page}")
-    if dtype != "bfloat16":
-        raise ValueError(f"mla_decode_qreg is built for the bf16 cache and query, got {dtype}")
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"mla_decode_qreg takes a bfloat16 or float16 cache and query, got {dtype}")
     if not 2 <= ring <= 6:
         raise ValueError(f"mla_decode_qreg: ring must be 2 to 6 slots of {STEP} tokens, got {ring}")
 
@@ -144,14 +144,14 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
 
     @T.prim_func
     def mla_decode_qreg(
-        Q: T.Tensor((batch, rows, D_QK), "bfloat16"),
-        KV: T.Tensor((num_pages, page, D_QK), "bfloat16"),
+        Q: T.Tensor((batch, rows, D_QK), dtype),
+        KV: T.Tensor((num_pages, page, D_QK), dtype),
         KVf: T.Tensor((num_pages, page, D_QK // 2), "float32"),
-        KVh: T.Tensor((num_pages, page, D_QK), "bfloat16"),
+        KVh: T.Tensor((num_pages, page, D_QK), dtype),
         BlockTable: T.Tensor((batch, max_blocks), "int32"),
         SeqLens: T.Tensor((batch,), "int32"),
         Splits: T.Tensor((batch,), "int32"),
-        Out: T.Tensor((batch, rows, D_V), "bfloat16"),
+        Out: T.Tensor((batch, rows, D_V), dtype),
         Lse: T.Tensor((batch, h_q, s_q), "float32"),
         OPart: T.Tensor((slots, rows, D_V), "float32"),
         LsePart: T.Tensor((slots, rows), "float32"),
@@ -161,18 +161,18 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
         with T.Kernel(batch * max_splits * m_tiles, threads=3 * 128) as bid:
             stamps = [T.access_ptr(OPart[bid, r, 0], "w", 8 * TRACE_STEPS) if trace else None for r in range(3)]
             span = T.access_ptr(OPart[bid, SPAN_ROW, 0], "w", 8) if trace else None
-            k0_s = T.alloc_shared((ring, STEP, HALF), "bfloat16")     # latent columns 0..255 (WG1's V)
-            k1_s = T.alloc_shared((ring, STEP, HALF), "bfloat16")     # latent columns 256..511 (WG2's V)
-            kr_s = T.alloc_shared((ring, STEP, D_ROPE), "bfloat16")   # the rope
-            qr_s = T.alloc_shared((ROWS, D_ROPE), "bfloat16")         # Q's rope (the score MMAs' one SS part)
-            p_s = T.alloc_shared((ring, ROWS, STEP), "bfloat16")      # P of the slot's step
+            k0_s = T.alloc_shared((ring, STEP, HALF), dtype)     # latent columns 0..255 (WG1's V)
+            k1_s = T.alloc_shared((ring, STEP, HALF), dtype)     # latent columns 256..511 (WG2's V)
+            kr_s = T.alloc_shared((ring, STEP, D_ROPE), dtype)   # the rope
+            qr_s = T.alloc_shared((ROWS, D_ROPE), dtype)         # Q's rope (the score MMAs' one SS part)
+            p_s = T.alloc_shared((ring, ROWS, STEP), dtype)      # P of the slot's step
             al_s = T.alloc_shared((ring, ROWS), "float32")           # the step's factors exp2(m_old - m_new)
             l_s = T.alloc_shared((ROWS,), "float32")                 # 1 / the row sums, for the P V warpgroups
             full = T.alloc_barrier([128] * ring)
             empty = T.alloc_barrier([256] * ring)
             ready = T.alloc_barrier([128] * ring)
-            q0 = T.alloc_fragment((ROWS, HALF), "bfloat16")
-            q1 = T.alloc_fragment((ROWS, HALF), "bfloat16")
+            q0 = T.alloc_fragment((ROWS, HALF), dtype)
+            q1 = T.alloc_fragment((ROWS, HALF), dtype)
             s = T.alloc_fragment((ROWS, STEP), "float32")
             m = T.alloc_fragment((ROWS,), "float32")
             m_new = T.alloc_fragment((ROWS,), "float32")
@@ -222,8 +222,8 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                     if t0 + STEP > seqlen:        # the sequence's short last step: V's rows past its end zeroed
                         for j, c in T.Parallel(STEP, HALF):
                             if t0 + j >= seqlen:
-                                k0_s[slot, j, c] = T.cast(0, "bfloat16")
-                                k1_s[slot, j, c] = T.cast(0, "bfloat16")
+                                k0_s[slot, j, c] = T.cast(0, dtype)
+                                k1_s[slot, j, c] = T.cast(0, dtype)
                         T.fence_proxy_async()
                         T.evaluate(T.call_extern("handle", "qreg_bar", BAR_WG0))
                     T.wgmma_gemm(q0, k0_s[slot, :, :], s, transpose_B=True, clear_accum=True)
@@ -252,7 +252,7 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                         m[i] = m_new[i]
                     _stamp(stamps[0], k, 4)
                     for i, j in T.Parallel(ROWS, STEP):
-                        p_s[slot, i, j] = T.cast(s[i, j], "bfloat16")
+                        p_s[slot, i, j] = T.cast(s[i, j], dtype)
                     T.fence_proxy_async()
                     _stamp(stamps[0], k, 5)
                     if not defer_ready:
@@ -324,7 +324,7 @@ def _store(o, col0, l_s, Out, OPart, bi, si, splits, max_splits, row0, rows):
     if splits == 1:
         for i, j in T.Parallel(ROWS, HALF):
             if row0 + i < rows:
-                Out[bi, row0 + i, col0 + j] = T.cast(o[i, j] * l_s[i], "bfloat16")
+                Out[bi, row0 + i, col0 + j] = T.cast(o[i, j] * l_s[i], Out.dtype)
     else:
         for i, j in T.Parallel(ROWS, HALF):
             OPart[bi * max_splits + si, row0 + i, col0 + j] = o[i, j] * l_s[i]

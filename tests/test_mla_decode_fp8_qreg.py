@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ops.mla_decode_fp8_qreg import REGS, mla_decode_fp8_qreg_program
 from tests.test_mla_decode import fp16_scaled_dequant, run_fp8_case
@@ -98,3 +100,40 @@ def test_gpu_is_deterministic_and_defer_ready_or_lazy_rescale_change_no_bit():
     runs = [_mla_decode_impl(q, cache, table, seqlens, 576 ** -0.5, True, None, tiling=t, kv_format="fp8")
             for t in (FP8_QREG, FP8_QREG, dict(FP8_QREG, defer_ready=False), dict(FP8_QREG, lazy_rescale=False))]
     assert all(all(x.equal(y) for y in others) for x, *others in zip(*runs))
+
+
+@pytest.mark.gpu
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([64, 128]),
+       page=st.sampled_from([64, 128]), data=st.data())
+def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
+    """ops.mla_decode(kv_format="fp8") with QREG_FP8 on (the op's schedule, custom op and combine around the kernel):
+    hypothesis over batch, s_q, h_q, page size and lengths (0-3000), against the reference on the cache as the
+    kernel rounds it."""
+    import importlib
+
+    mod = importlib.import_module("ops.mla_decode")
+    monkeypatch.setattr(mod, "QREG_FP8", True)
+    assert mod.pick_tiling(s_q * h_q, "fp8", "cuda:sm_90a", page) == FP8_QREG
+    lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
+    run_fp8_case(b, s_q, h_q, lens, page)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant_with_the_switch_on(monkeypatch):
+    """TILECRAFT_BATCH_INVARIANT=1 with QREG_FP8 on: each sequence's output is bitwise the same alone and in a batch."""
+    import importlib
+
+    import ops
+    from tests.test_mla_decode import make_inputs
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "QREG_FP8", True)
+    monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
+    q, kv, table, lens = make_inputs(3, 1, 128, [5000, 300, 1100], device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv)
+    full, full_lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, kv_format="fp8")
+    for i in range(3):
+        one, one_lse = ops.mla_decode(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], softmax_scale=0.05,
+                                      kv_format="fp8")
+        assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])

@@ -5,6 +5,9 @@ import collections
 import re
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ops.mla_decode_qreg import PV_REGS, WG0_REGS, mla_decode_qreg_program
 from tests.test_mla_decode import run_gpu_case
@@ -86,23 +89,24 @@ def test_shapes_it_does_not_take_are_refused():
         mla_decode_qreg_program.source("sm_90a", h_q=16, s_q=1)
     with pytest.raises(ValueError, match="page must be a multiple of 64"):
         mla_decode_qreg_program.source("sm_90a", h_q=64, s_q=1, page=32)
-    with pytest.raises(ValueError, match="bf16"):
-        mla_decode_qreg_program.source("sm_90a", h_q=64, s_q=1, dtype="float16")
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mla_decode_qreg_program.source("sm_90a", h_q=64, s_q=1, dtype="float32")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page", [
-    (2, 1, 128, [1000, 64], 64),      # a short last step; one block
-    (3, 1, 64, [4096, 1, 0], 64),     # lengths 1 and 0 (zeros, lse -inf)
-    (2, 2, 128, [300, 2049], 64),     # causal over 4 row tiles; a last block with one step
-    (2, 1, 64, [16384, 8000], 64),    # splits + combine
-    (2, 4, 32, [7, 5000], 128),       # causal, 128 rows, pages of 128
-    (2, 1, 128, [1000, 33], 256),     # pages of 256; a sequence of 33 tokens (two steps, the second of one token)
-    (1, 1, 64, [160], 64),            # fewer steps than ring slots (5)
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,dtype", [
+    (2, 1, 128, [1000, 64], 64, torch.bfloat16),    # a short last step; one block
+    (3, 1, 64, [4096, 1, 0], 64, torch.bfloat16),   # lengths 1 and 0 (zeros, lse -inf)
+    (2, 2, 128, [300, 2049], 64, torch.bfloat16),   # causal over 4 row tiles; a last block with one step
+    (2, 1, 64, [16384, 8000], 64, torch.bfloat16),  # splits + combine
+    (2, 4, 32, [7, 5000], 128, torch.bfloat16),     # causal, 128 rows, pages of 128
+    (2, 1, 128, [1000, 33], 256, torch.bfloat16),   # pages of 256; 33 tokens (a second step of one token)
+    (1, 1, 64, [160], 64, torch.bfloat16),          # fewer steps than ring slots (5)
+    (2, 2, 64, [2000, 77], 64, torch.float16),      # an fp16 query and cache
 ])
-def test_gpu_matches_reference(b, s_q, h_q, lens, page):
+def test_gpu_matches_reference(b, s_q, h_q, lens, page, dtype):
     """Against the fp32 reference (unused pages and tails NaN-poisoned) with the production kernel's bounds."""
-    run_gpu_case(b, s_q, h_q, lens, page=page, tiling=QREG)
+    run_gpu_case(b, s_q, h_q, lens, page=page, dtype=dtype, tiling=QREG)
 
 
 @pytest.mark.gpu
@@ -113,3 +117,38 @@ def test_gpu_is_deterministic_and_defer_ready_changes_no_bit():
     b = run_gpu_case(2, 1, 128, [3000, 700], tiling=QREG)
     c = run_gpu_case(2, 1, 128, [3000, 700], tiling=dict(QREG, defer_ready=False))
     assert all(x.equal(y) and x.equal(z) for x, y, z in zip(a, b, c))
+
+
+@pytest.mark.gpu
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([64, 128]),
+       page=st.sampled_from([64, 128]), data=st.data())
+def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
+    """ops.mla_decode with QREG_BF16 on (the op's schedule, custom op and combine around the kernel): hypothesis over
+    batch, s_q, h_q, page size and lengths (0-3000), against the reference."""
+    import importlib
+
+    mod = importlib.import_module("ops.mla_decode")
+    monkeypatch.setattr(mod, "QREG_BF16", True)
+    assert mod.pick_tiling(s_q * h_q, "bf16", "cuda:sm_90a", page) == QREG
+    lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
+    run_gpu_case(b, s_q, h_q, lens, page=page, seed=data.draw(st.integers(0, 1000)))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant_with_the_switch_on(monkeypatch):
+    """TILECRAFT_BATCH_INVARIANT=1 with QREG_BF16 on: each sequence's output is bitwise the same alone and in a
+    batch."""
+    import importlib
+
+    import ops
+    from tests.test_mla_decode import make_inputs
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "QREG_BF16", True)
+    monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
+    q, kv, table, lens = make_inputs(3, 1, 128, [5000, 300, 1100], device="cuda")
+    full, full_lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05)
+    for i in range(3):
+        one, one_lse = ops.mla_decode(q[i:i + 1], kv, table[i:i + 1], lens[i:i + 1], softmax_scale=0.05)
+        assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Session 54's FP8-cache MLA kernel with Q in registers (ops/mla_decode_fp8_qreg.py; bench/NOTES.md "Session 54"),
 # built without a GPU, never run: queue call 3's roles, the P V warpgroups converting each raw step (e4m3 halves and
-# their group scales) into fp16 tiles two steps ahead. Run it after call 3: if call 3's qreg tests failed, fix that
+# their group scales) into fp16 tiles two steps ahead. Run it after call 1: if call 1's qreg tests failed, fix that
 # kernel first (this one shares its roles). Its GPU tests (against the fp32 reference on the cache as it rounds it,
-# 8 shapes; determinism, defer_ready and lazy_rescale bits), then the fp8-64 preset against the op's FP8 kernel and
+# 8 shapes; determinism, defer_ready and lazy_rescale bits; the op with QREG_FP8 on under hypothesis; batch
+# invariance), then the fp8-64 preset against the op's FP8 kernel and
 # the bf16 cache (the h_q 32 row says why it cannot take it), then its trace. Expected (written before any run): the
-# step as call 3's bf16 kernel (~1250-1350 cycles a 32-token step if the conversion, ~230 instructions a P V warp a
+# step as call 1's bf16 kernel (~1250-1350 cycles a 32-token step if the conversion, ~230 instructions a P V warp a
 # step, hides under the tensor pipe): 128 x 64 x 4096 0.208 -> ~0.11-0.13 ms (1.3-1.5x the bf16 cache's 0.164),
-# 128 x 128 x 4096 0.40 -> ~0.22-0.27 ms. ~6 minutes.
+# 128 x 128 x 4096 0.40 -> ~0.22-0.27 ms. ~7.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-TESTS="tests/test_mla_decode_fp8_qreg.py@2" DEADLINE=330 TEST_BUDGET=150 bash bench/gpu_session.sh tests \
+TESTS="tests/test_mla_decode_fp8_qreg.py@2" DEADLINE=390 TEST_BUDGET=210 bash bench/gpu_session.sh tests \
   "mla fp8-64 tilecraft,tilecraft-fp8,tilecraft-fp8-qreg --graph --flush read"
 timeout 100 python3 -m bench.trace_mla_qreg --fp8 2>&1 | tee -a "${OUT:-/tmp}/trace-mla-fp8-qreg.txt" | tail -30
