@@ -13,7 +13,9 @@ convert the raw steps two ahead of their use and WG0 sees fp16 tiles as ops.mla_
                               (SS, bf16: the cache's rope straight from the raw slot); the softmax; P (fp16)
 
 e4m3 -> fp16 is exact; the group scale multiplies in fp16 (a product rounded to 11 bits, against bf16's 8 for the
-bf16 cache's own values). Q's latent is rounded to fp16 (|q| above 65504 gives inf, as the <= 16-row FP8 kernel
+bf16 cache's own values). fp16 tiles hold cache values up to 65504 in magnitude (larger give inf); the scales
+(quantize_mla_kv_fp8: a group's largest magnitude / 448) are then in fp16's range, subnormal (fewer bits: ~0.6% at
+a largest magnitude of 0.0045) for groups whose values all lie below ~0.027. Q's latent is rounded to fp16 (|q| above 65504 gives inf, as the <= 16-row FP8 kernel
 documents). P in fp16.
 
 Shared memory: a raw ring of 5 steps (32 tokens: two e4m3 halves 2 x 8 KB, the scales 512 B, the rope 4 KB) and a
