@@ -1,6 +1,6 @@
 """sm_90a MLA decode for the FP8 cache with the query in registers: ops.mla_decode_qreg's three roles, the cache
-converted to fp16 operand tiles by the P V warpgroups (64 query rows a CTA, h_q = 64 and 128; bench/NOTES.md
-"Session 54: the FP8 cache with Q in registers").
+converted to fp16 operand tiles by the P V warpgroups (64 query rows a CTA: h_q = 64 and 128, and any other row
+count with its last tile padded; bench/NOTES.md "Session 54: the FP8 cache with Q in registers").
 
 Why: above 32 query rows the FP8 cache runs today through converted bf16 tiles at 0.7-0.8x the bf16 cache's speed
 (its conversion sits in the MMA warpgroups' critical path). With Q in WG0's registers the P V warpgroups have issue
@@ -61,9 +61,8 @@ TRACE_EVENTS = {0: ("start", "converted", "scores issued", "scores done", "softm
 
 
 def _check(rows, page, dtype, raw_ring, ring, ahead):
-    if rows < ROWS or rows % ROWS:
-        raise ValueError(f"mla_decode_fp8_qreg takes query tiles of {ROWS} rows: s_q * h_q must be a multiple of "
-                         f"{ROWS}, got {rows}")
+    if rows < 1:
+        raise ValueError(f"mla_decode_fp8_qreg needs query rows (s_q * h_q >= 1), got {rows}")
     if page < BLOCK or page % BLOCK:
         raise ValueError(f"mla_decode_fp8_qreg steps inside one page: page must be a multiple of {BLOCK}, got {page}")
     if dtype != "bfloat16":
@@ -165,7 +164,8 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
     rows = s_q * h_q
     _check(rows, page, dtype, raw_ring, ring, ahead)
     causal = causal and s_q > 1
-    m_tiles = rows // ROWS
+    m_tiles = -(-rows // ROWS)
+    rows_pad = m_tiles * ROWS          # a last tile past s_q * h_q: its rows read zeros and store nothing
     batch, num_pages, max_blocks, slots = T.dynamic("batch, num_pages, max_blocks, slots")
     neg_inf = -T.infinity("float32")
 
@@ -180,8 +180,8 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
         Splits: T.Tensor((batch,), "int32"),
         Out: T.Tensor((batch, rows, D_V), "bfloat16"),
         Lse: T.Tensor((batch, h_q, s_q), "float32"),
-        OPart: T.Tensor((slots, rows, D_V), "float32"),
-        LsePart: T.Tensor((slots, rows), "float32"),
+        OPart: T.Tensor((slots, rows_pad, D_V), "float32"),
+        LsePart: T.Tensor((slots, rows_pad), "float32"),
         max_splits: T.int32,
         scale_log2: T.float32,
     ):
@@ -231,15 +231,29 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
                 for k in T.serial(T.min(n_iter, raw_ring)):
                     _issue_raw(KV, KVf, KVh, BlockTable, bi, tok0 + k * STEP, page, max_blocks, num_pages, r0_s, r1_s,
                                sc_s, rr_s, raw_full, k)
-            T.copy(Q[bi, row0:row0 + ROWS, D_V:D_QK], qr_s)
+            if rows == rows_pad:
+                T.copy(Q[bi, row0:row0 + ROWS, D_V:D_QK], qr_s)
+            else:
+                for i, j in T.Parallel(ROWS, D_ROPE):
+                    qr_s[i, j] = T.if_then_else(row0 + i < rows, Q[bi, T.min(row0 + i, rows - 1), D_V + j],
+                                                T.cast(0, "bfloat16"))
             T.fence_proxy_async()
             T.sync_threads()
             if tx < 128:
                 T.set_max_nreg(REGS[0], 1)
-                for i, j in T.Parallel(ROWS, HALF):
-                    q0[i, j] = T.cast(Q[bi, row0 + i, j], "float16")
-                for i, j in T.Parallel(ROWS, HALF):
-                    q1[i, j] = T.cast(Q[bi, row0 + i, HALF + j], "float16")
+                if rows == rows_pad:
+                    for i, j in T.Parallel(ROWS, HALF):
+                        q0[i, j] = T.cast(Q[bi, row0 + i, j], "float16")
+                    for i, j in T.Parallel(ROWS, HALF):
+                        q1[i, j] = T.cast(Q[bi, row0 + i, HALF + j], "float16")
+                else:
+                    for i, j in T.Parallel(ROWS, HALF):
+                        q0[i, j] = T.if_then_else(row0 + i < rows, T.cast(Q[bi, T.min(row0 + i, rows - 1), j],
+                                                                          "float16"), T.cast(0, "float16"))
+                    for i, j in T.Parallel(ROWS, HALF):
+                        q1[i, j] = T.if_then_else(row0 + i < rows,
+                                                  T.cast(Q[bi, T.min(row0 + i, rows - 1), HALF + j], "float16"),
+                                                  T.cast(0, "float16"))
                 T.fill(m, neg_inf)
                 T.fill(l, 0.0)
                 _span(span, 1, 0, 0)

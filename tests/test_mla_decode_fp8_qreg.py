@@ -61,9 +61,17 @@ def test_fp16_scaled_dequant_rounds_the_products_to_fp16():
     assert torch.equal(fp16_scaled_dequant(raw)[..., :512], ops.dequantize_mla_kv_fp8(raw)[..., :512])
 
 
+def test_a_last_row_tile_past_the_rows_reads_zeros():
+    """s_q * h_q not a multiple of 64: the last tile's rows past it read zeros for Q's latent (and rope) and store
+    nothing; a multiple of 64 keeps the unguarded loads."""
+    zero_fill = "make_uint1(__pack_half2(broadcast_var"            # Q's latent fragments: zeros past the rows
+    assert mla_decode_fp8_qreg_program.source("sm_90a", h_q=32, s_q=1).count(zero_fill) == 2
+    assert mla_decode_fp8_qreg_program.source("sm_90a", h_q=64, s_q=1).count(zero_fill) == 0
+
+
 def test_shapes_it_does_not_take_are_refused():
-    with pytest.raises(ValueError, match="multiple of 64"):
-        mla_decode_fp8_qreg_program.source("sm_90a", h_q=32, s_q=1)
+    with pytest.raises(ValueError, match="query rows"):
+        mla_decode_fp8_qreg_program.source("sm_90a", h_q=0, s_q=1)
     with pytest.raises(ValueError, match="page must be a multiple of 64"):
         mla_decode_fp8_qreg_program.source("sm_90a", h_q=64, s_q=1, page=32)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -82,6 +90,9 @@ def test_shapes_it_does_not_take_are_refused():
     (2, 1, 128, [1000, 33], 256),     # pages of 256; a sequence of 33 tokens (two steps, the second of one token)
     (1, 1, 64, [96], 64),             # fewer steps (3) than raw slots (5), as many as converted slots
     (1, 1, 64, [40], 64),             # fewer steps (2) than the converters run ahead of their P V
+    (2, 1, 32, [1000, 64], 64),       # 32 rows: one tile, half of it padding
+    (2, 2, 16, [300, 2049], 64),      # MTP, 32 rows, causal
+    (2, 3, 16, [500, 70], 128),       # 48 rows, causal over three query tokens
 ])
 def test_gpu_matches_reference(b, s_q, h_q, lens, page):
     """Against the fp32 reference on the cache as the kernel rounds it (unused pages and tails NaN-poisoned)."""
@@ -105,7 +116,7 @@ def test_gpu_is_deterministic_and_defer_ready_or_lazy_rescale_change_no_bit():
 @pytest.mark.gpu
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
-@given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([64, 128]),
+@given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([24, 64, 128]),
        page=st.sampled_from([64, 128]), data=st.data())
 def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
     """ops.mla_decode(kv_format="fp8") with QREG_FP8 on (the op's schedule, custom op and combine around the kernel):
@@ -115,7 +126,8 @@ def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
 
     mod = importlib.import_module("ops.mla_decode")
     monkeypatch.setattr(mod, "QREG_FP8", True)
-    assert mod.pick_tiling(s_q * h_q, "fp8", "cuda:sm_90a", page) == FP8_QREG
+    if s_q * h_q > mod.ROWS64_FP8:
+        assert mod.pick_tiling(s_q * h_q, "fp8", "cuda:sm_90a", page) == FP8_QREG
     lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
     run_fp8_case(b, s_q, h_q, lens, page)
 
