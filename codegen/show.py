@@ -32,11 +32,23 @@ def parse_params(items: list[str]) -> dict:
 
 def resolve_program(name: str) -> programs.TileProgram:
     """Accept the program name or the op's public name (rms_norm -> rmsnorm)."""
-    import ops  # noqa: F401  (registers the programs)
+    _register_all()
 
     aliases = {n.replace("_", ""): n for n in programs.PROGRAMS}
     key = name if name in programs.PROGRAMS else aliases.get(name.replace("_", ""), name)
     return programs.get(key)
+
+
+def _register_all() -> None:
+    """Import every module of ops/: the public ops and their kernel variants (ops.mla_decode_qreg, ...) register
+    their tile programs when imported."""
+    import importlib
+    import pkgutil
+
+    import ops
+
+    for m in pkgutil.iter_modules(ops.__path__):
+        importlib.import_module(f"ops.{m.name}")
 
 
 def sass_report(prog, target, params) -> str:
@@ -63,8 +75,7 @@ def main(argv=None) -> int:
             print(f"{word:18s} " + "  ".join(f"{p} <- {o}" for p, o in slot.items()))
         return 0
     if args.list:
-        import ops  # noqa: F401
-
+        _register_all()
         for name, p in sorted(programs.PROGRAMS.items()):
             print(f"{name:22s} targets: {', '.join(p.targets)}   examples: {', '.join(p.examples)}")
         return 0
