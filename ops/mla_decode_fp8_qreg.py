@@ -4,8 +4,8 @@ count with its last tile padded; bench/NOTES.md "Session 54: the FP8 cache with 
 
 Why: above 32 query rows the FP8 cache runs today through converted bf16 tiles at 0.7-0.8x the bf16 cache's speed
 (its conversion sits in the MMA warpgroups' critical path). With Q in WG0's registers the P V warpgroups have issue
-slots to spare (a step is the tensor pipe's ~1250 cycles; each P V warp issues ~140 instructions of it), so they
-convert the raw steps two ahead of their use and WG0 sees fp16 tiles as ops.mla_decode_qreg sees bf16 ones:
+slots to spare (a step is the tensor pipe's ~1250 cycles; each of their warps issues ~140 instructions of it in
+the bf16 kernel), so they convert the raw steps two ahead of their use and WG0 sees fp16 tiles as ops.mla_decode_qreg sees bf16 ones:
 
     WG1 (producer too), WG2   raw step k + 2 (e4m3 latent half w, its group scales) -> fp16 tile half w of the
                               converted slot; then the P V of step k on that half (V = the converted half, MN-major)
@@ -15,8 +15,8 @@ convert the raw steps two ahead of their use and WG0 sees fp16 tiles as ops.mla_
 e4m3 -> fp16 is exact; the group scale multiplies in fp16 (a product rounded to 11 bits, against bf16's 8 for the
 bf16 cache's own values). fp16 tiles hold cache values up to 65504 in magnitude (larger give inf); the scales
 (quantize_mla_kv_fp8: a group's largest magnitude / 448) are then in fp16's range, subnormal (fewer bits: ~0.6% at
-a largest magnitude of 0.0045) for groups whose values all lie below ~0.027. Q's latent is rounded to fp16 (|q| above 65504 gives inf, as the <= 16-row FP8 kernel
-documents). P in fp16.
+a largest magnitude of 0.0045) for groups whose values all lie below ~0.027. Q's latent is rounded to fp16 (|q|
+above 65504 gives inf, as the <= 16-row FP8 kernel documents). P in fp16.
 
 Shared memory: a raw ring of 5 steps (32 tokens: two e4m3 halves 2 x 8 KB, the scales 512 B, the rope 4 KB) and a
 converted ring of 3 (two fp16 halves 2 x 16 KB, P 4 KB, the factors): 219.5 KB.
@@ -159,7 +159,7 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
     words). raw_ring / ring: raw and converted 32-token slots; ahead: steps the converters run ahead of their P V.
     defer_ready and trace as ops.mla_decode_qreg's (its bench.trace_mla_qreg reads the stamps with --fp8).
     lazy_rescale (default): a P V warp skips O *= the step's factors where all its rows' factors are 1 (the running
-    maxima did not move: most steps after the first few), 128 multiplies a thread of the step's ~450 instructions;
+    maxima did not move: most steps after the first few), 128 multiplies a thread of the step's ~360 instructions;
     the same bits either way."""
     rows = s_q * h_q
     _check(rows, page, dtype, raw_ring, ring, ahead)
