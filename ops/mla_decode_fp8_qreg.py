@@ -5,7 +5,8 @@ count with its last tile padded; bench/NOTES.md "Session 54: the FP8 cache with 
 Why: above 32 query rows the FP8 cache runs today through converted bf16 tiles at 0.7-0.8x the bf16 cache's speed
 (its conversion sits in the MMA warpgroups' critical path). With Q in WG0's registers the P V warpgroups have issue
 slots to spare (a step is the tensor pipe's ~1250 cycles; each of their warps issues ~140 instructions of it in
-the bf16 kernel), so they convert the raw steps two ahead of their use and WG0 sees fp16 tiles as ops.mla_decode_qreg sees bf16 ones:
+the bf16 kernel), so they convert the raw steps two ahead of their use, and WG0 sees fp16 tiles as
+ops.mla_decode_qreg sees bf16 ones:
 
     WG1 (producer too), WG2   raw step k + 2 (e4m3 latent half w, its group scales) -> fp16 tile half w of the
                               converted slot; then the P V of step k on that half (V = the converted half, MN-major)
