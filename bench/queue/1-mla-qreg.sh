@@ -3,7 +3,7 @@
 # without a GPU, never run: WG0 holds Q's latent as WGMMA's register operand and does the scores and softmax of
 # 32-token steps, WG1/WG2 the P V of their O halves; a ring of five 36 KB slots. Its GPU tests (against the fp32
 # reference over 8 shapes incl. fp16, NaN-poisoned pages; determinism; the op with QREG_BF16 on under hypothesis;
-# batch invariance), then the decode grid against the op's kernel (h_q 64
+# batch invariance); then, unless a test process hung, the decode grid against the op's kernel (h_q 64
 # and 128 rows; the h_q 16/32 rows say why they cannot take it). Expected (written before any run): a step's tensor
 # floor ~2490 cycles for 64 tokens against FlashMLA's measured ~3140 and ours ~3700: 128 x 128 x 4096 from 0.29 ms
 # to ~0.22-0.26 if the roles overlap (FlashMLA 0.262); the h_q 64 row (memory-bound, 0.164 today) about even.
@@ -14,8 +14,17 @@
 # ~1250-1350 cycles a 32-token step before changing anything. ~7.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-TESTS="tests/test_mla_decode_qreg.py@2" DEADLINE=390 TEST_BUDGET=210 bash bench/gpu_session.sh tests \
+out=${OUT:-/tmp/tilecraft-out}
+mkdir -p "$out"
+# the tests first, in their own session (a kernel that hangs would hang the bench and the trace too)
+OUT=$out/tests TESTS="tests/test_mla_decode_qreg.py@2" DEADLINE=240 TEST_BUDGET=210 bash bench/gpu_session.sh tests \
+  | tee "$out/tests-summary.txt"
+if grep -E "^test_.*\.log: " "$out/tests-summary.txt" | grep -v -E " in [0-9.]+s" | grep -q .; then
+  echo "a test process ended without pytest's summary (killed at its budget: a hang?): no bench, no trace"
+  exit 0
+fi
+OUT=$out/bench DEADLINE=200 bash bench/gpu_session.sh none \
   "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer --flush read --rounds 2"
 for flags in "" "--no-defer"; do
-  timeout 100 python3 -m bench.trace_mla_qreg $flags 2>&1 | tee -a "${OUT:-/tmp}/trace-mla-qreg.txt" | tail -30
+  timeout 90 python3 -m bench.trace_mla_qreg $flags 2>&1 | tee -a "$out/trace-mla-qreg.txt" | tail -30
 done
