@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}
 mkdir -p "$out"
 # the tests first, in their own session (a kernel that hangs would hang the bench and the trace too)
-OUT=$out/tests TESTS="tests/test_mla_decode_qreg.py@2" DEADLINE=240 TEST_BUDGET=210 bash bench/gpu_session.sh tests \
+OUT=$out/tests TESTS="tests/test_mla_decode_qreg.py@4" DEADLINE=240 TEST_BUDGET=210 bash bench/gpu_session.sh tests \
   | tee "$out/tests-summary.txt"
 if grep -E "^test_.*\.log: " "$out/tests-summary.txt" | grep -v -E " in [0-9.]+s" | grep -q .; then
   echo "a test process ended without pytest's summary (killed at its budget: a hang?): no bench, no trace"
