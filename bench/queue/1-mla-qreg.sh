@@ -23,8 +23,10 @@ if grep -E "^test_.*\.log: " "$out/tests-summary.txt" | grep -v -E " in [0-9.]+s
   echo "a test process ended without pytest's summary (killed at its budget: a hang?): no bench, no trace"
   exit 0
 fi
-OUT=$out/bench DEADLINE=200 bash bench/gpu_session.sh none \
-  "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer --flush read --rounds 2"
-for flags in "" "--no-defer"; do
-  timeout 90 python3 -m bench.trace_mla_qreg $flags 2>&1 | tee -a "$out/trace-mla-qreg.txt" | tail -30
-done
+# EXTRA_PROVIDERS: e.g. ",flash_mla" where FlashMLA was built beside us (its provider is skipped when not importable)
+OUT=$out/bench DEADLINE=230 bash bench/gpu_session.sh none \
+  "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer${EXTRA_PROVIDERS:-} --flush read --rounds 2"
+timeout 75 python3 -m bench.trace_mla_qreg 2>&1 | tee -a "$out/trace-mla-qreg.txt" | tail -30
+if [[ "${TRACE_NODEFER:-1}" == 1 ]]; then      # (0: only the default's trace, where the call's time is short)
+  timeout 75 python3 -m bench.trace_mla_qreg --no-defer 2>&1 | tee -a "$out/trace-mla-qreg.txt" | tail -30
+fi
