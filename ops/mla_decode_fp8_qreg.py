@@ -38,8 +38,8 @@ import tilelang.language as T
 
 from codegen.program import tile_program
 from ops.mla_decode_fp8_rs import _rs2_page, _split_range
-from ops.mla_decode_qreg import (BLOCK, D_QK, D_ROPE, D_V, HALF, HELPER_SOURCE, LN2, ROWS, SPAN_ROW, STEP, TRACE_STEPS,
-                                 _span, _stamp, _store)
+from ops.mla_decode_qreg import (BLOCK, D_QK, D_ROPE, D_V, HALF, HELPER_SOURCE, ROWS, SPAN_ROW, STEP, TRACE_STEPS,
+                                 _row_sums, _softmax, _span, _stamp, _store)
 
 TOKEN_BYTES = 656                # the FP8 cache's token: 512 e4m3, 4 fp32 scales, 64 bf16 (ops.quantize_mla_kv_fp8)
 SCALE_WORD = D_V // 4            # the scales as 32-bit words of the token
@@ -276,24 +276,8 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(raw_empty[rslot])
                     _stamp(stamps[0], k, 3)
-                    for i, j in T.Parallel(ROWS, STEP):
-                        lim = T.min(base + (row0 + i) // h_q, seqlen) if causal else seqlen
-                        s[i, j] = T.if_then_else(t0 + j < lim, s[i, j] * scale_log2, neg_inf)
-                    T.reduce_max(s, m_new, dim=1, clear=True)
-                    for i in T.Parallel(ROWS):
-                        m_new[i] = T.max(m_new[i], m[i])
-                    for i, j in T.Parallel(ROWS, STEP):
-                        s[i, j] = T.if_then_else(m_new[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_new[i]))
-                    T.reduce_sum(s, ls, dim=1, clear=True)
-                    for i in T.Parallel(ROWS):
-                        alpha = T.if_then_else(m_new[i] == neg_inf, 1.0, T.exp2(m[i] - m_new[i]))
-                        l[i] = l[i] * alpha + ls[i]
-                        al_s[slot, i] = alpha
-                        m[i] = m_new[i]
-                    _stamp(stamps[0], k, 4)
-                    for i, j in T.Parallel(ROWS, STEP):
-                        p_s[slot, i, j] = T.cast(s[i, j], "float16")
-                    T.fence_proxy_async()
+                    _softmax(s, m, m_new, l, ls, al_s, p_s, slot, t0, base, row0, h_q, seqlen, causal, scale_log2,
+                             stamps[0], k)
                     _stamp(stamps[0], k, 5)
                     if not defer_ready:
                         T.mbarrier_arrive(ready[slot])
@@ -301,16 +285,7 @@ def mla_decode_fp8_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str =
                 if defer_ready:
                     if n_iter > 0:
                         T.mbarrier_arrive(ready[(n_iter - 1) % ring])
-                for i in T.Parallel(ROWS):
-                    l_s[i] = T.if_then_else(l[i] > 0.0, 1.0 / l[i], 0.0)
-                if si < splits:
-                    for i in T.Parallel(ROWS):
-                        lse2 = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
-                        if splits == 1:
-                            if row0 + i < rows:
-                                Lse[bi, (row0 + i) % h_q, (row0 + i) // h_q] = lse2 * LN2
-                        else:
-                            LsePart[bi * max_splits + si, row0 + i] = lse2
+                _row_sums(l, m, l_s, Lse, LsePart, bi, si, splits, max_splits, row0, rows, h_q)
             elif tx < 256:                # WG1: converter of half 0, its P V, the producer of the raw ring
                 _pv_loop(0, n_iter, tok0, seqlen, raw_ring, ring, ahead, r0_s, sc_s, c0_s, raw_full, raw_empty,
                          conv_full, ready, al_s, p_s, o0, lazy_rescale,

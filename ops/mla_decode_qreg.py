@@ -235,25 +235,8 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                             T.mbarrier_arrive(ready[(k + ring - 1) % ring])
                     T.wait_wgmma(0)
                     _stamp(stamps[0], k, 3)
-                    # mask (past the end, causal), then the online softmax in the log2 domain
-                    for i, j in T.Parallel(ROWS, STEP):
-                        lim = T.min(base + (row0 + i) // h_q, seqlen) if causal else seqlen
-                        s[i, j] = T.if_then_else(t0 + j < lim, s[i, j] * scale_log2, neg_inf)
-                    T.reduce_max(s, m_new, dim=1, clear=True)
-                    for i in T.Parallel(ROWS):
-                        m_new[i] = T.max(m_new[i], m[i])
-                    for i, j in T.Parallel(ROWS, STEP):
-                        s[i, j] = T.if_then_else(m_new[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_new[i]))
-                    T.reduce_sum(s, ls, dim=1, clear=True)
-                    for i in T.Parallel(ROWS):
-                        alpha = T.if_then_else(m_new[i] == neg_inf, 1.0, T.exp2(m[i] - m_new[i]))
-                        l[i] = l[i] * alpha + ls[i]
-                        al_s[slot, i] = alpha
-                        m[i] = m_new[i]
-                    _stamp(stamps[0], k, 4)
-                    for i, j in T.Parallel(ROWS, STEP):
-                        p_s[slot, i, j] = T.cast(s[i, j], dtype)
-                    T.fence_proxy_async()
+                    _softmax(s, m, m_new, l, ls, al_s, p_s, slot, t0, base, row0, h_q, seqlen, causal, scale_log2,
+                             stamps[0], k)
                     _stamp(stamps[0], k, 5)
                     if not defer_ready:
                         T.mbarrier_arrive(ready[slot])
@@ -261,17 +244,7 @@ def mla_decode_qreg_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bf
                 if defer_ready:                  # the last step's P
                     if n_iter > 0:
                         T.mbarrier_arrive(ready[(n_iter - 1) % ring])
-                # 1 / the row sums (0 where a row saw nothing) for the P V warpgroups, the lse
-                for i in T.Parallel(ROWS):
-                    l_s[i] = T.if_then_else(l[i] > 0.0, 1.0 / l[i], 0.0)
-                if si < splits:
-                    for i in T.Parallel(ROWS):
-                        lse2 = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
-                        if splits == 1:
-                            if row0 + i < rows:
-                                Lse[bi, (row0 + i) % h_q, (row0 + i) // h_q] = lse2 * LN2
-                        else:
-                            LsePart[bi * max_splits + si, row0 + i] = lse2
+                _row_sums(l, m, l_s, Lse, LsePart, bi, si, splits, max_splits, row0, rows, h_q)
             elif tx < 256:                # WG1: its P V, and the producer of the ring
                 _pv_loop(n_iter, ring, ready, empty, al_s, p_s, k0_s, o0,
                          lambda k, slot: _issue(KV, BlockTable, bi, tok0 + (k + ring) * STEP, page, max_blocks,
@@ -316,6 +289,48 @@ def _pv_loop(n_iter, ring, ready, empty, al_s, p_s, v_s, o, produce, stamps=None
                 _stamp(stamps, k, 5)
                 produce(k, slot)
                 _stamp(stamps, k, 6)
+
+
+@T.macro
+def _softmax(s, m, m_new, l, ls, al_s, p_s, slot, t0, base, row0, h_q, seqlen, causal, scale_log2, stamps, k):
+    # WG0, a step's scores S (retired): mask (past the end, causal), the online softmax in the log2 domain (running
+    # max m and sum l a row), the step's factors into al_s[slot] and P into p_s[slot] (fenced for the async proxy)
+    neg_inf = -T.infinity("float32")
+    for i, j in T.Parallel(ROWS, STEP):
+        lim = T.min(base + (row0 + i) // h_q, seqlen) if causal else seqlen
+        s[i, j] = T.if_then_else(t0 + j < lim, s[i, j] * scale_log2, neg_inf)
+    T.reduce_max(s, m_new, dim=1, clear=True)
+    for i in T.Parallel(ROWS):
+        m_new[i] = T.max(m_new[i], m[i])
+    for i, j in T.Parallel(ROWS, STEP):
+        s[i, j] = T.if_then_else(m_new[i] == neg_inf, 0.0, T.exp2(s[i, j] - m_new[i]))
+    T.reduce_sum(s, ls, dim=1, clear=True)
+    for i in T.Parallel(ROWS):
+        alpha = T.if_then_else(m_new[i] == neg_inf, 1.0, T.exp2(m[i] - m_new[i]))
+        l[i] = l[i] * alpha + ls[i]
+        al_s[slot, i] = alpha
+        m[i] = m_new[i]
+    _stamp(stamps, k, 4)
+    for i, j in T.Parallel(ROWS, STEP):
+        p_s[slot, i, j] = T.cast(s[i, j], p_s.dtype)
+    T.fence_proxy_async()
+
+
+@T.macro
+def _row_sums(l, m, l_s, Lse, LsePart, bi, si, splits, max_splits, row0, rows, h_q):
+    # WG0 after its loop: 1 / the row sums (0 where a row saw nothing) for the P V warpgroups, and the lse (natural
+    # log into Lse unsplit; log2 into LsePart for the combine); rows past s_q * h_q store nothing
+    neg_inf = -T.infinity("float32")
+    for i in T.Parallel(ROWS):
+        l_s[i] = T.if_then_else(l[i] > 0.0, 1.0 / l[i], 0.0)
+    if si < splits:
+        for i in T.Parallel(ROWS):
+            lse2 = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
+            if splits == 1:
+                if row0 + i < rows:
+                    Lse[bi, (row0 + i) % h_q, (row0 + i) // h_q] = lse2 * LN2
+            else:
+                LsePart[bi * max_splits + si, row0 + i] = lse2
 
 
 @T.macro
