@@ -56,14 +56,27 @@ class _World:
         if self.readers.get(res):
             raise ProtocolError(f"{who} writes {res} while {sorted(self.readers[res])} read it")
 
-    def run(self, roles, land):
-        """Interleave the roles (generators) and the TMA landings (land(slot, step)) at random."""
+    def issue(self, full, slots, name, k):
+        """A TMA copy of step k into slot k % len(slots) of `slots` on full[slot] (the producer's arrival with it)."""
+        s = k % len(slots)
+        full[s].tx += 1
+        self.pending.append((full, slots, name, s, k))
+        full[s].arrive()
+
+    def land(self, full, slots, name, s, k):
+        self.write((name, s), f"the TMA of step {k}")
+        slots[s] = k
+        full[s].tx -= 1
+        full[s].settle()
+
+    def run(self, roles):
+        """Interleave the roles (generators) and the TMA landings at random."""
         live = dict(roles)
         idle = 0
         while live or self.pending:
             who = self.rnd.choice(list(live) + (["tma"] if self.pending else []))
             if who == "tma":
-                land(*self.pending.pop(self.rnd.randrange(len(self.pending))))
+                self.land(*self.pending.pop(self.rnd.randrange(len(self.pending))))
                 idle = 0
                 continue
             before = sum(b.done for b in self.bars)
@@ -84,15 +97,7 @@ def bf16_protocol(n, ring=5, defer_ready=True, seed=0):
     kv, p = [None] * ring, [None] * ring
 
     def issue(k):
-        full[k % ring].tx += 1
-        w.pending.append((k % ring, k))
-        full[k % ring].arrive()
-
-    def land(s, k):
-        w.write(("kv", s), f"the TMA of step {k}")
-        kv[s] = k
-        full[s].tx -= 1
-        full[s].settle()
+        w.issue(full, kv, "kv", k)
 
     def wg0():
         for k in range(n):
@@ -137,7 +142,7 @@ def bf16_protocol(n, ring=5, defer_ready=True, seed=0):
 
     roles = {"wg0": wg0(), "pv0": pv(0), "pv1": pv(1)}
     next(roles["pv0"])                 # WG1's first copies go out before the roles start (__syncthreads)
-    w.run(roles, land)
+    w.run(roles)
 
 
 def fp8_protocol(n, raw_ring=5, ring=3, ahead=2, defer_ready=True, seed=0):
@@ -149,15 +154,7 @@ def fp8_protocol(n, raw_ring=5, ring=3, ahead=2, defer_ready=True, seed=0):
     raw, conv, p = [None] * raw_ring, [[None, None] for _ in range(ring)], [None] * ring
 
     def issue(k):
-        raw_full[k % raw_ring].tx += 1
-        w.pending.append((k % raw_ring, k))
-        raw_full[k % raw_ring].arrive()
-
-    def land(r, k):
-        w.write(("raw", r), f"the TMA of step {k}")
-        raw[r] = k
-        raw_full[r].tx -= 1
-        raw_full[r].settle()
+        w.issue(raw_full, raw, "raw", k)
 
     def wg0():
         for k in range(n):
@@ -222,7 +219,7 @@ def fp8_protocol(n, raw_ring=5, ring=3, ahead=2, defer_ready=True, seed=0):
 
     roles = {"wg0": wg0(), "pv0": pv(0), "pv1": pv(1)}
     next(roles["pv0"])
-    w.run(roles, land)
+    w.run(roles)
 
 
 def failures(protocol, steps, seeds, **params):
