@@ -635,6 +635,18 @@ def k_scaled_dequant(cache):
     return torch.cat([lat, deq[..., 512:]], dim=-1)
 
 
+def assert_batch_invariant(h_q, kv_format="bf16", lens=(5000, 300, 1100)):
+    """TILECRAFT_BATCH_INVARIANT=1 must be set by the caller: each sequence's output (and lse) is bitwise the same
+    decoded alone and in a batch of len(lens)."""
+    q, kv, table, seqlens = make_inputs(len(lens), 1, h_q, list(lens), device="cuda")
+    cache = ops.quantize_mla_kv_fp8(kv) if kv_format == "fp8" else kv
+    full, full_lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=0.05, kv_format=kv_format)
+    for i in range(len(lens)):
+        one, one_lse = ops.mla_decode(q[i:i + 1], cache, table[i:i + 1], seqlens[i:i + 1], softmax_scale=0.05,
+                                      kv_format=kv_format)
+        assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])
+
+
 def fp16_scaled_dequant(cache):
     """The FP8 cache as ops.mla_decode_fp8_qreg converts its latent: each e4m3 value (exact in fp16) times fp16(its
     group's scale), the product rounded to fp16; the rope as it is."""

@@ -299,15 +299,8 @@ def test_gpu_batch_invariant_with_the_switch_on(monkeypatch):
     """TILECRAFT_BATCH_INVARIANT=1 with ROWS64_FP8 at 128: each sequence's output is bitwise the same alone and in a batch."""
     import importlib
 
-    import ops
-    from tests.test_mla_decode import make_inputs
+    from tests.test_mla_decode import assert_batch_invariant
 
     monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "ROWS64_FP8", 128)
     monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
-    q, kv, table, lens = make_inputs(3, 1, 64, [5000, 300, 1100], device="cuda")
-    cache = ops.quantize_mla_kv_fp8(kv)
-    full, full_lse = ops.mla_decode(q, cache, table, lens, softmax_scale=0.05, kv_format="fp8")
-    for i in range(3):
-        one, one_lse = ops.mla_decode(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], softmax_scale=0.05,
-                                      kv_format="fp8")
-        assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])
+    assert_batch_invariant(64, kv_format="fp8")
