@@ -23,6 +23,10 @@ if grep -E "^test_.*\.log: " "$out/tests-summary.txt" | grep -v -E " in [0-9.]+s
   echo "a test process ended without pytest's summary (killed at its budget: a hang?): no bench, no trace"
   exit 0
 fi
+# WAIT_FOR_FILE: a file a background peer build touches when it ends (the bench waits for it, at most 180 s)
+if [[ -n "${WAIT_FOR_FILE:-}" ]]; then
+  for _ in $(seq 90); do [[ -e "$WAIT_FOR_FILE" ]] && break; sleep 2; done
+fi
 # EXTRA_PROVIDERS: e.g. ",flash_mla" where FlashMLA was built beside us (its provider is skipped when not importable)
 OUT=$out/bench DEADLINE=230 bash bench/gpu_session.sh none \
   "mla decode tilecraft,tilecraft-qreg,tilecraft-qreg-nodefer${EXTRA_PROVIDERS:-} --flush read --rounds 2"
