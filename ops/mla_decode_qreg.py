@@ -25,8 +25,10 @@ Registers: 384 threads launch at 168 a thread; setmaxnreg gives WG0 WG0_REGS and
 (WG0_REGS + 2 PV_REGS = 504). Pages of 64 tokens or more (a step inside one page), s_q * h_q a multiple of 64,
 bf16 query and cache. Outputs as mla_decode_program's: Out/Lse unsplit, OPart/LsePart per (sequence, split).
 
-Status: built in session 53 without a GPU (CPU: lowers and compiles; ptxas keeps the MMAs asynchronous with no
-spills), never run: the op does not take it (a bench provider, tilecraft-qreg, and GPU tests run it).
+Status: right on the GPU (its tests, H100, session 55) but slower than the op's kernel: 128 x 128 x 4096 0.333 ms
+against 0.299 (FlashMLA 0.279), because issuing the RS score MMAs holds WG0 for as long as they run and its softmax
+(~880 cycles a step) then runs alone (bench/NOTES.md "Session 55"). The op does not take it (QREG_BF16 off; bench
+provider tilecraft-qreg).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
