@@ -59,9 +59,10 @@ REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 ROWS64_FP8 = 32
 # Q in registers (three warpgroup roles, 64 query rows a CTA; bench/NOTES.md "Session 53", "Session 54"): the bf16
 # cache through ops.mla_decode_qreg where s_q * h_q is a multiple of 64, the FP8 cache above ROWS64_FP8 rows through
-# ops.mla_decode_fp8_qreg (any row count: it pads the last row tile); pages of 64+ tokens on sm_90a. Measured off (H100, NOTES
-# "Session 55"): the bf16 one 0.89x the default at h_q 128, the FP8 one 1.04-1.06x at h_q 128 but 0.92x at 64 rows
-# and fp16 numerics (bench providers tilecraft-qreg, tilecraft-fp8-qreg; their tests run the op with each on)
+# ops.mla_decode_fp8_qreg (any row count: it pads the last row tile); pages of 64+ tokens on sm_90a. Off, as measured
+# (H100, bench/NOTES.md "Session 55"): the bf16 one 0.89x the default at h_q 128; the FP8 one 1.04-1.06x at h_q 128
+# but 0.92x at 64 rows, with fp16 numerics (bench providers tilecraft-qreg, tilecraft-fp8-qreg; their tests run the
+# op with each on)
 QREG_BF16 = False
 QREG_FP8 = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
@@ -718,10 +719,9 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     WGMMA's register operand, the scales folded into the scores and P, two MMA warpgroups a CTA on alternate
     steps, "Session 38"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
     rows to ops.mla_decode_fp8_rows64 (ROWS64_FP8: its 32-row tile, 1.12x the swapped kernel that converts to
-    bf16 operand tiles, "Session 52"). With QREG_BF16 / QREG_FP8 (off: measured slower, "Session 55"), the rows above those go
-    to the kernels with Q in registers (ops.mla_decode_qreg: s_q * h_q a multiple of 64; ops.mla_decode_fp8_qreg).
-    Otherwise fp8: the raw bytes and the
-    bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
+    bf16 operand tiles, "Session 52"). With QREG_BF16 / QREG_FP8 (off: measured slower or barely faster,
+    "Session 55"), the rows above those go to the kernels with Q in registers (ops.mla_decode_qreg: s_q * h_q a
+    multiple of 64; ops.mla_decode_fp8_qreg). Otherwise fp8: the raw bytes and the bf16 operand tiles must both fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw
     (the producer warpgroup converts); on sm_100a 64-token steps one stage deep, 128 threads. On ascend:950
     (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
     if targets.get(target).vendor == "ascend":
