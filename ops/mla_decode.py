@@ -722,8 +722,9 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     bf16 operand tiles, "Session 52"). With QREG_BF16 / QREG_FP8 (off: measured slower or barely faster,
     "Session 55"), the rows above those go to the kernels with Q in registers (ops.mla_decode_qreg: s_q * h_q a
     multiple of 64; ops.mla_decode_fp8_qreg). Otherwise fp8: the raw bytes and the bf16 operand tiles must both
-    fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw (the producer warpgroup converts); on sm_100a 64-token steps one stage deep, 128 threads. On ascend:950
-    (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
+    fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw (the producer warpgroup converts); on
+    sm_100a 64-token steps one stage deep, 128 threads. On ascend:950 (codegen/lowering/ascend_attention.py)
+    64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
     if targets.get(target).vendor == "ascend":
         # ascend:950 (generated Ascend C, never run): 64-token steps for the bf16 cache; the FP8 cache's raw
         # step, its converted K halves and V^T halves fit the vector cores' UB at 32 tokens (64 need 227 KB of
