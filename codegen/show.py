@@ -40,7 +40,7 @@ def resolve_program(name: str) -> programs.TileProgram:
 
 
 def _register_all() -> None:
-    """Import every module of ops/: the public ops and their kernel variants (ops.mla_decode_qreg, ...) register
+    """Import every module of ops/: the public ops and their kernel variants (ops.mla_decode_fp8_rows64, ...) register
     their tile programs when imported."""
     import importlib
     import pkgutil

@@ -53,18 +53,11 @@ REGISTER_FP8_ROWS = 16
 REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # the FP8 cache above 16 query rows on sm_90a: ops.mla_decode_fp8_rows64 (rows as WGMMA's N, 32 or 64 a CTA, the
 # e4m3 latent into the register operand, two MMA warpgroups in a seesaw; bench/NOTES.md "Session 51") for s_q * h_q
-# up to ROWS64_FP8 (0: never). Measured (NOTES "Session 52", H200): at 32 rows (its 32-row tile) 1.12x today's path
-# and 1.09x the bf16 cache at 64 x 32 x 8192; at 64 rows a tile 0.9x and less, so those stay on the 32-token-step
-# kernel (bench providers tilecraft-fp8-rows64, -vs time them)
+# up to ROWS64_FP8 (0: never). Measured (NOTES "Session 52", "Session 56", H200): at 17-32 rows (its 32-row tile)
+# 1.02-1.16x the swapped kernel it replaced on the six fp8-32 rows, 0.87-1.12x the bf16 cache (below it only at
+# b = 8 and 1); at 64 rows a tile 0.9x and less, so those stay on the 32-token-step kernel (bench providers
+# tilecraft-fp8-rows64, -vs time them)
 ROWS64_FP8 = 32
-# Q in registers (three warpgroup roles, 64 query rows a CTA; bench/NOTES.md "Session 53", "Session 54"): the bf16
-# cache through ops.mla_decode_qreg where s_q * h_q is a multiple of 64, the FP8 cache above ROWS64_FP8 rows through
-# ops.mla_decode_fp8_qreg (any row count: it pads the last row tile); pages of 64+ tokens on sm_90a. Off, as measured
-# (H100, bench/NOTES.md "Session 55"): the bf16 one 0.89x the default at h_q 128; the FP8 one 1.04-1.06x at h_q 128
-# but 0.92x at 64 rows, with fp16 numerics (bench providers tilecraft-qreg, tilecraft-fp8-qreg; their tests run the
-# op with each on)
-QREG_BF16 = False
-QREG_FP8 = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -718,10 +711,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     ops.mla_decode_fp8_rs instead (REGISTER_FP8: the e4m3 latent converted exactly to fp16 straight into
     WGMMA's register operand, the scales folded into the scores and P, two MMA warpgroups a CTA on alternate
     steps, "Session 38"; the same step two CTAs an SM is provider tilecraft-fp8-rs, "Session 36"), at 17-32
-    rows to ops.mla_decode_fp8_rows64 (ROWS64_FP8: its 32-row tile, 1.12x the swapped kernel that converts to
-    bf16 operand tiles, "Session 52"). With QREG_BF16 / QREG_FP8 (off: measured slower or barely faster,
-    "Session 55"), the rows above those go to the kernels with Q in registers (ops.mla_decode_qreg: s_q * h_q a
-    multiple of 64; ops.mla_decode_fp8_qreg). Otherwise fp8: the raw bytes and the bf16 operand tiles must both
+    rows to ops.mla_decode_fp8_rows64 (ROWS64_FP8: its 32-row tile, 1.02-1.16x the swapped kernel that converts
+    to bf16 operand tiles, "Session 56"). Otherwise fp8: the raw bytes and the bf16 operand tiles must both
     fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw (the producer warpgroup converts); on
     sm_100a 64-token steps one stage deep, 128 threads. On ascend:950 (codegen/lowering/ascend_attention.py)
     64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
@@ -738,9 +729,6 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
         return dict(REGISTER_FP8)
     if kv_format == "fp8" and sm90 and rows <= ROWS64_FP8 and page >= BLOCK_N:
         return dict(kv_format="fp8", rows64=True)
-    if sm90 and page >= BLOCK_N and (rows % BLOCK_M == 0 or kv_format == "fp8") and not swapped and \
-            (QREG_FP8 if kv_format == "fp8" else QREG_BF16):      # (the FP8 kernel pads a last row tile)
-        return dict(qreg=True, **({"kv_format": "fp8"} if kv_format == "fp8" else {}))
     if kv_format != "fp8":
         if not sm90:
             # the generic loop with 256 threads needs 233,472 bytes of shared memory on sm_100a (the
@@ -794,14 +782,6 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         opts = {k: v for k, v in tiling.items() if k not in ("rows64", "kv_format")}
         main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
                                                      **opts)
-    elif tiling.get("qreg"):         # sm_90a, Q in registers: ops.mla_decode_qreg / _fp8_qreg (built, not yet run)
-        if kv_format == "fp8":
-            from ops.mla_decode_fp8_qreg import mla_decode_fp8_qreg_program as program
-        else:
-            from ops.mla_decode_qreg import mla_decode_qreg_program as program
-
-        opts = {k: v for k, v in tiling.items() if k not in ("qreg", "kv_format")}
-        main = program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **opts)
     else:
         main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])

@@ -60,7 +60,7 @@ def test_show_rules_and_list(capsys):
     assert r.returncode == 0 and "mma" in r.stdout and "cuda:sm_100a <- codegen.lowering.sm100" in r.stdout
     code, out, _ = run_main(main, capsys, "--list")
     assert code == 0 and "rmsnorm" in out
-    assert "mla_decode_qreg " in out and "mla_decode_fp8_rs2 " in out     # the ops' kernel variants too
+    assert "mla_decode_fp8_rows64 " in out and "mla_decode_fp8_rs2 " in out     # the ops' kernel variants too
 
 
 def test_show_errors_are_clear(capsys):

@@ -647,23 +647,12 @@ def assert_batch_invariant(h_q, kv_format="bf16", lens=(5000, 300, 1100)):
         assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])
 
 
-def fp16_scaled_dequant(cache):
-    """The FP8 cache as ops.mla_decode_fp8_qreg converts its latent: each e4m3 value (exact in fp16) times fp16(its
-    group's scale), the product rounded to fp16; the rope as it is."""
-    deq = ops.dequantize_mla_kv_fp8(cache)
-    raw = cache.view(torch.uint8)
-    codes = raw[..., :512].contiguous().view(torch.float8_e4m3fn).half()
-    scales = raw[..., 512:528].contiguous().view(torch.float32).half()           # (..., 4)
-    lat = (codes.unflatten(-1, (4, 128)) * scales[..., None]).float().flatten(-2)
-    return torch.cat([lat, deq[..., 512:]], dim=-1)
-
-
 def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None):
     """exact=False: the reference reads the dequantized cache rounded to bf16, as the kernels that
     convert to bf16 multiply it; exact=True: the dequantized cache in fp32 (fold_scales: fp16
     values exactly e4m3, the scales applied in fp32 and to P); k_scaled tilings: the latent as that
-    variant rounds it (k_scaled_dequant); qreg tilings: as fp16_scaled_dequant. edit(q, kv, table) changes the
-    inputs in place before the cache is quantized."""
+    variant rounds it (k_scaled_dequant). edit(q, kv, table) changes the inputs in place before the cache is
+    quantized."""
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     if edit is not None:
         edit(q, kv, table)
@@ -679,9 +668,8 @@ def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None):
     chosen = tiling or pick_tiling(s_q * h_q, "fp8", "sm_90a", page)
     exact = exact or any(chosen.get(k, False) for k in ("fold_scales", "register_fp8", "rows64"))
     # the kernel multiplies the dequantized cache rounded to bf16 (or, exact, unrounded): compare with exactly that
-    deq = k_scaled_dequant(cache) if chosen.get("k_scaled") else fp16_scaled_dequant(cache) if chosen.get("qreg") \
-        else ops.dequantize_mla_kv_fp8(cache)
-    deq = deq if exact or chosen.get("qreg") else deq.to(torch.bfloat16)
+    deq = k_scaled_dequant(cache) if chosen.get("k_scaled") else ops.dequantize_mla_kv_fp8(cache)
+    deq = deq if exact else deq.to(torch.bfloat16)
     ref, ref_lse = mla_decode_reference(q, deq, table, seqlens, softmax_scale=scale)
     bound = 8e-4 + (2.01 / 128) * ref.abs() + 6 * 2.0 ** -8 / 3 ** 0.5 * p_rounding_term(q, deq, table, seqlens, scale, True)
     assert ((out.float() - ref).abs() <= bound).all()

@@ -202,13 +202,6 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
-        # ops.mla_decode_qreg (Q in registers, three warpgroup roles; bf16 cache, s_q * h_q a multiple of 64)
-        Provider("tilecraft-qreg", lambda c, i: tilecraft_variant(c, i, dict(qreg=True)), experimental=True),
-        Provider("tilecraft-qreg-nodefer", lambda c, i: tilecraft_variant(c, i, dict(qreg=True, defer_ready=False)),
-                 experimental=True),
-        # ops.mla_decode_fp8_qreg (the same roles, the FP8 cache converted to fp16 tiles by the P V warpgroups)
-        Provider("tilecraft-fp8-qreg", lambda c, i: tilecraft_variant(c, i, dict(qreg=True, kv_format="fp8")),
-                 experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
