@@ -58,6 +58,9 @@ REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # b = 8 and 1); at 64 rows a tile 0.9x and less, so those stay on the 32-token-step kernel (bench providers
 # tilecraft-fp8-rows64, -vs time them)
 ROWS64_FP8 = 32
+# the combine of a split sequence in two passes over its splits (mla_combine_program(two_pass=True)) instead of
+# three; off until measured (bench providers tilecraft-combine2, tilecraft-splits-sm2-combine2)
+COMBINE_TWO_PASS = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -451,8 +454,11 @@ def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen,
     targets=GPU_TARGETS,
     examples={"h16": dict(h_q=16, s_q=1), "h128": dict(h_q=128, s_q=1)},
 )
-def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128):
-    """Merge the splits of each sequence that was split: weights exp2(lse_split - lse)."""
+def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, two_pass: bool = False):
+    """Merge the splits of each sequence that was split: weights exp2(lse_split - lse). Three passes over a
+    sequence's splits (their maximum, the sum of weights, the weighted outputs), or with two_pass=True two (the
+    maximum, then the weights' sum and the weighted outputs together, divided at the end): two thirds of the
+    dependent trips to memory (COMBINE_TWO_PASS; session 56, not yet run)."""
     rows = s_q * h_q
     rows_pad = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     sdt = tile.storage_dtype(dtype)
@@ -476,7 +482,12 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
                 total = T.alloc_var("float32")
                 lse = T.alloc_var("float32")
                 splits = Splits[bi]
-                if splits > 1:
+                if two_pass:
+                    lse_ahead = T.alloc_local((COMBINE_AHEAD,), "float32")
+                    o_ahead = tile.fragment((COMBINE_AHEAD, D_V))
+                    _combine_two_pass(splits, bi, r, acc, lse_ahead, o_ahead, LsePart, OPart, Out, Lse, max_splits,
+                                      h_q, sdt)
+                elif splits > 1:
                     lse_max = neg_inf
                     total = 0.0
                     for s in T.serial(splits):
@@ -496,6 +507,44 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
                     Lse[bi, r % h_q, r // h_q] = lse * LN2
 
     return mla_combine
+
+
+COMBINE_AHEAD = 16     # mla_combine_program(two_pass=True): splits read together, one trip to memory for each 16
+
+
+@T.macro
+def _combine_two_pass(splits, bi, r, acc, lse_ahead, o_ahead, LsePart, OPart, Out, Lse, max_splits, h_q, sdt):
+    """mla_combine_program(two_pass=True): sequence bi's row r over its splits in two passes, the maximum m
+    of their lse, then the weights w = exp2(lse - m) (0 for an empty split's -inf; all 0 when every split is
+    empty), their sum and the weighted outputs together; out = sum(w O) / sum(w), lse = m + log2(sum(w)).
+    Each pass takes COMBINE_AHEAD splits a round, their values loaded into registers first (lse_ahead,
+    o_ahead) so that a round is one trip to memory; a round past the last split reads the last split again
+    (its index clamped: no branch between the loads) and gives those reads weight 0 (the max is unchanged)."""
+    neg_inf = -T.infinity("float32")
+    m = T.alloc_var("float32")
+    w = T.alloc_var("float32")
+    total = T.alloc_var("float32")
+    if splits > 1:
+        m = neg_inf
+        for c in T.serial(T.ceildiv(splits, COMBINE_AHEAD)):
+            for u in T.unroll(COMBINE_AHEAD):
+                m = T.max(m, LsePart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r])
+        total = 0.0
+        for j in tile.parallel(D_V):
+            acc[j] = 0.0
+        for c in T.serial(T.ceildiv(splits, COMBINE_AHEAD)):
+            for u in T.unroll(COMBINE_AHEAD):
+                lse_ahead[u] = LsePart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r]
+            for u, j in tile.parallel(COMBINE_AHEAD, D_V):
+                o_ahead[u, j] = OPart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r, j]
+            for u in T.unroll(COMBINE_AHEAD):
+                w = T.if_then_else(c * COMBINE_AHEAD + u < splits and m != neg_inf, T.exp2(lse_ahead[u] - m), 0.0)
+                total = total + w
+                for j in tile.parallel(D_V):
+                    acc[j] = acc[j] + w * o_ahead[u, j]
+        for j in tile.parallel(D_V):
+            Out[bi, r, j] = T.cast(T.if_then_else(total > 0.0, acc[j] / total, 0.0), sdt)
+        Lse[bi, r % h_q, r // h_q] = T.if_then_else(total > 0.0, (m + T.log2(total)) * LN2, neg_inf)
 
 
 # ---- the schedule: computed once per decode step, reused by every layer ----------------------------
@@ -562,16 +611,24 @@ def _persistent_units(splits, max_splits, seqlens, parts):
     return unit_list.contiguous(), part_start.contiguous()
 
 
+SPLIT_CAP = 32          # get_mla_schedule's default max_splits: at most this many splits a sequence
+SPLIT_MIN_BLOCKS = 4    # ... and min_split_blocks: at least this many 64-token blocks a split
+
+
 def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks: int, *,
                      num_sms: int | None = None, batch_invariant: bool | None = None,
-                     kv_format: str = "bf16") -> MlaSchedule:
+                     kv_format: str = "bf16", max_splits: int | None = None,
+                     min_split_blocks: int | None = None) -> MlaSchedule:
     """Split each sequence so that b * m_tiles * splits CTAs fill the GPU.
 
     num_sms: the CTAs that run at once (default: the device's SMs; every default kernel runs one CTA an SM).
     kv_format is checked and kept for callers that make one schedule a cache format; a schedule made for
-    another format or CTA count is still right, only less balanced. Batch-invariant mode
-    (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into fixed 16-block chunks instead, so a sequence's
-    result never depends on what else is in the batch.
+    another format or CTA count is still right, only less balanced. A sequence of n 64-token blocks gets
+    min(ceil(n / min_split_blocks), num_sms // (b * m_tiles), max_splits) splits (at least 1; defaults
+    SPLIT_MIN_BLOCKS = 4 and SPLIT_CAP = 32): the cap binds only at b * m_tiles < num_sms / 32, a batch of
+    one to three 64-row tiles. Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into
+    fixed 16-block chunks instead, so a sequence's result never depends on what else is in the batch;
+    max_splits and min_split_blocks are refused there.
     """
     check.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     if kv_format not in KV_FORMATS:
@@ -584,9 +641,15 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
         raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}") from None
     if num_sms is not None:
         check.number("num_sms", num_sms, lo=1, integer=True)
+    for name, v in (("max_splits", max_splits), ("min_split_blocks", min_split_blocks)):
+        if v is not None:
+            check.number(name, v, lo=1, integer=True)
     if batch_invariant is None:
         batch_invariant = env.flag("TILECRAFT_BATCH_INVARIANT")
     check.flag("batch_invariant", batch_invariant)
+    if batch_invariant and (max_splits is not None or min_split_blocks is not None):
+        raise ValueError("max_splits and min_split_blocks have no effect in batch-invariant mode (fixed 16-block "
+                         "splits; batch_invariant=True or TILECRAFT_BATCH_INVARIANT=1): leave them None")
     b = cache_seqlens.shape[0]
     rows = s_q * h_q
     m_tiles = -(-rows // BLOCK_M)
@@ -601,9 +664,11 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
             num_sms = (torch.cuda.get_device_properties(cache_seqlens.device).multi_processor_count
                        if cache_seqlens.is_cuda else 132)
         ctas = max(1, b * m_tiles)
-        max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // 4, 32))
-        # shorter sequences get fewer splits: at least 4 blocks per split
-        splits = ((nblk + 3) // 4).clamp_(min=1, max=max_splits)
+        least = SPLIT_MIN_BLOCKS if min_split_blocks is None else min_split_blocks
+        cap = SPLIT_CAP if max_splits is None else max_splits
+        max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // least, cap))
+        # shorter sequences get fewer splits: at least `least` blocks a split
+        splits = ((nblk + (least - 1)) // least).clamp_(min=1, max=max_splits)
     return MlaSchedule(splits.to(torch.int32).contiguous(), int(max_splits), rows, bool(batch_invariant),
                        cache_seqlens)
 
@@ -751,7 +816,7 @@ def _sm_count(device) -> int:
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
-                     kv_format="bf16"):
+                     kv_format="bf16", combine_two_pass=None):
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
@@ -799,7 +864,9 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:
-        combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype)
+        two_pass = COMBINE_TWO_PASS if combine_two_pass is None else combine_two_pass
+        combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype,
+                                              **({"two_pass": True} if two_pass else {}))
         combine.launcher()(sched.splits, o_part, lse_part, out.view(b, rows, D_V), lse, sched.max_splits)
     return out, lse
 

@@ -174,6 +174,32 @@ def test_schedule_shapes_and_batch_invariance():
         get_mla_schedule(b128, 1, 16, 64, kv_format="e4m3")
 
 
+def test_schedule_split_knobs():
+    """max_splits / min_split_blocks: the defaults (SPLIT_CAP 32, SPLIT_MIN_BLOCKS 4) bind only for a batch of
+    a few row tiles; wider ones split a lone long sequence over more SMs; bad values and batch-invariant mode
+    are refused."""
+    from ops.mla_decode import SPLIT_CAP, SPLIT_MIN_BLOCKS
+
+    one = torch.tensor([16384], dtype=torch.int32)                    # 256 blocks of 64 tokens
+    s = get_mla_schedule(one, 1, 32, 256, num_sms=132)
+    assert (SPLIT_CAP, SPLIT_MIN_BLOCKS) == (32, 4) and s.max_splits == 32 and s.splits.tolist() == [32]
+    wide = get_mla_schedule(one, 1, 32, 256, num_sms=132, max_splits=132, min_split_blocks=2)
+    assert wide.max_splits == 128 and wide.splits.tolist() == [128]  # 2 blocks a split
+    assert get_mla_schedule(one, 1, 32, 256, num_sms=132, max_splits=132).splits.tolist() == [64]
+    assert get_mla_schedule(one, 1, 128, 256, num_sms=132, max_splits=132, min_split_blocks=1).max_splits == 66
+    short = torch.tensor([16384, 100], dtype=torch.int32)             # 256 and 2 blocks
+    assert get_mla_schedule(short, 1, 16, 256, num_sms=132, max_splits=132,
+                            min_split_blocks=2).splits.tolist() == [66, 1]
+    b128 = torch.full((128,), 4096, dtype=torch.int32)                # a full batch: no split either way
+    assert get_mla_schedule(b128, 1, 16, 64, max_splits=132, min_split_blocks=1).max_splits == 1
+    with pytest.raises(ValueError, match=r"max_splits must be in \[1, None\], got 0"):
+        get_mla_schedule(one, 1, 32, 256, max_splits=0)
+    with pytest.raises(TypeError, match="min_split_blocks must be an int, got float"):
+        get_mla_schedule(one, 1, 32, 256, min_split_blocks=1.5)
+    with pytest.raises(ValueError, match="no effect in batch-invariant mode"):
+        get_mla_schedule(one, 1, 32, 256, batch_invariant=True, max_splits=64)
+
+
 @pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("bf16", 128, 2), ("fp8", 16, 1)])
 def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     """tile.attention_loop on sm_90a: one TMA producer warpgroup (registers 80) and two MMA warpgroups
@@ -302,6 +328,29 @@ def test_lowers_to_tcgen05_on_sm_100a():
         assert "tcgen05" in mla_decode_program.source("sm_100a", h_q=h_q, s_q=s_q, **pick_tiling(rows, fmt, "sm_100a"))
 
 
+def test_two_pass_combine_reads_a_round_of_splits_at_once():
+    """mla_combine_program(two_pass=True): each pass's round of COMBINE_AHEAD splits is one branch-free loop
+    body on sm_90a (its loads all in flight before the first is used: lse_ahead / o_ahead in registers, the
+    split index clamped instead of guarded), and the program lowers for sm_100a and Ascend too."""
+    from backends.cuda.sass import build_cubin, disassemble
+    from ops.mla_decode import COMBINE_AHEAD
+
+    src = mla_combine_program.source("sm_90a", h_q=32, s_q=1, two_pass=True)
+    assert "float o_ahead[%d];" % (4 * COMBINE_AHEAD) in src and "float lse_ahead[%d];" % COMBINE_AHEAD in src
+    sass = disassemble(build_cubin(src.split("\n", 1)[1] if src.startswith("//") else src, "sm_90a"))
+    loads, bodies = 0, []
+    for line in sass.splitlines():
+        loads += "LDG" in line
+        jump = re.search(r"/\*([0-9a-f]{4})\*/\s+(@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", line)
+        if jump:
+            if int(jump.group(3), 16) < int(jump.group(1), 16):
+                bodies.append(loads)
+            loads = 0
+    assert max(bodies) >= 2 * COMBINE_AHEAD and sorted(bodies)[-2] >= COMBINE_AHEAD, bodies
+    assert "__global__" in mla_combine_program.source("sm_100a", h_q=128, s_q=2, two_pass=True)
+    assert "mla_combine" in mla_combine_program.source("ascend", h_q=16, s_q=1, two_pass=True)
+
+
 def test_combine_lowers_on_both_cuda_arches():
     for t in ("sm_90a", "sm_100a"):
         assert "__global__" in mla_combine_program.source(t, h_q=128, s_q=2)
@@ -376,6 +425,30 @@ def assert_matches_reference(out, lse, q, kv, table, seqlens, scale, causal=True
 ])
 def test_gpu_matches_reference(b, s_q, h_q, lens):
     run_gpu_case(b, s_q, h_q, lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,kv_format,knobs", [
+    (1, 1, 32, [16384], "bf16", dict(max_splits=132, min_split_blocks=1)),   # 132 splits, 4 of them empty
+    (2, 1, 128, [8192, 1], "bf16", dict(max_splits=132, min_split_blocks=2)),  # 2 sequences x 2 row tiles: 33
+    (1, 2, 64, [5001], "bf16", dict(max_splits=132, min_split_blocks=1)),     # causal MTP, a tail step
+    (1, 1, 16, [16385], "fp8", dict(max_splits=132, min_split_blocks=2)),     # the <= 16-row FP8 kernel
+    (1, 2, 16, [9000], "fp8", dict(max_splits=132, min_split_blocks=1)),      # the 32-row FP8 tile
+])
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_gpu_wide_schedules_match_the_reference(monkeypatch, b, s_q, h_q, lens, kv_format, knobs, two_pass):
+    """A lone long sequence split over every SM (get_mla_schedule's max_splits / min_split_blocks above their
+    defaults: splits of one or two blocks, empty trailing splits, the combine over up to 132 partials) stays
+    within the reference's bounds, bf16 and FP8 cache, with either combine (COMBINE_TWO_PASS)."""
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_TWO_PASS", two_pass)
+    if kv_format == "fp8":
+        run_fp8_case(b, s_q, h_q, lens, 64, split_knobs=knobs)
+        return
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, device="cuda")
+    sched = get_mla_schedule(seqlens, s_q, h_q, table.shape[1], **knobs)
+    assert sched.max_splits > 32
+    out, lse = ops.mla_decode(q, kv, table, seqlens, softmax_scale=D ** -0.5, sched=sched)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, D ** -0.5)
 
 
 @pytest.mark.gpu
@@ -647,19 +720,21 @@ def assert_batch_invariant(h_q, kv_format="bf16", lens=(5000, 300, 1100)):
         assert torch.equal(one, full[i:i + 1]) and torch.equal(one_lse, full_lse[i:i + 1])
 
 
-def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None):
+def run_fp8_case(b, s_q, h_q, lens, page, tiling=None, exact=False, edit=None, split_knobs=None):
     """exact=False: the reference reads the dequantized cache rounded to bf16, as the kernels that
     convert to bf16 multiply it; exact=True: the dequantized cache in fp32 (fold_scales: fp16
     values exactly e4m3, the scales applied in fp32 and to P); k_scaled tilings: the latent as that
     variant rounds it (k_scaled_dequant). edit(q, kv, table) changes the inputs in place before the cache is
-    quantized."""
+    quantized. split_knobs: get_mla_schedule's max_splits / min_split_blocks for the op's schedule."""
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     if edit is not None:
         edit(q, kv, table)
     cache = ops.quantize_mla_kv_fp8(kv)                     # NaN tails stay NaN bytes: must not leak
     scale = D ** -0.5
     if tiling is None:
-        out, lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=scale, kv_format="fp8")
+        sched = None if split_knobs is None else \
+            get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, kv_format="fp8", **split_knobs)
+        out, lse = ops.mla_decode(q, cache, table, seqlens, softmax_scale=scale, kv_format="fp8", sched=sched)
     else:                                       # a program variant the op does not choose
         from ops.mla_decode import _mla_decode_impl
 

@@ -33,6 +33,10 @@ PRESETS = {
     # the FP8 cache's <= 16-row kernel across batch sizes (splits), MTP (2 x 8 rows) and a long context
     "fp8-16": _cases([(1, 16, 1, 8192), (8, 16, 1, 8192), (32, 16, 1, 4096), (64, 16, 1, 8192), (128, 16, 1, 4096),
                       (128, 8, 2, 4096), (16, 16, 1, 32768)]),
+    # a batch of one to three 64-row tiles, long contexts: where get_mla_schedule's split cap (SPLIT_CAP = 32)
+    # binds; the tilecraft-splits-* providers lift it (session 56)
+    "few": _cases([(1, 16, 1, 16384), (1, 32, 1, 16384), (1, 64, 1, 32768), (1, 128, 1, 16384), (2, 16, 1, 32768),
+                   (2, 128, 1, 8192), (3, 32, 1, 16384), (1, 16, 2, 65536)]),
     # 17-32 rows (ops.mla_decode.ROWS64_FP8: the 64-row kernel's 32-row tile since session 52) across batch sizes,
     # MTP (2 x 16 rows) and a long context; tilecraft-fp8-swapped32 is the kernel it replaced
     "fp8-32": _cases([(64, 32, 1, 8192), (128, 32, 1, 4096), (8, 32, 1, 8192), (1, 32, 1, 16384), (128, 16, 2, 4096),
@@ -71,18 +75,21 @@ def flops(case):
     return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
 
 
-def tilecraft(case, i):
-    # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1])
+def tilecraft(case, i, combine_two_pass=None, **knobs):
+    # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing;
+    # knobs: get_mla_schedule's max_splits / min_split_blocks (the tilecraft-splits-* providers);
+    # combine_two_pass: ops.mla_decode.COMBINE_TWO_PASS for this provider (the *-combine2 providers)
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], **knobs)
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
-    return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched)
+    return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,
+                                    combine_two_pass=combine_two_pass)
 
 
-def tilecraft_fp8(case, i):
+def tilecraft_fp8(case, i, **knobs):
     """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
-    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8")
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8", **knobs)
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
 
@@ -202,6 +209,20 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
+        # get_mla_schedule(max_splits=, min_split_blocks=) above the defaults (32, 4): a lone long sequence over
+        # every SM, splits of 4 / 2 / 1 blocks (preset `few`)
+        Provider("tilecraft-splits-sm", lambda c, i: tilecraft(c, i, max_splits=132), experimental=True),
+        Provider("tilecraft-splits-sm2", lambda c, i: tilecraft(c, i, max_splits=132, min_split_blocks=2),
+                 experimental=True),
+        Provider("tilecraft-splits-sm1", lambda c, i: tilecraft(c, i, max_splits=132, min_split_blocks=1),
+                 experimental=True),
+        Provider("tilecraft-fp8-splits-sm2", lambda c, i: tilecraft_fp8(c, i, max_splits=132, min_split_blocks=2),
+                 experimental=True, nbytes=nbytes_fp8),
+        # the combine in two passes over a sequence's splits, 16 splits a trip (mla_combine_program(two_pass=True))
+        Provider("tilecraft-combine2", lambda c, i: tilecraft(c, i, combine_two_pass=True), experimental=True),
+        Provider("tilecraft-splits-sm2-combine2",
+                 lambda c, i: tilecraft(c, i, combine_two_pass=True, max_splits=132, min_split_blocks=2),
+                 experimental=True),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
