@@ -20,7 +20,7 @@ import tilelang.language as T
 import torch
 
 from codegen import targets, tile
-from codegen.program import tile_program
+from codegen.program import ALL_TARGETS, tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
 from ops._workspace import arrival_counters
@@ -451,7 +451,7 @@ def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen,
 
 @tile_program(
     "mla_combine",
-    targets=GPU_TARGETS,
+    targets=ALL_TARGETS,
     examples={"h16": dict(h_q=16, s_q=1), "h128": dict(h_q=128, s_q=1)},
 )
 def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, two_pass: bool = False):

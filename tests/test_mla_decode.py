@@ -328,6 +328,60 @@ def test_lowers_to_tcgen05_on_sm_100a():
         assert "tcgen05" in mla_decode_program.source("sm_100a", h_q=h_q, s_q=s_q, **pick_tiling(rows, fmt, "sm_100a"))
 
 
+def _combine_reference(splits, opart, lpart, max_splits, rows):
+    """The merge in float64: out = sum_s exp2(l_s) O_s / sum_s exp2(l_s), lse = log2(sum_s exp2(l_s)) * ln 2 over
+    each split sequence's splits (-inf lse: weight 0); None for a sequence of one split (the combine leaves it)."""
+    outs = []
+    for bi, n in enumerate(splits.tolist()):
+        if n <= 1:
+            outs.append(None)
+            continue
+        l = lpart[bi * max_splits: bi * max_splits + n, :rows].double()          # (n, rows)
+        o = opart[bi * max_splits: bi * max_splits + n, :rows].double()          # (n, rows, 512)
+        m = l.max(0).values
+        w = torch.where(torch.isfinite(l), torch.exp2(l - torch.where(torch.isfinite(m), m, 0)), 0)
+        total = w.sum(0)
+        out = torch.where(total[:, None] > 0, (w[..., None] * o).sum(0) / total.clamp(min=1e-300)[:, None], 0)
+        lse = torch.where(total > 0, (m + torch.log2(total.clamp(min=1e-300))) * math.log(2), -math.inf)
+        outs.append((out, lse))
+    return outs
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_combine_on_the_cpu_target_matches_float64(two_pass):
+    """Both combines (three passes; two_pass=True: 16 splits a round, clamped indices) run on TileLang's C target:
+    against a float64 merge, with 40, 23 and 17 splits (rounds and a partial round), empty splits (lse -inf, zero
+    output), a row whose every split is empty (zeros, lse -inf), a sequence of one split left untouched, and the
+    slots past each sequence's splits poisoned with NaN (never read into a result)."""
+    g = torch.Generator().manual_seed(1)
+    h_q, s_q, max_splits = 8, 2, 40
+    rows = h_q * s_q
+    splits = torch.tensor([40, 1, 23, 17], dtype=torch.int32)
+    b = splits.numel()
+    opart = torch.randn(b * max_splits, 64, 512, generator=g)
+    lpart = torch.randn(b * max_splits, 64, generator=g) * 6
+    for bi, n in enumerate(splits.tolist()):                       # unused slots: NaN
+        opart[bi * max_splits + n:(bi + 1) * max_splits] = float("nan")
+        lpart[bi * max_splits + n:(bi + 1) * max_splits] = float("nan")
+    lpart[5], opart[5] = -math.inf, 0.0                           # an empty split (every row)
+    lpart[2 * max_splits: 2 * max_splits + 23, 3] = -math.inf      # sequence 2, row 3: every split empty
+    opart[2 * max_splits: 2 * max_splits + 23, 3] = 0.0
+    k = mla_combine_program.compile("cpu", h_q=h_q, s_q=s_q, dtype="float32", **({"two_pass": True} if two_pass else {}))
+    out = torch.full((b, rows, 512), 7.0)
+    lse = torch.full((b, h_q, s_q), 7.0)
+    k.launcher()(splits, opart, lpart, out, lse, max_splits)
+    for bi, ref in enumerate(_combine_reference(splits, opart, lpart, max_splits, rows)):
+        if ref is None:
+            assert (out[bi] == 7.0).all() and (lse[bi] == 7.0).all()
+            continue
+        got_lse = lse[bi].transpose(0, 1).reshape(rows)             # (h_q, s_q) -> row r = s * h_q + h
+        torch.testing.assert_close(out[bi].double(), ref[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isfinite(got_lse), torch.isfinite(ref[1]))
+        torch.testing.assert_close(got_lse.double()[torch.isfinite(ref[1])], ref[1][torch.isfinite(ref[1])],
+                                   atol=1e-5, rtol=1e-6)
+    assert (out[2, 3] == 0).all() and lse[2, 3, 0] == -math.inf
+
+
 def test_two_pass_combine_reads_a_round_of_splits_at_once():
     """mla_combine_program(two_pass=True): each pass's round of COMBINE_AHEAD splits is one branch-free loop
     body on sm_90a (its loads all in flight before the first is used: lse_ahead / o_ahead in registers, the
