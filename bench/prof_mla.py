@@ -1,0 +1,78 @@
+"""Where an MLA decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before every call):
+the main kernel against the combine of the split sequences, for each schedule / combine path on a bench.suites.mla
+preset (default `few`: a batch of one to three 64-row tiles, where the split cap binds).
+
+    python -m bench.prof_mla [--shape few] [--paths default combine2 sm2 sm2-combine2 ...] [--fp8] [--out DIR]
+
+Paths: default (get_mla_schedule's defaults, three-pass combine); combine2 (the two-pass combine,
+mla_combine_program(two_pass=True)); sm / sm2 / sm1 (max_splits = the SM count, at least 4 / 2 / 1 blocks a
+split) and each with -combine2. Prints one line per (case, path, kernel): mean GPU microseconds per call, then the
+sum, and the schedule's largest split count. GPU only.
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import ops
+from bench.suites.mla import PRESETS, make_inputs
+from bench.timing import profiled_kernels
+from ops.mla_decode import _mla_decode_impl, get_mla_schedule
+
+REPS = 30
+KNOBS = {"default": {}, "sm": dict(max_splits=None), "sm2": dict(max_splits=None, min_split_blocks=2),
+         "sm1": dict(max_splits=None, min_split_blocks=1)}
+PATHS = [*KNOBS, *(f"{k}-combine2" for k in KNOBS if k != "default"), "combine2"]
+
+
+def _knobs(path: str, sms: int) -> tuple[dict, bool]:
+    base, _, combine = path.partition("-")
+    if path == "combine2":
+        return {}, True
+    knobs = {k: (sms if v is None else v) for k, v in KNOBS[base].items()}
+    return knobs, combine == "combine2"
+
+
+def kernel_times(fn, reps=REPS):
+    """{kernel name: mean GPU us per call} over reps calls, each after an L2 flush."""
+    total = defaultdict(float)
+    for ev in profiled_kernels(fn, reps, warmup=3):
+        if "elementwise" not in ev.name:        # the L2 flush
+            total[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return {name: t / reps for name, t in total.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="few", choices=list(PRESETS))
+    ap.add_argument("--paths", nargs="*", default=["default", "combine2", "sm2", "sm2-combine2"], choices=PATHS)
+    ap.add_argument("--fp8", action="store_true", help="the FP8 cache (ops.quantize_mla_kv_fp8 of the same cache)")
+    ap.add_argument("--out", default=None, help="also write the table as JSON here")
+    args = ap.parse_args(argv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fmt = "fp8" if args.fp8 else "bf16"
+    rows = []
+    for case in PRESETS[args.shape]:
+        i = make_inputs(case, "cuda")
+        kv = ops.quantize_mla_kv_fp8(i["kv"]) if args.fp8 else i["kv"]
+        label = f"{case['b']}x{case['h_q']}x{case['s_q']}x{case['seqlen']}"
+        for path in args.paths:
+            knobs, two_pass = _knobs(path, sms)
+            sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format=fmt, **knobs)
+            times = kernel_times(lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True,  # noqa: B023
+                                                          sched, kv_format=fmt, combine_two_pass=two_pass))
+            for name, us in sorted(times.items(), key=lambda kv_: -kv_[1]):
+                print(f"{label:18s} {fmt:4s} {path:13s} {us:8.2f} us  {name}")
+                rows.append(dict(case=label, kv_format=fmt, path=path, kernel=name, us=us,
+                                 max_splits=sched.max_splits))
+            print(f"{label:18s} {fmt:4s} {path:13s} {sum(times.values()):8.2f} us  (sum; max_splits {sched.max_splits})")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"prof-mla-{args.shape}-{fmt}.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
