@@ -890,9 +890,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softm
     q (b, s_q, h_q, 576) bf16/fp16; kv_cache (num_blocks, page, 1, 576) in q's dtype, page in
     {16, 32, 64, 128, 256}; or with kv_format="fp8" (bf16 q) (num_blocks, page, 1, 656) uint8 written
     by quantize_mla_kv_fp8 and dequantized inside the kernel: to bf16 before the MMAs, or, on sm_90a
-    with s_q * h_q <= 16 and pages of 64+, exactly to fp16 with the per-128 scales folded into the
-    scores and P (the latent q is then rounded to fp16: |q| above 65504 gives inf/NaN, not a silent
-    error);
+    with s_q * h_q <= 32 (ROWS64_FP8) and pages of 64+, exactly to fp16 with the per-128 scales folded
+    into the scores and P (the latent q is then rounded to fp16: |q| above 65504 gives inf/NaN, not a
+    silent error);
     block_table (b, max_blocks) int32; cache_seqlens (b,) int32 (0 allowed).
     With causal, query token i sees the cache up to cache_seqlens - s_q + i + 1.
     out (b, s_q, h_q, 512) in q's dtype; lse (b, h_q, s_q) fp32 (natural log; -inf for rows that
