@@ -456,9 +456,10 @@ def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen,
 )
 def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, two_pass: bool = False):
     """Merge the splits of each sequence that was split: weights exp2(lse_split - lse). Three passes over a
-    sequence's splits (their maximum, the sum of weights, the weighted outputs), or with two_pass=True two (the
-    maximum, then the weights' sum and the weighted outputs together, divided at the end): two thirds of the
-    dependent trips to memory (COMBINE_TWO_PASS; session 56, not yet run)."""
+    sequence's splits (their maximum, the sum of weights, the weighted outputs; nvcc unrolls them 16, 4 and 4
+    splits a trip to memory), or with two_pass=True two (the maximum, then the weights' sum and the weighted
+    outputs together, divided at the end), each COMBINE_AHEAD = 16 splits a trip (COMBINE_TWO_PASS; session 56,
+    not yet run on a GPU)."""
     rows = s_q * h_q
     rows_pad = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     sdt = tile.storage_dtype(dtype)
