@@ -69,7 +69,8 @@ def number(name: str, v, *, lo=None, hi=None, integer=False):
     if not integer and not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+        want = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}, got {v}")
     return v
 
 

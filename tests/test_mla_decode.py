@@ -108,7 +108,7 @@ def test_invalid_inputs_name_the_argument():
             ops.mla_decode(*args, **kw)
     with pytest.raises(ValueError, match="head_dim_v must be 512"):
         ops.mla_decode(q, kv, table, lens, 256, **kw)
-    with pytest.raises(ValueError, match="softmax_scale must be in"):
+    with pytest.raises(ValueError, match="softmax_scale must be >= 1e-12"):
         ops.mla_decode(q, kv, table, lens, softmax_scale=0.0)
     with pytest.raises(ValueError, match="kv_format must be"):
         ops.mla_decode(q, kv, table, lens, softmax_scale=0.1, kv_format="int4")
@@ -127,7 +127,7 @@ def test_schedule_and_scalars_are_checked():
         get_mla_schedule(lens, 1, -4, 4)
     with pytest.raises(TypeError, match="max_blocks must be an int, got float"):
         get_mla_schedule(lens, 1, 16, 2.7)
-    with pytest.raises(ValueError, match="num_sms must be in"):
+    with pytest.raises(ValueError, match="num_sms must be >= 1, got 0"):
         get_mla_schedule(lens, 1, 16, 4, num_sms=0)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
         get_mla_schedule(lens, 1, 16, 4, batch_invariant="no")
@@ -192,7 +192,7 @@ def test_schedule_split_knobs():
                             min_split_blocks=2).splits.tolist() == [66, 1]
     b128 = torch.full((128,), 4096, dtype=torch.int32)                # a full batch: no split either way
     assert get_mla_schedule(b128, 1, 16, 64, max_splits=132, min_split_blocks=1).max_splits == 1
-    with pytest.raises(ValueError, match=r"max_splits must be in \[1, None\], got 0"):
+    with pytest.raises(ValueError, match="max_splits must be >= 1, got 0"):
         get_mla_schedule(one, 1, 32, 256, max_splits=0)
     with pytest.raises(TypeError, match="min_split_blocks must be an int, got float"):
         get_mla_schedule(one, 1, 32, 256, min_split_blocks=1.5)
