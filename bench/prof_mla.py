@@ -12,14 +12,13 @@ sum, and the schedule's largest split count. GPU only.
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 import ops
 from bench.suites.mla import PRESETS, make_inputs
-from bench.timing import profiled_kernels
+from bench.timing import mean_kernel_times
 from ops.mla_decode import _mla_decode_impl, get_mla_schedule
 
 REPS = 30
@@ -34,15 +33,6 @@ def _knobs(path: str, sms: int) -> tuple[dict, bool]:
         return {}, True
     knobs = {k: (sms if v is None else v) for k, v in KNOBS[base].items()}
     return knobs, combine == "combine2"
-
-
-def kernel_times(fn, reps=REPS):
-    """{kernel name: mean GPU us per call} over reps calls, each after an L2 flush."""
-    total = defaultdict(float)
-    for ev in profiled_kernels(fn, reps, warmup=3):
-        if "elementwise" not in ev.name:        # the L2 flush
-            total[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    return {name: t / reps for name, t in total.items()}
 
 
 def main(argv=None):
@@ -62,8 +52,9 @@ def main(argv=None):
         for path in args.paths:
             knobs, two_pass = _knobs(path, sms)
             sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format=fmt, **knobs)
-            times = kernel_times(lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True,  # noqa: B023
-                                                          sched, kv_format=fmt, combine_two_pass=two_pass))
+            run = lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731, B023
+                                           kv_format=fmt, combine_two_pass=two_pass)
+            times = mean_kernel_times(run, REPS)
             for name, us in sorted(times.items(), key=lambda kv_: -kv_[1]):
                 print(f"{label:18s} {fmt:4s} {path:13s} {us:8.2f} us  {name}")
                 rows.append(dict(case=label, kv_format=fmt, path=path, kernel=name, us=us,

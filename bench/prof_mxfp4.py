@@ -18,13 +18,12 @@ barriers: how much of a step the decode costs.
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from bench.suites.gemm import PRESETS, make_inputs
-from bench.timing import profiled_kernels
+from bench.timing import mean_kernel_times
 from ops import gemm_mxfp4
 
 REPS = 30
@@ -81,15 +80,6 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-2": _swapped(2), "tile": _tile, "w4a8": _w4a8}
 
 
-def kernel_times(fn, reps=REPS):
-    """{kernel name: mean GPU us per call} over reps calls, each after an L2 flush."""
-    total = defaultdict(float)
-    for ev in profiled_kernels(fn, reps, warmup=3):
-        if "elementwise" not in ev.name:        # the L2 flush
-            total[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    return {name: t / reps for name, t in total.items()}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
@@ -104,7 +94,7 @@ def main(argv=None):
         i = make_inputs(case, "cuda")
         a, b, s = i["a"][0], i["packed"][0], i["scales"][0]
         for path in args.paths:
-            times = kernel_times(PATHS[path](a, b, s))
+            times = mean_kernel_times(PATHS[path](a, b, s), REPS)
             label = f"{case['m']}x{case['n']}x{case['k']}"
             for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 print(f"{label:14s} {path:8s} {us:8.2f} us  {name}")
