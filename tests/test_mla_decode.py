@@ -347,18 +347,6 @@ def _combine_reference(splits, opart, lpart, max_splits, rows):
     return outs
 
 
-def test_prof_mla_paths_name_their_schedule_and_combine():
-    """bench.prof_mla's paths: the knobs each hands get_mla_schedule (the SM count where it says 'sm') and which
-    combine it runs."""
-    from bench.prof_mla import PATHS, _knobs
-
-    assert _knobs("default", 132) == ({}, False) and _knobs("combine2", 132) == ({}, True)
-    assert _knobs("sm", 132) == (dict(max_splits=132), False)
-    assert _knobs("sm2-combine2", 114) == (dict(max_splits=114, min_split_blocks=2), True)
-    assert _knobs("sm1", 132) == (dict(max_splits=132, min_split_blocks=1), False)
-    assert {"default", "combine2", "sm2", "sm2-combine2", "sm1-combine2"} <= set(PATHS)
-
-
 @pytest.mark.parametrize("two_pass", [False, True])
 def test_combine_on_the_cpu_target_matches_float64(two_pass):
     """Both combines (three passes; two_pass=True: 16 splits a round, clamped indices) run on TileLang's C target:
@@ -415,6 +403,18 @@ def test_two_pass_combine_reads_a_round_of_splits_at_once():
     assert max(bodies) >= 2 * COMBINE_AHEAD and sorted(bodies)[-2] >= COMBINE_AHEAD, bodies
     assert "__global__" in mla_combine_program.source("sm_100a", h_q=128, s_q=2, two_pass=True)
     assert "mla_combine" in mla_combine_program.source("ascend", h_q=16, s_q=1, two_pass=True)
+
+
+def test_prof_mla_paths_name_their_schedule_and_combine():
+    """bench.prof_mla's paths: the knobs each hands get_mla_schedule (the SM count where it says 'sm') and which
+    combine it runs."""
+    from bench.prof_mla import PATHS, _knobs
+
+    assert _knobs("default", 132) == ({}, False) and _knobs("combine2", 132) == ({}, True)
+    assert _knobs("sm", 132) == (dict(max_splits=132), False)
+    assert _knobs("sm2-combine2", 114) == (dict(max_splits=114, min_split_blocks=2), True)
+    assert _knobs("sm1", 132) == (dict(max_splits=132, min_split_blocks=1), False)
+    assert {"default", "combine2", "sm2", "sm2-combine2", "sm1-combine2"} <= set(PATHS)
 
 
 def test_combine_lowers_on_both_cuda_arches():
