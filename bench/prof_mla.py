@@ -2,11 +2,11 @@
 the main kernel against the combine of the split sequences, for each schedule / combine path on a bench.suites.mla
 preset (default `few`: a batch of one to three 64-row tiles, where the split cap binds).
 
-    python -m bench.prof_mla [--shape few] [--paths default combine2 sm2 sm2-combine2 ...] [--fp8] [--out DIR]
+    python -m bench.prof_mla [--shape few] [--paths default cw sm2 sm2-cw ...] [--fp8] [--out DIR]
 
-Paths: default (get_mla_schedule's defaults, three-pass combine); combine2 (the two-pass combine,
-mla_combine_program(two_pass=True)); sm / sm2 / sm1 (max_splits = the SM count, at least 4 / 2 / 1 blocks a
-split) and each with -combine2. Prints one line per (case, path, kernel): mean GPU microseconds per call, then the
+Paths: default (get_mla_schedule's defaults, the op's combine); cw (the wide combine,
+mla_combine_program(lanes=combine_lanes_for(max_splits))); sm / sm2 / sm1 (max_splits = the SM count, at least
+4 / 2 / 1 blocks a split) and each with -cw. Prints one line per (case, path, kernel): mean GPU microseconds per call, then the
 sum, and the schedule's largest split count. GPU only.
 """
 
@@ -19,26 +19,27 @@ import torch
 import ops
 from bench.suites.mla import PRESETS, make_inputs
 from bench.timing import mean_kernel_times
-from ops.mla_decode import _mla_decode_impl, get_mla_schedule
+from ops.mla_decode import _mla_decode_impl, combine_lanes_for, get_mla_schedule
 
 REPS = 30
 KNOBS = {"default": {}, "sm": dict(max_splits=None), "sm2": dict(max_splits=None, min_split_blocks=2),
          "sm1": dict(max_splits=None, min_split_blocks=1)}
-PATHS = [*KNOBS, *(f"{k}-combine2" for k in KNOBS if k != "default"), "combine2"]
+PATHS = [*KNOBS, *(f"{k}-cw" for k in KNOBS if k != "default"), "cw"]
 
 
 def _knobs(path: str, sms: int) -> tuple[dict, bool]:
+    """(get_mla_schedule's knobs, whether the wide combine runs) for a path."""
     base, _, combine = path.partition("-")
-    if path == "combine2":
+    if path == "cw":
         return {}, True
     knobs = {k: (sms if v is None else v) for k, v in KNOBS[base].items()}
-    return knobs, combine == "combine2"
+    return knobs, combine == "cw"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="few", choices=list(PRESETS))
-    ap.add_argument("--paths", nargs="*", default=["default", "combine2", "sm2", "sm2-combine2"], choices=PATHS)
+    ap.add_argument("--paths", nargs="*", default=["default", "cw", "sm", "sm-cw", "sm2-cw"], choices=PATHS)
     ap.add_argument("--fp8", action="store_true", help="the FP8 cache (ops.quantize_mla_kv_fp8 of the same cache)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
@@ -50,10 +51,11 @@ def main(argv=None):
         kv = ops.quantize_mla_kv_fp8(i["kv"]) if args.fp8 else i["kv"]
         label = f"{case['b']}x{case['h_q']}x{case['s_q']}x{case['seqlen']}"
         for path in args.paths:
-            knobs, two_pass = _knobs(path, sms)
+            knobs, wide = _knobs(path, sms)
             sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format=fmt, **knobs)
             run = lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731, B023
-                                           kv_format=fmt, combine_two_pass=two_pass)
+                                           kv_format=fmt,
+                                           combine_lanes=combine_lanes_for(sched.max_splits) if wide else None)
             times = mean_kernel_times(run, REPS)
             for name, us in sorted(times.items(), key=lambda kv_: -kv_[1]):
                 print(f"{label:18s} {fmt:4s} {path:13s} {us:8.2f} us  {name}")

@@ -58,9 +58,9 @@ REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # b = 8 and 1); at 64 rows a tile 0.9x and less, so those stay on the 32-token-step kernel (bench providers
 # tilecraft-fp8-rows64, -vs time them)
 ROWS64_FP8 = 32
-# the combine of a split sequence in two passes over its splits (mla_combine_program(two_pass=True)) instead of
-# three; off until measured (bench providers tilecraft-combine2, tilecraft-splits-sm2-combine2)
-COMBINE_TWO_PASS = False
+# the wide combine (mla_combine_program(lanes=combine_lanes(max_splits)): a block a row and column chunk, its threads
+# across the splits too) instead of the three-pass one; off until measured (bench providers tilecraft-*-cw)
+COMBINE_WIDE = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -452,19 +452,29 @@ def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen,
 @tile_program(
     "mla_combine",
     targets=ALL_TARGETS,
-    examples={"h16": dict(h_q=16, s_q=1), "h128": dict(h_q=128, s_q=1)},
+    examples={"h16": dict(h_q=16, s_q=1), "h128": dict(h_q=128, s_q=1), "h16-lanes8": dict(h_q=16, s_q=1, lanes=8)},
+    # the wide combine clamps every split index into its sequence's slots, so TileLang's bounds checks (branches
+    # between the loads of a trip on CUDA) are off there
+    pass_configs=lambda t, p: {"tl.disable_safe_memory_legalize": True} if t.vendor == "cuda" and p["lanes"] else {},
 )
-def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, two_pass: bool = False):
-    """Merge the splits of each sequence that was split: weights exp2(lse_split - lse). Three passes over a
-    sequence's splits (their maximum, the sum of weights, the weighted outputs; nvcc unrolls them 16, 4 and 4
-    splits a trip to memory), or with two_pass=True two (the maximum, then the weights' sum and the weighted
-    outputs together, divided at the end), each COMBINE_AHEAD = 16 splits a trip (COMBINE_TWO_PASS; session 56,
-    not yet run on a GPU)."""
+def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, lanes: int = 0):
+    """Merge the splits of each sequence that was split: weights exp2(lse_split - lse).
+
+    lanes = 0: a block a query row, its threads across the 512 output columns, three serial passes over the
+    splits (their maximum, the sum of weights, the weighted outputs; nvcc unrolls them 16, 4 and 4 splits a
+    trip to memory). lanes = 1, 2, 4 or 8 (the wide combine, for many splits): a block per (row, column chunk of
+    512 / lanes), its threads `lanes` split lanes x the chunk's columns, 4 a thread; the lse of COMBINE_LSE_TILE
+    splits a round, reduced across the block, then lane g folds splits g, g + lanes, ... COMBINE_AHEAD rounds a
+    trip to memory, and the lanes are summed at the end."""
     rows = s_q * h_q
     rows_pad = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     sdt = tile.storage_dtype(dtype)
     batch, slots = T.dynamic("batch, slots")
     neg_inf = -T.infinity("float32")
+    if lanes not in (0, 1, 2, 4, 8):
+        raise ValueError(f"lanes must be 0 (the three-pass combine) or 1, 2, 4, 8, got {lanes!r}")
+    cols = D_V // max(lanes, 1)
+    chunks = D_V // cols
 
     @T.prim_func
     def mla_combine(
@@ -475,20 +485,22 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
         Lse: T.Tensor((batch, h_q, s_q), "float32"),
         max_splits: T.int32,
     ):
-        with tile.grid(batch * rows, threads) as bid:
-            bi, r = tile.split_index(bid, (batch, rows))
+        with tile.grid(batch * rows * chunks, threads) as bid:
+            bi, r, c = tile.split_index(bid, (batch, rows, chunks))
             with tile.vector():
-                acc = tile.fragment((D_V,))
                 lse_max = T.alloc_var("float32")
                 total = T.alloc_var("float32")
                 lse = T.alloc_var("float32")
                 splits = Splits[bi]
-                if two_pass:
-                    lse_ahead = T.alloc_local((COMBINE_AHEAD,), "float32")
-                    o_ahead = tile.fragment((COMBINE_AHEAD, D_V))
-                    _combine_two_pass(splits, bi, r, acc, lse_ahead, o_ahead, LsePart, OPart, Out, Lse, max_splits,
-                                      h_q, sdt)
+                if lanes:
+                    lt = tile.fragment((1, COMBINE_LSE_TILE))
+                    red = tile.fragment((1,))
+                    acc = tile.fragment((lanes, cols))
+                    merged = tile.fragment((cols,))
+                    _combine_wide(splits, bi, r, c, lt, red, acc, merged, LsePart, OPart, Out, Lse, max_splits, h_q,
+                                  sdt, lanes, cols)
                 elif splits > 1:
+                    acc = tile.fragment((D_V,))
                     lse_max = neg_inf
                     total = 0.0
                     for s in T.serial(splits):
@@ -510,42 +522,64 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
     return mla_combine
 
 
-COMBINE_AHEAD = 16     # mla_combine_program(two_pass=True): splits read together, one trip to memory for each 16
+def combine_lanes_for(max_splits: int) -> int:
+    """The wide combine's split lanes for a schedule of up to max_splits splits a sequence: enough that one trip
+    to memory (COMBINE_AHEAD splits a lane) covers them, 1 to 8 (8: 64 output columns a block)."""
+    lanes = 1
+    while lanes < 8 and lanes * COMBINE_AHEAD < max_splits:
+        lanes *= 2
+    return lanes
+
+
+COMBINE_LSE_TILE = 128  # the wide combine: split lse values reduced together (a round of the lse passes)
+COMBINE_AHEAD = 8       # ... and rounds of `lanes` splits whose outputs one trip to memory loads
 
 
 @T.macro
-def _combine_two_pass(splits, bi, r, acc, lse_ahead, o_ahead, LsePart, OPart, Out, Lse, max_splits, h_q, sdt):
-    """mla_combine_program(two_pass=True): sequence bi's row r over its splits in two passes, the maximum m
-    of their lse, then the weights w = exp2(lse - m) (0 for an empty split's -inf; all 0 when every split is
-    empty), their sum and the weighted outputs together; out = sum(w O) / sum(w), lse = m + log2(sum(w)).
-    Each pass takes COMBINE_AHEAD splits a round, their values loaded into registers first (lse_ahead,
-    o_ahead) so that a round is one trip to memory; a round past the last split reads the last split again
-    (its index clamped: no branch between the loads) and gives those reads weight 0 (the max is unchanged)."""
+def _combine_wide(splits, bi, r, c, lt, red, acc, merged, LsePart, OPart, Out, Lse, max_splits, h_q, sdt, lanes, cols):
+    """mla_combine_program(lanes=...): sequence bi's row r, output columns [c * cols, (c + 1) * cols). The maximum m
+    of the splits' lse and the sum of exp2(lse_s - m) come from block-wide reductions over COMBINE_LSE_TILE splits a
+    round; lse = m + log2(sum) (-inf when every split is empty); lane g then adds exp2(lse_s - lse) O_s for its
+    splits s = g + lanes * k, COMBINE_AHEAD of them a trip (indices past the last split clamped to it, weight 0: no
+    branch between the loads), and the lanes' sums are added. A sequence of one split is left as the main kernel
+    wrote it."""
     neg_inf = -T.infinity("float32")
     m = T.alloc_var("float32")
-    w = T.alloc_var("float32")
     total = T.alloc_var("float32")
+    lse = T.alloc_var("float32")
+    base = bi * max_splits
     if splits > 1:
         m = neg_inf
-        for c in T.serial(T.ceildiv(splits, COMBINE_AHEAD)):
-            for u in T.unroll(COMBINE_AHEAD):
-                m = T.max(m, LsePart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r])
+        for t in T.serial(T.ceildiv(splits, COMBINE_LSE_TILE)):
+            for i, u in tile.parallel(1, COMBINE_LSE_TILE):
+                lt[i, u] = T.if_then_else(t * COMBINE_LSE_TILE + u < splits,
+                                          LsePart[base + T.min(t * COMBINE_LSE_TILE + u, splits - 1), r], neg_inf)
+            tile.row_reduce(lt, red, "max", dim=1)
+            m = T.max(m, red[0])
         total = 0.0
-        for j in tile.parallel(D_V):
-            acc[j] = 0.0
-        for c in T.serial(T.ceildiv(splits, COMBINE_AHEAD)):
-            for u in T.unroll(COMBINE_AHEAD):
-                lse_ahead[u] = LsePart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r]
-            for u, j in tile.parallel(COMBINE_AHEAD, D_V):
-                o_ahead[u, j] = OPart[bi * max_splits + T.min(c * COMBINE_AHEAD + u, splits - 1), r, j]
-            for u in T.unroll(COMBINE_AHEAD):
-                w = T.if_then_else(c * COMBINE_AHEAD + u < splits and m != neg_inf, T.exp2(lse_ahead[u] - m), 0.0)
-                total = total + w
-                for j in tile.parallel(D_V):
-                    acc[j] = acc[j] + w * o_ahead[u, j]
-        for j in tile.parallel(D_V):
-            Out[bi, r, j] = T.cast(T.if_then_else(total > 0.0, acc[j] / total, 0.0), sdt)
-        Lse[bi, r % h_q, r // h_q] = T.if_then_else(total > 0.0, (m + T.log2(total)) * LN2, neg_inf)
+        for t in T.serial(T.ceildiv(splits, COMBINE_LSE_TILE)):
+            for i, u in tile.parallel(1, COMBINE_LSE_TILE):
+                lt[i, u] = T.if_then_else(t * COMBINE_LSE_TILE + u < splits and m != neg_inf,
+                                          T.exp2(LsePart[base + T.min(t * COMBINE_LSE_TILE + u, splits - 1), r] - m),
+                                          0.0)
+            tile.row_reduce(lt, red, "sum", dim=1)
+            total = total + red[0]
+        lse = T.if_then_else(total > 0.0, m + T.log2(total), neg_inf)
+        for g, j in tile.parallel(lanes, cols):
+            acc[g, j] = 0.0
+        for t in T.serial(T.ceildiv(splits, lanes * COMBINE_AHEAD)):
+            for k in T.unroll(COMBINE_AHEAD):
+                for g, j in tile.parallel(lanes, cols):
+                    # (Select, not if_then_else: both sides evaluated, no branch around the lse load)
+                    acc[g, j] += T.exp2(T.Select(
+                        (t * COMBINE_AHEAD + k) * lanes + g < splits and lse != neg_inf,
+                        LsePart[base + T.min((t * COMBINE_AHEAD + k) * lanes + g, splits - 1), r] - lse, neg_inf)) \
+                        * OPart[base + T.min((t * COMBINE_AHEAD + k) * lanes + g, splits - 1), r, c * cols + j]
+        tile.row_reduce(acc, merged, "sum", dim=0)
+        for j in tile.parallel(cols):
+            Out[bi, r, c * cols + j] = T.cast(merged[j], sdt)
+        if c == 0:
+            Lse[bi, r % h_q, r // h_q] = lse * LN2
 
 
 # ---- the schedule: computed once per decode step, reused by every layer ----------------------------
@@ -817,7 +851,7 @@ def _sm_count(device) -> int:
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
-                     kv_format="bf16", combine_two_pass=None):
+                     kv_format="bf16", combine_lanes=None):
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
@@ -865,9 +899,10 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:
-        two_pass = COMBINE_TWO_PASS if combine_two_pass is None else combine_two_pass
+        if combine_lanes is None:
+            combine_lanes = combine_lanes_for(sched.max_splits) if COMBINE_WIDE else 0
         combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype,
-                                              **({"two_pass": True} if two_pass else {}))
+                                              **({"lanes": combine_lanes} if combine_lanes else {}))
         combine.launcher()(sched.splits, o_part, lse_part, out.view(b, rows, D_V), lse, sched.max_splits)
     return out, lse
 

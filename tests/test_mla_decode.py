@@ -347,16 +347,17 @@ def _combine_reference(splits, opart, lpart, max_splits, rows):
     return outs
 
 
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_combine_on_the_cpu_target_matches_float64(two_pass):
-    """Both combines (three passes; two_pass=True: 16 splits a round, clamped indices) run on TileLang's C target:
-    against a float64 merge, with 40, 23 and 17 splits (rounds and a partial round), empty splits (lse -inf, zero
-    output), a row whose every split is empty (zeros, lse -inf), a sequence of one split left untouched, and the
-    slots past each sequence's splits poisoned with NaN (never read into a result)."""
+@pytest.mark.parametrize("lanes", [0, 1, 2, 8])
+def test_combine_on_the_cpu_target_matches_float64(lanes):
+    """Both combines (three passes; the wide one with 1, 2 or 8 split lanes: 8, 16 or 64 splits a trip, clamped
+    indices) run on TileLang's C target: against a float64 merge, with 150, 40, 23 and 17 splits (two rounds of the
+    lse reduction, whole and partial trips), empty splits (lse -inf, zero output), a row whose every split is empty
+    (zeros, lse -inf), a sequence of one split left untouched, and the slots past each sequence's splits poisoned
+    with NaN (never read into a result)."""
     g = torch.Generator().manual_seed(1)
-    h_q, s_q, max_splits = 8, 2, 40
+    h_q, s_q, max_splits = 8, 2, 150
     rows = h_q * s_q
-    splits = torch.tensor([40, 1, 23, 17], dtype=torch.int32)
+    splits = torch.tensor([40, 1, 23, 17, 150], dtype=torch.int32)
     b = splits.numel()
     opart = torch.randn(b * max_splits, 64, 512, generator=g)
     lpart = torch.randn(b * max_splits, 64, generator=g) * 6
@@ -366,7 +367,7 @@ def test_combine_on_the_cpu_target_matches_float64(two_pass):
     lpart[5], opart[5] = -math.inf, 0.0                           # an empty split (every row)
     lpart[2 * max_splits: 2 * max_splits + 23, 3] = -math.inf      # sequence 2, row 3: every split empty
     opart[2 * max_splits: 2 * max_splits + 23, 3] = 0.0
-    k = mla_combine_program.compile("cpu", h_q=h_q, s_q=s_q, dtype="float32", **({"two_pass": True} if two_pass else {}))
+    k = mla_combine_program.compile("cpu", h_q=h_q, s_q=s_q, dtype="float32", **({"lanes": lanes} if lanes else {}))
     out = torch.full((b, rows, 512), 7.0)
     lse = torch.full((b, h_q, s_q), 7.0)
     k.launcher()(splits, opart, lpart, out, lse, max_splits)
@@ -382,27 +383,29 @@ def test_combine_on_the_cpu_target_matches_float64(two_pass):
     assert (out[2, 3] == 0).all() and lse[2, 3, 0] == -math.inf
 
 
-def test_two_pass_combine_reads_a_round_of_splits_at_once():
-    """mla_combine_program(two_pass=True): each pass's round of COMBINE_AHEAD splits is one branch-free loop
-    body on sm_90a (its loads all in flight before the first is used: lse_ahead / o_ahead in registers, the
-    split index clamped instead of guarded), and the program lowers for sm_100a and Ascend too."""
+def test_wide_combine_loads_a_trip_of_splits_at_once():
+    """mla_combine_program(lanes=8) on sm_90a: each trip's COMBINE_AHEAD output loads (128-bit) and their lse loads
+    sit in one branch-free loop body (the split index clamped, the weight selected: no branch between the loads),
+    and the program lowers for sm_100a and Ascend too; combine_lanes_for covers a schedule's splits in one trip."""
     from backends.cuda.sass import build_cubin, disassemble
-    from ops.mla_decode import COMBINE_AHEAD
+    from ops.mla_decode import COMBINE_AHEAD, combine_lanes_for
 
-    src = mla_combine_program.source("sm_90a", h_q=32, s_q=1, two_pass=True)
-    assert "float o_ahead[%d];" % (4 * COMBINE_AHEAD) in src and "float lse_ahead[%d];" % COMBINE_AHEAD in src
+    src = mla_combine_program.source("sm_90a", h_q=32, s_q=1, lanes=8)
     sass = disassemble(build_cubin(src.split("\n", 1)[1] if src.startswith("//") else src, "sm_90a"))
-    loads, bodies = 0, []
+    wide, bodies = 0, []
     for line in sass.splitlines():
-        loads += "LDG" in line
+        wide += "LDG.E.128" in line
         jump = re.search(r"/\*([0-9a-f]{4})\*/\s+(@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", line)
         if jump:
             if int(jump.group(3), 16) < int(jump.group(1), 16):
-                bodies.append(loads)
-            loads = 0
-    assert max(bodies) >= 2 * COMBINE_AHEAD and sorted(bodies)[-2] >= COMBINE_AHEAD, bodies
-    assert "__global__" in mla_combine_program.source("sm_100a", h_q=128, s_q=2, two_pass=True)
-    assert "mla_combine" in mla_combine_program.source("ascend", h_q=16, s_q=1, two_pass=True)
+                bodies.append(wide)
+            wide = 0
+    assert max(bodies) >= COMBINE_AHEAD, bodies
+    assert "__global__" in mla_combine_program.source("sm_100a", h_q=128, s_q=2, lanes=4)
+    assert "mla_combine" in mla_combine_program.source("ascend", h_q=16, s_q=1, lanes=8)
+    assert [combine_lanes_for(n) for n in (2, 8, 9, 16, 32, 33, 64, 132, 1000)] == [1, 1, 2, 2, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="lanes"):
+        mla_combine_program.source("sm_90a", h_q=16, s_q=1, lanes=3)
 
 
 def test_prof_mla_paths_name_their_schedule_and_combine():
@@ -410,11 +413,11 @@ def test_prof_mla_paths_name_their_schedule_and_combine():
     combine it runs."""
     from bench.prof_mla import PATHS, _knobs
 
-    assert _knobs("default", 132) == ({}, False) and _knobs("combine2", 132) == ({}, True)
+    assert _knobs("default", 132) == ({}, False) and _knobs("cw", 132) == ({}, True)
     assert _knobs("sm", 132) == (dict(max_splits=132), False)
-    assert _knobs("sm2-combine2", 114) == (dict(max_splits=114, min_split_blocks=2), True)
+    assert _knobs("sm2-cw", 114) == (dict(max_splits=114, min_split_blocks=2), True)
     assert _knobs("sm1", 132) == (dict(max_splits=132, min_split_blocks=1), False)
-    assert {"default", "combine2", "sm2", "sm2-combine2", "sm1-combine2"} <= set(PATHS)
+    assert {"default", "cw", "sm2", "sm2-cw", "sm1-cw"} <= set(PATHS)
 
 
 def test_combine_lowers_on_both_cuda_arches():
@@ -501,12 +504,12 @@ def test_gpu_matches_reference(b, s_q, h_q, lens):
     (1, 1, 16, [16385], "fp8", dict(max_splits=132, min_split_blocks=2)),     # the <= 16-row FP8 kernel
     (1, 2, 16, [9000], "fp8", dict(max_splits=132, min_split_blocks=1)),      # the 32-row FP8 tile
 ])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_gpu_wide_schedules_match_the_reference(monkeypatch, b, s_q, h_q, lens, kv_format, knobs, two_pass):
+@pytest.mark.parametrize("wide", [False, True])
+def test_gpu_wide_schedules_match_the_reference(monkeypatch, b, s_q, h_q, lens, kv_format, knobs, wide):
     """A lone long sequence split over every SM (get_mla_schedule's max_splits / min_split_blocks above their
     defaults: splits of one or two blocks, empty trailing splits, the combine over up to 132 partials) stays
-    within the reference's bounds, bf16 and FP8 cache, with either combine (COMBINE_TWO_PASS)."""
-    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_TWO_PASS", two_pass)
+    within the reference's bounds, bf16 and FP8 cache, with either combine (COMBINE_WIDE)."""
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_WIDE", wide)
     if kv_format == "fp8":
         run_fp8_case(b, s_q, h_q, lens, 64, split_knobs=knobs)
         return
@@ -515,6 +518,24 @@ def test_gpu_wide_schedules_match_the_reference(monkeypatch, b, s_q, h_q, lens, 
     assert sched.max_splits > 32
     out, lse = ops.mla_decode(q, kv, table, seqlens, softmax_scale=D ** -0.5, sched=sched)
     assert_matches_reference(out, lse, q, kv, table, seqlens, D ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,lanes", [
+    (16, 1, 64, [3000] * 15 + [0], 1),      # 8 splits a sequence, one empty sequence
+    (8, 2, 32, [4000, 1, 77, 5000, 2, 3000, 64, 65], 2),   # 16 splits; causal MTP; one-block sequences
+    (2, 1, 128, [16384, 8000], 4),          # 33 -> 32 (the cap); two row tiles
+    (1, 4, 7, [9001], 4),                   # padding rows (28 of a 64-row tile)
+])
+def test_gpu_wide_combine_at_the_default_splits(monkeypatch, b, s_q, h_q, lens, lanes):
+    """COMBINE_WIDE on: the wide combine with the lane count combine_lanes_for picks at the default schedule's split
+    counts (1, 2 and 4 lanes) stays within the reference's bounds."""
+    from ops.mla_decode import combine_lanes_for
+
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_WIDE", True)
+    sched = get_mla_schedule(torch.tensor(lens, dtype=torch.int32, device="cuda"), s_q, h_q, max(lens) // 64 + 1)
+    assert combine_lanes_for(sched.max_splits) == lanes
+    run_gpu_case(b, s_q, h_q, lens)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 
 import ops
 from bench.suites import Provider, Suite
-from ops.mla_decode import FP8_FOLD, FP8_TOKEN_BYTES, _mla_decode_impl, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
+from ops.mla_decode import FP8_FOLD, FP8_TOKEN_BYTES, _mla_decode_impl, combine_lanes_for, get_mla_schedule, mla_combine_program, mla_decode_program, pick_tiling
 
 PAGE = 64
 D = 576
@@ -75,23 +75,28 @@ def flops(case):
     return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
 
 
-def tilecraft(case, i, combine_two_pass=None, **knobs):
+def _lanes(wide, sched):
+    # wide=True: the wide combine with the op's lane count for this schedule (the *-cw providers); None: the op's choice
+    return combine_lanes_for(sched.max_splits) if wide else None
+
+
+def tilecraft(case, i, wide=False, **knobs):
     # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing;
-    # knobs: get_mla_schedule's max_splits / min_split_blocks (the tilecraft-splits-* providers);
-    # combine_two_pass: ops.mla_decode.COMBINE_TWO_PASS for this provider (the *-combine2 providers)
+    # knobs: get_mla_schedule's max_splits / min_split_blocks (the tilecraft-splits-* providers)
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], **knobs)
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,
-                                    combine_two_pass=combine_two_pass)
+                                    combine_lanes=_lanes(wide, sched))
 
 
-def tilecraft_fp8(case, i, **knobs):
+def tilecraft_fp8(case, i, wide=False, **knobs):
     """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8", **knobs)
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
-    return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8")
+    return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8",
+                                    combine_lanes=_lanes(wide, sched))
 
 
 def tilecraft_variant(case, i, tiling):
@@ -218,11 +223,20 @@ SUITE = Suite(
                  experimental=True),
         Provider("tilecraft-fp8-splits-sm2", lambda c, i: tilecraft_fp8(c, i, max_splits=132, min_split_blocks=2),
                  experimental=True, nbytes=nbytes_fp8),
-        # the combine in two passes over a sequence's splits, 16 splits a trip (mla_combine_program(two_pass=True))
-        Provider("tilecraft-combine2", lambda c, i: tilecraft(c, i, combine_two_pass=True), experimental=True),
-        Provider("tilecraft-splits-sm2-combine2",
-                 lambda c, i: tilecraft(c, i, combine_two_pass=True, max_splits=132, min_split_blocks=2),
+        # the wide combine (mla_combine_program(lanes=ops.mla_decode.combine_lanes_for(max_splits))), alone and with
+        # the wider splits
+        Provider("tilecraft-cw", lambda c, i: tilecraft(c, i, wide=True), experimental=True),
+        Provider("tilecraft-fp8-cw", lambda c, i: tilecraft_fp8(c, i, wide=True), experimental=True, nbytes=nbytes_fp8),
+        Provider("tilecraft-splits-sm-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132), experimental=True),
+        Provider("tilecraft-splits-sm2-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132, min_split_blocks=2),
                  experimental=True),
+        Provider("tilecraft-splits-sm1-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132, min_split_blocks=1),
+                 experimental=True),
+        Provider("tilecraft-fp8-splits-sm-cw", lambda c, i: tilecraft_fp8(c, i, wide=True, max_splits=132),
+                 experimental=True, nbytes=nbytes_fp8),
+        Provider("tilecraft-fp8-splits-sm2-cw",
+                 lambda c, i: tilecraft_fp8(c, i, wide=True, max_splits=132, min_split_blocks=2),
+                 experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
