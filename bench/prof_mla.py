@@ -1,13 +1,13 @@
 """Where an MLA decode call's GPU time goes, kernel by kernel (torch profiler, L2 flushed before every call):
 the main kernel against the combine of the split sequences, for each schedule / combine path on a bench.suites.mla
-preset (default `few`: a batch of one to three 64-row tiles, where the split cap binds).
+preset (default `few`: a batch of one to three 64-row tiles, long contexts: many splits a sequence).
 
-    python -m bench.prof_mla [--shape few] [--paths default cw sm2 sm2-cw ...] [--fp8] [--out DIR]
+    python -m bench.prof_mla [--shape few] [--paths default s56 cw splits-2 splits-1] [--fp8] [--out DIR]
 
-Paths: default (get_mla_schedule's defaults, the op's combine); cw (the wide combine,
-mla_combine_program(lanes=combine_lanes_for(max_splits))); sm / sm2 / sm1 (max_splits = the SM count, at least
-4 / 2 / 1 blocks a split) and each with -cw. Prints one line per (case, path, kernel): mean GPU microseconds per call, then the
-sum, and the schedule's largest split count. GPU only.
+Paths: default (the op: get_mla_schedule's defaults, its choice of combine); s56 (the op before session 57: at most
+32 splits a sequence, the three-pass combine); cw (the wide combine at any split count); splits-2 / splits-1 (at
+least 2 / 1 blocks a split instead of 4). Prints one line per (case, path, kernel): mean GPU microseconds per
+call, then the sum, and the schedule's largest split count. GPU only.
 """
 
 import argparse
@@ -22,28 +22,23 @@ from bench.timing import mean_kernel_times
 from ops.mla_decode import _mla_decode_impl, combine_lanes_for, get_mla_schedule
 
 REPS = 30
-KNOBS = {"default": {}, "sm": dict(max_splits=None), "sm2": dict(max_splits=None, min_split_blocks=2),
-         "sm1": dict(max_splits=None, min_split_blocks=1)}
-PATHS = [*KNOBS, *(f"{k}-cw" for k in KNOBS if k != "default"), "cw"]
+# path -> (get_mla_schedule's knobs, combine: None the op's choice, "wide" combine_lanes_for's lanes, "3pass" lanes 0)
+PATHS = {"default": ({}, None), "s56": (dict(max_splits=32), "3pass"), "cw": ({}, "wide"),
+         "splits-2": (dict(min_split_blocks=2), None), "splits-1": (dict(min_split_blocks=1), None)}
 
 
-def _knobs(path: str, sms: int) -> tuple[dict, bool]:
-    """(get_mla_schedule's knobs, whether the wide combine runs) for a path."""
-    base, _, combine = path.partition("-")
-    if path == "cw":
-        return {}, True
-    knobs = {k: (sms if v is None else v) for k, v in KNOBS[base].items()}
-    return knobs, combine == "cw"
+def _lanes(combine, max_splits):
+    """_mla_decode_impl's combine_lanes for a path's combine."""
+    return {None: None, "wide": combine_lanes_for(max_splits), "3pass": 0}[combine]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="few", choices=list(PRESETS))
-    ap.add_argument("--paths", nargs="*", default=["default", "cw", "sm", "sm-cw", "sm2-cw"], choices=PATHS)
+    ap.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
     ap.add_argument("--fp8", action="store_true", help="the FP8 cache (ops.quantize_mla_kv_fp8 of the same cache)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     fmt = "fp8" if args.fp8 else "bf16"
     rows = []
     for case in PRESETS[args.shape]:
@@ -51,11 +46,10 @@ def main(argv=None):
         kv = ops.quantize_mla_kv_fp8(i["kv"]) if args.fp8 else i["kv"]
         label = f"{case['b']}x{case['h_q']}x{case['s_q']}x{case['seqlen']}"
         for path in args.paths:
-            knobs, wide = _knobs(path, sms)
+            knobs, combine = PATHS[path]
             sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format=fmt, **knobs)
             run = lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731, B023
-                                           kv_format=fmt,
-                                           combine_lanes=combine_lanes_for(sched.max_splits) if wide else None)
+                                           kv_format=fmt, combine_lanes=_lanes(combine, sched.max_splits))
             times = mean_kernel_times(run, REPS)
             for name, us in sorted(times.items(), key=lambda kv_: -kv_[1]):
                 print(f"{label:18s} {fmt:4s} {path:13s} {us:8.2f} us  {name}")

@@ -58,9 +58,11 @@ REGISTER_FP8 = dict(register_fp8=True, kv_format="fp8", chains=2)
 # b = 8 and 1); at 64 rows a tile 0.9x and less, so those stay on the 32-token-step kernel (bench providers
 # tilecraft-fp8-rows64, -vs time them)
 ROWS64_FP8 = 32
-# the wide combine (mla_combine_program(lanes=combine_lanes(max_splits)): a block a row and column chunk, its threads
-# across the splits too) instead of the three-pass one; off until measured (bench providers tilecraft-*-cw)
-COMBINE_WIDE = False
+# the wide combine (mla_combine_program(lanes=combine_lanes_for(max_splits)): a block a row and column chunk, its
+# threads across the splits too) for a schedule of more than COMBINE_AHEAD splits a sequence; the three-pass one at
+# fewer and in batch-invariant mode. Measured (bench/NOTES.md "Session 57", H100): the combine of 32 splits 5.1-5.8 us
+# -> 3.1-4.4 us, of 64-132 splits 8-17 us -> 3.3-7 us; at 2 splits a sequence (the decode grid) it was slower
+COMBINE_WIDE = True
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -279,8 +281,13 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                                             neg_inf)
                 else:
                     slot = bi * max_splits + si
-                    for i, j in tile.parallel(mine, o.shape[1]):
-                        OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
+                    if rows % BLOCK_M == 0:
+                        for i, j in tile.parallel(mine, o.shape[1]):
+                            OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
+                    else:   # a tile's padding rows stay unwritten (no combine reads them): 48 of 64 at h_q = 16
+                        for i, j in tile.parallel(mine, o.shape[1]):
+                            if mt * BLOCK_M + first + i < rows:
+                                OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
                     if stats:
                         for i in tile.parallel(mine):
                             LsePart[slot, mt * BLOCK_M + first + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]),
@@ -646,7 +653,9 @@ def _persistent_units(splits, max_splits, seqlens, parts):
     return unit_list.contiguous(), part_start.contiguous()
 
 
-SPLIT_CAP = 32          # get_mla_schedule's default max_splits: at most this many splits a sequence
+# get_mla_schedule's default max_splits: None, no cap below the SM count (32 until session 57: a lone sequence
+# then ran on 32 SMs; lifted with the wide combine, bench/NOTES.md "Session 57")
+SPLIT_CAP = None
 SPLIT_MIN_BLOCKS = 4    # ... and min_split_blocks: at least this many 64-token blocks a split
 
 
@@ -660,8 +669,8 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
     kv_format is checked and kept for callers that make one schedule a cache format; a schedule made for
     another format or CTA count is still right, only less balanced. A sequence of n 64-token blocks gets
     min(ceil(n / min_split_blocks), num_sms // (b * m_tiles), max_splits) splits (at least 1; defaults
-    SPLIT_MIN_BLOCKS = 4 and SPLIT_CAP = 32): the cap binds only at b * m_tiles < num_sms / 32, a batch of
-    one to three 64-row tiles. Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into
+    SPLIT_MIN_BLOCKS = 4 and no max_splits (SPLIT_CAP = None): a lone sequence of 64 rows or fewer and 33+ blocks
+    runs on every SM). Batch-invariant mode (TILECRAFT_BATCH_INVARIANT=1) splits every sequence into
     fixed 16-block chunks instead, so a sequence's result never depends on what else is in the batch;
     max_splits and min_split_blocks are refused there.
     """
@@ -701,7 +710,7 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
         ctas = max(1, b * m_tiles)
         least = SPLIT_MIN_BLOCKS if min_split_blocks is None else min_split_blocks
         cap = SPLIT_CAP if max_splits is None else max_splits
-        max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // least, cap))
+        max_splits = max(1, min(num_sms // ctas if ctas < num_sms else 1, max_blocks // least, cap or num_sms))
         # shorter sequences get fewer splits: at least `least` blocks a split
         splits = ((nblk + (least - 1)) // least).clamp_(min=1, max=max_splits)
     return MlaSchedule(splits.to(torch.int32).contiguous(), int(max_splits), rows, bool(batch_invariant),
@@ -900,7 +909,8 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
                     float(softmax_scale * LOG2E))
     if sched.max_splits > 1:
         if combine_lanes is None:
-            combine_lanes = combine_lanes_for(sched.max_splits) if COMBINE_WIDE else 0
+            wide = COMBINE_WIDE and sched.max_splits > COMBINE_AHEAD and not sched.batch_invariant
+            combine_lanes = combine_lanes_for(sched.max_splits) if wide else 0
         combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype,
                                               **({"lanes": combine_lanes} if combine_lanes else {}))
         combine.launcher()(sched.splits, o_part, lse_part, out.view(b, rows, D_V), lse, sched.max_splits)

@@ -175,14 +175,16 @@ def test_schedule_shapes_and_batch_invariance():
 
 
 def test_schedule_split_knobs():
-    """max_splits / min_split_blocks: the defaults (SPLIT_CAP 32, SPLIT_MIN_BLOCKS 4) bind only for a batch of
-    a few row tiles; wider ones split a lone long sequence over more SMs; bad values and batch-invariant mode
-    are refused."""
+    """max_splits / min_split_blocks: by default (no cap: SPLIT_CAP None; SPLIT_MIN_BLOCKS 4) a lone long sequence
+    is split over every SM in splits of 4+ blocks; a cap or smaller splits change that; bad values and
+    batch-invariant mode are refused."""
     from ops.mla_decode import SPLIT_CAP, SPLIT_MIN_BLOCKS
 
     one = torch.tensor([16384], dtype=torch.int32)                    # 256 blocks of 64 tokens
     s = get_mla_schedule(one, 1, 32, 256, num_sms=132)
-    assert (SPLIT_CAP, SPLIT_MIN_BLOCKS) == (32, 4) and s.max_splits == 32 and s.splits.tolist() == [32]
+    assert (SPLIT_CAP, SPLIT_MIN_BLOCKS) == (None, 4) and s.max_splits == 64 and s.splits.tolist() == [64]
+    assert get_mla_schedule(one, 1, 32, 256, num_sms=132, max_splits=32).splits.tolist() == [32]
+    assert get_mla_schedule(torch.tensor([65536], dtype=torch.int32), 1, 16, 1024, num_sms=132).max_splits == 132
     wide = get_mla_schedule(one, 1, 32, 256, num_sms=132, max_splits=132, min_split_blocks=2)
     assert wide.max_splits == 128 and wide.splits.tolist() == [128]  # 2 blocks a split
     assert get_mla_schedule(one, 1, 32, 256, num_sms=132, max_splits=132).splits.tolist() == [64]
@@ -409,15 +411,12 @@ def test_wide_combine_loads_a_trip_of_splits_at_once():
 
 
 def test_prof_mla_paths_name_their_schedule_and_combine():
-    """bench.prof_mla's paths: the knobs each hands get_mla_schedule (the SM count where it says 'sm') and which
-    combine it runs."""
-    from bench.prof_mla import PATHS, _knobs
+    """bench.prof_mla's paths: the knobs each hands get_mla_schedule and the combine lanes it asks for."""
+    from bench.prof_mla import PATHS, _lanes
 
-    assert _knobs("default", 132) == ({}, False) and _knobs("cw", 132) == ({}, True)
-    assert _knobs("sm", 132) == (dict(max_splits=132), False)
-    assert _knobs("sm2-cw", 114) == (dict(max_splits=114, min_split_blocks=2), True)
-    assert _knobs("sm1", 132) == (dict(max_splits=132, min_split_blocks=1), False)
-    assert {"default", "cw", "sm2", "sm2-cw", "sm1-cw"} <= set(PATHS)
+    assert PATHS["default"] == ({}, None) and PATHS["s56"] == (dict(max_splits=32), "3pass")
+    assert [_lanes(PATHS[p][1], 132) for p in ("default", "s56", "cw")] == [None, 0, 8]
+    assert _lanes("wide", 2) == 1 and PATHS["splits-1"][0] == dict(min_split_blocks=1)
 
 
 def test_combine_lowers_on_both_cuda_arches():
@@ -524,18 +523,20 @@ def test_gpu_wide_schedules_match_the_reference(monkeypatch, b, s_q, h_q, lens, 
 @pytest.mark.parametrize("b,s_q,h_q,lens,lanes", [
     (16, 1, 64, [3000] * 15 + [0], 1),      # 8 splits a sequence, one empty sequence
     (8, 2, 32, [4000, 1, 77, 5000, 2, 3000, 64, 65], 2),   # 16 splits; causal MTP; one-block sequences
-    (2, 1, 128, [16384, 8000], 4),          # 33 -> 32 (the cap); two row tiles
-    (1, 4, 7, [9001], 4),                   # padding rows (28 of a 64-row tile)
+    (5, 1, 16, [8000, 3, 0, 4096, 700], 4),  # 26 splits; padding rows (48 of a 64-row tile)
+    (2, 1, 128, [16384, 8000], 8),          # 33 splits; two row tiles
+    (1, 4, 7, [9001], 8),                   # 35 splits; causal MTP, 28 rows
 ])
-def test_gpu_wide_combine_at_the_default_splits(monkeypatch, b, s_q, h_q, lens, lanes):
-    """COMBINE_WIDE on: the wide combine with the lane count combine_lanes_for picks at the default schedule's split
-    counts (1, 2 and 4 lanes) stays within the reference's bounds."""
-    from ops.mla_decode import combine_lanes_for
+def test_gpu_wide_combine_at_the_default_splits(b, s_q, h_q, lens, lanes):
+    """The wide combine forced at the default schedule's split counts, with each lane count combine_lanes_for picks
+    (the op itself takes it above 8 splits: 2 lanes and more), stays within the reference's bounds."""
+    from ops.mla_decode import _mla_decode_impl, combine_lanes_for
 
-    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_WIDE", True)
-    sched = get_mla_schedule(torch.tensor(lens, dtype=torch.int32, device="cuda"), s_q, h_q, max(lens) // 64 + 1)
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, device="cuda")
+    sched = get_mla_schedule(seqlens, s_q, h_q, table.shape[1])
     assert combine_lanes_for(sched.max_splits) == lanes
-    run_gpu_case(b, s_q, h_q, lens)
+    out, lse = _mla_decode_impl(q, kv, table, seqlens, D ** -0.5, True, sched, combine_lanes=lanes)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, D ** -0.5)
 
 
 @pytest.mark.gpu

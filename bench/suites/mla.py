@@ -33,8 +33,8 @@ PRESETS = {
     # the FP8 cache's <= 16-row kernel across batch sizes (splits), MTP (2 x 8 rows) and a long context
     "fp8-16": _cases([(1, 16, 1, 8192), (8, 16, 1, 8192), (32, 16, 1, 4096), (64, 16, 1, 8192), (128, 16, 1, 4096),
                       (128, 8, 2, 4096), (16, 16, 1, 32768)]),
-    # a batch of one to three 64-row tiles, long contexts: where get_mla_schedule's split cap (SPLIT_CAP = 32)
-    # binds; the tilecraft-splits-* providers lift it (session 56)
+    # a batch of one to three 64-row tiles, long contexts: where get_mla_schedule's split cap (SPLIT_CAP, 32 until
+    # session 57) bound and the combine's many splits count (the tilecraft-splits-* and *-cw providers)
     "few": _cases([(1, 16, 1, 16384), (1, 32, 1, 16384), (1, 64, 1, 32768), (1, 128, 1, 16384), (2, 16, 1, 32768),
                    (2, 128, 1, 8192), (3, 32, 1, 16384), (1, 16, 2, 65536)]),
     # 17-32 rows (ops.mla_decode.ROWS64_FP8: the 64-row kernel's 32-row tile since session 52) across batch sizes,
@@ -75,28 +75,29 @@ def flops(case):
     return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
 
 
-def _lanes(wide, sched):
-    # wide=True: the wide combine with the op's lane count for this schedule (the *-cw providers); None: the op's choice
-    return combine_lanes_for(sched.max_splits) if wide else None
+def _lanes(combine, sched):
+    # combine: None, the op's choice; "wide", the wide combine with combine_lanes_for's lanes at any split count (the
+    # *-cw providers); "3pass", the three-pass combine (the *-s56 providers: the op before session 57)
+    return {None: None, "wide": combine_lanes_for(sched.max_splits), "3pass": 0}[combine]
 
 
-def tilecraft(case, i, wide=False, **knobs):
+def tilecraft(case, i, combine=None, **knobs):
     # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing;
     # knobs: get_mla_schedule's max_splits / min_split_blocks (the tilecraft-splits-* providers)
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], **knobs)
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,
-                                    combine_lanes=_lanes(wide, sched))
+                                    combine_lanes=_lanes(combine, sched))
 
 
-def tilecraft_fp8(case, i, wide=False, **knobs):
+def tilecraft_fp8(case, i, combine=None, **knobs):
     """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8", **knobs)
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8",
-                                    combine_lanes=_lanes(wide, sched))
+                                    combine_lanes=_lanes(combine, sched))
 
 
 def tilecraft_variant(case, i, tiling):
@@ -214,29 +215,17 @@ SUITE = Suite(
         Provider("tilecraft", tilecraft),
         Provider("tilecraft-fp8", tilecraft_fp8, nbytes=nbytes_fp8),
         Provider("tilecraft-seesaw", seesaw, experimental=True),
-        # get_mla_schedule(max_splits=, min_split_blocks=) above the defaults (32, 4): a lone long sequence over
-        # every SM, splits of 4 / 2 / 1 blocks (preset `few`)
-        Provider("tilecraft-splits-sm", lambda c, i: tilecraft(c, i, max_splits=132), experimental=True),
-        Provider("tilecraft-splits-sm2", lambda c, i: tilecraft(c, i, max_splits=132, min_split_blocks=2),
-                 experimental=True),
-        Provider("tilecraft-splits-sm1", lambda c, i: tilecraft(c, i, max_splits=132, min_split_blocks=1),
-                 experimental=True),
-        Provider("tilecraft-fp8-splits-sm2", lambda c, i: tilecraft_fp8(c, i, max_splits=132, min_split_blocks=2),
+        # the op before session 57: at most 32 splits a sequence, the three-pass combine at any split count
+        Provider("tilecraft-s56", lambda c, i: tilecraft(c, i, combine="3pass", max_splits=32), experimental=True),
+        Provider("tilecraft-fp8-s56", lambda c, i: tilecraft_fp8(c, i, combine="3pass", max_splits=32),
                  experimental=True, nbytes=nbytes_fp8),
-        # the wide combine (mla_combine_program(lanes=ops.mla_decode.combine_lanes_for(max_splits))), alone and with
-        # the wider splits
-        Provider("tilecraft-cw", lambda c, i: tilecraft(c, i, wide=True), experimental=True),
-        Provider("tilecraft-fp8-cw", lambda c, i: tilecraft_fp8(c, i, wide=True), experimental=True, nbytes=nbytes_fp8),
-        Provider("tilecraft-splits-sm-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132), experimental=True),
-        Provider("tilecraft-splits-sm2-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132, min_split_blocks=2),
-                 experimental=True),
-        Provider("tilecraft-splits-sm1-cw", lambda c, i: tilecraft(c, i, wide=True, max_splits=132, min_split_blocks=1),
-                 experimental=True),
-        Provider("tilecraft-fp8-splits-sm-cw", lambda c, i: tilecraft_fp8(c, i, wide=True, max_splits=132),
-                 experimental=True, nbytes=nbytes_fp8),
-        Provider("tilecraft-fp8-splits-sm2-cw",
-                 lambda c, i: tilecraft_fp8(c, i, wide=True, max_splits=132, min_split_blocks=2),
-                 experimental=True, nbytes=nbytes_fp8),
+        # the wide combine at any split count (the op takes it above 8 splits a sequence)
+        Provider("tilecraft-cw", lambda c, i: tilecraft(c, i, combine="wide"), experimental=True),
+        # get_mla_schedule(min_split_blocks=) below the default 4: splits of 2 / 1 blocks (preset `few`)
+        Provider("tilecraft-splits-2", lambda c, i: tilecraft(c, i, min_split_blocks=2), experimental=True),
+        Provider("tilecraft-splits-1", lambda c, i: tilecraft(c, i, min_split_blocks=1), experimental=True),
+        Provider("tilecraft-fp8-splits-2", lambda c, i: tilecraft_fp8(c, i, min_split_blocks=2), experimental=True,
+                 nbytes=nbytes_fp8),
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
