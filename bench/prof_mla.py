@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 
 import ops
 from bench.suites.mla import PRESETS, make_inputs
