@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-
 import ops
 from bench.suites.mla import PRESETS, make_inputs
 from bench.timing import mean_kernel_times
