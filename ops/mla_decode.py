@@ -292,7 +292,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     if rows % BLOCK_M == 0:
                         for i, j in tile.parallel(mine, o.shape[1]):
                             OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
-                    else:   # a tile's padding rows stay unwritten (no combine reads them): 48 of 64 at h_q = 16
+                    else:   # a tile's padding rows stay unwritten (no combine reads them): 16 of 64 at s_q * h_q = 48
                         for i, j in tile.parallel(mine, o.shape[1]):
                             if mt * BLOCK_M + first + i < rows:
                                 OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
