@@ -15,19 +15,14 @@ import json
 from pathlib import Path
 
 import ops
-from bench.suites.mla import PRESETS, make_inputs
+from bench.suites.mla import PRESETS, combine_lanes, make_inputs
 from bench.timing import mean_kernel_times
-from ops.mla_decode import _mla_decode_impl, combine_lanes_for, get_mla_schedule
+from ops.mla_decode import _mla_decode_impl, get_mla_schedule
 
 REPS = 30
-# path -> (get_mla_schedule's knobs, combine: None the op's choice, "wide" combine_lanes_for's lanes, "3pass" lanes 0)
+# path -> (get_mla_schedule's knobs, bench.suites.mla.combine_lanes's combine)
 PATHS = {"default": ({}, None), "s56": (dict(max_splits=32), "3pass"), "cw": ({}, "wide"),
          "splits-2": (dict(min_split_blocks=2), None), "splits-1": (dict(min_split_blocks=1), None)}
-
-
-def _lanes(combine, max_splits):
-    """_mla_decode_impl's combine_lanes for a path's combine."""
-    return {None: None, "wide": combine_lanes_for(max_splits), "3pass": 0}[combine]
 
 
 def main(argv=None):
@@ -47,7 +42,7 @@ def main(argv=None):
             knobs, combine = PATHS[path]
             sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format=fmt, **knobs)
             run = lambda: _mla_decode_impl(i["q"], kv, i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731, B023
-                                           kv_format=fmt, combine_lanes=_lanes(combine, sched.max_splits))
+                                           kv_format=fmt, combine_lanes=combine_lanes(combine, sched.max_splits))
             times = mean_kernel_times(run, REPS)
             for name, us in sorted(times.items(), key=lambda kv_: -kv_[1]):
                 print(f"{label:18s} {fmt:4s} {path:13s} {us:8.2f} us  {name}")

@@ -575,16 +575,16 @@ def _combine_wide(splits, bi, r, c, lt, red, acc, merged, LsePart, OPart, Out, L
         m = neg_inf
         for t in T.serial(T.ceildiv(splits, COMBINE_LSE_TILE)):
             for i, u in tile.parallel(1, COMBINE_LSE_TILE):
-                lt[i, u] = T.if_then_else(t * COMBINE_LSE_TILE + u < splits,
-                                          LsePart[base + T.min(t * COMBINE_LSE_TILE + u, splits - 1), r], neg_inf)
+                s = t * COMBINE_LSE_TILE + u
+                lt[i, u] = T.if_then_else(s < splits, LsePart[base + T.min(s, splits - 1), r], neg_inf)
             tile.row_reduce(lt, red, "max", dim=1)
             m = T.max(m, red[0])
         total = 0.0
         for t in T.serial(T.ceildiv(splits, COMBINE_LSE_TILE)):
             for i, u in tile.parallel(1, COMBINE_LSE_TILE):
-                lt[i, u] = T.if_then_else(t * COMBINE_LSE_TILE + u < splits and m != neg_inf,
-                                          T.exp2(LsePart[base + T.min(t * COMBINE_LSE_TILE + u, splits - 1), r] - m),
-                                          0.0)
+                s = t * COMBINE_LSE_TILE + u
+                lt[i, u] = T.if_then_else(s < splits and m != neg_inf,
+                                          T.exp2(LsePart[base + T.min(s, splits - 1), r] - m), 0.0)
             tile.row_reduce(lt, red, "sum", dim=1)
             total = total + red[0]
         lse = T.if_then_else(total > 0.0, m + T.log2(total), neg_inf)
@@ -593,11 +593,11 @@ def _combine_wide(splits, bi, r, c, lt, red, acc, merged, LsePart, OPart, Out, L
         for t in T.serial(T.ceildiv(splits, lanes * COMBINE_AHEAD)):
             for k in T.unroll(COMBINE_AHEAD):
                 for g, j in tile.parallel(lanes, cols):
+                    s = (t * COMBINE_AHEAD + k) * lanes + g
+                    slot = base + T.min(s, splits - 1)
                     # (Select, not if_then_else: both sides evaluated, no branch around the lse load)
-                    acc[g, j] += T.exp2(T.Select(
-                        (t * COMBINE_AHEAD + k) * lanes + g < splits and lse != neg_inf,
-                        LsePart[base + T.min((t * COMBINE_AHEAD + k) * lanes + g, splits - 1), r] - lse, neg_inf)) \
-                        * OPart[base + T.min((t * COMBINE_AHEAD + k) * lanes + g, splits - 1), r, c * cols + j]
+                    acc[g, j] += T.exp2(T.Select(s < splits and lse != neg_inf, LsePart[slot, r] - lse, neg_inf)) \
+                        * OPart[slot, r, c * cols + j]
         tile.row_reduce(acc, merged, "sum", dim=0)
         for j in tile.parallel(cols):
             Out[bi, r, c * cols + j] = T.cast(merged[j], sdt)

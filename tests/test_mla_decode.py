@@ -413,11 +413,12 @@ def test_wide_combine_loads_a_trip_of_splits_at_once():
 
 def test_prof_mla_paths_name_their_schedule_and_combine():
     """bench.prof_mla's paths: the knobs each hands get_mla_schedule and the combine lanes it asks for."""
-    from bench.prof_mla import PATHS, _lanes
+    from bench.prof_mla import PATHS
+    from bench.suites.mla import combine_lanes
 
     assert PATHS["default"] == ({}, None) and PATHS["s56"] == (dict(max_splits=32), "3pass")
-    assert [_lanes(PATHS[p][1], 132) for p in ("default", "s56", "cw")] == [None, 0, 8]
-    assert _lanes("wide", 2) == 1 and PATHS["splits-1"][0] == dict(min_split_blocks=1)
+    assert [combine_lanes(PATHS[p][1], 132) for p in ("default", "s56", "cw")] == [None, 0, 8]
+    assert combine_lanes("wide", 2) == 1 and PATHS["splits-1"][0] == dict(min_split_blocks=1)
 
 
 def test_programmatic_launch_words_per_target():

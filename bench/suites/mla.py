@@ -75,10 +75,11 @@ def flops(case):
     return 2 * case["s_q"] * sum(seqlens(case)) * case["h_q"] * (576 + 512)
 
 
-def _lanes(combine, sched):
-    # combine: None, the op's choice; "wide", the wide combine with combine_lanes_for's lanes at any split count (the
-    # *-cw providers); "3pass", the three-pass combine (the *-s56 providers: the op before session 57)
-    return {None: None, "wide": combine_lanes_for(sched.max_splits), "3pass": 0}[combine]
+def combine_lanes(combine, max_splits):
+    """_mla_decode_impl's combine_lanes for a provider's (or bench.prof_mla path's) combine: None, the op's choice;
+    "wide", the wide combine with combine_lanes_for's lanes at any split count (the *-cw providers); "3pass", the
+    three-pass combine (the *-s56 providers: the op before session 57)."""
+    return {None: None, "wide": combine_lanes_for(max_splits), "3pass": 0}[combine]
 
 
 def tilecraft(case, i, combine=None, pdl=None, **knobs):
@@ -87,7 +88,7 @@ def tilecraft(case, i, combine=None, pdl=None, **knobs):
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], **knobs)
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,
-                                    combine_lanes=_lanes(combine, sched), combine_pdl=pdl)
+                                    combine_lanes=combine_lanes(combine, sched.max_splits), combine_pdl=pdl)
 
 
 def tilecraft_fp8(case, i, combine=None, pdl=None, **knobs):
@@ -97,7 +98,7 @@ def tilecraft_fp8(case, i, combine=None, pdl=None, **knobs):
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8", **knobs)
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8",
-                                    combine_lanes=_lanes(combine, sched), combine_pdl=pdl)
+                                    combine_lanes=combine_lanes(combine, sched.max_splits), combine_pdl=pdl)
 
 
 def tilecraft_variant(case, i, tiling):
