@@ -45,8 +45,6 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
 | barrier(threads=None) | __syncthreads (threads: bar.sync of the first threads) | same | not lowered | nothing (one thread) |
 | last_arrival(count, index, arrivals, threads=None, ordered=True) | __syncthreads (threads: bar.sync of the first threads); thread 0: __threadfence (ordered), atomicAdd, reset by the last; the same barrier | same | not lowered | not lowered |
-| launch_dependents() | griddepcontrol.launch_dependents (T.pdl_trigger) | same | nothing | nothing |
-| prior_grid_wait() | griddepcontrol.wait (T.pdl_sync; TileLang then launches the kernel programmatically) | same | nothing | nothing |
 | cluster_barrier() | barrier.cluster arrive (release) + wait (acquire), CUDA's builtins (a compiler barrier too) | same | not lowered | not lowered |
 | cluster_store(dst, rank, value) | a store through __cluster_map_shared_rank (distributed shared memory) | same | not lowered | not lowered |
 | import_cuda_helpers(text) | T.import_source | T.import_source | nothing (no CUDA helpers in Ascend C) | T.import_source |
@@ -215,8 +213,6 @@ lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of t
 lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")
 barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off; threads=: only the block's first `threads` (whole warps) take part.")
 last_arrival = _word("last_arrival", "1 in the last of `arrivals` blocks to arrive on int32 count[index] (each arrives once, after its global stores; the last sees every earlier arriver's stores and sets the count back to 0), else 0; every thread of the block takes part, or its first `threads` (whole warps: a named barrier, for warp-specialized kernels whose producer warps have exited). ordered=False: no fences, the last block knows it is last but not that the others' stores have landed (its reads must wait for each word).")
-launch_dependents = _word("launch_dependents", "Programmatic dependent launch: the kernel launched behind this one, if it waits with prior_grid_wait, may start its blocks now (sm_90a / sm_100a: griddepcontrol.launch_dependents; elsewhere nothing). Ordering only: what this kernel writes is visible to that kernel after its prior_grid_wait, wherever this is called.")
-prior_grid_wait = _word("prior_grid_wait", "Wait until the kernel this one was launched behind has completed and its writes are visible (sm_90a / sm_100a: griddepcontrol.wait, and the kernel is launched programmatically, so its blocks may start under that kernel's tail; elsewhere nothing: launches are serialized). Read nothing the previous kernel writes before it.")
 cluster_barrier = _word("cluster_barrier", "Every thread of the block's cluster (cluster_grid) waits here; memory written before it is visible to the whole cluster after it.")
 cluster_store = _word("cluster_store", "Store fp32 `value` into element `dst` of block `rank`'s copy of a shared buffer (its cluster's distributed shared memory); it sees the value after the next cluster_barrier. Every block of the cluster must have passed a cluster_barrier before any stores into it.")
 import_cuda_helpers = _word("import_cuda_helpers", "Import CUDA device helper source (T.import_source) for a program's call_extern helpers; on targets of another vendor nothing (the program's paths there must not call them).")

@@ -63,10 +63,6 @@ ROWS64_FP8 = 32
 # fewer and in batch-invariant mode. Measured (bench/NOTES.md "Session 57", H100): the combine of 32 splits 5.1-5.8 us
 # -> 3.1-4.4 us, of 64-132 splits 8-17 us -> 3.3-7 us; at 2 splits a sequence (the decode grid) it was slower
 COMBINE_WIDE = True
-# the combine launched programmatically behind the main kernel (mla_combine_program(pdl=True); the bf16 kernel with
-# launch_dependents=True lets it start at once): its launch and block start under the main kernel's tail. Off until
-# measured (bench provider tilecraft-pdl; session 48 measured no gain for W4A8, whose blocks fill the SMs)
-COMBINE_PDL = False
 # the swapped kernel with the scales folded into the MMAs: the op's choice there before (a bench provider)
 FP8_FOLD = dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
                 fold_scales=True)
@@ -155,7 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, launch_dependents: bool = False):
+                       own_p: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -194,11 +190,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
     own_p=True (with seesaw): each warpgroup's P V of its own step reads P from its registers (wgmma
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
-    step's P V still reads it there. The same products in the same order.
-
-    launch_dependents=True (not persistent): every CTA lets the combine launched behind it with
-    prior_grid_wait (mla_combine_program(pdl=True)) start at once, on the SMs this grid leaves idle
-    (COMBINE_PDL)."""
+    step's P V still reads it there. The same products in the same order."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -385,8 +377,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         scale_log2: T.float32,
     ):
         with tile.grid(batch * max_splits * m_tiles, threads + tile.producer_threads()) as bid:
-            if launch_dependents:
-                tile.launch_dependents()
             # per-CTA scalars: registers where the target's attention_loop wants them (tile.scalar)
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
@@ -474,8 +464,7 @@ def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen,
     # between the loads of a trip on CUDA) are off there
     pass_configs=lambda t, p: {"tl.disable_safe_memory_legalize": True} if t.vendor == "cuda" and p["lanes"] else {},
 )
-def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, lanes: int = 0,
-                        pdl: bool = False):
+def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: int = 128, lanes: int = 0):
     """Merge the splits of each sequence that was split: weights exp2(lse_split - lse).
 
     lanes = 0: a block a query row, its threads across the 512 output columns, three serial passes over the
@@ -483,10 +472,7 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
     trip to memory). lanes = 1, 2, 4 or 8 (the wide combine, for many splits): a block per (row, column chunk of
     512 / lanes), its threads `lanes` split lanes x the chunk's columns, 4 a thread; the lse of COMBINE_LSE_TILE
     splits a round, reduced across the block, then lane g folds splits g, g + lanes, ... COMBINE_AHEAD rounds a
-    trip to memory, and the lanes are summed at the end.
-
-    pdl=True: launched programmatically behind the main kernel (tile.prior_grid_wait before any read), so its
-    blocks start under the main kernel's tail (COMBINE_PDL)."""
+    trip to memory, and the lanes are summed at the end."""
     rows = s_q * h_q
     rows_pad = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     sdt = tile.storage_dtype(dtype)
@@ -507,8 +493,6 @@ def mla_combine_program(h_q: int, s_q: int, dtype: str = "bfloat16", threads: in
         max_splits: T.int32,
     ):
         with tile.grid(batch * rows * chunks, threads) as bid:
-            if pdl:
-                tile.prior_grid_wait()
             bi, r, c = tile.split_index(bid, (batch, rows, chunks))
             with tile.vector():
                 lse_max = T.alloc_var("float32")
@@ -876,7 +860,7 @@ def _sm_count(device) -> int:
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
-                     kv_format="bf16", combine_lanes=None, combine_pdl=None):
+                     kv_format="bf16", combine_lanes=None):
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
@@ -895,7 +879,6 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
-    pdl = (COMBINE_PDL if combine_pdl is None else combine_pdl) and sched.max_splits > 1 and target.vendor == "cuda"
     if tiling.get("register_fp8"):   # sm_90a, FP8 cache, <= 16 rows: ops.mla_decode_fp8_rs
         from ops.mla_decode_fp8_rs import mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program
 
@@ -909,9 +892,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         main = mla_decode_fp8_rows64_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal,
                                                      **opts)
     else:
-        trigger = {"launch_dependents": True} if pdl and not tiling.get("persistent") else {}
-        main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling,
-                                          **trigger)
+        main = mla_decode_program.compile(target, h_q=h_q, s_q=s_q, page=page, dtype=dtype, causal=causal, **tiling)
     kv = kv_cache.view(kv_cache.shape[0], page, kv_cache.shape[-1])
     q = check.aligned_copy(q)           # (read 16 bytes a thread: a view that does not start aligned is copied)
     if kv_format == "fp8":
@@ -931,8 +912,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
             wide = COMBINE_WIDE and sched.max_splits > COMBINE_AHEAD and not sched.batch_invariant
             combine_lanes = combine_lanes_for(sched.max_splits) if wide else 0
         combine = mla_combine_program.compile(target, h_q=h_q, s_q=s_q, dtype=dtype,
-                                              **({"lanes": combine_lanes} if combine_lanes else {}),
-                                              **({"pdl": True} if pdl else {}))
+                                              **({"lanes": combine_lanes} if combine_lanes else {}))
         combine.launcher()(sched.splits, o_part, lse_part, out.view(b, rows, D_V), lse, sched.max_splits)
     return out, lse
 

@@ -349,10 +349,10 @@ def _combine_reference(splits, opart, lpart, max_splits, rows):
     return outs
 
 
-@pytest.mark.parametrize("lanes,pdl", [(0, False), (1, False), (2, False), (8, False), (8, True)])
-def test_combine_on_the_cpu_target_matches_float64(lanes, pdl):
+@pytest.mark.parametrize("lanes", [0, 1, 2, 8])
+def test_combine_on_the_cpu_target_matches_float64(lanes):
     """Both combines (three passes; the wide one with 1, 2 or 8 split lanes: 8, 16 or 64 splits a trip, clamped
-    indices; pdl=True, a no-op there) run on TileLang's C target: against a float64 merge, with 150, 40, 23 and 17 splits (two rounds of the
+    indices) run on TileLang's C target: against a float64 merge, with 150, 40, 23 and 17 splits (two rounds of the
     lse reduction, whole and partial trips), empty splits (lse -inf, zero output), a row whose every split is empty
     (zeros, lse -inf), a sequence of one split left untouched, and the slots past each sequence's splits poisoned
     with NaN (never read into a result)."""
@@ -369,8 +369,7 @@ def test_combine_on_the_cpu_target_matches_float64(lanes, pdl):
     lpart[5], opart[5] = -math.inf, 0.0                           # an empty split (every row)
     lpart[2 * max_splits: 2 * max_splits + 23, 3] = -math.inf      # sequence 2, row 3: every split empty
     opart[2 * max_splits: 2 * max_splits + 23, 3] = 0.0
-    k = mla_combine_program.compile("cpu", h_q=h_q, s_q=s_q, dtype="float32", **({"lanes": lanes} if lanes else {}),
-                                    **({"pdl": True} if pdl else {}))
+    k = mla_combine_program.compile("cpu", h_q=h_q, s_q=s_q, dtype="float32", **({"lanes": lanes} if lanes else {}))
     out = torch.full((b, rows, 512), 7.0)
     lse = torch.full((b, h_q, s_q), 7.0)
     k.launcher()(splits, opart, lpart, out, lse, max_splits)
@@ -419,26 +418,6 @@ def test_prof_mla_paths_name_their_schedule_and_combine():
     assert PATHS["default"] == ({}, None) and PATHS["s56"] == (dict(max_splits=32), "3pass")
     assert [combine_lanes(PATHS[p][1], 132) for p in ("default", "s56", "cw")] == [None, 0, 8]
     assert combine_lanes("wide", 2) == 1 and PATHS["splits-1"][0] == dict(min_split_blocks=1)
-
-
-def test_programmatic_launch_words_per_target():
-    """COMBINE_PDL's kernels: on sm_90a and sm_100a the combine waits for the main kernel (griddepcontrol.wait, as
-    cudaGridDependencySynchronize) before its first read, and the bf16 main kernel with launch_dependents=True lets
-    it launch at once (cudaTriggerProgrammaticLaunchCompletion); on Ascend and the C target both words lower to
-    nothing; the default kernels have neither."""
-    for t in ("sm_90a", "sm_100a"):
-        for lanes in (0, 8):
-            src = mla_combine_program.source(t, h_q=16, s_q=1, lanes=lanes, pdl=True)
-            body = src[src.index("mla_combine_kernel("):]
-            body = body[body.index("{"):]
-            assert 0 <= body.index("cudaGridDependencySynchronize()") < body.index("Splits[")
-            assert "cudaGridDependencySynchronize" not in mla_combine_program.source(t, h_q=16, s_q=1, lanes=lanes)
-    main = mla_decode_program.source("sm_90a", h_q=16, s_q=1, launch_dependents=True)
-    assert main.count("cudaTriggerProgrammaticLaunchCompletion()") == 1
-    assert "cudaTriggerProgrammaticLaunchCompletion" not in mla_decode_program.source("sm_90a", h_q=16, s_q=1)
-    for t in ("ascend", "cpu"):
-        src = mla_combine_program.source(t, h_q=16, s_q=1, lanes=8, pdl=True)
-        assert "mla_combine" in src and "GridDependency" not in src and "griddepcontrol" not in src
 
 
 def test_combine_lowers_on_both_cuda_arches():
@@ -559,33 +538,6 @@ def test_gpu_wide_combine_at_the_default_splits(b, s_q, h_q, lens, lanes):
     assert combine_lanes_for(sched.max_splits) == lanes
     out, lse = _mla_decode_impl(q, kv, table, seqlens, D ** -0.5, True, sched, combine_lanes=lanes)
     assert_matches_reference(out, lse, q, kv, table, seqlens, D ** -0.5)
-
-
-@pytest.mark.gpu
-def test_gpu_programmatic_combine(monkeypatch):
-    """COMBINE_PDL on: the combine launched programmatically behind the main kernel (the bf16 kernel lets it start
-    at once) stays within the reference's bounds with either combine and behind the FP8 kernels, eagerly and in a
-    CUDA graph (whose replay equals an eager call bit for bit)."""
-    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "COMBINE_PDL", True)
-    run_gpu_case(16, 1, 64, [3000] * 15 + [0])              # 8 splits: the three-pass combine
-    run_gpu_case(2, 1, 16, [16384, 8000])                    # 66 splits: the wide combine
-    run_gpu_case(1, 2, 128, [9000])                          # two row tiles, causal MTP
-    run_fp8_case(1, 1, 16, [16385], 64)                      # the <= 16-row FP8 kernel
-    run_fp8_case(2, 1, 32, [9000, 300], 64)                  # the 32-row FP8 tile
-    q, kv, table, lens = make_inputs(1, 1, 32, [20000], device="cuda")
-    sched = get_mla_schedule(lens, 1, 32, max_blocks=table.shape[1])
-    ops.mla_decode(q, kv, table, lens, softmax_scale=0.05, sched=sched)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05, sched=sched)
-    for _ in range(3):
-        q.copy_(torch.randn_like(q) / 4)
-        out.fill_(float("nan"))
-        g.replay()
-        eager, eager_lse = ops.mla_decode(q, kv, table, lens, softmax_scale=0.05, sched=sched)
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    assert_matches_reference(out, lse, q, kv, table, lens, 0.05)
 
 
 @pytest.mark.gpu

@@ -82,23 +82,23 @@ def combine_lanes(combine, max_splits):
     return {None: None, "wide": combine_lanes_for(max_splits), "3pass": 0}[combine]
 
 
-def tilecraft(case, i, combine=None, pdl=None, **knobs):
+def tilecraft(case, i, combine=None, **knobs):
     # the schedule is computed once per decode step, like FlashMLA's metadata, outside the timing;
     # knobs: get_mla_schedule's max_splits / min_split_blocks (the tilecraft-splits-* providers)
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], **knobs)
     ops.mla_decode(i["q"], i["kv"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched)  # validates once
     return lambda: _mla_decode_impl(i["q"], i["kv"], i["table"], i["lens"], i["scale"], True, sched,
-                                    combine_lanes=combine_lanes(combine, sched.max_splits), combine_pdl=pdl)
+                                    combine_lanes=combine_lanes(combine, sched.max_splits))
 
 
-def tilecraft_fp8(case, i, combine=None, pdl=None, **knobs):
+def tilecraft_fp8(case, i, combine=None, **knobs):
     """The same rows over the FP8 cache (656 bytes a token instead of 1152; its GB/s counts those)."""
     if "kv8" not in i:
         i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
     sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8", **knobs)
     ops.mla_decode(i["q"], i["kv8"], i["table"], i["lens"], softmax_scale=i["scale"], sched=sched, kv_format="fp8")
     return lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched, kv_format="fp8",
-                                    combine_lanes=combine_lanes(combine, sched.max_splits), combine_pdl=pdl)
+                                    combine_lanes=combine_lanes(combine, sched.max_splits))
 
 
 def tilecraft_variant(case, i, tiling):
@@ -220,10 +220,6 @@ SUITE = Suite(
         Provider("tilecraft-s56", lambda c, i: tilecraft(c, i, combine="3pass", max_splits=32), experimental=True),
         Provider("tilecraft-fp8-s56", lambda c, i: tilecraft_fp8(c, i, combine="3pass", max_splits=32),
                  experimental=True, nbytes=nbytes_fp8),
-        # the combine launched programmatically behind the main kernel (ops.mla_decode.COMBINE_PDL)
-        Provider("tilecraft-pdl", lambda c, i: tilecraft(c, i, pdl=True), experimental=True),
-        Provider("tilecraft-fp8-pdl", lambda c, i: tilecraft_fp8(c, i, pdl=True), experimental=True,
-                 nbytes=nbytes_fp8),
         # the wide combine at any split count (the op takes it above 8 splits a sequence)
         Provider("tilecraft-cw", lambda c, i: tilecraft(c, i, combine="wide"), experimental=True),
         # get_mla_schedule(min_split_blocks=) below the default 4: splits of 2 / 1 blocks (preset `few`)

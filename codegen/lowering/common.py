@@ -106,13 +106,6 @@ def scalar(value, dtype="int32"):
     return value
 
 
-@register("launch_dependents", "*")
-@register("prior_grid_wait", "*")
-def no_programmatic_launch():
-    # kernels on one stream run one after the other: nothing to signal or wait for
-    return T.evaluate(0)
-
-
 @register("producer_threads", "*")
 def producer_threads():
     return 0  # the compiler's own pipelining adds any producer threads it wants

@@ -141,18 +141,6 @@ def helper_source(*words):
     return "".join(_HELPER_SOURCES[w] for w in words)
 
 
-@register("launch_dependents", "cuda")
-def launch_dependents():
-    return T.pdl_trigger()
-
-
-@register("prior_grid_wait", "cuda")
-def prior_grid_wait():
-    # TileLang marks a kernel that calls it (has_cuda_pdl_sync), and its launcher sets programmatic stream
-    # serialization for it, eagerly and under graph capture (bench/NOTES.md "Session 48")
-    return T.pdl_sync()
-
-
 @register("cluster_barrier", "cuda")
 def cluster_barrier():
     # barrier.cluster.arrive (release) + barrier.cluster.wait (acquire): global and shared writes
