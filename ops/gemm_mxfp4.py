@@ -1139,7 +1139,11 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        if (SWAPPED and m <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
+        if m <= WARP_TOKENS and targets.resolve(a).vendor == "cuda":
+            from ops.gemm_mxfp4_warps import launch_warps
+
+            launch_warps(a, b, sfb, out)
+        elif (SWAPPED and m <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
                 and targets.resolve(a).name == "cuda:sm_90a"):
             _launch_swapped(a, b, sfb, out)
         else:
@@ -1147,6 +1151,10 @@ def _mxfp4_impl(a, b, sfb):
     return out
 
 
+# m <= WARP_TOKENS on CUDA (sm_90a, sm_100a) takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
+# warps, every warp its own loads and decode). 0: off, until measured against the swapped kernel (bench provider
+# tilecraft-warps sets 16)
+WARP_TOKENS = 0
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 # its scale rows by TMA ahead of the stages, or by its MMA threads while the first stages fly. None:
 # by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14

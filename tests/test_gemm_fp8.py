@@ -1349,6 +1349,45 @@ def test_mxfp4_swapped_decodes_into_wgmma_registers(params):
     assert sum(t.startswith("LDS.128") for t in loop) == 8 * BURST       # a thread's two rows, 64 bytes each
 
 
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
+    """The warp kernel (ops.gemm_mxfp4_warps, m <= 16): mma.sync m16n8k16 (HMMA in SASS, no warpgroup MMA), loads
+    straight from global memory into registers (no shared-memory or TMA traffic in the K loop: the one shared
+    store and load are the partials' meeting after the loop), one block barrier, no spills; on both CUDA targets."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+
+    for m, n, k in ((1, 4096, 7168), (16, 7168, 2048)):
+        src = mxfp4_warps_program.source(target, n=n, k=k, **plan_warps(m, n, k))
+        assert "tc_mxfp4_warp_mma<" in src and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
+        stats = sass_stats(build_cubin(src, target), target)
+        h = stats.histogram
+        assert h.get("HMMA", 0) >= 16 and not h.get("HGMMA") and not h.get("UTMALDG") and not h.get("LDGSTS")
+        assert h.get("BAR") == 1 and stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
+
+
+def test_mxfp4_warps_plan_and_refusals():
+    """plan_warps: the 8- or 16-token tile, about 16 warps an SM over n / 16 blocks (a power of two, at most one a
+    K step, at most 16); the program refuses what it cannot run, naming the parameter."""
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, ahead=4)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, ahead=4)
+    assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
+    assert plan_warps(3, 256, 7168)["splits"] == 16
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match=f"1..16 tokens, got m={bad}"):
+            plan_warps(bad, 4096, 7168)
+    with pytest.raises(ValueError, match="tokens must be one of"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, tokens=32)
+    with pytest.raises(ValueError, match="splits must be 1..16"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, splits=32)
+    with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
+        mxfp4_warps_program.source("sm_90a", n=264, k=512)
+    with pytest.raises(ValueError, match="has no lowering for ascend:950"):
+        mxfp4_warps_program.source("ascend:950", n=256, k=512)
+
+
 def _single_fragment_kernel(src: str) -> None:
     """The two-blocks-an-SM kernel: HGMMA and TMA, no spills or WGMMA serialization, and every
     WGMMA wait a drain (DEPBAR 0x0: a step's WGMMA is done before the next decode writes the one
@@ -2089,6 +2128,67 @@ def test_gpu_mxfp4_a_off_alignment_is_refused(off_alignment):
         ops.m_grouped_mxfp4_gemm_nt_masked(off_alignment(a.view(1, 4, 256), 2), packed.view(1, 128, 128),
                                           scales.view(1, 128, 8), torch.tensor([4], dtype=torch.int32, device="cuda"), 4)
     assert torch.equal(ops.mxfp4_gemm_nt(a, packed, scales), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (1, 4096, 7168, False), (5, 256, 384, True),
+                                       (8, 4096, 7168, True), (9, 512, 1024, False), (16, 7168, 2048, True),
+                                       (16, 4096, 7168, False)])
+def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
+    """The warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16): every e2m1 code (random bytes), scales from the subnormal
+    2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
+    exact against fp32 and bitwise the same run to run; the same bits without and with a deeper L2 prefetch
+    (ahead 0 / 8); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) within the
+    same bounds; and within those bounds of the swapped kernel (the op's path before it)."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4_warps import launch_warps
+
+    g = torch.Generator().manual_seed(m * 11 + n)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)
+    scales[n - 1, -1] = 0
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
+    for ahead in (0, 8):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        launch_warps(*args, out, ahead=ahead)
+        assert torch.equal(out.cpu(), runs[0]), ahead
+    for splits in (1, 2, 4, 16):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch_warps(*args, out, splits=splits)
+        assert calc_diff(out.cpu(), ref) < 1e-5, splits
+        assert_elementwise(out.cpu(), ref)
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
+    if k % gemm_mxfp4.SWAPPED_K_ALIGN == 0:
+        assert_elementwise(ops.mxfp4_gemm_nt(*args).cpu(), runs[0].float())
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_warps_in_a_cuda_graph(monkeypatch):
+    """The warp kernel replayed in a CUDA graph gives the eager bits every replay."""
+    from ops import gemm_mxfp4
+
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 3, 4096, 7168
+    a = torch.randn(m, k, generator=g).bfloat16().cuda()
+    packed, scales = (t.cuda() for t in ops.quant_mxfp4(torch.randn(n, k, generator=g)))
+    want = ops.mxfp4_gemm_nt(a, packed, scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.mxfp4_gemm_nt(a, packed, scales)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

@@ -228,6 +228,17 @@ def tilecraft_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED", False)(case, i)
 
 
+def tilecraft_warps(**knobs):
+    """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
+    knobs set (WARPS_PER_SM, AHEAD), against the swapped kernel in the same run."""
+    from ops import gemm_mxfp4, gemm_mxfp4_warps
+
+    make = _with_flag(gemm_mxfp4, "WARP_TOKENS", 16)
+    for name, value in knobs.items():
+        make = with_switch(make, gemm_mxfp4_warps, name, value)
+    return make
+
+
 def tilecraft_masked_tile(case, i):
     """The op with masked groups of <= 64 rows kept on the decoded-tile kernel
     (ops.gemm_mxfp4.SWAPPED_MASKED off): the previous path, against the swapped kernel in the same run."""
@@ -347,6 +358,12 @@ SUITE = Suite(
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
+               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, without / with a
+               # deeper L2 prefetch of the codes (ops.gemm_mxfp4_warps.WARPS_PER_SM, AHEAD)
+               Provider("tilecraft-warps", tilecraft_warps(), experimental=True),
+               Provider("tilecraft-warps-32", tilecraft_warps(WARPS_PER_SM=32), experimental=True),
+               Provider("tilecraft-warps-a0", tilecraft_warps(AHEAD=0), experimental=True),
+               Provider("tilecraft-warps-a8", tilecraft_warps(AHEAD=8), experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),

@@ -1,0 +1,236 @@
+"""MXFP4-weight GEMM for a handful of tokens (m <= 16) on independent warps: C (m, n) bf16 = A (m, k) bf16 @
+dequant(B)^T, B packed e2m1 (n, k/2) with E8M0 scales (n, k/32), as ops.gemm_mxfp4.
+
+At m <= 16 the GEMM is a stream of weight bytes, and on Hopper (no FP4 tensor cores) the decode of those
+bytes sets the pace: the swapped WGMMA kernel (ops.gemm_mxfp4.mxfp4_swapped_program) decodes on the
+two MMA warpgroups of one block an SM, whose ~700-cycle steps are a dependency chain more than an issue
+bound (bench/NOTES.md "Session 45"). Here every warp is on its own: a block is 16 weight rows and `splits`
+warps, each warp a contiguous range of 128-deep K steps. A warp loads its codes, scales and activations
+straight from global memory into registers (a step ahead, and asks L2 for the codes `ahead` steps ahead),
+decodes its rows into the A fragments of mma.sync m16n8k16 (bf16, fp32 accumulate) and multiplies them
+by the tokens as B: no shared memory, no barrier in the loop, 8-16 independent warps an SM. The warps'
+fp32 partials meet in shared memory once and are summed in warp order (the same bits run to run).
+
+The K order inside an MMA is permuted so that a lane's codes are one MX block: lane (g, t) (g = lane / 4,
+t = lane % 4) holds rows g and g + 8 of block 4s + t of step s, i.e. 16 contiguous bytes a row, and MMA i of
+the step takes codes 4i .. 4i + 3 of every lane's block; the activations go in with the same permutation
+(lane (g, t) loads token g's 32 values of block t). The decode is ops.gemm_mxfp4's exact one (e2m1 x 2^e in
+bf16, subnormals kept), so the products are exact and only the fp32 sums' order differs from the other kernels.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
+import tilelang.language as T
+
+from codegen import jit, targets, tile
+from codegen.program import tile_program
+from ops import _validate as check
+from ops.gemm_mxfp4 import BLOCK_K, E2M1_FRAGMENT_SOURCE, E2M1_SOURCE, _code_words, _scale_words
+
+ROWS = 16            # weight rows a block (the MMA's M)
+TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
+MAX_SPLITS = 16      # warps a block
+WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
+AHEAD = 4            # K steps between a warp's L2 prefetch of its codes and their load (0: no prefetch)
+
+WARP_SOURCE = r"""
+__device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                  unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void tc_prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+// One step's data of a lane: its 16-byte code block of rows g and g + 8, their scale words (byte t is the
+// block's E8M0), and `tiles` tokens' 32 activations of the block (64 bytes each; zeros past m)
+template <int kTiles>
+struct TcWarpStep {
+  uint4 w, v;
+  unsigned sw, sv;
+  uint4 x[kTiles][4];
+};
+template <int kTiles>
+__device__ __forceinline__ void tc_warp_step_load(TcWarpStep<kTiles>& d, const uint4* bw, const uint4* bv,
+                                                  const unsigned* sw, const unsigned* sv, const uint4* const* xa,
+                                                  const bool* live, int s) {
+  d.w = __ldg(bw + 4 * s);
+  d.v = __ldg(bv + 4 * s);
+  d.sw = __ldg(sw + s);
+  d.sv = __ldg(sv + s);
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) d.x[i][q] = live[i] ? __ldg(xa[i] + 16 * s + q) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+// codes c0 .. c0 + 3 of a lane's block (byte pair c0 / 2 of word c0 / 8) of rows g, g + 8 -> the A fragment
+template <bool kFast>
+__device__ __forceinline__ void tc_warp_fragment(unsigned* a, unsigned w, unsigned v, int p, unsigned fw,
+                                                 unsigned fv) {
+  const unsigned s0 = (unsigned)p * 0x1111u + 0xC480u, s1 = (unsigned)(p + 1) * 0x1111u + 0xC480u;
+  if (kFast) {
+    a[0] = tc_bf16x2_mul(tc_e2m1x2_bits<true>(w, p, s0), fw);
+    a[1] = tc_bf16x2_mul(tc_e2m1x2_bits<true>(v, p, s0), fv);
+    a[2] = tc_bf16x2_mul(tc_e2m1x2_bits<true>(w, p + 1, s1), fw);
+    a[3] = tc_bf16x2_mul(tc_e2m1x2_bits<true>(v, p + 1, s1), fv);
+  } else {
+    a[0] = tc_e2m1x2_scaled(tc_e2m1x2_bits<true>(w, p, s0), fw);
+    a[1] = tc_e2m1x2_scaled(tc_e2m1x2_bits<true>(v, p, s0), fv);
+    a[2] = tc_e2m1x2_scaled(tc_e2m1x2_bits<true>(w, p + 1, s1), fw);
+    a[3] = tc_e2m1x2_scaled(tc_e2m1x2_bits<true>(v, p + 1, s1), fv);
+  }
+}
+template <bool kFast, int kTiles>
+__device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpStep<kTiles>& d, unsigned fw,
+                                                 unsigned fv) {
+  const unsigned w[4] = {d.w.x, d.w.y, d.w.z, d.w.w}, v[4] = {d.v.x, d.v.y, d.v.z, d.v.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {       // MMA i: codes 4i .. 4i + 3 of the block, activations 4i .. 4i + 3
+    unsigned a[4];
+    tc_warp_fragment<kFast>(a, w[i >> 1], v[i >> 1], 2 * (i & 1), fw, fv);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      const unsigned* x = reinterpret_cast<const unsigned*>(d.x[j]);
+      tc_mma_16816_bf16(acc[j], a[0], a[1], a[2], a[3], x[2 * i], x[2 * i + 1]);
+    }
+  }
+}
+// A warp's K range [s0, s0 + steps) of the block's 16 rows: its fp32 partial (16 rows x 8 kTiles tokens) into
+// red, token-major (red[token * 16 + row]). B: the block's first row's code words (k / 8 a row); SFB: its
+// scale words (k / 128 a row); A: token 0's activations (k a row); m tokens.
+template <int kTiles, int kAhead>
+__device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
+                                                  int k, int s0, int steps) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int kw = k / 8, kb = k / 128;
+  const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t;
+  const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(g + 8) * kw) + t;
+  const unsigned* sw = reinterpret_cast<const unsigned*>(SFB + (size_t)g * kb);
+  const unsigned* sv = reinterpret_cast<const unsigned*>(SFB + (size_t)(g + 8) * kb);
+  const uint4* xa[kTiles];
+  bool live[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + g;
+    live[i] = tok < m;
+    xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
+            + 4 * t;
+  }
+  float acc[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const int end = s0 + steps;
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    if (s0 + a < end) { tc_prefetch_l2(bw + 4 * (s0 + a)); tc_prefetch_l2(bv + 4 * (s0 + a)); }
+  }
+  TcWarpStep<kTiles> cur, nxt;
+  if (steps > 0) tc_warp_step_load<kTiles>(cur, bw, bv, sw, sv, xa, live, s0);
+  for (int s = s0; s < end; ++s) {
+    if (s + kAhead < end) { tc_prefetch_l2(bw + 4 * (s + kAhead)); tc_prefetch_l2(bv + 4 * (s + kAhead)); }
+    if (s + 1 < end) tc_warp_step_load<kTiles>(nxt, bw, bv, sw, sv, xa, live, s + 1);
+    const unsigned ew = (cur.sw >> (8 * t)) & 0xFFu, ev = (cur.sv >> (8 * t)) & 0xFFu;
+    if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
+      // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
+      // e2m1 * 2^-126
+      const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
+      tc_warp_step_mma<true, kTiles>(acc, cur, fw, fv);
+    } else {
+      tc_warp_step_mma<false, kTiles>(acc, cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+    }
+    cur = nxt;
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + 2 * t;
+    red[tok * 16 + g] = acc[i][0];
+    red[(tok + 1) * 16 + g] = acc[i][1];
+    red[tok * 16 + g + 8] = acc[i][2];
+    red[(tok + 1) * 16 + g + 8] = acc[i][3];
+  }
+}
+"""
+
+
+@tile_program(
+    "mxfp4_gemm_nt_warps",
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=8),
+              "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
+)
+def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, ahead: int = 4):
+    """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
+    each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
+    empty), their partials summed in warp order in shared memory. ahead: K steps between a warp's L2 prefetch
+    of its codes and their load (0: none)."""
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS} warps a block, got {splits}")
+    if n % ROWS or k % BLOCK_K:
+        raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
+    m = T.dynamic("m")
+    kb = k // BLOCK_K
+    per = -(-kb // splits)
+    threads = 32 * splits
+    outs = ROWS * tokens
+
+    @T.prim_func
+    def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
+                            SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16")):
+        with tile.grid(n // ROWS, threads) as bid:
+            red = tile.stage((splits, tokens, ROWS), "float32")
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
+            tid = T.get_thread_binding()
+            w = tid // 32
+            s0 = w * per
+            T.evaluate(T.call_extern(
+                "handle", f"tc_mxfp4_warp_mma<{tokens // 8}, {ahead}>",
+                T.access_ptr(red[w, 0, 0], "w", tokens * ROWS), T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8),
+                T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb), T.access_ptr(A[0, 0], "r", k), m, k, s0,
+                T.max(T.min(per, kb - s0), 0)))
+            tile.barrier()
+            total = T.alloc_var("float32")
+            for it in T.serial(-(-outs // threads)):
+                o = it * threads + tid
+                j = o // ROWS
+                r = o % ROWS
+                if o < outs and j < m:
+                    total = red[0, j, r]
+                    for s in T.serial(1, splits):
+                        total = total + red[s, j, r]
+                    C[j, bid * ROWS + r] = T.cast(total, "bfloat16")
+
+    return mxfp4_gemm_nt_warps
+
+
+def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, ahead: int | None = None) -> dict:
+    """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
+    n / 16 blocks, at most one a K step; ahead: AHEAD unless given."""
+    if not 0 < m <= TOKENS[-1]:
+        raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
+    kb = k // BLOCK_K
+    if splits is None:
+        want = sms * WARPS_PER_SM * ROWS / n
+        splits = 1
+        while splits * 2 <= min(want, MAX_SPLITS, kb):
+            splits *= 2
+    return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, ahead=AHEAD if ahead is None else ahead)
+
+
+def launch_warps(a, b, sfb, out, **override):
+    """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
+    plan_warps (+ override: splits, ahead); the launcher kept per call shape."""
+    from backends.cuda.device import sm_count
+
+    m, k = a.shape
+    n = b.shape[0]
+    check.aligned("a", a, 16, "read 16 bytes a lane")
+    target = targets.resolve(a)
+    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, AHEAD,
+           tuple(sorted(override.items())))
+    launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
+        target, n=n, k=k, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
+    launch(a, _code_words(b), _scale_words(sfb), out)
