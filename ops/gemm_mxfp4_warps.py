@@ -6,7 +6,7 @@ bytes sets the pace: the swapped WGMMA kernel (ops.gemm_mxfp4.mxfp4_swapped_prog
 two MMA warpgroups of one block an SM, whose ~700-cycle steps are a dependency chain more than an issue
 bound (bench/NOTES.md "Session 45"). Here every warp is on its own: a block is 16 weight rows and `splits`
 warps, each warp a contiguous range of 128-deep K steps. A warp loads its codes, scales and activations
-straight from global memory into registers (a step ahead, and asks L2 for the codes `ahead` steps ahead),
+straight from global memory into registers (its codes `depth` steps ahead, the activations one step ahead),
 decodes its rows into the A fragments of mma.sync m16n8k16 (bf16, fp32 accumulate) and multiplies them
 by the tokens as B: no shared memory, no barrier in the loop, 8-16 independent warps an SM. The warps'
 fp32 partials meet in shared memory once and are summed in warp order (the same bits run to run).
@@ -30,7 +30,8 @@ ROWS = 16            # weight rows a block (the MMA's M)
 TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
-AHEAD = 4            # K steps between a warp's L2 prefetch of its codes and their load (0: no prefetch)
+DEPTH = 4            # K steps of a warp's codes in flight in its registers
+AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -43,22 +44,26 @@ __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigne
 __device__ __forceinline__ void tc_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
-// One step's data of a lane: its 16-byte code block of rows g and g + 8, their scale words (byte t is the
-// block's E8M0), and `tiles` tokens' 32 activations of the block (64 bytes each; zeros past m)
-template <int kTiles>
-struct TcWarpStep {
+// A lane's codes of one step: its 16-byte block of rows g and g + 8 and their scale words (byte t is the
+// block's E8M0); and the activations of a step: `tiles` tokens' 32 values of the block (64 bytes each; zeros past m)
+struct TcWarpCodes {
   uint4 w, v;
   unsigned sw, sv;
-  uint4 x[kTiles][4];
 };
 template <int kTiles>
-__device__ __forceinline__ void tc_warp_step_load(TcWarpStep<kTiles>& d, const uint4* bw, const uint4* bv,
-                                                  const unsigned* sw, const unsigned* sv, const uint4* const* xa,
-                                                  const bool* live, int s) {
+struct TcWarpActs {
+  uint4 x[kTiles][4];
+};
+__device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* bw, const uint4* bv,
+                                                   const unsigned* sw, const unsigned* sv, int s) {
   d.w = __ldg(bw + 4 * s);
   d.v = __ldg(bv + 4 * s);
   d.sw = __ldg(sw + s);
   d.sv = __ldg(sv + s);
+}
+template <int kTiles>
+__device__ __forceinline__ void tc_warp_acts_load(TcWarpActs<kTiles>& d, const uint4* const* xa, const bool* live,
+                                                  int s) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
@@ -83,9 +88,9 @@ __device__ __forceinline__ void tc_warp_fragment(unsigned* a, unsigned w, unsign
   }
 }
 template <bool kFast, int kTiles>
-__device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpStep<kTiles>& d, unsigned fw,
-                                                 unsigned fv) {
-  const unsigned w[4] = {d.w.x, d.w.y, d.w.z, d.w.w}, v[4] = {d.v.x, d.v.y, d.v.z, d.v.w};
+__device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpCodes& c, const TcWarpActs<kTiles>& d,
+                                                 unsigned fw, unsigned fv) {
+  const unsigned w[4] = {c.w.x, c.w.y, c.w.z, c.w.w}, v[4] = {c.v.x, c.v.y, c.v.z, c.v.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {       // MMA i: codes 4i .. 4i + 3 of the block, activations 4i .. 4i + 3
     unsigned a[4];
@@ -99,16 +104,18 @@ __device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpSt
 }
 // A warp's K range [s0, s0 + steps) of the block's 16 rows: its fp32 partial (16 rows x 8 kTiles tokens) into
 // red, token-major (red[token * 16 + row]). B: the block's first row's code words (k / 8 a row); SFB: its
-// scale words (k / 128 a row); A: token 0's activations (k a row); m tokens.
-template <int kTiles, int kAhead>
+// scale words (k / 128 a row); A: token 0's activations (k a row); m tokens. The codes of kDepth steps are in
+// flight in registers (a step's slot reloaded kDepth steps ahead once its MMAs are issued), the activations one
+// step ahead; kAhead > 0: the codes also asked of L2 kAhead steps beyond the registers.
+template <int kTiles, int kDepth, int kAhead>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int kw = k / 8, kb = k / 128;
-  const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t;
-  const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(g + 8) * kw) + t;
-  const unsigned* sw = reinterpret_cast<const unsigned*>(SFB + (size_t)g * kb);
-  const unsigned* sv = reinterpret_cast<const unsigned*>(SFB + (size_t)(g + 8) * kb);
+  const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t + 4 * s0;
+  const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(g + 8) * kw) + t + 4 * s0;
+  const unsigned* sw = reinterpret_cast<const unsigned*>(SFB + (size_t)g * kb) + s0;
+  const unsigned* sv = reinterpret_cast<const unsigned*>(SFB + (size_t)(g + 8) * kb) + s0;
   const uint4* xa[kTiles];
   bool live[kTiles];
 #pragma unroll
@@ -116,31 +123,47 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     const int tok = 8 * i + g;
     live[i] = tok < m;
     xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
-            + 4 * t;
+            + 4 * t + 16 * s0;
   }
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  const int end = s0 + steps;
+  TcWarpCodes ring[kDepth];
 #pragma unroll
-  for (int a = 0; a < kAhead; ++a) {
-    if (s0 + a < end) { tc_prefetch_l2(bw + 4 * (s0 + a)); tc_prefetch_l2(bv + 4 * (s0 + a)); }
+  for (int j = 0; j < kDepth; ++j) {
+    if (j < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, j);
   }
-  TcWarpStep<kTiles> cur, nxt;
-  if (steps > 0) tc_warp_step_load<kTiles>(cur, bw, bv, sw, sv, xa, live, s0);
-  for (int s = s0; s < end; ++s) {
-    if (s + kAhead < end) { tc_prefetch_l2(bw + 4 * (s + kAhead)); tc_prefetch_l2(bv + 4 * (s + kAhead)); }
-    if (s + 1 < end) tc_warp_step_load<kTiles>(nxt, bw, bv, sw, sv, xa, live, s + 1);
-    const unsigned ew = (cur.sw >> (8 * t)) & 0xFFu, ev = (cur.sv >> (8 * t)) & 0xFFu;
-    if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
-      // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
-      // e2m1 * 2^-126
-      const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
-      tc_warp_step_mma<true, kTiles>(acc, cur, fw, fv);
-    } else {
-      tc_warp_step_mma<false, kTiles>(acc, cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+  if (kAhead > 0) {
+#pragma unroll
+    for (int j = kDepth; j < kDepth + kAhead; ++j) {
+      if (j < steps) { tc_prefetch_l2(bw + 4 * j); tc_prefetch_l2(bv + 4 * j); }
     }
-    cur = nxt;
+  }
+  TcWarpActs<kTiles> cur, nxt;
+  if (steps > 0) tc_warp_acts_load<kTiles>(cur, xa, live, 0);
+  for (int base = 0; base < steps; base += kDepth) {
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) {
+      const int i = base + j;
+      if (i < steps) {
+        if (i + 1 < steps) tc_warp_acts_load<kTiles>(nxt, xa, live, i + 1);
+        if (kAhead > 0 && i + kDepth + kAhead < steps) {
+          tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
+          tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
+        }
+        const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
+        if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
+          // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
+          // e2m1 * 2^-126
+          const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
+          tc_warp_step_mma<true, kTiles>(acc, ring[j], cur, fw, fv);
+        } else {
+          tc_warp_step_mma<false, kTiles>(acc, ring[j], cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+        }
+        if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
+        cur = nxt;
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
@@ -160,15 +183,17 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=8),
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
-def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, ahead: int = 4):
+def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = 4, ahead: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
-    empty), their partials summed in warp order in shared memory. ahead: K steps between a warp's L2 prefetch
-    of its codes and their load (0: none)."""
+    empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
+    registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none)."""
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS} warps a block, got {splits}")
+    if not 1 <= depth <= 8 or ahead < 0:
+        raise ValueError(f"depth must be 1..8 and ahead >= 0, got depth={depth}, ahead={ahead}")
     if n % ROWS or k % BLOCK_K:
         raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
     m = T.dynamic("m")
@@ -187,7 +212,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, ahead:
             w = tid // 32
             s0 = w * per
             T.evaluate(T.call_extern(
-                "handle", f"tc_mxfp4_warp_mma<{tokens // 8}, {ahead}>",
+                "handle", f"tc_mxfp4_warp_mma<{tokens // 8}, {depth}, {ahead}>",
                 T.access_ptr(red[w, 0, 0], "w", tokens * ROWS), T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8),
                 T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb), T.access_ptr(A[0, 0], "r", k), m, k, s0,
                 T.max(T.min(per, kb - s0), 0)))
@@ -206,9 +231,10 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, ahead:
     return mxfp4_gemm_nt_warps
 
 
-def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, ahead: int | None = None) -> dict:
+def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
+               ahead: int | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; ahead: AHEAD unless given."""
+    n / 16 blocks, at most one a K step; depth, ahead: DEPTH, AHEAD unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -217,19 +243,20 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         splits = 1
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
-    return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, ahead=AHEAD if ahead is None else ahead)
+    return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
+                ahead=AHEAD if ahead is None else ahead)
 
 
 def launch_warps(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, ahead); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
     n = b.shape[0]
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, AHEAD,
+    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD,
            tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())

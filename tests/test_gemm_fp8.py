@@ -1371,8 +1371,8 @@ def test_mxfp4_warps_plan_and_refusals():
     K step, at most 16); the program refuses what it cannot run, naming the parameter."""
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, ahead=4)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, ahead=4)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=4, ahead=0)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=4, ahead=0)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     for bad in (0, 17):
@@ -1382,6 +1382,8 @@ def test_mxfp4_warps_plan_and_refusals():
         mxfp4_warps_program.source("sm_90a", n=256, k=512, tokens=32)
     with pytest.raises(ValueError, match="splits must be 1..16"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, splits=32)
+    with pytest.raises(ValueError, match="depth must be 1..8 and ahead >= 0, got depth=9"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
@@ -2137,8 +2139,8 @@ def test_gpu_mxfp4_a_off_alignment_is_refused(off_alignment):
 def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     """The warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16): every e2m1 code (random bytes), scales from the subnormal
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
-    exact against fp32 and bitwise the same run to run; the same bits without and with a deeper L2 prefetch
-    (ahead 0 / 8); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) within the
+    exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
+    (1, 2, 8) and with an L2 prefetch beyond it (ahead 4); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) within the
     same bounds; and within those bounds of the swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4_warps import launch_warps
@@ -2156,10 +2158,10 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
-    for ahead in (0, 8):
+    for depth, ahead in ((1, 0), (2, 0), (8, 0), (4, 4)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        launch_warps(*args, out, ahead=ahead)
-        assert torch.equal(out.cpu(), runs[0]), ahead
+        launch_warps(*args, out, depth=depth, ahead=ahead)
+        assert torch.equal(out.cpu(), runs[0]), (depth, ahead)
     for splits in (1, 2, 4, 16):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, splits=splits)

@@ -358,12 +358,13 @@ SUITE = Suite(
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
-               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, without / with a
-               # deeper L2 prefetch of the codes (ops.gemm_mxfp4_warps.WARPS_PER_SM, AHEAD)
+               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, with 2 / 6 steps of
+               # codes in registers, with an L2 prefetch 4 steps beyond (ops.gemm_mxfp4_warps.WARPS_PER_SM, DEPTH, AHEAD)
                Provider("tilecraft-warps", tilecraft_warps(), experimental=True),
                Provider("tilecraft-warps-32", tilecraft_warps(WARPS_PER_SM=32), experimental=True),
-               Provider("tilecraft-warps-a0", tilecraft_warps(AHEAD=0), experimental=True),
-               Provider("tilecraft-warps-a8", tilecraft_warps(AHEAD=8), experimental=True),
+               Provider("tilecraft-warps-d2", tilecraft_warps(DEPTH=2), experimental=True),
+               Provider("tilecraft-warps-d6", tilecraft_warps(DEPTH=6), experimental=True),
+               Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
