@@ -1152,9 +1152,10 @@ def _mxfp4_impl(a, b, sfb):
 
 
 # m <= WARP_TOKENS on CUDA (sm_90a, sm_100a) takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
-# warps, every warp its own loads and decode). 0: off, until measured against the swapped kernel (bench provider
-# tilecraft-warps sets 16)
-WARP_TOKENS = 0
+# warps, every warp its own loads and decode). Measured against the swapped kernel (bench/NOTES.md "Session 58", same
+# runs, CUDA graphs): 1 token 1.2-1.5x faster on an H100 and an H200; 16 tokens even to 0.73x, so 8 (0: off; bench
+# providers tilecraft-swapped sets 0, tilecraft-warps 16)
+WARP_TOKENS = 8
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 # its scale rows by TMA ahead of the stages, or by its MMA threads while the first stages fly. None:
 # by TMA where a split stages more than 8 words a row (measured 0.4-0.5 us faster at k = 7168, 14

@@ -30,7 +30,8 @@ ROWS = 16            # weight rows a block (the MMA's M)
 TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
-DEPTH = 4            # K steps of a warp's codes in flight in its registers
+DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, H100, 1x4096x7168: 1 step
+                     # 9.0 us on an H200, 2 steps 8.6 us, 4 10.9, 6 11.0; 7168x2048 6.4-7.6 us, noise-sized)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
 
 WARP_SOURCE = r"""

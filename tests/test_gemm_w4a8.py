@@ -680,6 +680,7 @@ def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, 
     after the calls (ops._workspace.ready_partials: the next call finds them empty)."""
     from ops import _workspace, gemm_mxfp4
 
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)       # the bf16 op on its swapped kernel at every m
     g = torch.Generator().manual_seed(m * 7 + k)
     packed, scales = weights(n, k, g)
     scales[5, 2] = 255

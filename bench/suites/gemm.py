@@ -21,7 +21,7 @@ PRESETS = {
     "decode": [dict(kind="dense", m=m, n=n, k=k) for m in (64, 128) for n, k in DECODE_NK],
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
-    "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
+    "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
     # m rows per group: MoE prefill (contiguous, 128-aligned segments) and decode (masked)
     "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
@@ -239,6 +239,13 @@ def tilecraft_warps(**knobs):
     return make
 
 
+def tilecraft_swapped(case, i):
+    """The op with every m <= 64 on the swapped kernel (ops.gemm_mxfp4.WARP_TOKENS = 0: before session 58)."""
+    from ops import gemm_mxfp4
+
+    return _with_flag(gemm_mxfp4, "WARP_TOKENS", 0)(case, i)
+
+
 def tilecraft_masked_tile(case, i):
     """The op with masked groups of <= 64 rows kept on the decoded-tile kernel
     (ops.gemm_mxfp4.SWAPPED_MASKED off): the previous path, against the swapped kernel in the same run."""
@@ -324,7 +331,12 @@ def deep_gemm(case, i):
 
 def _kernels(c, t="cuda:sm_90a"):
     """The tile programs a case runs, with their parameters (static stats without a GPU)."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+
     swapped = c["m"] <= SWAPPED_TOKENS[-1] and c["k"] % SWAPPED_K_ALIGN == 0 and t == "cuda:sm_90a"
+    if c["kind"] == "mxfp4" and c["m"] <= gemm_mxfp4.WARP_TOKENS and t.startswith("cuda:"):
+        return [(mxfp4_warps_program, dict(n=c["n"], k=c["k"], **plan_warps(c["m"], c["n"], c["k"])))]
     if c["kind"] == "mxfp4" and swapped:
         return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
     if c["kind"] == "mxfp4-masked" and swapped:
@@ -358,13 +370,15 @@ SUITE = Suite(
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
-               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, with 2 / 6 steps of
-               # codes in registers, with an L2 prefetch 4 steps beyond (ops.gemm_mxfp4_warps.WARPS_PER_SM, DEPTH, AHEAD)
+               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, with 1 / 3 steps of
+               # codes in registers, with an L2 prefetch 4 steps beyond (ops.gemm_mxfp4_warps.WARPS_PER_SM, DEPTH, AHEAD);
+               # every m <= 64 on the swapped kernel (WARP_TOKENS = 0: the op before session 58)
                Provider("tilecraft-warps", tilecraft_warps(), experimental=True),
                Provider("tilecraft-warps-32", tilecraft_warps(WARPS_PER_SM=32), experimental=True),
-               Provider("tilecraft-warps-d2", tilecraft_warps(DEPTH=2), experimental=True),
-               Provider("tilecraft-warps-d6", tilecraft_warps(DEPTH=6), experimental=True),
+               Provider("tilecraft-warps-d1", tilecraft_warps(DEPTH=1), experimental=True),
+               Provider("tilecraft-warps-d3", tilecraft_warps(DEPTH=3), experimental=True),
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
+               Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
