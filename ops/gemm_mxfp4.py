@@ -971,8 +971,9 @@ def mxfp4_gemm_nt(a, b, sfb, sfa=None):
     first), sfb (n, k/32) uint8 E8M0. a is bf16, or e4m3 with sfa: (m, ceil(k/128)) fp32
     per-token-group scales (per_token_group_quant_fp8's) or (m, k/32) uint8 E8M0 (OCP MX),
     dequantized to bf16 first. k % 128 == 0, n % 128 == 0, any m.
-    On sm_90a, m <= 64 with k % 512 == 0 takes the swapped register-decode kernel
-    (mxfp4_gemm_nt_swapped), other shapes the decoded-tile kernel: both multiply the exactly
+    On sm_90a, m <= WARP_TOKENS (8) takes the warp kernel (mxfp4_gemm_nt_warps: bf16 mma.sync on
+    independent warps), m <= 64 with k % 512 == 0 the swapped register-decode kernel
+    (mxfp4_gemm_nt_swapped), other shapes the decoded-tile kernel: all multiply the exactly
     dequantized weights in fp32 accumulators (their sums may differ in the last bits).
     On sm_100a, e4m3 a with MX scales takes the native block-scaled kernel (mxfp4_gemm_nt_native:
     compiled, never run on a device); on ascend:950 too (the Cube's block-scaled MAD, with the weights
@@ -1139,7 +1140,7 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        if m <= WARP_TOKENS and targets.resolve(a).vendor == "cuda":
+        if m <= WARP_TOKENS and targets.resolve(a).name == "cuda:sm_90a":
             from ops.gemm_mxfp4_warps import launch_warps
 
             launch_warps(a, b, sfb, out)
@@ -1151,7 +1152,7 @@ def _mxfp4_impl(a, b, sfb):
     return out
 
 
-# m <= WARP_TOKENS on CUDA (sm_90a, sm_100a) takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
+# m <= WARP_TOKENS on sm_90a takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
 # warps, every warp its own loads and decode). Measured against the swapped kernel (bench/NOTES.md "Session 58", same
 # runs, CUDA graphs): 1 token 1.2-1.5x faster on an H100 and an H200; 16 tokens even to 0.73x, so 8 (0: off; bench
 # providers tilecraft-swapped sets 0, tilecraft-warps 16)

@@ -16,6 +16,9 @@ t = lane % 4) holds rows g and g + 8 of block 4s + t of step s, i.e. 16 contiguo
 the step takes codes 4i .. 4i + 3 of every lane's block; the activations go in with the same permutation
 (lane (g, t) loads token g's 32 values of block t). The decode is ops.gemm_mxfp4's exact one (e2m1 x 2^e in
 bf16, subnormals kept), so the products are exact and only the fp32 sums' order differs from the other kernels.
+
+ops.mxfp4_gemm_nt takes it on sm_90a at m <= ops.gemm_mxfp4.WARP_TOKENS (measured there: bench/NOTES.md "Session
+58"); the program also compiles for sm_100a (HMMA in SASS), where the op keeps its other paths.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself

@@ -335,7 +335,7 @@ def _kernels(c, t="cuda:sm_90a"):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     swapped = c["m"] <= SWAPPED_TOKENS[-1] and c["k"] % SWAPPED_K_ALIGN == 0 and t == "cuda:sm_90a"
-    if c["kind"] == "mxfp4" and c["m"] <= gemm_mxfp4.WARP_TOKENS and t.startswith("cuda:"):
+    if c["kind"] == "mxfp4" and c["m"] <= gemm_mxfp4.WARP_TOKENS and t == "cuda:sm_90a":
         return [(mxfp4_warps_program, dict(n=c["n"], k=c["k"], **plan_warps(c["m"], c["n"], c["k"])))]
     if c["kind"] == "mxfp4" and swapped:
         return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
