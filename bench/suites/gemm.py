@@ -22,6 +22,8 @@ PRESETS = {
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
+    # the rows the warp kernel takes (ops.gemm_mxfp4.WARP_TOKENS), for its A/Bs
+    "mxfp4-warps": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8) for n, k in ((7168, 2048), (4096, 7168))],
     # m rows per group: MoE prefill (contiguous, 128-aligned segments) and decode (masked)
     "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
@@ -370,11 +372,12 @@ SUITE = Suite(
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
-               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 warps an SM, with 1 / 3 steps of
+               # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 / 8 warps an SM, with 1 / 3 steps of
                # codes in registers, with an L2 prefetch 4 steps beyond (ops.gemm_mxfp4_warps.WARPS_PER_SM, DEPTH, AHEAD);
                # every m <= 64 on the swapped kernel (WARP_TOKENS = 0: the op before session 58)
                Provider("tilecraft-warps", tilecraft_warps(), experimental=True),
                Provider("tilecraft-warps-32", tilecraft_warps(WARPS_PER_SM=32), experimental=True),
+               Provider("tilecraft-warps-8", tilecraft_warps(WARPS_PER_SM=8), experimental=True),
                Provider("tilecraft-warps-d1", tilecraft_warps(DEPTH=1), experimental=True),
                Provider("tilecraft-warps-d3", tilecraft_warps(DEPTH=3), experimental=True),
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
