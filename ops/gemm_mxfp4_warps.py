@@ -27,9 +27,12 @@ import tilelang.language as T
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _validate as check
+from ops._workspace import bound_only
 from ops.gemm_mxfp4 import BLOCK_K, E2M1_FRAGMENT_SOURCE, E2M1_SOURCE, _code_words, _scale_words
 
 ROWS = 16            # weight rows a block (the MMA's M)
+TRACE_STEPS = 64     # trace=True: K steps a warp stamps (data, issued); words a warp: 4 + 2 * TRACE_STEPS
+TRACE_WORDS = 4 + 2 * TRACE_STEPS
 TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
@@ -111,10 +114,14 @@ __device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpCo
 // scale words (k / 128 a row); A: token 0's activations (k a row); m tokens. The codes of kDepth steps are in
 // flight in registers (a step's slot reloaded kDepth steps ahead once its MMAs are issued), the activations one
 // step ahead; kAhead > 0: the codes also asked of L2 kAhead steps beyond the registers.
-template <int kTiles, int kDepth, int kAhead>
+// kTrace (bench.trace_mxfp4_warps): lane 0 writes the warp's stamps into trace[0 ..]: the global timer's ns at
+// entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
+// issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
+template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
-                                                  int k, int s0, int steps) {
+                                                  int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
   const int kw = k / 8, kb = k / 128;
   const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t + 4 * s0;
   const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(g + 8) * kw) + t + 4 * s0;
@@ -156,13 +163,19 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
         }
         const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
-        if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
+        const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
+        if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
+        if (fast) {
           // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
           // e2m1 * 2^-126
           const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
           tc_warp_step_mma<true, kTiles>(acc, ring[j], cur, fw, fv);
         } else {
           tc_warp_step_mma<false, kTiles>(acc, ring[j], cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+        }
+        if (kTrace && lane == 0 && i < kTraceSteps) {
+          __syncwarp();
+          trace[5 + 2 * i] = (int)clock();
         }
         if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
         cur = nxt;
@@ -177,6 +190,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     red[tok * 16 + g + 8] = acc[i][2];
     red[(tok + 1) * 16 + g + 8] = acc[i][3];
   }
+  if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
 """
 
@@ -187,11 +201,15 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=8),
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
-def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = 4, ahead: int = 0):
+def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = 4, ahead: int = 0,
+                        trace: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
-    registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none)."""
+    registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none).
+    trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
+    ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
+    bound but never touched."""
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -205,10 +223,12 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     per = -(-kb // splits)
     threads = 32 * splits
     outs = ROWS * tokens
+    helper = f"tc_mxfp4_warp_mma<{tokens // 8}, {depth}, {ahead}" + (f", true, {TRACE_STEPS}>" if trace else ">")
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
-                            SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16")):
+                            SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
+                            Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
         with tile.grid(n // ROWS, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
@@ -216,10 +236,11 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
             w = tid // 32
             s0 = w * per
             T.evaluate(T.call_extern(
-                "handle", f"tc_mxfp4_warp_mma<{tokens // 8}, {depth}, {ahead}>",
+                "handle", helper,
                 T.access_ptr(red[w, 0, 0], "w", tokens * ROWS), T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8),
                 T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb), T.access_ptr(A[0, 0], "r", k), m, k, s0,
-                T.max(T.min(per, kb - s0), 0)))
+                T.max(T.min(per, kb - s0), 0),
+                *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
             total = T.alloc_var("float32")
             for it in T.serial(-(-outs // threads)):
@@ -264,4 +285,4 @@ def launch_warps(a, b, sfb, out, **override):
            tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
-    launch(a, _code_words(b), _scale_words(sfb), out)
+    launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

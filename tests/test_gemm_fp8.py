@@ -1376,6 +1376,30 @@ def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
         assert h.get("BAR") == 1 and stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
 
 
+def test_mxfp4_warps_trace_stamps_and_summary():
+    """trace=True (bench.trace_mxfp4_warps): lane 0 of each warp stamps into its own Trace row (the timer at entry
+    and end, the clock at each step's data and issue); the default kernel takes Trace but never touches it, and is
+    otherwise the same source. The summary reads made-up stamps: per-step waits and work, the late entries."""
+    from bench.trace_mxfp4_warps import summarize
+    from ops.gemm_mxfp4_warps import TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program
+
+    plain = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4)
+    traced = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, trace=True)
+    assert "Trace[" not in plain.split('extern "C" __global__')[-1]
+    assert f"tc_mxfp4_warp_mma<1, 4, 0, true, {TRACE_STEPS}>(" in traced
+    assert f"(&(Trace[((((int)blockIdx.x) * {4 * TRACE_WORDS}) + ((((int)threadIdx.x) >> 5) * {TRACE_WORDS}))]))" in traced
+    # two warps (kb = 4, splits = 2: two steps each); warp 1 enters 5000 ns late; clocks: entry 100, data 300 / 900,
+    # issued 500 / 1000, end 1100
+    row = [0] * TRACE_WORDS
+    row[2:6], row[6:8] = [100, 1100, 300, 500], [900, 1000]
+    rows = [[1000, 3000, *row[2:]], [6000, 9000, *row[2:]]]
+    text = summarize(rows, 4, 2)
+    assert "span 8.00 us over 2 warps" in text and "entries (ns) p50 5000" in text
+    for name, p50 in (("first data (entry ->)", 200), ("step: wait for data", 400), ("step: work", 200),
+                      ("tail (last issue ->)", 100)):
+        assert re.search(re.escape(name) + rf"\s+p50\s+{p50}\s", text), (name, text)
+
+
 def test_mxfp4_warps_plan_and_refusals():
     """plan_warps: the 8- or 16-token tile, about 16 warps an SM over n / 16 blocks (a power of two, at most one a
     K step, at most 16); the program refuses what it cannot run, naming the parameter."""
@@ -2180,6 +2204,36 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
     if k % gemm_mxfp4.SWAPPED_K_ALIGN == 0:
         assert_elementwise(ops.mxfp4_gemm_nt(*args).cpu(), runs[0].float())
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_warps_trace_is_the_plain_kernel():
+    """The traced warp kernel (bench.trace_mxfp4_warps) gives the plain kernel's bits, and every warp's stamps run
+    forward: entry <= data(0) <= issued(0) <= data(1) ... <= end on its SM's clock, entry <= end on the timer."""
+    from bench.trace_mxfp4_warps import _delta, trace_case
+    from ops import quant_mxfp4
+    from ops.gemm_mxfp4 import _code_words, _scale_words
+    from ops.gemm_mxfp4_warps import TRACE_WORDS, launch_warps, mxfp4_warps_program
+
+    m, n, k = 3, 512, 2048
+    rows, p = trace_case(m, n, k)
+    assert len(rows) == n // 16 * p["splits"]
+    kb, per = k // 128, -(-(k // 128) // p["splits"])
+    for w, r in enumerate(rows):
+        steps = max(0, min(per, kb - (w % p["splits"]) * per))
+        clocks = [r[2]] + [r[4 + j] for j in range(2 * steps)] + [r[3]]
+        assert all(_delta(x, y) < 1 << 30 for x, y in zip(clocks, clocks[1:])), (w, clocks)
+        assert _delta(r[0], r[1]) < 1 << 30
+    g = torch.Generator().manual_seed(m + n + k)      # trace_case's inputs
+    a = torch.randn(m, k, generator=g).bfloat16().cuda()
+    packed, scales = (t.cuda() for t in quant_mxfp4(torch.randn(n, k, generator=g)))
+    plain = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    launch_warps(a, packed, scales, plain, **{key: v for key, v in p.items() if key != "tokens"})
+    traced = torch.empty_like(plain)
+    trace = torch.zeros(len(rows), TRACE_WORDS, dtype=torch.int32, device="cuda")
+    mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)(
+        a, _code_words(packed), _scale_words(scales), traced, trace)
+    assert torch.equal(traced, plain)
 
 
 @pytest.mark.gpu
