@@ -173,10 +173,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
         } else {
           tc_warp_step_mma<false, kTiles>(acc, ring[j], cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
         }
-        if (kTrace && lane == 0 && i < kTraceSteps) {
-          __syncwarp();
-          trace[5 + 2 * i] = (int)clock();
-        }
+        if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
         if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
         cur = nxt;
       }
