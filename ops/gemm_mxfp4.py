@@ -1140,12 +1140,12 @@ def _mxfp4_impl(a, b, sfb):
     n = b.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        if m <= WARP_TOKENS and targets.resolve(a).name == "cuda:sm_90a":
+        sm90 = targets.resolve(a).name == "cuda:sm_90a"
+        if sm90 and m <= WARP_TOKENS:
             from ops.gemm_mxfp4_warps import launch_warps
 
             launch_warps(a, b, sfb, out)
-        elif (SWAPPED and m <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0
-                and targets.resolve(a).name == "cuda:sm_90a"):
+        elif sm90 and SWAPPED and m <= SWAPPED_TOKENS[-1] and k % SWAPPED_K_ALIGN == 0:
             _launch_swapped(a, b, sfb, out)
         else:
             _launch(a, b, sfb, out)
@@ -1154,8 +1154,8 @@ def _mxfp4_impl(a, b, sfb):
 
 # m <= WARP_TOKENS on sm_90a takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
 # warps, every warp its own loads and decode). Measured against the swapped kernel (bench/NOTES.md "Session 58", same
-# runs, CUDA graphs): 1 token 1.2-1.5x faster on an H100 and an H200; 16 tokens even to 0.73x, so 8 (0: off; bench
-# providers tilecraft-swapped sets 0, tilecraft-warps 16)
+# runs, CUDA graphs): 1-8 tokens 1.14-1.25x faster on two H100s (the first build 1.1-1.35x at 1 token on an H200);
+# 16 tokens 0.73-1.0x, so 8 (0: off; bench providers tilecraft-swapped sets 0, tilecraft-warps 16)
 WARP_TOKENS = 8
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 # its scale rows by TMA ahead of the stages, or by its MMA threads while the first stages fly. None:

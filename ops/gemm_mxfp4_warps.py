@@ -36,8 +36,8 @@ TRACE_WORDS = 4 + 2 * TRACE_STEPS
 TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
-DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, H100, 1x4096x7168: 1 step
-                     # 9.0 us on an H200, 2 steps 8.6 us, 4 10.9, 6 11.0; 7168x2048 6.4-7.6 us, noise-sized)
+DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
+                     # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
 
 WARP_SOURCE = r"""
@@ -198,7 +198,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=8),
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
-def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = 4, ahead: int = 0,
+def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
                         trace: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or

@@ -1381,12 +1381,12 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     and end, the clock at each step's data and issue); the default kernel takes Trace but never touches it, and is
     otherwise the same source. The summary reads made-up stamps: per-step waits and work, the late entries."""
     from bench.trace_mxfp4_warps import summarize
-    from ops.gemm_mxfp4_warps import TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program
+    from ops.gemm_mxfp4_warps import AHEAD, DEPTH, TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program
 
     plain = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4)
     traced = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, trace=True)
     assert "Trace[" not in plain.split('extern "C" __global__')[-1]
-    assert f"tc_mxfp4_warp_mma<1, 4, 0, true, {TRACE_STEPS}>(" in traced
+    assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}>(" in traced
     assert f"(&(Trace[((((int)blockIdx.x) * {4 * TRACE_WORDS}) + ((((int)threadIdx.x) >> 5) * {TRACE_WORDS}))]))" in traced
     # two warps (kb = 4, splits = 2: two steps each); warp 1 enters 5000 ns late; clocks: entry 100, data 300 / 900,
     # issued 500 / 1000, end 1100
@@ -2109,14 +2109,7 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
         gemm_mxfp4.SWAPPED_FOLD = True
         assert gemm_mxfp4.plan_swapped(m, n, k)["splits"] > 1
         ops.mxfp4_gemm_nt(a, packed, scales)            # compiled outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.mxfp4_gemm_nt(a, packed, scales)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
+        _assert_graph_replays(lambda: ops.mxfp4_gemm_nt(a, packed, scales), want)
     finally:
         gemm_mxfp4.SWAPPED_FOLD = saved
 
@@ -2247,10 +2240,16 @@ def test_gpu_mxfp4_warps_in_a_cuda_graph(monkeypatch):
     a = torch.randn(m, k, generator=g).bfloat16().cuda()
     packed, scales = (t.cuda() for t in ops.quant_mxfp4(torch.randn(n, k, generator=g)))
     want = ops.mxfp4_gemm_nt(a, packed, scales)
+    _assert_graph_replays(lambda: ops.mxfp4_gemm_nt(a, packed, scales), want)
+
+
+def _assert_graph_replays(run, want, replays=3):
+    """run() (its kernels compiled already) captured in a CUDA graph: every replay, into a zeroed output, gives want
+    bit for bit."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.mxfp4_gemm_nt(a, packed, scales)
-    for _ in range(3):
+        out = run()
+    for _ in range(replays):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()

@@ -232,7 +232,7 @@ def tilecraft_tile(case, i):
 
 def tilecraft_warps(**knobs):
     """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, AHEAD), against the swapped kernel in the same run."""
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
     make = _with_flag(gemm_mxfp4, "WARP_TOKENS", 16)
