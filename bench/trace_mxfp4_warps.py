@@ -2,7 +2,8 @@
 global timer at entry and end, and the SM clock at entry, at each K step's data (the step's scale words in
 registers: its loads landed) and issue (its MMAs issued), and at the end.
 
-    python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--flush read|write]
+    python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--pair]
+                                      [--flush read|write]
 
 The traced run follows an L2 flush (read by default, as bench.op --flush read). Per case it prints, from the
 global timer (ns, relative to the first warp's entry): the span, the entries' spread (a second wave of blocks shows
@@ -38,7 +39,7 @@ def trace_case(m, n, k, flush_mode="read", **override):
     from ops import quant_mxfp4
     from ops.gemm_mxfp4 import _code_words, _scale_words
 
-    p = plan_warps(m, n, k, sms=sm_count(torch.device("cuda")), **override)
+    p = plan_warps(m, n, k, sms=sm_count(torch.empty(0, device="cuda")), **override)
     kern = mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)
     g = torch.Generator().manual_seed(m + n + k)
     a = torch.randn(m, k, generator=g).bfloat16().cuda()
@@ -53,8 +54,9 @@ def trace_case(m, n, k, flush_mode="read", **override):
     return trace.cpu().tolist(), p
 
 
-def summarize(rows, kb, splits):
+def summarize(rows, kb, splits, pair=False):
     per = -(-kb // splits)
+    per += per % 2 if pair else 0
     t0 = min(r[0] for r in rows)
     entry = [_delta(t0, r[0]) for r in rows]
     end = [_delta(t0, r[1]) for r in rows]
@@ -91,17 +93,18 @@ def main(argv=None):
     ap.add_argument("--splits", type=int, default=None, help="warps a block (default plan_warps')")
     ap.add_argument("--depth", type=int, default=None, help="K steps of codes in registers (default DEPTH)")
     ap.add_argument("--ahead", type=int, default=None, help="L2 prefetch steps beyond them (default AHEAD)")
+    ap.add_argument("--pair", action="store_true", help="the ring refilled a 128-byte line a row at a time")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace_mxfp4_warps needs a CUDA GPU")
-    override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead))
-                if v is not None}
+    override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
+                                  ("pair", args.pair or None)) if v is not None}
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))
         rows, p = trace_case(m, n, k, args.flush, **override)
         print(f"{case} {p} (flush {args.flush})")
-        print(summarize(rows, k // 128, p["splits"]))
+        print(summarize(rows, k // 128, p["splits"], p["pair"]))
 
 
 if __name__ == "__main__":

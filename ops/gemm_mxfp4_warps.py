@@ -39,6 +39,10 @@ WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to kee
 DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
                      # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
+PAIR = False         # the codes asked for a 128-byte line a row at a time (two steps; bench.sweep_mxfp4_warps)
+FEEDS = ("regs", "bulk")
+FEED = "regs"        # how a warp's codes arrive: its register ring ("regs") or bulk copies into shared memory ("bulk")
+PHASE = 2            # feed="bulk": K steps a bulk copy (a row) and a barrier
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -67,6 +71,9 @@ __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* 
   d.v = __ldg(bv + 4 * s);
   d.sw = __ldg(sw + s);
   d.sv = __ldg(sv + s);
+}
+__device__ __forceinline__ unsigned tc_warp_codes_fold(const TcWarpCodes& c) {
+  return c.w.x ^ c.w.y ^ c.w.z ^ c.w.w ^ c.v.x ^ c.v.y ^ c.v.z ^ c.v.w ^ c.sw ^ c.sv;
 }
 template <int kTiles>
 __device__ __forceinline__ void tc_warp_acts_load(TcWarpActs<kTiles>& d, const uint4* const* xa, const bool* live,
@@ -117,7 +124,11 @@ __device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpCo
 // kTrace (bench.trace_mxfp4_warps): lane 0 writes the warp's stamps into trace[0 ..]: the global timer's ns at
 // entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
-template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0>
+// kPair: the ring refilled two steps at a time (after each odd slot's MMAs), so that a row's two 64-byte halves of
+// one 128-byte line are asked for together (the warp's range starts on a line: steps even). kLoadsOnly
+// (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the words
+template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, bool kPair = false,
+          bool kLoadsOnly = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -165,7 +176,12 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
         const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
         const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
         if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
-        if (fast) {
+        if (kLoadsOnly) {
+          unsigned f = tc_warp_codes_fold(ring[j]);
+#pragma unroll
+          for (int q = 0; q < kTiles; ++q) f ^= cur.x[q][0].x ^ cur.x[q][3].w;
+          acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
+        } else if (fast) {
           // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
           // e2m1 * 2^-126
           const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
@@ -174,7 +190,12 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_warp_step_mma<false, kTiles>(acc, ring[j], cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (!kPair) {
+          if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
+        } else if (j & 1) {
+          if (i - 1 + kDepth < steps) tc_warp_codes_load(ring[j - 1], bw, bv, sw, sv, i - 1 + kDepth);
+          if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
+        }
         cur = nxt;
       }
     }
@@ -189,6 +210,107 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   }
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
+// feed="bulk": the warp's codes reach shared memory by 1-D bulk copies (the copy engine: no load of the warp waits
+// in the SM's miss queue) asked for all at once on entry, one copy a row and phase of kPhase steps, each phase on its
+// own single-use mbarrier; the block's scale words by one bulk copy on the block's barrier. Then every step reads a
+// lane's 16 bytes of rows g, g + 8 and their scale words from shared memory and runs tc_warp_step_mma as above.
+// smem: the block's stage: codes (splits warps x 16 rows x rs bytes, rs = 64 per + 64 when per is even: rows g and
+// g + 1 of one 8-lane phase of a 16-byte shared load in different banks), the scale words (16 x kb), the barriers
+// (splits x phases + 1, 8 bytes each); per: the steps of a full warp range, steps: this warp's (0 .. per)
+__device__ __forceinline__ unsigned tc_smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void tc_bar_wait0(unsigned bar) {
+  asm volatile("{\n .reg .pred p;\n TC_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
+               " @!p bra TC_WAIT;\n}" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tc_bulk_row(unsigned dst, const void* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+template <int kTiles, int kPhase>
+__device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, const int* B, const int* SFB,
+                                                       const void* A, int m, int k, int splits, int per, int s0,
+                                                       int steps) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+  unsigned char* smem = reinterpret_cast<unsigned char*>(stage);
+  const int kb = k / 128, rs = 64 * per + ((per & 1) ? 0 : 64), phases = (per + kPhase - 1) / kPhase;
+  unsigned char* codes = smem + (size_t)w * 16 * rs;
+  const unsigned* scales = reinterpret_cast<const unsigned*>(smem + (size_t)splits * 16 * rs);
+  const unsigned bars = tc_smem_addr(smem + (size_t)splits * 16 * rs + 64 * kb);
+  const unsigned sbar = bars + 8 * splits * phases, wbar = bars + 8 * w * phases;
+  if (lane == 0) {
+    for (int p = 0; p < phases; ++p)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(wbar + 8 * p) : "memory");
+    if (w == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(sbar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(sbar), "r"(64 * kb) : "memory");
+    tc_bulk_row(tc_smem_addr(scales), SFB, 64 * kb, sbar);
+  }
+  const int live_phases = (steps + kPhase - 1) / kPhase;
+  if (lane == 0) {
+    for (int p = 0; p < live_phases; ++p) {
+      const int n = min(kPhase, steps - p * kPhase);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(wbar + 8 * p), "r"(16 * 64 * n)
+                   : "memory");
+    }
+  }
+  __syncwarp();
+  if (lane < 16) {
+    const unsigned char* row = reinterpret_cast<const unsigned char*>(B) + (size_t)lane * (k / 2) + 64 * s0;
+    for (int p = 0; p < live_phases; ++p) {
+      const int n = min(kPhase, steps - p * kPhase);
+      tc_bulk_row(tc_smem_addr(codes + lane * rs + 64 * kPhase * p), row + 64 * kPhase * p, 64 * n, wbar + 8 * p);
+    }
+  }
+  const uint4* xa[kTiles];
+  bool live[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + g;
+    live[i] = tok < m;
+    xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
+            + 4 * t + 16 * s0;
+  }
+  float acc[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  TcWarpActs<kTiles> cur, nxt;
+  if (steps > 0) {
+    tc_warp_acts_load<kTiles>(cur, xa, live, 0);
+    tc_bar_wait0(sbar);
+  }
+  const uint4* cw = reinterpret_cast<const uint4*>(codes + g * rs) + t;
+  const uint4* cv = reinterpret_cast<const uint4*>(codes + (g + 8) * rs) + t;
+  for (int i = 0; i < steps; ++i) {
+    if (i % kPhase == 0) tc_bar_wait0(wbar + 8 * (i / kPhase));
+    if (i + 1 < steps) tc_warp_acts_load<kTiles>(nxt, xa, live, i + 1);
+    TcWarpCodes c;
+    c.w = cw[4 * i];
+    c.v = cv[4 * i];
+    c.sw = scales[g * kb + s0 + i];
+    c.sv = scales[(g + 8) * kb + s0 + i];
+    const unsigned ew = (c.sw >> (8 * t)) & 0xFFu, ev = (c.sv >> (8 * t)) & 0xFFu;
+    if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
+      const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
+      tc_warp_step_mma<true, kTiles>(acc, c, cur, fw, fv);
+    } else {
+      tc_warp_step_mma<false, kTiles>(acc, c, cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+    }
+    cur = nxt;
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + 2 * t;
+    red[tok * 16 + g] = acc[i][0];
+    red[(tok + 1) * 16 + g] = acc[i][1];
+    red[tok * 16 + g + 8] = acc[i][2];
+    red[(tok + 1) * 16 + g + 8] = acc[i][3];
+  }
+}
 """
 
 
@@ -199,14 +321,25 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        trace: bool = False):
+                        pair: bool = PAIR, feed: str = FEED, phase: int = PHASE, trace: bool = False,
+                        loads_only: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
-    bound but never touched."""
+    bound but never touched. pair: the codes asked for two steps (a 128-byte line a row) at a time, each warp's range
+    an even number of steps (depth even). loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its
+    decode and MMAs, wrong results: what the memory system gives this load pattern. feed: "regs" (the codes loaded
+    into a register ring, above) or "bulk" (every code byte of the warp asked for on entry by 1-D bulk copies into
+    shared memory, `phase` steps a copy and barrier; depth, ahead, pair then unused; no trace or loads_only)."""
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
+    if feed == "bulk" and (trace or loads_only):
+        raise ValueError("feed='bulk' has no trace or loads_only form")
+    if phase < 1:
+        raise ValueError(f"phase must be >= 1 steps, got {phase}")
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -215,12 +348,24 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
         raise ValueError(f"depth must be 1..8 and ahead >= 0, got depth={depth}, ahead={ahead}")
     if n % ROWS or k % BLOCK_K:
         raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
+    if pair and depth % 2:
+        raise ValueError(f"pair=True refills the ring two steps at a time: depth must be even, got depth={depth}")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = -(-kb // splits)
+    if pair:
+        per += per % 2                    # every warp's range starts on a 128-byte line
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = f"tc_mxfp4_warp_mma<{tokens // 8}, {depth}, {ahead}" + (f", true, {TRACE_STEPS}>" if trace else ">")
+    flags = [f"{'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}"] if trace or pair or loads_only else []
+    flags += [f"{'true' if pair else 'false'}, {'true' if loads_only else 'false'}"] if pair or loads_only else []
+    helper = f"tc_mxfp4_warp_mma<{', '.join([str(tokens // 8), str(depth), str(ahead), *flags])}>"
+    bulk = feed == "bulk"
+    feed_bytes = 4
+    if bulk:                              # the helper's shared layout: codes, scale words, barriers (16-byte multiples)
+        rs = 64 * per + (0 if per % 2 else 64)
+        feed_bytes = splits * ROWS * rs + 64 * kb + -(-8 * (splits * -(-per // phase) + 1) // 16) * 16
+        helper = f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}>"
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -228,14 +373,16 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                             Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
         with tile.grid(n // ROWS, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
+            feed_s = tile.stage((feed_bytes // 4 if bulk else 1,), "int32")
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32
             s0 = w * per
             T.evaluate(T.call_extern(
-                "handle", helper,
-                T.access_ptr(red[w, 0, 0], "w", tokens * ROWS), T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8),
-                T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb), T.access_ptr(A[0, 0], "r", k), m, k, s0,
+                "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
+                *([T.access_ptr(feed_s[0], "rw", feed_bytes // 4)] if bulk else []),
+                T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8), T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb),
+                T.access_ptr(A[0, 0], "r", k), m, k, *([splits, per] if bulk else []), s0,
                 T.max(T.min(per, kb - s0), 0),
                 *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
@@ -254,7 +401,8 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None) -> dict:
+               ahead: int | None = None, pair: bool | None = None, feed: str | None = None,
+               phase: int | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
     n / 16 blocks, at most one a K step; depth, ahead: DEPTH, AHEAD unless given."""
     if not 0 < m <= TOKENS[-1]:
@@ -266,10 +414,11 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead)
+                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair,
+                feed=FEED if feed is None else feed, phase=PHASE if phase is None else phase)
 
 
-def launch_warps(a, b, sfb, out, **override):
+def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
     plan_warps (+ override: splits, depth, ahead); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
@@ -278,8 +427,8 @@ def launch_warps(a, b, sfb, out, **override):
     n = b.shape[0]
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD,
-           tuple(sorted(override.items())))
+    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, PAIR, FEED, PHASE,
+           loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
-        target, n=n, k=k, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
+        target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

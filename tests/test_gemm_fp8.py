@@ -1405,8 +1405,8 @@ def test_mxfp4_warps_plan_and_refusals():
     K step, at most 16); the program refuses what it cannot run, naming the parameter."""
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, pair=False, feed="regs", phase=2)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, pair=False, feed="regs", phase=2)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     for bad in (0, 17):
@@ -1418,6 +1418,12 @@ def test_mxfp4_warps_plan_and_refusals():
         mxfp4_warps_program.source("sm_90a", n=256, k=512, splits=32)
     with pytest.raises(ValueError, match="depth must be 1..8 and ahead >= 0, got depth=9"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
+    with pytest.raises(ValueError, match="depth must be even, got depth=3"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=3, pair=True)
+    with pytest.raises(ValueError, match="feed must be one of"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="tma")
+    with pytest.raises(ValueError, match="feed='bulk' has no trace"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="bulk", trace=True)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
@@ -2167,8 +2173,9 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     """The warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16): every e2m1 code (random bytes), scales from the subnormal
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
-    (1, 2, 8) and with an L2 prefetch beyond it (ahead 4); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) within the
-    same bounds; and within those bounds of the swapped kernel (the op's path before it)."""
+    (1, 2, 8), with an L2 prefetch beyond it (ahead 4) and with the codes fed by bulk copies into shared memory
+    (feed="bulk", 1-3 steps a copy); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) and
+    the ring refilled a line at a time (pair, odd ranges rounded up) within the same bounds; and within those bounds of the swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4_warps import launch_warps
 
@@ -2185,14 +2192,17 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
-    for depth, ahead in ((1, 0), (4, 0), (8, 0), (2, 4)):
+    for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(feed="bulk"),
+               dict(feed="bulk", phase=1), dict(feed="bulk", phase=3)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        launch_warps(*args, out, depth=depth, ahead=ahead)
-        assert torch.equal(out.cpu(), runs[0]), (depth, ahead)
-    for splits in (1, 2, 4, 16):
+        launch_warps(*args, out, **kw)
+        assert torch.equal(out.cpu(), runs[0]), kw
+    for kw in (dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=16), dict(pair=True),
+               dict(pair=True, depth=4), dict(pair=True, splits=3), dict(feed="bulk", splits=16),
+               dict(feed="bulk", splits=3)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        launch_warps(*args, out, splits=splits)
-        assert calc_diff(out.cpu(), ref) < 1e-5, splits
+        launch_warps(*args, out, **kw)
+        assert calc_diff(out.cpu(), ref) < 1e-5, kw
         assert_elementwise(out.cpu(), ref)
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
     if k % gemm_mxfp4.SWAPPED_K_ALIGN == 0:
