@@ -361,10 +361,8 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     flags += [f"{'true' if pair else 'false'}, {'true' if loads_only else 'false'}"] if pair or loads_only else []
     helper = f"tc_mxfp4_warp_mma<{', '.join([str(tokens // 8), str(depth), str(ahead), *flags])}>"
     bulk = feed == "bulk"
-    feed_bytes = 4
-    if bulk:                              # the helper's shared layout: codes, scale words, barriers (16-byte multiples)
-        rs = 64 * per + (0 if per % 2 else 64)
-        feed_bytes = splits * ROWS * rs + 64 * kb + -(-8 * (splits * -(-per // phase) + 1) // 16) * 16
+    feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
+    if bulk:
         helper = f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}>"
 
     @T.prim_func
@@ -398,6 +396,16 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                     C[j, bid * ROWS + r] = T.cast(total, "bfloat16")
 
     return mxfp4_gemm_nt_warps
+
+
+def bulk_stage_bytes(k: int, splits: int, phase: int = PHASE) -> int:
+    """feed="bulk": the shared bytes of tc_mxfp4_warp_mma_bulk's stage (16-byte multiples): the codes (splits warps x
+    16 rows x rs, rs = 64 per + 64 when per is even), the block's scale words (16 x k / 128), the barriers (splits x
+    phases + 1)."""
+    kb = k // BLOCK_K
+    per = -(-kb // splits)
+    rs = 64 * per + (0 if per % 2 else 64)
+    return splits * ROWS * rs + 64 * kb + -(-8 * (splits * -(-per // phase) + 1) // 16) * 16
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,

@@ -1376,6 +1376,26 @@ def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
         assert h.get("BAR") == 1 and stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
 
 
+def test_mxfp4_warps_bulk_feed_lowers_to_bulk_copies():
+    """feed="bulk": the warp's codes and the block's scale words arrive by 1-D bulk copies (UBLKCP) into shared
+    memory, the K loop reads them with shared loads (the only global loads left are the activations'), no spills,
+    and the block's whole tile fits the shared-memory budget at k = 7168 (16 rows x k / 2 bytes + scale words)."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+
+    for m, n, k in ((1, 4096, 7168), (9, 7168, 2048)):
+        p = {**plan_warps(m, n, k), "feed": "bulk"}
+        src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **p)
+        assert f"tc_mxfp4_warp_mma_bulk<{p['tokens'] // 8}, 2>(" in src
+        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        h = stats.histogram
+        assert h.get("UBLKCP", 0) >= 2 and h.get("HMMA", 0) >= 16 and h.get("LDS", 0) >= 4, stats.format()
+        assert stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
+        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **plan_warps(m, n, k)),
+                                       "sm_90a"), "sm_90a")
+        assert h.get("LDG", 0) < plain.histogram["LDG"], (stats.format(), plain.format())
+
+
 def test_mxfp4_warps_trace_stamps_and_summary():
     """trace=True (bench.trace_mxfp4_warps): lane 0 of each warp stamps into its own Trace row (the timer at entry
     and end, the clock at each step's data and issue); the default kernel takes Trace but never touches it, and is
