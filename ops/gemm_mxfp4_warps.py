@@ -43,6 +43,7 @@ PAIR = False         # the codes asked for a 128-byte line a row at a time (two 
 FEEDS = ("regs", "bulk")
 FEED = "regs"        # how a warp's codes arrive: its register ring ("regs") or bulk copies into shared memory ("bulk")
 PHASE = 2            # feed="bulk": K steps a bulk copy (a row) and a barrier
+BULK_SMEM_MAX = 200 * 1024   # feed="bulk": the most shared memory a block's stage may take (the H100 / H200 allow 227 KB)
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -412,7 +413,9 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
                ahead: int | None = None, pair: bool | None = None, feed: str | None = None,
                phase: int | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead: DEPTH, AHEAD unless given."""
+    n / 16 blocks, at most one a K step; depth, ahead, pair, feed, phase: the module's defaults unless given, except
+    that a bulk feed whose block tile would not fit BULK_SMEM_MAX bytes of shared memory (k above ~24K) falls back to
+    the register feed unless feed="bulk" is asked for."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -421,9 +424,11 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         splits = 1
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
+    phase = PHASE if phase is None else phase
+    if feed is None:
+        feed = FEED if FEED != "bulk" or bulk_stage_bytes(k, splits, phase) <= BULK_SMEM_MAX else "regs"
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair,
-                feed=FEED if feed is None else feed, phase=PHASE if phase is None else phase)
+                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase)
 
 
 def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):

@@ -381,6 +381,9 @@ SUITE = Suite(
                Provider("tilecraft-warps-d1", tilecraft_warps(DEPTH=1), experimental=True),
                Provider("tilecraft-warps-d3", tilecraft_warps(DEPTH=3), experimental=True),
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
+               # the warp kernel's codes by bulk copies into shared memory (FEED "bulk"), at 16 / 32 warps an SM
+               Provider("tilecraft-bulk", tilecraft_warps(FEED="bulk"), experimental=True),
+               Provider("tilecraft-bulk-32", tilecraft_warps(FEED="bulk", WARPS_PER_SM=32), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
