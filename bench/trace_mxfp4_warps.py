@@ -3,7 +3,7 @@ global timer at entry and end, and the SM clock at entry, at each K step's data 
 registers: its loads landed) and issue (its MMAs issued), and at the end.
 
     python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--pair]
-                                      [--flush read|write]
+                                      [--feed regs|bulk] [--phase P] [--flush read|write]
 
 The traced run follows an L2 flush (read by default, as bench.op --flush read). Per case it prints, from the
 global timer (ns, relative to the first warp's entry): the span, the entries' spread (a second wave of blocks shows
@@ -94,12 +94,15 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=None, help="K steps of codes in registers (default DEPTH)")
     ap.add_argument("--ahead", type=int, default=None, help="L2 prefetch steps beyond them (default AHEAD)")
     ap.add_argument("--pair", action="store_true", help="the ring refilled a 128-byte line a row at a time")
+    ap.add_argument("--feed", choices=("regs", "bulk"), default=None, help="the codes' feed (default FEED)")
+    ap.add_argument("--phase", type=int, default=None, help="feed bulk: steps a copy (default PHASE)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace_mxfp4_warps needs a CUDA GPU")
     override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
-                                  ("pair", args.pair or None)) if v is not None}
+                                  ("pair", args.pair or None), ("feed", args.feed), ("phase", args.phase))
+                if v is not None}
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))
         rows, p = trace_case(m, n, k, args.flush, **override)

@@ -229,11 +229,14 @@ __device__ __forceinline__ void tc_bulk_row(unsigned dst, const void* src, int b
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-template <int kTiles, int kPhase>
+// kTrace: the register feed's stamps (entry, each step's data: its codes and scale words read from shared memory,
+// its issue, end) in the same layout, so bench.trace_mxfp4_warps reads both
+template <int kTiles, int kPhase, bool kTrace = false, int kTraceSteps = 0>
 __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, const int* B, const int* SFB,
                                                        const void* A, int m, int k, int splits, int per, int s0,
-                                                       int steps) {
+                                                       int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+  if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
   unsigned char* smem = reinterpret_cast<unsigned char*>(stage);
   const int kb = k / 128, rs = 64 * per + ((per & 1) ? 0 : 64), phases = (per + kPhase - 1) / kPhase;
   unsigned char* codes = smem + (size_t)w * 16 * rs;
@@ -295,12 +298,15 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
     c.sw = scales[g * kb + s0 + i];
     c.sv = scales[(g + 8) * kb + s0 + i];
     const unsigned ew = (c.sw >> (8 * t)) & 0xFFu, ev = (c.sv >> (8 * t)) & 0xFFu;
-    if (__all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u)) {
+    const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
+    if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
+    if (fast) {
       const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
       tc_warp_step_mma<true, kTiles>(acc, c, cur, fw, fv);
     } else {
       tc_warp_step_mma<false, kTiles>(acc, c, cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
     }
+    if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();
     cur = nxt;
   }
 #pragma unroll
@@ -311,6 +317,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
     red[tok * 16 + g + 8] = acc[i][2];
     red[(tok + 1) * 16 + g + 8] = acc[i][3];
   }
+  if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
 """
 
@@ -334,11 +341,11 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     an even number of steps (depth even). loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its
     decode and MMAs, wrong results: what the memory system gives this load pattern. feed: "regs" (the codes loaded
     into a register ring, above) or "bulk" (every code byte of the warp asked for on entry by 1-D bulk copies into
-    shared memory, `phase` steps a copy and barrier; depth, ahead, pair then unused; no trace or loads_only)."""
+    shared memory, `phase` steps a copy and barrier; depth, ahead, pair then unused; no loads_only)."""
     if feed not in FEEDS:
         raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
-    if feed == "bulk" and (trace or loads_only):
-        raise ValueError("feed='bulk' has no trace or loads_only form")
+    if feed == "bulk" and loads_only:
+        raise ValueError("feed='bulk' has no loads_only form")
     if phase < 1:
         raise ValueError(f"phase must be >= 1 steps, got {phase}")
     if tokens not in TOKENS:
@@ -364,7 +371,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     bulk = feed == "bulk"
     feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
     if bulk:
-        helper = f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}>"
+        helper = f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}" + (f", true, {TRACE_STEPS}>" if trace else ">")
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),

@@ -1408,6 +1408,8 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     assert "Trace[" not in plain.split('extern "C" __global__')[-1]
     assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}>(" in traced
     assert f"(&(Trace[((((int)blockIdx.x) * {4 * TRACE_WORDS}) + ((((int)threadIdx.x) >> 5) * {TRACE_WORDS}))]))" in traced
+    bulk = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, feed="bulk", trace=True)
+    assert f"tc_mxfp4_warp_mma_bulk<1, 2, true, {TRACE_STEPS}>(" in bulk and "Trace[" in bulk
     # two warps (kb = 4, splits = 2: two steps each); warp 1 enters 5000 ns late; clocks: entry 100, data 300 / 900,
     # issued 500 / 1000, end 1100
     row = [0] * TRACE_WORDS
@@ -1442,8 +1444,8 @@ def test_mxfp4_warps_plan_and_refusals():
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=3, pair=True)
     with pytest.raises(ValueError, match="feed must be one of"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="tma")
-    with pytest.raises(ValueError, match="feed='bulk' has no trace"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="bulk", trace=True)
+    with pytest.raises(ValueError, match="feed='bulk' has no loads_only"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="bulk", loads_only=True)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
@@ -2231,8 +2233,8 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_mxfp4_warps_trace_is_the_plain_kernel():
-    """The traced warp kernel (bench.trace_mxfp4_warps) gives the plain kernel's bits, and every warp's stamps run
-    forward: entry <= data(0) <= issued(0) <= data(1) ... <= end on its SM's clock, entry <= end on the timer."""
+    """The traced warp kernel (bench.trace_mxfp4_warps), register or bulk feed, gives the plain kernel's bits, and
+    every warp's stamps run forward: entry <= data(0) <= issued(0) <= data(1) ... <= end on its SM's clock, entry <= end on the timer."""
     from bench.trace_mxfp4_warps import _delta, trace_case
     from ops import quant_mxfp4
     from ops.gemm_mxfp4 import _code_words, _scale_words
@@ -2255,6 +2257,15 @@ def test_gpu_mxfp4_warps_trace_is_the_plain_kernel():
     traced = torch.empty_like(plain)
     trace = torch.zeros(len(rows), TRACE_WORDS, dtype=torch.int32, device="cuda")
     mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)(
+        a, _code_words(packed), _scale_words(scales), traced, trace)
+    assert torch.equal(traced, plain)
+    rows_bulk, p_bulk = trace_case(m, n, k, feed="bulk")            # the bulk feed's stamps: the same layout
+    assert p_bulk["feed"] == "bulk" and len(rows_bulk) == len(rows)
+    for w, r in enumerate(rows_bulk):
+        steps = max(0, min(per, kb - (w % p["splits"]) * per))
+        clocks = [r[2]] + [r[4 + j] for j in range(2 * steps)] + [r[3]]
+        assert all(_delta(x, y) < 1 << 30 for x, y in zip(clocks, clocks[1:])), (w, clocks)
+    mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p_bulk)(
         a, _code_words(packed), _scale_words(scales), traced, trace)
     assert torch.equal(traced, plain)
 
