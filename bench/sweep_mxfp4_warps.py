@@ -5,8 +5,8 @@ pattern, wrong results) beside the whole kernel.
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,pair=1,loads=1" ...] [--csv F]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, pair, feed, phase) plus loads; an empty one is the
-plan. GPU only.
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, pair, feed, phase, phase_major) plus
+loads; an empty one is the plan. GPU only.
 """
 
 import argparse
@@ -26,9 +26,11 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("splits", "depth", "ahead", "pair", "feed", "phase", "loads"):
-            raise ValueError(f"variant knob must be splits, depth, ahead, pair, feed, phase or loads, got {key!r}")
-        out[key] = bool(int(value)) if key in ("pair", "loads") else value if key == "feed" else int(value)
+        if key not in ("splits", "depth", "ahead", "pair", "feed", "phase", "phase_major", "loads"):
+            raise ValueError(f"variant knob must be splits, depth, ahead, pair, feed, phase, phase_major or loads, "
+                             f"got {key!r}")
+        out[key] = (bool(int(value)) if key in ("pair", "phase_major", "loads") else value if key == "feed"
+                    else int(value))
     return out
 
 

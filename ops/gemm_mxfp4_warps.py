@@ -43,7 +43,8 @@ PAIR = False         # the codes asked for a 128-byte line a row at a time (two 
 FEEDS = ("regs", "bulk")
 FEED = "regs"        # how a warp's codes arrive: its register ring ("regs") or bulk copies into shared memory ("bulk")
 PHASE = 2            # feed="bulk": K steps a bulk copy (a row) and a barrier
-BULK_SMEM_MAX = 200 * 1024   # feed="bulk": the most shared memory a block's stage may take (the H100 / H200 allow 227 KB)
+PHASE_MAJOR = False  # feed="bulk": the block's copies asked for phase by phase (else warp by warp)
+BULK_SMEM_MAX = 200 * 1024   # feed="bulk": the most shared bytes a block's stage may take (H100 / H200: 227 KB)
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -231,7 +232,10 @@ __device__ __forceinline__ void tc_bulk_row(unsigned dst, const void* src, int b
 }
 // kTrace: the register feed's stamps (entry, each step's data: its codes and scale words read from shared memory,
 // its issue, end) in the same layout, so bench.trace_mxfp4_warps reads both
-template <int kTiles, int kPhase, bool kTrace = false, int kTraceSteps = 0>
+// kPhaseMajor: the block's copies asked for phase by phase (a block barrier between phases), so that the copy
+// engine, if it serves an SM's requests in order, lands every warp's first phase first; else each warp asks for
+// all of its phases in turn
+template <int kTiles, int kPhase, bool kTrace = false, int kTraceSteps = 0, bool kPhaseMajor = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, const int* B, const int* SFB,
                                                        const void* A, int m, int k, int splits, int per, int s0,
                                                        int steps, int* trace = nullptr) {
@@ -263,12 +267,13 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
     }
   }
   __syncwarp();
-  if (lane < 16) {
-    const unsigned char* row = reinterpret_cast<const unsigned char*>(B) + (size_t)lane * (k / 2) + 64 * s0;
-    for (int p = 0; p < live_phases; ++p) {
+  const unsigned char* row = reinterpret_cast<const unsigned char*>(B) + (size_t)(lane & 15) * (k / 2) + 64 * s0;
+  for (int p = 0; p < (kPhaseMajor ? phases : live_phases); ++p) {
+    if (lane < 16 && p < live_phases) {
       const int n = min(kPhase, steps - p * kPhase);
       tc_bulk_row(tc_smem_addr(codes + lane * rs + 64 * kPhase * p), row + 64 * kPhase * p, 64 * n, wbar + 8 * p);
     }
+    if (kPhaseMajor) __syncthreads();   // every warp's phase p asked for before any warp's p + 1
   }
   const uint4* xa[kTiles];
   bool live[kTiles];
@@ -329,8 +334,8 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        pair: bool = PAIR, feed: str = FEED, phase: int = PHASE, trace: bool = False,
-                        loads_only: bool = False):
+                        pair: bool = PAIR, feed: str = FEED, phase: int = PHASE, phase_major: bool = PHASE_MAJOR,
+                        trace: bool = False, loads_only: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
@@ -341,7 +346,8 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     an even number of steps (depth even). loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its
     decode and MMAs, wrong results: what the memory system gives this load pattern. feed: "regs" (the codes loaded
     into a register ring, above) or "bulk" (every code byte of the warp asked for on entry by 1-D bulk copies into
-    shared memory, `phase` steps a copy and barrier; depth, ahead, pair then unused; no loads_only)."""
+    shared memory, `phase` steps a copy and barrier, phase_major: the block's copies asked for phase by phase; depth,
+    ahead, pair then unused; no loads_only)."""
     if feed not in FEEDS:
         raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
     if feed == "bulk" and loads_only:
@@ -371,7 +377,9 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     bulk = feed == "bulk"
     feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
     if bulk:
-        helper = f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}" + (f", true, {TRACE_STEPS}>" if trace else ">")
+        helper = (f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}"
+                  + (f", {'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}, true>" if phase_major
+                     else f", true, {TRACE_STEPS}>" if trace else ">"))
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -418,7 +426,7 @@ def bulk_stage_bytes(k: int, splits: int, phase: int = PHASE) -> int:
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
                ahead: int | None = None, pair: bool | None = None, feed: str | None = None,
-               phase: int | None = None) -> dict:
+               phase: int | None = None, phase_major: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
     n / 16 blocks, at most one a K step; depth, ahead, pair, feed, phase: the module's defaults unless given, except
     that a bulk feed whose block tile would not fit BULK_SMEM_MAX bytes of shared memory (k above ~24K) falls back to
@@ -435,7 +443,8 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
     if feed is None:
         feed = FEED if FEED != "bulk" or bulk_stage_bytes(k, splits, phase) <= BULK_SMEM_MAX else "regs"
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase)
+                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase,
+                phase_major=PHASE_MAJOR if phase_major is None else phase_major)
 
 
 def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):
@@ -448,7 +457,7 @@ def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, PAIR, FEED, PHASE,
-           loads_only, tuple(sorted(override.items())))
+           PHASE_MAJOR, loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

@@ -1427,8 +1427,10 @@ def test_mxfp4_warps_plan_and_refusals():
     K step, at most 16); the program refuses what it cannot run, naming the parameter."""
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, pair=False, feed="regs", phase=2)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, pair=False, feed="regs", phase=2)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, pair=False, feed="regs", phase=2,
+                                             phase_major=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, pair=False, feed="regs", phase=2,
+                                             phase_major=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     for bad in (0, 17):
@@ -2215,7 +2217,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(feed="bulk"),
-               dict(feed="bulk", phase=1), dict(feed="bulk", phase=3)):
+               dict(feed="bulk", phase=1), dict(feed="bulk", phase=3), dict(feed="bulk", phase_major=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
