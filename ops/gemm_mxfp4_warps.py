@@ -323,8 +323,50 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
     red[(tok + 1) * 16 + g + 8] = acc[i][3];
   }
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
+  __syncthreads();                      // every warp past its waits: the barriers invalidated, so that a next call
+  if (lane == 0) {                      // (the masked form's next token tile) may initialize them again
+    for (int p = 0; p < phases; ++p)
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(wbar + 8 * p) : "memory");
+    if (w == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(sbar) : "memory");
+  }
 }
 """
+
+
+def _check_params(n, k, tokens, splits, depth, ahead, pair, feed, phase, loads_only=False):
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
+    if feed == "bulk" and loads_only:
+        raise ValueError("feed='bulk' has no loads_only form")
+    if phase < 1:
+        raise ValueError(f"phase must be >= 1 steps, got {phase}")
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS} warps a block, got {splits}")
+    if not 1 <= depth <= 8 or ahead < 0:
+        raise ValueError(f"depth must be 1..8 and ahead >= 0, got depth={depth}, ahead={ahead}")
+    if n % ROWS or k % BLOCK_K:
+        raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
+    if pair and depth % 2:
+        raise ValueError(f"pair=True refills the ring two steps at a time: depth must be even, got depth={depth}")
+
+
+def _per(kb: int, splits: int, pair: bool = False) -> int:
+    """K steps of a full warp range (pair: even, so that every range starts on a 128-byte line)."""
+    per = -(-kb // splits)
+    return per + per % 2 if pair else per
+
+
+def _helper(tokens, depth, ahead, pair, feed, phase, phase_major, trace=False, loads_only=False) -> str:
+    """The device helper (with its template arguments) one warp calls for its K range."""
+    if feed == "bulk":
+        return (f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}"
+                + (f", {'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}, true>" if phase_major
+                   else f", true, {TRACE_STEPS}>" if trace else ">"))
+    flags = [f"{'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}"] if trace or pair or loads_only else []
+    flags += [f"{'true' if pair else 'false'}, {'true' if loads_only else 'false'}"] if pair or loads_only else []
+    return f"tc_mxfp4_warp_mma<{', '.join([str(tokens // 8), str(depth), str(ahead), *flags])}>"
 
 
 @tile_program(
@@ -348,38 +390,15 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     into a register ring, above) or "bulk" (every code byte of the warp asked for on entry by 1-D bulk copies into
     shared memory, `phase` steps a copy and barrier, phase_major: the block's copies asked for phase by phase; depth,
     ahead, pair then unused; no loads_only)."""
-    if feed not in FEEDS:
-        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
-    if feed == "bulk" and loads_only:
-        raise ValueError("feed='bulk' has no loads_only form")
-    if phase < 1:
-        raise ValueError(f"phase must be >= 1 steps, got {phase}")
-    if tokens not in TOKENS:
-        raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits must be 1..{MAX_SPLITS} warps a block, got {splits}")
-    if not 1 <= depth <= 8 or ahead < 0:
-        raise ValueError(f"depth must be 1..8 and ahead >= 0, got depth={depth}, ahead={ahead}")
-    if n % ROWS or k % BLOCK_K:
-        raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
-    if pair and depth % 2:
-        raise ValueError(f"pair=True refills the ring two steps at a time: depth must be even, got depth={depth}")
+    _check_params(n, k, tokens, splits, depth, ahead, pair, feed, phase, loads_only)
     m = T.dynamic("m")
     kb = k // BLOCK_K
-    per = -(-kb // splits)
-    if pair:
-        per += per % 2                    # every warp's range starts on a 128-byte line
+    per = _per(kb, splits, pair)
     threads = 32 * splits
     outs = ROWS * tokens
-    flags = [f"{'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}"] if trace or pair or loads_only else []
-    flags += [f"{'true' if pair else 'false'}, {'true' if loads_only else 'false'}"] if pair or loads_only else []
-    helper = f"tc_mxfp4_warp_mma<{', '.join([str(tokens // 8), str(depth), str(ahead), *flags])}>"
     bulk = feed == "bulk"
     feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
-    if bulk:
-        helper = (f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}"
-                  + (f", {'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}, true>" if phase_major
-                     else f", true, {TRACE_STEPS}>" if trace else ">"))
+    helper = _helper(tokens, depth, ahead, pair, feed, phase, phase_major, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -414,6 +433,76 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     return mxfp4_gemm_nt_warps
 
 
+@tile_program(
+    "mxfp4_gemm_nt_warps_masked",
+    targets=("cuda:sm_90a", "cuda:sm_100a"),
+    examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
+)
+def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
+                               ahead: int = AHEAD, feed: str = FEED, phase: int = PHASE,
+                               phase_major: bool = PHASE_MAJOR):
+    """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
+    C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
+    (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
+    weights are then read again a tile); a group with masked_m = 0 reads no weights. masked_m is clamped to
+    [0, max_m]."""
+    _check_params(n, k, tokens, splits, depth, ahead, False, feed, phase)
+    g_n, max_m = T.dynamic("g"), T.dynamic("max_m")
+    kb = k // BLOCK_K
+    per = _per(kb, splits)
+    threads = 32 * splits
+    outs = ROWS * tokens
+    nb = n // ROWS
+    bulk = feed == "bulk"
+    feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
+    helper = _helper(tokens, depth, ahead, False, feed, phase, phase_major)
+
+    @T.prim_func
+    def mxfp4_gemm_nt_warps_masked(A: T.Tensor((g_n, max_m, k), "bfloat16"), B: T.Tensor((g_n, n, k // 8), "int32"),
+                                   SFB: T.Tensor((g_n, n, kb), "int32"), Masked: T.Tensor((g_n,), "int32"),
+                                   C: T.Tensor((g_n, max_m, n), "bfloat16")):
+        with tile.grid(g_n * nb, threads) as bid:
+            red = tile.stage((splits, tokens, ROWS), "float32")
+            feed_s = tile.stage((feed_bytes // 4,), "int32")
+            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
+            tid = T.get_thread_binding()
+            w = tid // 32
+            s0 = w * per
+            gi = bid // nb
+            row0 = (bid % nb) * ROWS
+            mg = T.max(T.min(Masked[gi], max_m), 0)
+            total = T.alloc_var("float32")
+            for tt in T.serial(T.ceildiv(max_m, tokens)):
+                if tt * tokens < mg:
+                    live = T.min(mg - tt * tokens, tokens)
+                    steps = T.max(T.min(per, kb - s0), 0)
+                    T.evaluate(T.call_extern(
+                        "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
+                        *([T.access_ptr(feed_s[0], "rw", feed_bytes // 4)] if bulk else []),
+                        T.access_ptr(B[gi, row0, 0], "r", ROWS * k // 8),
+                        T.access_ptr(SFB[gi, row0, 0], "r", ROWS * kb),
+                        T.access_ptr(A[gi, tt * tokens, 0], "r", k), live, k, *([splits, per] if bulk else []), s0,
+                        steps))
+                    tile.barrier()
+                    for it in T.serial(-(-outs // threads)):
+                        o = it * threads + tid
+                        j = o // ROWS
+                        r = o % ROWS
+                        if o < outs and j < live:
+                            total = red[0, j, r]
+                            for s in T.serial(1, splits):
+                                total = total + red[s, j, r]
+                            C[gi, tt * tokens + j, row0 + r] = T.cast(total, "bfloat16")
+                    tile.barrier()
+            for it in T.serial(T.ceildiv(max_m * ROWS, threads)):
+                o = it * threads + tid
+                j = o // ROWS
+                if j < max_m and j >= mg:
+                    C[gi, j, row0 + o % ROWS] = T.cast(0, "bfloat16")
+
+    return mxfp4_gemm_nt_warps_masked
+
+
 def bulk_stage_bytes(k: int, splits: int, phase: int = PHASE) -> int:
     """feed="bulk": the shared bytes of tc_mxfp4_warp_mma_bulk's stage (16-byte multiples): the codes (splits warps x
     16 rows x rs, rs = 64 per + 64 when per is even), the block's scale words (16 x k / 128), the barriers (splits x
@@ -445,6 +534,27 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
                 ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase,
                 phase_major=PHASE_MAJOR if phase_major is None else phase_major)
+
+
+def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
+    """mxfp4_gemm_nt_warps_masked on a (g, max_m, k) bf16, b (g, n, k/2) uint8, sfb (g, n, k/32) uint8, masked_m (g,)
+    int32 into out (g, max_m, n) bf16, with token tiles of `tokens` rows (8 or 16: the op's expected_m), planned by
+    plan_warps over the g * n rows of all groups (+ override); the launcher kept per call shape."""
+    from backends.cuda.device import sm_count
+
+    G, max_m, k = a.shape
+    n = b.shape[1]
+    check.aligned("a", a, 16, "read 16 bytes a lane")
+    target = targets.resolve(a)
+    key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
+           FEED, PHASE, PHASE_MAJOR, tuple(sorted(override.items())))
+
+    def build():
+        p = plan_warps(tokens, G * n, k, sms=sm_count(a), **override)
+        p.pop("pair")
+        return mxfp4_warps_masked_program.compile(target, n=n, k=k, **p).launcher()
+
+    jit.launchers(key, build)(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
 def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):

@@ -1396,6 +1396,23 @@ def test_mxfp4_warps_bulk_feed_lowers_to_bulk_copies():
         assert h.get("LDG", 0) < plain.histogram["LDG"], (stats.format(), plain.format())
 
 
+@pytest.mark.parametrize("feed", ["regs", "bulk"])
+def test_mxfp4_warps_masked_lowers(feed):
+    """The masked form (MoE decode): one helper call a token tile (the bulk helper re-arms its barriers: init, then
+    inval after a block barrier), HMMA, no spills, at most 106 registers a thread (two 8-warp blocks an SM); the op
+    picks the 8- or 16-row token tile from expected_m only with MASKED_WARPS on."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program
+
+    src = mxfp4_warps_masked_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=8, feed=feed)
+    assert src.count("tc_mxfp4_warp_mma_bulk<1, 2>(" if feed == "bulk" else "tc_mxfp4_warp_mma<1, 2, 0>(") == 1
+    stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+    assert stats.histogram.get("HMMA", 0) >= 8 and (feed == "regs" or stats.histogram.get("UBLKCP", 0) >= 2)
+    assert stats.spill_stores == 0 and stats.registers <= 106, stats.format()
+    if feed == "bulk":
+        assert "mbarrier.inval.shared::cta.b64" in src
+
+
 def test_mxfp4_warps_trace_stamps_and_summary():
     """trace=True (bench.trace_mxfp4_warps): lane 0 of each warp stamps into its own Trace row (the timer at entry
     and end, the clock at each step's data and issue); the default kernel takes Trace but never touches it, and is
@@ -2231,6 +2248,46 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
     if k % gemm_mxfp4.SWAPPED_K_ALIGN == 0:
         assert_elementwise(ops.mxfp4_gemm_nt(*args).cpu(), runs[0].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_m,expected_m,k", [(5, 4, 1024), (20, 4, 1024), (16, 12, 7168)])
+def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
+    """The warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS, expected_m <= 8 -> 8-row token tiles, <= 16 with
+    WARP_TOKENS = 16): groups with 0, a few, and max_m rows (20 rows: three token tiles, the weights read again a
+    tile), a's rows past masked_m NaN (never read): the valid rows exact against fp32 within bounds, the rest zeros;
+    the register and bulk feeds bitwise the same, run to run; and within bounds of the swapped masked kernel."""
+    from ops import gemm_mxfp4, gemm_mxfp4_warps
+
+    g = torch.Generator().manual_seed(max_m * 7 + k)
+    G, n = 3, 512
+    a = torch.randn(G, max_m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (G, n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 129, (G, n, k // 32), generator=g, dtype=torch.uint8)
+    scales[1, 0, :2] = torch.tensor([0, 1], dtype=torch.uint8)
+    masked_m = torch.tensor([0, 3, max_m], dtype=torch.int32)
+    for gi, mg in enumerate(masked_m.tolist()):
+        a[gi, mg:] = float("nan")
+    args = (a.cuda(), packed.cuda(), scales.cuda(), masked_m.cuda())
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", True)
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
+    runs = {}
+    for feed in ("regs", "bulk", "regs"):
+        monkeypatch.setattr(gemm_mxfp4_warps, "FEED", feed)
+        out = ops.m_grouped_mxfp4_gemm_nt_masked(*args, expected_m).cpu()
+        assert runs.setdefault(feed, out) is out or torch.equal(out, runs[feed]), feed
+    assert torch.equal(runs["regs"], runs["bulk"])
+    out = runs["regs"]
+    for gi, mg in enumerate(masked_m.tolist()):
+        assert torch.equal(out[gi, mg:], torch.zeros_like(out[gi, mg:])), gi
+        if mg:
+            ref = a[gi, :mg].float() @ ops.dequant_mxfp4(packed[gi], scales[gi]).T
+            assert calc_diff(out[gi, :mg], ref) < 1e-5, gi
+            assert_elementwise(out[gi, :mg], ref)
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", False)
+    swapped = ops.m_grouped_mxfp4_gemm_nt_masked(*args, expected_m).cpu()
+    for gi, mg in enumerate(masked_m.tolist()):
+        assert_elementwise(out[gi, :mg], swapped[gi, :mg].float())
 
 
 @pytest.mark.gpu

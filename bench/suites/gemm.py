@@ -28,6 +28,9 @@ PRESETS = {
     "mxfp4-grouped": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=4096, k=7168),
                       dict(kind="mxfp4-masked", groups=8, m=64, n=7168, k=2048)],   # an expert's down projection
+    # MoE decode with a few tokens an expert (masked, expected_m = m): the up and down projections
+    "mxfp4-moe-decode": [dict(kind="mxfp4-masked", groups=8, m=4, n=4096, k=7168),
+                         dict(kind="mxfp4-masked", groups=8, m=4, n=7168, k=2048)],
     # MoE prefill alone (contiguous): the up projection at two sizes (the larger one the FP8 grouped preset's) and the
     # down projection; then dense prefill GEMMs (one weight, m > 64: mxfp4_w4a8_gemm_nt runs the contiguous kernel)
     "mxfp4-prefill": [dict(kind="mxfp4-contiguous", groups=4, m=1024, n=4096, k=7168),
@@ -256,6 +259,14 @@ def tilecraft_masked_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", False)(case, i)
 
 
+def tilecraft_masked_warps(feed="regs"):
+    """The masked op with expected_m <= 8 on the warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS on), its codes
+    fed by `feed` (ops.gemm_mxfp4_warps.FEED), against the swapped kernel in the same run."""
+    from ops import gemm_mxfp4, gemm_mxfp4_warps
+
+    return with_switch(_with_flag(gemm_mxfp4, "MASKED_WARPS", True), gemm_mxfp4_warps, "FEED", feed)
+
+
 def tilecraft_mxfp4_with(flag, value):
     """The op with the swapped MXFP4 kernel's switch ops.gemm_mxfp4.<flag> set to value, against the
     default in the same run: SWAPPED_FOLD (split-K partials added in the kernel, True, or by the
@@ -386,6 +397,8 @@ SUITE = Suite(
                Provider("tilecraft-bulk-32", tilecraft_warps(FEED="bulk", WARPS_PER_SM=32), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
+               Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
+               Provider("tilecraft-masked-bulk", tilecraft_masked_warps("bulk"), experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
