@@ -17,8 +17,15 @@ the step takes codes 4i .. 4i + 3 of every lane's block; the activations go in w
 (lane (g, t) loads token g's 32 values of block t). The decode is ops.gemm_mxfp4's exact one (e2m1 x 2^e in
 bf16, subnormals kept), so the products are exact and only the fp32 sums' order differs from the other kernels.
 
+Two ways for the codes to arrive (FEED): "regs", the register ring above; "bulk" (session 59, not yet measured),
+every code byte of a warp asked for on entry by 1-D bulk copies into shared memory and the block's scale words by
+one more, the copy engine instead of the SM's load path (the register feed's loads alone ran at ~2.0 TB/s on an
+H100 whatever their depth: bench/NOTES.md "Session 59"). The masked grouped form (mxfp4_gemm_nt_warps_masked, MoE
+decode) runs the same warps a (group, 16-row tile) block over token tiles.
+
 ops.mxfp4_gemm_nt takes it on sm_90a at m <= ops.gemm_mxfp4.WARP_TOKENS (measured there: bench/NOTES.md "Session
-58"); the program also compiles for sm_100a (HMMA in SASS), where the op keeps its other paths.
+58"); ops.m_grouped_mxfp4_gemm_nt_masked at expected_m <= WARP_TOKENS with ops.gemm_mxfp4.MASKED_WARPS on (off until
+measured). The programs also compile for sm_100a (HMMA in SASS), where the ops keep their other paths.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
