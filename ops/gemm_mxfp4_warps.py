@@ -52,6 +52,7 @@ FEED = "regs"        # how a warp's codes arrive: its register ring ("regs") or 
 PHASE = 2            # feed="bulk": K steps a bulk copy (a row) and a barrier
 PHASE_MAJOR = False  # feed="bulk": the block's copies asked for phase by phase (else warp by warp)
 BULK_SMEM_MAX = 200 * 1024   # feed="bulk": the most shared bytes a block's stage may take (H100 / H200: 227 KB)
+SM_SHARED_BYTES = 227 * 1024  # shared memory an SM gives its blocks (H100 / H200), for the bulk feed's plan
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -530,6 +531,7 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
+    given = splits
     if splits is None:
         want = sms * WARPS_PER_SM * ROWS / n
         splits = 1
@@ -538,6 +540,12 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
     phase = PHASE if phase is None else phase
     if feed is None:
         feed = FEED if FEED != "bulk" or bulk_stage_bytes(k, splits, phase) <= BULK_SMEM_MAX else "regs"
+    if feed == "bulk" and given is None:
+        # a bulk block holds its whole 16-row tile in shared memory, so few fit an SM (3 at k = 7168): enough warps a
+        # block that those blocks still make WARPS_PER_SM (many rows, e.g. a masked call's g * n, then run in waves)
+        while (splits * 2 <= min(MAX_SPLITS, kb)
+               and SM_SHARED_BYTES // bulk_stage_bytes(k, splits, phase) * splits < WARPS_PER_SM):
+            splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
                 ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase,
                 phase_major=PHASE_MAJOR if phase_major is None else phase_major)

@@ -1439,9 +1439,10 @@ def test_mxfp4_warps_trace_stamps_and_summary():
         assert re.search(re.escape(name) + rf"\s+p50\s+{p50}\s", text), (name, text)
 
 
-def test_mxfp4_warps_plan_and_refusals():
+def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     """plan_warps: the 8- or 16-token tile, about 16 warps an SM over n / 16 blocks (a power of two, at most one a
     K step, at most 16); the program refuses what it cannot run, naming the parameter."""
+    from ops import gemm_mxfp4_warps
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, pair=False, feed="regs", phase=2,
@@ -1450,6 +1451,13 @@ def test_mxfp4_warps_plan_and_refusals():
                                              phase_major=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
+    # the bulk feed: 3 blocks an SM at k = 7168 (61 KB of tile each), so 8 warps a block even over many rows (a masked
+    # call's 8 x 4096), where the register feed takes 1; its tile past BULK_SMEM_MAX falls back to registers
+    assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1
+    assert plan_warps(8, 8 * 4096, 7168, feed="bulk")["splits"] == 8
+    assert plan_warps(1, 4096, 7168, feed="bulk")["splits"] == 8 and plan_warps(1, 7168, 2048, feed="bulk")["splits"] == 4
+    monkeypatch.setattr(gemm_mxfp4_warps, "FEED", "bulk")
+    assert plan_warps(1, 2048, 32768)["feed"] == "regs" and plan_warps(1, 2048, 16384)["feed"] == "bulk"
     for bad in (0, 17):
         with pytest.raises(ValueError, match=f"1..16 tokens, got m={bad}"):
             plan_warps(bad, 4096, 7168)
