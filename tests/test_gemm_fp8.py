@@ -1368,7 +1368,7 @@ def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     for m, n, k in ((1, 4096, 7168), (16, 7168, 2048)):
-        src = mxfp4_warps_program.source(target, n=n, k=k, **plan_warps(m, n, k))
+        src = mxfp4_warps_program.source(target, n=n, k=k, **plan_warps(m, n, k, feed="regs"))
         assert "tc_mxfp4_warp_mma<" in src and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
         stats = sass_stats(build_cubin(src, target), target)
         h = stats.histogram
@@ -1391,8 +1391,9 @@ def test_mxfp4_warps_bulk_feed_lowers_to_bulk_copies():
         h = stats.histogram
         assert h.get("UBLKCP", 0) >= 2 and h.get("HMMA", 0) >= 16 and h.get("LDS", 0) >= 4, stats.format()
         assert stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
-        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **plan_warps(m, n, k)),
-                                       "sm_90a"), "sm_90a")
+        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k,
+                                                                  **plan_warps(m, n, k, feed="regs")), "sm_90a"),
+                           "sm_90a")
         assert h.get("LDG", 0) < plain.histogram["LDG"], (stats.format(), plain.format())
 
 
