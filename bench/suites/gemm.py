@@ -345,11 +345,16 @@ def deep_gemm(case, i):
 def _kernels(c, t="cuda:sm_90a"):
     """The tile programs a case runs, with their parameters (static stats without a GPU)."""
     from ops import gemm_mxfp4
-    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
 
     swapped = c["m"] <= SWAPPED_TOKENS[-1] and c["k"] % SWAPPED_K_ALIGN == 0 and t == "cuda:sm_90a"
     if c["kind"] == "mxfp4" and c["m"] <= gemm_mxfp4.WARP_TOKENS and t == "cuda:sm_90a":
         return [(mxfp4_warps_program, dict(n=c["n"], k=c["k"], **plan_warps(c["m"], c["n"], c["k"])))]
+    if (c["kind"] == "mxfp4-masked" and gemm_mxfp4.MASKED_WARPS and 0 < c["m"] <= gemm_mxfp4.WARP_TOKENS
+            and t == "cuda:sm_90a"):     # (the op's expected_m: the case's m)
+        p = plan_warps(c["m"], c["groups"] * c["n"], c["k"])
+        p.pop("pair")
+        return [(mxfp4_warps_masked_program, dict(n=c["n"], k=c["k"], **p))]
     if c["kind"] == "mxfp4" and swapped:
         return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
     if c["kind"] == "mxfp4-masked" and swapped:
