@@ -126,6 +126,44 @@ __device__ __forceinline__ void tc_warp_step_mma(float (*acc)[4], const TcWarpCo
     }
   }
 }
+// a step's MMAs with the lane's scale bytes ew, ev (rows g, g + 8) applied: when no byte of the warp's rows exceeds
+// 128 (fast), 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126), one exact multiply of the bits placed as
+// e2m1 * 2^-126; else two multiplies
+template <int kTiles>
+__device__ __forceinline__ void tc_warp_step_scaled(float (*acc)[4], const TcWarpCodes& c, const TcWarpActs<kTiles>& d,
+                                                    unsigned ew, unsigned ev, bool fast) {
+  if (fast) {
+    const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
+    tc_warp_step_mma<true, kTiles>(acc, c, d, fw, fv);
+  } else {
+    tc_warp_step_mma<false, kTiles>(acc, c, d, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+  }
+}
+// lane (g, t)'s activation rows (token 8i + g of tile i; live: below m, else row 0, never loaded) at step s0
+template <int kTiles>
+__device__ __forceinline__ void tc_warp_acts_at(const uint4** xa, bool* live, const void* A, int m, int k, int s0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + g;
+    live[i] = tok < m;
+    xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
+            + 4 * t + 16 * s0;
+  }
+}
+// the warp's fp32 partial (16 rows x 8 kTiles tokens, the MMA's C layout) into red, token-major (red[token * 16 + row])
+template <int kTiles>
+__device__ __forceinline__ void tc_warp_partials_store(float* red, const float (*acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int tok = 8 * i + 2 * t;
+    red[tok * 16 + g] = acc[i][0];
+    red[(tok + 1) * 16 + g] = acc[i][1];
+    red[tok * 16 + g + 8] = acc[i][2];
+    red[(tok + 1) * 16 + g + 8] = acc[i][3];
+  }
+}
 // A warp's K range [s0, s0 + steps) of the block's 16 rows: its fp32 partial (16 rows x 8 kTiles tokens) into
 // red, token-major (red[token * 16 + row]). B: the block's first row's code words (k / 8 a row); SFB: its
 // scale words (k / 128 a row); A: token 0's activations (k a row); m tokens. The codes of kDepth steps are in
@@ -150,13 +188,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   const unsigned* sv = reinterpret_cast<const unsigned*>(SFB + (size_t)(g + 8) * kb) + s0;
   const uint4* xa[kTiles];
   bool live[kTiles];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int tok = 8 * i + g;
-    live[i] = tok < m;
-    xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
-            + 4 * t + 16 * s0;
-  }
+  tc_warp_acts_at<kTiles>(xa, live, A, m, k, s0);
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -191,13 +223,8 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
 #pragma unroll
           for (int q = 0; q < kTiles; ++q) f ^= cur.x[q][0].x ^ cur.x[q][3].w;
           acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
-        } else if (fast) {
-          // 2^(e8 - 1) in both bf16 lanes (exponent field e8 + 126): one exact multiply of the bits placed as
-          // e2m1 * 2^-126
-          const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
-          tc_warp_step_mma<true, kTiles>(acc, ring[j], cur, fw, fv);
         } else {
-          tc_warp_step_mma<false, kTiles>(acc, ring[j], cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
+          tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
         if (!kPair) {
@@ -210,14 +237,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int tok = 8 * i + 2 * t;
-    red[tok * 16 + g] = acc[i][0];
-    red[(tok + 1) * 16 + g] = acc[i][1];
-    red[tok * 16 + g + 8] = acc[i][2];
-    red[(tok + 1) * 16 + g + 8] = acc[i][3];
-  }
+  tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
 // feed="bulk": the warp's codes reach shared memory by 1-D bulk copies (the copy engine: no load of the warp waits
@@ -285,13 +305,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
   }
   const uint4* xa[kTiles];
   bool live[kTiles];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int tok = 8 * i + g;
-    live[i] = tok < m;
-    xa[i] = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(A) + (size_t)(live[i] ? tok : 0) * k)
-            + 4 * t + 16 * s0;
-  }
+  tc_warp_acts_at<kTiles>(xa, live, A, m, k, s0);
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -313,23 +327,11 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, 
     const unsigned ew = (c.sw >> (8 * t)) & 0xFFu, ev = (c.sv >> (8 * t)) & 0xFFu;
     const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
     if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
-    if (fast) {
-      const unsigned fw = ((ew + 126u) << 7) * 0x10001u, fv = ((ev + 126u) << 7) * 0x10001u;
-      tc_warp_step_mma<true, kTiles>(acc, c, cur, fw, fv);
-    } else {
-      tc_warp_step_mma<false, kTiles>(acc, c, cur, tc_e8m0_bf16x2(ew), tc_e8m0_bf16x2(ev));
-    }
+    tc_warp_step_scaled<kTiles>(acc, c, cur, ew, ev, fast);
     if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();
     cur = nxt;
   }
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int tok = 8 * i + 2 * t;
-    red[tok * 16 + g] = acc[i][0];
-    red[(tok + 1) * 16 + g] = acc[i][1];
-    red[tok * 16 + g + 8] = acc[i][2];
-    red[(tok + 1) * 16 + g + 8] = acc[i][3];
-  }
+  tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
   __syncthreads();                      // every warp past its waits: the barriers invalidated, so that a next call
   if (lane == 0) {                      // (the masked form's next token tile) may initialize them again
