@@ -1086,9 +1086,9 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
         raise ValueError(f"masked_m must be in [0, {max_m}]")
     if native:
         return _grouped_native("masked", a, sfa, b, sfb, masked_m)
-    hint = expected_m if expected_m is not None else max_m
+    hint = expected_m or max_m
     # block_m 8 / 16: the warp kernel's token tile (sm_90a, expected_m <= WARP_TOKENS); else the row tile
-    warps = MASKED_WARPS and 0 < hint <= WARP_TOKENS
+    warps = MASKED_WARPS and hint <= WARP_TOKENS
     block_m = next((t for t in (8, 16) if t >= hint), 64) if warps else 64 if hint <= 64 else 128
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
 
