@@ -3,9 +3,9 @@
 kernel, and `loads=1` variants (the kernel's loads alone, no decode or MMA: what the memory system gives that load
 pattern, wrong results) beside the whole kernel.
 
-    python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,pair=1,loads=1" ...] [--csv F]
+    python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, pair, feed, phase, phase_major) plus
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads) plus
 loads; an empty one is the plan. GPU only.
 """
 
@@ -18,19 +18,17 @@ import torch
 from bench.timing import bench_graph, card_identity
 
 CASES = ("1x4096x7168", "1x7168x2048", "8x4096x7168", "8x7168x2048")
-VARIANTS = ("", "loads=1", "pair=1", "pair=1,loads=1", "depth=4,pair=1", "depth=4,pair=1,loads=1")
+VARIANTS = ("", "loads=1", "quads=1", "quads=1,loads=1", "depth=4,quads=1", "depth=4,quads=1,loads=1")
 
 
 def parse_variant(text: str) -> dict:
-    """"splits=8,pair=1" -> {"splits": 8, "pair": True}; "" -> {}."""
+    """"splits=8,quads=1" -> {"splits": 8, "quads": True}; "" -> {}."""
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("splits", "depth", "ahead", "pair", "feed", "phase", "phase_major", "loads"):
-            raise ValueError(f"variant knob must be splits, depth, ahead, pair, feed, phase, phase_major or loads, "
-                             f"got {key!r}")
-        out[key] = (bool(int(value)) if key in ("pair", "phase_major", "loads") else value if key == "feed"
-                    else int(value))
+        if key not in ("splits", "depth", "ahead", "quads", "loads"):
+            raise ValueError(f"variant knob must be splits, depth, ahead, quads or loads, got {key!r}")
+        out[key] = bool(int(value)) if key in ("quads", "loads") else int(value)
     return out
 
 

@@ -2,8 +2,8 @@
 global timer at entry and end, and the SM clock at entry, at each K step's data (the step's scale words in
 registers: its loads landed) and issue (its MMAs issued), and at the end.
 
-    python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--pair]
-                                      [--feed regs|bulk] [--phase P] [--flush read|write]
+    python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--quads]
+                                      [--flush read|write]
 
 The traced run follows an L2 flush (read by default, as bench.op --flush read). Per case it prints, from the
 global timer (ns, relative to the first warp's entry): the span, the entries' spread (a second wave of blocks shows
@@ -54,9 +54,8 @@ def trace_case(m, n, k, flush_mode="read", **override):
     return trace.cpu().tolist(), p
 
 
-def summarize(rows, kb, splits, pair=False):
+def summarize(rows, kb, splits):
     per = -(-kb // splits)
-    per += per % 2 if pair else 0
     t0 = min(r[0] for r in rows)
     entry = [_delta(t0, r[0]) for r in rows]
     end = [_delta(t0, r[1]) for r in rows]
@@ -93,21 +92,19 @@ def main(argv=None):
     ap.add_argument("--splits", type=int, default=None, help="warps a block (default plan_warps')")
     ap.add_argument("--depth", type=int, default=None, help="K steps of codes in registers (default DEPTH)")
     ap.add_argument("--ahead", type=int, default=None, help="L2 prefetch steps beyond them (default AHEAD)")
-    ap.add_argument("--pair", action="store_true", help="the ring refilled a 128-byte line a row at a time")
-    ap.add_argument("--feed", choices=("regs", "bulk"), default=None, help="the codes' feed (default FEED)")
-    ap.add_argument("--phase", type=int, default=None, help="feed bulk: steps a copy (default PHASE)")
+    ap.add_argument("--quads", action="store_true", help="the scale words four steps a load (default QUADS)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace_mxfp4_warps needs a CUDA GPU")
     override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
-                                  ("pair", args.pair or None), ("feed", args.feed), ("phase", args.phase))
+                                  ("quads", args.quads or None))
                 if v is not None}
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))
         rows, p = trace_case(m, n, k, args.flush, **override)
         print(f"{case} {p} (flush {args.flush})")
-        print(summarize(rows, k // 128, p["splits"], p["pair"]))
+        print(summarize(rows, k // 128, p["splits"]))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,10 @@ the step takes codes 4i .. 4i + 3 of every lane's block; the activations go in w
 (lane (g, t) loads token g's 32 values of block t). The decode is ops.gemm_mxfp4's exact one (e2m1 x 2^e in
 bf16, subnormals kept), so the products are exact and only the fp32 sums' order differs from the other kernels.
 
-Two ways for the codes to arrive (FEED): "regs", the register ring above; "bulk" (session 59, not yet measured),
-every code byte of a warp asked for on entry by 1-D bulk copies into shared memory and the block's scale words by
-one more, the copy engine instead of the SM's load path (the register feed's loads alone ran at ~2.0 TB/s on an
-H100 whatever their depth: bench/NOTES.md "Session 59"). The masked grouped form (mxfp4_gemm_nt_warps_masked, MoE
-decode) runs the same warps a (group, 16-row tile) block over token tiles.
+The codes' loads alone (bench.sweep_mxfp4_warps loads=1) take 70-85% of the kernel's time (~2.0-2.5 TB/s);
+session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md "Session 60") and is gone. QUADS
+loads the scale words four steps at a time (a quarter of their line requests). The masked grouped form
+(mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over token tiles.
 
 ops.mxfp4_gemm_nt takes it on sm_90a at m <= ops.gemm_mxfp4.WARP_TOKENS (measured there: bench/NOTES.md "Session
 58"); ops.m_grouped_mxfp4_gemm_nt_masked at expected_m <= WARP_TOKENS with ops.gemm_mxfp4.MASKED_WARPS on (off until
@@ -46,13 +45,7 @@ WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to kee
 DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
                      # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
-PAIR = False         # the codes asked for a 128-byte line a row at a time (two steps; bench.sweep_mxfp4_warps)
-FEEDS = ("regs", "bulk")
-FEED = "regs"        # how a warp's codes arrive: its register ring ("regs") or bulk copies into shared memory ("bulk")
-PHASE = 2            # feed="bulk": K steps a bulk copy (a row) and a barrier
-PHASE_MAJOR = False  # feed="bulk": the block's copies asked for phase by phase (else warp by warp)
-BULK_SMEM_MAX = 200 * 1024   # feed="bulk": the most shared bytes a block's stage may take (H100 / H200: 227 KB)
-SM_SHARED_BYTES = 227 * 1024  # shared memory an SM gives its blocks (H100 / H200), for the bulk feed's plan
+QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step; session 60)
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -75,12 +68,13 @@ template <int kTiles>
 struct TcWarpActs {
   uint4 x[kTiles][4];
 };
+template <bool kScales>   // false: the step's scale words come otherwise (kQuads), zeros here
 __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* bw, const uint4* bv,
                                                    const unsigned* sw, const unsigned* sv, int s) {
   d.w = __ldg(bw + 4 * s);
   d.v = __ldg(bv + 4 * s);
-  d.sw = __ldg(sw + s);
-  d.sv = __ldg(sv + s);
+  d.sw = kScales ? __ldg(sw + s) : 0u;
+  d.sv = kScales ? __ldg(sv + s) : 0u;
 }
 __device__ __forceinline__ unsigned tc_warp_codes_fold(const TcWarpCodes& c) {
   return c.w.x ^ c.w.y ^ c.w.z ^ c.w.w ^ c.v.x ^ c.v.y ^ c.v.z ^ c.v.w ^ c.sw ^ c.sv;
@@ -169,14 +163,17 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // scale words (k / 128 a row); A: token 0's activations (k a row); m tokens. The codes of kDepth steps are in
 // flight in registers (a step's slot reloaded kDepth steps ahead once its MMAs are issued), the activations one
 // step ahead; kAhead > 0: the codes also asked of L2 kAhead steps beyond the registers.
+// kQuads: the scale words come four steps a load: lane (g, t) holds rows g and g + 8's words of steps 4c + t of the
+// quad c (the row's four lanes one 16-byte piece: a quarter of the scale loads' line requests), the next quad in
+// flight behind it, and step s takes its words from lane (g, s % 4) by a shuffle. Else each step's words ride in
+// the ring with its codes.
 // kTrace (bench.trace_mxfp4_warps): lane 0 writes the warp's stamps into trace[0 ..]: the global timer's ns at
 // entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
-// kPair: the ring refilled two steps at a time (after each odd slot's MMAs), so that a row's two 64-byte halves of
-// one 128-byte line are asked for together (the warp's range starts on a line: steps even). kLoadsOnly
-// (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the words
-template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, bool kPair = false,
-          bool kLoadsOnly = false>
+// kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
+// words
+template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, bool kLoadsOnly = false,
+          bool kQuads = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -192,10 +189,15 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  unsigned qw = 0u, qv = 0u, nqw = 0u, nqv = 0u;   // kQuads: this quad's scale words and the next one's
+  if (kQuads) {
+    if (t < steps) { qw = __ldg(sw + t); qv = __ldg(sv + t); }
+    if (4 + t < steps) { nqw = __ldg(sw + 4 + t); nqv = __ldg(sv + 4 + t); }
+  }
   TcWarpCodes ring[kDepth];
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    if (j < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, j);
+    if (j < steps) tc_warp_codes_load<!kQuads>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
@@ -215,11 +217,17 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
           tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
         }
-        const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
+        unsigned wsw = ring[j].sw, wsv = ring[j].sv;
+        if (kQuads) {
+          const int src = (lane & ~3) | (i & 3);
+          wsw = __shfl_sync(0xFFFFFFFFu, qw, src);
+          wsv = __shfl_sync(0xFFFFFFFFu, qv, src);
+        }
+        const unsigned ew = (wsw >> (8 * t)) & 0xFFu, ev = (wsv >> (8 * t)) & 0xFFu;
         const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
         if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
         if (kLoadsOnly) {
-          unsigned f = tc_warp_codes_fold(ring[j]);
+          unsigned f = tc_warp_codes_fold(ring[j]) ^ wsw ^ wsv;
 #pragma unroll
           for (int q = 0; q < kTiles; ++q) f ^= cur.x[q][0].x ^ cur.x[q][3].w;
           acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
@@ -227,11 +235,11 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (!kPair) {
-          if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
-        } else if (j & 1) {
-          if (i - 1 + kDepth < steps) tc_warp_codes_load(ring[j - 1], bw, bv, sw, sv, i - 1 + kDepth);
-          if (i + kDepth < steps) tc_warp_codes_load(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (i + kDepth < steps) tc_warp_codes_load<!kQuads>(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (kQuads && (i & 3) == 3) {   // the next quad current, the one after it asked for
+          qw = nqw;
+          qv = nqv;
+          if (i + 5 + t < steps) { nqw = __ldg(sw + i + 5 + t); nqv = __ldg(sv + i + 5 + t); }
         }
         cur = nxt;
       }
@@ -240,116 +248,10 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
-// feed="bulk": the warp's codes reach shared memory by 1-D bulk copies (the copy engine: no load of the warp waits
-// in the SM's miss queue) asked for all at once on entry, one copy a row and phase of kPhase steps, each phase on its
-// own single-use mbarrier; the block's scale words by one bulk copy on the block's barrier. Then every step reads a
-// lane's 16 bytes of rows g, g + 8 and their scale words from shared memory and runs tc_warp_step_mma as above.
-// smem: the block's stage: codes (splits warps x 16 rows x rs bytes, rs = 64 per + 64 when per is even: rows g and
-// g + 1 of one 8-lane phase of a 16-byte shared load in different banks), the scale words (16 x kb), the barriers
-// (splits x phases + 1, 8 bytes each); per: the steps of a full warp range, steps: this warp's (0 .. per)
-__device__ __forceinline__ unsigned tc_smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void tc_bar_wait0(unsigned bar) {
-  asm volatile("{\n .reg .pred p;\n TC_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
-               " @!p bra TC_WAIT;\n}" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void tc_bulk_row(unsigned dst, const void* src, int bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// kTrace: the register feed's stamps (entry, each step's data: its codes and scale words read from shared memory,
-// its issue, end) in the same layout, so bench.trace_mxfp4_warps reads both
-// kPhaseMajor: the block's copies asked for phase by phase (a block barrier between phases), so that the copy
-// engine, if it serves an SM's requests in order, lands every warp's first phase first; else each warp asks for
-// all of its phases in turn
-template <int kTiles, int kPhase, bool kTrace = false, int kTraceSteps = 0, bool kPhaseMajor = false>
-__device__ __forceinline__ void tc_mxfp4_warp_mma_bulk(float* red, void* stage, const int* B, const int* SFB,
-                                                       const void* A, int m, int k, int splits, int per, int s0,
-                                                       int steps, int* trace = nullptr) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
-  if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
-  unsigned char* smem = reinterpret_cast<unsigned char*>(stage);
-  const int kb = k / 128, rs = 64 * per + ((per & 1) ? 0 : 64), phases = (per + kPhase - 1) / kPhase;
-  unsigned char* codes = smem + (size_t)w * 16 * rs;
-  const unsigned* scales = reinterpret_cast<const unsigned*>(smem + (size_t)splits * 16 * rs);
-  const unsigned bars = tc_smem_addr(smem + (size_t)splits * 16 * rs + 64 * kb);
-  const unsigned sbar = bars + 8 * splits * phases, wbar = bars + 8 * w * phases;
-  if (lane == 0) {
-    for (int p = 0; p < phases; ++p)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(wbar + 8 * p) : "memory");
-    if (w == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(sbar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(sbar), "r"(64 * kb) : "memory");
-    tc_bulk_row(tc_smem_addr(scales), SFB, 64 * kb, sbar);
-  }
-  const int live_phases = (steps + kPhase - 1) / kPhase;
-  if (lane == 0) {
-    for (int p = 0; p < live_phases; ++p) {
-      const int n = min(kPhase, steps - p * kPhase);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(wbar + 8 * p), "r"(16 * 64 * n)
-                   : "memory");
-    }
-  }
-  __syncwarp();
-  const unsigned char* row = reinterpret_cast<const unsigned char*>(B) + (size_t)(lane & 15) * (k / 2) + 64 * s0;
-  for (int p = 0; p < (kPhaseMajor ? phases : live_phases); ++p) {
-    if (lane < 16 && p < live_phases) {
-      const int n = min(kPhase, steps - p * kPhase);
-      tc_bulk_row(tc_smem_addr(codes + lane * rs + 64 * kPhase * p), row + 64 * kPhase * p, 64 * n, wbar + 8 * p);
-    }
-    if (kPhaseMajor) __syncthreads();   // every warp's phase p asked for before any warp's p + 1
-  }
-  const uint4* xa[kTiles];
-  bool live[kTiles];
-  tc_warp_acts_at<kTiles>(xa, live, A, m, k, s0);
-  float acc[kTiles][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  TcWarpActs<kTiles> cur, nxt;
-  if (steps > 0) {
-    tc_warp_acts_load<kTiles>(cur, xa, live, 0);
-    tc_bar_wait0(sbar);
-  }
-  const uint4* cw = reinterpret_cast<const uint4*>(codes + g * rs) + t;
-  const uint4* cv = reinterpret_cast<const uint4*>(codes + (g + 8) * rs) + t;
-  for (int i = 0; i < steps; ++i) {
-    if (i % kPhase == 0) tc_bar_wait0(wbar + 8 * (i / kPhase));
-    if (i + 1 < steps) tc_warp_acts_load<kTiles>(nxt, xa, live, i + 1);
-    TcWarpCodes c;
-    c.w = cw[4 * i];
-    c.v = cv[4 * i];
-    c.sw = scales[g * kb + s0 + i];
-    c.sv = scales[(g + 8) * kb + s0 + i];
-    const unsigned ew = (c.sw >> (8 * t)) & 0xFFu, ev = (c.sv >> (8 * t)) & 0xFFu;
-    const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
-    if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
-    tc_warp_step_scaled<kTiles>(acc, c, cur, ew, ev, fast);
-    if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();
-    cur = nxt;
-  }
-  tc_warp_partials_store<kTiles>(red, acc);
-  if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
-  __syncthreads();                      // every warp past its waits: the barriers invalidated, so that a next call
-  if (lane == 0) {                      // (the masked form's next token tile) may initialize them again
-    for (int p = 0; p < phases; ++p)
-      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(wbar + 8 * p) : "memory");
-    if (w == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(sbar) : "memory");
-  }
-}
 """
 
 
-def _check_params(n, k, tokens, splits, depth, ahead, pair, feed, phase, loads_only=False):
-    if feed not in FEEDS:
-        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
-    if feed == "bulk" and loads_only:
-        raise ValueError("feed='bulk' has no loads_only form")
-    if phase < 1:
-        raise ValueError(f"phase must be >= 1 steps, got {phase}")
+def _check_params(n, k, tokens, splits, depth, ahead):
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -358,25 +260,24 @@ def _check_params(n, k, tokens, splits, depth, ahead, pair, feed, phase, loads_o
         raise ValueError(f"depth must be 1..8 and ahead >= 0, got depth={depth}, ahead={ahead}")
     if n % ROWS or k % BLOCK_K:
         raise ValueError(f"n must be a multiple of {ROWS} and k of {BLOCK_K}, got n={n}, k={k}")
-    if pair and depth % 2:
-        raise ValueError(f"pair=True refills the ring two steps at a time: depth must be even, got depth={depth}")
 
 
-def _per(kb: int, splits: int, pair: bool = False) -> int:
-    """K steps of a full warp range (pair: even, so that every range starts on a 128-byte line)."""
-    per = -(-kb // splits)
-    return per + per % 2 if pair else per
+def _per(kb: int, splits: int) -> int:
+    """K steps of a full warp range."""
+    return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, pair, feed, phase, phase_major, trace=False, loads_only=False) -> str:
+def _helper(tokens, depth, ahead, quads, trace=False, loads_only=False) -> str:
     """The device helper (with its template arguments) one warp calls for its K range."""
-    if feed == "bulk":
-        return (f"tc_mxfp4_warp_mma_bulk<{tokens // 8}, {phase}"
-                + (f", {'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}, true>" if phase_major
-                   else f", true, {TRACE_STEPS}>" if trace else ">"))
-    flags = [f"{'true' if trace else 'false'}, {TRACE_STEPS if trace else 0}"] if trace or pair or loads_only else []
-    flags += [f"{'true' if pair else 'false'}, {'true' if loads_only else 'false'}"] if pair or loads_only else []
-    return f"tc_mxfp4_warp_mma<{', '.join([str(tokens // 8), str(depth), str(ahead), *flags])}>"
+    b = lambda v: "true" if v else "false"   # noqa: E731
+    args = [str(tokens // 8), str(depth), str(ahead)]
+    if trace or loads_only or quads:
+        args += [b(trace), str(TRACE_STEPS if trace else 0)]
+    if loads_only or quads:
+        args += [b(loads_only)]
+    if quads:
+        args += [b(quads)]
+    return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
 
 
 @tile_program(
@@ -386,29 +287,23 @@ def _helper(tokens, depth, ahead, pair, feed, phase, phase_major, trace=False, l
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        pair: bool = PAIR, feed: str = FEED, phase: int = PHASE, phase_major: bool = PHASE_MAJOR,
-                        trace: bool = False, loads_only: bool = False):
+                        quads: bool = QUADS, trace: bool = False, loads_only: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
-    registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none).
+    registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
+    loaded four steps at a time, one a lane (else a step's with its codes).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
-    bound but never touched. pair: the codes asked for two steps (a 128-byte line a row) at a time, each warp's range
-    an even number of steps (depth even). loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its
-    decode and MMAs, wrong results: what the memory system gives this load pattern. feed: "regs" (the codes loaded
-    into a register ring, above) or "bulk" (every code byte of the warp asked for on entry by 1-D bulk copies into
-    shared memory, `phase` steps a copy and barrier, phase_major: the block's copies asked for phase by phase; depth,
-    ahead, pair then unused; no loads_only)."""
-    _check_params(n, k, tokens, splits, depth, ahead, pair, feed, phase, loads_only)
+    bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
+    wrong results: what the memory system gives this load pattern."""
+    _check_params(n, k, tokens, splits, depth, ahead)
     m = T.dynamic("m")
     kb = k // BLOCK_K
-    per = _per(kb, splits, pair)
+    per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    bulk = feed == "bulk"
-    feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
-    helper = _helper(tokens, depth, ahead, pair, feed, phase, phase_major, trace, loads_only)
+    helper = _helper(tokens, depth, ahead, quads, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -416,17 +311,14 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                             Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
         with tile.grid(n // ROWS, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
-            feed_s = tile.stage((feed_bytes // 4 if bulk else 1,), "int32")
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32
             s0 = w * per
             T.evaluate(T.call_extern(
                 "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
-                *([T.access_ptr(feed_s[0], "rw", feed_bytes // 4)] if bulk else []),
                 T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8), T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb),
-                T.access_ptr(A[0, 0], "r", k), m, k, *([splits, per] if bulk else []), s0,
-                T.max(T.min(per, kb - s0), 0),
+                T.access_ptr(A[0, 0], "r", k), m, k, s0, T.max(T.min(per, kb - s0), 0),
                 *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
             total = T.alloc_var("float32")
@@ -449,23 +341,20 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, feed: str = FEED, phase: int = PHASE,
-                               phase_major: bool = PHASE_MAJOR):
+                               ahead: int = AHEAD, quads: bool = QUADS):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
     weights are then read again a tile); a group with masked_m = 0 reads no weights. masked_m is clamped to
     [0, max_m]."""
-    _check_params(n, k, tokens, splits, depth, ahead, False, feed, phase)
+    _check_params(n, k, tokens, splits, depth, ahead)
     g_n, max_m = T.dynamic("g"), T.dynamic("max_m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
     nb = n // ROWS
-    bulk = feed == "bulk"
-    feed_bytes = bulk_stage_bytes(k, splits, phase) if bulk else 4
-    helper = _helper(tokens, depth, ahead, False, feed, phase, phase_major)
+    helper = _helper(tokens, depth, ahead, quads)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps_masked(A: T.Tensor((g_n, max_m, k), "bfloat16"), B: T.Tensor((g_n, n, k // 8), "int32"),
@@ -473,7 +362,6 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
                                    C: T.Tensor((g_n, max_m, n), "bfloat16")):
         with tile.grid(g_n * nb, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
-            feed_s = tile.stage((feed_bytes // 4,), "int32")
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32
@@ -488,11 +376,9 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
                     steps = T.max(T.min(per, kb - s0), 0)
                     T.evaluate(T.call_extern(
                         "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
-                        *([T.access_ptr(feed_s[0], "rw", feed_bytes // 4)] if bulk else []),
                         T.access_ptr(B[gi, row0, 0], "r", ROWS * k // 8),
                         T.access_ptr(SFB[gi, row0, 0], "r", ROWS * kb),
-                        T.access_ptr(A[gi, tt * tokens, 0], "r", k), live, k, *([splits, per] if bulk else []), s0,
-                        steps))
+                        T.access_ptr(A[gi, tt * tokens, 0], "r", k), live, k, s0, steps))
                     tile.barrier()
                     for it in T.serial(-(-outs // threads)):
                         o = it * threads + tid
@@ -513,44 +399,20 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
     return mxfp4_gemm_nt_warps_masked
 
 
-def bulk_stage_bytes(k: int, splits: int, phase: int = PHASE) -> int:
-    """feed="bulk": the shared bytes of tc_mxfp4_warp_mma_bulk's stage (16-byte multiples): the codes (splits warps x
-    16 rows x rs, rs = 64 per + 64 when per is even), the block's scale words (16 x k / 128), the barriers (splits x
-    phases + 1)."""
-    kb = k // BLOCK_K
-    per = -(-kb // splits)
-    rs = 64 * per + (0 if per % 2 else 64)
-    return splits * ROWS * rs + 64 * kb + -(-8 * (splits * -(-per // phase) + 1) // 16) * 16
-
-
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, pair: bool | None = None, feed: str | None = None,
-               phase: int | None = None, phase_major: bool | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead, pair, feed, phase: the module's defaults unless given, except
-    that a bulk feed whose block tile would not fit BULK_SMEM_MAX bytes of shared memory (k above ~24K) falls back to
-    the register feed unless feed="bulk" is asked for."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
-    given = splits
     if splits is None:
         want = sms * WARPS_PER_SM * ROWS / n
         splits = 1
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
-    phase = PHASE if phase is None else phase
-    if feed is None:
-        feed = FEED if FEED != "bulk" or bulk_stage_bytes(k, splits, phase) <= BULK_SMEM_MAX else "regs"
-    if feed == "bulk" and given is None:
-        # a bulk block holds its whole 16-row tile in shared memory, so few fit an SM (3 at k = 7168): enough warps a
-        # block that those blocks still make WARPS_PER_SM (many rows, e.g. a masked call's g * n, then run in waves)
-        while (splits * 2 <= min(MAX_SPLITS, kb)
-               and SM_SHARED_BYTES // bulk_stage_bytes(k, splits, phase) * splits < WARPS_PER_SM):
-            splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, pair=PAIR if pair is None else pair, feed=feed, phase=phase,
-                phase_major=PHASE_MAJOR if phase_major is None else phase_major)
+                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -564,27 +426,23 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
-           FEED, PHASE, PHASE_MAJOR, tuple(sorted(override.items())))
-
-    def build():
-        p = plan_warps(tokens, G * n, k, sms=sm_count(a), **override)
-        p.pop("pair")
-        return mxfp4_warps_masked_program.compile(target, n=n, k=k, **p).launcher()
-
-    jit.launchers(key, build)(a, _code_words(b), _scale_words(sfb), masked_m, out)
+           QUADS, tuple(sorted(override.items())))
+    launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
+        target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
+    launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
 def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
     n = b.shape[0]
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, PAIR, FEED, PHASE,
-           PHASE_MAJOR, loads_only, tuple(sorted(override.items())))
+    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS, loads_only,
+           tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

@@ -1368,7 +1368,7 @@ def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     for m, n, k in ((1, 4096, 7168), (16, 7168, 2048)):
-        src = mxfp4_warps_program.source(target, n=n, k=k, **plan_warps(m, n, k, feed="regs"))
+        src = mxfp4_warps_program.source(target, n=n, k=k, **plan_warps(m, n, k, quads=False))
         assert "tc_mxfp4_warp_mma<" in src and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
         stats = sass_stats(build_cubin(src, target), target)
         h = stats.histogram
@@ -1376,42 +1376,37 @@ def test_mxfp4_warps_lowers_to_mma_sync_on_independent_warps(target):
         assert h.get("BAR") == 1 and stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
 
 
-def test_mxfp4_warps_bulk_feed_lowers_to_bulk_copies():
-    """feed="bulk": the warp's codes and the block's scale words arrive by 1-D bulk copies (UBLKCP) into shared
-    memory, the K loop reads them with shared loads (the only global loads left are the activations'), no spills,
-    and the block's whole tile fits the shared-memory budget at k = 7168 (16 rows x k / 2 bytes + scale words)."""
+def test_mxfp4_warps_scale_quads_lower_to_shuffles():
+    """quads=True: the scale words four K steps a load (one a lane), a step's taken from its lane by SHFL: fewer
+    global loads in the K loop than a word a step, the same HMMA count, no spills; the masked form takes the knob
+    too (one helper call a token tile)."""
     from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
 
     for m, n, k in ((1, 4096, 7168), (9, 7168, 2048)):
-        p = {**plan_warps(m, n, k), "feed": "bulk"}
-        src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **p)
-        assert f"tc_mxfp4_warp_mma_bulk<{p['tokens'] // 8}, 2>(" in src
-        stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-        h = stats.histogram
-        assert h.get("UBLKCP", 0) >= 2 and h.get("HMMA", 0) >= 16 and h.get("LDS", 0) >= 4, stats.format()
-        assert stats.spill_stores == 0 and stats.spill_loads == 0, stats.format()
-        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k,
-                                                                  **plan_warps(m, n, k, feed="regs")), "sm_90a"),
-                           "sm_90a")
-        assert h.get("LDG", 0) < plain.histogram["LDG"], (stats.format(), plain.format())
+        p = plan_warps(m, n, k, quads=False)
+        src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **{**p, "quads": True})
+        assert f"tc_mxfp4_warp_mma<{p['tokens'] // 8}, 2, 0, false, 0, false, true>(" in src
+        quads = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **p), "sm_90a"), "sm_90a")
+        assert quads.histogram.get("SHFL", 0) > plain.histogram.get("SHFL", 0), (quads.format(), plain.format())
+        assert quads.histogram["HMMA"] == plain.histogram["HMMA"], (quads.format(), plain.format())
+        assert quads.spill_stores == 0 and quads.spill_loads == 0, quads.format()
+    src = mxfp4_warps_masked_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=True)
+    assert src.count("tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, true>(") == 1
 
 
-@pytest.mark.parametrize("feed", ["regs", "bulk"])
-def test_mxfp4_warps_masked_lowers(feed):
-    """The masked form (MoE decode): one helper call a token tile (the bulk helper re-arms its barriers: init, then
-    inval after a block barrier), HMMA, no spills, at most 106 registers a thread (two 8-warp blocks an SM); the op
-    picks the 8- or 16-row token tile from expected_m only with MASKED_WARPS on."""
+def test_mxfp4_warps_masked_lowers():
+    """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 106 registers a thread
+    (two 8-warp blocks an SM)."""
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program
 
-    src = mxfp4_warps_masked_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=8, feed=feed)
-    assert src.count("tc_mxfp4_warp_mma_bulk<1, 2>(" if feed == "bulk" else "tc_mxfp4_warp_mma<1, 2, 0>(") == 1
+    src = mxfp4_warps_masked_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False)
+    assert src.count("tc_mxfp4_warp_mma<1, 2, 0>(") == 1
     stats = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-    assert stats.histogram.get("HMMA", 0) >= 8 and (feed == "regs" or stats.histogram.get("UBLKCP", 0) >= 2)
+    assert stats.histogram.get("HMMA", 0) >= 8
     assert stats.spill_stores == 0 and stats.registers <= 106, stats.format()
-    if feed == "bulk":
-        assert "mbarrier.inval.shared::cta.b64" in src
 
 
 def test_mxfp4_warps_trace_stamps_and_summary():
@@ -1421,13 +1416,13 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     from bench.trace_mxfp4_warps import summarize
     from ops.gemm_mxfp4_warps import AHEAD, DEPTH, TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program
 
-    plain = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4)
-    traced = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, trace=True)
+    plain = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, quads=False)
+    traced = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, quads=False, trace=True)
     assert "Trace[" not in plain.split('extern "C" __global__')[-1]
     assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}>(" in traced
     assert f"(&(Trace[((((int)blockIdx.x) * {4 * TRACE_WORDS}) + ((((int)threadIdx.x) >> 5) * {TRACE_WORDS}))]))" in traced
-    bulk = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, feed="bulk", trace=True)
-    assert f"tc_mxfp4_warp_mma_bulk<1, 2, true, {TRACE_STEPS}>(" in bulk and "Trace[" in bulk
+    quads = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, quads=True, trace=True)
+    assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}, false, true>(" in quads
     # two warps (kb = 4, splits = 2: two steps each); warp 1 enters 5000 ns late; clocks: entry 100, data 300 / 900,
     # issued 500 / 1000, end 1100
     row = [0] * TRACE_WORDS
@@ -1442,23 +1437,19 @@ def test_mxfp4_warps_trace_stamps_and_summary():
 
 def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     """plan_warps: the 8- or 16-token tile, about 16 warps an SM over n / 16 blocks (a power of two, at most one a
-    K step, at most 16); the program refuses what it cannot run, naming the parameter."""
+    K step, at most 16), the module's knobs unless given; the program refuses what it cannot run, naming the
+    parameter."""
     from ops import gemm_mxfp4_warps
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, pair=False, feed="regs", phase=2,
-                                             phase_major=False)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, pair=False, feed="regs", phase=2,
-                                             phase_major=False)
+    monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
-    # the bulk feed: 3 blocks an SM at k = 7168 (61 KB of tile each), so 8 warps a block even over many rows (a masked
-    # call's 8 x 4096), where the register feed takes 1; its tile past BULK_SMEM_MAX falls back to registers
-    assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1
-    assert plan_warps(8, 8 * 4096, 7168, feed="bulk")["splits"] == 8
-    assert plan_warps(1, 4096, 7168, feed="bulk")["splits"] == 8 and plan_warps(1, 7168, 2048, feed="bulk")["splits"] == 4
-    monkeypatch.setattr(gemm_mxfp4_warps, "FEED", "bulk")
-    assert plan_warps(1, 2048, 32768)["feed"] == "regs" and plan_warps(1, 2048, 16384)["feed"] == "bulk"
+    assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
+    monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", True)
+    assert plan_warps(1, 4096, 7168)["quads"] and not plan_warps(1, 4096, 7168, quads=False)["quads"]
     for bad in (0, 17):
         with pytest.raises(ValueError, match=f"1..16 tokens, got m={bad}"):
             plan_warps(bad, 4096, 7168)
@@ -1468,12 +1459,6 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, splits=32)
     with pytest.raises(ValueError, match="depth must be 1..8 and ahead >= 0, got depth=9"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
-    with pytest.raises(ValueError, match="depth must be even, got depth=3"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=3, pair=True)
-    with pytest.raises(ValueError, match="feed must be one of"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="tma")
-    with pytest.raises(ValueError, match="feed='bulk' has no loads_only"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, feed="bulk", loads_only=True)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
@@ -2223,11 +2208,12 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     """The warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16): every e2m1 code (random bytes), scales from the subnormal
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
-    (1, 2, 8), with an L2 prefetch beyond it (ahead 4) and with the codes fed by bulk copies into shared memory
-    (feed="bulk", 1-3 steps a copy); every warp count (1, 2, ..., 16, warps with no K step among them at k = 384) and
-    the ring refilled a line at a time (pair, odd ranges rounded up) within the same bounds; and within those bounds of the swapped kernel (the op's path before it)."""
+    (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
+    depth 3: the quad and ring turns out of step); every warp count (1, 2, ..., 16, warps with no K step among them at
+    k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
+    swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
-    from ops.gemm_mxfp4_warps import launch_warps
+    from ops.gemm_mxfp4_warps import QUADS, launch_warps
 
     g = torch.Generator().manual_seed(m * 11 + n)
     a = torch.randn(m, k, generator=g).bfloat16()
@@ -2242,14 +2228,13 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
-    for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(feed="bulk"),
-               dict(feed="bulk", phase=1), dict(feed="bulk", phase=3), dict(feed="bulk", phase_major=True)):
+    for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
+               dict(quads=True, depth=3), dict(quads=not QUADS)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
-    for kw in (dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=16), dict(pair=True),
-               dict(pair=True, depth=4), dict(pair=True, splits=3), dict(feed="bulk", splits=16),
-               dict(feed="bulk", splits=3)):
+    for kw in (dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=16), dict(quads=True, splits=3),
+               dict(quads=True, splits=16)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert calc_diff(out.cpu(), ref) < 1e-5, kw
@@ -2265,7 +2250,8 @@ def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
     """The warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS, expected_m <= 8 -> 8-row token tiles, <= 16 with
     WARP_TOKENS = 16): groups with 0, a few, and max_m rows (20 rows: three token tiles, the weights read again a
     tile), a's rows past masked_m NaN (never read): the valid rows exact against fp32 within bounds, the rest zeros;
-    the register and bulk feeds bitwise the same, run to run; and within bounds of the swapped masked kernel."""
+    the scale words a step or four steps a load (QUADS) bitwise the same, run to run; and within bounds of the swapped
+    masked kernel."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
     g = torch.Generator().manual_seed(max_m * 7 + k)
@@ -2281,12 +2267,12 @@ def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", True)
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
     runs = {}
-    for feed in ("regs", "bulk", "regs"):
-        monkeypatch.setattr(gemm_mxfp4_warps, "FEED", feed)
+    for quads in (False, True, False):
+        monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", quads)
         out = ops.m_grouped_mxfp4_gemm_nt_masked(*args, expected_m).cpu()
-        assert runs.setdefault(feed, out) is out or torch.equal(out, runs[feed]), feed
-    assert torch.equal(runs["regs"], runs["bulk"])
-    out = runs["regs"]
+        assert runs.setdefault(quads, out) is out or torch.equal(out, runs[quads]), quads
+    assert torch.equal(runs[False], runs[True])
+    out = runs[False]
     for gi, mg in enumerate(masked_m.tolist()):
         assert torch.equal(out[gi, mg:], torch.zeros_like(out[gi, mg:])), gi
         if mg:
@@ -2296,12 +2282,14 @@ def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", False)
     swapped = ops.m_grouped_mxfp4_gemm_nt_masked(*args, expected_m).cpu()
     for gi, mg in enumerate(masked_m.tolist()):
-        assert_elementwise(out[gi, :mg], swapped[gi, :mg].float())
+        assert torch.equal(swapped[gi, mg:], out[gi, mg:]), gi
+        if mg:
+            assert_elementwise(out[gi, :mg], swapped[gi, :mg].float())
 
 
 @pytest.mark.gpu
 def test_gpu_mxfp4_warps_trace_is_the_plain_kernel():
-    """The traced warp kernel (bench.trace_mxfp4_warps), register or bulk feed, gives the plain kernel's bits, and
+    """The traced warp kernel (bench.trace_mxfp4_warps), scale words a step or four a load, gives the plain kernel's bits, and
     every warp's stamps run forward: entry <= data(0) <= issued(0) <= data(1) ... <= end on its SM's clock, entry <= end on the timer."""
     from bench.trace_mxfp4_warps import _delta, trace_case
     from ops import quant_mxfp4
@@ -2327,13 +2315,13 @@ def test_gpu_mxfp4_warps_trace_is_the_plain_kernel():
     mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)(
         a, _code_words(packed), _scale_words(scales), traced, trace)
     assert torch.equal(traced, plain)
-    rows_bulk, p_bulk = trace_case(m, n, k, feed="bulk")            # the bulk feed's stamps: the same layout
-    assert p_bulk["feed"] == "bulk" and len(rows_bulk) == len(rows)
-    for w, r in enumerate(rows_bulk):
+    rows_q, p_q = trace_case(m, n, k, quads=not p["quads"])          # the other scale-word feed: the same layout
+    assert p_q["quads"] != p["quads"] and len(rows_q) == len(rows)
+    for w, r in enumerate(rows_q):
         steps = max(0, min(per, kb - (w % p["splits"]) * per))
         clocks = [r[2]] + [r[4 + j] for j in range(2 * steps)] + [r[3]]
         assert all(_delta(x, y) < 1 << 30 for x, y in zip(clocks, clocks[1:])), (w, clocks)
-    mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p_bulk)(
+    mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p_q)(
         a, _code_words(packed), _scale_words(scales), traced, trace)
     assert torch.equal(traced, plain)
 

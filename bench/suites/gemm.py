@@ -235,7 +235,7 @@ def tilecraft_tile(case, i):
 
 def tilecraft_warps(**knobs):
     """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, DEPTH, AHEAD), against the swapped kernel in the same run."""
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
     make = _with_flag(gemm_mxfp4, "WARP_TOKENS", 16)
@@ -259,12 +259,15 @@ def tilecraft_masked_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED_MASKED", False)(case, i)
 
 
-def tilecraft_masked_warps(feed="regs"):
-    """The masked op with expected_m <= 8 on the warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS on), its codes
-    fed by `feed` (ops.gemm_mxfp4_warps.FEED), against the swapped kernel in the same run."""
+def tilecraft_masked_warps(**knobs):
+    """The masked op with expected_m <= WARP_TOKENS on the warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS on),
+    ops.gemm_mxfp4_warps' module knobs set (QUADS), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
-    return with_switch(_with_flag(gemm_mxfp4, "MASKED_WARPS", True), gemm_mxfp4_warps, "FEED", feed)
+    make = _with_flag(gemm_mxfp4, "MASKED_WARPS", True)
+    for name, value in knobs.items():
+        make = with_switch(make, gemm_mxfp4_warps, name, value)
+    return make
 
 
 def tilecraft_mxfp4_with(flag, value):
@@ -397,13 +400,12 @@ SUITE = Suite(
                Provider("tilecraft-warps-d1", tilecraft_warps(DEPTH=1), experimental=True),
                Provider("tilecraft-warps-d3", tilecraft_warps(DEPTH=3), experimental=True),
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
-               # the warp kernel's codes by bulk copies into shared memory (FEED "bulk"), at 16 / 32 warps an SM
-               Provider("tilecraft-bulk", tilecraft_warps(FEED="bulk"), experimental=True),
-               Provider("tilecraft-bulk-32", tilecraft_warps(FEED="bulk", WARPS_PER_SM=32), experimental=True),
+               # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
+               Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
-               Provider("tilecraft-masked-bulk", tilecraft_masked_warps("bulk"), experimental=True),
+               Provider("tilecraft-masked-quads", tilecraft_masked_warps(QUADS=True), experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
