@@ -1064,9 +1064,9 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
 def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=None):
     """Decode-time grouped GEMM: a (g, max_m, k) bf16; only the first masked_m[i] rows of group i
     are computed (the rest are zeros); b (g, n, k/2) uint8, sfb (g, n, k/32) uint8. Returns
-    (g, max_m, n) bf16. expected_m (default max_m) is a tiling hint: <= 64 picks 64-row tiles (with MASKED_WARPS
-    on, sm_90a, <= WARP_TOKENS: the warp kernel, ops.gemm_mxfp4_warps, token tiles of 8 / 16 rows, a group's
-    further tiles reading its weights again). a may be e4m3 with
+    (g, max_m, n) bf16. expected_m (default max_m) is a tiling hint: <= 64 picks 64-row tiles (on sm_90a at
+    <= WARP_TOKENS and k <= MASKED_WARPS_MAX_K: the warp kernel, ops.gemm_mxfp4_warps, token tiles of 8 / 16 rows, a
+    group's further tiles reading its weights again). a may be e4m3 with
     sfa (g, max_m, ceil(k/128)) fp32 or (g, max_m, k/32) uint8 E8M0, as in mxfp4_gemm_nt (on sm_100a and
     ascend:950 the latter takes the native block-scaled kernel)."""
     from ops.gemm_mxfp4_native import _grouped_native, _native_target
@@ -1088,15 +1088,16 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
         return _grouped_native("masked", a, sfa, b, sfb, masked_m)
     hint = expected_m or max_m
     # block_m 8 / 16: the warp kernel's token tile (sm_90a, expected_m <= WARP_TOKENS); else the row tile
-    warps = MASKED_WARPS and hint <= WARP_TOKENS
+    warps = hint <= WARP_TOKENS and a.shape[-1] <= MASKED_WARPS_MAX_K
     block_m = next((t for t in (8, 16) if t >= hint), 64) if warps else 64 if hint <= 64 else 128
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "masked", a, b, sfb, masked_m, block_m)
 
 
 SWAPPED_MASKED = True    # masked groups of <= 64 rows on the swapped kernel (bench provider tilecraft-masked-tile: off)
-# expected_m <= WARP_TOKENS on the warp kernel's masked form (session 59, CPU-checked only, not yet measured: off;
-# bench provider tilecraft-masked-warps turns it on)
-MASKED_WARPS = False
+# expected_m <= WARP_TOKENS and k <= this on the warp kernel's masked form (0: never). Session 60, 8 experts x 4
+# tokens against the swapped kernel, same runs: 7168x2048 16% (H200) / 8% (H100) faster, 4096x7168 1% / 9% slower
+# (bench/NOTES.md "Session 60"; bench provider tilecraft-masked-warps sets it past any k)
+MASKED_WARPS_MAX_K = 2048
 # its C tile out through shared memory as whole rows (16-byte stores) instead of one 2-byte store a value from the
 # accumulator's layout, where the staging costs no stage (plan_masked_swapped); session 46: 8x64x7168x2048 59.2 ->
 # 48.9 us; at k = 7168 it would cost a stage: 74.3 -> 79.8 us, so not there. False: bench A/B

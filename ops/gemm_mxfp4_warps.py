@@ -19,12 +19,13 @@ bf16, subnormals kept), so the products are exact and only the fp32 sums' order 
 
 The codes' loads alone (bench.sweep_mxfp4_warps loads=1) take 70-85% of the kernel's time (~2.0-2.5 TB/s);
 session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md "Session 60") and is gone. QUADS
-loads the scale words four steps at a time (a quarter of their line requests). The masked grouped form
-(mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over token tiles.
+loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster). The
+masked grouped form (mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over
+token tiles.
 
 ops.mxfp4_gemm_nt takes it on sm_90a at m <= ops.gemm_mxfp4.WARP_TOKENS (measured there: bench/NOTES.md "Session
-58"); ops.m_grouped_mxfp4_gemm_nt_masked at expected_m <= WARP_TOKENS with ops.gemm_mxfp4.MASKED_WARPS on (off until
-measured). The programs also compile for sm_100a (HMMA in SASS), where the ops keep their other paths.
+58"); ops.m_grouped_mxfp4_gemm_nt_masked at expected_m <= WARP_TOKENS and k <= ops.gemm_mxfp4.MASKED_WARPS_MAX_K
+(session 60). The programs also compile for sm_100a (HMMA in SASS), where the ops keep their other paths.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates T.Tensor annotations itself
@@ -45,7 +46,8 @@ WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to kee
 DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
                      # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
-QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step; session 60)
+QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
+                     # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,

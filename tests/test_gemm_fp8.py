@@ -1409,6 +1409,30 @@ def test_mxfp4_warps_masked_lowers():
     assert stats.spill_stores == 0 and stats.registers <= 106, stats.format()
 
 
+def test_mxfp4_masked_route_picks_the_warp_tiles(monkeypatch):
+    """m_grouped_mxfp4_gemm_nt_masked's tile from expected_m and k: 8- / 16-token warp tiles at expected_m <=
+    WARP_TOKENS and k <= MASKED_WARPS_MAX_K (the down projection's 7168x2048, session 60), else the 64-row tile."""
+    from ops import _dispatch, gemm_mxfp4
+
+    seen = []
+    monkeypatch.setattr(_dispatch, "call", lambda op, impl, mode, a, b, sfb, aux, block_m: seen.append(block_m))
+
+    def block_m(k, expected_m, max_m=16):
+        G, n = 2, 128
+        a = torch.zeros(G, max_m, k, dtype=torch.bfloat16)
+        b, sfb = torch.zeros(G, n, k // 2, dtype=torch.uint8), torch.full((G, n, k // 32), 127, dtype=torch.uint8)
+        ops.m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, torch.tensor([1, 0], dtype=torch.int32), expected_m)
+        return seen.pop()
+
+    assert gemm_mxfp4.WARP_TOKENS == 8 and gemm_mxfp4.MASKED_WARPS_MAX_K == 2048
+    assert [block_m(2048, e) for e in (1, 4, 8, 9)] == [8, 8, 8, 64]
+    assert block_m(4096, 4) == 64 and block_m(1024, None, max_m=3) == 8 and block_m(1024, None, max_m=12) == 64
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
+    assert block_m(2048, 12) == 16
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS_MAX_K", 0)
+    assert block_m(2048, 4) == 64
+
+
 def test_mxfp4_warps_trace_stamps_and_summary():
     """trace=True (bench.trace_mxfp4_warps): lane 0 of each warp stamps into its own Trace row (the timer at entry
     and end, the clock at each step's data and issue); the default kernel takes Trace but never touches it, and is
@@ -2247,7 +2271,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_m,expected_m,k", [(5, 4, 1024), (20, 4, 1024), (16, 12, 7168)])
 def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
-    """The warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS, expected_m <= 8 -> 8-row token tiles, <= 16 with
+    """The warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS_MAX_K, expected_m <= 8 -> 8-row token tiles, <= 16 with
     WARP_TOKENS = 16): groups with 0, a few, and max_m rows (20 rows: three token tiles, the weights read again a
     tile), a's rows past masked_m NaN (never read): the valid rows exact against fp32 within bounds, the rest zeros;
     the scale words a step or four steps a load (QUADS) bitwise the same, run to run; and within bounds of the swapped
@@ -2264,7 +2288,7 @@ def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
     for gi, mg in enumerate(masked_m.tolist()):
         a[gi, mg:] = float("nan")
     args = (a.cuda(), packed.cuda(), scales.cuda(), masked_m.cuda())
-    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", True)
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS_MAX_K", 1 << 30)
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
     runs = {}
     for quads in (False, True, False):
@@ -2279,7 +2303,7 @@ def test_gpu_mxfp4_warps_masked(max_m, expected_m, k, monkeypatch):
             ref = a[gi, :mg].float() @ ops.dequant_mxfp4(packed[gi], scales[gi]).T
             assert calc_diff(out[gi, :mg], ref) < 1e-5, gi
             assert_elementwise(out[gi, :mg], ref)
-    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS", False)
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS_MAX_K", 0)
     swapped = ops.m_grouped_mxfp4_gemm_nt_masked(*args, expected_m).cpu()
     for gi, mg in enumerate(masked_m.tolist()):
         assert torch.equal(swapped[gi, mg:], out[gi, mg:]), gi
@@ -2794,6 +2818,7 @@ def test_gpu_grouped_mxfp4_masked_swapped(monkeypatch, max_m, masked):
         a[gi, mm:] = float("nan")
     ref = ops.m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, aux).float()
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_MASKED", True)
+    monkeypatch.setattr(gemm_mxfp4, "MASKED_WARPS_MAX_K", 0)     # (max_m = 1 at k = 1024: else the warp kernel)
     out = ops.m_grouped_mxfp4_gemm_nt_masked(a.cuda(), b.cuda(), sfb.cuda(), aux.cuda()).float().cpu()
     assert not out.isnan().any()
     assert calc_diff(out, ref) < 1e-5

@@ -260,11 +260,11 @@ def tilecraft_masked_tile(case, i):
 
 
 def tilecraft_masked_warps(**knobs):
-    """The masked op with expected_m <= WARP_TOKENS on the warp kernel's masked form (ops.gemm_mxfp4.MASKED_WARPS on),
-    ops.gemm_mxfp4_warps' module knobs set (QUADS), against the swapped kernel in the same run."""
+    """The masked op with expected_m <= WARP_TOKENS on the warp kernel's masked form at every k
+    (ops.gemm_mxfp4.MASKED_WARPS_MAX_K past any k), ops.gemm_mxfp4_warps' module knobs set (QUADS)."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
-    make = _with_flag(gemm_mxfp4, "MASKED_WARPS", True)
+    make = _with_flag(gemm_mxfp4, "MASKED_WARPS_MAX_K", 1 << 30)
     for name, value in knobs.items():
         make = with_switch(make, gemm_mxfp4_warps, name, value)
     return make
@@ -353,10 +353,9 @@ def _kernels(c, t="cuda:sm_90a"):
     swapped = c["m"] <= SWAPPED_TOKENS[-1] and c["k"] % SWAPPED_K_ALIGN == 0 and t == "cuda:sm_90a"
     if c["kind"] == "mxfp4" and c["m"] <= gemm_mxfp4.WARP_TOKENS and t == "cuda:sm_90a":
         return [(mxfp4_warps_program, dict(n=c["n"], k=c["k"], **plan_warps(c["m"], c["n"], c["k"])))]
-    if (c["kind"] == "mxfp4-masked" and gemm_mxfp4.MASKED_WARPS and 0 < c["m"] <= gemm_mxfp4.WARP_TOKENS
-            and t == "cuda:sm_90a"):     # (the op's expected_m: the case's m)
-        p = plan_warps(c["m"], c["groups"] * c["n"], c["k"])
-        p.pop("pair")
+    if (c["kind"] == "mxfp4-masked" and 0 < c["m"] <= gemm_mxfp4.WARP_TOKENS
+            and c["k"] <= gemm_mxfp4.MASKED_WARPS_MAX_K and t == "cuda:sm_90a"):     # (the op's expected_m: the case's m)
+        p = plan_warps(next(x for x in (8, 16) if x >= c["m"]), c["groups"] * c["n"], c["k"])
         return [(mxfp4_warps_masked_program, dict(n=c["n"], k=c["k"], **p))]
     if c["kind"] == "mxfp4" and swapped:
         return [(mxfp4_swapped_program, dict(n=c["n"], k=c["k"], **plan_swapped(c["m"], c["n"], c["k"])))]
