@@ -1,7 +1,8 @@
 """The MXFP4 warp kernel (ops.gemm_mxfp4_warps) over its knobs, side by side in one run: each variant's GPU time
 (CUDA graph, L2 read-flushed before every call, as bench.op --graph --flush read), its calc_diff against the plan's
 kernel, and `loads=1` variants (the kernel's loads alone, no decode or MMA: what the memory system gives that load
-pattern, wrong results) beside the whole kernel.
+pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loads=3` the same codes row by row in
+512-byte pieces (what the rows' scatter costs).
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
 
@@ -28,7 +29,7 @@ def parse_variant(text: str) -> dict:
         key, _, value = item.partition("=")
         if key not in ("splits", "depth", "ahead", "quads", "loads"):
             raise ValueError(f"variant knob must be splits, depth, ahead, quads or loads, got {key!r}")
-        out[key] = bool(int(value)) if key in ("quads", "loads") else int(value)
+        out[key] = bool(int(value)) if key == "quads" else int(value)
     return out
 
 

@@ -250,6 +250,59 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
+// loads_only 2 / 3 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
+// activations), the same bytes, grid and warps as the kernel, in two orders: 2, the kernel's (a step's 64 bytes of
+// each of the 16 rows, kDepth steps in flight); 3, row by row (a row's range as consecutive 512-byte pieces, lane i
+// bytes 16 i, 2 kDepth pieces in flight: the same bytes in flight). What the rows' scatter costs the stream.
+template <int kOrder, int kDepth>
+__device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int* B, const int* SFB, const void* A,
+                                                          int m, int k, int s0, int steps) {
+  const int lane = threadIdx.x & 31;
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(B) + 64 * s0;
+  const int rs = k / 2, len = 64 * steps;
+  unsigned f = 0u;
+  if (kOrder == 2) {
+    const int g = lane >> 2, t = lane & 3;
+    const uint4* bw = reinterpret_cast<const uint4*>(base + (size_t)g * rs) + t;
+    const uint4* bv = reinterpret_cast<const uint4*>(base + (size_t)(g + 8) * rs) + t;
+    uint4 ring[kDepth][2];
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) {
+      if (j < steps) { ring[j][0] = __ldg(bw + 4 * j); ring[j][1] = __ldg(bv + 4 * j); }
+    }
+    for (int b0 = 0; b0 < steps; b0 += kDepth) {
+#pragma unroll
+      for (int j = 0; j < kDepth; ++j) {
+        const int i = b0 + j;
+        if (i < steps) {
+          f ^= ring[j][0].x ^ ring[j][0].w ^ ring[j][1].x ^ ring[j][1].w;
+          if (i + kDepth < steps) { ring[j][0] = __ldg(bw + 4 * (i + kDepth)); ring[j][1] = __ldg(bv + 4 * (i + kDepth)); }
+        }
+      }
+    }
+  } else {
+    constexpr int kRing = 2 * kDepth;
+    const int per_row = (len + 511) / 512, pieces = 16 * per_row;
+    uint4 ring[kRing];
+#pragma unroll
+    for (int j = 0; j < kRing; ++j) {
+      const int off = 512 * (j % per_row) + 16 * lane;
+      if (j < pieces && off < len)
+        ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)(j / per_row) * rs + off));
+    }
+    for (int b0 = 0; b0 < pieces; b0 += kRing) {
+#pragma unroll
+      for (int j = 0; j < kRing; ++j) {
+        const int q = b0 + j;
+        if (q < pieces && 512 * (q % per_row) + 16 * lane < len) f ^= ring[j].x ^ ring[j].w;
+        const int r = q + kRing, off = 512 * (r % per_row) + 16 * lane;
+        if (r < pieces && off < len)
+          ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)(r / per_row) * rs + off));
+      }
+    }
+  }
+  red[lane] = __uint_as_float(f & 0x807FFFFFu);
+}
 """
 
 
@@ -271,6 +324,8 @@ def _per(kb: int, splits: int) -> int:
 
 def _helper(tokens, depth, ahead, quads, trace=False, loads_only=False) -> str:
     """The device helper (with its template arguments) one warp calls for its K range."""
+    if loads_only in (2, 3):
+        return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead)]
     if trace or loads_only or quads:
@@ -289,7 +344,7 @@ def _helper(tokens, depth, ahead, quads, trace=False, loads_only=False) -> str:
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, trace: bool = False, loads_only: bool = False):
+                        quads: bool = QUADS, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
@@ -298,8 +353,11 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
-    wrong results: what the memory system gives this load pattern."""
+    wrong results: what the memory system gives this load pattern (1 or True: all of them; 2: its codes alone; 3: the
+    same codes read row by row in 512-byte pieces)."""
     _check_params(n, k, tokens, splits, depth, ahead)
+    if loads_only not in (0, 1, 2, 3):
+        raise ValueError(f"loads_only must be 0..3, got {loads_only!r}")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
@@ -434,7 +492,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
-def launch_warps(a, b, sfb, out, loads_only: bool = False, **override):
+def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
     plan_warps (+ override: splits, depth, ahead, quads); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
