@@ -250,10 +250,12 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
-// loads_only 2 / 3 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
-// activations), the same bytes, grid and warps as the kernel, in two orders: 2, the kernel's (a step's 64 bytes of
+// loads_only 2 / 3 / 4 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
+// activations), the same bytes, grid and warps as the kernel, in three orders: 2, the kernel's (a step's 64 bytes of
 // each of the 16 rows, kDepth steps in flight); 3, row by row (a row's range as consecutive 512-byte pieces, lane i
-// bytes 16 i, 2 kDepth pieces in flight: the same bytes in flight). What the rows' scatter costs the stream.
+// bytes 16 i, 2 kDepth pieces in flight: the same bytes in flight when a range is 512 bytes); 4, piece by piece (the
+// 16 rows' first 512-byte pieces, then their second ...: what a pipeline of 8-step chunks would read). What the rows'
+// scatter costs the stream.
 template <int kOrder, int kDepth>
 __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int* B, const int* SFB, const void* A,
                                                           int m, int k, int s0, int steps) {
@@ -283,21 +285,22 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
   } else {
     constexpr int kRing = 2 * kDepth;
     const int per_row = (len + 511) / 512, pieces = 16 * per_row;
+    // piece q: (row, 512-byte piece) = (q / per_row, q % per_row) row by row, (q % 16, q / 16) piece by piece
+    auto row_of = [&](int q) { return kOrder == 3 ? q / per_row : q % 16; };
+    auto off_of = [&](int q) { return 512 * (kOrder == 3 ? q % per_row : q / 16) + 16 * lane; };
     uint4 ring[kRing];
 #pragma unroll
     for (int j = 0; j < kRing; ++j) {
-      const int off = 512 * (j % per_row) + 16 * lane;
-      if (j < pieces && off < len)
-        ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)(j / per_row) * rs + off));
+      if (j < pieces && off_of(j) < len)
+        ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)row_of(j) * rs + off_of(j)));
     }
     for (int b0 = 0; b0 < pieces; b0 += kRing) {
 #pragma unroll
       for (int j = 0; j < kRing; ++j) {
-        const int q = b0 + j;
-        if (q < pieces && 512 * (q % per_row) + 16 * lane < len) f ^= ring[j].x ^ ring[j].w;
-        const int r = q + kRing, off = 512 * (r % per_row) + 16 * lane;
-        if (r < pieces && off < len)
-          ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)(r / per_row) * rs + off));
+        const int q = b0 + j, r = q + kRing;
+        if (q < pieces && off_of(q) < len) f ^= ring[j].x ^ ring[j].w;
+        if (r < pieces && off_of(r) < len)
+          ring[j] = __ldg(reinterpret_cast<const uint4*>(base + (size_t)row_of(r) * rs + off_of(r)));
       }
     }
   }
@@ -324,7 +327,7 @@ def _per(kb: int, splits: int) -> int:
 
 def _helper(tokens, depth, ahead, quads, trace=False, loads_only=False) -> str:
     """The device helper (with its template arguments) one warp calls for its K range."""
-    if loads_only in (2, 3):
+    if loads_only in (2, 3, 4):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead)]
@@ -354,10 +357,10 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
     wrong results: what the memory system gives this load pattern (1 or True: all of them; 2: its codes alone; 3: the
-    same codes read row by row in 512-byte pieces)."""
+    same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows)."""
     _check_params(n, k, tokens, splits, depth, ahead)
-    if loads_only not in (0, 1, 2, 3):
-        raise ValueError(f"loads_only must be 0..3, got {loads_only!r}")
+    if loads_only not in (0, 1, 2, 3, 4):
+        raise ValueError(f"loads_only must be 0..4, got {loads_only!r}")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = _per(kb, splits)

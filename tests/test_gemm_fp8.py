@@ -1485,12 +1485,12 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
-    with pytest.raises(ValueError, match="loads_only must be 0..3, got 4"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=4)
+    with pytest.raises(ValueError, match="loads_only must be 0..4, got 5"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=5)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
         mxfp4_warps_program.source("ascend:950", n=256, k=512)
-    # the sweep's probes: the codes alone in the kernel's order (2) or row by row (3), on the same grid
-    for probe in (2, 3):
+    # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), on the same grid
+    for probe in (2, 3, 4):
         assert f"tc_mxfp4_warp_codes_probe<{probe}, 2>(" in mxfp4_warps_program.source("sm_90a", n=256, k=512,
                                                                                       loads_only=probe)
 
