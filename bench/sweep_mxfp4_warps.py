@@ -6,7 +6,7 @@ pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loa
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads) plus
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, l2) plus
 loads; an empty one is the plan. GPU only.
 """
 
@@ -27,8 +27,8 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("splits", "depth", "ahead", "quads", "loads"):
-            raise ValueError(f"variant knob must be splits, depth, ahead, quads or loads, got {key!r}")
+        if key not in ("splits", "depth", "ahead", "quads", "l2", "loads"):
+            raise ValueError(f"variant knob must be splits, depth, ahead, quads, l2 or loads, got {key!r}")
         out[key] = bool(int(value)) if key == "quads" else int(value)
     return out
 

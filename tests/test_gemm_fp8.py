@@ -1396,6 +1396,28 @@ def test_mxfp4_warps_scale_quads_lower_to_shuffles():
     assert src.count("tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, true>(") == 1
 
 
+def test_mxfp4_warps_l2_prefetch_lowers_to_streaming_loads():
+    """l2=64 / 128 / 256: the weights' loads are LDG.E.NA.LTC<l2>B (not allocated in L1, the L2 prefetch size) and
+    the activations' stay plain; l2=0 leaves the default kernel's source as it was (no stream qualifier); the probe
+    and the masked form take it too."""
+    from backends.cuda.sass import build_cubin, disassemble
+    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
+
+    p = plan_warps(1, 4096, 7168, l2=0)
+    assert "tc_mxfp4_warp_mma<1, 2, 0>(" in mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **p)
+    for l2 in (64, 256):
+        src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **{**p, "l2": l2})
+        assert f"tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, false, {l2}>(" in src
+        loads = [line for line in disassemble(build_cubin(src, "sm_90a")).splitlines() if "LDG" in line]
+        assert any(f"LDG.E.NA.LTC{l2}B.128.CONSTANT" in line for line in loads), loads
+        assert any(f"LDG.E.NA.LTC{l2}B.CONSTANT" in line for line in loads), loads        # the scale words
+        assert any("LDG.E.128.CONSTANT" in line for line in loads), loads                 # the activations
+    assert "tc_mxfp4_warp_codes_probe<3, 2, 256>(" in mxfp4_warps_program.source(
+        "sm_90a", n=4096, k=7168, loads_only=3, **{**p, "l2": 256})
+    assert "tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, false, 128>(" in mxfp4_warps_masked_program.source(
+        "sm_90a", n=4096, k=7168, tokens=8, splits=8, l2=128)
+
+
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 106 registers a thread
     (two 8-warp blocks an SM)."""
@@ -1467,8 +1489,9 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False)
+    monkeypatch.setattr(gemm_mxfp4_warps, "L2", 0)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, l2=0)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, l2=0)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -1485,6 +1508,8 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
+    with pytest.raises(ValueError, match=r"l2 must be one of \(0, 64, 128, 256\)"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, l2=32)
     with pytest.raises(ValueError, match="loads_only must be 0..4, got 5"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=5)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
@@ -2239,7 +2264,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step), with the weights' loads streamed (l2 256, 64); every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
@@ -2259,7 +2284,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
-               dict(quads=True, depth=3), dict(quads=not QUADS)):
+               dict(quads=True, depth=3), dict(quads=not QUADS), dict(l2=256), dict(l2=64, quads=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw

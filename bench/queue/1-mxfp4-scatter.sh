@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Session 60 (built, its call refused for device time): the scatter probe: the warp kernel's codes alone in its own
-# order (loads=2) against the same bytes read row by row in 512-byte pieces (loads=3) and piece by piece over the 16
-# rows (loads=4, also at 2 warps a block: the order an 8-step chunked pipeline would read), beside the kernel and all
-# its loads (loads=1). If 3 / 4 are much faster than 2, the rows' scatter is what holds the register feed at
-# ~2.5 TB/s (bench/NOTES.md "Open GPU checks (end of session 60)"). Then the op's new masked route
-# (expected_m <= 8 and k <= MASKED_WARPS_MAX_K = 2048 on the warp kernel) on the mxfp4-moe-decode preset
-# (predicted: the down projection at the masked-warps provider's time, the up one unchanged). ~3 min.
+# Session 60 (built after its last device call was refused): two questions about the MXFP4 warp kernel's load path,
+# whose loads alone run at ~2.5 TB/s (bench/NOTES.md "Session 60", "Open GPU checks (end of session 60)").
+# 1. The L2 prefetch size (ops.gemm_mxfp4_warps.L2: the weights' loads as ld.global.nc.L1::no_allocate.L2::<n>B):
+#    predicted, if 64-byte requests scattered over rows cost DRAM efficiency, loads alone at 1x4096x7168 6.3 -> ~4.5
+#    us on an H200 and the kernel 8.5 -> ~7; else +-3%. Its GPU tests first (bitwise the plain loads').
+# 2. The scatter probe: the codes alone in the kernel's order (loads=2) against row by row (3) and piece by piece (4)
+#    in 512-byte pieces (4 also at 2 warps a block). If 3 / 4 beat 2 clearly, the order matters, not the engine.
+# Then the op's presets: mxfp4 with the l2 providers, mxfp4-moe-decode with the new masked route. ~6.5 min.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$out/gpu.txt"
-timeout 140 python3 -m bench.sweep_mxfp4_warps --csv "$out/sweep.csv" \
+t="tests/test_gemm_fp8.py"
+run() { timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "$t" -k "$1" > "$out/tests-$2.log" 2>&1;
+        echo "rc $?" >> "$out/tests-$2.log"; }
+run "test_gpu_mxfp4_warps and (1-7168 or 1-4096 or 5-256)" a &
+run "test_gpu_mxfp4_warps and (8-4096 or 9-512 or 16-7168 or 16-4096)" b &
+run "test_gpu_mxfp4_warps_masked or test_gpu_grouped_mxfp4_masked" c &
+wait
+for f in a b c; do echo "== $f"; grep -E "passed|failed|^FAILED|^rc" "$out/tests-$f.log"; done
+timeout 200 python3 -m bench.sweep_mxfp4_warps --csv "$out/sweep.csv" \
   --case 1x4096x7168 --case 1x7168x2048 --case 8x4096x7168 \
-  --variant "" --variant loads=1 --variant loads=2 --variant loads=3 --variant loads=4 \
+  --variant "" --variant l2=256 --variant l2=128 --variant loads=1 --variant loads=1,l2=256 \
+  --variant loads=2 --variant loads=2,l2=256 --variant loads=3 --variant loads=4 \
   --variant splits=2,loads=2 --variant splits=2,loads=4 2>&1 | tee "$out/sweep.txt"
+timeout 120 python3 -m bench.op gemm --shape mxfp4 --out "$out" --providers tilecraft,tilecraft-l2-256,tilecraft-l2-128,torch \
+  --graph --flush read 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-110
 timeout 70 python3 -m bench.op gemm --shape mxfp4-moe-decode --out "$out" \
   --providers tilecraft,tilecraft-masked-warps,torch --graph --flush read 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-110

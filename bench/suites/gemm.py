@@ -235,7 +235,7 @@ def tilecraft_tile(case, i):
 
 def tilecraft_warps(**knobs):
     """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS), against the swapped kernel in the same run."""
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, L2), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
 
     make = _with_flag(gemm_mxfp4, "WARP_TOKENS", 16)
@@ -401,6 +401,9 @@ SUITE = Suite(
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
+               # ... the weights' loads not allocated in L1, with an L2 prefetch of 256 / 128 bytes (L2)
+               Provider("tilecraft-l2-256", tilecraft_warps(L2=256), experimental=True),
+               Provider("tilecraft-l2-128", tilecraft_warps(L2=128), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
