@@ -19,7 +19,8 @@ bf16, subnormals kept), so the products are exact and only the fp32 sums' order 
 
 The codes' loads alone (bench.sweep_mxfp4_warps loads=1) take 70-85% of the kernel's time (~2.0-2.5 TB/s);
 session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md "Session 60") and is gone. QUADS
-loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster). The
+loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster); L2
+has the weights' loads ask L2 for 64-256 bytes around each 64-byte request (not yet measured). The
 masked grouped form (mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over
 token tiles.
 
