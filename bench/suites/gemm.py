@@ -233,15 +233,21 @@ def tilecraft_tile(case, i):
     return _with_flag(gemm_mxfp4, "SWAPPED", False)(case, i)
 
 
-def tilecraft_warps(**knobs):
-    """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, L2), against the swapped kernel in the same run."""
-    from ops import gemm_mxfp4, gemm_mxfp4_warps
+def _warp_knobs(make, knobs):
+    """make with ops.gemm_mxfp4_warps' module knobs (name -> value) set around each call."""
+    from ops import gemm_mxfp4_warps
 
-    make = _with_flag(gemm_mxfp4, "WARP_TOKENS", 16)
     for name, value in knobs.items():
         make = with_switch(make, gemm_mxfp4_warps, name, value)
     return make
+
+
+def tilecraft_warps(**knobs):
+    """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, L2), against the swapped kernel in the same run."""
+    from ops import gemm_mxfp4
+
+    return _warp_knobs(_with_flag(gemm_mxfp4, "WARP_TOKENS", 16), knobs)
 
 
 def tilecraft_swapped(case, i):
@@ -262,12 +268,9 @@ def tilecraft_masked_tile(case, i):
 def tilecraft_masked_warps(**knobs):
     """The masked op with expected_m <= WARP_TOKENS on the warp kernel's masked form at every k
     (ops.gemm_mxfp4.MASKED_WARPS_MAX_K past any k), ops.gemm_mxfp4_warps' module knobs set (QUADS)."""
-    from ops import gemm_mxfp4, gemm_mxfp4_warps
+    from ops import gemm_mxfp4
 
-    make = _with_flag(gemm_mxfp4, "MASKED_WARPS_MAX_K", 1 << 30)
-    for name, value in knobs.items():
-        make = with_switch(make, gemm_mxfp4_warps, name, value)
-    return make
+    return _warp_knobs(_with_flag(gemm_mxfp4, "MASKED_WARPS_MAX_K", 1 << 30), knobs)
 
 
 def tilecraft_mxfp4_with(flag, value):
