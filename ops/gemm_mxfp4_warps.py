@@ -375,6 +375,25 @@ def _helper(tokens, depth, ahead, quads, l2=0, trace=False, loads_only=False) ->
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
 
 
+@T.macro
+def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
+    """The block's output tile from the warps' fp32 partials red (splits, tokens, ROWS), summed in warp order (the
+    same bits run to run): token j < m, row r into C[j0 + j, col0 + r] (C[g, ...] for the masked form's 3-D C)."""
+    total = T.alloc_var("float32")
+    for it in T.serial(-(-outs // threads)):
+        o = it * threads + tid
+        j = o // ROWS
+        r = o % ROWS
+        if o < outs and j < m:
+            total = red[0, j, r]
+            for s in T.serial(1, splits):
+                total = total + red[s, j, r]
+            if g is None:
+                C[j0 + j, col0 + r] = T.cast(total, "bfloat16")
+            else:
+                C[g, j0 + j, col0 + r] = T.cast(total, "bfloat16")
+
+
 @tile_program(
     "mxfp4_gemm_nt_warps",
     targets=("cuda:sm_90a", "cuda:sm_100a"),
@@ -420,16 +439,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                 T.access_ptr(A[0, 0], "r", k), m, k, s0, T.max(T.min(per, kb - s0), 0),
                 *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
-            total = T.alloc_var("float32")
-            for it in T.serial(-(-outs // threads)):
-                o = it * threads + tid
-                j = o // ROWS
-                r = o % ROWS
-                if o < outs and j < m:
-                    total = red[0, j, r]
-                    for s in T.serial(1, splits):
-                        total = total + red[s, j, r]
-                    C[j, bid * ROWS + r] = T.cast(total, "bfloat16")
+            _sum_partials(red, C, None, 0, bid * ROWS, m, tid, threads, splits, outs)
 
     return mxfp4_gemm_nt_warps
 
@@ -468,7 +478,6 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
             gi = bid // nb
             row0 = (bid % nb) * ROWS
             mg = T.max(T.min(Masked[gi], max_m), 0)
-            total = T.alloc_var("float32")
             for tt in T.serial(T.ceildiv(max_m, tokens)):
                 if tt * tokens < mg:
                     live = T.min(mg - tt * tokens, tokens)
@@ -479,15 +488,7 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
                         T.access_ptr(SFB[gi, row0, 0], "r", ROWS * kb),
                         T.access_ptr(A[gi, tt * tokens, 0], "r", k), live, k, s0, steps))
                     tile.barrier()
-                    for it in T.serial(-(-outs // threads)):
-                        o = it * threads + tid
-                        j = o // ROWS
-                        r = o % ROWS
-                        if o < outs and j < live:
-                            total = red[0, j, r]
-                            for s in T.serial(1, splits):
-                                total = total + red[s, j, r]
-                            C[gi, tt * tokens + j, row0 + r] = T.cast(total, "bfloat16")
+                    _sum_partials(red, C, gi, tt * tokens, row0, live, tid, threads, splits, outs)
                     tile.barrier()
             for it in T.serial(T.ceildiv(max_m * ROWS, threads)):
                 o = it * threads + tid
