@@ -2,7 +2,8 @@
 (CUDA graph, L2 read-flushed before every call, as bench.op --graph --flush read), its calc_diff against the plan's
 kernel, and `loads=1` variants (the kernel's loads alone, no decode or MMA: what the memory system gives that load
 pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loads=3` the same codes row by row in
-512-byte pieces, `loads=4` piece by piece over the 16 rows (what the rows' scatter costs).
+512-byte pieces, `loads=4` piece by piece over the 16 rows, `loads=5` each warp's range as one contiguous run (the
+order a weight layout tiled by (block, step) would give); what the rows' scatter costs.
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
 

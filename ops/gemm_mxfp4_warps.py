@@ -281,12 +281,14 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
-// loads_only 2 / 3 / 4 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
-// activations), the same bytes, grid and warps as the kernel, in three orders: 2, the kernel's (a step's 64 bytes of
+// loads_only 2 .. 5 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
+// activations), the same bytes, grid and warps as the kernel, in four orders: 2, the kernel's (a step's 64 bytes of
 // each of the 16 rows, kDepth steps in flight); 3, row by row (a row's range as consecutive 512-byte pieces, lane i
 // bytes 16 i, 2 kDepth pieces in flight: the same bytes in flight when a range is 512 bytes); 4, piece by piece (the
-// 16 rows' first 512-byte pieces, then their second ...: what a pipeline of 8-step chunks would read). What the rows'
-// scatter costs the stream.
+// 16 rows' first 512-byte pieces, then their second ...: what a pipeline of 8-step chunks would read); 5, pre-tiled
+// (the warp's range as one contiguous run of steps x 1 KB of the block's 16-row region, 512 bytes a load: the order a
+// weight layout tiled by (block, step) would give, bench/NOTES.md "Session 61"). What the rows' scatter costs the
+// stream.
 template <int kOrder, int kDepth, int kL2 = 0>
 __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int* B, const int* SFB, const void* A,
                                                           int m, int k, int s0, int steps) {
@@ -314,6 +316,23 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
             ring[j][1] = tc_ld_stream<kL2>(bv + 4 * (i + kDepth));
           }
         }
+      }
+    }
+  } else if (kOrder == 5) {
+    constexpr int kRing = 2 * kDepth;   // two 512-byte pieces a step: the kernel's bytes in flight
+    const uint4* run = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(B) + 1024 * s0) + lane;
+    const int pieces = 2 * steps;
+    uint4 ring[kRing];
+#pragma unroll
+    for (int j = 0; j < kRing; ++j) {
+      if (j < pieces) ring[j] = tc_ld_stream<kL2>(run + 32 * j);
+    }
+    for (int b0 = 0; b0 < pieces; b0 += kRing) {
+#pragma unroll
+      for (int j = 0; j < kRing; ++j) {
+        const int q = b0 + j, r = q + kRing;
+        if (q < pieces) f ^= ring[j].x ^ ring[j].w;
+        if (r < pieces) ring[j] = tc_ld_stream<kL2>(run + 32 * r);
       }
     }
   } else {
@@ -364,7 +383,7 @@ def _per(kb: int, splits: int) -> int:
 def _helper(tokens, depth, ahead, quads, l2=0, trace=False, loads_only=False) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
-    if loads_only in (2, 3, 4):
+    if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}{f', {l2}' if l2 else ''}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), b(loads_only),
@@ -412,10 +431,11 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
     wrong results: what the memory system gives this load pattern (1 or True: all of them; 2: its codes alone; 3: the
-    same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows)."""
+    same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows; 5: the warp's range as one
+    contiguous run of the block's region, the order of a weight layout tiled by (block, step))."""
     _check_params(n, k, tokens, splits, depth, ahead, l2)
-    if loads_only not in (0, 1, 2, 3, 4):
-        raise ValueError(f"loads_only must be 0..4, got {loads_only!r}")
+    if loads_only not in (0, 1, 2, 3, 4, 5):
+        raise ValueError(f"loads_only must be 0..5, got {loads_only!r}")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = _per(kb, splits)

@@ -1481,6 +1481,40 @@ def test_mxfp4_warps_trace_stamps_and_summary():
         assert re.search(re.escape(name) + rf"\s+p50\s+{p50}\s", text), (name, text)
 
 
+def _probe_offsets(order: int, k: int, splits: int) -> list[int]:
+    """Byte offsets into a 16-row block's region (16 rows of k / 2 bytes) that tc_mxfp4_warp_codes_probe<order>
+    reads, over the block's warps and lanes: a Python model of its address arithmetic."""
+    from ops.gemm_mxfp4_warps import _per
+
+    kb, rs = k // 128, k // 2
+    per, seen = _per(kb, splits), []
+    for w in range(splits):
+        s0 = w * per
+        steps = max(min(per, kb - s0), 0)
+        length = 64 * steps
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            if order == 2:
+                at = [r * rs + 64 * (s0 + i) + 16 * t for i in range(steps) for r in (g, g + 8)]
+            elif order == 5:
+                at = [1024 * s0 + 512 * q + 16 * lane for q in range(2 * steps)]
+            else:
+                per_row = (length + 511) // 512
+                pieces = [(q // per_row, q % per_row) if order == 3 else (q % 16, q // 16) for q in range(16 * per_row)]
+                at = [r * rs + 64 * s0 + 512 * c + 16 * lane for r, c in pieces if 512 * c + 16 * lane < length]
+            seen += [a + b for a in at for b in range(16)]
+    return seen
+
+
+@pytest.mark.parametrize("k, splits", [(7168, 8), (2048, 4), (7168, 16), (1152, 4)])
+def test_mxfp4_warps_probe_orders_read_the_block_once(k, splits):
+    """The scatter probe's four orders (loads_only 2..5) read each byte of a block's region exactly once (no byte
+    twice, none left out, none past it), so their times compare the same bytes."""
+    want = list(range(16 * k // 2))
+    for order in (2, 3, 4, 5):
+        assert sorted(_probe_offsets(order, k, splits)) == want, order
+
+
 def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     """plan_warps: the 8- or 16-token tile, about 16 warps an SM over n / 16 blocks (a power of two, at most one a
     K step, at most 16), the module's knobs unless given; the program refuses what it cannot run, naming the
@@ -1510,12 +1544,13 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match=r"l2 must be one of \(0, 64, 128, 256\)"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, l2=32)
-    with pytest.raises(ValueError, match="loads_only must be 0..4, got 5"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=5)
+    with pytest.raises(ValueError, match="loads_only must be 0..5, got 6"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=6)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
         mxfp4_warps_program.source("ascend:950", n=256, k=512)
-    # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), on the same grid
-    for probe in (2, 3, 4):
+    # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), as one run a
+    # warp (5), on the same grid
+    for probe in (2, 3, 4, 5):
         assert f"tc_mxfp4_warp_codes_probe<{probe}, 2>(" in mxfp4_warps_program.source("sm_90a", n=256, k=512,
                                                                                       loads_only=probe)
 

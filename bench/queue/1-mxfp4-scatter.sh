@@ -5,17 +5,18 @@
 #    predicted, if 64-byte requests scattered over rows cost DRAM efficiency, loads alone at 1x4096x7168 6.3 -> ~4.5
 #    us on an H200 and the kernel 8.5 -> ~7; else +-3%. Its GPU tests after (bitwise the plain loads').
 # 2. The scatter probe: the codes alone in the kernel's order (loads=2) against row by row (3) and piece by piece (4)
-#    in 512-byte pieces. If 3 / 4 beat 2 clearly, the order matters, not the engine.
-# Then the op's mxfp4 preset with the l2 providers. ~4.5 min (session 61: sweep first, after failed starts left
+#    in 512-byte pieces and as one contiguous run a warp (5: a weight layout tiled by (block, step), "Session 61").
+#    If 3 / 4 / 5 beat 2 clearly, the order matters, not the engine.
+# Then the op's mxfp4 preset with the l2 providers. ~5 min (session 61: sweep first, after failed starts left
 # little device time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$out/gpu.txt"
-timeout 150 python3 -m bench.sweep_mxfp4_warps --csv "$out/sweep.csv" \
+timeout 200 python3 -m bench.sweep_mxfp4_warps --csv "$out/sweep.csv" \
   --case 1x4096x7168 --case 1x7168x2048 --case 8x4096x7168 \
-  --variant "" --variant l2=256 --variant l2=128 --variant loads=1 --variant loads=1,l2=256 \
-  --variant loads=2 --variant loads=3 --variant loads=4 2>&1 | tee "$out/sweep.txt"
+  --variant "" --variant l2=256 --variant loads=1 --variant loads=1,l2=256 \
+  --variant loads=2 --variant loads=3 --variant loads=4 --variant loads=5 2>&1 | tee "$out/sweep.txt"
 t="tests/test_gemm_fp8.py"
 run() { timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider "$t" -k "$1" > "$out/tests-$2.log" 2>&1;
         echo "rc $?" >> "$out/tests-$2.log"; }
