@@ -6,14 +6,19 @@ pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loa
 order a weight layout tiled by (block, step) would give); what the rows' scatter costs.
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
+                                      [--jobs N]
 
 A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, l2) plus
-loads; an empty one is the plan. GPU only.
+loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
+through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
 
 import argparse
 import csv
+import multiprocessing
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -34,6 +39,40 @@ def parse_variant(text: str) -> dict:
     return out
 
 
+def _compile_one(task: tuple) -> str | None:
+    # in a spawned worker: (case, variant text, device) -> None, or the error the timed run will meet again
+    case, text, device = task
+    try:
+        from ops.gemm_mxfp4_warps import launch_warps
+
+        m, n, k = map(int, case.split("x"))
+        knobs = parse_variant(text)
+        loads = knobs.pop("loads", False)
+        dev = torch.device(device)
+        a = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
+        packed = torch.zeros(n, k // 2, dtype=torch.uint8, device=dev)
+        scales = torch.full((n, k // 32), 127, dtype=torch.uint8, device=dev)
+        launch_warps(a, packed, scales, torch.empty(m, n, dtype=torch.bfloat16, device=dev), loads_only=loads, **knobs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def compile_ahead(cases, variants, jobs: int, device: str = "cuda") -> list:
+    """Each (case, variant)'s kernel launched once with zeros in `jobs` spawned processes, so that the timed run
+    loads it from the disk cache: [(case, variant, error or None)]. Nothing (an empty list) with jobs < 2 or the
+    disk cache off."""
+    from tilecraft import env
+
+    if jobs < 2 or env.flag("TILECRAFT_DISABLE_DISK_CACHE"):
+        return []
+    tasks = [(case, text, device) for case in cases for text in variants]
+    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [(case, text, err) for (case, text, _), err in zip(tasks, pool.map(_compile_one, tasks))]
+
+
 def calc_diff(x, y) -> float:
     """1 - 2<x,y> / (|x|^2 + |y|^2) in fp64 (DeepGEMM's measure)."""
     x, y = x.double(), y.double()
@@ -48,11 +87,19 @@ def main(argv=None):
     ap.add_argument("--case", action="append", help=f"MxNxK (default {', '.join(CASES)})")
     ap.add_argument("--variant", action="append", help=f"knobs (default {VARIANTS})")
     ap.add_argument("--csv", help="write the rows here too")
+    ap.add_argument("--jobs", type=int, default=8, help="compile the kernels first in this many processes (8)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.sweep_mxfp4_warps needs a CUDA GPU")
     card = card_identity()
     print(f"{torch.cuda.get_device_name()} {card.get('uuid', '')}")
+    t0 = time.perf_counter()
+    done = compile_ahead(args.case or CASES, args.variant or VARIANTS, args.jobs)
+    if done:
+        print(f"compiled ahead in {args.jobs} processes: {len(done)} kernels in {time.perf_counter() - t0:.0f} s")
+        for case, text, err in done:
+            if err:
+                print(f"  {case} {text or 'plan'}: {err}")
     rows = []
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))

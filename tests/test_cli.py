@@ -272,6 +272,23 @@ def test_warm_calls_each_case_and_provider_in_worker_processes(monkeypatch, tmp_
     assert warm("rms_norm", "small", ["torch"], jobs=2, device="cpu") == []
 
 
+def test_sweep_mxfp4_warps_compiles_ahead_in_worker_processes(monkeypatch, tmp_path):
+    """bench.sweep_mxfp4_warps --jobs: every (case, variant) launched once in spawned workers, in order, each
+    worker's error reported (on the CPU: the warp kernel has no cpu lowering; a bad knob names itself); nothing
+    with one job or with the disk cache off."""
+    from bench.sweep_mxfp4_warps import compile_ahead
+
+    monkeypatch.setenv("TILECRAFT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILECRAFT_DISABLE_DISK_CACHE", raising=False)
+    done = compile_ahead(["1x256x512", "8x256x512"], ["", "bogus=1"], jobs=2, device="cpu")
+    assert [(c, v) for c, v, _ in done] == [(c, v) for c in ("1x256x512", "8x256x512") for v in ("", "bogus=1")]
+    assert all("no lowering for cpu" in err for _, v, err in done if v == "")
+    assert all("variant knob must be" in err for _, v, err in done if v == "bogus=1")
+    assert compile_ahead(["1x256x512"], [""], jobs=1, device="cpu") == []
+    monkeypatch.setenv("TILECRAFT_DISABLE_DISK_CACHE", "1")
+    assert compile_ahead(["1x256x512"], [""], jobs=2, device="cpu") == []
+
+
 def test_bench_rounds_rotate_the_provider_order_and_combine_by_median():
     """bench.op --rounds N: round r starts at provider r mod n (each provider first once with N = n); a
     provider's rounds combine to the median of their medians and quantiles, the least minimum, summed
