@@ -318,42 +318,30 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
         }
       }
     }
-  } else if (kOrder == 5) {
-    constexpr int kRing = 2 * kDepth;   // two 512-byte pieces a step: the kernel's bytes in flight
-    const uint4* run = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(B) + 1024 * s0) + lane;
-    const int pieces = 2 * steps;
-    uint4 ring[kRing];
-#pragma unroll
-    for (int j = 0; j < kRing; ++j) {
-      if (j < pieces) ring[j] = tc_ld_stream<kL2>(run + 32 * j);
-    }
-    for (int b0 = 0; b0 < pieces; b0 += kRing) {
-#pragma unroll
-      for (int j = 0; j < kRing; ++j) {
-        const int q = b0 + j, r = q + kRing;
-        if (q < pieces) f ^= ring[j].x ^ ring[j].w;
-        if (r < pieces) ring[j] = tc_ld_stream<kL2>(run + 32 * r);
-      }
-    }
   } else {
     constexpr int kRing = 2 * kDepth;
-    const int per_row = (len + 511) / 512, pieces = 16 * per_row;
-    // piece q: (row, 512-byte piece) = (q / per_row, q % per_row) row by row, (q % 16, q / 16) piece by piece
+    const int per_row = (len + 511) / 512, pieces = kOrder == 5 ? 2 * steps : 16 * per_row;
+    // piece q: (row, 512-byte piece) = (q / per_row, q % per_row) row by row, (q % 16, q / 16) piece by piece;
+    // pre-tiled: bytes 512 q of the warp's run (1 KB a step from the block's byte 1024 s0: two pieces a step)
     auto row_of = [&](int q) { return kOrder == 3 ? q / per_row : q % 16; };
     auto off_of = [&](int q) { return 512 * (kOrder == 3 ? q % per_row : q / 16) + 16 * lane; };
+    auto live = [&](int q) { return q < pieces && (kOrder == 5 || off_of(q) < len); };
+    auto at = [&](int q) {
+      return reinterpret_cast<const uint4*>(kOrder == 5 ? reinterpret_cast<const unsigned char*>(B) + 1024 * s0
+                                                              + 512 * q + 16 * lane
+                                                        : base + (size_t)row_of(q) * rs + off_of(q));
+    };
     uint4 ring[kRing];
 #pragma unroll
     for (int j = 0; j < kRing; ++j) {
-      if (j < pieces && off_of(j) < len)
-        ring[j] = tc_ld_stream<kL2>(reinterpret_cast<const uint4*>(base + (size_t)row_of(j) * rs + off_of(j)));
+      if (live(j)) ring[j] = tc_ld_stream<kL2>(at(j));
     }
     for (int b0 = 0; b0 < pieces; b0 += kRing) {
 #pragma unroll
       for (int j = 0; j < kRing; ++j) {
         const int q = b0 + j, r = q + kRing;
-        if (q < pieces && off_of(q) < len) f ^= ring[j].x ^ ring[j].w;
-        if (r < pieces && off_of(r) < len)
-          ring[j] = tc_ld_stream<kL2>(reinterpret_cast<const uint4*>(base + (size_t)row_of(r) * rs + off_of(r)));
+        if (live(q)) f ^= ring[j].x ^ ring[j].w;
+        if (live(r)) ring[j] = tc_ld_stream<kL2>(at(r));
       }
     }
   }
