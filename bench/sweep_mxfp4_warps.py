@@ -3,12 +3,13 @@
 kernel, and `loads=1` variants (the kernel's loads alone, no decode or MMA: what the memory system gives that load
 pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loads=3` the same codes row by row in
 512-byte pieces, `loads=4` piece by piece over the 16 rows, `loads=5` each warp's range as one contiguous run (the
-order a weight layout tiled by (block, step) would give); what the rows' scatter costs.
+order a weight layout tiled by (block, step) would give); what the rows' scatter costs; `loads=6` the kernel's loads
+without the scale words, `loads=7` without the activations (where loads=1's time beyond the codes' goes).
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
                                       [--jobs N]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, l2) plus
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads) plus
 loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
 through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
@@ -33,8 +34,8 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("splits", "depth", "ahead", "quads", "l2", "loads"):
-            raise ValueError(f"variant knob must be splits, depth, ahead, quads, l2 or loads, got {key!r}")
+        if key not in ("splits", "depth", "ahead", "quads", "loads"):
+            raise ValueError(f"variant knob must be splits, depth, ahead, quads or loads, got {key!r}")
         out[key] = bool(int(value)) if key == "quads" else int(value)
     return out
 

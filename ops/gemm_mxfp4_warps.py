@@ -19,8 +19,9 @@ bf16, subnormals kept), so the products are exact and only the fp32 sums' order 
 
 The codes' loads alone (bench.sweep_mxfp4_warps loads=1) take 70-85% of the kernel's time (~2.0-2.5 TB/s);
 session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md "Session 60") and is gone. QUADS
-loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster); L2
-has the weights' loads ask L2 for 64-256 bytes around each 64-byte request (not yet measured). The
+loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster). The
+weights' loads asking L2 for 256 bytes around each request (ld.global.nc.L1::no_allocate.L2::256B) were 6-38% slower
+(session 62) and are gone. The
 masked grouped form (mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over
 token tiles.
 
@@ -50,9 +51,7 @@ AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; s
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
 
-L2_SIZES = (0, 64, 128, 256)
-L2 = 0               # the weights' loads: plain __ldg (0), or not allocated in L1 with this L2 prefetch size in bytes
-                     # (session 60, not yet measured; DeepEP streams with ld.global.nc.L1::no_allocate.L2::256B)
+LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
 __device__ __forceinline__ void tc_mma_16816_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -75,50 +74,24 @@ template <int kTiles>
 struct TcWarpActs {
   uint4 x[kTiles][4];
 };
-// the weights' loads (codes, scale words): __ldg (kL2 = 0), or ld.global.nc not allocated in L1 with an L2
-// prefetch size of kL2 bytes (64 / 128 / 256: the request's neighbouring sectors fetched into L2 with it)
-template <int kL2>
-__device__ __forceinline__ uint4 tc_ld_stream(const uint4* p) {
-  if (kL2 == 0) return __ldg(p);
-  uint4 v;
-  if (kL2 == 64)
-    asm("ld.global.nc.L1::no_allocate.L2::64B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  else if (kL2 == 128)
-    asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  else
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-template <int kL2>
-__device__ __forceinline__ unsigned tc_ld_stream(const unsigned* p) {
-  if (kL2 == 0) return __ldg(p);
-  unsigned v;
-  if (kL2 == 64) asm("ld.global.nc.L1::no_allocate.L2::64B.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  else if (kL2 == 128) asm("ld.global.nc.L1::no_allocate.L2::128B.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  else asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-template <bool kScales, int kL2 = 0>   // kScales false: the step's scale words come otherwise (kQuads), zeros here
+template <bool kScales>   // kScales false: the step's scale words come otherwise (kQuads, or none: a probe), zeros here
 __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* bw, const uint4* bv,
                                                    const unsigned* sw, const unsigned* sv, int s) {
-  d.w = tc_ld_stream<kL2>(bw + 4 * s);
-  d.v = tc_ld_stream<kL2>(bv + 4 * s);
-  d.sw = kScales ? tc_ld_stream<kL2>(sw + s) : 0u;
-  d.sv = kScales ? tc_ld_stream<kL2>(sv + s) : 0u;
+  d.w = __ldg(bw + 4 * s);
+  d.v = __ldg(bv + 4 * s);
+  d.sw = kScales ? __ldg(sw + s) : 0u;
+  d.sv = kScales ? __ldg(sv + s) : 0u;
 }
 __device__ __forceinline__ unsigned tc_warp_codes_fold(const TcWarpCodes& c) {
   return c.w.x ^ c.w.y ^ c.w.z ^ c.w.w ^ c.v.x ^ c.v.y ^ c.v.z ^ c.v.w ^ c.sw ^ c.sv;
 }
-template <int kTiles>
+template <int kTiles, bool kNone = false>   // kNone (a probe): zeros, nothing loaded
 __device__ __forceinline__ void tc_warp_acts_load(TcWarpActs<kTiles>& d, const uint4* const* xa, const bool* live,
                                                   int s) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) d.x[i][q] = live[i] ? __ldg(xa[i] + 16 * s + q) : make_uint4(0u, 0u, 0u, 0u);
+    for (int q = 0; q < 4; ++q) d.x[i][q] = live[i] && !kNone ? __ldg(xa[i] + 16 * s + q) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 // codes c0 .. c0 + 3 of a lane's block (byte pair c0 / 2 of word c0 / 8) of rows g, g + 8 -> the A fragment
@@ -204,12 +177,13 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
 // kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
-// words. kL2: the weights' loads' L2 prefetch size (tc_ld_stream; 0: plain __ldg)
-template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, bool kLoadsOnly = false,
-          bool kQuads = false, int kL2 = 0>
+// words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel)
+template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
+          bool kQuads = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  constexpr bool kWordScales = !kQuads && kLoadsOnly != 6, kActs = kLoadsOnly != 7;
   if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
   const int kw = k / 8, kb = k / 128;
   const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t + 4 * s0;
@@ -223,14 +197,14 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   unsigned qw = 0u, qv = 0u, nqw = 0u, nqv = 0u;   // kQuads: this quad's scale words and the next one's
-  if (kQuads) {
-    if (t < steps) { qw = tc_ld_stream<kL2>(sw + t); qv = tc_ld_stream<kL2>(sv + t); }
-    if (4 + t < steps) { nqw = tc_ld_stream<kL2>(sw + 4 + t); nqv = tc_ld_stream<kL2>(sv + 4 + t); }
+  if (kQuads && kLoadsOnly != 6) {
+    if (t < steps) { qw = __ldg(sw + t); qv = __ldg(sv + t); }
+    if (4 + t < steps) { nqw = __ldg(sw + 4 + t); nqv = __ldg(sv + 4 + t); }
   }
   TcWarpCodes ring[kDepth];
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    if (j < steps) tc_warp_codes_load<!kQuads, kL2>(ring[j], bw, bv, sw, sv, j);
+    if (j < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
@@ -239,13 +213,13 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     }
   }
   TcWarpActs<kTiles> cur, nxt;
-  if (steps > 0) tc_warp_acts_load<kTiles>(cur, xa, live, 0);
+  if (steps > 0) tc_warp_acts_load<kTiles, !kActs>(cur, xa, live, 0);
   for (int base = 0; base < steps; base += kDepth) {
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
       const int i = base + j;
       if (i < steps) {
-        if (i + 1 < steps) tc_warp_acts_load<kTiles>(nxt, xa, live, i + 1);
+        if (i + 1 < steps) tc_warp_acts_load<kTiles, !kActs>(nxt, xa, live, i + 1);
         if (kAhead > 0 && i + kDepth + kAhead < steps) {
           tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
           tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
@@ -262,17 +236,20 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
         if (kLoadsOnly) {
           unsigned f = tc_warp_codes_fold(ring[j]) ^ wsw ^ wsv;
 #pragma unroll
-          for (int q = 0; q < kTiles; ++q) f ^= cur.x[q][0].x ^ cur.x[q][3].w;
+          for (int q = 0; q < kTiles; ++q) {   // every word, so that the activations stay 16-byte loads
+#pragma unroll
+            for (int r = 0; r < 4; ++r) f ^= cur.x[q][r].x ^ cur.x[q][r].y ^ cur.x[q][r].z ^ cur.x[q][r].w;
+          }
           acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
         } else {
           tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (i + kDepth < steps) tc_warp_codes_load<!kQuads, kL2>(ring[j], bw, bv, sw, sv, i + kDepth);
-        if (kQuads && (i & 3) == 3) {   // the next quad current, the one after it asked for
+        if (i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (kQuads && kLoadsOnly != 6 && (i & 3) == 3) {   // the next quad current, the one after it asked for
           qw = nqw;
           qv = nqv;
-          if (i + 5 + t < steps) { nqw = tc_ld_stream<kL2>(sw + i + 5 + t); nqv = tc_ld_stream<kL2>(sv + i + 5 + t); }
+          if (i + 5 + t < steps) { nqw = __ldg(sw + i + 5 + t); nqv = __ldg(sv + i + 5 + t); }
         }
         cur = nxt;
       }
@@ -289,7 +266,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
 // (the warp's range as one contiguous run of steps x 1 KB of the block's 16-row region, 512 bytes a load: the order a
 // weight layout tiled by (block, step) would give, bench/NOTES.md "Session 61"). What the rows' scatter costs the
 // stream.
-template <int kOrder, int kDepth, int kL2 = 0>
+template <int kOrder, int kDepth>
 __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int* B, const int* SFB, const void* A,
                                                           int m, int k, int s0, int steps) {
   const int lane = threadIdx.x & 31;
@@ -303,7 +280,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
     uint4 ring[kDepth][2];
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
-      if (j < steps) { ring[j][0] = tc_ld_stream<kL2>(bw + 4 * j); ring[j][1] = tc_ld_stream<kL2>(bv + 4 * j); }
+      if (j < steps) { ring[j][0] = __ldg(bw + 4 * j); ring[j][1] = __ldg(bv + 4 * j); }
     }
     for (int b0 = 0; b0 < steps; b0 += kDepth) {
 #pragma unroll
@@ -312,8 +289,8 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
         if (i < steps) {
           f ^= ring[j][0].x ^ ring[j][0].w ^ ring[j][1].x ^ ring[j][1].w;
           if (i + kDepth < steps) {
-            ring[j][0] = tc_ld_stream<kL2>(bw + 4 * (i + kDepth));
-            ring[j][1] = tc_ld_stream<kL2>(bv + 4 * (i + kDepth));
+            ring[j][0] = __ldg(bw + 4 * (i + kDepth));
+            ring[j][1] = __ldg(bv + 4 * (i + kDepth));
           }
         }
       }
@@ -334,14 +311,14 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
     uint4 ring[kRing];
 #pragma unroll
     for (int j = 0; j < kRing; ++j) {
-      if (live(j)) ring[j] = tc_ld_stream<kL2>(at(j));
+      if (live(j)) ring[j] = __ldg(at(j));
     }
     for (int b0 = 0; b0 < pieces; b0 += kRing) {
 #pragma unroll
       for (int j = 0; j < kRing; ++j) {
         const int q = b0 + j, r = q + kRing;
         if (live(q)) f ^= ring[j].x ^ ring[j].w;
-        if (live(r)) ring[j] = tc_ld_stream<kL2>(at(r));
+        if (live(r)) ring[j] = __ldg(at(r));
       }
     }
   }
@@ -350,9 +327,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
 """
 
 
-def _check_params(n, k, tokens, splits, depth, ahead, l2=0):
-    if l2 not in L2_SIZES:
-        raise ValueError(f"l2 must be one of {L2_SIZES} (bytes of L2 prefetch a load), got {l2!r}")
+def _check_params(n, k, tokens, splits, depth, ahead):
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -368,15 +343,15 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, l2=0, trace=False, loads_only=False) -> str:
+def _helper(tokens, depth, ahead, quads, trace=False, loads_only=0) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
-        return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}{f', {l2}' if l2 else ''}>"
+        return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
-    args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), b(loads_only),
-            b(quads), str(l2)]
-    defaults = [None, None, None, "false", "0", "false", "false", "0"]
+    args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
+            b(quads)]
+    defaults = [None, None, None, "false", "0", "0", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
@@ -408,28 +383,28 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, l2: int = L2, trace: bool = False, loads_only: int = 0):
+                        quads: bool = QUADS, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
-    loaded four steps at a time, one a lane (else a step's with its codes); l2: the weights' loads not allocated in
-    L1 and asking L2 to fetch l2 bytes around each (64 / 128 / 256; 0: plain __ldg).
+    loaded four steps at a time, one a lane (else a step's with its codes).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
     wrong results: what the memory system gives this load pattern (1 or True: all of them; 2: its codes alone; 3: the
     same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows; 5: the warp's range as one
-    contiguous run of the block's region, the order of a weight layout tiled by (block, step))."""
-    _check_params(n, k, tokens, splits, depth, ahead, l2)
-    if loads_only not in (0, 1, 2, 3, 4, 5):
-        raise ValueError(f"loads_only must be 0..5, got {loads_only!r}")
+    contiguous run of the block's region, the order of a weight layout tiled by (block, step); 6: all but the scale
+    words; 7: all but the activations)."""
+    _check_params(n, k, tokens, splits, depth, ahead)
+    if loads_only not in LOADS_ONLY:
+        raise ValueError(f"loads_only must be 0..7, got {loads_only!r}")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = _helper(tokens, depth, ahead, quads, l2, trace, loads_only)
+    helper = _helper(tokens, depth, ahead, quads, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -458,20 +433,20 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, quads: bool = QUADS, l2: int = L2):
+                               ahead: int = AHEAD, quads: bool = QUADS):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
     weights are then read again a tile); a group with masked_m = 0 reads no weights. masked_m is clamped to
     [0, max_m]."""
-    _check_params(n, k, tokens, splits, depth, ahead, l2)
+    _check_params(n, k, tokens, splits, depth, ahead)
     g_n, max_m = T.dynamic("g"), T.dynamic("max_m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
     nb = n // ROWS
-    helper = _helper(tokens, depth, ahead, quads, l2)
+    helper = _helper(tokens, depth, ahead, quads)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps_masked(A: T.Tensor((g_n, max_m, k), "bfloat16"), B: T.Tensor((g_n, n, k // 8), "int32"),
@@ -508,9 +483,9 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, quads: bool | None = None, l2: int | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead, quads, l2: the module's defaults unless given."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -520,8 +495,7 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads,
-                l2=L2 if l2 is None else l2)
+                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -535,7 +509,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
-           QUADS, L2, tuple(sorted(override.items())))
+           QUADS, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
         target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
@@ -543,14 +517,14 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, l2); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
     n = b.shape[0]
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
-    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS, L2,
+    key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
            loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())

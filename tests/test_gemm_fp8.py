@@ -1386,36 +1386,38 @@ def test_mxfp4_warps_scale_quads_lower_to_shuffles():
     for m, n, k in ((1, 4096, 7168), (9, 7168, 2048)):
         p = plan_warps(m, n, k, quads=False)
         src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **{**p, "quads": True})
-        assert f"tc_mxfp4_warp_mma<{p['tokens'] // 8}, 2, 0, false, 0, false, true>(" in src
+        assert f"tc_mxfp4_warp_mma<{p['tokens'] // 8}, 2, 0, false, 0, 0, true>(" in src
         quads = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
         plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **p), "sm_90a"), "sm_90a")
         assert quads.histogram.get("SHFL", 0) > plain.histogram.get("SHFL", 0), (quads.format(), plain.format())
         assert quads.histogram["HMMA"] == plain.histogram["HMMA"], (quads.format(), plain.format())
         assert quads.spill_stores == 0 and quads.spill_loads == 0, quads.format()
     src = mxfp4_warps_masked_program.source("sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=True)
-    assert src.count("tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, true>(") == 1
+    assert src.count("tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, true>(") == 1
 
 
-def test_mxfp4_warps_l2_prefetch_lowers_to_streaming_loads():
-    """l2=64 / 128 / 256: the weights' loads are LDG.E.NA.LTC<l2>B (not allocated in L1, the L2 prefetch size) and
-    the activations' stay plain; l2=0 leaves the default kernel's source as it was (no stream qualifier); the probe
-    and the masked form take it too."""
+def test_mxfp4_warps_load_probes_drop_what_they_name():
+    """The sweep's loads-alone probes (loads_only 1, 6, 7: no decode, no MMA) against each other in SASS: 6 drops the
+    scale words' 32-bit loads, 7 the activations' 128-bit ones (the codes' stay), 1 keeps both (static counts: the
+    loops unroll differently); none has an HMMA. The default kernel's helper call is unchanged (trailing defaults trimmed)."""
     from backends.cuda.sass import build_cubin, disassemble
-    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
-    p = plan_warps(1, 4096, 7168, l2=0)
+    p = plan_warps(1, 4096, 7168, quads=False)
     assert "tc_mxfp4_warp_mma<1, 2, 0>(" in mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **p)
-    for l2 in (64, 256):
-        src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **{**p, "l2": l2})
-        assert f"tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, false, {l2}>(" in src
-        loads = [line for line in disassemble(build_cubin(src, "sm_90a")).splitlines() if "LDG" in line]
-        assert any(f"LDG.E.NA.LTC{l2}B.128.CONSTANT" in line for line in loads), loads
-        assert any(f"LDG.E.NA.LTC{l2}B.CONSTANT" in line for line in loads), loads        # the scale words
-        assert any("LDG.E.128.CONSTANT" in line for line in loads), loads                 # the activations
-    assert "tc_mxfp4_warp_codes_probe<3, 2, 256>(" in mxfp4_warps_program.source(
-        "sm_90a", n=4096, k=7168, loads_only=3, **{**p, "l2": 256})
-    assert "tc_mxfp4_warp_mma<1, 2, 0, false, 0, false, false, 128>(" in mxfp4_warps_masked_program.source(
-        "sm_90a", n=4096, k=7168, tokens=8, splits=8, l2=128)
+    loads = {}
+    for probe in (1, 6, 7):
+        src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, loads_only=probe, **p)
+        assert f"tc_mxfp4_warp_mma<1, 2, 0, false, 0, {probe}>(" in src
+        sass = disassemble(build_cubin(src, "sm_90a"))
+        assert "HMMA" not in sass
+        ldg = [line.split()[1] if line.split()[0].startswith("@") else line.split()[0]
+               for line in (x.split("*/", 1)[-1].strip() for x in sass.splitlines() if "LDG" in x)]
+        loads[probe] = (sum("LDG" in op and ".128" in op for op in ldg), sum("LDG" in op and ".128" not in op
+                                                                            for op in ldg))
+    (wide1, narrow1), (wide6, narrow6), (wide7, narrow7) = loads[1], loads[6], loads[7]
+    assert narrow1 > 0 and narrow6 == 0 and narrow7 > 0, loads      # the scale words: the only 32-bit loads
+    assert wide6 > 0 and wide7 < wide1, loads                       # the activations: 128-bit (their every word used)
 
 
 def test_mxfp4_warps_masked_lowers():
@@ -1468,7 +1470,7 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}>(" in traced
     assert f"(&(Trace[((((int)blockIdx.x) * {4 * TRACE_WORDS}) + ((((int)threadIdx.x) >> 5) * {TRACE_WORDS}))]))" in traced
     quads = mxfp4_warps_program.source("sm_90a", n=256, k=1024, splits=4, quads=True, trace=True)
-    assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}, false, true>(" in quads
+    assert f"tc_mxfp4_warp_mma<1, {DEPTH}, {AHEAD}, true, {TRACE_STEPS}, 0, true>(" in quads
     # two warps (kb = 4, splits = 2: two steps each); warp 1 enters 5000 ns late; clocks: entry 100, data 300 / 900,
     # issued 500 / 1000, end 1100
     row = [0] * TRACE_WORDS
@@ -1523,9 +1525,8 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
-    monkeypatch.setattr(gemm_mxfp4_warps, "L2", 0)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, l2=0)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, l2=0)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -1542,10 +1543,8 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, depth=9)
     with pytest.raises(ValueError, match="n must be a multiple of 16 and k of 128"):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
-    with pytest.raises(ValueError, match=r"l2 must be one of \(0, 64, 128, 256\)"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, l2=32)
-    with pytest.raises(ValueError, match="loads_only must be 0..5, got 6"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=6)
+    with pytest.raises(ValueError, match="loads_only must be 0..7, got 8"):
+        mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=8)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
         mxfp4_warps_program.source("ascend:950", n=256, k=512)
     # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), as one run a
@@ -2299,7 +2298,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step), with the weights' loads streamed (l2 256, 64); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step); every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
@@ -2319,7 +2318,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
-               dict(quads=True, depth=3), dict(quads=not QUADS), dict(l2=256), dict(l2=64, quads=True)):
+               dict(quads=True, depth=3), dict(quads=not QUADS)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw

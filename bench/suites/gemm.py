@@ -404,9 +404,6 @@ SUITE = Suite(
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
-               # ... the weights' loads not allocated in L1, with an L2 prefetch of 256 / 128 bytes (L2)
-               Provider("tilecraft-l2-256", tilecraft_warps(L2=256), experimental=True),
-               Provider("tilecraft-l2-128", tilecraft_warps(L2=128), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
