@@ -81,6 +81,7 @@ def calc_diff(x, y) -> float:
 
 
 def main(argv=None):
+    from bench.op import versions
     from ops import quant_mxfp4
     from ops.gemm_mxfp4_warps import launch_warps
 
@@ -92,8 +93,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.sweep_mxfp4_warps needs a CUDA GPU")
-    card = card_identity()
-    print(f"{torch.cuda.get_device_name()} {card.get('uuid', '')}")
+    meta = {"gpu": torch.cuda.get_device_name(), **card_identity(), "timing": "cuda graph", "l2_flush": "read",
+            **versions()}
+    print(f"{meta['gpu']} {meta.get('gpu_uuid', '')} (torch {meta['torch']}, tilelang {meta['tilelang']})")
     t0 = time.perf_counter()
     done = compile_ahead(args.case or CASES, args.variant or VARIANTS, args.jobs)
     if done:
@@ -122,6 +124,7 @@ def main(argv=None):
                   flush=True)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
+            f.write("".join(f"# {k}: {v}\n" for k, v in meta.items()))     # as bench.op's CSVs
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
