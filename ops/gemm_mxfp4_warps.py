@@ -53,9 +53,6 @@ QUADS = False        # the scale words loaded four K steps at a time (one a lane
 
 STREAM = False       # the codes' loads not allocated in L1 (ld.global.nc.L1::no_allocate), so that the activations
                      # (read by every block: at 8 tokens twice the codes' bytes an SM) stay there (session 62)
-ROW_TILES = 1        # 16-row tiles a warp (1 or 2; a block 16 ROW_TILES rows): at 2, every activation fragment feeds
-                     # two tiles' MMAs, half the A bytes a code byte (at 8 tokens A is two thirds of an SM's bytes,
-                     # session 62); where n is not a multiple of 32, 1
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -165,18 +162,17 @@ __device__ __forceinline__ void tc_warp_acts_at(const uint4** xa, bool* live, co
             + 4 * t + 16 * s0;
   }
 }
-// the warp's fp32 partial of one 16-row tile (16 rows x 8 kTiles tokens, the MMA's C layout) into red, token-major
-// with kStride rows a token (red[token * kStride + row]; the tile's rows from red's row 0)
-template <int kTiles, int kStride = 16>
+// the warp's fp32 partial (16 rows x 8 kTiles tokens, the MMA's C layout) into red, token-major (red[token * 16 + row])
+template <int kTiles>
 __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (*acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     const int tok = 8 * i + 2 * t;
-    red[tok * kStride + g] = acc[i][0];
-    red[(tok + 1) * kStride + g] = acc[i][1];
-    red[tok * kStride + g + 8] = acc[i][2];
-    red[(tok + 1) * kStride + g + 8] = acc[i][3];
+    red[tok * 16 + g] = acc[i][0];
+    red[(tok + 1) * 16 + g] = acc[i][1];
+    red[tok * 16 + g + 8] = acc[i][2];
+    red[(tok + 1) * 16 + g + 8] = acc[i][3];
   }
 }
 // A warp's K range [s0, s0 + steps) of the block's 16 rows: its fp32 partial (16 rows x 8 kTiles tokens) into
@@ -193,58 +189,39 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
 // kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
 // words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel). kStream: the codes'
-// loads not allocated in L1 (tc_ld_codes). kRowTiles: the warp's rows as this many 16-row tiles (rows 16r + g and
-// 16r + g + 8 of tile r), every activation fragment feeding each tile's MMAs (the A bytes a code byte divided by it);
-// red then token-major over 16 kRowTiles rows (kQuads: one tile only)
+// loads not allocated in L1 (tc_ld_codes)
 template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
-          bool kQuads = false, bool kStream = false, int kRowTiles = 1>
+          bool kQuads = false, bool kStream = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
-  static_assert(kRowTiles == 1 || !kQuads, "the scale quads are one row tile's");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   constexpr bool kWordScales = !kQuads && kLoadsOnly != 6, kActs = kLoadsOnly != 7;
   if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
   const int kw = k / 8, kb = k / 128;
-  const uint4* bw[kRowTiles];
-  const uint4* bv[kRowTiles];
-  const unsigned* sw[kRowTiles];
-  const unsigned* sv[kRowTiles];
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) {
-    bw[r] = reinterpret_cast<const uint4*>(B + (size_t)(16 * r + g) * kw) + t + 4 * s0;
-    bv[r] = reinterpret_cast<const uint4*>(B + (size_t)(16 * r + g + 8) * kw) + t + 4 * s0;
-    sw[r] = reinterpret_cast<const unsigned*>(SFB + (size_t)(16 * r + g) * kb) + s0;
-    sv[r] = reinterpret_cast<const unsigned*>(SFB + (size_t)(16 * r + g + 8) * kb) + s0;
-  }
+  const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)g * kw) + t + 4 * s0;
+  const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(g + 8) * kw) + t + 4 * s0;
+  const unsigned* sw = reinterpret_cast<const unsigned*>(SFB + (size_t)g * kb) + s0;
+  const unsigned* sv = reinterpret_cast<const unsigned*>(SFB + (size_t)(g + 8) * kb) + s0;
   const uint4* xa[kTiles];
   bool live[kTiles];
   tc_warp_acts_at<kTiles>(xa, live, A, m, k, s0);
-  float acc[kRowTiles][kTiles][4];
+  float acc[kTiles][4];
 #pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) {
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.f;
-  }
+  for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   unsigned qw = 0u, qv = 0u, nqw = 0u, nqv = 0u;   // kQuads: this quad's scale words and the next one's
   if (kQuads && kLoadsOnly != 6) {
-    if (t < steps) { qw = __ldg(sw[0] + t); qv = __ldg(sv[0] + t); }
-    if (4 + t < steps) { nqw = __ldg(sw[0] + 4 + t); nqv = __ldg(sv[0] + 4 + t); }
+    if (t < steps) { qw = __ldg(sw + t); qv = __ldg(sv + t); }
+    if (4 + t < steps) { nqw = __ldg(sw + 4 + t); nqv = __ldg(sv + 4 + t); }
   }
-  TcWarpCodes ring[kDepth][kRowTiles];
+  TcWarpCodes ring[kDepth];
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-#pragma unroll
-    for (int r = 0; r < kRowTiles; ++r) {
-      if (j < steps) tc_warp_codes_load<kWordScales, kStream>(ring[j][r], bw[r], bv[r], sw[r], sv[r], j);
-    }
+    if (j < steps) tc_warp_codes_load<kWordScales, kStream>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
     for (int j = kDepth; j < kDepth + kAhead; ++j) {
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        if (j < steps) { tc_prefetch_l2(bw[r] + 4 * j); tc_prefetch_l2(bv[r] + 4 * j); }
-      }
+      if (j < steps) { tc_prefetch_l2(bw + 4 * j); tc_prefetch_l2(bv + 4 * j); }
     }
   }
   TcWarpActs<kTiles> cur, nxt;
@@ -256,54 +233,41 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
       if (i < steps) {
         if (i + 1 < steps) tc_warp_acts_load<kTiles, !kActs>(nxt, xa, live, i + 1);
         if (kAhead > 0 && i + kDepth + kAhead < steps) {
-#pragma unroll
-          for (int r = 0; r < kRowTiles; ++r) {
-            tc_prefetch_l2(bw[r] + 4 * (i + kDepth + kAhead));
-            tc_prefetch_l2(bv[r] + 4 * (i + kDepth + kAhead));
-          }
+          tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
+          tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
         }
+        unsigned wsw = ring[j].sw, wsv = ring[j].sv;
+        if (kQuads) {
+          const int src = (lane & ~3) | (i & 3);
+          wsw = __shfl_sync(0xFFFFFFFFu, qw, src);
+          wsv = __shfl_sync(0xFFFFFFFFu, qv, src);
+        }
+        const unsigned ew = (wsw >> (8 * t)) & 0xFFu, ev = (wsv >> (8 * t)) & 0xFFu;
+        const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
+        if (kTrace && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
+        if (kLoadsOnly) {
+          unsigned f = tc_warp_codes_fold(ring[j]) ^ wsw ^ wsv;
 #pragma unroll
-        for (int r = 0; r < kRowTiles; ++r) {
-          unsigned wsw = ring[j][r].sw, wsv = ring[j][r].sv;
-          if (kQuads) {
-            const int src = (lane & ~3) | (i & 3);
-            wsw = __shfl_sync(0xFFFFFFFFu, qw, src);
-            wsv = __shfl_sync(0xFFFFFFFFu, qv, src);
+          for (int q = 0; q < kTiles; ++q) {   // every word, so that the activations stay 16-byte loads
+#pragma unroll
+            for (int r = 0; r < 4; ++r) f ^= cur.x[q][r].x ^ cur.x[q][r].y ^ cur.x[q][r].z ^ cur.x[q][r].w;
           }
-          const unsigned ew = (wsw >> (8 * t)) & 0xFFu, ev = (wsv >> (8 * t)) & 0xFFu;
-          const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
-          if (kTrace && r == 0 && lane == 0 && i < kTraceSteps) trace[4 + 2 * i] = (int)clock();
-          if (kLoadsOnly) {
-            unsigned f = tc_warp_codes_fold(ring[j][r]) ^ wsw ^ wsv;
-            if (r == 0) {
-#pragma unroll
-              for (int q = 0; q < kTiles; ++q) {   // every word, so that the activations stay 16-byte loads
-#pragma unroll
-                for (int u = 0; u < 4; ++u) f ^= cur.x[q][u].x ^ cur.x[q][u].y ^ cur.x[q][u].z ^ cur.x[q][u].w;
-              }
-            }
-            acc[r][0][0] += __uint_as_float(f & 0x807FFFFFu);
-          } else {
-            tc_warp_step_scaled<kTiles>(acc[r], ring[j][r], cur, ew, ev, fast);
-          }
+          acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
+        } else {
+          tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (i + kDepth < steps) {
-#pragma unroll
-          for (int r = 0; r < kRowTiles; ++r)
-            tc_warp_codes_load<kWordScales, kStream>(ring[j][r], bw[r], bv[r], sw[r], sv[r], i + kDepth);
-        }
+        if (i + kDepth < steps) tc_warp_codes_load<kWordScales, kStream>(ring[j], bw, bv, sw, sv, i + kDepth);
         if (kQuads && kLoadsOnly != 6 && (i & 3) == 3) {   // the next quad current, the one after it asked for
           qw = nqw;
           qv = nqv;
-          if (i + 5 + t < steps) { nqw = __ldg(sw[0] + i + 5 + t); nqv = __ldg(sv[0] + i + 5 + t); }
+          if (i + 5 + t < steps) { nqw = __ldg(sw + i + 5 + t); nqv = __ldg(sv + i + 5 + t); }
         }
         cur = nxt;
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) tc_warp_partials_store<kTiles, 16 * kRowTiles>(red + 16 * r, acc[r]);
+  tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
 // loads_only 2 .. 5 (bench.sweep_mxfp4_warps, wrong results): the warp's codes alone (no scale words, no
@@ -375,13 +339,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
 """
 
 
-def _check_params(n, k, tokens, splits, depth, ahead, row_tiles=1, quads=False):
-    if row_tiles not in (1, 2):
-        raise ValueError(f"row_tiles must be 1 or 2 (16-row tiles a warp), got {row_tiles!r}")
-    if row_tiles > 1 and quads:
-        raise ValueError("quads (the scale words four steps a load) takes row_tiles=1 only")
-    if row_tiles > 1 and n % (ROWS * row_tiles) == ROWS:
-        raise ValueError(f"n must be a multiple of {ROWS * row_tiles} at row_tiles={row_tiles}, got n={n}")
+def _check_params(n, k, tokens, splits, depth, ahead):
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -397,29 +355,29 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, stream=False, trace=False, loads_only=0, row_tiles=1) -> str:
+def _helper(tokens, depth, ahead, quads, stream=False, trace=False, loads_only=0) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
-            b(quads), b(stream), str(row_tiles)]
-    defaults = [None, None, None, "false", "0", "0", "false", "false", "1"]
+            b(quads), b(stream)]
+    defaults = [None, None, None, "false", "0", "0", "false", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
 
 
 @T.macro
-def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs, rows=ROWS):
-    """The block's output tile from the warps' fp32 partials red (splits, tokens, rows), summed in warp order (the
+def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
+    """The block's output tile from the warps' fp32 partials red (splits, tokens, ROWS), summed in warp order (the
     same bits run to run): token j < m, row r into C[j0 + j, col0 + r] (C[g, ...] for the masked form's 3-D C)."""
     total = T.alloc_var("float32")
     for it in T.serial(-(-outs // threads)):
         o = it * threads + tid
-        j = o // rows
-        r = o % rows
+        j = o // ROWS
+        r = o % ROWS
         if o < outs and j < m:
             total = red[0, j, r]
             for s in T.serial(1, splits):
@@ -437,14 +395,13 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs, rows=ROWS)
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, stream: bool = STREAM, row_tiles: int = ROW_TILES, trace: bool = False,
-                        loads_only: int = 0):
+                        quads: bool = QUADS, stream: bool = STREAM, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
     loaded four steps at a time, one a lane (else a step's with its codes); stream: the codes' loads not allocated
-    in L1 (the activations kept there); row_tiles: 16-row tiles a warp (a block 16 row_tiles rows; 1 or 2).
+    in L1 (the activations kept there).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
@@ -452,36 +409,33 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows; 5: the warp's range as one
     contiguous run of the block's region, the order of a weight layout tiled by (block, step); 6: all but the scale
     words; 7: all but the activations)."""
-    _check_params(n, k, tokens, splits, depth, ahead, row_tiles, quads)
+    _check_params(n, k, tokens, splits, depth, ahead)
     if loads_only not in LOADS_ONLY:
         raise ValueError(f"loads_only must be 0..7, got {loads_only!r}")
-    if row_tiles > 1 and loads_only in (2, 3, 4, 5):
-        raise ValueError(f"loads_only={loads_only} (a codes-order probe) takes row_tiles=1 only")
     m = T.dynamic("m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
     threads = 32 * splits
-    rows = ROWS * row_tiles
-    outs = rows * tokens
-    helper = _helper(tokens, depth, ahead, quads, stream, trace, loads_only, row_tiles)
+    outs = ROWS * tokens
+    helper = _helper(tokens, depth, ahead, quads, stream, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
                             SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
-                            Trace: T.Tensor((n // rows * splits if trace else 1, TRACE_WORDS), "int32")):
-        with tile.grid(n // rows, threads) as bid:
-            red = tile.stage((splits, tokens, rows), "float32")
+                            Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
+        with tile.grid(n // ROWS, threads) as bid:
+            red = tile.stage((splits, tokens, ROWS), "float32")
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32
             s0 = w * per
             T.evaluate(T.call_extern(
-                "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * rows),
-                T.access_ptr(B[bid * rows, 0], "r", rows * k // 8), T.access_ptr(SFB[bid * rows, 0], "r", rows * kb),
+                "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
+                T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8), T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb),
                 T.access_ptr(A[0, 0], "r", k), m, k, s0, T.max(T.min(per, kb - s0), 0),
                 *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
-            _sum_partials(red, C, None, 0, bid * rows, m, tid, threads, splits, outs, rows)
+            _sum_partials(red, C, None, 0, bid * ROWS, m, tid, threads, splits, outs)
 
     return mxfp4_gemm_nt_warps
 
@@ -492,15 +446,13 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, quads: bool = QUADS, stream: bool = STREAM, row_tiles: int = 1):
+                               ahead: int = AHEAD, quads: bool = QUADS, stream: bool = STREAM):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
     weights are then read again a tile); a group with masked_m = 0 reads no weights. masked_m is clamped to
     [0, max_m]."""
-    _check_params(n, k, tokens, splits, depth, ahead, 1, quads)
-    if row_tiles != 1:
-        raise ValueError(f"the masked form takes row_tiles=1 only, got {row_tiles!r}")
+    _check_params(n, k, tokens, splits, depth, ahead)
     g_n, max_m = T.dynamic("g"), T.dynamic("max_m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
@@ -544,27 +496,20 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, quads: bool | None = None, stream: bool | None = None,
-               row_tiles: int | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None, stream: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / (16 row_tiles) blocks, at most one a K step (at most 8 warps with two row tiles of 16 tokens); depth, ahead, quads, stream, row_tiles: the module's defaults unless
-    given (ROW_TILES falls back to 1 where n is not a multiple of 32 or quads is on)."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads, stream: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
-    quads = QUADS if quads is None else quads
-    if row_tiles is None:
-        row_tiles = ROW_TILES if n % (ROWS * ROW_TILES) == 0 and not quads else 1
-    tokens = next(t for t in TOKENS if t >= m)
     if splits is None:
-        want = sms * WARPS_PER_SM * ROWS * row_tiles / n
-        cap = MAX_SPLITS // 2 if row_tiles > 1 and tokens > 8 else MAX_SPLITS   # two tiles of 16 tokens: ~160
-        splits = 1                                                              # registers, 8 warps a block
-        while splits * 2 <= min(want, cap, kb):
+        want = sms * WARPS_PER_SM * ROWS / n
+        splits = 1
+        while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
-    return dict(tokens=tokens, splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, quads=quads, stream=STREAM if stream is None else stream,
-                row_tiles=row_tiles)
+    return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
+                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads,
+                stream=STREAM if stream is None else stream)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -580,13 +525,13 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
            QUADS, STREAM, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
-        target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **{"row_tiles": 1, **override})).launcher())
+        target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, stream, row_tiles); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads, stream); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
@@ -594,7 +539,7 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
-           STREAM, ROW_TILES, loads_only, tuple(sorted(override.items())))
+           STREAM, loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

@@ -1439,25 +1439,6 @@ def test_mxfp4_warps_stream_keeps_the_codes_out_of_l1():
         "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, stream=True)
 
 
-def test_mxfp4_warps_two_row_tiles_lower():
-    """row_tiles=2: a warp's MMAs twice the one-tile kernel's at the same activation loads a step (HMMA doubles, the
-    16-byte activation loads a step do not), a block of 32 rows, partials token-major over 32 rows; no spills, and at
-    most 128 registers at 8 tokens (16 warps a block) and 255 at 16 (8 warps)."""
-    from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
-
-    for m, cap in ((8, 128), (16, 255)):
-        one = plan_warps(m, 4096, 7168, row_tiles=1, quads=False)
-        two = plan_warps(m, 4096, 7168, row_tiles=2, quads=False)
-        src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **two)
-        assert f"tc_mxfp4_warp_mma<{m // 8}, 2, 0, false, 0, 0, false, false, 2>(" in src
-        assert "float red[" not in src or "* 32" in src
-        s1 = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **one), "sm_90a"), "sm_90a")
-        s2 = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-        assert s2.histogram["HMMA"] == 2 * s1.histogram["HMMA"], (s1.format(), s2.format())
-        assert s2.spill_stores == 0 and s2.registers <= cap, s2.format()
-
-
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 106 registers a thread
     (two 8-warp blocks an SM)."""
@@ -1560,15 +1541,12 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     K step, at most 16), the module's knobs unless given; the program refuses what it cannot run, naming the
     parameter."""
     from ops import gemm_mxfp4_warps
-    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
     monkeypatch.setattr(gemm_mxfp4_warps, "STREAM", False)
-    monkeypatch.setattr(gemm_mxfp4_warps, "ROW_TILES", 1)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, stream=False,
-                                             row_tiles=1)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, stream=False,
-                                             row_tiles=1)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, stream=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, stream=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -1587,21 +1565,6 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="loads_only must be 0..7, got 8"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=8)
-    # two row tiles a warp: the plan doubles the warps a block for the same warps an SM (at most 8 at 16 tokens),
-    # falls back to one tile where n is not a multiple of 32 or the scale words come in quads
-    monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
-    assert plan_warps(1, 4096, 7168, row_tiles=2)["splits"] == 16
-    assert plan_warps(16, 4096, 7168, row_tiles=2)["splits"] == 8
-    monkeypatch.setattr(gemm_mxfp4_warps, "ROW_TILES", 2)
-    assert plan_warps(1, 4096, 7168)["row_tiles"] == 2 and plan_warps(1, 4112, 7168)["row_tiles"] == 1
-    assert plan_warps(1, 4096, 7168, quads=True)["row_tiles"] == 1
-    for bad, match in ((dict(row_tiles=3), "row_tiles must be 1 or 2"), (dict(row_tiles=2, quads=True), "quads"),
-                       (dict(n=272, row_tiles=2), "n must be a multiple of 32 at row_tiles=2, got n=272"),
-                       (dict(row_tiles=2, loads_only=3), "a codes-order probe")):
-        with pytest.raises(ValueError, match=match):
-            mxfp4_warps_program.source("sm_90a", **{"n": 256, "k": 512, **bad})
-    with pytest.raises(ValueError, match="the masked form takes row_tiles=1"):
-        mxfp4_warps_masked_program.source("sm_90a", n=256, k=512, row_tiles=2)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
         mxfp4_warps_program.source("ascend:950", n=256, k=512)
     # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), as one run a
@@ -2355,12 +2318,11 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step), with the codes' loads not allocated in L1 (stream), with two row
-    tiles a warp at the plan's warps a block (each tile's MMAs as before); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step), with the codes' loads not allocated in L1 (stream); every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
-    from ops.gemm_mxfp4_warps import QUADS, launch_warps, plan_warps
+    from ops.gemm_mxfp4_warps import QUADS, launch_warps
 
     g = torch.Generator().manual_seed(m * 11 + n)
     a = torch.randn(m, k, generator=g).bfloat16()
@@ -2376,14 +2338,12 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
-               dict(quads=True, depth=3), dict(quads=not QUADS), dict(stream=True), dict(stream=True, quads=True),
-               dict(row_tiles=2, quads=False, splits=plan_warps(m, n, k)["splits"]),
-               dict(row_tiles=2, quads=False, stream=True, splits=plan_warps(m, n, k)["splits"])):
+               dict(quads=True, depth=3), dict(quads=not QUADS), dict(stream=True), dict(stream=True, quads=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
     for kw in (dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=16), dict(quads=True, splits=3),
-               dict(quads=True, splits=16), dict(row_tiles=2, quads=False)):
+               dict(quads=True, splits=16)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert calc_diff(out.cpu(), ref) < 1e-5, kw

@@ -406,8 +406,6 @@ SUITE = Suite(
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
                # ... the codes' loads not allocated in L1, the activations kept there (ops.gemm_mxfp4_warps.STREAM)
                Provider("tilecraft-stream", tilecraft_warps(STREAM=True), experimental=True),
-               # ... two 16-row tiles a warp, every activation fragment feeding both (ops.gemm_mxfp4_warps.ROW_TILES)
-               Provider("tilecraft-rows-2", tilecraft_warps(ROW_TILES=2), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
