@@ -51,8 +51,6 @@ AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; s
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
 
-STREAM = False       # the codes' loads not allocated in L1 (ld.global.nc.L1::no_allocate), so that the activations
-                     # (read by every block: at 8 tokens twice the codes' bytes an SM) stay there (session 62)
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -76,20 +74,11 @@ template <int kTiles>
 struct TcWarpActs {
   uint4 x[kTiles][4];
 };
-// the codes' 16 bytes: __ldg, or (kStream) not allocated in L1
-template <bool kStream>
-__device__ __forceinline__ uint4 tc_ld_codes(const uint4* p) {
-  if (!kStream) return __ldg(p);
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-template <bool kScales, bool kStream = false>   // kScales false: the step's scale words come otherwise (kQuads, or none: a probe), zeros here
+template <bool kScales>   // kScales false: the step's scale words come otherwise (kQuads, or none: a probe), zeros here
 __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* bw, const uint4* bv,
                                                    const unsigned* sw, const unsigned* sv, int s) {
-  d.w = tc_ld_codes<kStream>(bw + 4 * s);
-  d.v = tc_ld_codes<kStream>(bv + 4 * s);
+  d.w = __ldg(bw + 4 * s);
+  d.v = __ldg(bv + 4 * s);
   d.sw = kScales ? __ldg(sw + s) : 0u;
   d.sv = kScales ? __ldg(sv + s) : 0u;
 }
@@ -188,10 +177,9 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
 // kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
-// words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel). kStream: the codes'
-// loads not allocated in L1 (tc_ld_codes)
+// words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel)
 template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
-          bool kQuads = false, bool kStream = false>
+          bool kQuads = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -216,7 +204,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   TcWarpCodes ring[kDepth];
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    if (j < steps) tc_warp_codes_load<kWordScales, kStream>(ring[j], bw, bv, sw, sv, j);
+    if (j < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
@@ -257,7 +245,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (i + kDepth < steps) tc_warp_codes_load<kWordScales, kStream>(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
         if (kQuads && kLoadsOnly != 6 && (i & 3) == 3) {   // the next quad current, the one after it asked for
           qw = nqw;
           qv = nqv;
@@ -355,15 +343,15 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, stream=False, trace=False, loads_only=0) -> str:
+def _helper(tokens, depth, ahead, quads, trace=False, loads_only=0) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
-            b(quads), b(stream)]
-    defaults = [None, None, None, "false", "0", "0", "false", "false"]
+            b(quads)]
+    defaults = [None, None, None, "false", "0", "0", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
@@ -395,13 +383,12 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, stream: bool = STREAM, trace: bool = False, loads_only: int = 0):
+                        quads: bool = QUADS, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
-    loaded four steps at a time, one a lane (else a step's with its codes); stream: the codes' loads not allocated
-    in L1 (the activations kept there).
+    loaded four steps at a time, one a lane (else a step's with its codes).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
@@ -417,7 +404,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = _helper(tokens, depth, ahead, quads, stream, trace, loads_only)
+    helper = _helper(tokens, depth, ahead, quads, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -446,7 +433,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, quads: bool = QUADS, stream: bool = STREAM):
+                               ahead: int = AHEAD, quads: bool = QUADS):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
@@ -459,7 +446,7 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
     threads = 32 * splits
     outs = ROWS * tokens
     nb = n // ROWS
-    helper = _helper(tokens, depth, ahead, quads, stream)
+    helper = _helper(tokens, depth, ahead, quads)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps_masked(A: T.Tensor((g_n, max_m, k), "bfloat16"), B: T.Tensor((g_n, n, k // 8), "int32"),
@@ -496,9 +483,9 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, quads: bool | None = None, stream: bool | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead, quads, stream: the module's defaults unless given."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -508,8 +495,7 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads,
-                stream=STREAM if stream is None else stream)
+                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -523,7 +509,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
-           QUADS, STREAM, tuple(sorted(override.items())))
+           QUADS, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
         target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
@@ -531,7 +517,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, stream); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
@@ -539,7 +525,7 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
-           STREAM, loads_only, tuple(sorted(override.items())))
+           loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

@@ -1420,25 +1420,6 @@ def test_mxfp4_warps_load_probes_drop_what_they_name():
     assert wide6 > 0 and wide7 < wide1, loads                       # the activations: 128-bit (their every word used)
 
 
-def test_mxfp4_warps_stream_keeps_the_codes_out_of_l1():
-    """stream=True: the codes' 16-byte loads are LDG.E.NA.128 (not allocated in L1), the activations' stay plain
-    LDG.E.128 (they are what L1 should keep), the scale words too; the masked form takes it; no spills."""
-    from backends.cuda.sass import build_cubin, disassemble, sass_stats
-    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
-
-    p = plan_warps(8, 4096, 7168, stream=True)
-    src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, **p)
-    assert "tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, false, true>(" in src
-    cubin = build_cubin(src, "sm_90a")
-    loads = [line for line in disassemble(cubin).splitlines() if "LDG" in line]
-    assert any("LDG.E.NA.128.CONSTANT" in line for line in loads), loads           # the codes
-    assert any("LDG.E.128.CONSTANT" in line for line in loads), loads              # the activations
-    assert any("LDG.E.CONSTANT" in line for line in loads), loads                  # the scale words
-    assert sass_stats(cubin, "sm_90a").spill_stores == 0
-    assert "tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, false, true>(" in mxfp4_warps_masked_program.source(
-        "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, stream=True)
-
-
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 106 registers a thread
     (two 8-warp blocks an SM)."""
@@ -1544,9 +1525,8 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
-    monkeypatch.setattr(gemm_mxfp4_warps, "STREAM", False)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, stream=False)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, stream=False)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -2318,7 +2298,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step), with the codes' loads not allocated in L1 (stream); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step); every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
@@ -2338,7 +2318,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
-               dict(quads=True, depth=3), dict(quads=not QUADS), dict(stream=True), dict(stream=True, quads=True)):
+               dict(quads=True, depth=3), dict(quads=not QUADS)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw

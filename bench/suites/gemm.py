@@ -404,8 +404,6 @@ SUITE = Suite(
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
-               # ... the codes' loads not allocated in L1, the activations kept there (ops.gemm_mxfp4_warps.STREAM)
-               Provider("tilecraft-stream", tilecraft_warps(STREAM=True), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
