@@ -51,6 +51,8 @@ AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; s
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
 
+ACTS_RING = False    # the activations kDepth steps ahead in the codes' ring (else one step ahead): at 8 tokens they
+                     # cost the loads ~2 us, neither by their bytes nor by what L1 keeps (session 62), so by latency?
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -177,9 +179,11 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // entry and end, the SM clock at entry, at each step's data (its scale words in registers: its loads landed) and
 // issue (its MMAs issued), and at end (steps past kTraceSteps: not stamped)
 // kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
-// words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel)
+// words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel).
+// kActsRing: the activations ride in the ring with their step's codes (loaded kDepth steps ahead; the same
+// registers as the one-step-ahead pair at kDepth 2)
 template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
-          bool kQuads = false>
+          bool kQuads = false, bool kActsRing = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -212,14 +216,23 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
       if (j < steps) { tc_prefetch_l2(bw + 4 * j); tc_prefetch_l2(bv + 4 * j); }
     }
   }
-  TcWarpActs<kTiles> cur, nxt;
-  if (steps > 0) tc_warp_acts_load<kTiles, !kActs>(cur, xa, live, 0);
+  TcWarpActs<kTiles> cur, nxt;           // one step ahead (!kActsRing)
+  TcWarpActs<kTiles> aring[kDepth];       // kActsRing: a slot a step, beside its codes
+  if (kActsRing) {
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) {
+      if (j < steps) tc_warp_acts_load<kTiles, !kActs>(aring[j], xa, live, j);
+    }
+  } else if (steps > 0) {
+    tc_warp_acts_load<kTiles, !kActs>(cur, xa, live, 0);
+  }
   for (int base = 0; base < steps; base += kDepth) {
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
       const int i = base + j;
       if (i < steps) {
-        if (i + 1 < steps) tc_warp_acts_load<kTiles, !kActs>(nxt, xa, live, i + 1);
+        if (!kActsRing && i + 1 < steps) tc_warp_acts_load<kTiles, !kActs>(nxt, xa, live, i + 1);
+        const TcWarpActs<kTiles>& x = kActsRing ? aring[j] : cur;
         if (kAhead > 0 && i + kDepth + kAhead < steps) {
           tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
           tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
@@ -238,11 +251,11 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
 #pragma unroll
           for (int q = 0; q < kTiles; ++q) {   // every word, so that the activations stay 16-byte loads
 #pragma unroll
-            for (int r = 0; r < 4; ++r) f ^= cur.x[q][r].x ^ cur.x[q][r].y ^ cur.x[q][r].z ^ cur.x[q][r].w;
+            for (int r = 0; r < 4; ++r) f ^= x.x[q][r].x ^ x.x[q][r].y ^ x.x[q][r].z ^ x.x[q][r].w;
           }
           acc[0][0] += __uint_as_float(f & 0x807FFFFFu);
         } else {
-          tc_warp_step_scaled<kTiles>(acc, ring[j], cur, ew, ev, fast);
+          tc_warp_step_scaled<kTiles>(acc, ring[j], x, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
         if (i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
@@ -251,7 +264,11 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           qv = nqv;
           if (i + 5 + t < steps) { nqw = __ldg(sw + i + 5 + t); nqv = __ldg(sv + i + 5 + t); }
         }
-        cur = nxt;
+        if (kActsRing) {
+          if (i + kDepth < steps) tc_warp_acts_load<kTiles, !kActs>(aring[j], xa, live, i + kDepth);
+        } else {
+          cur = nxt;
+        }
       }
     }
   }
@@ -343,15 +360,15 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, trace=False, loads_only=0) -> str:
+def _helper(tokens, depth, ahead, quads, acts_ring=False, trace=False, loads_only=0) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
-            b(quads)]
-    defaults = [None, None, None, "false", "0", "0", "false"]
+            b(quads), b(acts_ring)]
+    defaults = [None, None, None, "false", "0", "0", "false", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
@@ -383,12 +400,13 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, trace: bool = False, loads_only: int = 0):
+                        quads: bool = QUADS, acts_ring: bool = ACTS_RING, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
-    loaded four steps at a time, one a lane (else a step's with its codes).
+    loaded four steps at a time, one a lane (else a step's with its codes); acts_ring: the activations loaded depth
+    steps ahead with their step's codes (else one step ahead).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
@@ -404,7 +422,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = _helper(tokens, depth, ahead, quads, trace, loads_only)
+    helper = _helper(tokens, depth, ahead, quads, acts_ring, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -433,7 +451,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, quads: bool = QUADS):
+                               ahead: int = AHEAD, quads: bool = QUADS, acts_ring: bool = ACTS_RING):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
@@ -446,7 +464,7 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
     threads = 32 * splits
     outs = ROWS * tokens
     nb = n // ROWS
-    helper = _helper(tokens, depth, ahead, quads)
+    helper = _helper(tokens, depth, ahead, quads, acts_ring)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps_masked(A: T.Tensor((g_n, max_m, k), "bfloat16"), B: T.Tensor((g_n, n, k // 8), "int32"),
@@ -483,9 +501,9 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, quads: bool | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None, acts_ring: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead, quads: the module's defaults unless given."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads, acts_ring: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -495,7 +513,8 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
         while splits * 2 <= min(want, MAX_SPLITS, kb):
             splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
-                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads)
+                ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads,
+                acts_ring=ACTS_RING if acts_ring is None else acts_ring)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -509,7 +528,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
-           QUADS, tuple(sorted(override.items())))
+           QUADS, ACTS_RING, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
         target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
@@ -517,7 +536,7 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
@@ -525,7 +544,7 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
-           loads_only, tuple(sorted(override.items())))
+           ACTS_RING, loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

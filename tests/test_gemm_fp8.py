@@ -1420,6 +1420,25 @@ def test_mxfp4_warps_load_probes_drop_what_they_name():
     assert wide6 > 0 and wide7 < wide1, loads                       # the activations: 128-bit (their every word used)
 
 
+def test_mxfp4_warps_acts_ring_lowers():
+    """acts_ring=True: the activations ride in the codes' ring, depth steps ahead: the same HMMA and 16-byte
+    activation loads as the one-step-ahead kernel, no spills and at most 8 more registers (at depth 2 the ring's
+    two slots are the old pair's); the masked form takes it."""
+    from backends.cuda.sass import build_cubin, sass_stats
+    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
+
+    for m, n, k in ((1, 4096, 7168), (8, 7168, 2048), (16, 4096, 7168)):
+        p = plan_warps(m, n, k, quads=False, acts_ring=False)
+        src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **{**p, "acts_ring": True})
+        assert f"tc_mxfp4_warp_mma<{p['tokens'] // 8}, 2, 0, false, 0, 0, false, true>(" in src
+        ring = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **p), "sm_90a"), "sm_90a")
+        assert ring.histogram["HMMA"] == plain.histogram["HMMA"], (ring.format(), plain.format())
+        assert ring.spill_stores == 0 and ring.registers <= plain.registers + 8, (ring.format(), plain.format())
+    assert "tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, false, true>(" in mxfp4_warps_masked_program.source(
+        "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, acts_ring=True)
+
+
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 106 registers a thread
     (two 8-warp blocks an SM)."""
@@ -1525,8 +1544,9 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
     from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False)
+    monkeypatch.setattr(gemm_mxfp4_warps, "ACTS_RING", False)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, acts_ring=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, acts_ring=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -2298,7 +2318,8 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step), with the activations in the codes' ring (acts_ring, also at depth 3);
+    every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
@@ -2318,7 +2339,8 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
-               dict(quads=True, depth=3), dict(quads=not QUADS)):
+               dict(quads=True, depth=3), dict(quads=not QUADS), dict(acts_ring=True), dict(acts_ring=True, depth=3),
+               dict(acts_ring=True, quads=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw

@@ -404,6 +404,8 @@ SUITE = Suite(
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
+               # ... the activations depth steps ahead in the codes' ring (ops.gemm_mxfp4_warps.ACTS_RING)
+               Provider("tilecraft-acts-ring", tilecraft_warps(ACTS_RING=True), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
