@@ -51,8 +51,9 @@ AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; s
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
 
-ACTS_RING = False    # the activations kDepth steps ahead in the codes' ring (else one step ahead): at 8 tokens they
-                     # cost the loads ~2 us, neither by their bytes nor by what L1 keeps (session 62), so by latency?
+ACTS_RING = True     # the activations kDepth steps ahead in the codes' ring (False: one step ahead, the kernel before
+                     # session 62). Session 62, H200, same run: 1x4096x7168 8.44 -> 8.39 us, 8x4096x7168 9.58 -> 9.25,
+                     # 8x7168x2048 7.65 -> 6.95 (their latency, not their bytes or L1: bench/NOTES.md "Session 62")
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
