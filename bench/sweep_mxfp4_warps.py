@@ -4,7 +4,9 @@ kernel, and `loads=1` variants (the kernel's loads alone, no decode or MMA: what
 pattern, wrong results) beside the whole kernel; `loads=2` its codes alone, `loads=3` the same codes row by row in
 512-byte pieces, `loads=4` piece by piece over the 16 rows, `loads=5` each warp's range as one contiguous run (the
 order a weight layout tiled by (block, step) would give); what the rows' scatter costs; `loads=6` the kernel's loads
-without the scale words, `loads=7` without the activations (where loads=1's time beyond the codes' goes).
+without the scale words, `loads=7` without the activations (where loads=1's time beyond the codes' goes). Check a
+probe's registers against the kernel's before reading its time (bench/NOTES.md "Session 62": at k = 7168 ptxas
+unrolls loads=1's loop to 206 registers, one block an SM where the kernel runs two; loads=6 / 7 stay at 50-80).
 
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
                                       [--jobs N]
