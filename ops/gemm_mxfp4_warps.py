@@ -6,7 +6,7 @@ bytes sets the pace: the swapped WGMMA kernel (ops.gemm_mxfp4.mxfp4_swapped_prog
 two MMA warpgroups of one block an SM, whose ~700-cycle steps are a dependency chain more than an issue
 bound (bench/NOTES.md "Session 45"). Here every warp is on its own: a block is 16 weight rows and `splits`
 warps, each warp a contiguous range of 128-deep K steps. A warp loads its codes, scales and activations
-straight from global memory into registers (its codes `depth` steps ahead, the activations one step ahead),
+straight from global memory into registers (codes and activations `depth` steps ahead: ACTS_RING, session 62),
 decodes its rows into the A fragments of mma.sync m16n8k16 (bf16, fp32 accumulate) and multiplies them
 by the tokens as B: no shared memory, no barrier in the loop, 8-16 independent warps an SM. The warps'
 fp32 partials meet in shared memory once and are summed in warp order (the same bits run to run).
@@ -171,7 +171,7 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // red, token-major (red[token * 16 + row]). B: the block's first row's code words (k / 8 a row); SFB: its
 // scale words (k / 128 a row); A: token 0's activations (k a row); m tokens. The codes of kDepth steps are in
 // flight in registers (a step's slot reloaded kDepth steps ahead once its MMAs are issued), the activations one
-// step ahead; kAhead > 0: the codes also asked of L2 kAhead steps beyond the registers.
+// step ahead or with them (kActsRing); kAhead > 0: the codes also asked of L2 kAhead steps beyond the registers.
 // kQuads: the scale words come four steps a load: lane (g, t) holds rows g and g + 8's words of steps 4c + t of the
 // quad c (the row's four lanes one 16-byte piece: a quarter of the scale loads' line requests), the next quad in
 // flight behind it, and step s takes its words from lane (g, s % 4) by a shuffle. Else each step's words ride in
