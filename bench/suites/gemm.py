@@ -244,7 +244,7 @@ def _warp_knobs(make, knobs):
 
 def tilecraft_warps(**knobs):
     """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, L2), against the swapped kernel in the same run."""
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, ACTS_RING, SMEM), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4
 
     return _warp_knobs(_with_flag(gemm_mxfp4, "WARP_TOKENS", 16), knobs)
@@ -406,6 +406,9 @@ SUITE = Suite(
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
                # ... the activations depth steps ahead in the codes' ring (ops.gemm_mxfp4_warps.ACTS_RING)
                Provider("tilecraft-acts-ring", tilecraft_warps(ACTS_RING=True), experimental=True),
+               # ... the codes through a shared ring of 4 / 6 steps a warp by cp.async (ops.gemm_mxfp4_warps.SMEM)
+               Provider("tilecraft-smem-4", tilecraft_warps(SMEM=4, QUADS=False), experimental=True),
+               Provider("tilecraft-smem-6", tilecraft_warps(SMEM=6, QUADS=False), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
