@@ -15,7 +15,7 @@ out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$out/gpu.txt"
 timeout 150 python3 -m bench.sweep_mxfp4_warps --csv "$out/sweep.csv" \
   --case 1x4096x7168 --case 8x4096x7168 --case 8x7168x2048 \
-  --variant "" --variant smem=3 --variant smem=4 --variant smem=6 --variant smem=6,loads=6 --variant loads=6 \
+  --variant "" --variant smem=3 --variant smem=4 --variant smem=6 --variant loads=6 \
   2>&1 | tee "$out/sweep.txt"
 timeout 120 python3 -m bench.op gemm --shape mxfp4 --out "$out" --providers tilecraft,torch --graph --flush read 2>&1 \
   | grep -E "^mxfp4|^gemm|wrote" | cut -c1-110
