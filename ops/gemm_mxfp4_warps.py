@@ -57,7 +57,8 @@ ACTS_RING = True     # the activations kDepth steps ahead in the codes' ring (Fa
 SMEM = 0             # > 0: a warp's codes and scale words by cp.async through its own shared-memory ring of this many
                      # steps (SMEM - 1 in flight while it decodes, no registers held for them), read back by the same
                      # lane (session 62, built, not yet measured; 0: the register ring of DEPTH steps)
-SMEM_SLOT_WORDS = 32 * 12   # a ring slot: 48 bytes a lane (16 + 16 bytes of codes, two scale words, padding)
+SMEM_SLOT_WORDS = 32 * 12   # a ring slot: 48 bytes a lane (16 + 16 bytes of codes, two scale words, padding);
+                            # the helper's kTcSlotWords
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -89,7 +90,9 @@ __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* 
   d.sw = kScales ? __ldg(sw + s) : 0u;
   d.sv = kScales ? __ldg(sv + s) : 0u;
 }
-// kSmem: cp.async of a lane's step (16 + 16 bytes of codes, two 4-byte scale words) into its 48-byte slot, and back
+// kSmem: cp.async of a lane's step (16 + 16 bytes of codes, two 4-byte scale words) into its 48-byte slot, and back;
+// a warp's ring slot is 32 lanes x 12 words (SMEM_SLOT_WORDS)
+constexpr int kTcSlotWords = 32 * 12;
 __device__ __forceinline__ void tc_warp_codes_async(int* slot, const uint4* bw, const uint4* bv, const unsigned* sw,
                                                     const unsigned* sv, int s) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(slot);
@@ -234,11 +237,11 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     if (4 + t < steps) { nqw = __ldg(sw + 4 + t); nqv = __ldg(sv + 4 + t); }
   }
   TcWarpCodes ring[kDepth];
-  int* const lane_ring = sring + 12 * lane;      // kSmem: slot q of this lane at lane_ring + q * 32 * 12
+  int* const lane_ring = sring + 12 * lane;      // kSmem: slot q of this lane at lane_ring + q * kTcSlotWords
   if (kSmem > 0) {
 #pragma unroll
     for (int j = 0; j < kSmem - 1; ++j) {
-      if (j < steps) tc_warp_codes_async(lane_ring + j * 32 * 12, bw, bv, sw, sv, j);
+      if (j < steps) tc_warp_codes_async(lane_ring + j * kTcSlotWords, bw, bv, sw, sv, j);
       asm volatile("cp.async.commit_group;");
     }
   } else {
@@ -272,11 +275,12 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
         const TcWarpActs<kTiles>& x = kActsRing ? aring[j] : cur;
         if (kSmem > 0) {   // step i landed (at most kSmem - 2 younger groups pending); step i + kSmem - 1 into the
                            // slot step i - 1 was read from; step i's words into the register slot
-          asm volatile("cp.async.wait_group %0;" :: "n"(kSmem > 0 ? kSmem - 2 : 0));
+          asm volatile("cp.async.wait_group %0;" :: "n"(kSmem > 0 ? kSmem - 2 : 0));   // (an immediate in every
+                                                                                       // instantiation)
           const int r = i + kSmem - 1;
-          if (r < steps) tc_warp_codes_async(lane_ring + (r % kSmem) * 32 * 12, bw, bv, sw, sv, r);
+          if (r < steps) tc_warp_codes_async(lane_ring + (r % kSmem) * kTcSlotWords, bw, bv, sw, sv, r);
           asm volatile("cp.async.commit_group;");
-          tc_warp_codes_from_slot(ring[j], lane_ring + (i % kSmem) * 32 * 12);
+          tc_warp_codes_from_slot(ring[j], lane_ring + (i % kSmem) * kTcSlotWords);
         }
         if (kAhead > 0 && i + kDepth + kAhead < steps) {
           tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
@@ -482,7 +486,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                             Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
         with tile.grid(n // ROWS, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
-            ring = tile.stage((splits, max(smem, 1), SMEM_SLOT_WORDS), "int32") if smem else None
+            ring = tile.stage((splits, smem, SMEM_SLOT_WORDS), "int32") if smem else None
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32

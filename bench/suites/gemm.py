@@ -404,8 +404,9 @@ SUITE = Suite(
                Provider("tilecraft-warps-a4", tilecraft_warps(AHEAD=4), experimental=True),
                # the warp kernel's scale words four steps a load (ops.gemm_mxfp4_warps.QUADS)
                Provider("tilecraft-quads", tilecraft_warps(QUADS=True), experimental=True),
-               # ... the activations depth steps ahead in the codes' ring (ops.gemm_mxfp4_warps.ACTS_RING)
-               Provider("tilecraft-acts-ring", tilecraft_warps(ACTS_RING=True), experimental=True),
+               # ... the activations one step ahead, not in the codes' ring (ops.gemm_mxfp4_warps.ACTS_RING off: the
+               # kernel before session 62)
+               Provider("tilecraft-acts-1", tilecraft_warps(ACTS_RING=False), experimental=True),
                # ... the codes through a shared ring of 4 / 6 steps a warp by cp.async (ops.gemm_mxfp4_warps.SMEM)
                Provider("tilecraft-smem-4", tilecraft_warps(SMEM=4, QUADS=False), experimental=True),
                Provider("tilecraft-smem-6", tilecraft_warps(SMEM=6, QUADS=False), experimental=True),
