@@ -3,7 +3,7 @@ global timer at entry and end, and the SM clock at entry, at each K step's data 
 registers: its loads landed) and issue (its MMAs issued), and at the end.
 
     python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--quads]
-                                      [--acts-ring 0|1] [--smem S] [--flush read|write]
+                                      [--acts-ring 0|1] [--flush read|write]
 
 The traced run follows an L2 flush (read by default, as bench.op --flush read). Per case it prints, from the
 global timer (ns, relative to the first warp's entry): the span, the entries' spread (a second wave of blocks shows
@@ -95,15 +95,13 @@ def main(argv=None):
     ap.add_argument("--quads", action="store_true", help="the scale words four steps a load (default QUADS)")
     ap.add_argument("--acts-ring", type=int, choices=(0, 1), default=None,
                     help="the activations depth steps ahead (1) or one step ahead (0) (default ACTS_RING)")
-    ap.add_argument("--smem", type=int, default=None, help="the codes through a shared ring of S steps (default SMEM)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace_mxfp4_warps needs a CUDA GPU")
     override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
                                   ("quads", args.quads or None),
-                                  ("acts_ring", None if args.acts_ring is None else bool(args.acts_ring)),
-                                  ("smem", args.smem))
+                                  ("acts_ring", None if args.acts_ring is None else bool(args.acts_ring)))
                 if v is not None}
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))

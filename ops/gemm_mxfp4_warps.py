@@ -21,7 +21,8 @@ The codes' loads alone (bench.sweep_mxfp4_warps loads=1) take 70-85% of the kern
 session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md "Session 60") and is gone. QUADS
 loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster). The
 weights' loads asking L2 for 256 bytes around each request (ld.global.nc.L1::no_allocate.L2::256B) were 6-38% slower
-(session 62) and are gone. The
+(session 62) and are gone, as are the codes and scale words through a per-warp shared ring by cp.async (session
+63: 19-52% slower; its warps' first data came later and their steps' issue stretched under the LDGSTS). The
 masked grouped form (mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over
 token tiles.
 
@@ -46,7 +47,8 @@ TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
 DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
-                     # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0)
+                     # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0; session 63, an H100, with ACTS_RING:
+                     # 3 steps (119 registers) -5% at 1x4096x7168 and 8x7168x2048, +5% at 8x4096x7168)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
@@ -54,11 +56,6 @@ QUADS = False        # the scale words loaded four K steps at a time (one a lane
 ACTS_RING = True     # the activations kDepth steps ahead in the codes' ring (False: one step ahead, the kernel before
                      # session 62). Session 62, H200, same run: 1x4096x7168 8.44 -> 8.39 us, 8x4096x7168 9.58 -> 9.25,
                      # 8x7168x2048 7.65 -> 6.95 (their latency, not their bytes or L1: bench/NOTES.md "Session 62")
-SMEM = 0             # > 0: a warp's codes and scale words by cp.async through its own shared-memory ring of this many
-                     # steps (SMEM - 1 in flight while it decodes, no registers held for them), read back by the same
-                     # lane (session 62, built, not yet measured; 0: the register ring of DEPTH steps)
-SMEM_SLOT_WORDS = 32 * 12   # a ring slot: 48 bytes a lane (16 + 16 bytes of codes, two scale words, padding);
-                            # the helper's kTcSlotWords
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -89,25 +86,6 @@ __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* 
   d.v = __ldg(bv + 4 * s);
   d.sw = kScales ? __ldg(sw + s) : 0u;
   d.sv = kScales ? __ldg(sv + s) : 0u;
-}
-// kSmem: cp.async of a lane's step (16 + 16 bytes of codes, two 4-byte scale words) into its 48-byte slot, and back;
-// a warp's ring slot is 32 lanes x 12 words (SMEM_SLOT_WORDS)
-constexpr int kTcSlotWords = 32 * 12;
-__device__ __forceinline__ void tc_warp_codes_async(int* slot, const uint4* bw, const uint4* bv, const unsigned* sw,
-                                                    const unsigned* sv, int s) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(slot);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(bw + 4 * s));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + 16u), "l"(bv + 4 * s));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d + 32u), "l"(sw + s));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d + 36u), "l"(sv + s));
-}
-__device__ __forceinline__ void tc_warp_codes_from_slot(TcWarpCodes& c, const int* slot) {
-  const uint4* q = reinterpret_cast<const uint4*>(slot);
-  c.w = q[0];
-  c.v = q[1];
-  const uint4 e = q[2];
-  c.sw = e.x;
-  c.sv = e.y;
 }
 __device__ __forceinline__ unsigned tc_warp_codes_fold(const TcWarpCodes& c) {
   return c.w.x ^ c.w.y ^ c.w.z ^ c.w.w ^ c.v.x ^ c.v.y ^ c.v.z ^ c.v.w ^ c.sw ^ c.sv;
@@ -206,17 +184,11 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // kLoadsOnly (bench.sweep_mxfp4_warps, wrong results): the loads alone, the decode and MMAs replaced by a fold of the
 // words: 1 all of them, 6 all but the scale words, 7 all but the activations (0: the kernel).
 // kActsRing: the activations ride in the ring with their step's codes (loaded kDepth steps ahead; the same
-// registers as the one-step-ahead pair at kDepth 2).
-// kSmem > 0: the codes and scale words come through the warp's shared ring sring (kSmem slots of 48 bytes a lane,
-// cp.async, kSmem - 1 steps in flight while a step decodes); a lane reads back only what it wrote, so no barrier;
-// the register ring then holds only the step being decoded (kQuads off)
+// registers as the one-step-ahead pair at kDepth 2)
 template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
-          bool kQuads = false, bool kActsRing = false, int kSmem = 0>
+          bool kQuads = false, bool kActsRing = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
-                                                  int k, int s0, int steps, void* trace_words = nullptr,
-                                                  int* sring = nullptr) {
-  static_assert(kSmem == 0 || (kSmem >= 2 && !kQuads), "a shared ring of >= 2 slots, its scale words a step");
-  int* const trace = static_cast<int*>(trace_words);   // (kTrace; else any pointer, never touched)
+                                                  int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   constexpr bool kWordScales = !kQuads && kLoadsOnly != 6, kActs = kLoadsOnly != 7;
   if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
@@ -237,18 +209,9 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
     if (4 + t < steps) { nqw = __ldg(sw + 4 + t); nqv = __ldg(sv + 4 + t); }
   }
   TcWarpCodes ring[kDepth];
-  int* const lane_ring = sring + 12 * lane;      // kSmem: slot q of this lane at lane_ring + q * kTcSlotWords
-  if (kSmem > 0) {
 #pragma unroll
-    for (int j = 0; j < kSmem - 1; ++j) {
-      if (j < steps) tc_warp_codes_async(lane_ring + j * kTcSlotWords, bw, bv, sw, sv, j);
-      asm volatile("cp.async.commit_group;");
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j) {
-      if (j < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, j);
-    }
+  for (int j = 0; j < kDepth; ++j) {
+    if (j < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
@@ -273,15 +236,6 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
       if (i < steps) {
         if (!kActsRing && i + 1 < steps) tc_warp_acts_load<kTiles, !kActs>(nxt, xa, live, i + 1);
         const TcWarpActs<kTiles>& x = kActsRing ? aring[j] : cur;
-        if (kSmem > 0) {   // step i landed (at most kSmem - 2 younger groups pending); step i + kSmem - 1 into the
-                           // slot step i - 1 was read from; step i's words into the register slot
-          asm volatile("cp.async.wait_group %0;" :: "n"(kSmem > 0 ? kSmem - 2 : 0));   // (an immediate in every
-                                                                                       // instantiation)
-          const int r = i + kSmem - 1;
-          if (r < steps) tc_warp_codes_async(lane_ring + (r % kSmem) * kTcSlotWords, bw, bv, sw, sv, r);
-          asm volatile("cp.async.commit_group;");
-          tc_warp_codes_from_slot(ring[j], lane_ring + (i % kSmem) * kTcSlotWords);
-        }
         if (kAhead > 0 && i + kDepth + kAhead < steps) {
           tc_prefetch_l2(bw + 4 * (i + kDepth + kAhead));
           tc_prefetch_l2(bv + 4 * (i + kDepth + kAhead));
@@ -307,7 +261,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_warp_step_scaled<kTiles>(acc, ring[j], x, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (kSmem == 0 && i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
         if (kQuads && kLoadsOnly != 6 && (i & 3) == 3) {   // the next quad current, the one after it asked for
           qw = nqw;
           qv = nqv;
@@ -321,7 +275,6 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
       }
     }
   }
-  if (kSmem > 0) asm volatile("cp.async.wait_group 0;");   // (only empty groups can be left)
   tc_warp_partials_store<kTiles>(red, acc);
   if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo(); }
 }
@@ -394,11 +347,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
 """
 
 
-def _check_params(n, k, tokens, splits, depth, ahead, smem=0, quads=False):
-    if smem and not 2 <= smem <= 8:
-        raise ValueError(f"smem must be 0 (off) or 2..8 ring slots a warp, got {smem!r}")
-    if smem and quads:
-        raise ValueError("smem (the codes through a shared ring) takes quads=False")
+def _check_params(n, k, tokens, splits, depth, ahead):
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
     if not 1 <= splits <= MAX_SPLITS:
@@ -414,15 +363,15 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, acts_ring=False, trace=False, loads_only=0, smem=0) -> str:
+def _helper(tokens, depth, ahead, quads, acts_ring=False, trace=False, loads_only=0) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
-            b(quads), b(acts_ring), str(smem)]
-    defaults = [None, None, None, "false", "0", "0", "false", "false", "0"]
+            b(quads), b(acts_ring)]
+    defaults = [None, None, None, "false", "0", "0", "false", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
@@ -454,15 +403,13 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, acts_ring: bool = ACTS_RING, smem: int = SMEM, trace: bool = False,
-                        loads_only: int = 0):
+                        quads: bool = QUADS, acts_ring: bool = ACTS_RING, trace: bool = False, loads_only: int = 0):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
     registers (1..8); ahead: further steps of its codes asked of L2 by prefetch (0: none); quads: the scale words
     loaded four steps at a time, one a lane (else a step's with its codes); acts_ring: the activations loaded depth
-    steps ahead with their step's codes (else one step ahead); smem: the codes and scale words through a shared ring
-    of this many steps a warp by cp.async (0: the register ring).
+    steps ahead with their step's codes (else one step ahead).
     trace=True (bench.trace_mxfp4_warps): warp w of block b writes its stamps into Trace[b * splits + w] (TRACE_WORDS:
     ns at entry and end, SM clock at entry and end, then per step its data and issue clocks); without it, Trace is
     bound but never touched. loads_only (bench.sweep_mxfp4_warps): the kernel's loads without its decode and MMAs,
@@ -470,7 +417,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows; 5: the warp's range as one
     contiguous run of the block's region, the order of a weight layout tiled by (block, step); 6: all but the scale
     words; 7: all but the activations)."""
-    _check_params(n, k, tokens, splits, depth, ahead, smem, quads)
+    _check_params(n, k, tokens, splits, depth, ahead)
     if loads_only not in LOADS_ONLY:
         raise ValueError(f"loads_only must be 0..7, got {loads_only!r}")
     m = T.dynamic("m")
@@ -478,7 +425,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = _helper(tokens, depth, ahead, quads, acts_ring, trace, loads_only, smem)
+    helper = _helper(tokens, depth, ahead, quads, acts_ring, trace, loads_only)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -486,20 +433,15 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
                             Trace: T.Tensor((n // ROWS * splits if trace else 1, TRACE_WORDS), "int32")):
         with tile.grid(n // ROWS, threads) as bid:
             red = tile.stage((splits, tokens, ROWS), "float32")
-            ring = tile.stage((splits, smem, SMEM_SLOT_WORDS), "int32") if smem else None
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE)
             tid = T.get_thread_binding()
             w = tid // 32
             s0 = w * per
-            # the trace pointer (red's where there is no trace: never touched), then the warp's shared ring (smem)
-            tail = ([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace
-                    else [T.access_ptr(red[w, 0, 0], "w", tokens * ROWS)] if smem else [])
-            if smem:
-                tail.append(T.access_ptr(ring[w, 0, 0], "rw", smem * SMEM_SLOT_WORDS))
             T.evaluate(T.call_extern(
                 "handle", helper, T.access_ptr(red[w, 0, 0], "w", tokens * ROWS),
                 T.access_ptr(B[bid * ROWS, 0], "r", ROWS * k // 8), T.access_ptr(SFB[bid * ROWS, 0], "r", ROWS * kb),
-                T.access_ptr(A[0, 0], "r", k), m, k, s0, T.max(T.min(per, kb - s0), 0), *tail))
+                T.access_ptr(A[0, 0], "r", k), m, k, s0, T.max(T.min(per, kb - s0), 0),
+                *([T.access_ptr(Trace[bid * splits + w, 0], "w", TRACE_WORDS)] if trace else [])))
             tile.barrier()
             _sum_partials(red, C, None, 0, bid * ROWS, m, tid, threads, splits, outs)
 
@@ -512,15 +454,13 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     examples={"moe-decode-4096x7168": dict(n=4096, k=7168, tokens=8, splits=2)},
 )
 def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH,
-                               ahead: int = AHEAD, quads: bool = QUADS, acts_ring: bool = ACTS_RING, smem: int = 0):
+                               ahead: int = AHEAD, quads: bool = QUADS, acts_ring: bool = ACTS_RING):
     """The masked grouped form (MoE decode): C[g, :masked_m[g]] = A[g, :masked_m[g]] @ dequant(B[g])^T and zeros in
     C[g]'s other rows. A block is (group, 16-row tile of B[g]) and runs the dense kernel's warps over its token tiles
     (`tokens` rows each; more than one only where masked_m is above the tile, an expected_m that was too low: the
     weights are then read again a tile); a group with masked_m = 0 reads no weights. masked_m is clamped to
     [0, max_m]."""
     _check_params(n, k, tokens, splits, depth, ahead)
-    if smem:
-        raise ValueError(f"the masked form takes smem=0 only (the register ring), got {smem!r}")
     g_n, max_m = T.dynamic("g"), T.dynamic("max_m")
     kb = k // BLOCK_K
     per = _per(kb, splits)
@@ -564,11 +504,9 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
-               ahead: int | None = None, quads: bool | None = None, acts_ring: bool | None = None,
-               smem: int | None = None) -> dict:
+               ahead: int | None = None, quads: bool | None = None, acts_ring: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
-    n / 16 blocks, at most one a K step; depth, ahead, quads, acts_ring, smem: the module's defaults unless given (the
-    masked form: smem 0)."""
+    n / 16 blocks, at most one a K step; depth, ahead, quads, acts_ring: the module's defaults unless given."""
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     kb = k // BLOCK_K
@@ -579,7 +517,7 @@ def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None
             splits *= 2
     return dict(tokens=next(t for t in TOKENS if t >= m), splits=splits, depth=DEPTH if depth is None else depth,
                 ahead=AHEAD if ahead is None else ahead, quads=QUADS if quads is None else quads,
-                acts_ring=ACTS_RING if acts_ring is None else acts_ring, smem=SMEM if smem is None else smem)
+                acts_ring=ACTS_RING if acts_ring is None else acts_ring)
 
 
 def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
@@ -595,13 +533,13 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     key = ("mxfp4_gemm_nt_warps_masked", target.name, a.device.index, G, n, k, tokens, WARPS_PER_SM, DEPTH, AHEAD,
            QUADS, ACTS_RING, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_masked_program.compile(
-        target, n=n, k=k, **{**plan_warps(tokens, G * n, k, sms=sm_count(a), **override), "smem": 0}).launcher())
+        target, n=n, k=k, **plan_warps(tokens, G * n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, acts_ring, smem); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
@@ -609,7 +547,7 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
-           ACTS_RING, SMEM, loads_only, tuple(sorted(override.items())))
+           ACTS_RING, loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
         target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

@@ -1439,27 +1439,6 @@ def test_mxfp4_warps_acts_ring_lowers():
         "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, acts_ring=True)
 
 
-def test_mxfp4_warps_shared_ring_lowers():
-    """smem=4 / 6: the codes and scale words by cp.async (LDGSTS) into the warp's shared ring and back (LDS), the
-    the same HMMA, no spills, no more registers than the register ring (72 against 96 at 1x4096x7168); the masked
-    form refuses it."""
-    from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4_warps import mxfp4_warps_masked_program, mxfp4_warps_program, plan_warps
-
-    for m, n, k in ((1, 4096, 7168), (8, 7168, 2048)):
-        p = plan_warps(m, n, k, quads=False, smem=0)
-        plain = sass_stats(build_cubin(mxfp4_warps_program.source("sm_90a", n=n, k=k, **p), "sm_90a"), "sm_90a")
-        for slots in (4, 6):
-            src = mxfp4_warps_program.source("sm_90a", n=n, k=k, **{**p, "smem": slots})
-            assert f"tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, false, {'true' if p['acts_ring'] else 'false'}, {slots}>(" in src
-            ring = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-            assert ring.histogram.get("LDGSTS", 0) >= 4 and ring.histogram.get("LDS", 0) > 0, ring.format()  # a step: 4
-            assert ring.histogram["HMMA"] == plain.histogram["HMMA"], (ring.format(), plain.format())
-            assert ring.spill_stores == 0 and ring.registers <= plain.registers, (ring.format(), plain.format())
-    with pytest.raises(ValueError, match="the masked form takes smem=0"):
-        mxfp4_warps_masked_program.source("sm_90a", n=256, k=512, smem=4)
-
-
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 128 registers a thread
     (two 8-warp blocks an SM: 65536 registers / 512 threads; 106 before the activations rode in the ring, 107 with)."""
@@ -1566,11 +1545,8 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
 
     monkeypatch.setattr(gemm_mxfp4_warps, "QUADS", False)
     monkeypatch.setattr(gemm_mxfp4_warps, "ACTS_RING", False)
-    monkeypatch.setattr(gemm_mxfp4_warps, "SMEM", 0)
-    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, acts_ring=False,
-                                             smem=0)
-    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, acts_ring=False,
-                                             smem=0)
+    assert plan_warps(1, 4096, 7168) == dict(tokens=8, splits=8, depth=2, ahead=0, quads=False, acts_ring=False)
+    assert plan_warps(9, 7168, 2048) == dict(tokens=16, splits=4, depth=2, ahead=0, quads=False, acts_ring=False)
     assert plan_warps(16, 256, 384)["splits"] == 2             # 3 K steps: at most one warp a step (a power of two)
     assert plan_warps(3, 256, 7168)["splits"] == 16
     assert plan_warps(8, 8 * 4096, 7168)["splits"] == 1        # a masked call's 8 x 4096 rows: one warp a block
@@ -1589,10 +1565,6 @@ def test_mxfp4_warps_plan_and_refusals(monkeypatch):
         mxfp4_warps_program.source("sm_90a", n=264, k=512)
     with pytest.raises(ValueError, match="loads_only must be 0..7, got 8"):
         mxfp4_warps_program.source("sm_90a", n=256, k=512, loads_only=8)
-    with pytest.raises(ValueError, match="smem must be 0 .off. or 2..8 ring slots a warp, got 1"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, smem=1)
-    with pytest.raises(ValueError, match="takes quads=False"):
-        mxfp4_warps_program.source("sm_90a", n=256, k=512, smem=4, quads=True)
     with pytest.raises(ValueError, match="has no lowering for ascend:950"):
         mxfp4_warps_program.source("ascend:950", n=256, k=512)
     # the sweep's probes: the codes alone in the kernel's order (2), row by row (3), piece by piece (4), as one run a
@@ -2346,8 +2318,8 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step), with the activations in the codes' ring (acts_ring, also at depth 3),
-    with the codes through a shared ring (smem 3, 4, 6); every warp count (1, 2, ..., 16, warps with no K step among them at
+    depth 3: the quad and ring turns out of step), with the activations in the codes' ring (acts_ring, also at depth 3);
+    every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
     from ops import gemm_mxfp4
@@ -2368,13 +2340,12 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
                dict(quads=True, depth=3), dict(quads=not QUADS), dict(acts_ring=True), dict(acts_ring=True, depth=3),
-               dict(acts_ring=True, quads=True), dict(smem=4, quads=False), dict(smem=6, quads=False),
-               dict(smem=3, quads=False, acts_ring=False)):
+               dict(acts_ring=True, quads=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
     for kw in (dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=16), dict(quads=True, splits=3),
-               dict(quads=True, splits=16), dict(smem=4, quads=False, splits=16), dict(smem=6, quads=False, splits=3)):
+               dict(quads=True, splits=16)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert calc_diff(out.cpu(), ref) < 1e-5, kw
