@@ -1445,16 +1445,26 @@ def test_mxfp4_warps_queue_lowers_and_plans():
     registers (one 16-warp block an SM); a block's tiles split evenly at run time; its partials must fit QUEUE_SMEM;
     the plan is a block an SM, at most one a tile."""
     from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4_warps import QUEUE_WARPS, mxfp4_warps_queue_program, plan_queue, queue_fits
+    from ops.gemm_mxfp4_warps import TRACE_STEPS, QUEUE_WARPS, mxfp4_warps_queue_program, plan_queue, queue_fits
 
     for m, n, k in ((1, 4096, 7168), (8, 7168, 2048), (16, 4096, 7168)):
         p = plan_queue(m, n, k)
-        assert p == dict(tokens=8 if m <= 8 else 16, blocks=132, warps=QUEUE_WARPS, depth=2)
+        assert p == dict(tokens=8 if m <= 8 else 16, blocks=132, warps=QUEUE_WARPS, depth=2, rotate=False,
+                         claim_ahead=False)
         src = mxfp4_warps_queue_program.source("sm_90a", n=n, k=k, **p)
-        assert f"tc_mxfp4_warp_queue<{p['tokens'] // 8}, 2>(" in src
+        assert f"tc_mxfp4_warp_queue<{p['tokens'] // 8}, 2, false, false, 0>(" in src
         st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
         assert st.histogram.get("ATOMS", 0) >= 2 and st.histogram["HMMA"] == 2 * 2 * 8 * p["tokens"] // 8, st.format()
         assert st.spill_stores == 0 and st.registers <= 128, st.format()
+    for kw in (dict(rotate=True), dict(claim_ahead=True), dict(trace=True), dict(no_sum=True)):
+        src = mxfp4_warps_queue_program.source("sm_90a", n=4096, k=7168, **{**plan_queue(1, 4096, 7168), **kw})
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
+        assert st.spill_stores == 0 and st.registers <= 128, (kw, st.format())
+        assert st.histogram["HMMA"] == 32, kw
+        args = {"claim_ahead": "2, true, false, 0", "trace": f"2, false, true, {TRACE_STEPS}"}.get(next(iter(kw)))
+        assert f"tc_mxfp4_warp_queue<1, {args or '2, false, false, 0'}>(" in src, kw
+        assert ("* 56) / 132" in src) == ("rotate" in kw), kw           # block b's walk starts at step b * 56 // 132
+        assert ("C[" in src.split('extern "C" __global__')[-1]) != ("no_sum" in kw), kw
     assert plan_queue(3, 256, 384)["blocks"] == 16                  # at most one block a tile
     assert queue_fits(4096, 7168, 16, 132) and not queue_fits(7168, 7168, 16, 132)   # 229,376 bytes > 200 KB
     with pytest.raises(ValueError, match="over 204800; use more blocks"):
@@ -1526,6 +1536,11 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     for name, p50 in (("first data (entry ->)", 200), ("step: wait for data", 400), ("step: work", 200),
                       ("tail (last issue ->)", 100)):
         assert re.search(re.escape(name) + rf"\s+p50\s+{p50}\s", text), (name, text)
+    # the queue kernel's rows: a warp's steps are its item count (the last word); warp 1 took none
+    queued = [[1000, 3000, *row[2:-1], 2], [6000, 9000, *row[2:-1], 0]]
+    text = summarize(queued, 4, 1, queue=True)
+    assert re.search(r"first data \(entry ->\)\s+p50\s+200\s.*max\s+200\b", text), text   # warp 1 not counted
+    assert re.search(r"step: wait for data\s+p50\s+400\s", text), text
 
 
 def _probe_offsets(order: int, k: int, splits: int) -> list[int]:
@@ -2388,7 +2403,8 @@ def test_gpu_mxfp4_warps_queue(m, n, k, monkeypatch):
     """The queue kernel (QUEUE, the op's warp path): exact against fp32 within bounds, scales from 2^-127 up (the
     two-multiply decode too), both token tiles with m tails; bitwise the same run to run although its warps take
     items in whatever order their data comes; the same bits at other block counts (uneven tile ranges: a tile's
-    steps are summed in step order whoever took them) and ring depths; within bounds of the register-ring kernel."""
+    steps are summed in step order whoever took them), ring depths, with each block's walk over K rotated and with
+    the claims asked before the MMAs; within bounds of the register-ring kernel."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
     from ops.gemm_mxfp4_warps import launch_warps, queue_fits
 
@@ -2409,7 +2425,9 @@ def test_gpu_mxfp4_warps_queue(m, n, k, monkeypatch):
     tokens = 8 if m <= 8 else 16
     blocks = [b for b in (1, 7, 16, 97, 133, n // 16) if b <= n // 16 and queue_fits(n, k, tokens, b)]
     assert len(blocks) >= 3, blocks
-    for kw in [dict(blocks=b) for b in blocks] + [dict(depth=1), dict(depth=3), dict(blocks=blocks[0], depth=3)]:
+    for kw in [dict(blocks=b) for b in blocks] + [dict(depth=1), dict(depth=3), dict(blocks=blocks[0], depth=3),
+                                                  dict(rotate=True), dict(claim_ahead=True),
+                                                  dict(blocks=blocks[1], rotate=True, claim_ahead=True)]:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, queue=True, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
