@@ -12,7 +12,7 @@ unrolls loads=1's loop to 206 registers, one block an SM where the kernel runs t
                                       [--jobs N]
 
 A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring; queue=1: the queue
-kernel, with blocks, warps, depth, rotate, claim_ahead and the no_sum probe) plus loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
+kernel, with blocks, warps, depth, rotate, claim_ahead, pairs and the no_sum probe) plus loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
 through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
 
@@ -36,10 +36,10 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        flags = ("quads", "acts_ring", "queue", "rotate", "claim_ahead", "no_sum")
+        flags = ("quads", "acts_ring", "queue", "rotate", "claim_ahead", "pairs", "no_sum")
         if key not in ("splits", "depth", "ahead", "blocks", "warps", "loads") + flags:
             raise ValueError(f"variant knob must be splits, depth, ahead, quads, acts_ring, queue (blocks, warps, "
-                             f"rotate, claim_ahead, no_sum) or loads, got {key!r}")
+                             f"rotate, claim_ahead, pairs, no_sum) or loads, got {key!r}")
         out[key] = bool(int(value)) if key in flags else int(value)
     return out
 

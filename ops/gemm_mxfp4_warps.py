@@ -63,6 +63,8 @@ QUEUE = False        # the op's warp kernel with its work shared out at run time
 QUEUE_WARPS = 16     # the queue kernel's warps a block
 QUEUE_ROTATE = False       # ... block b walking K from step b * kb // blocks (else all from step 0)
 QUEUE_CLAIM_AHEAD = False  # ... a warp asking for its next item before a step's MMAs (else after them)
+QUEUE_PAIRS = False        # ... an item two consecutive steps, one warp's (a row's 128-byte line: its second half
+                           # found in L2, as the register-ring kernel's warps find it)
 QUEUE_SMEM = 200 * 1024   # shared memory the queue kernel's partials may take
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
@@ -371,12 +373,14 @@ __device__ __forceinline__ int tc_warp_claim(int* ctr) {
   if ((threadIdx.x & 31) == 0) v = atomicAdd(ctr, 1);
   return __shfl_sync(0xFFFFFFFFu, v, 0);
 }
-template <int kTiles, int kDepth, bool kClaimAhead = false, bool kTrace = false, int kTraceSteps = 0>
+template <int kTiles, int kDepth, bool kClaimAhead = false, bool kTrace = false, int kTraceSteps = 0,
+          bool kPairs = false>
 __device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const int* B, const int* SFB, const void* A,
                                                     int m, int k, int tile0, int ntiles, int rot,
                                                     int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int kw = k / 8, kb = k / 128, total = ntiles * kb;
+  static_assert(!kPairs || kDepth % 2 == 0, "pairs of steps fill pairs of ring slots");
+  const int kw = k / 8, kb = k / 128, units = kPairs ? kb / 2 : kb, total = ntiles * units;
   if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
   const uint4* xa[kTiles];
   bool live[kTiles];
@@ -385,8 +389,9 @@ __device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const 
   TcWarpActs<kTiles> aring[kDepth];
   int id[kDepth], slot[kDepth];
   auto load = [&](int j) {   // slot j's item: its codes, scale words and activations; its partial's place
-    int s = id[j] / ntiles + rot;
-    s = s >= kb ? s - kb : s;
+    int q = id[j] / ntiles + rot;
+    q = q >= units ? q - units : q;
+    const int s = kPairs ? 2 * q + (j & 1) : q;   // kPairs: a claim is steps 2q (even slot) and 2q + 1 (odd slot)
     const int r = id[j] % ntiles, row = (tile0 + r) * 16 + g;
     slot[j] = s * ntiles + r;
     const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)row * kw) + t;
@@ -397,7 +402,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const 
   };
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    id[j] = tc_warp_claim(ctr);
+    id[j] = kPairs && (j & 1) ? id[j > 0 ? j - 1 : 0] : tc_warp_claim(ctr);
     if (id[j] < total) load(j);
   }
   int done = 0;
@@ -410,7 +415,8 @@ __device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const 
         return;
       }
       int early = 0;   // kClaimAhead: lane 0's claim of the slot's next item, asked before the step's MMAs
-      if (kClaimAhead && lane == 0) early = atomicAdd(ctr, 1);
+      const bool claims = !kPairs || (j & 1) == 0;   // kPairs: an odd slot takes its even neighbour's claim
+      if (kClaimAhead && claims && lane == 0) early = atomicAdd(ctr, 1);
       const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
       const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
       if (kTrace && lane == 0 && done < kTraceSteps - 1) trace[4 + 2 * done] = (int)clock();
@@ -421,7 +427,8 @@ __device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const 
       if (kTrace && lane == 0 && done < kTraceSteps - 1) trace[5 + 2 * done] = (int)clock();
       ++done;
       tc_warp_partials_store<kTiles>(red + (size_t)slot[j] * 128 * kTiles, acc);
-      id[j] = kClaimAhead ? __shfl_sync(0xFFFFFFFFu, early, 0) : tc_warp_claim(ctr);
+      const int prev = j > 0 ? j - 1 : 0;   // (!claims: j odd)
+      id[j] = !claims ? id[prev] : kClaimAhead ? __shfl_sync(0xFFFFFFFFu, early, 0) : tc_warp_claim(ctr);
       if (id[j] < total) load(j);
     }
   }
@@ -593,13 +600,15 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
 )
 def mxfp4_warps_queue_program(n: int, k: int, tokens: int = 8, blocks: int = 132, warps: int = QUEUE_WARPS,
                               depth: int = DEPTH, rotate: bool = QUEUE_ROTATE, claim_ahead: bool = QUEUE_CLAIM_AHEAD,
-                              trace: bool = False, no_sum: bool = False):
+                              pairs: bool = QUEUE_PAIRS, trace: bool = False, no_sum: bool = False):
     """mxfp4_warps_program's product with the work shared out at run time (QUEUE): `blocks` blocks (one an SM), block b
     the 16-row tiles [b * T // blocks, (b + 1) * T // blocks) of the T = n / 16, its `warps` warps taking (tile, K
     step) items from a counter in shared memory, `depth` items in flight a warp; each item's fp32 partial into shared
     memory, a tile's steps summed in step order (the same bits run to run, not the bits of mxfp4_warps_program, whose
     warps sum their ranges' steps in the MMAs' accumulators). rotate: block b walks K from step b * kb // blocks
-    (else every block from step 0); claim_ahead: a warp asks for its next item before a step's MMAs. trace=True
+    (else every block from step 0); claim_ahead: a warp asks for its next item before a step's MMAs; pairs: an item
+    is two consecutive steps (a row's 128-byte line), taken by one warp one after the other (k / 128 even, depth
+    even). trace=True
     (bench.trace_mxfp4_warps --queue): warp w of block b stamps Trace[b * warps + w] (TRACE_WORDS; per item it took,
     its data and issue clocks; the last word its item count). no_sum (a probe, wrong results): C is not written, the
     step sums skipped (what they cost)."""
@@ -616,9 +625,11 @@ def mxfp4_warps_queue_program(n: int, k: int, tokens: int = 8, blocks: int = 132
                          f"mxfp4_warps_program")
     threads = 32 * warps
     outs = rmax * ROWS * tokens
+    if pairs and (kb % 2 or depth % 2):
+        raise ValueError(f"pairs=True takes an even number of K steps and an even depth, got k={k}, depth={depth}")
     b = lambda v: "true" if v else "false"   # noqa: E731
     helper = (f"tc_mxfp4_warp_queue<{tokens // 8}, {depth}, {b(claim_ahead)}, {b(trace)}, "
-              f"{TRACE_STEPS if trace else 0}>")
+              f"{TRACE_STEPS if trace else 0}{', true' if pairs else ''}>")
 
     @T.prim_func
     def mxfp4_gemm_nt_warps_queue(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -639,7 +650,7 @@ def mxfp4_warps_queue_program(n: int, k: int, tokens: int = 8, blocks: int = 132
                 "handle", helper, T.access_ptr(red[0, 0, 0], "w", rmax * kb * tokens * ROWS),
                 T.access_ptr(ctr[0], "rw", 1), T.access_ptr(B[0, 0], "r", n * k // 8),
                 T.access_ptr(SFB[0, 0], "r", n * kb), T.access_ptr(A[0, 0], "r", k), m, k, t0, nt,
-                bid * kb // blocks if rotate else 0, *tail))
+                bid * (kb // 2 if pairs else kb) // blocks if rotate else 0, *tail))
             tile.barrier()
             total = T.alloc_var("float32")
             for it in T.serial(-(-outs // threads)):
@@ -666,7 +677,8 @@ def plan_queue(m: int, n: int, k: int, sms: int = 132, depth: int | None = None)
     if not 0 < m <= TOKENS[-1]:
         raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
     return dict(tokens=next(t for t in TOKENS if t >= m), blocks=min(sms, n // ROWS), warps=QUEUE_WARPS,
-                depth=DEPTH if depth is None else depth, rotate=QUEUE_ROTATE, claim_ahead=QUEUE_CLAIM_AHEAD)
+                depth=DEPTH if depth is None else depth, rotate=QUEUE_ROTATE, claim_ahead=QUEUE_CLAIM_AHEAD,
+                pairs=QUEUE_PAIRS and k // BLOCK_K % 2 == 0)
 
 
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
@@ -718,7 +730,7 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
         qp = {**plan_queue(m, n, k, sms=sm_count(a)), **override}
         if "blocks" in override or queue_fits(n, k, qp["tokens"], qp["blocks"]):   # else the kernel below
             qkey = ("mxfp4_gemm_nt_warps_queue", target.name, a.device.index, m, n, k, DEPTH, QUEUE_WARPS,
-                    QUEUE_ROTATE, QUEUE_CLAIM_AHEAD, tuple(sorted(override.items())))
+                    QUEUE_ROTATE, QUEUE_CLAIM_AHEAD, QUEUE_PAIRS, tuple(sorted(override.items())))
             qlaunch = jit.launchers(qkey, lambda: mxfp4_warps_queue_program.compile(target, n=n, k=k, **qp).launcher())
             qlaunch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))
             return

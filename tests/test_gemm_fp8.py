@@ -1450,7 +1450,7 @@ def test_mxfp4_warps_queue_lowers_and_plans():
     for m, n, k in ((1, 4096, 7168), (8, 7168, 2048), (16, 4096, 7168)):
         p = plan_queue(m, n, k)
         assert p == dict(tokens=8 if m <= 8 else 16, blocks=132, warps=QUEUE_WARPS, depth=2, rotate=False,
-                         claim_ahead=False)
+                         claim_ahead=False, pairs=False)
         src = mxfp4_warps_queue_program.source("sm_90a", n=n, k=k, **p)
         assert f"tc_mxfp4_warp_queue<{p['tokens'] // 8}, 2, false, false, 0>(" in src
         st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
@@ -1466,6 +1466,10 @@ def test_mxfp4_warps_queue_lowers_and_plans():
         assert ("* 56) / 132" in src) == ("rotate" in kw), kw           # block b's walk starts at step b * 56 // 132
         assert ("C[" in src.split('extern "C" __global__')[-1]) != ("no_sum" in kw), kw
     assert plan_queue(3, 256, 384)["blocks"] == 16                  # at most one block a tile
+    assert "2, false, false, 0, true>(" in mxfp4_warps_queue_program.source("sm_90a", n=256, k=512, blocks=16,
+                                                                           pairs=True)
+    with pytest.raises(ValueError, match="pairs=True takes an even number of K steps and an even depth, got k=384"):
+        mxfp4_warps_queue_program.source("sm_90a", n=256, k=384, blocks=16, pairs=True)
     assert queue_fits(4096, 7168, 16, 132) and not queue_fits(7168, 7168, 16, 132)   # 229,376 bytes > 200 KB
     with pytest.raises(ValueError, match="over 204800; use more blocks"):
         mxfp4_warps_queue_program.source("sm_90a", n=7168, k=7168, tokens=16, blocks=132)
@@ -2403,8 +2407,8 @@ def test_gpu_mxfp4_warps_queue(m, n, k, monkeypatch):
     """The queue kernel (QUEUE, the op's warp path): exact against fp32 within bounds, scales from 2^-127 up (the
     two-multiply decode too), both token tiles with m tails; bitwise the same run to run although its warps take
     items in whatever order their data comes; the same bits at other block counts (uneven tile ranges: a tile's
-    steps are summed in step order whoever took them), ring depths, with each block's walk over K rotated and with
-    the claims asked before the MMAs; within bounds of the register-ring kernel."""
+    steps are summed in step order whoever took them), ring depths, with each block's walk over K rotated, with
+    the claims asked before the MMAs and with items of two steps; within bounds of the register-ring kernel."""
     from ops import gemm_mxfp4, gemm_mxfp4_warps
     from ops.gemm_mxfp4_warps import launch_warps, queue_fits
 
@@ -2427,7 +2431,9 @@ def test_gpu_mxfp4_warps_queue(m, n, k, monkeypatch):
     assert len(blocks) >= 3, blocks
     for kw in [dict(blocks=b) for b in blocks] + [dict(depth=1), dict(depth=3), dict(blocks=blocks[0], depth=3),
                                                   dict(rotate=True), dict(claim_ahead=True),
-                                                  dict(blocks=blocks[1], rotate=True, claim_ahead=True)]:
+                                                  dict(blocks=blocks[1], rotate=True, claim_ahead=True)] + (
+                  [dict(pairs=True), dict(pairs=True, depth=4, rotate=True, claim_ahead=True),
+                   dict(pairs=True, blocks=blocks[0])] if k // 128 % 2 == 0 else []):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, queue=True, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw
