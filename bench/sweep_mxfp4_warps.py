@@ -11,8 +11,8 @@ unrolls loads=1's loop to 206 registers, one block an SM where the kernel runs t
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
                                       [--jobs N]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring; queue=1: the queue
-kernel, with blocks, warps, depth, rotate, claim_ahead, pairs and the no_sum probe) plus loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring) plus
+loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
 through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
 
@@ -36,11 +36,9 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        flags = ("quads", "acts_ring", "queue", "rotate", "claim_ahead", "pairs", "no_sum")
-        if key not in ("splits", "depth", "ahead", "blocks", "warps", "loads") + flags:
-            raise ValueError(f"variant knob must be splits, depth, ahead, quads, acts_ring, queue (blocks, warps, "
-                             f"rotate, claim_ahead, pairs, no_sum) or loads, got {key!r}")
-        out[key] = bool(int(value)) if key in flags else int(value)
+        if key not in ("splits", "depth", "ahead", "quads", "acts_ring", "loads"):
+            raise ValueError(f"variant knob must be splits, depth, ahead, quads, acts_ring or loads, got {key!r}")
+        out[key] = bool(int(value)) if key in ("quads", "acts_ring") else int(value)
     return out
 
 

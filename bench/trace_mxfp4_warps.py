@@ -3,7 +3,7 @@ global timer at entry and end, and the SM clock at entry, at each K step's data 
 registers: its loads landed) and issue (its MMAs issued), and at the end.
 
     python -m bench.trace_mxfp4_warps [--case MxNxK ...] [--splits S] [--depth D] [--ahead A] [--quads]
-                                      [--acts-ring 0|1] [--queue [--rotate] [--claim-ahead]] [--flush read|write]
+                                      [--acts-ring 0|1] [--flush read|write]
 
 The traced run follows an L2 flush (read by default, as bench.op --flush read). Per case it prints, from the
 global timer (ns, relative to the first warp's entry): the span, the entries' spread (a second wave of blocks shows
@@ -19,8 +19,7 @@ import statistics
 import torch
 
 from bench.timing import FLUSH_MODES, _flusher
-from ops.gemm_mxfp4_warps import (TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program, mxfp4_warps_queue_program,
-                                  plan_queue, plan_warps)
+from ops.gemm_mxfp4_warps import TRACE_STEPS, TRACE_WORDS, mxfp4_warps_program, plan_warps
 
 CASES = ("1x4096x7168", "1x7168x2048", "8x4096x7168")
 
@@ -34,27 +33,19 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
 
 
-def trace_case(m, n, k, flush_mode="read", queue=False, **override):
-    """The traced kernel's rows (one per warp: TRACE_WORDS ints) and its plan, after three runs (flushed before each);
-    queue: the queue kernel (mxfp4_warps_queue_program), whose rows end with the warp's item count."""
+def trace_case(m, n, k, flush_mode="read", **override):
+    """The traced kernel's rows (one per warp: TRACE_WORDS ints) and its plan, after three runs (flushed before each)."""
     from backends.cuda.device import sm_count
     from ops import quant_mxfp4
     from ops.gemm_mxfp4 import _code_words, _scale_words
 
-    sms = sm_count(torch.empty(0, device="cuda"))
-    if queue:
-        p = {**plan_queue(m, n, k, sms=sms), **override}
-        kern = mxfp4_warps_queue_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)
-        warps = p["blocks"] * p["warps"]
-    else:
-        p = plan_warps(m, n, k, sms=sms, **override)
-        kern = mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)
-        warps = n // 16 * p["splits"]
+    p = plan_warps(m, n, k, sms=sm_count(torch.empty(0, device="cuda")), **override)
+    kern = mxfp4_warps_program.compile("cuda:sm_90a", n=n, k=k, trace=True, **p)
     g = torch.Generator().manual_seed(m + n + k)
     a = torch.randn(m, k, generator=g).bfloat16().cuda()
     packed, scales = (t.cuda() for t in quant_mxfp4(torch.randn(n, k, generator=g)))
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    trace = torch.zeros(warps, TRACE_WORDS, dtype=torch.int32, device="cuda")
+    trace = torch.zeros(n // 16 * p["splits"], TRACE_WORDS, dtype=torch.int32, device="cuda")
     flush = _flusher(True, flush_mode)
     for _ in range(3):
         flush()
@@ -63,16 +54,15 @@ def trace_case(m, n, k, flush_mode="read", queue=False, **override):
     return trace.cpu().tolist(), p
 
 
-def summarize(rows, kb, splits, queue=False):
-    """queue: a warp's steps are the items it took (its row's last word), not a range of splits."""
+def summarize(rows, kb, splits):
     per = -(-kb // splits)
     t0 = min(r[0] for r in rows)
     entry = [_delta(t0, r[0]) for r in rows]
     end = [_delta(t0, r[1]) for r in rows]
     first, wait, work, tail = [], [], [], []
     for w, r in enumerate(rows):
-        steps = r[-1] if queue else max(0, min(per, kb - (w % splits) * per))
-        stamped = min(steps, TRACE_STEPS - 1 if queue else TRACE_STEPS)
+        steps = max(0, min(per, kb - (w % splits) * per))
+        stamped = min(steps, TRACE_STEPS)
         if not stamped:
             continue
         data = [r[4 + 2 * i] for i in range(stamped)]
@@ -105,30 +95,19 @@ def main(argv=None):
     ap.add_argument("--quads", action="store_true", help="the scale words four steps a load (default QUADS)")
     ap.add_argument("--acts-ring", type=int, choices=(0, 1), default=None,
                     help="the activations depth steps ahead (1) or one step ahead (0) (default ACTS_RING)")
-    ap.add_argument("--queue", action="store_true",
-                    help="the queue kernel (its knobs: --depth; --rotate, --claim-ahead)")
-    ap.add_argument("--rotate", action="store_true", help="queue: block b walks K from step b * kb // blocks")
-    ap.add_argument("--claim-ahead", action="store_true", help="queue: the next item asked for before the MMAs")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace_mxfp4_warps needs a CUDA GPU")
-    if args.queue:
-        override = {k: v for k, v in (("depth", args.depth), ("rotate", args.rotate or None),
-                                      ("claim_ahead", args.claim_ahead or None)) if v is not None}
-    else:
-        override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
-                                      ("quads", args.quads or None),
-                                      ("acts_ring", None if args.acts_ring is None else bool(args.acts_ring)))
-                    if v is not None}
+    override = {k: v for k, v in (("splits", args.splits), ("depth", args.depth), ("ahead", args.ahead),
+                                  ("quads", args.quads or None),
+                                  ("acts_ring", None if args.acts_ring is None else bool(args.acts_ring)))
+                if v is not None}
     for case in args.case or CASES:
         m, n, k = map(int, case.split("x"))
-        rows, p = trace_case(m, n, k, args.flush, args.queue, **override)
+        rows, p = trace_case(m, n, k, args.flush, **override)
         print(f"{case} {p} (flush {args.flush})")
-        print(summarize(rows, k // 128, p.get("splits", 1), args.queue))
-        if args.queue:
-            items = sorted(r[-1] for r in rows)
-            print(f"  items a warp: min {items[0]} p50 {items[len(items) // 2]} max {items[-1]}")
+        print(summarize(rows, k // 128, p["splits"]))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ session 59's bulk-copy feed into shared memory was slower still (bench/NOTES.md 
 loads the scale words four steps at a time (a quarter of their line requests: the loads alone were no faster). The
 weights' loads asking L2 for 256 bytes around each request (ld.global.nc.L1::no_allocate.L2::256B) were 6-38% slower
 (session 62) and are gone, as are the codes and scale words through a per-warp shared ring by cp.async (session
-63: 19-52% slower; its warps' first data came later and their steps' issue stretched under the LDGSTS). The
+63: 19-52% slower; its warps' first data came later and their steps' issue stretched under the LDGSTS), and a
+queue kernel whose warps took (tile, step) items from a block's counter (session 63: its warps ended together, but
+each step waited ~2.4x longer for its data; 15-36% slower in every layout tried;
+`git show a8dbfac:ops/gemm_mxfp4_warps.py` has it). The
 masked grouped form (mxfp4_gemm_nt_warps_masked, MoE decode) runs the same warps a (group, 16-row tile) block over
 token tiles.
 
@@ -56,16 +59,6 @@ QUADS = False        # the scale words loaded four K steps at a time (one a lane
 ACTS_RING = True     # the activations kDepth steps ahead in the codes' ring (False: one step ahead, the kernel before
                      # session 62). Session 62, H200, same run: 1x4096x7168 8.44 -> 8.39 us, 8x4096x7168 9.58 -> 9.25,
                      # 8x7168x2048 7.65 -> 6.95 (their latency, not their bytes or L1: bench/NOTES.md "Session 62")
-QUEUE = False        # the op's warp kernel with its work shared out at run time (mxfp4_warps_queue_program: a block an
-                     # SM, its warps taking (tile, step) items from a counter; session 63, built, not yet measured).
-                     # Session 63's trace: at 1x4096x7168 the median warp ends at 6.9 us and the last at 8.3, the late
-                     # ones all of an SM's second block, whose first loads queued behind the first block's
-QUEUE_WARPS = 16     # the queue kernel's warps a block
-QUEUE_ROTATE = False       # ... block b walking K from step b * kb // blocks (else all from step 0)
-QUEUE_CLAIM_AHEAD = False  # ... a warp asking for its next item before a step's MMAs (else after them)
-QUEUE_PAIRS = False        # ... an item two consecutive steps, one warp's (a row's 128-byte line: its second half
-                           # found in L2, as the register-ring kernel's warps find it)
-QUEUE_SMEM = 200 * 1024   # shared memory the queue kernel's partials may take
 LOADS_ONLY = (0, 1, 2, 3, 4, 5, 6, 7)   # mxfp4_warps_program's loads_only probes (0: the kernel)
 
 WARP_SOURCE = r"""
@@ -357,85 +350,6 @@ __device__ __forceinline__ void tc_mxfp4_warp_codes_probe(float* red, const int*
 """
 
 
-QUEUE_SOURCE = r"""
-// QUEUE (mxfp4_warps_queue_program): a block's warps take (tile, step) items of the block's ntiles 16-row tiles from
-// the block's counter *ctr (claim c: step (c / ntiles + rot) % kb of tile c % ntiles, so the tiles of a step go
-// together and share its activations; rot: where the block's walk over K starts), kDepth items in flight in
-// registers a warp (codes, scale words, activations), and write each item's fp32 partial (16 rows x 8 kTiles tokens,
-// token-major) into red + (step * ntiles + tile) * 128 * kTiles, where the block sums a tile's steps in step order:
-// the same bits whichever warp took an item. A warp claims an item as it issues its loads (kClaimAhead: lane 0 asks
-// before the step's MMAs, so that the atomic's return is not waited for between them and the next loads), so a
-// warp whose data comes early takes more of the block's items than one whose data comes late.
-// kTrace: lane 0 stamps into trace[0 ..] as tc_mxfp4_warp_mma does, a stamp pair per item it took (up to
-// kTraceSteps), and the number of items it took in trace[4 + 2 * kTraceSteps - 1] (the last word)
-__device__ __forceinline__ int tc_warp_claim(int* ctr) {
-  int v = 0;
-  if ((threadIdx.x & 31) == 0) v = atomicAdd(ctr, 1);
-  return __shfl_sync(0xFFFFFFFFu, v, 0);
-}
-template <int kTiles, int kDepth, bool kClaimAhead = false, bool kTrace = false, int kTraceSteps = 0,
-          bool kPairs = false>
-__device__ __forceinline__ void tc_mxfp4_warp_queue(float* red, int* ctr, const int* B, const int* SFB, const void* A,
-                                                    int m, int k, int tile0, int ntiles, int rot,
-                                                    int* trace = nullptr) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  static_assert(!kPairs || kDepth % 2 == 0, "pairs of steps fill pairs of ring slots");
-  const int kw = k / 8, kb = k / 128, units = kPairs ? kb / 2 : kb, total = ntiles * units;
-  if (kTrace && lane == 0) { trace[0] = tc_globaltimer_lo(); trace[2] = (int)clock(); }
-  const uint4* xa[kTiles];
-  bool live[kTiles];
-  tc_warp_acts_at<kTiles>(xa, live, A, m, k, 0);
-  TcWarpCodes ring[kDepth];
-  TcWarpActs<kTiles> aring[kDepth];
-  int id[kDepth], slot[kDepth];
-  auto load = [&](int j) {   // slot j's item: its codes, scale words and activations; its partial's place
-    int q = id[j] / ntiles + rot;
-    q = q >= units ? q - units : q;
-    const int s = kPairs ? 2 * q + (j & 1) : q;   // kPairs: a claim is steps 2q (even slot) and 2q + 1 (odd slot)
-    const int r = id[j] % ntiles, row = (tile0 + r) * 16 + g;
-    slot[j] = s * ntiles + r;
-    const uint4* bw = reinterpret_cast<const uint4*>(B + (size_t)row * kw) + t;
-    const uint4* bv = reinterpret_cast<const uint4*>(B + (size_t)(row + 8) * kw) + t;
-    tc_warp_codes_load<true>(ring[j], bw, bv, reinterpret_cast<const unsigned*>(SFB + (size_t)row * kb),
-                             reinterpret_cast<const unsigned*>(SFB + (size_t)(row + 8) * kb), s);
-    tc_warp_acts_load<kTiles>(aring[j], xa, live, s);
-  };
-#pragma unroll
-  for (int j = 0; j < kDepth; ++j) {
-    id[j] = kPairs && (j & 1) ? id[j > 0 ? j - 1 : 0] : tc_warp_claim(ctr);
-    if (id[j] < total) load(j);
-  }
-  int done = 0;
-  while (true) {
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j) {
-      if (id[j] >= total) {   // claims grow: every later slot's item is past the end too
-        if (kTrace && lane == 0) { trace[3] = (int)clock(); trace[1] = tc_globaltimer_lo();
-                                   trace[4 + 2 * kTraceSteps - 1] = done; }
-        return;
-      }
-      int early = 0;   // kClaimAhead: lane 0's claim of the slot's next item, asked before the step's MMAs
-      const bool claims = !kPairs || (j & 1) == 0;   // kPairs: an odd slot takes its even neighbour's claim
-      if (kClaimAhead && claims && lane == 0) early = atomicAdd(ctr, 1);
-      const unsigned ew = (ring[j].sw >> (8 * t)) & 0xFFu, ev = (ring[j].sv >> (8 * t)) & 0xFFu;
-      const bool fast = __all_sync(0xFFFFFFFFu, ew <= 128u && ev <= 128u);
-      if (kTrace && lane == 0 && done < kTraceSteps - 1) trace[4 + 2 * done] = (int)clock();
-      float acc[kTiles][4];
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-      tc_warp_step_scaled<kTiles>(acc, ring[j], aring[j], ew, ev, fast);
-      if (kTrace && lane == 0 && done < kTraceSteps - 1) trace[5 + 2 * done] = (int)clock();
-      ++done;
-      tc_warp_partials_store<kTiles>(red + (size_t)slot[j] * 128 * kTiles, acc);
-      const int prev = j > 0 ? j - 1 : 0;   // (!claims: j odd)
-      id[j] = !claims ? id[prev] : kClaimAhead ? __shfl_sync(0xFFFFFFFFu, early, 0) : tc_warp_claim(ctr);
-      if (id[j] < total) load(j);
-    }
-  }
-}
-"""
-
-
 def _check_params(n, k, tokens, splits, depth, ahead):
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
@@ -592,95 +506,6 @@ def mxfp4_warps_masked_program(n: int, k: int, tokens: int = 8, splits: int = 8,
     return mxfp4_gemm_nt_warps_masked
 
 
-@tile_program(
-    "mxfp4_gemm_nt_warps_queue",
-    targets=("cuda:sm_90a", "cuda:sm_100a"),
-    examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=8, blocks=132),
-              "decode-7168x2048": dict(n=7168, k=2048, tokens=8, blocks=132)},
-)
-def mxfp4_warps_queue_program(n: int, k: int, tokens: int = 8, blocks: int = 132, warps: int = QUEUE_WARPS,
-                              depth: int = DEPTH, rotate: bool = QUEUE_ROTATE, claim_ahead: bool = QUEUE_CLAIM_AHEAD,
-                              pairs: bool = QUEUE_PAIRS, trace: bool = False, no_sum: bool = False):
-    """mxfp4_warps_program's product with the work shared out at run time (QUEUE): `blocks` blocks (one an SM), block b
-    the 16-row tiles [b * T // blocks, (b + 1) * T // blocks) of the T = n / 16, its `warps` warps taking (tile, K
-    step) items from a counter in shared memory, `depth` items in flight a warp; each item's fp32 partial into shared
-    memory, a tile's steps summed in step order (the same bits run to run, not the bits of mxfp4_warps_program, whose
-    warps sum their ranges' steps in the MMAs' accumulators). rotate: block b walks K from step b * kb // blocks
-    (else every block from step 0); claim_ahead: a warp asks for its next item before a step's MMAs; pairs: an item
-    is two consecutive steps (a row's 128-byte line), taken by one warp one after the other (k / 128 even, depth
-    even). trace=True
-    (bench.trace_mxfp4_warps --queue): warp w of block b stamps Trace[b * warps + w] (TRACE_WORDS; per item it took,
-    its data and issue clocks; the last word its item count). no_sum (a probe, wrong results): C is not written, the
-    step sums skipped (what they cost)."""
-    _check_params(n, k, tokens, warps, depth, 0)
-    tiles_n = n // ROWS
-    if not 1 <= blocks <= tiles_n:
-        raise ValueError(f"blocks must be 1..{tiles_n} (the 16-row tiles), got {blocks}")
-    m = T.dynamic("m")
-    kb = k // BLOCK_K
-    rmax = -(-tiles_n // blocks)
-    if not queue_fits(n, k, tokens, blocks):
-        raise ValueError(f"the queue kernel keeps a block's {rmax} tiles x {kb} steps of fp32 partials in shared "
-                         f"memory: {rmax * kb * tokens * ROWS * 4} bytes, over {QUEUE_SMEM}; use more blocks or "
-                         f"mxfp4_warps_program")
-    threads = 32 * warps
-    outs = rmax * ROWS * tokens
-    if pairs and (kb % 2 or depth % 2):
-        raise ValueError(f"pairs=True takes an even number of K steps and an even depth, got k={k}, depth={depth}")
-    b = lambda v: "true" if v else "false"   # noqa: E731
-    helper = (f"tc_mxfp4_warp_queue<{tokens // 8}, {depth}, {b(claim_ahead)}, {b(trace)}, "
-              f"{TRACE_STEPS if trace else 0}{', true' if pairs else ''}>")
-
-    @T.prim_func
-    def mxfp4_gemm_nt_warps_queue(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
-                                  SFB: T.Tensor((n, kb), "int32"), C: T.Tensor((m, n), "bfloat16"),
-                                  Trace: T.Tensor((blocks * warps if trace else 1, TRACE_WORDS), "int32")):
-        with tile.grid(blocks, threads) as bid:
-            red = tile.stage((rmax * kb, tokens, ROWS), "float32")
-            ctr = tile.stage((1,), "int32")
-            T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE + WARP_SOURCE + QUEUE_SOURCE)
-            tid = T.get_thread_binding()
-            t0 = bid * tiles_n // blocks
-            nt = (bid + 1) * tiles_n // blocks - t0
-            if tid == 0:
-                ctr[0] = 0
-            tile.barrier()
-            tail = [T.access_ptr(Trace[bid * warps + tid // 32, 0], "w", TRACE_WORDS)] if trace else []
-            T.evaluate(T.call_extern(
-                "handle", helper, T.access_ptr(red[0, 0, 0], "w", rmax * kb * tokens * ROWS),
-                T.access_ptr(ctr[0], "rw", 1), T.access_ptr(B[0, 0], "r", n * k // 8),
-                T.access_ptr(SFB[0, 0], "r", n * kb), T.access_ptr(A[0, 0], "r", k), m, k, t0, nt,
-                bid * (kb // 2 if pairs else kb) // blocks if rotate else 0, *tail))
-            tile.barrier()
-            total = T.alloc_var("float32")
-            for it in T.serial(-(-outs // threads)):
-                o = it * threads + tid
-                r = o // (ROWS * tokens)
-                j = (o // ROWS) % tokens
-                row = o % ROWS
-                if o < outs and r < nt and j < m and not no_sum:
-                    total = red[r, j, row]
-                    for st in T.serial(1, kb):
-                        total = total + red[st * nt + r, j, row]
-                    C[j, (t0 + r) * ROWS + row] = T.cast(total, "bfloat16")
-
-    return mxfp4_gemm_nt_warps_queue
-
-
-def queue_fits(n: int, k: int, tokens: int, blocks: int) -> bool:
-    """Whether the queue kernel's partials (a block's tiles x K steps x tokens x 16 rows, fp32) fit QUEUE_SMEM."""
-    return -(-(n // ROWS) // blocks) * (k // BLOCK_K) * tokens * ROWS * 4 <= QUEUE_SMEM
-
-
-def plan_queue(m: int, n: int, k: int, sms: int = 132, depth: int | None = None) -> dict:
-    """The queue kernel's token tile, blocks (one an SM, at most one a tile), warps and depth."""
-    if not 0 < m <= TOKENS[-1]:
-        raise ValueError(f"the warp kernel takes 1..{TOKENS[-1]} tokens, got m={m}")
-    return dict(tokens=next(t for t in TOKENS if t >= m), blocks=min(sms, n // ROWS), warps=QUEUE_WARPS,
-                depth=DEPTH if depth is None else depth, rotate=QUEUE_ROTATE, claim_ahead=QUEUE_CLAIM_AHEAD,
-                pairs=QUEUE_PAIRS and k // BLOCK_K % 2 == 0)
-
-
 def plan_warps(m: int, n: int, k: int, sms: int = 132, splits: int | None = None, depth: int | None = None,
                ahead: int | None = None, quads: bool | None = None, acts_ring: bool | None = None) -> dict:
     """The token tile (8 or 16) and the warps a block (splits, a power of two): about WARPS_PER_SM warps an SM over
@@ -717,23 +542,13 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
 
 def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); queue (default QUEUE): the queue kernel instead
-    where its partials fit (queue_fits), planned by plan_queue (+ override: blocks, warps, depth); the launcher kept
-    per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
     n = b.shape[0]
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
-    if override.pop("queue", QUEUE) and not loads_only:
-        qp = {**plan_queue(m, n, k, sms=sm_count(a)), **override}
-        if "blocks" in override or queue_fits(n, k, qp["tokens"], qp["blocks"]):   # else the kernel below
-            qkey = ("mxfp4_gemm_nt_warps_queue", target.name, a.device.index, m, n, k, DEPTH, QUEUE_WARPS,
-                    QUEUE_ROTATE, QUEUE_CLAIM_AHEAD, QUEUE_PAIRS, tuple(sorted(override.items())))
-            qlaunch = jit.launchers(qkey, lambda: mxfp4_warps_queue_program.compile(target, n=n, k=k, **qp).launcher())
-            qlaunch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))
-            return
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
            ACTS_RING, loads_only, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(

@@ -1439,46 +1439,6 @@ def test_mxfp4_warps_acts_ring_lowers():
         "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, acts_ring=True)
 
 
-def test_mxfp4_warps_queue_lowers_and_plans():
-    """The queue kernel (QUEUE): one helper call a warp with the block's tile range, a shared-memory counter claimed
-    by atomics (ATOMS), the register ring's HMMA (two slots, fast and two-multiply decode), no spills, at most 128
-    registers (one 16-warp block an SM); a block's tiles split evenly at run time; its partials must fit QUEUE_SMEM;
-    the plan is a block an SM, at most one a tile."""
-    from backends.cuda.sass import build_cubin, sass_stats
-    from ops.gemm_mxfp4_warps import TRACE_STEPS, QUEUE_WARPS, mxfp4_warps_queue_program, plan_queue, queue_fits
-
-    for m, n, k in ((1, 4096, 7168), (8, 7168, 2048), (16, 4096, 7168)):
-        p = plan_queue(m, n, k)
-        assert p == dict(tokens=8 if m <= 8 else 16, blocks=132, warps=QUEUE_WARPS, depth=2, rotate=False,
-                         claim_ahead=False, pairs=False)
-        src = mxfp4_warps_queue_program.source("sm_90a", n=n, k=k, **p)
-        assert f"tc_mxfp4_warp_queue<{p['tokens'] // 8}, 2, false, false, 0>(" in src
-        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-        assert st.histogram.get("ATOMS", 0) >= 2 and st.histogram["HMMA"] == 2 * 2 * 8 * p["tokens"] // 8, st.format()
-        assert st.spill_stores == 0 and st.registers <= 128, st.format()
-    for kw in (dict(rotate=True), dict(claim_ahead=True), dict(trace=True), dict(no_sum=True)):
-        src = mxfp4_warps_queue_program.source("sm_90a", n=4096, k=7168, **{**plan_queue(1, 4096, 7168), **kw})
-        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
-        assert st.spill_stores == 0 and st.registers <= 128, (kw, st.format())
-        assert st.histogram["HMMA"] == 32, kw
-        args = {"claim_ahead": "2, true, false, 0", "trace": f"2, false, true, {TRACE_STEPS}"}.get(next(iter(kw)))
-        assert f"tc_mxfp4_warp_queue<1, {args or '2, false, false, 0'}>(" in src, kw
-        assert ("* 56) / 132" in src) == ("rotate" in kw), kw           # block b's walk starts at step b * 56 // 132
-        assert ("C[" in src.split('extern "C" __global__')[-1]) != ("no_sum" in kw), kw
-    assert plan_queue(3, 256, 384)["blocks"] == 16                  # at most one block a tile
-    assert "2, false, false, 0, true>(" in mxfp4_warps_queue_program.source("sm_90a", n=256, k=512, blocks=16,
-                                                                           pairs=True)
-    with pytest.raises(ValueError, match="pairs=True takes an even number of K steps and an even depth, got k=384"):
-        mxfp4_warps_queue_program.source("sm_90a", n=256, k=384, blocks=16, pairs=True)
-    assert queue_fits(4096, 7168, 16, 132) and not queue_fits(7168, 7168, 16, 132)   # 229,376 bytes > 200 KB
-    with pytest.raises(ValueError, match="over 204800; use more blocks"):
-        mxfp4_warps_queue_program.source("sm_90a", n=7168, k=7168, tokens=16, blocks=132)
-    with pytest.raises(ValueError, match=r"blocks must be 1..16 \(the 16-row tiles\), got 17"):
-        mxfp4_warps_queue_program.source("sm_90a", n=256, k=384, blocks=17)
-    with pytest.raises(ValueError, match="the warp kernel takes 1..16 tokens, got m=17"):
-        plan_queue(17, 256, 384)
-
-
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 128 registers a thread
     (two 8-warp blocks an SM: 65536 registers / 512 threads; 106 before the activations rode in the ring, 107 with)."""
@@ -1540,11 +1500,6 @@ def test_mxfp4_warps_trace_stamps_and_summary():
     for name, p50 in (("first data (entry ->)", 200), ("step: wait for data", 400), ("step: work", 200),
                       ("tail (last issue ->)", 100)):
         assert re.search(re.escape(name) + rf"\s+p50\s+{p50}\s", text), (name, text)
-    # the queue kernel's rows: a warp's steps are its item count (the last word); warp 1 took none
-    queued = [[1000, 3000, *row[2:-1], 2], [6000, 9000, *row[2:-1], 0]]
-    text = summarize(queued, 4, 1, queue=True)
-    assert re.search(r"first data \(entry ->\)\s+p50\s+200\s.*max\s+200\b", text), text   # warp 1 not counted
-    assert re.search(r"step: wait for data\s+p50\s+400\s", text), text
 
 
 def _probe_offsets(order: int, k: int, splits: int) -> list[int]:
@@ -2398,49 +2353,6 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
     if k % gemm_mxfp4.SWAPPED_K_ALIGN == 0:
         assert_elementwise(ops.mxfp4_gemm_nt(*args).cpu(), runs[0].float())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (1, 4096, 7168), (5, 256, 384), (8, 4096, 7168), (9, 512, 1024),
-                                   (16, 4096, 7168)])
-def test_gpu_mxfp4_warps_queue(m, n, k, monkeypatch):
-    """The queue kernel (QUEUE, the op's warp path): exact against fp32 within bounds, scales from 2^-127 up (the
-    two-multiply decode too), both token tiles with m tails; bitwise the same run to run although its warps take
-    items in whatever order their data comes; the same bits at other block counts (uneven tile ranges: a tile's
-    steps are summed in step order whoever took them), ring depths, with each block's walk over K rotated, with
-    the claims asked before the MMAs and with items of two steps; within bounds of the register-ring kernel."""
-    from ops import gemm_mxfp4, gemm_mxfp4_warps
-    from ops.gemm_mxfp4_warps import launch_warps, queue_fits
-
-    g = torch.Generator().manual_seed(m * 31 + n + k)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154], dtype=torch.uint8)
-    scales[n - 1, -1] = 0
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
-    args = (a.cuda(), packed.cuda(), scales.cuda())
-    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
-    monkeypatch.setattr(gemm_mxfp4_warps, "QUEUE", True)
-    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(3)]
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
-    assert calc_diff(runs[0], ref) < 1e-5
-    assert_elementwise(runs[0], ref)
-    tokens = 8 if m <= 8 else 16
-    blocks = [b for b in (1, 7, 16, 97, 133, n // 16) if b <= n // 16 and queue_fits(n, k, tokens, b)]
-    assert len(blocks) >= 3, blocks
-    for kw in [dict(blocks=b) for b in blocks] + [dict(depth=1), dict(depth=3), dict(blocks=blocks[0], depth=3),
-                                                  dict(rotate=True), dict(claim_ahead=True),
-                                                  dict(blocks=blocks[1], rotate=True, claim_ahead=True)] + (
-                  [dict(pairs=True), dict(pairs=True, depth=4, rotate=True, claim_ahead=True),
-                   dict(pairs=True, blocks=blocks[0])] if k // 128 % 2 == 0 else []):
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        launch_warps(*args, out, queue=True, **kw)
-        assert torch.equal(out.cpu(), runs[0]), kw
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    launch_warps(*args, out, queue=False)
-    assert_elementwise(out.cpu(), ref)
-    assert_elementwise(runs[0], out.cpu().float())
 
 
 @pytest.mark.gpu

@@ -244,7 +244,7 @@ def _warp_knobs(make, knobs):
 
 def tilecraft_warps(**knobs):
     """The op with m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS = 16) and ops.gemm_mxfp4_warps' module
-    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, ACTS_RING, QUEUE), against the swapped kernel in the same run."""
+    knobs set (WARPS_PER_SM, DEPTH, AHEAD, QUADS, ACTS_RING), against the swapped kernel in the same run."""
     from ops import gemm_mxfp4
 
     return _warp_knobs(_with_flag(gemm_mxfp4, "WARP_TOKENS", 16), knobs)
@@ -407,9 +407,6 @@ SUITE = Suite(
                # ... the activations one step ahead, not in the codes' ring (ops.gemm_mxfp4_warps.ACTS_RING off: the
                # kernel before session 62)
                Provider("tilecraft-acts-1", tilecraft_warps(ACTS_RING=False), experimental=True),
-               # ... the work shared out at run time: a block an SM, its warps taking (tile, step) items from a counter
-               # (ops.gemm_mxfp4_warps.QUEUE)
-               Provider("tilecraft-queue", tilecraft_warps(QUEUE=True), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
