@@ -3,12 +3,15 @@
 # for bench/NOTES.md's top table (its rows are session 62's H200 run, from before ACTS_RING). Run it when a call lands
 # on an H200 (the reply's device); on an H100 it repeats session 63's numbers. Predicted from session 62's H200 sweep
 # (the kernel 0.6-9% faster): 1x4096x7168 8.9 -> ~8.8 us, 8x4096x7168 10.1 -> ~9.8, 8x7168x2048 7.7 -> ~7.0, the
-# rest within 3%. ~3 min with the start.
+# rest within 3%. Beside it, tilecraft-warps (the warp kernel up to 16 tokens, WARP_TOKENS = 16): at 9-16 tokens the
+# op runs the swapped kernel, which the warp kernel tied in session 60 (H100, 16x7168x2048 8.5 us each) before the
+# activations rode in its ring; if it now wins at 16 tokens on both shapes, WARP_TOKENS = 16. ~3 min with the start.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
-timeout 120 python3 -m bench.op gemm --shape mxfp4 --out "$out" --providers tilecraft,torch --graph --flush read 2>&1 \
+timeout 150 python3 -m bench.op gemm --shape mxfp4 --out "$out" --providers tilecraft,tilecraft-warps,torch --graph \
+  --flush read 2>&1 \
   | grep -E "^mxfp4|^gemm|wrote" | cut -c1-110
 timeout 90 python3 -m bench.op gemm --shape mxfp4-moe-decode --out "$out" --providers tilecraft,torch --graph \
   --flush read 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-110
