@@ -12,7 +12,7 @@ unrolls loads=1's loop to 206 registers, one block an SM where the kernel runs t
                                       [--jobs N]
 
 A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring) plus
-loads; an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
+the probes loads and scales_no_l1 (the scale words not allocated in L1, the same results); an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
 through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
 
@@ -36,9 +36,11 @@ def parse_variant(text: str) -> dict:
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("splits", "depth", "ahead", "quads", "acts_ring", "loads"):
-            raise ValueError(f"variant knob must be splits, depth, ahead, quads, acts_ring or loads, got {key!r}")
-        out[key] = bool(int(value)) if key in ("quads", "acts_ring") else int(value)
+        flags = ("quads", "acts_ring", "scales_no_l1")
+        if key not in ("splits", "depth", "ahead", "loads") + flags:
+            raise ValueError(f"variant knob must be splits, depth, ahead, quads, acts_ring, scales_no_l1 or loads, "
+                             f"got {key!r}")
+        out[key] = bool(int(value)) if key in flags else int(value)
     return out
 
 

@@ -82,13 +82,20 @@ template <int kTiles>
 struct TcWarpActs {
   uint4 x[kTiles][4];
 };
-template <bool kScales>   // kScales false: the step's scale words come otherwise (kQuads, or none: a probe), zeros here
+__device__ __forceinline__ unsigned tc_ldg_no_l1(const unsigned* p) {   // read-only, not allocated in L1
+  unsigned v;
+  asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+// kScales false: the step's scale words come otherwise (kQuads, or none: a probe), zeros here; kScalesNoL1 (a probe):
+// the scale words not allocated in L1, so that each misses there as the codes do
+template <bool kScales, bool kScalesNoL1 = false>
 __device__ __forceinline__ void tc_warp_codes_load(TcWarpCodes& d, const uint4* bw, const uint4* bv,
                                                    const unsigned* sw, const unsigned* sv, int s) {
   d.w = __ldg(bw + 4 * s);
   d.v = __ldg(bv + 4 * s);
-  d.sw = kScales ? __ldg(sw + s) : 0u;
-  d.sv = kScales ? __ldg(sv + s) : 0u;
+  d.sw = !kScales ? 0u : kScalesNoL1 ? tc_ldg_no_l1(sw + s) : __ldg(sw + s);
+  d.sv = !kScales ? 0u : kScalesNoL1 ? tc_ldg_no_l1(sv + s) : __ldg(sv + s);
 }
 __device__ __forceinline__ unsigned tc_warp_codes_fold(const TcWarpCodes& c) {
   return c.w.x ^ c.w.y ^ c.w.z ^ c.w.w ^ c.v.x ^ c.v.y ^ c.v.z ^ c.v.w ^ c.sw ^ c.sv;
@@ -189,7 +196,7 @@ __device__ __forceinline__ void tc_warp_partials_store(float* red, const float (
 // kActsRing: the activations ride in the ring with their step's codes (loaded kDepth steps ahead; the same
 // registers as the one-step-ahead pair at kDepth 2)
 template <int kTiles, int kDepth, int kAhead, bool kTrace = false, int kTraceSteps = 0, int kLoadsOnly = 0,
-          bool kQuads = false, bool kActsRing = false>
+          bool kQuads = false, bool kActsRing = false, bool kScalesNoL1 = false>
 __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, const int* SFB, const void* A, int m,
                                                   int k, int s0, int steps, int* trace = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -214,7 +221,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
   TcWarpCodes ring[kDepth];
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    if (j < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, j);
+    if (j < steps) tc_warp_codes_load<kWordScales, kScalesNoL1>(ring[j], bw, bv, sw, sv, j);
   }
   if (kAhead > 0) {
 #pragma unroll
@@ -264,7 +271,7 @@ __device__ __forceinline__ void tc_mxfp4_warp_mma(float* red, const int* B, cons
           tc_warp_step_scaled<kTiles>(acc, ring[j], x, ew, ev, fast);
         }
         if (kTrace && lane == 0 && i < kTraceSteps) trace[5 + 2 * i] = (int)clock();   // (mma.sync: the warp's)
-        if (i + kDepth < steps) tc_warp_codes_load<kWordScales>(ring[j], bw, bv, sw, sv, i + kDepth);
+        if (i + kDepth < steps) tc_warp_codes_load<kWordScales, kScalesNoL1>(ring[j], bw, bv, sw, sv, i + kDepth);
         if (kQuads && kLoadsOnly != 6 && (i & 3) == 3) {   // the next quad current, the one after it asked for
           qw = nqw;
           qv = nqv;
@@ -366,15 +373,15 @@ def _per(kb: int, splits: int) -> int:
     return -(-kb // splits)
 
 
-def _helper(tokens, depth, ahead, quads, acts_ring=False, trace=False, loads_only=0) -> str:
+def _helper(tokens, depth, ahead, quads, acts_ring=False, trace=False, loads_only=0, scales_no_l1=False) -> str:
     """The device helper (with its template arguments) one warp calls for its K range (arguments past the last one
     set left at their defaults, so that the default kernel's source stays the same)."""
     if loads_only in (2, 3, 4, 5):
         return f"tc_mxfp4_warp_codes_probe<{int(loads_only)}, {depth}>"
     b = lambda v: "true" if v else "false"   # noqa: E731
     args = [str(tokens // 8), str(depth), str(ahead), b(trace), str(TRACE_STEPS if trace else 0), str(int(loads_only)),
-            b(quads), b(acts_ring)]
-    defaults = [None, None, None, "false", "0", "0", "false", "false"]
+            b(quads), b(acts_ring), b(scales_no_l1)]
+    defaults = [None, None, None, "false", "0", "0", "false", "false", "false"]
     while len(args) > 3 and args[-1] == defaults[len(args) - 1]:
         args.pop()
     return f"tc_mxfp4_warp_mma<{', '.join(args)}>"
@@ -406,7 +413,8 @@ def _sum_partials(red, C, g, j0, col0, m, tid, threads, splits, outs):
               "decode-7168x2048": dict(n=7168, k=2048, tokens=16, splits=4)},
 )
 def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth: int = DEPTH, ahead: int = AHEAD,
-                        quads: bool = QUADS, acts_ring: bool = ACTS_RING, trace: bool = False, loads_only: int = 0):
+                        quads: bool = QUADS, acts_ring: bool = ACTS_RING, trace: bool = False, loads_only: int = 0,
+                        scales_no_l1: bool = False):
     """C (m, n) = A (m, k) @ dequant(B)^T for m <= tokens (8 or 16): a block a 16-row tile of B, `splits` warps
     each a contiguous range of the 128-deep K steps (ceil(k / 128 / splits) of them, the last ones shorter or
     empty), their partials summed in warp order in shared memory. depth: K steps of a warp's codes in flight in
@@ -419,7 +427,8 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     wrong results: what the memory system gives this load pattern (1 or True: all of them; 2: its codes alone; 3: the
     same codes read row by row in 512-byte pieces; 4: piece by piece over the 16 rows; 5: the warp's range as one
     contiguous run of the block's region, the order of a weight layout tiled by (block, step); 6: all but the scale
-    words; 7: all but the activations)."""
+    words; 7: all but the activations). scales_no_l1 (a probe, the same results): the scale words loaded without an
+    L1 allocation, so that each one misses there (a warp's next seven steps' words otherwise come from L1)."""
     _check_params(n, k, tokens, splits, depth, ahead)
     if loads_only not in LOADS_ONLY:
         raise ValueError(f"loads_only must be 0..7, got {loads_only!r}")
@@ -428,7 +437,7 @@ def mxfp4_warps_program(n: int, k: int, tokens: int = 8, splits: int = 8, depth:
     per = _per(kb, splits)
     threads = 32 * splits
     outs = ROWS * tokens
-    helper = _helper(tokens, depth, ahead, quads, acts_ring, trace, loads_only)
+    helper = _helper(tokens, depth, ahead, quads, acts_ring, trace, loads_only, scales_no_l1)
 
     @T.prim_func
     def mxfp4_gemm_nt_warps(A: T.Tensor((m, k), "bfloat16"), B: T.Tensor((n, k // 8), "int32"),
@@ -540,9 +549,10 @@ def launch_warps_masked(a, b, sfb, masked_m, out, tokens: int, **override):
     launch(a, _code_words(b), _scale_words(sfb), masked_m, out)
 
 
-def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
+def launch_warps(a, b, sfb, out, loads_only: int = 0, scales_no_l1: bool = False, **override):
     """mxfp4_gemm_nt_warps on a (m, k) bf16, b (n, k/2) uint8, sfb (n, k/32) uint8 into out (m, n) bf16, planned by
-    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); the launcher kept per call shape."""
+    plan_warps (+ override: splits, depth, ahead, quads, acts_ring); loads_only, scales_no_l1: mxfp4_warps_program's
+    probes; the launcher kept per call shape."""
     from backends.cuda.device import sm_count
 
     m, k = a.shape
@@ -550,7 +560,8 @@ def launch_warps(a, b, sfb, out, loads_only: int = 0, **override):
     check.aligned("a", a, 16, "read 16 bytes a lane")
     target = targets.resolve(a)
     key = ("mxfp4_gemm_nt_warps", target.name, a.device.index, m, n, k, WARPS_PER_SM, DEPTH, AHEAD, QUADS,
-           ACTS_RING, loads_only, tuple(sorted(override.items())))
+           ACTS_RING, loads_only, scales_no_l1, tuple(sorted(override.items())))
     launch = jit.launchers(key, lambda: mxfp4_warps_program.compile(
-        target, n=n, k=k, loads_only=loads_only, **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
+        target, n=n, k=k, loads_only=loads_only, scales_no_l1=scales_no_l1,
+        **plan_warps(m, n, k, sms=sm_count(a), **override)).launcher())
     launch(a, _code_words(b), _scale_words(sfb), out, bound_only(a.device, TRACE_WORDS).view(1, TRACE_WORDS))

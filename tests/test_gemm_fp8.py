@@ -1439,6 +1439,29 @@ def test_mxfp4_warps_acts_ring_lowers():
         "sm_90a", n=4096, k=7168, tokens=8, splits=8, quads=False, acts_ring=True)
 
 
+def test_mxfp4_warps_scales_no_l1_probe_lowers():
+    """scales_no_l1 (bench.sweep_mxfp4_warps' probe): the same kernel with its 32-bit scale-word loads not allocated in
+    L1 (LDG.E.NA: each misses there, as the codes do), nothing else changed: the same 128-bit loads, HMMA and
+    registers; off, the helper's template arguments are the default kernel's."""
+    import collections
+
+    from backends.cuda.sass import build_cubin, disassemble, sass_stats
+    from ops.gemm_mxfp4_warps import mxfp4_warps_program, plan_warps
+
+    p = plan_warps(1, 4096, 7168)
+    builds = {}
+    for probe in (False, True):
+        src = mxfp4_warps_program.source("sm_90a", n=4096, k=7168, scales_no_l1=probe, **p)
+        assert ("tc_mxfp4_warp_mma<1, 2, 0, false, 0, 0, false, true, true>(" in src) == probe
+        cubin = build_cubin(src, "sm_90a")
+        builds[probe] = (sass_stats(cubin, "sm_90a"), collections.Counter(re.findall(r"\b(LDG\.[A-Z0-9.]+)",
+                                                                                      disassemble(cubin))))
+    (plain, plain_ldg), (probe, probe_ldg) = builds[False], builds[True]
+    assert probe_ldg["LDG.E.NA.CONSTANT"] == plain_ldg["LDG.E.CONSTANT"] > 0 and "LDG.E.CONSTANT" not in probe_ldg
+    assert probe_ldg["LDG.E.128.CONSTANT"] == plain_ldg["LDG.E.128.CONSTANT"]
+    assert probe.histogram["HMMA"] == plain.histogram["HMMA"] and probe.registers == plain.registers
+
+
 def test_mxfp4_warps_masked_lowers():
     """The masked form (MoE decode): one helper call a token tile, HMMA, no spills, at most 128 registers a thread
     (two 8-warp blocks an SM: 65536 registers / 512 threads; 106 before the activations rode in the ring, 107 with)."""
@@ -2318,7 +2341,8 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     2^-127 up (big: some over 2^1, the two-multiply decode; else the one-factor one), both token tiles with m tails;
     exact against fp32 and bitwise the same run to run; the same bits at every depth of the codes' register ring
     (1, 2, 8), with an L2 prefetch beyond it (ahead 4), with the scale words four steps a load (quads, also at
-    depth 3: the quad and ring turns out of step), with the activations in the codes' ring (acts_ring, also at depth 3);
+    depth 3: the quad and ring turns out of step), with the activations in the codes' ring (acts_ring, also at depth 3),
+    with the scale words not allocated in L1 (the scales_no_l1 probe);
     every warp count (1, 2, ..., 16, warps with no K step among them at
     k = 384; with quads, ranges not a multiple of four steps) within the same bounds; and within those bounds of the
     swapped kernel (the op's path before it)."""
@@ -2340,7 +2364,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     assert_elementwise(runs[0], ref)
     for kw in (dict(depth=1), dict(depth=4), dict(depth=8), dict(ahead=4), dict(quads=True),
                dict(quads=True, depth=3), dict(quads=not QUADS), dict(acts_ring=True), dict(acts_ring=True, depth=3),
-               dict(acts_ring=True, quads=True)):
+               dict(acts_ring=True, quads=True), dict(scales_no_l1=True)):
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         launch_warps(*args, out, **kw)
         assert torch.equal(out.cpu(), runs[0]), kw

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 63 left (every call of it ran on an H100): the op's MXFP4 rows with ACTS_RING on the issue's card, an H200,
-# for bench/NOTES.md's top table (its rows are session 62's H200 run, from before ACTS_RING). Run it when a call lands
+# Session 63 left (every call of it ran on an H100; run after 1-mxfp4-scales-l1.sh): the op's MXFP4 rows with
+# ACTS_RING on the issue's card, an H200, for bench/NOTES.md's top table (its rows are session 62's H200 run, from before ACTS_RING). Run it when a call lands
 # on an H200 (the reply's device); on an H100 it repeats session 63's numbers. Predicted from session 62's H200 sweep
 # (the kernel 0.6-9% faster): 1x4096x7168 8.9 -> ~8.8 us, 8x4096x7168 10.1 -> ~9.8, 8x7168x2048 7.7 -> ~7.0, the
 # rest within 3%. Beside it, tilecraft-warps (the warp kernel up to 16 tokens, WARP_TOKENS = 16): at 9-16 tokens the
