@@ -11,9 +11,10 @@ unrolls loads=1's loop to 206 registers, one block an SM where the kernel runs t
     python -m bench.sweep_mxfp4_warps [--case MxNxK ...] [--variant "splits=8,depth=2,quads=1,loads=1" ...] [--csv F]
                                       [--jobs N]
 
-A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring) plus
-the probes loads and scales_no_l1 (the scale words not allocated in L1, the same results); an empty one is the plan. Every (case, variant) kernel is compiled first in --jobs spawned processes (8;
-through the disk cache, so not with TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
+A variant is comma-separated knobs of launch_warps (splits, depth, ahead, quads, acts_ring) plus the probes loads
+and scales_no_l1 (the scale words not allocated in L1, the same results); an empty one is the plan. Every (case,
+variant) kernel is compiled first in --jobs spawned processes (8; through the disk cache, so not with
+TILECRAFT_DISABLE_DISK_CACHE), then timed one after another. GPU only.
 """
 
 import argparse

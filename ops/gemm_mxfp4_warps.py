@@ -50,8 +50,8 @@ TOKENS = (8, 16)     # token tiles (one or two MMA N = 8 columns)
 MAX_SPLITS = 16      # warps a block
 WARPS_PER_SM = 16    # what plan_warps aims for: enough independent warps to keep the weight stream in flight
 DEPTH = 2            # K steps of a warp's codes in flight in its registers (session 58, 1x4096x7168 on two H100s:
-                     # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0; session 63, an H100, with ACTS_RING:
-                     # 3 steps (119 registers) -5% at 1x4096x7168 and 8x7168x2048, +5% at 8x4096x7168)
+                     # 2 steps 8.6 / 9.5 us, 1 step 10.5, 3 11.1, 4 10.9, 6 11.0; session 63, H100s, with ACTS_RING,
+                     # twice each: 3 steps (119 registers) -5% at 8x7168x2048, +5-6% at 8x4096x7168, +-3% elsewhere)
 AHEAD = 0            # ... and further steps asked of L2 by prefetch (0: none; session 58: 4 was slower at 1 token)
 QUADS = False        # the scale words loaded four K steps at a time (one a lane, shuffled to the step). Session 60
                      # (H100): the loads alone unchanged (8.07 / 8.38 us at 1x4096x7168), the kernel -11% to +17%
