@@ -7,8 +7,8 @@
 # scale words not allocated in L1 (scales_no_l1, the same bits) slows by ~20-30% toward the queue kernel (H100:
 # 1x4096x7168 ~8.9 -> ~11 us); else +-3%, and misses are not the bound (session 60's quads only ever cut L1 hits).
 # loads=7 (the kernel's loads without the activations, 50-80 registers) with and without: the feed alone. Any card.
-# ~5 min with the start (with the probe's bitwise GPU test). If it holds: fewer line misses a step (a row's 128-byte line as one request, the
-# scale words of several steps a load) is what the feed wants, not depth.
+# ~5 min with the start (with the probe's bitwise GPU test). If it holds: fewer line misses a step (a row's
+# 128-byte line as one request, the scale words of several steps a load) is what the feed wants, not depth.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
