@@ -1171,7 +1171,8 @@ def _mxfp4_impl(a, b, sfb):
 # m <= WARP_TOKENS on sm_90a takes the warp kernel (ops.gemm_mxfp4_warps: mma.sync on independent
 # warps, every warp its own loads and decode). Measured against the swapped kernel (bench/NOTES.md "Session 58", same
 # runs, CUDA graphs): 1-8 tokens 1.14-1.25x faster on two H100s (the first build 1.1-1.35x at 1 token on an H200);
-# 16 tokens 0.73-1.0x, so 8 (0: off; bench providers tilecraft-swapped sets 0, tilecraft-warps 16)
+# 16 tokens 0.73-1.0x; again with the activations ring (session 64, H100) 0.84x / 0.92x at 16x7168x2048 / 16x4096x7168,
+# so 8 (0: off; bench providers tilecraft-swapped sets 0, tilecraft-warps 16)
 WARP_TOKENS = 8
 SWAPPED = True   # decode-sized m on sm_90a takes mxfp4_gemm_nt_swapped (bench provider tilecraft-tile: off)
 # its scale rows by TMA ahead of the stages, or by its MMA threads while the first stages fly. None:

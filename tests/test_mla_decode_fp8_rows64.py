@@ -284,14 +284,16 @@ def test_trace_stamps_each_warpgroups_steps_and_the_tool_reads_them():
 @given(b=st.integers(1, 4), s_q=st.sampled_from([1, 2]), h_q=st.sampled_from([32, 64, 128]),
        page=st.sampled_from([64, 128]), data=st.data())
 def test_gpu_the_op_with_the_switch_on(monkeypatch, b, s_q, h_q, page, data):
-    """ops.mla_decode(kv_format="fp8") with ROWS64_FP8 at 128 (every row count above 16; the op's schedule, custom op and combine around the
-    kernel): hypothesis over batch, s_q, h_q, page size and lengths (0-3000), against the reference on the exactly
-    dequantized cache with run_fp8_case's bounds."""
+    """ops.mla_decode(kv_format="fp8") with ROWS64_FP8 at 128 (every row count of 17-128 on this kernel; the op's schedule,
+    custom op and combine around it): hypothesis over batch, s_q, h_q, page size and lengths (0-3000), against the
+    reference with run_fp8_case's bounds. s_q * h_q = 256 stays on the op's bf16-converting FP8 kernel, so the
+    reference's cache is whatever pick_tiling's choice multiplies (run_fp8_case derives it; forcing the exact cache
+    failed there on lse, by the bf16 rounding of K: session 64, b 1, s_q 2, h_q 128, one token)."""
     import importlib
 
     monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "ROWS64_FP8", 128)
     lens = data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b))
-    run_fp8_case(b, s_q, h_q, lens, page, exact=True)
+    run_fp8_case(b, s_q, h_q, lens, page)
 
 
 @pytest.mark.gpu
