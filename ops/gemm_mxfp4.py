@@ -1201,12 +1201,17 @@ SWAPPED_PAIR = None
 SWAPPED_STAGE_OUT = None
 SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
+# weight rows a swapped block: 128 (two MMA warpgroups) or 64 (one warpgroup, twice the blocks: 64x7168x2048 runs 112
+# blocks of 16 steps and no reduce kernel instead of 2 splits of 8 steps and the reduce). 64 is built and CPU-checked,
+# not yet measured (session 64; bench provider tilecraft-swapped-n64, bench/queue/1-mxfp4-op-h200.sh)
+SWAPPED_BLOCK_N = 128
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
-                 pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2) -> dict:
+                 pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2,
+                 block_n: int = 128) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -1222,11 +1227,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     from the stages); stage_out: a split plan's partial goes out through shared memory (None:
     SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
     taken from the stages: TileLang does not overlap it with the pipeline's tiles); a_bytes: bytes an activation
-    (2: bf16, 1: e4m3 for ops.gemm_w4a8)."""
+    (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
+    the blocks, so fewer splits; in the plan only when 64, ops.gemm_mxfp4's kernel only)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
         raise ValueError(f"the swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
+    if block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128, got {block_n}")
     decode = decode or SWAPPED_DECODE
     if decode not in SWAPPED_DECODES:
         raise ValueError(f"decode must be one of {SWAPPED_DECODES} (or None: SWAPPED_DECODE), got {decode!r}")
@@ -1237,14 +1245,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
             continue
         parts = depth // BLOCK_K
         sk = k // depth
-        stage = tokens * depth * a_bytes + 128 * depth // 2
-        if 2 * stage + 128 * 4 * 4 > budget:
+        stage = tokens * depth * a_bytes + block_n * depth // 2
+        if 2 * stage + block_n * 4 * 4 > budget:
             continue            # not even two stages (and the least scale rows) fit: a shallower stage
 
         def scale_bytes(splits):    # the split's scale words, staged
-            return 128 * swapped_scale_box(-(-sk // splits) * parts, k // BLOCK_K) * 4
+            return block_n * swapped_scale_box(-(-sk // splits) * parts, k // BLOCK_K) * 4
 
-        splits = split_k_count(n // 128, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
+        splits = split_k_count(n // block_n, sk, sms * blocks_per_sm, min_steps=max(1, 4 // parts))
         while (budget - scale_bytes(splits)) // stage < 2:
             splits += 1         # a block stages its K range's scale words: split a long K until they fit
         stages = min(8, (budget - scale_bytes(splits)) // stage)
@@ -1258,7 +1266,7 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         pair = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_PAIR is None else SWAPPED_PAIR
     pair = pair and splits == 2
     if pair:
-        stages = min(stages, (budget - scale_bytes(splits) - 128 * pair_recv_words(tokens) * 4) // stage)
+        stages = min(stages, (budget - scale_bytes(splits) - block_n * pair_recv_words(tokens) * 4) // stage)
     if stage_out is None:
         stage_out = (tokens >= SWAPPED_STAGE_OUT_TOKENS and splits >= 4 if SWAPPED_STAGE_OUT is None
                      else SWAPPED_STAGE_OUT)
@@ -1269,7 +1277,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
-                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out)
+                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out,
+                **({} if block_n == 128 else {"block_n": block_n}))
 
 
 def _launch_swapped(a, b, sfb, out, **override):
@@ -1278,7 +1287,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                **override}      # in the launchers' key
+                "block_n": SWAPPED_BLOCK_N, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 
@@ -1349,8 +1358,8 @@ def _launch(a, b, sfb, out, **override):
 def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_words=_scale_words, counts=False):
     """b (n, k/2) uint8 goes to the kernel as (n, k/8) int32 words (8 codes each); the plan and both
     launchers are kept per call shape (an eager decode call is otherwise host-bound). tail: the
-    kernel's last arguments; counts: and then its split-K arrival counters (one a 128-column tile:
-    zeros where the kernel folds its own partials, no reduce launcher; otherwise bound only)."""
+    kernel's last arguments; counts: and then its split-K arrival counters (one a tile of the override's block_n,
+    else 128 columns: zeros where the kernel folds its own partials, no reduce launcher; otherwise bound only)."""
     from ops.gemm_fp8 import launch_split_k
 
     m, k = a.shape
@@ -1361,7 +1370,8 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:
-        tail = (*tail, arrival_counters(a.device, n // 128) if fold else bound_only(a.device))
+        tiles = n // override.get("block_n", 128)
+        tail = (*tail, arrival_counters(a.device, tiles) if fold else bound_only(a.device))
     launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None,
                    part=ready_partials(a.device, splits, m, n) if fold else None)
 

@@ -1662,6 +1662,30 @@ def test_mxfp4_swapped_raw_words_a_step_ahead():
         mxfp4_swapped_program.source("sm_90a", n=256, k=1024, tokens=8, stages=2, stage_k=256, ahead=True)
 
 
+def test_mxfp4_swapped_64_row_blocks_plan_and_lower():
+    """block_n = 64 (ops.gemm_mxfp4.SWAPPED_BLOCK_N, off): one MMA warpgroup a block and twice the blocks, so the plan
+    splits K half as often (64x7168x2048: one split, no reduce kernel; 64x4096x7168: 2 instead of 4); the kernel keeps
+    its MMAs asynchronous with no spills at 16 and 64 tokens. Other widths are refused; the default plans carry no
+    block_n (their kernels unchanged)."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped
+
+    assert gemm_mxfp4.SWAPPED_BLOCK_N == 128 and "block_n" not in plan_swapped(64, 7168, 2048)
+    assert plan_swapped(64, 7168, 2048)["splits"] == 2 and plan_swapped(64, 4096, 7168)["splits"] == 4
+    p = plan_swapped(64, 7168, 2048, block_n=64)
+    assert p["block_n"] == 64 and p["splits"] == 1
+    assert plan_swapped(64, 4096, 7168, block_n=64)["splits"] == 2
+    for m, n, k in ((64, 7168, 2048), (16, 4096, 7168)):
+        q = plan_swapped(m, n, k, block_n=64)
+        src = mxfp4_swapped_program.source("sm_90a", n=n, k=k, **q)
+        assert "mxfp4_gemm_nt_swapped" in src
+        sass, log = _sass_and_ptxas_log(src)
+        assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == [], (m, n, k)
+        assert not re.search(r"\b(LDL|STL)\b", sass)
+    with pytest.raises(ValueError, match="block_n must be 64 or 128"):
+        plan_swapped(64, 7168, 2048, block_n=96)
+
+
 def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
     """pair=True (2-split plans): the tile's two split blocks are a cluster; each stores the other's
     half of the tokens of its partial into the other's shared memory (tc_cluster_store_f32), one
@@ -2263,6 +2287,31 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
         gemm_mxfp4.SWAPPED = True
     assert calc_diff(tiled, ref) < 1e-5
     assert_elementwise(tiled, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (64, 4096, 7168), (16, 4096, 7168), (33, 384, 2048),
+                                   (9, 7168, 2048)])
+def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
+    """SWAPPED_BLOCK_N = 64 (one MMA warpgroup a block; bench provider tilecraft-swapped-n64): one split with no reduce
+    kernel (64x7168x2048), 2 splits by the reduce kernel (64x4096x7168) or by a cluster pair (16x4096x7168), m tails:
+    exact against fp32 as the 128-row blocks are, and bitwise the same run to run (the sums' order differs from the
+    128-row plan's where the split count does, so not bitwise against it)."""
+    from ops import gemm_mxfp4
+
+    g = torch.Generator().manual_seed(m * 5 + n)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 154], dtype=torch.uint8)
+    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
+    assert gemm_mxfp4.WARP_TOKENS < m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu

@@ -257,6 +257,14 @@ def tilecraft_swapped(case, i):
     return _with_flag(gemm_mxfp4, "WARP_TOKENS", 0)(case, i)
 
 
+def tilecraft_swapped_n64(case, i):
+    """The op with the swapped kernel's blocks 64 weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N = 64: one MMA warpgroup,
+    twice the blocks, half the splits) against its 128-row blocks in the same run (m 9-64)."""
+    from ops import gemm_mxfp4
+
+    return _with_flag(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)(case, i)
+
+
 def tilecraft_masked_tile(case, i):
     """The op with masked groups of <= 64 rows kept on the decoded-tile kernel
     (ops.gemm_mxfp4.SWAPPED_MASKED off): the previous path, against the swapped kernel in the same run."""
@@ -408,6 +416,8 @@ SUITE = Suite(
                # kernel before session 62)
                Provider("tilecraft-acts-1", tilecraft_warps(ACTS_RING=False), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
+               # the swapped kernel's blocks 64 weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N; m 9-64)
+               Provider("tilecraft-swapped-n64", tilecraft_swapped_n64, experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
                Provider("tilecraft-masked-quads", tilecraft_masked_warps(QUADS=True), experimental=True),
