@@ -3,9 +3,9 @@
 # 1. SWAPPED_BLOCK_N = 64 (session 64, built and CPU-checked, never run): the swapped kernel with 64 weight rows a
 #    block (one MMA warpgroup, twice the blocks, half the splits). Its GPU test first (exact against fp32, bitwise
 #    run to run), then the op with it (provider tilecraft-swapped-n64) beside the default. Predicted, from session 20's
-#    counts (a 64-token step ~1050 cycles with two warpgroups; the reduce kernel and its launch gap ~2-3 us):
-#    64x7168x2048 (112 blocks, one split, no reduce kernel instead of 2 splits + the reduce) 13.5 -> ~11.5 us on an
-#    H100; 64x4096x7168 (2 splits instead of 4) -1 to -2 us; 16 tokens +-5%. Risk: every block reads the activations
+#    counts (a 64-token step ~1050 cycles with two warpgroups, ~800 with one; the reduce kernel, its gap and the
+#    partial stores ~3 us): 64x7168x2048 (112 blocks of 16 steps, no reduce kernel, instead of 2 splits of 8 + the
+#    reduce) 13.5 -> ~12-12.5 us on an H100; 64x4096x7168 (2 splits instead of 4) -0.5 to -1.5 us; 16 tokens +-5%. Risk: every block reads the activations
 #    of its K range, so their L2 -> SM bytes double (29 MB at 64x7168x2048): if that binds, slower. If it wins by
 #    >= 5% at 64 tokens on both shapes: SWAPPED_BLOCK_N = 64 where m > 16 (a token rule in plan_swapped's caller).
 # 2. The op's MXFP4 rows on the issue's card, an H200, for bench/NOTES.md's top table (sessions 63 and 64 got only
