@@ -2231,6 +2231,19 @@ def test_gpu_mxfp4(m, n, k):
     assert_elementwise(out.cpu(), ref)
 
 
+def _extreme_mxfp4_case(m, n, k, seed, big=True):
+    """(a, packed, scales, fp32 reference): bf16 activations, every e2m1 code (random bytes) and E8M0 scales from the
+    subnormal 2^-127 up (big: some over 2^1, up to 2^27, the two-multiply decode; else at most 2^1 = byte 128, the
+    one-factor decode), the last row's last block 2^-127 too."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
+    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126, 2^27 or 2^1
+    scales[n - 1, -1] = 0
+    return a, packed, scales, a.float() @ ops.dequant_mxfp4(packed, scales).T
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (5, 256, 1536, True), (16, 4096, 7168, True),
                                        (33, 384, 2048, True), (64, 4096, 7168, True), (64, 24576, 1536, True),
@@ -2243,13 +2256,7 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     to run; and within the same bounds as the decoded-tile kernel."""
     from ops import gemm_mxfp4
 
-    g = torch.Generator().manual_seed(m * 7 + n)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)   # 2^-127 (subnormal), 2^-126, 2^27 or 2^1
-    scales[n - 1, -1] = 0
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 7 + n, big)
     assert gemm_mxfp4.SWAPPED and m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
     args = (a.cuda(), packed.cuda(), scales.cuda())
     runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
@@ -2299,12 +2306,7 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
     128-row plan's where the split count does, so not bitwise against it)."""
     from ops import gemm_mxfp4
 
-    g = torch.Generator().manual_seed(m * 5 + n)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154], dtype=torch.uint8)
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 5 + n)
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
     assert gemm_mxfp4.WARP_TOKENS < m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
     args = (a.cuda(), packed.cuda(), scales.cuda())
@@ -2398,13 +2400,7 @@ def test_gpu_mxfp4_warps(m, n, k, big, monkeypatch):
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4_warps import QUADS, launch_warps
 
-    g = torch.Generator().manual_seed(m * 11 + n)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150 if big else 129, (n, k // 32), generator=g, dtype=torch.uint8)
-    scales[0, :3] = torch.tensor([0, 1, 154 if big else 128], dtype=torch.uint8)
-    scales[n - 1, -1] = 0
-    ref = a.float() @ ops.dequant_mxfp4(packed, scales).T
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 11 + n, big)
     args = (a.cuda(), packed.cuda(), scales.cuda())
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 16)
     runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
