@@ -1228,7 +1228,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     SWAPPED_STAGE_OUT's rule, tiles of >= SWAPPED_STAGE_OUT_TOKENS with 4+ splits; tokens x 132 fp32
     taken from the stages: TileLang does not overlap it with the pipeline's tiles); a_bytes: bytes an activation
     (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
-    the blocks, so fewer splits; in the plan only when 64, ops.gemm_mxfp4's kernel only)."""
+    the blocks, so fewer splits). The returned plan names block_n only when it is 64, so 128-row plans compile as
+    before; ops.gemm_w4a8 always plans 128."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
