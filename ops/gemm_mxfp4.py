@@ -1201,10 +1201,11 @@ SWAPPED_PAIR = None
 SWAPPED_STAGE_OUT = None
 SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
-# weight rows a swapped block: 128 (two MMA warpgroups) or 64 (one warpgroup, twice the blocks: 64x7168x2048 runs 112
-# blocks of 16 steps and no reduce kernel instead of 2 splits of 8 steps and the reduce). 64 is built and CPU-checked,
-# not yet measured (session 64; bench provider tilecraft-swapped-n64, bench/queue/1-mxfp4-op-h200.sh)
-SWAPPED_BLOCK_N = 128
+# weight rows a swapped block: 128 (two MMA warpgroups) or 64 (one warpgroup, twice the blocks, so half the splits).
+# None: swapped_block_n's rule, 64 only where that takes the reduce kernel away (64x7168x2048 runs 112 blocks of 16
+# steps instead of 2 splits of 8 and the reduce: 13.4 -> 12.1 us on an H100). Where both widths split (64x4096x7168:
+# 2 splits instead of 4) a block's steps double and 64 lost, 18.2 -> 22.3 us (session 65); 128 / 64 force one width
+SWAPPED_BLOCK_N = None
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -1282,6 +1283,19 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                 **({} if block_n == 128 else {"block_n": block_n}))
 
 
+def swapped_block_n(m: int, n: int, k: int, sms: int = 132, **override) -> int:
+    """SWAPPED_BLOCK_N's rule (None): 64 weight rows a block where the 128-row plan ends in the reduce kernel (split
+    K, neither folded nor paired) and the 64-row plan needs no split at all; 128 everywhere else. override: the
+    plan's other knobs, as the launcher plans with them. A 64-row answer never splits, so it never needs the
+    split-K arrival counters (which are counted in 128-row tiles)."""
+    if SWAPPED_BLOCK_N is not None:
+        return SWAPPED_BLOCK_N
+    wide = plan_swapped(m, n, k, sms=sms, **override)
+    if wide["splits"] == 1 or wide["fold"] or wide["pair"]:
+        return 128
+    return 64 if plan_swapped(m, n, k, sms=sms, block_n=64, **override)["splits"] == 1 else 128
+
+
 def _launch_swapped(a, b, sfb, out, **override):
     """mxfp4_gemm_nt_swapped (decode-sized m on sm_90a), planned by plan_swapped (+ override); its
     Trace is bound, never touched (trace=False)."""
@@ -1297,7 +1311,9 @@ def _swapped_launchers(a, target, m, n, k, override):
     from backends.cuda.device import sm_count
     from ops.gemm_fp8 import split_k_launchers
 
-    p = plan_swapped(m, n, k, sms=sm_count(a), **override)
+    knobs = {key: v for key, v in override.items() if key != "block_n"}
+    block_n = override.get("block_n") or swapped_block_n(m, n, k, sms=sm_count(a), **knobs)
+    p = plan_swapped(m, n, k, sms=sm_count(a), block_n=block_n, **knobs)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
     if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
         return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
@@ -1371,7 +1387,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:
-        tiles = n // override.get("block_n", 128)
+        tiles = n // (override.get("block_n") or 128)   # None (the rule): 64 only without a split, so 128 here
         tail = (*tail, arrival_counters(a.device, tiles) if fold else bound_only(a.device))
     launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None,
                    part=ready_partials(a.device, splits, m, n) if fold else None)

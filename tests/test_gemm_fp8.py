@@ -1663,14 +1663,12 @@ def test_mxfp4_swapped_raw_words_a_step_ahead():
 
 
 def test_mxfp4_swapped_64_row_blocks_plan_and_lower():
-    """block_n = 64 (ops.gemm_mxfp4.SWAPPED_BLOCK_N, off): one MMA warpgroup a block and twice the blocks, so the plan
-    splits K half as often (64x7168x2048: one split, no reduce kernel; 64x4096x7168: 2 instead of 4); the kernel keeps
-    its MMAs asynchronous with no spills at 16 and 64 tokens. Other widths are refused; the default plans carry no
-    block_n (their kernels unchanged)."""
-    from ops import gemm_mxfp4
+    """block_n = 64: one MMA warpgroup a block and twice the blocks, so the plan splits K half as often (64x7168x2048:
+    one split, no reduce kernel; 64x4096x7168: 2 instead of 4); the kernel keeps its MMAs asynchronous with no spills
+    at 16 and 64 tokens. Other widths are refused; 128-row plans carry no block_n (their kernels unchanged)."""
     from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped
 
-    assert gemm_mxfp4.SWAPPED_BLOCK_N == 128 and "block_n" not in plan_swapped(64, 7168, 2048)
+    assert "block_n" not in plan_swapped(64, 7168, 2048)
     assert plan_swapped(64, 7168, 2048)["splits"] == 2 and plan_swapped(64, 4096, 7168)["splits"] == 4
     p = plan_swapped(64, 7168, 2048, block_n=64)
     assert p["block_n"] == 64 and p["splits"] == 1
@@ -1684,6 +1682,30 @@ def test_mxfp4_swapped_64_row_blocks_plan_and_lower():
         assert not re.search(r"\b(LDL|STL)\b", sass)
     with pytest.raises(ValueError, match="block_n must be 64 or 128"):
         plan_swapped(64, 7168, 2048, block_n=96)
+
+
+def test_mxfp4_swapped_block_n_rule(monkeypatch):
+    """SWAPPED_BLOCK_N = None (the default): 64-row blocks exactly where the 128-row plan ends in the reduce kernel and
+    the 64-row plan has no split (32 and 64 tokens at 7168x2048 and 7168x4096); 128 where 64 rows still split
+    (4096x7168, 2112x7168), where the 128-row plan folds or pairs (16 tokens) or has no split (24576x1536), and on
+    other SM counts as their plans say. A forced width wins; the op's launcher plans with the rule's width."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4 import plan_swapped, swapped_block_n
+
+    assert gemm_mxfp4.SWAPPED_BLOCK_N is None
+    for m in (32, 64):
+        for n, k in ((7168, 2048), (7168, 4096)):
+            assert swapped_block_n(m, n, k) == 64, (m, n, k)
+            assert plan_swapped(m, n, k)["splits"] == 2 and plan_swapped(m, n, k, block_n=64)["splits"] == 1
+        for n, k in ((4096, 7168), (2112, 7168), (24576, 1536), (4096, 512)):
+            assert swapped_block_n(m, n, k) == 128, (m, n, k)
+    for n, k in ((7168, 2048), (7168, 4096), (4096, 7168)):
+        assert swapped_block_n(16, n, k) == 128                     # folded or paired: no reduce kernel to remove
+        assert swapped_block_n(64, n, k, pair=True) == 128           # a forced pair: no reduce kernel either
+    assert swapped_block_n(64, 7168, 2048, sms=32) == 128           # 56 tiles fill 32 SMs: no split to remove
+    for forced in (64, 128):
+        monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", forced)
+        assert swapped_block_n(64, 4096, 7168) == forced and swapped_block_n(64, 7168, 2048) == forced
 
 
 def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
@@ -2298,12 +2320,14 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (64, 4096, 7168), (16, 4096, 7168), (33, 384, 2048),
-                                   (9, 7168, 2048)])
+                                   (9, 7168, 2048), (32, 7168, 4096)])
 def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
-    """SWAPPED_BLOCK_N = 64 (one MMA warpgroup a block; bench provider tilecraft-swapped-n64): one split with no reduce
+    """SWAPPED_BLOCK_N = 64 forced (one MMA warpgroup a block; bench provider tilecraft-swapped-n64): one split with no reduce
     kernel (64x7168x2048), 2 splits by the reduce kernel (64x4096x7168) or by a cluster pair (16x4096x7168), m tails:
     exact against fp32 as the 128-row blocks are, and bitwise the same run to run (the sums' order differs from the
-    128-row plan's where the split count does, so not bitwise against it)."""
+    128-row plan's where the split count does, so not bitwise against it). The default (SWAPPED_BLOCK_N None) gives
+    these bits where its rule picks 64 rows (64x7168x2048, 32x7168x4096) and not where it picks 128 (64x4096x7168)."""
+    from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 5 + n)
@@ -2314,6 +2338,14 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
     assert torch.equal(runs[0], runs[1])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", None)
+    by_rule = ops.mxfp4_gemm_nt(*args).cpu()
+    rule = gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]))
+    assert rule == (64 if (m, n, k) in ((64, 7168, 2048), (32, 7168, 4096)) else 128), rule
+    if rule == 64:
+        assert torch.equal(by_rule, runs[0])
+    assert calc_diff(by_rule, ref) < 1e-5
+    assert_elementwise(by_rule, ref)
 
 
 @pytest.mark.gpu
@@ -2341,11 +2373,14 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (13, 7168, 2048), (64, 7168, 2048), (5, 256, 1536),
                                    (40, 1024, 1024)])
-def test_gpu_mxfp4_swapped_pair_fold(m, n, k):
+def test_gpu_mxfp4_swapped_pair_fold(m, n, k, monkeypatch):
     """2-split plans folding in clusters of two (SWAPPED_PAIR): the reduce kernel's bits, exact against
-    fp32, every e2m1 code, m tails of each token tile."""
+    fp32, every e2m1 code, m tails of each token tile. Every m on the swapped kernel (WARP_TOKENS 0: m <= 8 would
+    run the warp kernel) with 128-row blocks (without the pair, the 64-row rule would take the split away)."""
     from ops import gemm_mxfp4
 
+    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 128)
     g = torch.Generator().manual_seed(m + n)
     a = torch.randn(m, k, generator=g).bfloat16()
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)

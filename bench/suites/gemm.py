@@ -22,6 +22,10 @@ PRESETS = {
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
+    # 32 and 64 tokens, where ops.gemm_mxfp4.swapped_block_n picks 64-row blocks (7168x2048, 7168x4096) and not
+    # (4096x7168): for the width A/Bs (providers tilecraft-swapped-n64 / -n128)
+    "mxfp4-block-n": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (32, 64)
+                      for n, k in ((7168, 2048), (7168, 4096), (4096, 7168))],
     # the rows the warp kernel takes (ops.gemm_mxfp4.WARP_TOKENS), for its A/Bs
     "mxfp4-warps": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8) for n, k in ((7168, 2048), (4096, 7168))],
     # m rows per group: MoE prefill (contiguous, 128-aligned segments) and decode (masked)
@@ -257,12 +261,12 @@ def tilecraft_swapped(case, i):
     return _with_flag(gemm_mxfp4, "WARP_TOKENS", 0)(case, i)
 
 
-def tilecraft_swapped_n64(case, i):
-    """The op with the swapped kernel's blocks 64 weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N = 64: one MMA warpgroup,
-    twice the blocks, half the splits) against its 128-row blocks in the same run (m 9-64)."""
+def tilecraft_swapped_rows(block_n):
+    """The op with the swapped kernel's blocks forced to block_n weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N: 64 is one
+    MMA warpgroup, twice the blocks, half the splits; 128 two) against the op's rule in the same run (m 9-64)."""
     from ops import gemm_mxfp4
 
-    return _with_flag(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)(case, i)
+    return _with_flag(gemm_mxfp4, "SWAPPED_BLOCK_N", block_n)
 
 
 def tilecraft_masked_tile(case, i):
@@ -416,8 +420,9 @@ SUITE = Suite(
                # kernel before session 62)
                Provider("tilecraft-acts-1", tilecraft_warps(ACTS_RING=False), experimental=True),
                Provider("tilecraft-swapped", tilecraft_swapped, experimental=True),
-               # the swapped kernel's blocks 64 weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N; m 9-64)
-               Provider("tilecraft-swapped-n64", tilecraft_swapped_n64, experimental=True),
+               # the swapped kernel's blocks forced to 64 or 128 weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N; m 9-64)
+               Provider("tilecraft-swapped-n64", tilecraft_swapped_rows(64), experimental=True),
+               Provider("tilecraft-swapped-n128", tilecraft_swapped_rows(128), experimental=True),
                Provider("tilecraft-masked-tile", tilecraft_masked_tile, experimental=True),
                Provider("tilecraft-masked-warps", tilecraft_masked_warps(), experimental=True),
                Provider("tilecraft-masked-quads", tilecraft_masked_warps(QUADS=True), experimental=True),
