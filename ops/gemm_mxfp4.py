@@ -1202,10 +1202,12 @@ SWAPPED_STAGE_OUT = None
 SWAPPED_STAGE_OUT_TOKENS = 64
 SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "v6", same bits ("MXFP4 v8")
 # weight rows a swapped block: 128 (two MMA warpgroups) or 64 (one warpgroup, twice the blocks, so half the splits).
-# None: swapped_block_n's rule, 64 only where that takes the reduce kernel away (64x7168x2048 runs 112 blocks of 16
-# steps instead of 2 splits of 8 and the reduce: 13.4 -> 12.1 us on an H100). Where both widths split (64x4096x7168:
-# 2 splits instead of 4) a block's steps double and 64 lost, 18.2 -> 22.3 us (session 65); 128 / 64 force one width
+# None: swapped_block_n's rule, 64 only where that takes the reduce kernel away and a block runs at most
+# SWAPPED_BLOCK_N_STEPS 128-deep steps (session 65, H200: 64x7168x2048 12.7 -> 11.7 us, 32x7168x2048 10.6 -> 9.2;
+# at 32 steps 64x7168x4096 19.2 -> 18.0 but 32x7168x4096 15.4 -> 18.6; where both widths split, 64x4096x7168 4 splits
+# -> 2, a block's steps double and 64 loses, 17.1 -> 22.3). 128 / 64 force one width
 SWAPPED_BLOCK_N = None
+SWAPPED_BLOCK_N_STEPS = 16
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -1285,13 +1287,14 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
 
 def swapped_block_n(m: int, n: int, k: int, sms: int = 132, **override) -> int:
     """SWAPPED_BLOCK_N's rule (None): 64 weight rows a block where the 128-row plan ends in the reduce kernel (split
-    K, neither folded nor paired) and the 64-row plan needs no split at all; 128 everywhere else. override: the
-    plan's other knobs, as the launcher plans with them. A 64-row answer never splits, so it never needs the
-    split-K arrival counters (which are counted in 128-row tiles)."""
+    K, neither folded nor paired), the 64-row plan needs no split at all and its blocks run at most
+    SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
+    128 everywhere else. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
+    splits, so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
     if SWAPPED_BLOCK_N is not None:
         return SWAPPED_BLOCK_N
     wide = plan_swapped(m, n, k, sms=sms, **override)
-    if wide["splits"] == 1 or wide["fold"] or wide["pair"]:
+    if wide["splits"] == 1 or wide["fold"] or wide["pair"] or k // BLOCK_K > SWAPPED_BLOCK_N_STEPS:
         return 128
     return 64 if plan_swapped(m, n, k, sms=sms, block_n=64, **override)["splits"] == 1 else 128
 

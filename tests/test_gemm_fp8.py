@@ -1685,20 +1685,24 @@ def test_mxfp4_swapped_64_row_blocks_plan_and_lower():
 
 
 def test_mxfp4_swapped_block_n_rule(monkeypatch):
-    """SWAPPED_BLOCK_N = None (the default): 64-row blocks exactly where the 128-row plan ends in the reduce kernel and
-    the 64-row plan has no split (32 and 64 tokens at 7168x2048 and 7168x4096); 128 where 64 rows still split
-    (4096x7168, 2112x7168), where the 128-row plan folds or pairs (16 tokens) or has no split (24576x1536), and on
-    other SM counts as their plans say. A forced width wins; the op's launcher plans with the rule's width."""
+    """SWAPPED_BLOCK_N = None (the default): 64-row blocks exactly where the 128-row plan ends in the reduce kernel, the
+    64-row plan has no split and a block runs <= SWAPPED_BLOCK_N_STEPS steps (32 and 64 tokens at 7168x2048); 128
+    where a block would run more (7168x4096: no split either way past the reduce, but 32 steps), where 64 rows still
+    split (4096x7168, 2112x7168), where the 128-row plan folds or pairs (16 tokens) or has no split (24576x1536), and
+    on other SM counts as their plans say. A forced width wins."""
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4 import plan_swapped, swapped_block_n
 
-    assert gemm_mxfp4.SWAPPED_BLOCK_N is None
+    assert gemm_mxfp4.SWAPPED_BLOCK_N is None and gemm_mxfp4.SWAPPED_BLOCK_N_STEPS == 16
     for m in (32, 64):
-        for n, k in ((7168, 2048), (7168, 4096)):
-            assert swapped_block_n(m, n, k) == 64, (m, n, k)
+        for n, k, width in ((7168, 2048, 64), (7168, 4096, 128)):
+            assert swapped_block_n(m, n, k) == width, (m, n, k)
             assert plan_swapped(m, n, k)["splits"] == 2 and plan_swapped(m, n, k, block_n=64)["splits"] == 1
         for n, k in ((4096, 7168), (2112, 7168), (24576, 1536), (4096, 512)):
             assert swapped_block_n(m, n, k) == 128, (m, n, k)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N_STEPS", 32)
+    assert swapped_block_n(64, 7168, 4096) == 64
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N_STEPS", 16)
     for n, k in ((7168, 2048), (7168, 4096), (4096, 7168)):
         assert swapped_block_n(16, n, k) == 128                     # folded or paired: no reduce kernel to remove
         assert swapped_block_n(64, n, k, pair=True) == 128           # a forced pair: no reduce kernel either
@@ -2270,12 +2274,13 @@ def _extreme_mxfp4_case(m, n, k, seed, big=True):
 @pytest.mark.parametrize("m,n,k,big", [(1, 7168, 2048, True), (5, 256, 1536, True), (16, 4096, 7168, True),
                                        (33, 384, 2048, True), (64, 4096, 7168, True), (64, 24576, 1536, True),
                                        (16, 4096, 7168, False), (64, 512, 2048, False)])
-def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
+def test_gpu_mxfp4_swapped_register_decode(m, n, k, big, monkeypatch):
     """The swapped kernel (decode-sized m on sm_90a: weights decoded into WGMMA register fragments,
     tokens as N): every e2m1 code (random bytes), scales from the subnormal 2^-127 up (big: some
     over 2^1, the two-multiply decode; else at most 2^1 = byte 128, the one-factor decode), each
     token tile (8 .. 64) with m tails, split-K or not; exact against fp32 and bitwise the same run
     to run; and within the same bounds as the decoded-tile kernel."""
+    from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 7 + n, big)
@@ -2298,8 +2303,10 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big):
     # split-K partials added in the kernel (the tile's last block), by the reduce kernel or by a cluster
     # pair (the default for 2-split plans of <= 16 tokens), raw words loaded a step ahead of their decode
     # or not, the partials out through shared memory or not: the same bits
+    # (at the default's block width: without fold or pair, the 64-row rule would take a split away, other sums)
     names = "SWAPPED_FOLD", "SWAPPED_AHEAD", "SWAPPED_STAGE_OUT", "SWAPPED_PAIR"
     saved = [getattr(gemm_mxfp4, f) for f in names]
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0])))
     try:
         for flags in ((True, False, False, False), (False, False, False, False), (None, True, False, None),
                       (False, False, True, False), (True, False, True, False), (None, False, None, None)):
@@ -2326,7 +2333,7 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
     kernel (64x7168x2048), 2 splits by the reduce kernel (64x4096x7168) or by a cluster pair (16x4096x7168), m tails:
     exact against fp32 as the 128-row blocks are, and bitwise the same run to run (the sums' order differs from the
     128-row plan's where the split count does, so not bitwise against it). The default (SWAPPED_BLOCK_N None) gives
-    these bits where its rule picks 64 rows (64x7168x2048, 32x7168x4096) and not where it picks 128 (64x4096x7168)."""
+    these bits where its rule picks 64 rows (64x7168x2048) and not where it picks 128 (64x4096x7168, 32x7168x4096)."""
     from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
@@ -2341,7 +2348,7 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", None)
     by_rule = ops.mxfp4_gemm_nt(*args).cpu()
     rule = gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]))
-    assert rule == (64 if (m, n, k) in ((64, 7168, 2048), (32, 7168, 4096)) else 128), rule
+    assert rule == (64 if (m, n, k) == (64, 7168, 2048) else 128), rule
     if rule == 64:
         assert torch.equal(by_rule, runs[0])
     assert calc_diff(by_rule, ref) < 1e-5
@@ -2375,11 +2382,10 @@ def test_gpu_mxfp4_swapped_fold_in_a_cuda_graph():
                                    (40, 1024, 1024)])
 def test_gpu_mxfp4_swapped_pair_fold(m, n, k, monkeypatch):
     """2-split plans folding in clusters of two (SWAPPED_PAIR): the reduce kernel's bits, exact against
-    fp32, every e2m1 code, m tails of each token tile. Every m on the swapped kernel (WARP_TOKENS 0: m <= 8 would
-    run the warp kernel) with 128-row blocks (without the pair, the 64-row rule would take the split away)."""
+    fp32, every e2m1 code, m tails of each token tile. 128-row blocks (without the pair, the 64-row rule would take
+    the split away)."""
     from ops import gemm_mxfp4
 
-    monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 128)
     g = torch.Generator().manual_seed(m + n)
     a = torch.randn(m, k, generator=g).bfloat16()
