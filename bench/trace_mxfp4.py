@@ -3,7 +3,7 @@ of each block's first MMA thread at entry, prologue done, each K step's data arr
 tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
 
     python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm] [--decode v6|v7]
-                                [--scale-tma auto|on|off] [--ramp N]
+                                [--scale-tma auto|on|off] [--ramp N] [--block-n 64|128]
 
 The traced run follows an L2 flush (--flush write, the default, or read as bench.op --flush read; as in a model;
 --warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
@@ -129,16 +129,17 @@ def trace_case_w4a8_contiguous(groups, m, n, k, warm=False, flush_mode="write"):
     return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
 
 
-def trace_case(m, n, k, warm=False, flush_mode="write", **plan):
-    """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel."""
-    p = gemm_mxfp4.plan_swapped(m, n, k, **plan)
+def trace_case(m, n, k, warm=False, flush_mode="write", block_n=128, **plan):
+    """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel with blocks of block_n
+    weight rows."""
+    p = gemm_mxfp4.plan_swapped(m, n, k, block_n=block_n, **plan)
     a = torch.randn(m, k, device="cuda").bfloat16()
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
     kern = gemm_mxfp4.mxfp4_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                     **p).launcher()
     rows = _run_traced(kern, (a, b.view(torch.int32), s.view(torch.int32)), m, n, max(p["splits"], 1),
-                       n // 128 * p["splits"], warm, flush_mode)
+                       n // block_n * p["splits"], warm, flush_mode)
     return p, rows
 
 
@@ -198,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--ahead", choices=("auto", "on", "off"), default="auto", help="raw words a step ahead")
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
+    ap.add_argument("--block-n", type=int, choices=(64, 128), default=128, help="weight rows a swapped block")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
@@ -239,7 +241,8 @@ def main(argv=None):
                                       scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                       pair_wide={"auto": None, "on": True, "off": False}[args.pair])
         else:
-            p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, decode=args.decode, ramp=args.ramp,
+            p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, block_n=args.block_n,
+                                 decode=args.decode, ramp=args.ramp,
                                  scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                  fold={"auto": None, "on": True, "off": False}[args.fold],
                                  ahead={"auto": None, "on": True, "off": False}[args.ahead],
