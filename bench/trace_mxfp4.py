@@ -3,7 +3,7 @@ of each block's first MMA thread at entry, prologue done, each K step's data arr
 tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
 
     python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm] [--decode v6|v7]
-                                [--scale-tma auto|on|off] [--ramp N] [--block-n 64|128]
+                                [--scale-tma auto|on|off] [--ramp N] [--block-n 64|128] [--quantized]
 
 The traced run follows an L2 flush (--flush write, the default, or read as bench.op --flush read; as in a model;
 --warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
@@ -129,13 +129,19 @@ def trace_case_w4a8_contiguous(groups, m, n, k, warm=False, flush_mode="write"):
     return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
 
 
-def trace_case(m, n, k, warm=False, flush_mode="write", block_n=128, **plan):
+def trace_case(m, n, k, warm=False, flush_mode="write", block_n=128, quantized=False, **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel with blocks of block_n
-    weight rows."""
+    weight rows. The weights: random code bytes and scales 2^-17 .. 2^-1, or (quantized) bench.op's own inputs,
+    ops.quant_mxfp4 of standard normal weights."""
     p = gemm_mxfp4.plan_swapped(m, n, k, block_n=block_n, **plan)
     a = torch.randn(m, k, device="cuda").bfloat16()
-    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
+    if quantized:
+        import ops
+
+        b, s = ops.quant_mxfp4(torch.randn(n, k, device="cuda").bfloat16())
+    else:
+        b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        s = torch.randint(110, 127, (n, k // 32), dtype=torch.uint8, device="cuda")
     kern = gemm_mxfp4.mxfp4_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                     **p).launcher()
     rows = _run_traced(kern, (a, b.view(torch.int32), s.view(torch.int32)), m, n, max(p["splits"], 1),
@@ -200,6 +206,7 @@ def main(argv=None):
     ap.add_argument("--pair", choices=("auto", "on", "off"), default="auto", help="2-split plans fold in clusters of 2")
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--block-n", type=int, choices=(64, 128), default=128, help="weight rows a swapped block")
+    ap.add_argument("--quantized", action="store_true", help="the weights bench.op times (quant_mxfp4 of randn)")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
@@ -242,6 +249,7 @@ def main(argv=None):
                                       pair_wide={"auto": None, "on": True, "off": False}[args.pair])
         else:
             p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, block_n=args.block_n,
+                                 quantized=args.quantized,
                                  decode=args.decode, ramp=args.ramp,
                                  scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                  fold={"auto": None, "on": True, "off": False}[args.fold],
