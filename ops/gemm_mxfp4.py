@@ -424,7 +424,7 @@ def _fragment_helper(name, decode):
 def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
                           splits: int = 1, blocks_per_sm: int = 1, stage_k: int = BLOCK_K, trace: bool = False,
                           scale_tma: bool = True, ramp: int = 0, decode: str = "v7", fold: bool = False,
-                          ahead: bool = False, pair: bool = False, stage_out: bool = False):
+                          ahead: bool = False, pair: bool = False, stage_out: bool = False, chains: int = 1):
     """Decode-sized m (<= tokens <= 64): C^T (n, m) = dequant(B) @ A^T, the weights as the MMA's
     M side. Each MMA thread decodes its own fragment rows of a 128-deep K step from shared memory
     straight into registers, and WGMMA takes them from there (tile.mma_register_decoded_loop): no
@@ -444,6 +444,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
     to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
     4-byte stores from the accumulator layout.
+    chains=2 (block_n 64, one split): two MMA warpgroups take alternate K steps of the block's 64 rows, each into its
+    own half of a (128, tokens) accumulator (tile.mma_register_decoded_loop(chains=2)); the halves go through shared
+    memory and are added, chain 0's plus chain 1's, as C is stored. Two decoding warpgroups an SM, as 128-row
+    blocks have, with no split and no reduce kernel.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -460,6 +464,9 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     if stage_out and (splits == 1 or pair):
         raise ValueError(f"stage_out=True writes split-K partials: it needs splits > 1 and pair=False, got "
                          f"splits={splits}, pair={pair}")
+    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or splits != 1 or ahead or trace)):
+        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64, one split, no ahead and no trace, got "
+                         f"chains={chains!r}, block_n={block_n}, splits={splits}, ahead={ahead}, trace={trace}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
@@ -472,7 +479,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                               Part: T.Tensor(part_shape, "float32"),
                               Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
                               Count: T.Tensor((counts,), "int32")):
-        with _swapped_grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), pair) as bid:
+        with _swapped_grid(n_tiles * splits, 2 * block_n * chains + tile.producer_threads(), pair) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
@@ -480,10 +487,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             staged = None
-            if stage_out:    # the partial, token-major, for whole-row stores
-                staged = tile.stage((tokens, block_n + 4), "float32")
+            if stage_out or chains > 1:    # the partial, token-major, for whole-row stores; the chains' halves
+                staged = tile.stage((tokens, block_n * chains + 4), "float32")
             sw = tile.stage((block_n, box), "int32")      # E8M0 bytes of (row, step) of the split
-            acc = tile.accumulator((block_n, tokens))     # C^T: weight rows x tokens
+            acc = tile.accumulator((block_n * chains, tokens))     # C^T: weight rows x tokens (a chain's rows each)
             spl = per * BLOCK_K // stage_k                # stages of stage_k a split
             k0 = ts * spl
             w0 = ts * per                                 # the split's first scale word (128-deep step)
@@ -499,19 +506,23 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             else:
                 decoder = lambda raw_at, rows, place, blk, dst: _decode_fragment(  # noqa: E731
                     raw_at, rows, place, blk + w0 - s0, dst, sw, decode)
+            if chains > 1:
+                epilogue = lambda: _store_chains(acc, C, staged, tn, m, block_n, tokens)   # noqa: E731
+            else:
+                epilogue = swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
+                                            mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None,
+                                            staged=staged)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
-                               ((block_n, BLOCK_K), "bfloat16")], acc, decoder,
-                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp,
+                               ((block_n * chains, BLOCK_K), "bfloat16")], acc, decoder,
+                stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp, **({"chains": chains} if chains > 1 else {}),
                 mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
                 # aligned), or loaded by the MMA threads while the first stages fly
                 preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
                 prologue=None if scale_tma else lambda: _stage_scale_rows(
                     sw, lambda i, si: SFB[tn * block_n + i, T.min(w0 + si, kb - 1)]),
-                epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                          mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None,
-                                          staged=staged))
+                epilogue=epilogue)
 
     return mxfp4_gemm_nt_swapped
 
@@ -824,6 +835,19 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
             if mark is not None:
                 mark("exchanged")
             _ready_fold(C, Part, tn, m, splits, block_n, tokens)
+
+
+@T.macro
+def _store_chains(acc, C, staged, tn, m, block_n, tokens):
+    # chains=2: the accumulator's two halves (rows i and block_n + i: one weight row's sums over the two chains'
+    # steps) through shared memory, token-major, then C as whole token rows of their sums (chain 0's plus chain 1's)
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(2 * block_n, tokens):
+        staged[j, i] = out[i, j]
+    tile.barrier(threads=4 * block_n)
+    for j, i in tile.parallel(tokens, block_n):
+        if j < m:
+            C[j, tn * block_n + i] = T.cast(staged[j, i] + staged[j, block_n + i], "bfloat16")
 
 
 def _ready_fold(C, Part, tn, m, splits, block_n, tokens):
@@ -1208,13 +1232,17 @@ SWAPPED_DECODE = "v7"   # one permute, one mask a pair: 0.1-0.7 us faster than "
 # -> 2, a block's steps double and 64 loses, 17.1 -> 22.3). 128 / 64 force one width
 SWAPPED_BLOCK_N = None
 SWAPPED_BLOCK_N_STEPS = 16
+# where the width rule picks 64 rows (then with no step limit): two MMA warpgroups take alternate K steps of the
+# block's rows (mxfp4_swapped_program chains=2), so an SM decodes with two warpgroups as 128-row blocks do, with no
+# split. Built and CPU-checked in session 65, not yet measured (bench provider tilecraft-chains): off
+SWAPPED_CHAINS = False
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
                  pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2,
-                 block_n: int = 128) -> dict:
+                 block_n: int = 128, chains: int = 1) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -1232,13 +1260,17 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     taken from the stages: TileLang does not overlap it with the pipeline's tiles); a_bytes: bytes an activation
     (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
     the blocks, so fewer splits). The returned plan names block_n only when it is 64, so 128-row plans compile as
-    before; ops.gemm_w4a8 always plans 128."""
+    before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
+    plan has one split (else the plan is the 64-row one without chains); the halves' (tokens, 132) fp32 staging tile
+    takes its room from the stages; the plan names chains only when it is 2."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
         raise ValueError(f"the swapped kernel needs k % {SWAPPED_K_ALIGN} == 0 (TMA'd scale rows), got k={k}")
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+    if chains not in (1, 2) or (chains == 2 and block_n != 64):
+        raise ValueError(f"chains must be 1, or 2 with block_n=64, got chains={chains!r}, block_n={block_n}")
     decode = decode or SWAPPED_DECODE
     if decode not in SWAPPED_DECODES:
         raise ValueError(f"decode must be one of {SWAPPED_DECODES} (or None: SWAPPED_DECODE), got {decode!r}")
@@ -1279,22 +1311,26 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
+    chains = chains if splits == 1 else 1
+    if chains > 1:
+        stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4) // stage)
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
                 ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out,
-                **({} if block_n == 128 else {"block_n": block_n}))
+                **({} if block_n == 128 else {"block_n": block_n}), **({"chains": chains} if chains > 1 else {}))
 
 
-def swapped_block_n(m: int, n: int, k: int, sms: int = 132, **override) -> int:
+def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False, **override) -> int:
     """SWAPPED_BLOCK_N's rule (None): 64 weight rows a block where the 128-row plan ends in the reduce kernel (split
     K, neither folded nor paired), the 64-row plan needs no split at all and its blocks run at most
     SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
-    128 everywhere else. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
+    128 everywhere else. chains: for the two-chain kernel (SWAPPED_CHAINS), whose chains run half the steps: no
+    step limit. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
     splits, so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
     if SWAPPED_BLOCK_N is not None:
         return SWAPPED_BLOCK_N
     wide = plan_swapped(m, n, k, sms=sms, **override)
-    if wide["splits"] == 1 or wide["fold"] or wide["pair"] or k // BLOCK_K > SWAPPED_BLOCK_N_STEPS:
+    if wide["splits"] == 1 or wide["fold"] or wide["pair"] or (not chains and k // BLOCK_K > SWAPPED_BLOCK_N_STEPS):
         return 128
     return 64 if plan_swapped(m, n, k, sms=sms, block_n=64, **override)["splits"] == 1 else 128
 
@@ -1305,7 +1341,7 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                "block_n": SWAPPED_BLOCK_N, **override}      # in the launchers' key
+                "block_n": SWAPPED_BLOCK_N, "chains": SWAPPED_CHAINS, **override}      # in the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 
@@ -1314,9 +1350,10 @@ def _swapped_launchers(a, target, m, n, k, override):
     from backends.cuda.device import sm_count
     from ops.gemm_fp8 import split_k_launchers
 
-    knobs = {key: v for key, v in override.items() if key != "block_n"}
-    block_n = override.get("block_n") or swapped_block_n(m, n, k, sms=sm_count(a), **knobs)
-    p = plan_swapped(m, n, k, sms=sm_count(a), block_n=block_n, **knobs)
+    knobs = {key: v for key, v in override.items() if key not in ("block_n", "chains")}
+    chains = bool(override.get("chains"))
+    block_n = override.get("block_n") or swapped_block_n(m, n, k, sms=sm_count(a), chains=chains, **knobs)
+    p = plan_swapped(m, n, k, sms=sm_count(a), block_n=block_n, chains=2 if chains and block_n == 64 else 1, **knobs)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
     if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)
         return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))

@@ -1712,6 +1712,46 @@ def test_mxfp4_swapped_block_n_rule(monkeypatch):
         assert swapped_block_n(64, 4096, 7168) == forced and swapped_block_n(64, 7168, 2048) == forced
 
 
+def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
+    """chains=2 (ops.gemm_mxfp4.SWAPPED_CHAINS, off): 64-row blocks whose two MMA warpgroups take alternate K steps,
+    each into its half of a (128, tokens) accumulator. The plan takes it only with one split and makes room for the
+    halves' staging tile; the kernel has each chain's steps (full and empty barriers of 128 arrivals, the slot from
+    the chain index), no spills and no serialized WGMMA, and the epilogue adds the halves once (a named barrier of the
+    256 MMA threads between). The op's rule then has no step limit; the switch is in the launchers' key; other
+    shapes, widths, splits and knobs are refused with errors naming them."""
+    from ops import gemm_mxfp4
+    from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped, swapped_block_n
+
+    assert gemm_mxfp4.SWAPPED_CHAINS is False and "chains" not in plan_swapped(64, 7168, 2048, block_n=64)
+    p = plan_swapped(64, 7168, 2048, block_n=64, chains=2)
+    assert p["chains"] == 2 and p["splits"] == 1 and p["stages"] == 8
+    assert "chains" not in plan_swapped(64, 4096, 7168, block_n=64, chains=2)       # 2 splits: no chains
+    assert swapped_block_n(32, 7168, 4096) == 128 and swapped_block_n(32, 7168, 4096, chains=True) == 64
+    for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560)):
+        q = plan_swapped(m, n, k, block_n=64, chains=2)
+        src = mxfp4_swapped_program.source("sm_90a", n=n, k=k, **q)
+        body = src.split('extern "C" __global__')[-1]
+        assert body.count(".init(128);") == 2 * q["stages"] + 1, (m, n, k)    # full, empty, the preload's
+        assert "(((int)threadIdx.x) >> 7)" in body and "tl::__sync_thread_partial(11, 256);" in body
+        chain_steps = k // 128 // 2                                           # a burst of 4, the tail it leaves
+        assert body.count("tl::wgmma_rs<") == 4 + chain_steps % 4, (m, n, k)
+        sass, log = _sass_and_ptxas_log(src)
+        assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == [], (m, n, k)
+        assert not re.search(r"\b(LDL|STL)\b", sass)
+    with pytest.raises(ValueError, match="chains must be 1, or 2 with block_n=64"):
+        plan_swapped(64, 7168, 2048, chains=2)
+    with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64, one split"):
+        mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2})
+    with pytest.raises(ValueError, match="no ahead"):
+        mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "ahead": True})
+    launched = []
+    monkeypatch.setattr(gemm_mxfp4, "_launch_planned", lambda name, launchers, a, b, sfb, out, override, **kw:
+                        launched.append(override))
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", True)
+    gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
+    assert launched[0]["chains"] is True
+
+
 def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
     """pair=True (2-split plans): the tile's two split blocks are a cluster; each stores the other's
     half of the tokens of its partial into the other's shared memory (tc_cluster_store_f32), one
@@ -2353,6 +2393,31 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
         assert torch.equal(by_rule, runs[0])
     assert calc_diff(by_rule, ref) < 1e-5
     assert_elementwise(by_rule, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (33, 7168, 4096), (40, 7168, 2560), (9, 7168, 2048),
+                                   (64, 384, 2048)])
+def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
+    """SWAPPED_CHAINS on (two MMA warpgroups on alternate K steps of 64-row blocks; bench provider tilecraft-chains):
+    where the rule picks 64 rows (64x7168x2048, 33x7168x4096, and 40x7168x2560 whose chains end in a tail burst) the
+    op runs the chains, exact against fp32 with extreme scales and bitwise the same run to run; elsewhere (16-token
+    tiles, 384 columns) the default's bits."""
+    from backends.cuda.device import sm_count
+    from ops import gemm_mxfp4
+
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 3 + n)
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    want = ops.mxfp4_gemm_nt(*args).cpu()
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", True)
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
+    chained = gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=True) == 64
+    assert chained == (n == 7168 and m > 16), (m, n, k)
+    if not chained:
+        assert torch.equal(runs[0], want)
 
 
 @pytest.mark.gpu

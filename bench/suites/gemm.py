@@ -447,6 +447,8 @@ SUITE = Suite(
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
+                                           # two MMA warpgroups on alternate K steps of 64-row blocks
+                                           ("tilecraft-chains", "SWAPPED_CHAINS", True),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],

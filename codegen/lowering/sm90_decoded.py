@@ -139,10 +139,12 @@ def _reg_step(j, first, io):
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
-        _tile_done = io
+        _tile_done, (w, chains) = io
     one_temp = temps is not None and len(temps) == 1
     parts = int(s_s.shape[2]) // FRAGMENT_K
-    s = first + j
+    s = first + j               # this chain's step
+    if chains > 1:              # the loop's: chain w takes steps w, w + chains, ...
+        s = s * chains + w
     slot = s % stages
     if regs is None:
         emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
@@ -182,7 +184,7 @@ def _reg_step(j, first, io):
         elif idx > 0:
             emit(T.wait_wgmma(1))
             if u == 0:
-                emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
+                emit(T.mbarrier_arrive(empty[(s - chains) % stages]))   # this chain's step before
             if temps is not None:
                 _promote(acc, temps[(idx - 1) % 2], pfactor, s - 1)
     if mark is not None:
@@ -218,13 +220,14 @@ def _promote(acc, temp, factor, step):
 
 
 def _reg_burst(first, count, io):
-    frags, empty, stages, (temps, pfactor), tile_done = io[2], io[4], io[7], io[14], io[15]
+    frags, empty, stages, (temps, pfactor), tile_done, (w, chains) = io[2], io[4], io[7], io[14], io[15], io[16]
     parts = int(io[0].shape[2]) // FRAGMENT_K
     for j in range(count):
         _reg_step(j, first, io)
     if len(frags) > 1:
         emit(T.wait_wgmma(0))
-        emit(T.mbarrier_arrive(empty[(first + count - 1) % stages]))
+        last = first + count - 1
+        emit(T.mbarrier_arrive(empty[(last if chains == 1 else last * chains + w) % stages]))
         if temps is not None:
             _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, first + count - 1)
     if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
@@ -249,7 +252,7 @@ def _preload(preload, pre):
 
 @T.macro
 def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, stages, consumers, grow, policy,
-                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, tails):
+                    prologue, epilogue, mark, preload, pre, ramp, regs, temps, tile_done, burst, tails, chains):
     T.sync_threads()                    # barrier init (and any shared-memory writes) before the split
     if T.get_thread_binding() >= consumers:
         if pre is not None:
@@ -268,13 +271,16 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         if mark is not None:
             mark("prologue done", 0)
         tid = T.get_thread_binding()
-        # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad
-        r = tid // 32 * 16 + tid % 32 // 4
+        # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad; with chains, the
+        # raw rows of its chain's block (each chain decodes all of them) and the chain's share of the steps
+        span = consumers // chains
+        w = tid // span
+        r = (tid if chains == 1 else tid % span) // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              temps, tile_done)
+              temps, tile_done, (w, chains))
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        in_bursts(steps, _reg_burst, io, burst, tails=tails)
+        in_bursts(steps if chains == 1 else (steps + chains - 1 - w) // chains, _reg_burst, io, burst, tails=tails)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
@@ -285,7 +291,7 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
 @register("mma_register_decoded_loop", "cuda:sm_90a")
 def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, prologue=None, epilogue=None,
                               blocks_per_sm=1, mark=None, preload=(), ramp=0, promote=False, tile_done=None,
-                              burst=BURST, temps=2, whole_bursts=False):
+                              burst=BURST, temps=2, whole_bursts=False, chains=1):
     # decode: decode(raw_at, rows, place, step, dst) reads the raw words from shared memory itself; or
     # a pair (load(raw_at, rows, buf), decode_from(buf, rows, place, step, dst)): the raw words of a
     # thread's rows go into registers (buf, 2 * raw row words) one step ahead of their decode
@@ -318,14 +324,25 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # part before is waited for and added just before the next part's WGMMAs are issued, after its decode
     # whole_bursts=True: the caller promises steps % burst == 0 (e.g. steps is 0 or k / 128 with k / 128 a multiple of
     # burst): the tail bursts of 1 .. burst - 1 steps are not emitted (a third to a fifth of the code to lower and run)
+    # chains=2: the MMA warpgroups take alternate K steps of the same rows (warpgroup w steps w, w + 2, ...), each
+    # into its own half of acc (rows [w * R, (w + 1) * R) for R = the raw tile's rows; the caller adds the halves
+    # in its epilogue): two decoding warpgroups an SM on R = 64 weight rows, without a split. Two MMA warpgroups,
+    # one block an SM, a decode from shared memory, no promote, tile_done or mark; the raw tile has R rows and the
+    # decoded operand 2R (its rows R + i are raw row i of the other chain's steps)
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
     consumers = state()["threads"] - PRODUCER
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
+    if chains not in (1, 2) or (chains == 2 and (consumers != 256 or blocks_per_sm != 1 or isinstance(decode, tuple)
+                                                  or promote is not False or tile_done is not None
+                                                  or mark is not None)):
+        raise ValueError(f"chains must be 1 or 2; 2 takes two MMA warpgroups, one block an SM, a decode from shared "
+                         f"memory and no promote, tile_done or mark: got chains={chains!r} at {consumers} MMA "
+                         f"threads, blocks_per_sm={blocks_per_sm}")
     if (parts not in (1, 2, 4) or s_shape[1] != parts * FRAGMENT_K or d_shape[1] != FRAGMENT_K
-            or tuple(raw_shape) != (d_shape[0], parts * FRAGMENT_K // 8) or d_shape[0] != consumers // 2):
+            or tuple(raw_shape) != (d_shape[0] // chains, parts * FRAGMENT_K // 8) or d_shape[0] != consumers // 2):
         raise ValueError(f"mma_register_decoded_loop takes K stages of 1, 2 or 4 parts of {FRAGMENT_K}, raw rows "
                          f"of {FRAGMENT_K // 8} words a part and 16 rows a warp: operands {operands} at "
                          f"{consumers} MMA threads")
@@ -368,8 +385,8 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     temps = [T.alloc_fragment(acc.shape, "float32") for _ in range(temps)] if promote is not False else None
     pfactor = promote if callable(promote) else None
     full = _full_barriers(stages)
-    empty = T.alloc_barrier([consumers] * stages)
+    empty = T.alloc_barrier([consumers // chains] * stages)      # a slot's step is one chain's
     pre = T.alloc_barrier([PRODUCER]) if preload else None
     _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc.buf, decode, stages, consumers, grow,
                     T.GemmWarpPolicy.FullRow, prologue, epilogue or (lambda: None), mark, tuple(preload), pre,
-                    ramp, regs, (temps, pfactor), tile_done, burst, not whole_bursts)
+                    ramp, regs, (temps, pfactor), tile_done, burst, not whole_bursts, chains)
