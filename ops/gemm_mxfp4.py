@@ -1234,8 +1234,9 @@ SWAPPED_BLOCK_N = None
 SWAPPED_BLOCK_N_STEPS = 16
 # where the width rule picks 64 rows (then with no step limit): two MMA warpgroups take alternate K steps of the
 # block's rows (mxfp4_swapped_program chains=2), so an SM decodes with two warpgroups as 128-row blocks do, with no
-# split. Built and CPU-checked in session 65, not yet measured (bench provider tilecraft-chains): off
-SWAPPED_CHAINS = False
+# split. Measured on an H100 against the rule without it (session 65, bench provider tilecraft-chains): 64x7168x2048
+# 12.0 -> 8.6 us, 64x7168x4096 20.1 -> 14.4, 32x7168x2048 9.6 -> 8.4, 32x7168x4096 16.1 -> 13.0; False: off
+SWAPPED_CHAINS = True
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -1261,8 +1262,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
     the blocks, so fewer splits). The returned plan names block_n only when it is 64, so 128-row plans compile as
     before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
-    plan has one split (else the plan is the 64-row one without chains); the halves' (tokens, 132) fp32 staging tile
-    takes its room from the stages; the plan names chains only when it is 2."""
+    plan has one split and no ahead (else the plan is the 64-row one without chains); the halves' (tokens, 132) fp32
+    staging tile takes its room from the stages; the plan names chains only when it is 2."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1311,12 +1312,13 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
     if fold is None:
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
-    chains = chains if splits == 1 else 1
+    ahead = SWAPPED_AHEAD if ahead is None else ahead
+    chains = chains if splits == 1 and not ahead else 1
     if chains > 1:
         stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4) // stage)
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
                 scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
-                ahead=SWAPPED_AHEAD if ahead is None else ahead, pair=pair, stage_out=stage_out,
+                ahead=ahead, pair=pair, stage_out=stage_out,
                 **({} if block_n == 128 else {"block_n": block_n}), **({"chains": chains} if chains > 1 else {}))
 
 

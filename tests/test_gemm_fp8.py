@@ -1713,7 +1713,7 @@ def test_mxfp4_swapped_block_n_rule(monkeypatch):
 
 
 def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
-    """chains=2 (ops.gemm_mxfp4.SWAPPED_CHAINS, off): 64-row blocks whose two MMA warpgroups take alternate K steps,
+    """chains=2 (ops.gemm_mxfp4.SWAPPED_CHAINS, on): 64-row blocks whose two MMA warpgroups take alternate K steps,
     each into its half of a (128, tokens) accumulator. The plan takes it only with one split and makes room for the
     halves' staging tile; the kernel has each chain's steps (full and empty barriers of 128 arrivals, the slot from
     the chain index), no spills and no serialized WGMMA, and the epilogue adds the halves once (a named barrier of the
@@ -1722,10 +1722,11 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     from ops import gemm_mxfp4
     from ops.gemm_mxfp4 import mxfp4_swapped_program, plan_swapped, swapped_block_n
 
-    assert gemm_mxfp4.SWAPPED_CHAINS is False and "chains" not in plan_swapped(64, 7168, 2048, block_n=64)
+    assert gemm_mxfp4.SWAPPED_CHAINS is True and "chains" not in plan_swapped(64, 7168, 2048, block_n=64)
     p = plan_swapped(64, 7168, 2048, block_n=64, chains=2)
     assert p["chains"] == 2 and p["splits"] == 1 and p["stages"] == 8
     assert "chains" not in plan_swapped(64, 4096, 7168, block_n=64, chains=2)       # 2 splits: no chains
+    assert "chains" not in plan_swapped(64, 7168, 2048, block_n=64, chains=2, ahead=True)
     assert swapped_block_n(32, 7168, 4096) == 128 and swapped_block_n(32, 7168, 4096, chains=True) == 64
     for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560)):
         q = plan_swapped(m, n, k, block_n=64, chains=2)
@@ -1747,9 +1748,10 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     launched = []
     monkeypatch.setattr(gemm_mxfp4, "_launch_planned", lambda name, launchers, a, b, sfb, out, override, **kw:
                         launched.append(override))
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", True)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
-    assert launched[0]["chains"] is True
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
+    gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
+    assert launched[0]["chains"] is True and launched[1]["chains"] is False
 
 
 def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
@@ -2346,7 +2348,8 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big, monkeypatch):
     # (at the default's block width: without fold or pair, the 64-row rule would take a split away, other sums)
     names = "SWAPPED_FOLD", "SWAPPED_AHEAD", "SWAPPED_STAGE_OUT", "SWAPPED_PAIR"
     saved = [getattr(gemm_mxfp4, f) for f in names]
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0])))
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]),
+                                                                                  chains=gemm_mxfp4.SWAPPED_CHAINS))
     try:
         for flags in ((True, False, False, False), (False, False, False, False), (None, True, False, None),
                       (False, False, True, False), (True, False, True, False), (None, False, None, None)):
@@ -2369,7 +2372,8 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big, monkeypatch):
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (64, 4096, 7168), (16, 4096, 7168), (33, 384, 2048),
                                    (9, 7168, 2048), (32, 7168, 4096)])
 def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
-    """SWAPPED_BLOCK_N = 64 forced (one MMA warpgroup a block; bench provider tilecraft-swapped-n64): one split with no reduce
+    """SWAPPED_BLOCK_N = 64 forced, SWAPPED_CHAINS off (one MMA warpgroup a block; bench provider tilecraft-swapped-n64,
+    whose op has the chains on where they apply): one split with no reduce
     kernel (64x7168x2048), 2 splits by the reduce kernel (64x4096x7168) or by a cluster pair (16x4096x7168), m tails:
     exact against fp32 as the 128-row blocks are, and bitwise the same run to run (the sums' order differs from the
     128-row plan's where the split count does, so not bitwise against it). The default (SWAPPED_BLOCK_N None) gives
@@ -2378,6 +2382,7 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 5 + n)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)       # one warpgroup a 64-row block (chains: their test)
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
     assert gemm_mxfp4.WARP_TOKENS < m <= gemm_mxfp4.SWAPPED_TOKENS[-1]
     args = (a.cuda(), packed.cuda(), scales.cuda())
@@ -2399,15 +2404,16 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (33, 7168, 4096), (40, 7168, 2560), (9, 7168, 2048),
                                    (64, 384, 2048)])
 def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
-    """SWAPPED_CHAINS on (two MMA warpgroups on alternate K steps of 64-row blocks; bench provider tilecraft-chains):
-    where the rule picks 64 rows (64x7168x2048, 33x7168x4096, and 40x7168x2560 whose chains end in a tail burst) the
-    op runs the chains, exact against fp32 with extreme scales and bitwise the same run to run; elsewhere (16-token
-    tiles, 384 columns) the default's bits."""
+    """SWAPPED_CHAINS on (the default: two MMA warpgroups on alternate K steps of 64-row blocks): where the rule picks
+    64 rows (64x7168x2048, 33x7168x4096, and 40x7168x2560 whose chains end in a tail burst) the op runs the chains,
+    exact against fp32 with extreme scales and bitwise the same run to run; elsewhere (16-token tiles, 384 columns)
+    the bits of the op with the switch off."""
     from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 3 + n)
     args = (a.cuda(), packed.cuda(), scales.cuda())
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
     want = ops.mxfp4_gemm_nt(*args).cpu()
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", True)
     runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]

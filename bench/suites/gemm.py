@@ -263,7 +263,8 @@ def tilecraft_swapped(case, i):
 
 def tilecraft_swapped_rows(block_n):
     """The op with the swapped kernel's blocks forced to block_n weight rows (ops.gemm_mxfp4.SWAPPED_BLOCK_N: 64 is one
-    MMA warpgroup, twice the blocks, half the splits; 128 two) against the op's rule in the same run (m 9-64)."""
+    MMA warpgroup, twice the blocks, half the splits, or with SWAPPED_CHAINS where that leaves one split two on
+    alternate K steps; 128 two) against the op's rule in the same run (m 9-64)."""
     from ops import gemm_mxfp4
 
     return _with_flag(gemm_mxfp4, "SWAPPED_BLOCK_N", block_n)
@@ -447,8 +448,8 @@ SUITE = Suite(
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
                                            ("tilecraft-reduce", "SWAPPED_FOLD", False),
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
-                                           # two MMA warpgroups on alternate K steps of 64-row blocks
-                                           ("tilecraft-chains", "SWAPPED_CHAINS", True),
+                                           # 64-row blocks without the two chains: one MMA warpgroup a block
+                                           ("tilecraft-nochains", "SWAPPED_CHAINS", False),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],
