@@ -464,9 +464,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     if stage_out and (splits == 1 or pair):
         raise ValueError(f"stage_out=True writes split-K partials: it needs splits > 1 and pair=False, got "
                          f"splits={splits}, pair={pair}")
-    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or splits != 1 or ahead or trace)):
-        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64, one split, no ahead and no trace, got "
-                         f"chains={chains!r}, block_n={block_n}, splits={splits}, ahead={ahead}, trace={trace}")
+    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or fold or pair or stage_out or ahead or trace)):
+        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64 and no fold, pair, stage_out, ahead or trace, "
+                         f"got chains={chains!r}, block_n={block_n}, fold={fold}, pair={pair}, stage_out={stage_out}, "
+                         f"ahead={ahead}, trace={trace}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
@@ -507,7 +508,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 decoder = lambda raw_at, rows, place, blk, dst: _decode_fragment(  # noqa: E731
                     raw_at, rows, place, blk + w0 - s0, dst, sw, decode)
             if chains > 1:
-                epilogue = lambda: _store_chains(acc, C, staged, tn, m, block_n, tokens)   # noqa: E731
+                epilogue = lambda: _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n,  # noqa: E731
+                                                 tokens)
             else:
                 epilogue = swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
                                             mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None,
@@ -838,16 +840,20 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
 
 
 @T.macro
-def _store_chains(acc, C, staged, tn, m, block_n, tokens):
+def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, tokens):
     # chains=2: the accumulator's two halves (rows i and block_n + i: one weight row's sums over the two chains'
-    # steps) through shared memory, token-major, then C as whole token rows of their sums (chain 0's plus chain 1's)
+    # steps) through shared memory, token-major, then whole token rows of their sums (chain 0's plus chain 1's): C,
+    # or the split's partial for the reduce kernel (zeros from a split past the end of K)
     out = tile.read_accumulator(acc)
     for i, j in tile.parallel(2 * block_n, tokens):
         staged[j, i] = out[i, j]
     tile.barrier(threads=4 * block_n)
     for j, i in tile.parallel(tokens, block_n):
         if j < m:
-            C[j, tn * block_n + i] = T.cast(staged[j, i] + staged[j, block_n + i], "bfloat16")
+            if splits > 1:
+                Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, staged[j, i] + staged[j, block_n + i], 0.0)
+            else:
+                C[j, tn * block_n + i] = T.cast(staged[j, i] + staged[j, block_n + i], "bfloat16")
 
 
 def _ready_fold(C, Part, tn, m, splits, block_n, tokens):
@@ -1237,6 +1243,10 @@ SWAPPED_BLOCK_N_STEPS = 16
 # split. Measured on an H100 against the rule without it (session 65, bench provider tilecraft-chains): 64x7168x2048
 # 12.0 -> 8.6 us, 64x7168x4096 20.1 -> 14.4, 32x7168x2048 9.6 -> 8.4, 32x7168x4096 16.1 -> 13.0; False: off
 SWAPPED_CHAINS = True
+# with SWAPPED_CHAINS, also where 64-row blocks still split K (their partials summed by the reduce kernel, as the
+# 128-row plan's are): 32-64 tokens at 4096x7168 (4 splits of 128 rows -> 2 of 64 rows in two chains). Built and
+# CPU-checked in session 65, not measured (bench provider tilecraft-chains-split): off
+SWAPPED_CHAINS_SPLIT = False
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -1262,8 +1272,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
     the blocks, so fewer splits). The returned plan names block_n only when it is 64, so 128-row plans compile as
     before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
-    plan has one split and no ahead (else the plan is the 64-row one without chains); the halves' (tokens, 132) fp32
-    staging tile takes its room from the stages; the plan names chains only when it is 2."""
+    plan has no ahead, fold or pair (else the plan is the 64-row one without chains; split plans then write their
+    partials for the reduce kernel); the halves' (tokens, 132) fp32 staging tile takes its room from the stages;
+    the plan names chains only when it is 2."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1304,20 +1315,21 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     pair = pair and splits == 2
     if pair:
         stages = min(stages, (budget - scale_bytes(splits) - block_n * pair_recv_words(tokens) * 4) // stage)
+    if fold is None:
+        fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
+    fold = fold and splits > 1 and not pair
+    ahead = SWAPPED_AHEAD if ahead is None else ahead
+    chains = chains if not ahead and not fold and not pair else 1
+    if chains > 1:      # the halves' staging tile (token-major; split plans' partials leave from it too)
+        stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4) // stage)
     if stage_out is None:
         stage_out = (tokens >= SWAPPED_STAGE_OUT_TOKENS and splits >= 4 if SWAPPED_STAGE_OUT is None
                      else SWAPPED_STAGE_OUT)
-    stage_out = stage_out and splits > 1 and not pair
+    stage_out = stage_out and splits > 1 and not pair and chains == 1
     if stage_out:
         stages = min(stages, (budget - scale_bytes(splits) - tokens * 132 * 4) // stage)
-    if fold is None:
-        fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
-    ahead = SWAPPED_AHEAD if ahead is None else ahead
-    chains = chains if splits == 1 and not ahead else 1
-    if chains > 1:
-        stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4) // stage)
     return dict(tokens=tokens, splits=splits, stages=stages, blocks_per_sm=blocks_per_sm, stage_k=stage_k,
-                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold and splits > 1 and not pair,
+                scale_tma=scale_tma, ramp=ramp, decode=decode, fold=fold,
                 ahead=ahead, pair=pair, stage_out=stage_out,
                 **({} if block_n == 128 else {"block_n": block_n}), **({"chains": chains} if chains > 1 else {}))
 
@@ -1327,14 +1339,17 @@ def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False
     K, neither folded nor paired), the 64-row plan needs no split at all and its blocks run at most
     SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
     128 everywhere else. chains: for the two-chain kernel (SWAPPED_CHAINS), whose chains run half the steps: no
-    step limit. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
+    step limit, and with SWAPPED_CHAINS_SPLIT 64 also where the 64-row plan still splits. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
     splits, so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
     if SWAPPED_BLOCK_N is not None:
         return SWAPPED_BLOCK_N
     wide = plan_swapped(m, n, k, sms=sms, **override)
     if wide["splits"] == 1 or wide["fold"] or wide["pair"] or (not chains and k // BLOCK_K > SWAPPED_BLOCK_N_STEPS):
         return 128
-    return 64 if plan_swapped(m, n, k, sms=sms, block_n=64, **override)["splits"] == 1 else 128
+    narrow = plan_swapped(m, n, k, sms=sms, block_n=64, chains=2 if chains else 1, **override)
+    if chains and SWAPPED_CHAINS_SPLIT and narrow.get("chains"):
+        return 64           # the chains, whatever the split (SWAPPED_CHAINS_SPLIT)
+    return 64 if narrow["splits"] == 1 else 128
 
 
 def _launch_swapped(a, b, sfb, out, **override):

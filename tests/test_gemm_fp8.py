@@ -1725,25 +1725,33 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert gemm_mxfp4.SWAPPED_CHAINS is True and "chains" not in plan_swapped(64, 7168, 2048, block_n=64)
     p = plan_swapped(64, 7168, 2048, block_n=64, chains=2)
     assert p["chains"] == 2 and p["splits"] == 1 and p["stages"] == 8
-    assert "chains" not in plan_swapped(64, 4096, 7168, block_n=64, chains=2)       # 2 splits: no chains
+    q = plan_swapped(64, 4096, 7168, block_n=64, chains=2)         # 2 splits: partials for the reduce kernel
+    assert q["chains"] == 2 and q["splits"] == 2 and not q["fold"] and not q["stage_out"]
     assert "chains" not in plan_swapped(64, 7168, 2048, block_n=64, chains=2, ahead=True)
+    assert "chains" not in plan_swapped(16, 4096, 7168, block_n=64, chains=2)      # a pair at 16 tokens
+    assert "chains" not in plan_swapped(16, 2048, 7168, block_n=64, chains=2)      # a fold
     assert swapped_block_n(32, 7168, 4096) == 128 and swapped_block_n(32, 7168, 4096, chains=True) == 64
-    for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560)):
+    assert swapped_block_n(64, 4096, 7168, chains=True) == 128          # the 64-row plan splits: SWAPPED_CHAINS_SPLIT
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", True)
+    assert swapped_block_n(64, 4096, 7168, chains=True) == 64 and swapped_block_n(16, 4096, 7168, chains=True) == 128
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", False)
+    for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560), (64, 4096, 7168)):
         q = plan_swapped(m, n, k, block_n=64, chains=2)
         src = mxfp4_swapped_program.source("sm_90a", n=n, k=k, **q)
         body = src.split('extern "C" __global__')[-1]
         assert body.count(".init(128);") == 2 * q["stages"] + 1, (m, n, k)    # full, empty, the preload's
         assert "(((int)threadIdx.x) >> 7)" in body and "tl::__sync_thread_partial(11, 256);" in body
-        chain_steps = k // 128 // 2                                           # a burst of 4, the tail it leaves
-        assert body.count("tl::wgmma_rs<") == 4 + chain_steps % 4, (m, n, k)
+        assert ("*(float4*)(Part + " in body) == (q["splits"] > 1), (m, n, k)  # a split's partial (whole rows), else C
+        chain_steps = k // 128 // q["splits"] // 2                            # a burst of 4, the tail it leaves
+        assert body.count("tl::wgmma_rs<") >= 4 + chain_steps % 4, (m, n, k)
         sass, log = _sass_and_ptxas_log(src)
         assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == [], (m, n, k)
         assert not re.search(r"\b(LDL|STL)\b", sass)
     with pytest.raises(ValueError, match="chains must be 1, or 2 with block_n=64"):
         plan_swapped(64, 7168, 2048, chains=2)
-    with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64, one split"):
-        mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2})
-    with pytest.raises(ValueError, match="no ahead"):
+    with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64 and no fold"):
+        mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2, "fold": True})
+    with pytest.raises(ValueError, match="ahead=True"):
         mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "ahead": True})
     launched = []
     monkeypatch.setattr(gemm_mxfp4, "_launch_planned", lambda name, launchers, a, b, sfb, out, override, **kw:
@@ -2424,6 +2432,25 @@ def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
     assert chained == (n == 7168 and m > 16), (m, n, k)
     if not chained:
         assert torch.equal(runs[0], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (33, 4096, 7168), (64, 2048, 7168)])
+def test_gpu_mxfp4_swapped_chains_split(m, n, k, monkeypatch):
+    """SWAPPED_CHAINS_SPLIT on: 64-row chained blocks that still split K (2 or 4 splits, m tails), their partials
+    summed by the reduce kernel: exact against fp32 with extreme scales, bitwise the same run to run."""
+    from backends.cuda.device import sm_count
+    from ops import gemm_mxfp4
+
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 11 + n)
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", True)
+    assert gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=True) == 64
+    assert gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=64, chains=2)["splits"] > 1
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
 
 
 @pytest.mark.gpu

@@ -450,6 +450,8 @@ SUITE = Suite(
                                            ("tilecraft-ahead", "SWAPPED_AHEAD", True),
                                            # 64-row blocks without the two chains: one MMA warpgroup a block
                                            ("tilecraft-nochains", "SWAPPED_CHAINS", False),
+                                           # ... and the chains where 64-row blocks still split K
+                                           ("tilecraft-chains-split", "SWAPPED_CHAINS_SPLIT", True),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],
