@@ -3,7 +3,7 @@ of each block's first MMA thread at entry, prologue done, each K step's data arr
 tiles are in shared memory) and WGMMA issue ("issued": decoded and issued), loop done and stored.
 
     python -m bench.trace_mxfp4 [--case MxNxK ...] [--no-decode] [--warm] [--decode v6|v7]
-                                [--scale-tma auto|on|off] [--ramp N] [--block-n 64|128] [--quantized]
+                                [--scale-tma auto|on|off] [--ramp N] [--block-n 64|128] [--quantized] [--chains]
 
 The traced run follows an L2 flush (--flush write, the default, or read as bench.op --flush read; as in a model;
 --warm: the weights are in L2 from the runs before). Per case it prints, from the global timer (ns):
@@ -129,11 +129,11 @@ def trace_case_w4a8_contiguous(groups, m, n, k, warm=False, flush_mode="write"):
     return {**p, "splits": 1, "stage_k": 128, "groups": groups, "pair": False}, trace.cpu().tolist()
 
 
-def trace_case(m, n, k, warm=False, flush_mode="write", block_n=128, quantized=False, **plan):
+def trace_case(m, n, k, warm=False, flush_mode="write", block_n=128, quantized=False, chains=1, **plan):
     """(plan, per-block trace rows as lists of ints) for one run of the traced swapped kernel with blocks of block_n
     weight rows. The weights: random code bytes and scales 2^-17 .. 2^-1, or (quantized) bench.op's own inputs,
     ops.quant_mxfp4 of standard normal weights."""
-    p = gemm_mxfp4.plan_swapped(m, n, k, block_n=block_n, **plan)
+    p = gemm_mxfp4.plan_swapped(m, n, k, block_n=block_n, chains=chains, **plan)
     a = torch.randn(m, k, device="cuda").bfloat16()
     if quantized:
         import ops
@@ -182,13 +182,14 @@ def summarize(p, rows, k):
     out["decode"] = span("data", "decoded")           # the fragment's decode (and its raw loads)
     out["launch"] = span("decoded", "launched")       # issuing the step's WGMMAs
     out["retire"] = span("launched", "issued")        # waiting for the step before's WGMMAs
-    out["wait"] = [med([_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for r in full]) for i in range(1, steps)]
+    back = p.get("chains", 1)       # the step before on the same warpgroups (chains: two back)
+    out["wait"] = [med([_delta(r[at(i - back, "issued")], r[at(i, "data")]) for r in full]) for i in range(back, steps)]
     # block by block (--blocks): when each ends (ns after the first entry), its split (block id % splits: split
     # innermost), its wait for the first data, its data waits in the loop and its epilogue (cycles)
     ids = [b for b, r in enumerate(rows) if r[at(steps - 1, "issued")] != 0]
     out["block ends"] = sorted(
         (ns(r, "stored ns"), b, b % max(p.get("splits", 1), 1), _delta(r[e["prologue done"]], r[base]),
-         sum(_delta(r[at(i - 1, "issued")], r[at(i, "data")]) for i in range(1, steps)),
+         sum(_delta(r[at(i - back, "issued")], r[at(i, "data")]) for i in range(back, steps)),
          _delta(r[e["loop done"]], r[e["stored"]])) for b, r in zip(ids, full))
     return out
 
@@ -207,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--stage-out", choices=("auto", "on", "off"), default="auto", help="partials out through smem")
     ap.add_argument("--block-n", type=int, choices=(64, 128), default=128, help="weight rows a swapped block")
     ap.add_argument("--quantized", action="store_true", help="the weights bench.op times (quant_mxfp4 of randn)")
+    ap.add_argument("--chains", action="store_true", help="with --block-n 64: two MMA warpgroups on alternate steps")
     ap.add_argument("--w4a8", action="store_true", help="ops.gemm_w4a8's kernel (e4m3 activations), as planned")
     ap.add_argument("--no-offsets", action="store_true", help="w4a8: no table offsets loaded (wrong results)")
     ap.add_argument("--masked", type=int, default=0, help="w4a8: the masked kernel over this many groups of m tokens")
@@ -249,7 +251,7 @@ def main(argv=None):
                                       pair_wide={"auto": None, "on": True, "off": False}[args.pair])
         else:
             p, rows = trace_case(m, n, k, warm=args.warm, flush_mode=args.flush, block_n=args.block_n,
-                                 quantized=args.quantized,
+                                 quantized=args.quantized, chains=2 if args.chains else 1,
                                  decode=args.decode, ramp=args.ramp,
                                  scale_tma={"auto": None, "on": True, "off": False}[args.scale_tma],
                                  fold={"auto": None, "on": True, "off": False}[args.fold],

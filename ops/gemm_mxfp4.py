@@ -464,10 +464,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     if stage_out and (splits == 1 or pair):
         raise ValueError(f"stage_out=True writes split-K partials: it needs splits > 1 and pair=False, got "
                          f"splits={splits}, pair={pair}")
-    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or fold or pair or stage_out or ahead or trace)):
-        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64 and no fold, pair, stage_out, ahead or trace, "
-                         f"got chains={chains!r}, block_n={block_n}, fold={fold}, pair={pair}, stage_out={stage_out}, "
-                         f"ahead={ahead}, trace={trace}")
+    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or fold or pair or stage_out or ahead)):
+        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64 and no fold, pair, stage_out or ahead, got "
+                         f"chains={chains!r}, block_n={block_n}, fold={fold}, pair={pair}, stage_out={stage_out}, "
+                         f"ahead={ahead}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb, sk = n // block_n, k // BLOCK_K, k // stage_k
     per = -(-sk // splits) * (stage_k // BLOCK_K)       # 128-deep steps of a split (its scale words)
@@ -518,7 +518,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
                 steps, loads, [((tokens, stage_k), "bfloat16"), ((block_n, stage_k // 8), "int32"),
                                ((block_n * chains, BLOCK_K), "bfloat16")], acc, decoder,
                 stages=stages, blocks_per_sm=blocks_per_sm, ramp=ramp, **({"chains": chains} if chains > 1 else {}),
-                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
+                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step, chains)) if trace else None,
                 # the split's scale words by TMA ahead of the stages (`box` words from s0, 16-byte
                 # aligned), or loaded by the MMA threads while the first stages fly
                 preload=[(SFB[tn * block_n:(tn + 1) * block_n, s0:s0 + box], sw)] if scale_tma else (),
@@ -647,20 +647,22 @@ SWAPPED_TRACE_STEPS = 64
 SWAPPED_TRACE_WORDS = len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * SWAPPED_TRACE_STEPS
 
 
-def _trace_stamp(Trace, bid, event, step):
+def _trace_stamp(Trace, bid, event, step, chains=1):
+    # chains=2: a step's events by the first thread of the chain that runs it (steps alternate between the chains)
     if event in SWAPPED_TRACE_EVENTS:
         if event + " ns" in SWAPPED_TRACE_EVENTS:
-            _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event + " ns"), 1, "tc_globaltimer_lo")
-        _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1, "clock")
+            _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event + " ns"), 1, "tc_globaltimer_lo", 0)
+        _stamp_clock(Trace, bid, SWAPPED_TRACE_EVENTS.index(event), 1, "clock", 0)
     else:
         _stamp_clock(Trace, bid, len(SWAPPED_TRACE_EVENTS) + len(SWAPPED_STEP_EVENTS) * step
-                     + SWAPPED_STEP_EVENTS.index(event), step < SWAPPED_TRACE_STEPS, "clock")
+                     + SWAPPED_STEP_EVENTS.index(event), step < SWAPPED_TRACE_STEPS, "clock", 128 if chains > 1 else 0)
 
 
 @T.macro
-def _stamp_clock(Trace, bid, at, keep, timer):
-    # the SM clock (or the global timer) when the block's first MMA thread gets here
-    if T.get_thread_binding() == 0:
+def _stamp_clock(Trace, bid, at, keep, timer, span):
+    # the SM clock (or the global timer) when the block's first MMA thread gets here (span > 0: the first thread of
+    # each span of MMA threads, a chain)
+    if (T.get_thread_binding() % span if span else T.get_thread_binding()) == 0:
         if keep:
             Trace[bid, at] = T.call_extern("int32", timer)
 

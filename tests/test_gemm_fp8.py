@@ -1747,6 +1747,8 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
         sass, log = _sass_and_ptxas_log(src)
         assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == [], (m, n, k)
         assert not re.search(r"\b(LDL|STL)\b", sass)
+    traced = mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, trace=True, **p)   # bench.trace_mxfp4 --chains
+    assert "% 128) == 0)" in traced.split('extern "C" __global__')[-1]     # a step's stamps by its chain's thread 0
     with pytest.raises(ValueError, match="chains must be 1, or 2 with block_n=64"):
         plan_swapped(64, 7168, 2048, chains=2)
     with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64 and no fold"):

@@ -23,3 +23,9 @@ timeout 150 python3 -m bench.op gemm --shape mxfp4-block-n --out "$out" --graph 
   --providers tilecraft,tilecraft-nochains,tilecraft-chains-split,torch 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-100
 timeout 120 python3 -m bench.op gemm --shape mxfp4 --out "$out" --graph --flush read --jobs 8 \
   --providers tilecraft,tilecraft-swapped-n64,torch 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-100
+# 4. Why the chains beat their prediction 3-4x: traces of the chains and of the lockstep 128-row kernel at 64x7168x4096
+#    (read flush). Expected if the chains overlap one's decode with the other's WGMMA: a chain's work a step well
+#    under the 128-row kernel's ~1050 cycles at 64 tokens.
+{ timeout 60 python3 -m bench.trace_mxfp4 --flush read --block-n 64 --chains --case 64x7168x4096 32x7168x4096
+  timeout 60 python3 -m bench.trace_mxfp4 --flush read --case 64x7168x4096; } 2>&1 | tee "$out/trace-chains.txt" \
+  | grep -E "^[0-9]+x|global timer|work a step|data wait" | cut -c1-300

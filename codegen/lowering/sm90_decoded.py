@@ -327,8 +327,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # chains=2: the MMA warpgroups take alternate K steps of the same rows (warpgroup w steps w, w + 2, ...), each
     # into its own half of acc (rows [w * R, (w + 1) * R) for R = the raw tile's rows; the caller adds the halves
     # in its epilogue): two decoding warpgroups an SM on R = 64 weight rows, without a split. Two MMA warpgroups,
-    # one block an SM, a decode from shared memory, no promote, tile_done or mark; the raw tile has R rows and the
-    # decoded operand 2R (its rows R + i are raw row i of the other chain's steps)
+    # one block an SM, a decode from shared memory, no promote or tile_done; the raw tile has R rows and the
+    # decoded operand 2R (its rows R + i are raw row i of the other chain's steps); mark's steps are the loop's
+    # (each chain marks its own)
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
@@ -336,10 +337,9 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
     if chains not in (1, 2) or (chains == 2 and (consumers != 256 or blocks_per_sm != 1 or isinstance(decode, tuple)
-                                                  or promote is not False or tile_done is not None
-                                                  or mark is not None)):
+                                                  or promote is not False or tile_done is not None)):
         raise ValueError(f"chains must be 1 or 2; 2 takes two MMA warpgroups, one block an SM, a decode from shared "
-                         f"memory and no promote, tile_done or mark: got chains={chains!r} at {consumers} MMA "
+                         f"memory and no promote or tile_done: got chains={chains!r} at {consumers} MMA "
                          f"threads, blocks_per_sm={blocks_per_sm}")
     if (parts not in (1, 2, 4) or s_shape[1] != parts * FRAGMENT_K or d_shape[1] != FRAGMENT_K
             or tuple(raw_shape) != (d_shape[0] // chains, parts * FRAGMENT_K // 8) or d_shape[0] != consumers // 2):
