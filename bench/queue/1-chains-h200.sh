@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 65 turned SWAPPED_CHAINS on after one H100 run (12-28% faster on the four shapes it applies to; its 5 GPU
 # tests passed) and built SWAPPED_CHAINS_SPLIT (the chains where 64-row blocks still split K; CPU-checked, never run).
-# One call, any card (an H200 for the top table), ~9 min with the start:
+# First call, any card, ~8 min with the start (2-chains-rows.sh follows):
 # 1. The MXFP4 GPU tests of test_gemm_fp8.py with the chains on (the 64-row and register-decode tests changed with
 #    them; test_gpu_mxfp4_swapped_chains_split is new).
 # 2. The A/B: the op (chains) against them off and against the split chains. Predicted: H200 64x7168x2048 11.8 ->
@@ -9,9 +9,6 @@
 #    ~14. The split chains at 32 / 64 x 4096 x 7168 (4 splits of 128 rows -> 2 of 64 rows in two chains; half the
 #    partials, the chains' ~18% a step measured at 64x7168x4096): ~-15%, 17.2 -> ~14.5 us at 64 tokens. If it wins by
 #    >= 5% on both rows: SWAPPED_CHAINS_SPLIT on.
-# 3. The op's MXFP4 rows for bench/NOTES.md's top table, beside tilecraft-swapped-n64 (64-row blocks forced: with
-#    the chains on, at 16x7168x2048 that is the chains with one split in place of the 128-row pair). If the chains win
-#    there too, the rule's "no reduce kernel to remove" exclusion of folded / paired plans goes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
@@ -21,11 +18,3 @@ timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -n 6 tests/test_gemm
 echo "tests: $(tail -1 "$out/tests-mxfp4.log")"; grep -h -E "^FAILED|^ERROR" "$out/tests-mxfp4.log" | cut -c1-200 | head
 timeout 150 python3 -m bench.op gemm --shape mxfp4-block-n --out "$out" --graph --flush read --rounds 2 --jobs 8 \
   --providers tilecraft,tilecraft-nochains,tilecraft-chains-split,torch 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-100
-timeout 120 python3 -m bench.op gemm --shape mxfp4 --out "$out" --graph --flush read --jobs 8 \
-  --providers tilecraft,tilecraft-swapped-n64,torch 2>&1 | grep -E "^mxfp4|^gemm|wrote" | cut -c1-100
-# 4. Why the chains beat their prediction 3-4x: traces of the chains and of the lockstep 128-row kernel at 64x7168x4096
-#    (read flush). Expected if the chains overlap one's decode with the other's WGMMA: a chain's work a step well
-#    under the 128-row kernel's ~1050 cycles at 64 tokens.
-{ timeout 60 python3 -m bench.trace_mxfp4 --flush read --block-n 64 --chains --case 64x7168x4096 32x7168x4096
-  timeout 60 python3 -m bench.trace_mxfp4 --flush read --case 64x7168x4096; } 2>&1 | tee "$out/trace-chains.txt" \
-  | grep -E "^[0-9]+x|global timer|work a step|data wait" | cut -c1-300
