@@ -139,12 +139,12 @@ def _reg_step(j, first, io):
     into the other register buffer, then decode stage s from the words loaded a step earlier (the
     loads' latency under this decode; measured no faster on the MXFP4 kernel, bench/NOTES.md "MXFP4 v8")."""
     s_s, r_s, frags, full, empty, acc, decode, stages, rows, place, policy, mark, regs, steps, (temps, pfactor), \
-        _tile_done, (w, chains) = io
+        _tile_done, (chain, chains) = io
     one_temp = temps is not None and len(temps) == 1
     parts = int(s_s.shape[2]) // FRAGMENT_K
     s = first + j               # this chain's step
-    if chains > 1:              # the loop's: chain w takes steps w, w + chains, ...
-        s = s * chains + w
+    if chains > 1:              # the loop's: chain c takes steps c, c + chains, ...
+        s = s * chains + chain
     slot = s % stages
     if regs is None:
         emit(T.mbarrier_wait_parity(full[slot], (s // stages) % 2))
@@ -220,14 +220,14 @@ def _promote(acc, temp, factor, step):
 
 
 def _reg_burst(first, count, io):
-    frags, empty, stages, (temps, pfactor), tile_done, (w, chains) = io[2], io[4], io[7], io[14], io[15], io[16]
+    frags, empty, stages, (temps, pfactor), tile_done, (chain, chains) = io[2], io[4], io[7], io[14], io[15], io[16]
     parts = int(io[0].shape[2]) // FRAGMENT_K
     for j in range(count):
         _reg_step(j, first, io)
     if len(frags) > 1:
         emit(T.wait_wgmma(0))
         last = first + count - 1
-        emit(T.mbarrier_arrive(empty[(last if chains == 1 else last * chains + w) % stages]))
+        emit(T.mbarrier_arrive(empty[(last if chains == 1 else last * chains + chain) % stages]))
         if temps is not None:
             _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, first + count - 1)
     if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
@@ -274,13 +274,13 @@ def _reg_warpgroups(steps, loads, s_s, r_s, frags, full, empty, acc, decode, sta
         # the thread's fragment rows (warp w holds rows 16w .. 16w + 15) and its place in the quad; with chains, the
         # raw rows of its chain's block (each chain decodes all of them) and the chain's share of the steps
         span = consumers // chains
-        w = tid // span
+        chain = tid // span
         r = (tid if chains == 1 else tid % span) // 32 * 16 + tid % 32 // 4
         io = (s_s, r_s, frags, full, empty, acc, decode, stages, (r, r + 8), tid % 4, policy, mark, regs, steps,
-              temps, tile_done, (w, chains))
+              temps, tile_done, (chain, chains))
         if regs is not None:
             _fetch_raw(0, steps, full, r_s, stages, regs[0], decode[0], (r, r + 8))
-        in_bursts(steps if chains == 1 else (steps + chains - 1 - w) // chains, _reg_burst, io, burst, tails=tails)
+        in_bursts(steps if chains == 1 else (steps + chains - 1 - chain) // chains, _reg_burst, io, burst, tails=tails)
         if mark is not None:
             mark("loop done", 0)
         epilogue()
