@@ -444,10 +444,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
     to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
     4-byte stores from the accumulator layout.
-    chains=2 (block_n 64, one split): two MMA warpgroups take alternate K steps of the block's 64 rows, each into its
-    own half of a (128, tokens) accumulator (tile.mma_register_decoded_loop(chains=2)); the halves go through shared
-    memory and are added, chain 0's plus chain 1's, as C is stored. Two decoding warpgroups an SM, as 128-row
-    blocks have, with no split and no reduce kernel.
+    chains=2 (block_n 64; no fold, pair, stage_out or ahead): two MMA warpgroups take alternate K steps of the
+    block's 64 rows, each into its own half of a (128, tokens) accumulator (tile.mma_register_decoded_loop(chains=2));
+    the halves go through shared memory and are added, chain 0's plus chain 1's, as C (or a split's partial, for the
+    reduce kernel) is stored. Two decoding warpgroups an SM, as 128-row blocks have, on half the rows.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -1242,7 +1242,7 @@ SWAPPED_BLOCK_N = None
 SWAPPED_BLOCK_N_STEPS = 16
 # where the width rule picks 64 rows (then with no step limit): two MMA warpgroups take alternate K steps of the
 # block's rows (mxfp4_swapped_program chains=2), so an SM decodes with two warpgroups as 128-row blocks do, with no
-# split. Measured on an H100 against the rule without it (session 65, bench provider tilecraft-chains): 64x7168x2048
+# split. Measured on an H100 against the rule without it (session 65; bench provider tilecraft-nochains): 64x7168x2048
 # 12.0 -> 8.6 us, 64x7168x4096 20.1 -> 14.4, 32x7168x2048 9.6 -> 8.4, 32x7168x4096 16.1 -> 13.0; False: off
 SWAPPED_CHAINS = True
 # with SWAPPED_CHAINS, also where 64-row blocks still split K (their partials summed by the reduce kernel, as the
@@ -1341,8 +1341,9 @@ def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False
     K, neither folded nor paired), the 64-row plan needs no split at all and its blocks run at most
     SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
     128 everywhere else. chains: for the two-chain kernel (SWAPPED_CHAINS), whose chains run half the steps: no
-    step limit, and with SWAPPED_CHAINS_SPLIT 64 also where the 64-row plan still splits. override: the plan's other knobs, as the launcher plans with them. A 64-row answer never
-    splits, so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
+    step limit, and with SWAPPED_CHAINS_SPLIT 64 also where the 64-row plan still splits. override: the plan's
+    other knobs, as the launcher plans with them. A 64-row answer never folds (no split, or the chains' reduce
+    kernel), so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
     if SWAPPED_BLOCK_N is not None:
         return SWAPPED_BLOCK_N
     wide = plan_swapped(m, n, k, sms=sms, **override)
@@ -1446,7 +1447,7 @@ def _launch_planned(name, launchers, a, b, sfb, out, override, tail=(), scale_wo
     splits, kernel, reduce = jit.launchers(key, lambda: launchers(a, target, m, n, k, override))
     fold = counts and splits > 1 and reduce is None
     if counts:
-        tiles = n // (override.get("block_n") or 128)   # None (the rule): 64 only without a split, so 128 here
+        tiles = n // (override.get("block_n") or 128)   # None (the rule): 64 only where nothing folds, so 128 here
         tail = (*tail, arrival_counters(a.device, tiles) if fold else bound_only(a.device))
     launch_split_k(kernel, reduce, (a, _code_words(b), scale_words(sfb)), out, splits, count=tail or None,
                    part=ready_partials(a.device, splits, m, n) if fold else None)
