@@ -4,11 +4,12 @@ swapped-ldg: its scale rows forced by TMA / by the MMA threads; swapped-ramp2: t
 stages asked for alone; swapped-v6: the v6 decode; swapped-fold / -reduce: split-K folded in the kernel or
 by the reduce kernel; swapped-ahead / -now: raw words loaded a step ahead of their decode or not;
 swapped-pair / -unpaired: a 2-split plan's blocks folding in clusters of two, or not; swapped-staged /
--unstaged: the partials out through shared memory as whole rows, or from the accumulator layout) and its
+-unstaged: the partials out through shared memory as whole rows, or from the accumulator layout; swapped-n128 /
+-n64: the block width forced; swapped-chains-any: the chains wherever the 64-row plan takes them) and its
 split-K reduce against the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off) and the W4A8 kernel (w4a8:
 ops.mxfp4_w4a8_gemm_nt, e4m3 activations), on bench.suites.gemm's mxfp4 preset.
 
-    python -m bench.prof_mxfp4 [--out DIR] [--no-decode] [--paths swapped-1 swapped-ldg ...]
+    python -m bench.prof_mxfp4 [--out DIR] [--no-decode] [--preset mxfp4-chains] [--paths swapped-1 swapped-ldg ...]
 
 Prints one line per (case, path, kernel): mean GPU microseconds per call. GPU only.
 --no-decode (a diagnostic, wrong results): the swapped kernel's helper copies the raw code words
@@ -38,12 +39,14 @@ def no_decode():
 
 
 def _swapped(blocks_per_sm, scale_tma=None, ramp=0, decode=None, fold=None, ahead=None, pair=None,
-             stage_out=None):
+             stage_out=None, **width):
+    # width: block_n (64 / 128 forced) or chains_where (ops.gemm_mxfp4.SWAPPED_CHAINS_WHERE's values)
     def make(a, b, s):
         def run():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             gemm_mxfp4._launch_swapped(a, b, s, out, blocks_per_sm=blocks_per_sm, scale_tma=scale_tma, ramp=ramp,
-                                       decode=decode, fold=fold, ahead=ahead, pair=pair, stage_out=stage_out)
+                                       decode=decode, fold=fold, ahead=ahead, pair=pair, stage_out=stage_out,
+                                       **width)
             return out
         return run
     return make
@@ -77,7 +80,9 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-now": _swapped(1, ahead=False), "swapped-pair": _swapped(1, pair=True),
          "swapped-unpaired": _swapped(1, pair=False), "swapped-staged": _swapped(1, stage_out=True),
          "swapped-unstaged": _swapped(1, stage_out=False),
-         "swapped-2": _swapped(2), "tile": _tile, "w4a8": _w4a8}
+         "swapped-2": _swapped(2), "swapped-n128": _swapped(1, block_n=128),
+         "swapped-n64": _swapped(1, block_n=64), "swapped-chains-any": _swapped(1, chains_where="any"),
+         "tile": _tile, "w4a8": _w4a8}
 
 
 def main(argv=None):
@@ -86,11 +91,13 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true",
                     help="diagnostic: the swapped kernel without its decode (wrong results; its own cache key)")
     ap.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--preset", default="mxfp4", choices=[p for p in PRESETS if p.startswith("mxfp4")
+                                                          and PRESETS[p][0]["kind"] == "mxfp4"])
     args = ap.parse_args(argv)
     if args.no_decode:
         no_decode()
     rows = []
-    for case in PRESETS["mxfp4"]:
+    for case in PRESETS[args.preset]:
         i = make_inputs(case, "cuda")
         a, b, s = i["a"][0], i["packed"][0], i["scales"][0]
         for path in args.paths:

@@ -1245,10 +1245,15 @@ SWAPPED_BLOCK_N_STEPS = 16
 # split. Measured on an H100 against the rule without it (session 65; bench provider tilecraft-nochains): 64x7168x2048
 # 12.0 -> 8.6 us, 64x7168x4096 20.1 -> 14.4, 32x7168x2048 9.6 -> 8.4, 32x7168x4096 16.1 -> 13.0; False: off
 SWAPPED_CHAINS = True
-# with SWAPPED_CHAINS, also where 64-row blocks still split K (their partials summed by the reduce kernel, as the
-# 128-row plan's are): 32-64 tokens at 4096x7168 (4 splits of 128 rows -> 2 of 64 rows in two chains). Built and
-# CPU-checked in session 65, not measured (bench provider tilecraft-chains-split): off
-SWAPPED_CHAINS_SPLIT = False
+# where the width rule gives the chains their 64 rows (with SWAPPED_CHAINS): "unsplit", where the 128-row plan ends
+# in the reduce kernel (a split, neither folded nor paired) and the 64-row plan has one split (32-64 tokens at 7168 x
+# 2048 / 4096); "split", also where the 64-row plan still splits K (its partials summed by the reduce kernel, as the
+# 128-row plan's are: 32-64 tokens at 4096x7168, bench provider tilecraft-chains-split); "any", wherever the 64-row
+# plan takes the chains (also where the 128-row plan pairs, folds or has one split: 16 tokens at 7168x2048, every
+# 9-64 at 24576x1536; provider tilecraft-chains-any). Session 66, H100: the forced 64-row split chains at 64x4096x7168
+# 18.4 -> 16.5 us, the chains at 16x7168x2048 8.7 -> 7.6 (in place of the pair)
+SWAPPED_CHAINS_WHERE = "unsplit"
+SWAPPED_CHAINS_WHERES = ("unsplit", "split", "any")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
@@ -1336,22 +1341,29 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                 **({} if block_n == 128 else {"block_n": block_n}), **({"chains": chains} if chains > 1 else {}))
 
 
-def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False, **override) -> int:
+def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False, where: str | None = None,
+                    **override) -> int:
     """SWAPPED_BLOCK_N's rule (None): 64 weight rows a block where the 128-row plan ends in the reduce kernel (split
     K, neither folded nor paired), the 64-row plan needs no split at all and its blocks run at most
     SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
     128 everywhere else. chains: for the two-chain kernel (SWAPPED_CHAINS), whose chains run half the steps: no
-    step limit, and with SWAPPED_CHAINS_SPLIT 64 also where the 64-row plan still splits. override: the plan's
+    step limit, and `where` (one of SWAPPED_CHAINS_WHERES; None: SWAPPED_CHAINS_WHERE) widens where 64 rows go:
+    "split" also where the 64-row plan splits, "any" wherever the 64-row plan takes the chains. override: the plan's
     other knobs, as the launcher plans with them. A 64-row answer never folds (no split, or the chains' reduce
     kernel), so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
+    where = SWAPPED_CHAINS_WHERE if where is None else where
+    if where not in SWAPPED_CHAINS_WHERES:
+        raise ValueError(f"where must be one of {SWAPPED_CHAINS_WHERES} (or None: SWAPPED_CHAINS_WHERE), got {where!r}")
     if SWAPPED_BLOCK_N is not None:
         return SWAPPED_BLOCK_N
+    if chains and where == "any":
+        return 64 if plan_swapped(m, n, k, sms=sms, block_n=64, chains=2, **override).get("chains") else 128
     wide = plan_swapped(m, n, k, sms=sms, **override)
     if wide["splits"] == 1 or wide["fold"] or wide["pair"] or (not chains and k // BLOCK_K > SWAPPED_BLOCK_N_STEPS):
         return 128
     narrow = plan_swapped(m, n, k, sms=sms, block_n=64, chains=2 if chains else 1, **override)
-    if chains and SWAPPED_CHAINS_SPLIT and narrow.get("chains"):
-        return 64           # the chains, whatever the split (SWAPPED_CHAINS_SPLIT)
+    if chains and where == "split" and narrow.get("chains"):
+        return 64           # the chains, whatever the split
     return 64 if narrow["splits"] == 1 else 128
 
 
@@ -1361,7 +1373,8 @@ def _launch_swapped(a, b, sfb, out, **override):
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
-                "block_n": SWAPPED_BLOCK_N, "chains": SWAPPED_CHAINS, **override}      # in the launchers' key
+                "block_n": SWAPPED_BLOCK_N, "chains": SWAPPED_CHAINS, "chains_where": SWAPPED_CHAINS_WHERE,
+                "block_n_steps": SWAPPED_BLOCK_N_STEPS, **override}     # every switch the plan reads: the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 
@@ -1370,9 +1383,11 @@ def _swapped_launchers(a, target, m, n, k, override):
     from backends.cuda.device import sm_count
     from ops.gemm_fp8 import split_k_launchers
 
-    knobs = {key: v for key, v in override.items() if key not in ("block_n", "chains")}
+    rule = ("block_n", "chains", "chains_where", "block_n_steps")     # the width rule's (steps: read as the global)
+    knobs = {key: v for key, v in override.items() if key not in rule}
     chains = bool(override.get("chains"))
-    block_n = override.get("block_n") or swapped_block_n(m, n, k, sms=sm_count(a), chains=chains, **knobs)
+    block_n = override.get("block_n") or swapped_block_n(m, n, k, sms=sm_count(a), chains=chains,
+                                                         where=override.get("chains_where"), **knobs)
     p = plan_swapped(m, n, k, sms=sm_count(a), block_n=block_n, chains=2 if chains and block_n == 64 else 1, **knobs)
     kernel = mxfp4_swapped_program.compile(target, n=n, k=k, **p)
     if p["pair"]:       # no partials in global memory: launched as one split (Part bound, never touched)

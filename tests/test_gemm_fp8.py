@@ -1731,10 +1731,22 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert "chains" not in plan_swapped(16, 4096, 7168, block_n=64, chains=2)      # a pair at 16 tokens
     assert "chains" not in plan_swapped(16, 2048, 7168, block_n=64, chains=2)      # a fold
     assert swapped_block_n(32, 7168, 4096) == 128 and swapped_block_n(32, 7168, 4096, chains=True) == 64
-    assert swapped_block_n(64, 4096, 7168, chains=True) == 128          # the 64-row plan splits: SWAPPED_CHAINS_SPLIT
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", True)
+    assert gemm_mxfp4.SWAPPED_CHAINS_WHERE == "unsplit"
+    assert swapped_block_n(64, 4096, 7168, chains=True) == 128          # the 64-row plan splits: where="split"
+    assert swapped_block_n(16, 7168, 2048, chains=True) == 128          # the 128-row plan pairs: where="any"
+    assert swapped_block_n(64, 24576, 1536, chains=True) == 128         # ... has one split: where="any"
+    assert swapped_block_n(64, 4096, 7168, chains=True, where="split") == 64
+    assert swapped_block_n(16, 7168, 2048, chains=True, where="split") == 128
+    for m, n, k in ((64, 4096, 7168), (16, 7168, 2048), (64, 24576, 1536), (32, 7168, 4096)):
+        assert swapped_block_n(m, n, k, chains=True, where="any") == 64, (m, n, k)
+    for m, n, k in ((16, 4096, 7168), (16, 2048, 7168)):        # the 64-row plan pairs / folds: no chains
+        assert swapped_block_n(m, n, k, chains=True, where="any") == 128, (m, n, k)
+    assert swapped_block_n(64, 4096, 7168, where="any") == 128          # without the chains `where` is not read
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "split")
     assert swapped_block_n(64, 4096, 7168, chains=True) == 64 and swapped_block_n(16, 4096, 7168, chains=True) == 128
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", False)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "unsplit")
+    with pytest.raises(ValueError, match="where must be one of"):
+        swapped_block_n(64, 4096, 7168, chains=True, where="split-k")
     for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560), (64, 4096, 7168)):
         q = plan_swapped(m, n, k, block_n=64, chains=2)
         src = mxfp4_swapped_program.source("sm_90a", n=n, k=k, **q)
@@ -1762,6 +1774,43 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
     assert launched[0]["chains"] is True and launched[1]["chains"] is False
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "any")
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N_STEPS", 32)
+    gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
+    assert launched[0]["chains_where"] == "unsplit" and launched[0]["block_n_steps"] == 16     # every switch the
+    assert launched[2]["chains_where"] == "any" and launched[2]["block_n_steps"] == 32         # rule reads: the key
+
+
+def test_mxfp4_swapped_launchers_plan_by_the_width_rule(monkeypatch):
+    """The launchers compile the plan of the width rule the key names (session 66: SWAPPED_CHAINS_SPLIT, read as a
+    global but missing from the key, left a provider flipping it on the launchers of the op before it): "unsplit"
+    keeps 128 rows at 64x4096x7168 and 16x7168x2048, "split" chains the first, "any" both; a forced width wins."""
+    from ops import gemm_mxfp4
+
+    compiled = []
+    monkeypatch.setattr(gemm_mxfp4.mxfp4_swapped_program, "compile",
+                        lambda target, **plan: compiled.append(plan) or _FakeKernel())
+    monkeypatch.setattr("ops.gemm_fp8.split_k_launchers", lambda kernel, target, n, splits, dtype, fold=False:
+                        (None, None))
+    base = {"scale_tma": None, "decode": None, "fold": None, "ahead": None, "pair": None, "stage_out": None,
+            "block_n": None, "chains": True, "block_n_steps": 16}
+    want = {("unsplit", 64, 4096, 7168): 128, ("unsplit", 16, 7168, 2048): 128,
+            ("split", 64, 4096, 7168): 64, ("split", 16, 7168, 2048): 128,
+            ("any", 64, 4096, 7168): 64, ("any", 16, 7168, 2048): 64}
+    for (where, m, n, k), rows in want.items():
+        compiled.clear()
+        gemm_mxfp4._swapped_launchers(torch.zeros(m, k), None, m, n, k, {**base, "chains_where": where})
+        assert compiled[0].get("block_n", 128) == rows, (where, m, n, k)
+        assert compiled[0].get("chains") == (2 if rows == 64 else None), (where, m, n, k)
+    compiled.clear()
+    gemm_mxfp4._swapped_launchers(torch.zeros(64, 7168), None, 64, 4096, 7168, {**base, "chains_where": "any",
+                                                                               "block_n": 128})
+    assert "block_n" not in compiled[0]
+
+
+class _FakeKernel:
+    def launcher(self):
+        return None
 
 
 def test_mxfp4_swapped_pair_folds_in_a_cluster_of_two(monkeypatch):
@@ -2437,20 +2486,26 @@ def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (33, 4096, 7168), (64, 2048, 7168)])
-def test_gpu_mxfp4_swapped_chains_split(m, n, k, monkeypatch):
-    """SWAPPED_CHAINS_SPLIT on: 64-row chained blocks that still split K (2 or 4 splits, m tails), their partials
-    summed by the reduce kernel: exact against fp32 with extreme scales, bitwise the same run to run."""
+@pytest.mark.parametrize("where,m,n,k", [("split", 64, 4096, 7168), ("split", 33, 4096, 7168),
+                                         ("split", 64, 2048, 7168), ("any", 16, 7168, 2048), ("any", 13, 7168, 2048),
+                                         ("any", 64, 24576, 1536), ("any", 40, 24576, 1536)])
+def test_gpu_mxfp4_swapped_chains_wider(where, m, n, k, monkeypatch):
+    """SWAPPED_CHAINS_WHERE beyond "unsplit": "split", 64-row chained blocks that still split K (2 or 4 splits, m
+    tails), their partials summed by the reduce kernel; "any", the chains also where the 128-row plan pairs (16-token
+    tiles) or has one split (24576x1536). Exact against fp32 with extreme scales, bitwise the same run to run and the
+    same bits as the 64-row width forced (the plan the launchers compile)."""
     from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 11 + n)
     args = (a.cuda(), packed.cuda(), scales.cuda())
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_SPLIT", True)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", where)
     assert gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=True) == 64
-    assert gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=64, chains=2)["splits"] > 1
+    assert gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=True, where="unsplit") == 128
     runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
+    assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
 
