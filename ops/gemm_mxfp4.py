@@ -1248,11 +1248,14 @@ SWAPPED_CHAINS = True
 # where the width rule gives the chains their 64 rows (with SWAPPED_CHAINS): "unsplit", where the 128-row plan ends
 # in the reduce kernel (a split, neither folded nor paired) and the 64-row plan has one split (32-64 tokens at 7168 x
 # 2048 / 4096); "split", also where the 64-row plan still splits K (its partials summed by the reduce kernel, as the
-# 128-row plan's are: 32-64 tokens at 4096x7168, bench provider tilecraft-chains-split); "any", wherever the 64-row
-# plan takes the chains (also where the 128-row plan pairs, folds or has one split: 16 tokens at 7168x2048, every
-# 9-64 at 24576x1536; provider tilecraft-chains-any). Session 66, H100: the forced 64-row split chains at 64x4096x7168
-# 18.4 -> 16.5 us, the chains at 16x7168x2048 8.7 -> 7.6 (in place of the pair)
-SWAPPED_CHAINS_WHERE = "unsplit"
+# 128-row plan's are: 32-64 tokens at 4096x7168, 2048x7168; bench provider tilecraft-chains-split); "any" (the
+# default), wherever the 64-row plan takes the chains (no pair, fold or ahead): also where the 128-row plan pairs
+# (16-token tiles at 7168 x 2048) or has one split (24576x1536: 1.45 waves of 128-row blocks, 2.9 of 64-row ones).
+# Session 66, H100, "unsplit" -> "any" (no shape slower; bench provider tilecraft-chains-unsplit): 16x7168x2048
+# 8.7 -> 7.6 us, 32x4096x7168 15.3 -> 13.9, 64x4096x7168 18.1 -> 16.3, 64x2048x7168 13.6 -> 11.7, 64x24576x1536
+# 24.0 -> 20.9, 16x24576x1536 17.6 -> 16.7; 16 tokens at 4096x7168 / 2048x7168 keep 128 rows (the 64-row plan pairs
+# or folds)
+SWAPPED_CHAINS_WHERE = "any"
 SWAPPED_CHAINS_WHERES = ("unsplit", "split", "any")
 
 
@@ -1348,9 +1351,9 @@ def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False
     SWAPPED_BLOCK_N_STEPS steps (one warpgroup decodes a block's weights: twice the steps of a 128-row split's);
     128 everywhere else. chains: for the two-chain kernel (SWAPPED_CHAINS), whose chains run half the steps: no
     step limit, and `where` (one of SWAPPED_CHAINS_WHERES; None: SWAPPED_CHAINS_WHERE) widens where 64 rows go:
-    "split" also where the 64-row plan splits, "any" wherever the 64-row plan takes the chains. override: the plan's
-    other knobs, as the launcher plans with them. A 64-row answer never folds (no split, or the chains' reduce
-    kernel), so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
+    "split" also where the 64-row plan splits, "any" (the default) wherever the 64-row plan takes the chains.
+    override: the plan's other knobs, as the launcher plans with them. A 64-row answer never folds (no split, or the
+    chains' reduce kernel), so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
     where = SWAPPED_CHAINS_WHERE if where is None else where
     if where not in SWAPPED_CHAINS_WHERES:
         raise ValueError(f"where must be one of {SWAPPED_CHAINS_WHERES} (or None: SWAPPED_CHAINS_WHERE), got {where!r}")

@@ -1731,10 +1731,10 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert "chains" not in plan_swapped(16, 4096, 7168, block_n=64, chains=2)      # a pair at 16 tokens
     assert "chains" not in plan_swapped(16, 2048, 7168, block_n=64, chains=2)      # a fold
     assert swapped_block_n(32, 7168, 4096) == 128 and swapped_block_n(32, 7168, 4096, chains=True) == 64
-    assert gemm_mxfp4.SWAPPED_CHAINS_WHERE == "unsplit"
-    assert swapped_block_n(64, 4096, 7168, chains=True) == 128          # the 64-row plan splits: where="split"
-    assert swapped_block_n(16, 7168, 2048, chains=True) == 128          # the 128-row plan pairs: where="any"
-    assert swapped_block_n(64, 24576, 1536, chains=True) == 128         # ... has one split: where="any"
+    assert gemm_mxfp4.SWAPPED_CHAINS_WHERE == "any"
+    assert swapped_block_n(64, 4096, 7168, chains=True, where="unsplit") == 128     # the 64-row plan splits
+    assert swapped_block_n(16, 7168, 2048, chains=True, where="unsplit") == 128     # the 128-row plan pairs
+    assert swapped_block_n(64, 24576, 1536, chains=True, where="unsplit") == 128    # ... has one split
     assert swapped_block_n(64, 4096, 7168, chains=True, where="split") == 64
     assert swapped_block_n(16, 7168, 2048, chains=True, where="split") == 128
     for m, n, k in ((64, 4096, 7168), (16, 7168, 2048), (64, 24576, 1536), (32, 7168, 4096)):
@@ -1742,9 +1742,12 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     for m, n, k in ((16, 4096, 7168), (16, 2048, 7168)):        # the 64-row plan pairs / folds: no chains
         assert swapped_block_n(m, n, k, chains=True, where="any") == 128, (m, n, k)
     assert swapped_block_n(64, 4096, 7168, where="any") == 128          # without the chains `where` is not read
+    assert swapped_block_n(64, 4096, 7168, chains=True, ahead=True) == 128  # knobs that take the chains away
+    assert swapped_block_n(64, 4096, 7168, chains=True, fold=True) == 128
+    assert swapped_block_n(64, 24576, 1536, chains=True) == 64 and swapped_block_n(16, 4096, 7168, chains=True) == 128
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "split")
-    assert swapped_block_n(64, 4096, 7168, chains=True) == 64 and swapped_block_n(16, 4096, 7168, chains=True) == 128
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "unsplit")
+    assert swapped_block_n(64, 4096, 7168, chains=True) == 64 and swapped_block_n(16, 7168, 2048, chains=True) == 128
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "any")
     with pytest.raises(ValueError, match="where must be one of"):
         swapped_block_n(64, 4096, 7168, chains=True, where="split-k")
     for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560), (64, 4096, 7168)):
@@ -1774,11 +1777,11 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
     assert launched[0]["chains"] is True and launched[1]["chains"] is False
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "any")
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "unsplit")
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N_STEPS", 32)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
-    assert launched[0]["chains_where"] == "unsplit" and launched[0]["block_n_steps"] == 16     # every switch the
-    assert launched[2]["chains_where"] == "any" and launched[2]["block_n_steps"] == 32         # rule reads: the key
+    assert launched[0]["chains_where"] == "any" and launched[0]["block_n_steps"] == 16     # every switch the
+    assert launched[2]["chains_where"] == "unsplit" and launched[2]["block_n_steps"] == 32  # rule reads: the key
 
 
 def test_mxfp4_swapped_launchers_plan_by_the_width_rule(monkeypatch):
@@ -2407,14 +2410,24 @@ def test_gpu_mxfp4_swapped_register_decode(m, n, k, big, monkeypatch):
     # (at the default's block width: without fold or pair, the 64-row rule would take a split away, other sums)
     names = "SWAPPED_FOLD", "SWAPPED_AHEAD", "SWAPPED_STAGE_OUT", "SWAPPED_PAIR"
     saved = [getattr(gemm_mxfp4, f) for f in names]
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]),
-                                                                                  chains=gemm_mxfp4.SWAPPED_CHAINS))
+    # (and the chains' sums where the knobs keep them: ahead, or a fold of a split, takes them away, other sums)
+    width = gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=gemm_mxfp4.SWAPPED_CHAINS)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", width)
+    chains = 2 if width == 64 and gemm_mxfp4.SWAPPED_CHAINS else 1
+    chained = gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=width, chains=chains).get("chains")
     try:
         for flags in ((True, False, False, False), (False, False, False, False), (None, True, False, None),
                       (False, False, True, False), (True, False, True, False), (None, False, None, None)):
             for f, v in zip(names, flags):
                 setattr(gemm_mxfp4, f, v)
-            assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0]), flags
+            knobs = dict(zip(("fold", "ahead", "stage_out", "pair"), flags))
+            p = gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=width, chains=chains, **knobs)
+            got = ops.mxfp4_gemm_nt(*args).cpu()
+            if p.get("chains") == chained:
+                assert torch.equal(got, runs[0]), flags
+            else:
+                assert calc_diff(got, ref) < 1e-5 and torch.equal(got, ops.mxfp4_gemm_nt(*args).cpu()), flags
+                assert_elementwise(got, ref)
     finally:
         for f, v in zip(names, saved):
             setattr(gemm_mxfp4, f, v)
@@ -2461,12 +2474,13 @@ def test_gpu_mxfp4_swapped_64_row_blocks(m, n, k, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (33, 7168, 4096), (40, 7168, 2560), (9, 7168, 2048),
-                                   (64, 384, 2048)])
+                                   (64, 384, 2048), (16, 4096, 7168)])
 def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
     """SWAPPED_CHAINS on (the default: two MMA warpgroups on alternate K steps of 64-row blocks): where the rule picks
-    64 rows (64x7168x2048, 33x7168x4096, and 40x7168x2560 whose chains end in a tail burst) the op runs the chains,
-    exact against fp32 with extreme scales and bitwise the same run to run; elsewhere (16-token tiles, 384 columns)
-    the bits of the op with the switch off."""
+    64 rows (SWAPPED_CHAINS_WHERE "any": 64x7168x2048, 33x7168x4096, 40x7168x2560 whose chains end in a tail burst,
+    a 16-token tile at 7168x2048, 384 columns in split chains) the op runs the chains, exact against fp32 with extreme
+    scales and bitwise the same run to run; elsewhere (16 tokens at 4096x7168: the 64-row plan pairs) the bits of the
+    op with the switch off."""
     from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
@@ -2480,7 +2494,7 @@ def test_gpu_mxfp4_swapped_chains(m, n, k, monkeypatch):
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
     chained = gemm_mxfp4.swapped_block_n(m, n, k, sms=sm_count(args[0]), chains=True) == 64
-    assert chained == (n == 7168 and m > 16), (m, n, k)
+    assert chained == ((m, n, k) != (16, 4096, 7168)), (m, n, k)
     if not chained:
         assert torch.equal(runs[0], want)
 

@@ -26,9 +26,9 @@ PRESETS = {
     # (4096x7168): for the width A/Bs (providers tilecraft-swapped-n64 / -n128)
     "mxfp4-block-n": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (32, 64)
                       for n, k in ((7168, 2048), (7168, 4096), (4096, 7168))],
-    # where the chains' width rule could widen (ops.gemm_mxfp4.SWAPPED_CHAINS_WHERE: providers tilecraft-chains-split,
-    # tilecraft-chains-any): split 64-row plans (4096x7168, 2048x7168), 128-row pairs (16 tokens) and one-split plans
-    # (24576x1536)
+    # where the chains' width rule ops.gemm_mxfp4.SWAPPED_CHAINS_WHERE ("any") differs from "unsplit" / "split"
+    # (providers tilecraft-chains-unsplit / -split): split 64-row plans (4096x7168, 2048x7168), 128-row pairs (16
+    # tokens) and one-split plans (24576x1536)
     "mxfp4-chains": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (16, 32, 64)
                      for n, k in ((7168, 2048), (4096, 7168), (2048, 7168), (24576, 1536))],
     # the rows the warp kernel takes (ops.gemm_mxfp4.WARP_TOKENS), for its A/Bs
@@ -456,9 +456,11 @@ SUITE = Suite(
                                            # 64-row blocks without the two chains: one MMA warpgroup a block
                                            ("tilecraft-nochains", "SWAPPED_CHAINS", False),
                                            # ... and the chains where 64-row blocks still split K
+                                           # the chains' 64 rows only where the 64-row plan has one split (the
+                                           # op before session 66), or also where it splits (the op: wherever the
+                                           # 64-row plan takes the chains)
+                                           ("tilecraft-chains-unsplit", "SWAPPED_CHAINS_WHERE", "unsplit"),
                                            ("tilecraft-chains-split", "SWAPPED_CHAINS_WHERE", "split"),
-                                           # ... and wherever the 64-row plan takes them
-                                           ("tilecraft-chains-any", "SWAPPED_CHAINS_WHERE", "any"),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],
