@@ -30,6 +30,7 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
+from ops import gemm_mxfp4 as _mxfp4
 from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
@@ -694,9 +695,12 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
             return (1, *split_k_launchers(kernel, target, n, 1, "bfloat16"))
         return (p["splits"], *split_k_launchers(kernel, target, n, p["splits"], "bfloat16", fold=p["fold"]))
 
+    # every switch the plan reads: the W4A8 ones, and the bf16 kernel's that plan_swapped falls back on where a
+    # W4A8 switch is None (a provider flipping those must not get launchers planned before it)
+    mx = (_mxfp4.SWAPPED_FOLD, _mxfp4.SWAPPED_PAIR, _mxfp4.SWAPPED_SCALE_TMA)
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
-                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64),
-                                           build)
+                                            W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
+                                            *mx), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -316,6 +316,33 @@ def test_wide_pair_plan(monkeypatch):
     assert sass_stats(build_cubin(src, "sm_90a"), "sm_90a").spill_stores == 0
 
 
+def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
+    """plan_w4a8 leaves fold, pair and scale_tma to plan_swapped's rules where the W4A8 switches are None (the
+    default), and those read ops.gemm_mxfp4's SWAPPED_FOLD / SWAPPED_PAIR / SWAPPED_SCALE_TMA: the launchers' key
+    names them, so flipping one (bench providers tilecraft-fold / -reduce / -pair) plans anew."""
+    from ops import gemm_mxfp4
+
+    keys = []
+
+    def launchers(key, build):
+        keys.append(key)
+        raise StopIteration
+    monkeypatch.setattr(gemm_w4a8.jit, "launchers", launchers)
+    g = torch.Generator().manual_seed(3)
+    a, sa = activations(16, 7168, g)
+    packed, scales = weights(4096, 7168, g)
+    prep = gemm_w4a8.prepare_mxfp4_w4a8(packed, scales)
+    plans = []
+    for flag, value in (("SWAPPED_FOLD", None), ("SWAPPED_FOLD", False), ("SWAPPED_PAIR", True),
+                        ("SWAPPED_SCALE_TMA", False)):
+        monkeypatch.setattr(gemm_mxfp4, flag, value)
+        with pytest.raises(StopIteration):
+            gemm_w4a8._launch(a, sa, *prep, torch.empty(16, 4096, dtype=torch.bfloat16))
+        plans.append(plan_w4a8(16, 4096, 7168))
+    assert len(set(keys)) == len(keys) == 4
+    assert plans[0]["fold"] and not plans[1]["fold"] and plans[2]["scale_tma"] != plans[3]["scale_tma"]
+
+
 def grouped(G, max_m, n, k, g, masked):
     packed, scales = weights(G * n, k, g)
     a, sa = activations(G * max_m, k, g)
