@@ -842,10 +842,11 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
 
 
 @T.macro
-def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, tokens):
+def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, tokens, factor=None):
     # chains=2: the accumulator's two halves (rows i and block_n + i: one weight row's sums over the two chains'
-    # steps) through shared memory, token-major, then whole token rows of their sums (chain 0's plus chain 1's): C,
-    # or the split's partial for the reduce kernel (zeros from a split past the end of K)
+    # steps) through shared memory, token-major, then whole token rows of their sums (chain 0's plus chain 1's, times
+    # factor(row, token) if given: ops.gemm_w4a8's scales): C, or the split's partial for the reduce kernel (zeros
+    # from a split past the end of K)
     out = tile.read_accumulator(acc)
     for i, j in tile.parallel(2 * block_n, tokens):
         staged[j, i] = out[i, j]
@@ -853,9 +854,16 @@ def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, token
     for j, i in tile.parallel(tokens, block_n):
         if j < m:
             if splits > 1:
-                Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, staged[j, i] + staged[j, block_n + i], 0.0)
+                Part[ts, j, tn * block_n + i] = T.if_then_else(
+                    steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0)
             else:
-                C[j, tn * block_n + i] = T.cast(staged[j, i] + staged[j, block_n + i], "bfloat16")
+                C[j, tn * block_n + i] = T.cast(_times(staged[j, i] + staged[j, block_n + i], factor, i, j),
+                                                "bfloat16")
+
+
+def _times(x, factor, i, j):
+    # x, times factor(i, j) if given
+    return x if factor is None else x * factor(i, j)
 
 
 def _ready_fold(C, Part, tn, m, splits, block_n, tokens):

@@ -35,7 +35,8 @@ from ops import _validate as check
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
-                            SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_masked_swapped, _swapped_grid,
+                            SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_chains, _store_masked_swapped,
+                            _swapped_grid,
                             _tma_scale_words, _trace_stamp, pair_recv_words, pair_source, plan_masked_swapped,
                             plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
@@ -141,10 +142,10 @@ def _fill_table(tbl):
     examples={"decode-4096x7168": dict(n=4096, k=7168, tokens=64, splits=4),
               "decode-7168x2048": dict(n=7168, k=2048, tokens=8, splits=2)},
 )
-def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, stages: int = 6,
+def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, stages: int = 6,
                                splits: int = 1, scale_tma: bool = True, fold: bool = False, pair: bool = False,
                                trace: bool = False, group_scales: bool = False, no_offsets: bool = False,
-                               stage_out: bool = False, burst: int = 0):
+                               stage_out: bool = False, burst: int = 0, block_n: int = 128, chains: int = 1):
     """C^T (n, m) = B @ A^T with B the MMA's M side (as ops.gemm_mxfp4's swapped kernel): each MMA thread turns its
     chunk of its two rows' codes into its e4m3 register fragment (tc_w4a8_fragment), an e4m3 x e4m3 WGMMA (k32)
     per 32-block, each 128-deep step promoted into fp32; A the (tokens, 128) e4m3 shared operand of a step (TMA,
@@ -161,7 +162,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     loaded nor waited for (all zero), to time the kernel without its wait for them.
     stage_out=True (splits > 1): the split's fp32 partial, or the pair's half of C, goes out through shared memory
     as whole rows instead of from the accumulator's layout. burst: steps between the loop's WGMMA drains (0: the
-    target's default)."""
+    target's default).
+    chains=2 (block_n=64; no fold, pair or stage_out): two MMA warpgroups take alternate K steps of the block's 64
+    rows, each promoting into its half of a (128, tokens) accumulator; the epilogue adds the halves through a
+    (tokens, 132) fp32 shared tile, multiplies by the scales and stores C or the split's partial (as
+    ops.gemm_mxfp4's swapped kernel with chains)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -170,6 +175,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
     if pair and (splits != 2 or fold):
         raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
                          f"fold=False, got splits={splits}, fold={fold}")
+    if block_n not in (64, 128) or chains not in (1, 2) or (block_n == 64) != (chains == 2) or (
+            chains == 2 and (fold or pair or stage_out)):
+        raise ValueError(f"block_n and chains must be 128 and 1, or 64 and 2 with no fold, pair or stage_out; got "
+                         f"block_n={block_n}, chains={chains}, fold={fold}, pair={pair}, stage_out={stage_out}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb = n // block_n, k // BLOCK_K
     per = -(-kb // splits)
@@ -185,7 +194,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                                    Part: T.Tensor(part_shape, "float32"),
                                    Trace: T.Tensor((n_tiles * splits if trace else 1, SWAPPED_TRACE_WORDS), "int32"),
                                    Count: T.Tensor((counts,), "int32")):
-        with _swapped_grid(n_tiles * splits, 2 * block_n + tile.producer_threads(), pair) as bid:
+        with _swapped_grid(n_tiles * splits, 2 * block_n * chains + tile.producer_threads(), pair) as bid:
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
@@ -196,9 +205,11 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
             if stage_out:   # the pair's half of C (bf16), or the split's partial (fp32), token-major
                 staged = (tile.stage((tokens // 2, block_n + 8), "bfloat16") if pair else
                           tile.stage((tokens, block_n + 4), "float32"))
+            if chains > 1:  # the chains' halves, token-major
+                staged = tile.stage((tokens, block_n * chains + 4), "float32")
             sw = tile.stage((block_n, box), "int32")          # table offsets of (row, step) of the split
             tbl = tile.stage((2 * TABLE_ENTRIES,), "int32")
-            acc = tile.accumulator((block_n, tokens))         # C^T: weight rows x tokens
+            acc = tile.accumulator((block_n * chains, tokens))     # C^T: weight rows x tokens (a chain's rows each)
             w0 = ts * per
             s0 = T.min(w0 // 4 * 4, kb - box) if scale_tma else w0
             steps = T.max(T.min(per, kb - w0), 0)
@@ -214,14 +225,22 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
                 sa_region = SA[0:tokens]
             loads = swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K)
+            if chains > 1:
+                epilogue = lambda: _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits,  # noqa: E731
+                                                 block_n, tokens, factor=factor)
+            else:
+                epilogue = swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens,
+                                            fold, staged=staged, factor=factor,
+                                            mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace
+                                            else None)
             tile.mma_register_decoded_loop(
                 steps, loads, [((tokens, BLOCK_K), "float8_e4m3fn"), ((block_n, BLOCK_K // 8), "int32"),
-                               ((block_n, BLOCK_K), "float8_e4m3fn")], acc,
+                               ((block_n * chains, BLOCK_K), "float8_e4m3fn")], acc,
                 lambda raw_at, rows, place, blk, dst: _w4a8_fragment(raw_at, rows, place, blk + w0 - s0, dst, sw,
                                                                      tbl),
-                stages=stages, **_burst(burst),
+                stages=stages, **_burst(burst), **({"chains": chains} if chains > 1 else {}),
                 promote=(lambda j, step: sas[j, step + w0 - a0]) if group_scales else True,
-                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step)) if trace else None,
+                mark=(lambda event, step: _trace_stamp(Trace, bid, event, step, chains)) if trace else None,
                 # the epilogue's factors (and the table offsets) by the producer's TMA ahead of the stages: loads
                 # by the MMA threads would queue behind the stages' (bench/NOTES.md "Session 43")
                 preload=[(RowScale[tn * block_n:(tn + 1) * block_n], rs), (sa_region, sas)]
@@ -229,9 +248,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 
                 prologue=lambda: _prologue(tbl, None if scale_tma and not no_offsets else sw,
                                            (lambda i, si: 0) if no_offsets else
                                            (lambda i, si: TIX[tn * block_n + i, T.min(w0 + si, kb - 1)])),
-                epilogue=swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold,
-                                          staged=staged, factor=factor,
-                                          mark=(lambda event: _trace_stamp(Trace, bid, event, 0)) if trace else None))
+                epilogue=epilogue)
 
     return mxfp4_w4a8_gemm_nt_swapped
 
@@ -631,40 +648,53 @@ W4A8_BURST_64 = 8
 # tails and the masked kernel without them timed the same as the defaults (NOTES "Session 52"). False: the tails
 # again (bench A/B: provider tilecraft-w4a8-tails)
 W4A8_WHOLE_BURSTS = True
+# mxfp4_w4a8_gemm_nt's 64-row blocks in two K chains (ops.gemm_mxfp4.SWAPPED_CHAINS' kernel with promotion: each
+# warpgroup promotes its half of the accumulator) wherever their plan neither pairs nor folds; built in session 66,
+# CPU-checked only (bench provider tilecraft-w4a8-chains): off
+W4A8_CHAINS = False
 
 
-def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False) -> dict:
+def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False, chains: bool | None = None) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them; the result staged as whole rows per
     W4A8_STAGE_OUT; then as many stages as fit next to this kernel's own tiles (the table, the factors: with
-    group_scales a (tokens, steps) block of them)."""
-    p = plan_swapped(m, n, k, sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
-                     pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
+    group_scales a (tokens, steps) block of them). chains (None: W4A8_CHAINS): 64-row blocks in two K chains
+    wherever their plan neither pairs nor folds (ops.gemm_mxfp4.SWAPPED_CHAINS_WHERE "any"'s rule); the plan then
+    names block_n=64 and chains=2."""
+    chains = W4A8_CHAINS if chains is None else chains
+    knobs = dict(sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
+                 pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
+    p = plan_swapped(m, n, k, **knobs, **({"block_n": 64, "chains": 2} if chains else {}))
+    if not p.get("chains"):
+        p = plan_swapped(m, n, k, **knobs)
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                fold=p["fold"], pair=p["pair"])
+    if p.get("chains"):
+        out.update(block_n=64, chains=2)
     if group_scales:
         out["group_scales"] = True
-    if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"]:
+    if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"] and not p.get("chains"):
         out.update(pair=True, fold=False)
     stage = out["tokens"] >= SWAPPED_STAGE_OUT_TOKENS if W4A8_STAGE_OUT is None else W4A8_STAGE_OUT
-    if stage and out["splits"] > 1:
+    if stage and out["splits"] > 1 and not p.get("chains"):
         out["stage_out"] = True
     if out["tokens"] == 64 and W4A8_BURST_64:
         out["burst"] = W4A8_BURST_64
     if w4a8_smem_bytes(n, k, **out) > SMEM_BUDGET:
-        out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"]))
+        out["stages"] -= -(-(w4a8_smem_bytes(n, k, **out) - SMEM_BUDGET) // _stage_bytes(out["tokens"],
+                                                                                          out.get("block_n", 128)))
     if out["stages"] < 2:
         raise ValueError(f"no W4A8 plan fits in shared memory for m={m}, n={n}, k={k}")
     return out
 
 
-def _stage_bytes(tokens: int) -> int:
-    return tokens * BLOCK_K + 128 * BLOCK_K // 2          # e4m3 activations + packed weights of a 128-deep step
+def _stage_bytes(tokens: int, block_n: int = 128) -> int:
+    return tokens * BLOCK_K + block_n * BLOCK_K // 2      # e4m3 activations + packed weights of a 128-deep step
 
 
 def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale_tma: bool, fold: bool = False,
                     pair: bool = False, group_scales: bool = False, stage_out: bool = False,
-                    block_n: int = 128, burst: int = 0) -> int:
+                    block_n: int = 128, burst: int = 0, chains: int = 1) -> int:
     """Dynamic shared memory of mxfp4_w4a8_swapped_program with these parameters (what TileLang allocates, before
     its alignment padding)."""
     kb = k // BLOCK_K
@@ -673,7 +703,10 @@ def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
     recv = block_n * pair_recv_words(tokens) * 4 if pair else 0
     out = ((tokens // 2) * (block_n + 8) * 2 if pair else tokens * (block_n + 4) * 4) if stage_out else 0
-    return stages * _stage_bytes(tokens) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa + recv + out
+    if chains > 1:      # the halves' staging tile
+        out = tokens * (block_n * chains + 4) * 4
+    return (stages * _stage_bytes(tokens, block_n) + block_n * box * 4 + 2 * TABLE_ENTRIES * 4 + block_n * 4 + sa
+            + recv + out)
 
 
 def _launch(a, sfa, codes, offsets, row_scale, out):
@@ -700,7 +733,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     mx = (_mxfp4.SWAPPED_FOLD, _mxfp4.SWAPPED_PAIR, _mxfp4.SWAPPED_SCALE_TMA)
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
                                             W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
-                                            *mx), build)
+                                            W4A8_CHAINS, *mx), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

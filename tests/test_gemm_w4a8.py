@@ -319,7 +319,7 @@ def test_wide_pair_plan(monkeypatch):
 def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     """plan_w4a8 leaves fold, pair and scale_tma to plan_swapped's rules where the W4A8 switches are None (the
     default), and those read ops.gemm_mxfp4's SWAPPED_FOLD / SWAPPED_PAIR / SWAPPED_SCALE_TMA: the launchers' key
-    names them, so flipping one (bench providers tilecraft-fold / -reduce / -pair) plans anew."""
+    names them (and W4A8_CHAINS), so flipping one (bench providers tilecraft-fold / -reduce / -pair) plans anew."""
     from ops import gemm_mxfp4
 
     keys = []
@@ -333,13 +333,14 @@ def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     packed, scales = weights(4096, 7168, g)
     prep = gemm_w4a8.prepare_mxfp4_w4a8(packed, scales)
     plans = []
-    for flag, value in (("SWAPPED_FOLD", None), ("SWAPPED_FOLD", False), ("SWAPPED_PAIR", True),
-                        ("SWAPPED_SCALE_TMA", False)):
-        monkeypatch.setattr(gemm_mxfp4, flag, value)
+    for module, flag, value in ((gemm_mxfp4, "SWAPPED_FOLD", None), (gemm_mxfp4, "SWAPPED_FOLD", False),
+                                (gemm_mxfp4, "SWAPPED_PAIR", True), (gemm_mxfp4, "SWAPPED_SCALE_TMA", False),
+                                (gemm_w4a8, "W4A8_CHAINS", True)):
+        monkeypatch.setattr(module, flag, value)
         with pytest.raises(StopIteration):
             gemm_w4a8._launch(a, sa, *prep, torch.empty(16, 4096, dtype=torch.bfloat16))
         plans.append(plan_w4a8(16, 4096, 7168))
-    assert len(set(keys)) == len(keys) == 4
+    assert len(set(keys)) == len(keys) == 5
     assert plans[0]["fold"] and not plans[1]["fold"] and plans[2]["scale_tma"] != plans[3]["scale_tma"]
 
 
@@ -555,6 +556,44 @@ def test_stage_out_plans_and_builds(monkeypatch):
         mxfp4_w4a8_swapped_program.source("sm_90a", n=256, k=1024, splits=1, stage_out=True)
 
 
+def test_chains_plan_and_lower(monkeypatch):
+    """W4A8_CHAINS (off until measured): 64-row blocks whose two MMA warpgroups take alternate K steps, each promoting
+    its own half of a (128, tokens) accumulator, wherever that plan neither pairs nor folds (16-token tiles at
+    4096x7168 keep 128 rows). The kernel has each chain's steps (barriers of 128 arrivals), the group scales' factor
+    read at the chain's own step, no spills and no serialized WGMMA; the epilogue adds the halves once; the switch
+    is in the launchers' key; bad combinations are refused."""
+    from backends.cuda.sass import wgmma_serialized
+    from ops.gemm_mxfp4 import SMEM_BUDGET
+    from ops.gemm_w4a8 import w4a8_smem_bytes
+    from test_gemm_fp8 import _sass_and_ptxas_log
+
+    assert gemm_w4a8.W4A8_CHAINS is False and "chains" not in plan_w4a8(64, 7168, 2048)
+    assert "chains" not in plan_w4a8(16, 4096, 7168, chains=True)          # the 64-row plan pairs or folds
+    for m, n, k, splits in ((64, 7168, 2048, 1), (16, 7168, 2048, 1), (33, 4096, 7168, 2), (64, 24576, 1536, 1)):
+        p = plan_w4a8(m, n, k, chains=True)
+        assert (p["block_n"], p["chains"], p["splits"]) == (64, 2, splits), (m, n, k)
+        assert not p["fold"] and not p["pair"] and "stage_out" not in p
+        assert w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", True)
+    assert plan_w4a8(64, 7168, 2048)["chains"] == 2
+    for m, n, k, group in ((64, 7168, 2048, False), (33, 4096, 7168, True)):
+        p = plan_w4a8(m, n, k, group_scales=group)
+        src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
+        body = src.split('extern "C" __global__')[-1]
+        assert body.count(".init(128);") == 2 * p["stages"] + 1, (m, n, k)
+        assert "tl::__sync_thread_partial(11, 256);" in body
+        assert ("*(float4*)(Part + " in body) == (p["splits"] > 1)
+        if group:       # promote step 2s + chain: the factor's column moves by 2 a step, plus the chain
+            assert "(((int)threadIdx.x) >> 7)) + 2)]" in body
+        sass, log = _sass_and_ptxas_log(src)
+        assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == [], (m, n, k)
+        assert sass.count("QGMMA") >= 4
+    with pytest.raises(ValueError, match="block_n and chains must be"):
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "chains": 1})
+    with pytest.raises(ValueError, match="block_n and chains must be"):
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2, "fold": True})
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -577,6 +616,34 @@ def test_gpu_matches_the_fp32_product(m, n, k):
     out = ops.mxfp4_w4a8_gemm_nt(*dev)
     again = ops.mxfp4_w4a8_gemm_nt(*dev)
     assert torch.equal(out, again)
+    out = out.float().cpu()
+    assert not out.isnan().any()
+    assert calc_diff(out, ref) < 1e-5
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,group", [(64, 7168, 2048, False), (16, 7168, 2048, False), (33, 4096, 7168, False),
+                                         (40, 24576, 1536, False), (64, 384, 2048, False), (64, 4096, 7168, True),
+                                         (13, 7168, 2048, True)])
+def test_gpu_chains_match_the_fp32_product(m, n, k, group, monkeypatch):
+    """W4A8_CHAINS on (64-row blocks in two K chains, one split or partials for the reduce kernel): against the fp32
+    product (calc_diff < 1e-5, every element within bf16 rounding), per-token or per-group activation scales, m
+    tails, tiny weight scales; repeated runs bitwise equal."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", True)
+    assert plan_w4a8(m, n, k, group_scales=group).get("chains") == 2
+    g = torch.Generator().manual_seed(m * 5 + n)
+    packed, scales = weights(n, k, g)
+    scales[0, :3] = torch.tensor([0, 1, 5], dtype=torch.uint8)
+    if group:
+        a, sa = group_activations(m, k, g)
+        ref = ops.dequant_fp8_token_groups(a, sa) @ ops.dequant_mxfp4(packed, scales).T
+    else:
+        a, sa = activations(m, k, g)
+        ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert torch.equal(out, ops.mxfp4_w4a8_gemm_nt(*dev))
     out = out.float().cpu()
     assert not out.isnan().any()
     assert calc_diff(out, ref) < 1e-5

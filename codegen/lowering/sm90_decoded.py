@@ -161,12 +161,13 @@ def _reg_step(j, first, io):
             decode[1](regs[j % 2].data, rows, place, s, frag.data)
         if mark is not None:
             mark("decoded", s)
+        before = s - chains if u == 0 else s      # the step of this chain's part before (a factor's step)
         if one_temp and idx > 0:
             # one temporary: the part before (still in it) retires and is added before this part's WGMMAs reuse it
             emit(T.wait_wgmma(0))
             if u == 0:
                 emit(T.mbarrier_arrive(empty[(s - 1) % stages]))
-            _promote(acc, temps[0], pfactor, s - 1)
+            _promote(acc, temps[0], pfactor, before)
         if temps is None:
             emit(T.wgmma_gemm(frag, s_s[slot, :, u * FRAGMENT_K:(u + 1) * FRAGMENT_K], acc, transpose_B=True,
                               clear_accum=False, policy=policy))
@@ -186,7 +187,7 @@ def _reg_step(j, first, io):
             if u == 0:
                 emit(T.mbarrier_arrive(empty[(s - chains) % stages]))   # this chain's step before
             if temps is not None:
-                _promote(acc, temps[(idx - 1) % 2], pfactor, s - 1)
+                _promote(acc, temps[(idx - 1) % 2], pfactor, before)
     if mark is not None:
         mark("issued", s)
 
@@ -227,9 +228,10 @@ def _reg_burst(first, count, io):
     if len(frags) > 1:
         emit(T.wait_wgmma(0))
         last = first + count - 1
-        emit(T.mbarrier_arrive(empty[(last if chains == 1 else last * chains + chain) % stages]))
+        last = last if chains == 1 else last * chains + chain      # the loop's step
+        emit(T.mbarrier_arrive(empty[last % stages]))
         if temps is not None:
-            _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, first + count - 1)
+            _promote(io[5], temps[(count * parts - 1) % len(temps)], pfactor, last)
     if tile_done is not None:   # nothing in flight here (the burst drained): a tile's accumulator is complete
         _tile_boundary(first + count, tile_done[0], io[13], tile_done[1], io[5])
 
@@ -327,9 +329,10 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     # chains=2: the MMA warpgroups take alternate K steps of the same rows (warpgroup w steps w, w + 2, ...), each
     # into its own half of acc (rows [w * R, (w + 1) * R) for R = the raw tile's rows; the caller adds the halves
     # in its epilogue): two decoding warpgroups an SM on R = 64 weight rows, without a split. Two MMA warpgroups,
-    # one block an SM, a decode from shared memory, no promote or tile_done; the raw tile has R rows and the
-    # decoded operand 2R (its rows R + i are raw row i of the other chain's steps); mark's steps are the loop's
-    # (each chain marks its own)
+    # one block an SM, a decode from shared memory, no tile_done, promote with two temporaries (each warpgroup
+    # promotes its own half, a factor given the loop's step); the raw tile has R rows and the decoded operand 2R
+    # (its rows R + i are raw row i of the other chain's steps); mark's steps are the loop's (each chain marks its
+    # own)
     # burst: steps between the loop's WGMMA drains (sm90.in_bursts; unrolled, plus tails of 1 .. burst - 1). Each drain
     # waits for the last step's WGMMA before the next decode starts: at 64 tokens ~350 cycles (bench/NOTES.md
     # "Session 47")
@@ -337,10 +340,11 @@ def mma_register_decoded_loop(steps, loads, operands, acc, decode, stages=4, pro
     (s_shape, s_dtype), (raw_shape, raw_dtype), (d_shape, d_dtype) = operands
     parts = s_shape[1] // FRAGMENT_K
     if chains not in (1, 2) or (chains == 2 and (consumers != 256 or blocks_per_sm != 1 or isinstance(decode, tuple)
-                                                  or promote is not False or tile_done is not None)):
+                                                  or (promote is not False and temps != 2)
+                                                  or tile_done is not None)):
         raise ValueError(f"chains must be 1 or 2; 2 takes two MMA warpgroups, one block an SM, a decode from shared "
-                         f"memory and no promote or tile_done: got chains={chains!r} at {consumers} MMA "
-                         f"threads, blocks_per_sm={blocks_per_sm}")
+                         f"memory, no tile_done and with promote two temporaries: got chains={chains!r} at "
+                         f"{consumers} MMA threads, blocks_per_sm={blocks_per_sm}, temps={temps!r}")
     if (parts not in (1, 2, 4) or s_shape[1] != parts * FRAGMENT_K or d_shape[1] != FRAGMENT_K
             or tuple(raw_shape) != (d_shape[0] // chains, parts * FRAGMENT_K // 8) or d_shape[0] != consumers // 2):
         raise ValueError(f"mma_register_decoded_loop takes K stages of 1, 2 or 4 parts of {FRAGMENT_K}, raw rows "
