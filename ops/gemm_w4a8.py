@@ -649,24 +649,33 @@ W4A8_BURST_64 = 8
 # again (bench A/B: provider tilecraft-w4a8-tails)
 W4A8_WHOLE_BURSTS = True
 # mxfp4_w4a8_gemm_nt's 64-row blocks in two K chains (ops.gemm_mxfp4.SWAPPED_CHAINS' kernel with promotion: each
-# warpgroup promotes its half of the accumulator) wherever their plan neither pairs nor folds; built in session 66,
-# CPU-checked only (bench provider tilecraft-w4a8-chains): off
-W4A8_CHAINS = False
+# warpgroup promotes its half of the accumulator): True, where the 128-row plan splits K (its pair, fold or reduce
+# kernel goes, or its splits halve) and the 64-row plan neither pairs nor folds; "any", also where the 128-row plan
+# has one split (bench provider tilecraft-w4a8-chains-any); False: off (tilecraft-w4a8-nochains). Session 66, H100,
+# e4m3 activations, us, off -> "any": 16x7168x2048 8.2 -> 6.7, 32x7168x2048 8.7 -> 6.8, 64x7168x2048 10.6 -> 7.8,
+# 64x2048x7168 12.0 -> 10.6, 32/64 x 4096x7168 13.0 / 14.8 -> 12.5 / 14.1; one-split 24576x1536 13.5 -> 14.3 at 16
+# tokens (equal at 32, 64): True leaves those out
+W4A8_CHAINS = True
+W4A8_CHAINS_VALUES = (False, True, "any")
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False, chains: bool | None = None) -> dict:
     """The token tile, split-K and stages of plan_swapped's rules with e4m3 activations (one byte a value) and
     128-deep stages; scale_tma, fold and pair as plan_swapped chooses them; the result staged as whole rows per
     W4A8_STAGE_OUT; then as many stages as fit next to this kernel's own tiles (the table, the factors: with
-    group_scales a (tokens, steps) block of them). chains (None: W4A8_CHAINS): 64-row blocks in two K chains
-    wherever their plan neither pairs nor folds (ops.gemm_mxfp4.SWAPPED_CHAINS_WHERE "any"'s rule); the plan then
-    names block_n=64 and chains=2."""
+    group_scales a (tokens, steps) block of them). chains (one of W4A8_CHAINS_VALUES; None: W4A8_CHAINS): True,
+    64-row blocks in two K chains where the 128-row plan splits K and the 64-row plan neither pairs nor folds; "any",
+    wherever the 64-row plan neither pairs nor folds; the plan then names block_n=64 and chains=2."""
     chains = W4A8_CHAINS if chains is None else chains
+    if chains not in W4A8_CHAINS_VALUES:
+        raise ValueError(f"chains must be one of {W4A8_CHAINS_VALUES} (or None: W4A8_CHAINS), got {chains!r}")
     knobs = dict(sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                  pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
-    p = plan_swapped(m, n, k, **knobs, **({"block_n": 64, "chains": 2} if chains else {}))
-    if not p.get("chains"):
-        p = plan_swapped(m, n, k, **knobs)
+    p = plan_swapped(m, n, k, **knobs)
+    if chains and (p["splits"] > 1 or chains == "any"):
+        narrow = plan_swapped(m, n, k, **knobs, block_n=64, chains=2)
+        if narrow.get("chains"):
+            p = narrow
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                fold=p["fold"], pair=p["pair"])
     if p.get("chains"):

@@ -162,9 +162,10 @@ def test_cpu_op_with_per_group_activation_scales():
         ops.mxfp4_w4a8_gemm_nt(a, sfa[:, :3].contiguous(), *prep)
 
 
-def test_group_scale_programs_promote_with_the_staged_factors():
+def test_group_scale_programs_promote_with_the_staged_factors(monkeypatch):
     """group_scales=True: the (token, step) factors come by TMA with the preloaded tiles and each step's product is
     added times its factor (FFMA in SASS), dense and masked; the plans leave room for them; no spills."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import SMEM_BUDGET
     from ops.gemm_w4a8 import w4a8_smem_bytes
@@ -281,9 +282,10 @@ def test_ops_have_fake_implementations():
     assert contiguous.shape == (256, 384) and contiguous.dtype == torch.bfloat16
 
 
-def test_program_lowers_to_e4m3_register_wgmma_with_promotion():
+def test_program_lowers_to_e4m3_register_wgmma_with_promotion(monkeypatch):
     """sm_90a: the fragment goes from registers into e4m3 x e4m3 WGMMAs (QGMMA in SASS, k32 each, four a step),
     each step's product lands in a temporary that is added to the accumulator; no spills."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from backends.cuda.sass import build_cubin, sass_stats
 
     for m, n, k in ((1, 4096, 7168), (64, 7168, 2048)):
@@ -301,6 +303,7 @@ def test_wide_pair_plan(monkeypatch):
     """W4A8_PAIR_WIDE (the default): a 2-split plan over 16 tokens folds in a cluster pair (the received half
     partial, 128 x 32 fp32, taken from the stages where needed) instead of the reduce kernel; 4-split plans are left
     alone; False: the reduce kernel."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import SMEM_BUDGET
     from ops.gemm_w4a8 import w4a8_smem_bytes
@@ -335,7 +338,7 @@ def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     plans = []
     for module, flag, value in ((gemm_mxfp4, "SWAPPED_FOLD", None), (gemm_mxfp4, "SWAPPED_FOLD", False),
                                 (gemm_mxfp4, "SWAPPED_PAIR", True), (gemm_mxfp4, "SWAPPED_SCALE_TMA", False),
-                                (gemm_w4a8, "W4A8_CHAINS", True)):
+                                (gemm_w4a8, "W4A8_CHAINS", False)):
         monkeypatch.setattr(module, flag, value)
         with pytest.raises(StopIteration):
             gemm_w4a8._launch(a, sa, *prep, torch.empty(16, 4096, dtype=torch.bfloat16))
@@ -537,6 +540,7 @@ def test_stage_out_plans_and_builds(monkeypatch):
     """W4A8_STAGE_OUT: by default (None) the split plans of 64-token tiles stage their result as whole rows -- the
     pair its half of C as 16-byte bf16 stores, the split its fp32 partial as 16-byte stores -- within the
     shared-memory budget, no spills; smaller tiles do not (True: all of them); a one-split plan is refused."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from backends.cuda.sass import build_cubin, sass_stats
     from ops.gemm_mxfp4 import SMEM_BUDGET
     from ops.gemm_w4a8 import w4a8_smem_bytes
@@ -557,9 +561,9 @@ def test_stage_out_plans_and_builds(monkeypatch):
 
 
 def test_chains_plan_and_lower(monkeypatch):
-    """W4A8_CHAINS (off until measured): 64-row blocks whose two MMA warpgroups take alternate K steps, each promoting
-    its own half of a (128, tokens) accumulator, wherever that plan neither pairs nor folds (16-token tiles at
-    4096x7168 keep 128 rows). The kernel has each chain's steps (barriers of 128 arrivals), the group scales' factor
+    """W4A8_CHAINS (True): 64-row blocks whose two MMA warpgroups take alternate K steps, each promoting its own half
+    of a (128, tokens) accumulator, where the 128-row plan splits K and the 64-row plan neither pairs nor folds
+    (16-token tiles at 4096x7168 keep 128 rows; one-split 24576x1536 too, unless "any"). The kernel has each chain's steps (barriers of 128 arrivals), the group scales' factor
     read at the chain's own step, no spills and no serialized WGMMA; the epilogue adds the halves once; the switch
     is in the launchers' key; bad combinations are refused."""
     from backends.cuda.sass import wgmma_serialized
@@ -567,15 +571,18 @@ def test_chains_plan_and_lower(monkeypatch):
     from ops.gemm_w4a8 import w4a8_smem_bytes
     from test_gemm_fp8 import _sass_and_ptxas_log
 
-    assert gemm_w4a8.W4A8_CHAINS is False and "chains" not in plan_w4a8(64, 7168, 2048)
-    assert "chains" not in plan_w4a8(16, 4096, 7168, chains=True)          # the 64-row plan pairs or folds
-    for m, n, k, splits in ((64, 7168, 2048, 1), (16, 7168, 2048, 1), (33, 4096, 7168, 2), (64, 24576, 1536, 1)):
-        p = plan_w4a8(m, n, k, chains=True)
+    assert gemm_w4a8.W4A8_CHAINS is True and plan_w4a8(64, 7168, 2048)["chains"] == 2
+    assert "chains" not in plan_w4a8(16, 4096, 7168, chains="any")         # the 64-row plan pairs or folds
+    assert "chains" not in plan_w4a8(64, 24576, 1536)                      # the 128-row plan has one split
+    for m, n, k, splits, where in ((64, 7168, 2048, 1, True), (16, 7168, 2048, 1, True), (33, 4096, 7168, 2, True),
+                                   (64, 24576, 1536, 1, "any")):
+        p = plan_w4a8(m, n, k, chains=where)
         assert (p["block_n"], p["chains"], p["splits"]) == (64, 2, splits), (m, n, k)
         assert not p["fold"] and not p["pair"] and "stage_out" not in p
         assert w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", True)
-    assert plan_w4a8(64, 7168, 2048)["chains"] == 2
+    assert "chains" not in plan_w4a8(64, 7168, 2048, chains=False)
+    with pytest.raises(ValueError, match="chains must be one of"):
+        plan_w4a8(64, 7168, 2048, chains="split")
     for m, n, k, group in ((64, 7168, 2048, False), (33, 4096, 7168, True)):
         p = plan_w4a8(m, n, k, group_scales=group)
         src = mxfp4_w4a8_swapped_program.source("sm_90a", n=n, k=k, **p)
@@ -627,10 +634,10 @@ def test_gpu_matches_the_fp32_product(m, n, k):
                                          (40, 24576, 1536, False), (64, 384, 2048, False), (64, 4096, 7168, True),
                                          (13, 7168, 2048, True)])
 def test_gpu_chains_match_the_fp32_product(m, n, k, group, monkeypatch):
-    """W4A8_CHAINS on (64-row blocks in two K chains, one split or partials for the reduce kernel): against the fp32
+    """W4A8_CHAINS "any" (64-row blocks in two K chains, one split or partials for the reduce kernel): against the fp32
     product (calc_diff < 1e-5, every element within bf16 rounding), per-token or per-group activation scales, m
     tails, tiny weight scales; repeated runs bitwise equal."""
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", True)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", "any")
     assert plan_w4a8(m, n, k, group_scales=group).get("chains") == 2
     g = torch.Generator().manual_seed(m * 5 + n)
     packed, scales = weights(n, k, g)
@@ -673,6 +680,7 @@ def test_gpu_per_group_activation_scales(m, n, k):
 def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
     """W4A8_PAIR_WIDE (the default): the pair adds the two scaled partials as the reduce kernel does (P0 + P1 ==
     P1 + P0 in fp32): the same bits as W4A8_PAIR_WIDE False."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     g = torch.Generator().manual_seed(m + k)
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
@@ -689,6 +697,7 @@ def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
     """W4A8_BURST_64: 64-token tiles (dense and masked) drain the WGMMA pipeline every 8 steps instead of 4 -- the
     loop unrolls 8 steps (twice the QGMMAs between drains), no spills -- smaller tiles keep the default; several
     tiles a block take it only where k / 128 is a multiple of it (tiles end where bursts do)."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from backends.cuda.sass import build_cubin, disassemble, sass_stats
 
     assert gemm_w4a8.W4A8_BURST_64 == 8
@@ -719,6 +728,7 @@ def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):
 def test_gpu_long_bursts_give_the_same_bits(monkeypatch, m, n, k):
     """W4A8_BURST_64 (8 steps between the WGMMA pipeline's drains at 64 tokens) against the loop's default (4):
     the same bits on the pair, reduce and tail-burst plans (steps % 8 != 0)."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     g = torch.Generator().manual_seed(m * n + k)
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
@@ -753,6 +763,7 @@ def test_gpu_masked_long_bursts_give_the_same_bits(monkeypatch, G, n, k):
 def test_gpu_stage_out_gives_the_same_bits(monkeypatch, m, n, k):
     """W4A8_STAGE_OUT (the pair's half of C, or the split's partial, out through shared memory as whole rows): the
     same bits as the stores from the accumulator's layout, on pair, reduce and fold plans and odd token counts."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     g = torch.Generator().manual_seed(m + n + k)
     packed, scales = weights(n, k, g)
     a, sa = activations(m, k, g)
@@ -772,6 +783,7 @@ def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, 
     the reduce kernel's bits (W4A8_FOLD / SWAPPED_FOLD False), a NaN scale's row NaN and no other (a NaN partial
     is stored as a ready value: no wait for it), repeated calls equal, and every partials word READY_EMPTY again
     after the calls (ops._workspace.ready_partials: the next call finds them empty)."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", False)    # the 128-row plans (the chains: their tests)
     from ops import _workspace, gemm_mxfp4
 
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)       # the bf16 op on its swapped kernel at every m

@@ -141,8 +141,8 @@ def tilecraft_w4a8_with(flag, value=True):
     False: none; the default stages 64-token tiles'), W4A8_BURST_64 None (64-token tiles drain the WGMMA pipeline
     every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
     tiles, two promotion temporaries), W4A8_WHOLE_BURSTS False (the masked and contiguous loops with their tail
-    bursts, which never run), W4A8_CHAINS True (64-row blocks in two K chains where their plan neither pairs nor
-    folds)."""
+    bursts, which never run), W4A8_CHAINS False (no 64-row blocks in two K chains; "any": the chains also where the
+    128-row plan has one split)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -435,8 +435,10 @@ SUITE = Suite(
                Provider("tilecraft-masked-quads", tilecraft_masked_warps(QUADS=True), experimental=True),
                Provider("tilecraft-w4a8", tilecraft_w4a8, experimental=True),
                Provider("tilecraft-w4a8-fold", tilecraft_w4a8_with("W4A8_FOLD"), experimental=True),
-               # the W4A8 kernel's 64-row blocks in two K chains (ops.gemm_w4a8.W4A8_CHAINS)
-               Provider("tilecraft-w4a8-chains", tilecraft_w4a8_with("W4A8_CHAINS", True), experimental=True),
+               # the W4A8 kernel without its 64-row blocks in two K chains, or with them also where the 128-row plan has
+               # one split (ops.gemm_w4a8.W4A8_CHAINS)
+               Provider("tilecraft-w4a8-nochains", tilecraft_w4a8_with("W4A8_CHAINS", False), experimental=True),
+               Provider("tilecraft-w4a8-chains-any", tilecraft_w4a8_with("W4A8_CHAINS", "any"), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
