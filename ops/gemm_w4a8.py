@@ -657,6 +657,8 @@ W4A8_WHOLE_BURSTS = True
 # tokens (equal at 32, 64): True leaves those out
 W4A8_CHAINS = True
 W4A8_CHAINS_VALUES = (False, True, "any")
+# the chains' least token tile: 8-token tiles (m <= 8) never ran them on a GPU (no device time was left in session 66)
+W4A8_CHAINS_TOKENS = 16
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False, chains: bool | None = None) -> dict:
@@ -665,14 +667,15 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
     W4A8_STAGE_OUT; then as many stages as fit next to this kernel's own tiles (the table, the factors: with
     group_scales a (tokens, steps) block of them). chains (one of W4A8_CHAINS_VALUES; None: W4A8_CHAINS): True,
     64-row blocks in two K chains where the 128-row plan splits K and the 64-row plan neither pairs nor folds; "any",
-    wherever the 64-row plan neither pairs nor folds; the plan then names block_n=64 and chains=2."""
+    wherever the 64-row plan neither pairs nor folds; either only for token tiles of W4A8_CHAINS_TOKENS and more; the
+    plan then names block_n=64 and chains=2."""
     chains = W4A8_CHAINS if chains is None else chains
     if chains not in W4A8_CHAINS_VALUES:
         raise ValueError(f"chains must be one of {W4A8_CHAINS_VALUES} (or None: W4A8_CHAINS), got {chains!r}")
     knobs = dict(sms=sms, stage_k=BLOCK_K, a_bytes=1, stage_out=False, fold=W4A8_FOLD,
                  pair=False if W4A8_FOLD is not None else None, scale_tma=W4A8_SCALE_TMA)
     p = plan_swapped(m, n, k, **knobs)
-    if chains and (p["splits"] > 1 or chains == "any"):
+    if chains and p["tokens"] >= W4A8_CHAINS_TOKENS and (p["splits"] > 1 or chains == "any"):
         narrow = plan_swapped(m, n, k, **knobs, block_n=64, chains=2)
         if narrow.get("chains"):
             p = narrow

@@ -574,6 +574,7 @@ def test_chains_plan_and_lower(monkeypatch):
     assert gemm_w4a8.W4A8_CHAINS is True and plan_w4a8(64, 7168, 2048)["chains"] == 2
     assert "chains" not in plan_w4a8(16, 4096, 7168, chains="any")         # the 64-row plan pairs or folds
     assert "chains" not in plan_w4a8(64, 24576, 1536)                      # the 128-row plan has one split
+    assert "chains" not in plan_w4a8(8, 7168, 2048, chains="any")          # 8-token tiles: never run on a GPU
     for m, n, k, splits, where in ((64, 7168, 2048, 1, True), (16, 7168, 2048, 1, True), (33, 4096, 7168, 2, True),
                                    (64, 24576, 1536, 1, "any")):
         p = plan_w4a8(m, n, k, chains=where)
