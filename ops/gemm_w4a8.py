@@ -745,7 +745,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
     mx = (_mxfp4.SWAPPED_FOLD, _mxfp4.SWAPPED_PAIR, _mxfp4.SWAPPED_SCALE_TMA)
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
                                             W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
-                                            W4A8_CHAINS, *mx), build)
+                                            W4A8_CHAINS, W4A8_CHAINS_TOKENS, *mx), build)
     count = arrival_counters(a.device, n // 128) if splits > 1 and reduce is None else bound_only(a.device)
     trace = bound_only(a.device, SWAPPED_TRACE_WORDS).view(1, SWAPPED_TRACE_WORDS)
     args = (a, codes.view(torch.int32), _tma_scale_words(offsets), check.aligned_copy(row_scale), check.aligned_copy(sfa))

@@ -322,7 +322,7 @@ def test_wide_pair_plan(monkeypatch):
 def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     """plan_w4a8 leaves fold, pair and scale_tma to plan_swapped's rules where the W4A8 switches are None (the
     default), and those read ops.gemm_mxfp4's SWAPPED_FOLD / SWAPPED_PAIR / SWAPPED_SCALE_TMA: the launchers' key
-    names them (and W4A8_CHAINS), so flipping one (bench providers tilecraft-fold / -reduce / -pair) plans anew."""
+    names them (and W4A8_CHAINS, W4A8_CHAINS_TOKENS), so flipping one (bench providers tilecraft-fold / -reduce / -pair) plans anew."""
     from ops import gemm_mxfp4
 
     keys = []
@@ -338,12 +338,12 @@ def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     plans = []
     for module, flag, value in ((gemm_mxfp4, "SWAPPED_FOLD", None), (gemm_mxfp4, "SWAPPED_FOLD", False),
                                 (gemm_mxfp4, "SWAPPED_PAIR", True), (gemm_mxfp4, "SWAPPED_SCALE_TMA", False),
-                                (gemm_w4a8, "W4A8_CHAINS", False)):
+                                (gemm_w4a8, "W4A8_CHAINS", False), (gemm_w4a8, "W4A8_CHAINS_TOKENS", 8)):
         monkeypatch.setattr(module, flag, value)
         with pytest.raises(StopIteration):
             gemm_w4a8._launch(a, sa, *prep, torch.empty(16, 4096, dtype=torch.bfloat16))
         plans.append(plan_w4a8(16, 4096, 7168))
-    assert len(set(keys)) == len(keys) == 5
+    assert len(set(keys)) == len(keys) == 6
     assert plans[0]["fold"] and not plans[1]["fold"] and plans[2]["scale_tma"] != plans[3]["scale_tma"]
 
 
@@ -633,11 +633,12 @@ def test_gpu_matches_the_fp32_product(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,group", [(64, 7168, 2048, False), (16, 7168, 2048, False), (33, 4096, 7168, False),
                                          (40, 24576, 1536, False), (64, 384, 2048, False), (64, 4096, 7168, True),
-                                         (13, 7168, 2048, True)])
+                                         (13, 7168, 2048, True), (1, 7168, 2048, False), (8, 7168, 2048, True)])
 def test_gpu_chains_match_the_fp32_product(m, n, k, group, monkeypatch):
-    """W4A8_CHAINS "any" (64-row blocks in two K chains, one split or partials for the reduce kernel): against the fp32
-    product (calc_diff < 1e-5, every element within bf16 rounding), per-token or per-group activation scales, m
-    tails, tiny weight scales; repeated runs bitwise equal."""
+    """W4A8_CHAINS "any" (64-row blocks in two K chains, one split or partials for the reduce kernel; 8-token tiles
+    too, W4A8_CHAINS_TOKENS = 8): against the fp32 product (calc_diff < 1e-5, every element within bf16 rounding),
+    per-token or per-group activation scales, m tails, tiny weight scales; repeated runs bitwise equal."""
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS_TOKENS", 8)
     monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", "any")
     assert plan_w4a8(m, n, k, group_scales=group).get("chains") == 2
     g = torch.Generator().manual_seed(m * 5 + n)
