@@ -5,7 +5,7 @@ stages asked for alone; swapped-v6: the v6 decode; swapped-fold / -reduce: split
 by the reduce kernel; swapped-ahead / -now: raw words loaded a step ahead of their decode or not;
 swapped-pair / -unpaired: a 2-split plan's blocks folding in clusters of two, or not; swapped-staged /
 -unstaged: the partials out through shared memory as whole rows, or from the accumulator layout; swapped-n128 /
--n64: the block width forced; swapped-chains-any: the chains wherever the 64-row plan takes them) and its
+-n64: the block width forced; swapped-chains-unsplit: the chains only where their plan has one split) and its
 split-K reduce against the decoded-tile kernel (ops.gemm_mxfp4.SWAPPED off) and the W4A8 kernel (w4a8:
 ops.mxfp4_w4a8_gemm_nt, e4m3 activations), on bench.suites.gemm's mxfp4 preset.
 
@@ -81,7 +81,7 @@ PATHS = {"swapped-1": _swapped(1), "swapped-tma": _swapped(1, scale_tma=True),
          "swapped-unpaired": _swapped(1, pair=False), "swapped-staged": _swapped(1, stage_out=True),
          "swapped-unstaged": _swapped(1, stage_out=False),
          "swapped-2": _swapped(2), "swapped-n128": _swapped(1, block_n=128),
-         "swapped-n64": _swapped(1, block_n=64), "swapped-chains-any": _swapped(1, chains_where="any"),
+         "swapped-n64": _swapped(1, block_n=64), "swapped-chains-unsplit": _swapped(1, chains_where="unsplit"),
          "tile": _tile, "w4a8": _w4a8}
 
 

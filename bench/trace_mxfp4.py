@@ -77,7 +77,8 @@ def trace_case_w4a8(m, n, k, warm=False, flush_mode="write", scale_tma=None, no_
     kern = gemm_w4a8.mxfp4_w4a8_swapped_program.compile(gemm_mxfp4.targets.resolve(a), n=n, k=k, trace=True,
                                                         **p, **({"no_offsets": True} if no_offsets else {})).launcher()
     inputs = (a, codes.view(torch.int32), offsets.view(torch.int32), row_scale, torch.ones(m, device="cuda"))
-    rows = _run_traced(kern, inputs, m, n, 1 if p["pair"] else p["splits"], n // 128 * p["splits"], warm, flush_mode)
+    blocks = n // p.get("block_n", 128) * p["splits"]     # (W4A8_CHAINS: 64-row blocks)
+    rows = _run_traced(kern, inputs, m, n, 1 if p["pair"] else p["splits"], blocks, warm, flush_mode)
     return {**p, "stage_k": 128, **({"no_offsets": True} if no_offsets else {})}, rows
 
 

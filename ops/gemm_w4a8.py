@@ -36,9 +36,8 @@ from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
                             SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_chains, _store_masked_swapped,
-                            _swapped_grid,
-                            _tma_scale_words, _trace_stamp, pair_recv_words, pair_source, plan_masked_swapped,
-                            plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
+                            _swapped_grid, _tma_scale_words, _trace_stamp, pair_recv_words, pair_source,
+                            plan_masked_swapped, plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -679,16 +678,15 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         narrow = plan_swapped(m, n, k, **knobs, block_n=64, chains=2)
         if narrow.get("chains"):
             p = narrow
+    chained = "chains" in p     # (then no pair and no staged partials: the halves' tile does that job)
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
-               fold=p["fold"], pair=p["pair"])
-    if p.get("chains"):
-        out.update(block_n=64, chains=2)
+               fold=p["fold"], pair=p["pair"], **({"block_n": 64, "chains": 2} if chained else {}))
     if group_scales:
         out["group_scales"] = True
-    if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"] and not p.get("chains"):
+    if W4A8_PAIR_WIDE and out["splits"] == 2 and not out["pair"] and not chained:
         out.update(pair=True, fold=False)
     stage = out["tokens"] >= SWAPPED_STAGE_OUT_TOKENS if W4A8_STAGE_OUT is None else W4A8_STAGE_OUT
-    if stage and out["splits"] > 1 and not p.get("chains"):
+    if stage and out["splits"] > 1 and not chained:
         out["stage_out"] = True
     if out["tokens"] == 64 and W4A8_BURST_64:
         out["burst"] = W4A8_BURST_64

@@ -462,9 +462,9 @@ SUITE = Suite(
                                            # 64-row blocks without the two chains: one MMA warpgroup a block
                                            ("tilecraft-nochains", "SWAPPED_CHAINS", False),
                                            # ... and the chains where 64-row blocks still split K
-                                           # the chains' 64 rows only where the 64-row plan has one split (the
-                                           # op before session 66), or also where it splits (the op: wherever the
-                                           # 64-row plan takes the chains)
+                                           # the chains' 64 rows only where their plan has one split (the op
+                                           # before session 66), or also where it splits K (the op, "any": also
+                                           # where the 128-row plan pairs or has one split)
                                            ("tilecraft-chains-unsplit", "SWAPPED_CHAINS_WHERE", "unsplit"),
                                            ("tilecraft-chains-split", "SWAPPED_CHAINS_WHERE", "split"),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
