@@ -656,8 +656,10 @@ W4A8_WHOLE_BURSTS = True
 # tokens (equal at 32, 64): True leaves those out
 W4A8_CHAINS = True
 W4A8_CHAINS_VALUES = (False, True, "any")
-# the chains' least token tile: 8-token tiles (m <= 8) never ran them on a GPU (no device time was left in session 66)
-W4A8_CHAINS_TOKENS = 16
+# the chains' least token tile. Session 67, H100, us, 16 -> 8 (the chains in place of the 128-row plan's 2-split pair):
+# 1x7168x2048 7.4 -> 6.4, 8x7168x2048 7.4 -> 6.5; 1/8 x 4096x7168 unchanged (the 64-row plan folds there). 16: the
+# chains from 16-token tiles only (bench provider tilecraft-w4a8-chains16)
+W4A8_CHAINS_TOKENS = 8
 
 
 def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False, chains: bool | None = None) -> dict:

@@ -338,7 +338,7 @@ def test_launchers_key_names_the_bf16_switches_the_plan_reads(monkeypatch):
     plans = []
     for module, flag, value in ((gemm_mxfp4, "SWAPPED_FOLD", None), (gemm_mxfp4, "SWAPPED_FOLD", False),
                                 (gemm_mxfp4, "SWAPPED_PAIR", True), (gemm_mxfp4, "SWAPPED_SCALE_TMA", False),
-                                (gemm_w4a8, "W4A8_CHAINS", False), (gemm_w4a8, "W4A8_CHAINS_TOKENS", 8)):
+                                (gemm_w4a8, "W4A8_CHAINS", False), (gemm_w4a8, "W4A8_CHAINS_TOKENS", 16)):
         monkeypatch.setattr(module, flag, value)
         with pytest.raises(StopIteration):
             gemm_w4a8._launch(a, sa, *prep, torch.empty(16, 4096, dtype=torch.bfloat16))
@@ -574,7 +574,11 @@ def test_chains_plan_and_lower(monkeypatch):
     assert gemm_w4a8.W4A8_CHAINS is True and plan_w4a8(64, 7168, 2048)["chains"] == 2
     assert "chains" not in plan_w4a8(16, 4096, 7168, chains="any")         # the 64-row plan pairs or folds
     assert "chains" not in plan_w4a8(64, 24576, 1536)                      # the 128-row plan has one split
-    assert "chains" not in plan_w4a8(8, 7168, 2048, chains="any")          # 8-token tiles: never run on a GPU
+    assert plan_w4a8(8, 7168, 2048).get("chains") == 2                    # 8-token tiles too (W4A8_CHAINS_TOKENS)
+    assert "chains" not in plan_w4a8(1, 4096, 7168, chains="any")          # the 64-row plan folds
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS_TOKENS", 16)
+    assert "chains" not in plan_w4a8(8, 7168, 2048, chains="any")
+    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS_TOKENS", 8)
     for m, n, k, splits, where in ((64, 7168, 2048, 1, True), (16, 7168, 2048, 1, True), (33, 4096, 7168, 2, True),
                                    (64, 24576, 1536, 1, "any")):
         p = plan_w4a8(m, n, k, chains=where)
@@ -636,9 +640,8 @@ def test_gpu_matches_the_fp32_product(m, n, k):
                                          (13, 7168, 2048, True), (1, 7168, 2048, False), (8, 7168, 2048, True)])
 def test_gpu_chains_match_the_fp32_product(m, n, k, group, monkeypatch):
     """W4A8_CHAINS "any" (64-row blocks in two K chains, one split or partials for the reduce kernel; 8-token tiles
-    too, W4A8_CHAINS_TOKENS = 8): against the fp32 product (calc_diff < 1e-5, every element within bf16 rounding),
+    too): against the fp32 product (calc_diff < 1e-5, every element within bf16 rounding),
     per-token or per-group activation scales, m tails, tiny weight scales; repeated runs bitwise equal."""
-    monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS_TOKENS", 8)
     monkeypatch.setattr(gemm_w4a8, "W4A8_CHAINS", "any")
     assert plan_w4a8(m, n, k, group_scales=group).get("chains") == 2
     g = torch.Generator().manual_seed(m * 5 + n)
@@ -789,6 +792,8 @@ def test_gpu_fenceless_fold_is_the_reduce_and_empties_its_partials(monkeypatch, 
     from ops import _workspace, gemm_mxfp4
 
     monkeypatch.setattr(gemm_mxfp4, "WARP_TOKENS", 0)       # the bf16 op on its swapped kernel at every m
+    # the bf16 op's 128-row plans: with SWAPPED_FOLD off its 64-row chains would take these shapes (another sum order)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
     g = torch.Generator().manual_seed(m * 7 + k)
     packed, scales = weights(n, k, g)
     scales[5, 2] = 255

@@ -142,7 +142,7 @@ def tilecraft_w4a8_with(flag, value=True):
     every 4 steps, the loop's default, instead of 8), W4A8_CONTIGUOUS_TILE 64 (the contiguous kernel's 64-token
     tiles, two promotion temporaries), W4A8_WHOLE_BURSTS False (the masked and contiguous loops with their tail
     bursts, which never run), W4A8_CHAINS False (no 64-row blocks in two K chains; "any": the chains also where the
-    128-row plan has one split), W4A8_CHAINS_TOKENS 8 (the chains on 8-token tiles too)."""
+    128-row plan has one split), W4A8_CHAINS_TOKENS 16 (the chains from 16-token tiles only)."""
     def make(case, i):
         from ops import gemm_w4a8
 
@@ -439,7 +439,7 @@ SUITE = Suite(
                # one split (ops.gemm_w4a8.W4A8_CHAINS)
                Provider("tilecraft-w4a8-nochains", tilecraft_w4a8_with("W4A8_CHAINS", False), experimental=True),
                Provider("tilecraft-w4a8-chains-any", tilecraft_w4a8_with("W4A8_CHAINS", "any"), experimental=True),
-               Provider("tilecraft-w4a8-chains8", tilecraft_w4a8_with("W4A8_CHAINS_TOKENS", 8), experimental=True),
+               Provider("tilecraft-w4a8-chains16", tilecraft_w4a8_with("W4A8_CHAINS_TOKENS", 16), experimental=True),
                Provider("tilecraft-w4a8-tma", tilecraft_w4a8_with("W4A8_SCALE_TMA"), experimental=True),
                Provider("tilecraft-w4a8-group", lambda case, i: tilecraft_w4a8(case, i, group=True), experimental=True),
                Provider("tilecraft-w4a8-nopair", tilecraft_w4a8_with("W4A8_PAIR_WIDE", False), experimental=True),
