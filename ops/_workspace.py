@@ -92,11 +92,11 @@ _READY_KEPT: list = []
 
 
 def ready_partials(device, splits, rows, n):
-    """A (splits, rows, n) fp32 view of a buffer whose every word holds ops.gemm_mxfp4.READY_EMPTY, for the
+    """A (splits, rows, n) fp32 view of a buffer whose every word holds ops._ready.READY_EMPTY, for the
     swapped kernels' fenceless split-K fold, which sets each word it reads back to READY_EMPTY before it ends:
     one buffer per (device, stream), as arrival_counters (under CUDA graph capture: _per_stream). A buffer
     outgrown by a larger call is kept, not freed (a CUDA graph captured with it still points there)."""
-    from ops.gemm_mxfp4 import READY_EMPTY
+    from ops._ready import READY_EMPTY
 
     size = splits * rows * n
 

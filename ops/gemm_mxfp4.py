@@ -21,6 +21,8 @@ import torch
 from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
+from ops._ready import READY_EMPTY as READY_EMPTY  # (re-exported: ops.gemm_mxfp4.READY_EMPTY)
+from ops._ready import READY_SOURCE, ready_fold, ready_value
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops import _validate as check
 from ops.gemm_fp8 import _touch
@@ -734,68 +736,6 @@ def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=N
                                                 "bfloat16")
 
 
-# The swapped kernels' split-K fold (fold=True) without fences: Part starts as READY_EMPTY in every word
-# (ops._workspace.ready_partials) and goes back to it as the tile's last block reads it. A split block stores its
-# partial (a value that is READY_EMPTY's bits is stored as the canonical NaN: arithmetic never makes it) and
-# arrives on the tile's counter with no fence; the last to arrive reads each split's words with relaxed loads,
-# again until none is READY_EMPTY. Its path after its loop is then the counter's round trip and one read of the
-# partials, where the fenced fold (threadFenceReduction's) waits for its own stores, then the counter, then the
-# reads: ~2500 cycles at 1x4096x7168 in the session-43 traces (bench/NOTES.md "Session 44").
-READY_EMPTY = -1            # 0xFFFFFFFF: a NaN with every payload bit set
-READY_SOURCE = r"""
-__device__ __forceinline__ float tc_ready_value(float v) {   // v, or the canonical NaN if v has READY_EMPTY's bits
-  return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
-}
-__device__ __forceinline__ uint4 tc_ready_load4(const float* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ bool tc_ready_empty4(uint4 v) {
-  return (v.x == 0xFFFFFFFFu) | (v.y == 0xFFFFFFFFu) | (v.z == 0xFFFFFFFFu) | (v.w == 0xFFFFFFFFu);
-}
-// For each of the first `valid` of kItems items i: C[i * item + 0..3] (bf16) = ((P0 + P1) + P2) + ... of the four
-// fp32 words at part + i * item + s * stride. Every item's and split's words are loaded at once (one round trip, not
-// kItems x kSplits), then any still READY_EMPTY loaded again until it is not; each is set back to READY_EMPTY (the
-// next launch finds every word empty).
-template <int kSplits, int kItems>
-__device__ __forceinline__ void tc_ready_fold4(void* c, float* part, long stride, long item, int valid) {
-  uint4 v[kItems][kSplits];
-#pragma unroll
-  for (int i = 0; i < kItems; ++i)
-#pragma unroll
-    for (int s = 0; s < kSplits; ++s)
-      if (i < valid) v[i][s] = tc_ready_load4(part + i * item + s * stride);
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    if (i >= valid) break;
-#pragma unroll
-    for (int s = 0; s < kSplits; ++s) {
-      float* p = part + i * item + s * stride;
-      while (tc_ready_empty4(v[i][s])) v[i][s] = tc_ready_load4(p);
-      *reinterpret_cast<uint4*>(p) = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
-    }
-    float4 acc = make_float4(__uint_as_float(v[i][0].x), __uint_as_float(v[i][0].y), __uint_as_float(v[i][0].z),
-                             __uint_as_float(v[i][0].w));
-#pragma unroll
-    for (int s = 1; s < kSplits; ++s) {
-      acc.x = __fadd_rn(acc.x, __uint_as_float(v[i][s].x)), acc.y = __fadd_rn(acc.y, __uint_as_float(v[i][s].y));
-      acc.z = __fadd_rn(acc.z, __uint_as_float(v[i][s].z)), acc.w = __fadd_rn(acc.w, __uint_as_float(v[i][s].w));
-    }
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-    reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(c) + i * item)[0] =
-        make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
-  }
-}
-"""
-
-
-def _ready(v):
-    # a partial's value as stored for the fold (never READY_EMPTY's bits)
-    return T.call_extern("float32", "tc_ready_value", v)
-
-
 def swapped_epilogue(acc, C, Part, Count, recv, tn, ts, m, steps, splits, block_n, tokens, fold, staged=None,
                      factor=None, mark=None):
     """The swapped kernels' epilogue (bf16 and ops.gemm_w4a8's): with recv (pair), the cluster pair's fold;
@@ -823,13 +763,13 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
         tile.barrier(threads=2 * block_n)
         for j, i in tile.parallel(tokens, block_n):
             if j < m:
-                Part[ts, j, tn * block_n + i] = _ready(staged[j, i]) if fold else staged[j, i]
+                Part[ts, j, tn * block_n + i] = ready_value(staged[j, i]) if fold else staged[j, i]
     else:
         for i, j in tile.parallel(block_n, tokens):
             if j < m:
                 if splits > 1:   # a split past the end of K (steps == 0) contributes zeros
-                    Part[ts, j, tn * block_n + i] = (_ready(T.if_then_else(steps > 0, out[i, j], 0.0)) if fold else
-                                                     T.if_then_else(steps > 0, out[i, j], 0.0))
+                    Part[ts, j, tn * block_n + i] = (ready_value(T.if_then_else(steps > 0, out[i, j], 0.0))
+                                                     if fold else T.if_then_else(steps > 0, out[i, j], 0.0))
                 else:
                     C[j, tn * block_n + i] = T.cast(out[i, j], "bfloat16")
     if mark is not None:
@@ -838,7 +778,7 @@ def _store_swapped(acc, C, Part, Count, tn, ts, m, steps, splits, block_n, token
         if tile.last_arrival(Count, tn, splits, threads=2 * block_n, ordered=False):
             if mark is not None:
                 mark("exchanged")
-            _ready_fold(C, Part, tn, m, splits, block_n, tokens)
+            ready_fold(C, Part, splits, tokens, block_n, tn * block_n, m, m, 2 * block_n)
 
 
 @T.macro
@@ -864,27 +804,6 @@ def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, token
 def _times(x, factor, i, j):
     # x, times factor(i, j) if given
     return x if factor is None else x * factor(i, j)
-
-
-def _ready_fold(C, Part, tn, m, splits, block_n, tokens):
-    # four columns of a token a thread at a time: tokens x block_n / 4 such items over the 2 x block_n MMA threads,
-    # a thread's items rows = 8 tokens apart (block_n = 128), up to 8 items x splits loads in flight at once
-    rows = 2 * block_n // (block_n // 4)
-    items = -(-tokens // rows)
-    batch = max(1, min(items, 8 // splits))
-    for b in range(-(-items // batch)):
-        _ready_fold_batch(C, Part, tn, m, splits, block_n, rows, b * batch, min(batch, items - b * batch))
-
-
-@T.macro
-def _ready_fold_batch(C, Part, tn, m, splits, block_n, rows, first, count):
-    tid = T.get_thread_binding()
-    j = first * rows + tid // (block_n // 4)
-    if j < m:
-        col = tn * block_n + tid % (block_n // 4) * 4
-        T.evaluate(T.call_extern("handle", f"tc_ready_fold4<{splits}, {count}>", T.address_of(C[j, col]),
-                                 T.address_of(Part[0, j, col]), T.cast(m, "int64") * Part.shape[2],
-                                 T.cast(rows, "int64") * Part.shape[2], T.min((m - j + rows - 1) // rows, count)))
 
 
 GROUPED_MODES = ("contiguous", "masked")

@@ -32,9 +32,10 @@ from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import gemm_mxfp4 as _mxfp4
 from ops import _validate as check
+from ops._ready import READY_SOURCE
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
-from ops.gemm_mxfp4 import (BLOCK_K, MX, READY_SOURCE, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
+from ops.gemm_mxfp4 import (BLOCK_K, MX, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
                             SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_chains, _store_masked_swapped,
                             _swapped_grid, _tma_scale_words, _trace_stamp, pair_recv_words, pair_source,
                             plan_masked_swapped, plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
