@@ -31,7 +31,8 @@ from codegen import jit, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
-from ops._workspace import arrival_counters, bound_only
+from ops._ready import READY_SOURCE, ready_fold, ready_value
+from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.quant import dequant_fp8_blocks, dequant_fp8_token_groups
 
 GROUP = 128
@@ -61,10 +62,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
 
     splits > 1 (dense only): split-K for grids too small to fill the GPU (decode). Block (tile, s)
     sums K blocks [s * per, (s + 1) * per) into fp32 partials Part[s]; fp8_gemm_reduce_program adds
-    them in the order s = 0, 1, ... (deterministic) and casts. fold=True (CUDA, the v2 loop): no
+    them in the order s = 0, 1, ... (deterministic) and casts. fold=True (CUDA): no
     second kernel; the last of a tile's blocks to finish (tile.last_arrival on Count[tile], a zeroed
     int32 per tile that it sets back to 0) adds the tile's partials in that same order and casts:
-    the same bits as the reduce kernel.
+    the same bits as the reduce kernel. In the v2 loop with fences; in the v3 loop (sm_90a, bf16 out)
+    without (ops._ready): Part must then hold READY_EMPTY in every word (ops._workspace.ready_partials),
+    and is left so.
 
     cluster=True (CUDA, splits > 1, either loop): a tile's `splits` blocks are one thread-block
     cluster (tile.cluster_grid; the hardware runs them at once, so they may wait on each other). Each
@@ -147,9 +150,12 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
         raise ValueError(f"trace_steps=True stamps the v3 loop's K blocks of one tile a CTA: it needs trace=True, "
                          f"overlap=True and persistent=False, got trace={trace}, overlap={overlap}, "
                          f"persistent={persistent}")
-    if fold and (splits == 1 or overlap):
-        raise ValueError(f"fold=True adds split-K partials inside the v2 loop's kernel: it needs splits > 1 and "
-                         f"overlap=False, got splits={splits}, overlap={overlap}")
+    if fold and splits == 1:
+        raise ValueError(f"fold=True adds split-K partials inside the kernel: it needs splits > 1, got splits={splits}")
+    if fold and overlap and (out_dtype != "bfloat16" or tile.producer_threads() == 0):
+        raise ValueError(f"fold=True in the v3 loop (overlap=True) is the fenceless fold of bf16 tiles on sm_90a's "
+                         f"MMA threads: it needs out_dtype bfloat16 and a TMA producer warpgroup (cuda:sm_90a), got "
+                         f"out_dtype={out_dtype!r}, producer threads {tile.producer_threads()}")
     if cluster and (splits not in (2, 4, 8) or fold or block_n % (8 * splits)):
         raise ValueError(f"cluster=True folds split-K partials in a cluster of the splits: it needs splits of 2, 4 "
                          f"or 8 dividing block_n into 8-column slices and fold=False, got splits={splits}, "
@@ -224,6 +230,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
             # clusters: a tile's split blocks (cluster), or two n-neighbours sharing A (multicast)
             with _grid(m_tiles * n_tiles * splits, threads + extra,
                        splits if cluster else (2 if multicast else 1)) as bid:
+                if fold and overlap:
+                    # (TileLang's common header first: the helpers' bf16 types)
+                    tile.import_cuda_helpers("#include <tl_templates/cuda/common.h>\n" + READY_SOURCE)
                 if raster > 1:
                     (tm, tn), ts = _rastered(bid, m_tiles, n_tiles, raster, 2 if multicast else 1), 0
                 else:
@@ -306,6 +315,9 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     chunk = lambda c: _sfa_chunk(SFA, masked, g, row0, block_m, kb, sfa_ring, c)  # noqa: E731
                     store = ((lambda: _cluster_fold(acc, where, mine, splits, out_dtype, block_n, mark, recv))
                              if cluster
+                             else (lambda: _store_ready(acc, where, mine, splits, block_m, block_n, Count,
+                                                        tm * n_tiles + tn, threads, mark))
+                             if fold
                              else (lambda c_s: _store_staged(acc, c_s, where, mine, mode, out_dtype, block_n, threads,
                                                              mark))
                              if stage_c
@@ -706,6 +718,25 @@ def _stage_rows(acc, c_s, where, mine, mode, out_dtype, width, col0):
 
 
 @T.macro
+def _store_ready(acc, where, mine, splits, block_m, block_n, Count, index, threads, mark):
+    """fold=True in the v3 loop: the split's partial into Part as ready words (ops._ready), the `threads` MMA
+    threads' arrival on Count[index] without fences, then the tile's last block to arrive adds the tile's
+    partials in split order (the reduce kernel's bits) into C, waiting for each word, and empties them."""
+    C, Part, MIdx, row0, first, limit, height, g, tn, ts = where
+    with tile.vector():
+        for i, j in tile.parallel(mine, block_n):
+            r = row0 + first + i
+            if r < height:
+                Part[ts, r, tn * block_n + j] = ready_value(acc[i, j])
+    if mark is not None:
+        mark("stored")
+    if tile.last_arrival(Count, index, splits, threads=threads, ordered=False):
+        # up to 16 loads a thread in flight: the accumulators are dead by now
+        ready_fold(C, Part, splits, block_m, block_n, tn * block_n, T.min(height, row0 + block_m), height, threads,
+                   row0=row0, in_flight=16)
+
+
+@T.macro
 def _store_marked(acc, where, mine, mode, splits, out_dtype, block_n, mark):
     _store(acc, where, mine, mode, splits, out_dtype, block_n)
     if mark is not None:
@@ -868,6 +899,11 @@ OVERLAP_STAGES = 6     # v3 releases a stage one step later: up to this many sta
 # CUDA split-K: the last block of a tile adds the partials instead of a reduce kernel. Off: measured
 # 1-5 us slower on every split decode shape (bench/NOTES.md "GEMM v4": one block a tile folds it)
 FOLD_IN_KERNEL = False
+# sm_90a, the v3 loop's split plans (dense, bf16 out): the tile's last split block adds the partials, without
+# fences (fp8_gemm_program fold=True with overlap=True; ops._ready: the partials' words say when they have landed),
+# instead of the reduce kernel, whose launch and pass a CUDA graph pays after the GEMM (the MXFP4 swapped kernels'
+# split plans: 1.5-2 us of reduce kernel and ~3 us more of graph time, bench/NOTES.md "Session 66")
+READY_FOLD = False
 # CUDA split-K: a tile's split blocks form a cluster and fold the partials among themselves
 # (fp8_gemm_program cluster=True), where the GPU holds all the grid's clusters at once. Off: measured
 # slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
@@ -1166,21 +1202,26 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
         if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
                 and -(-rows // p["block_m"]) * groups > RASTER):
             p.setdefault("raster", RASTER)
-        p.setdefault("fold", FOLD_IN_KERNEL and p["splits"] > 1 and not p.get("overlap") and not p.get("cluster")
-                     and target.vendor == "cuda")
         out_dtype = OUT_DTYPES[out2.dtype]
+        split = p["splits"] > 1 and not p.get("cluster")
+        if p.get("overlap"):        # the v3 loop: the fenceless fold (READY_FOLD)
+            p.setdefault("fold", READY_FOLD and split and target.name == "cuda:sm_90a" and out_dtype == "bfloat16")
+        else:
+            p.setdefault("fold", FOLD_IN_KERNEL and split and target.vendor == "cuda")
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
         counters = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 0
         folded = p["fold"] or p.get("cluster", False)
-        return (p["splits"], counters, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
+        ready = p["fold"] and bool(p.get("overlap"))
+        return (p["splits"], counters, ready, *split_k_launchers(kernel, target, n, p["splits"], out_dtype, folded))
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, SFA_RING,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, READY_FOLD, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
-    splits, counters, kernel, reduce = jit.launchers(key, build)
+    splits, counters, ready, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)
-    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count)
+    launch_split_k(kernel, reduce, (a2, sfa2, b3, sfb3, m_idx, masked_m), out2, splits, count,
+                   part=ready_partials(a2.device, splits, rows, n) if ready else None)
 
 
 def _check_out(out, shape, device):

@@ -275,7 +275,7 @@ def test_reduce_lowers_for_ascend():
 def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     """fold=True: after storing its partials a block arrives on its tile's counter (fence, atomic);
     the last adds the partials in split order and writes C, so no reduce kernel is built. It needs
-    the v2 loop with splits > 1, and a target with a rule for tile.last_arrival."""
+    splits > 1 and a target with a rule for tile.last_arrival (the v3 loop's fold: its own test)."""
     from codegen.rules import NoRuleError
     from ops.gemm_fp8 import split_k_launchers
 
@@ -287,8 +287,6 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     assert fold.count("Part_local_cast_") >= 4 and "*(uint2*)(C +" in fold
     with pytest.raises(ValueError, match="fold=True"):
         fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=1, fold=True)
-    with pytest.raises(ValueError, match="fold=True"):
-        fp8_gemm_program.source("sm_90a", n=4096, k=7168, splits=4, overlap=True, fold=True)
     with pytest.raises(NoRuleError, match="last_arrival"):
         fp8_gemm_program.source("ascend", n=4096, k=7168, splits=4, fold=True)
 
@@ -316,6 +314,50 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
         def launcher(self):
             return "kernel"
     assert split_k_launchers(Kernel(), "sm_90a", 4096, 4, "bfloat16", fold=True) == ("kernel", None)
+
+
+def test_v3_split_k_ready_fold_has_no_fences_and_one_batch_of_loads(monkeypatch):
+    """fold=True in the v3 loop (READY_FOLD): a split block stores its partial as ready words (tc_ready_value), the
+    256 MMA threads arrive on the tile's counter with no fence, and the last block folds the tile with up to 16
+    loads a thread in flight (tc_ready_fold4<splits, items>: one batch for 64 x 64 in 4 splits, two for 128 x 128 in
+    2); no spills, no serialized WGMMA. bf16 out on sm_90a only. READY_FOLD is in the launchers' key."""
+    from ops import gemm_fp8
+    from test_gemm_fp8 import _sass_and_ptxas_log
+
+    for params, calls in ((dict(n=2112, k=7168, block_m=64, block_n=64, splits=4, stages=6), ["<4, 4>"]),
+                          (dict(n=7168, k=16384, block_m=128, block_n=128, splits=2, stages=5), ["<2, 8>"] * 2)):
+        src = fp8_gemm_program.source("sm_90a", overlap=True, fold=True, **params)
+        body = src.split('extern "C" __global__')[-1]
+        assert "__threadfence" not in body and body.count("AtomicAddRet(") == 1
+        assert re.search(r"Part\[.*\] = tc_ready_value\(acc", body)
+        assert re.findall(r"tc_ready_fold4(<\d+, \d+>)\(", body) == calls
+        assert "tl::__sync_thread_partial(11, 256);" in body               # the MMA threads' arrival barrier
+        sass, log = _sass_and_ptxas_log(src)
+        assert "0 bytes spill stores, 0 bytes spill loads" in log and wgmma_serialized(log) == []
+        plain = fp8_gemm_program.source("sm_90a", overlap=True, **params)
+        assert "tc_ready" not in plain and "AtomicAddRet(" not in plain
+    for bad, match in ((dict(out_dtype="float32"), "out_dtype bfloat16"), (dict(splits=1), "splits > 1")):
+        with pytest.raises(ValueError, match=match):
+            fp8_gemm_program.source("sm_90a", n=2112, k=7168, block_m=64, block_n=64, **{"splits": 4, **bad},
+                                    overlap=True, fold=True)
+    with pytest.raises(ValueError, match="cuda:sm_90a"):
+        fp8_gemm_program.source("sm_100a", n=2112, k=7168, block_m=64, block_n=64, splits=4, overlap=True, fold=True)
+
+    keys = []
+
+    def launchers(key, build):
+        keys.append(key)
+        raise StopIteration
+    monkeypatch.setattr(gemm_fp8.jit, "launchers", launchers)
+    a, sfa = torch.zeros(64, 7168, dtype=torch.float8_e4m3fn), torch.ones(64, 56)
+    b, sfb = torch.zeros(1, 2112, 7168, dtype=torch.float8_e4m3fn), torch.ones(1, 17, 56)
+    aux = torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for flag in (False, True):
+        monkeypatch.setattr(gemm_fp8, "READY_FOLD", flag)
+        with pytest.raises(StopIteration):
+            gemm_fp8._launch("dense", a, sfa, b, sfb, *aux, torch.empty(64, 2112, dtype=torch.bfloat16), 2112, 7168,
+                             block_m=64)
+    assert len(set(keys)) == 2
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -658,6 +700,63 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
         out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(out.cpu(), reduced)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,splits", [(64, 2112, 7168, 4), (128, 7168, 16384, 2), (77, 256, 2048, 3),
+                                          (1, 2112, 2048, 2), (200, 512, 1536, 5)])
+def test_gpu_v3_ready_fold_matches_the_reduce_kernel(m, n, k, splits):
+    """The v3 loop's fenceless fold (fold=True, overlap=True; READY_FOLD) gives the reduce kernel's bits run after
+    run, a NaN scale's row NaN and no other, every partials word READY_EMPTY and every counter 0 after the runs, and
+    the same bits inside a CUDA graph; a split past the end of K (5 splits of 12 K blocks) adds zeros."""
+    from ops import _workspace
+    from ops._ready import READY_EMPTY
+
+    ref, launch = _split_k_runner(m, n, k, splits)
+    run = lambda fold, out=None: launch(out, overlap=True, fold=fold)  # noqa: E731
+
+    reduced = run(False).cpu()
+    folded = [run(True).cpu() for _ in range(3)]
+    for f in folded:
+        assert torch.equal(f, reduced)
+    torch.cuda.synchronize()
+    assert not _workspace.arrival_counters(torch.device("cuda"), 1).any()
+    for buf in _workspace._READY.values():
+        assert (buf.view(torch.int32) == READY_EMPTY).all()
+    assert calc_diff(reduced, ref) < 1e-3
+    assert_elementwise(reduced, ref)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(True, out)                                  # compiled, counters and partials made for this stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run(True, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out.cpu(), reduced)
+
+
+@pytest.mark.gpu
+def test_gpu_v3_ready_fold_is_the_ops_plan_and_keeps_nan_rows(monkeypatch):
+    """READY_FOLD on: ops.fp8_gemm_nt at 64x2112x7168 (4 splits) gives the reduce kernel's bits; a NaN row scale
+    makes that row NaN and no other (a NaN partial is stored as a ready value, never waited for)."""
+    from ops import gemm_fp8
+
+    g = torch.Generator().manual_seed(21)
+    m, n, k = 64, 2112, 7168
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
+    sfa[5, 3] = float("nan")
+    dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    monkeypatch.setattr(gemm_fp8, "READY_FOLD", False)
+    want = ops.fp8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_fp8, "READY_FOLD", True)
+    got = ops.fp8_gemm_nt(*dev)
+    assert got[5].isnan().all() and not got[:5].isnan().any() and not got[6:].isnan().any()
+    assert torch.equal(got[torch.arange(m) != 5], want[torch.arange(m) != 5])
 
 
 # ---- v3 K loop (overlap: tile.mma_promoted_loop) ------------------------------------------------

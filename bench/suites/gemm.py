@@ -218,6 +218,14 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
+def tilecraft_ready_fold(case, i):
+    """The op with ops.gemm_fp8.READY_FOLD flipped: the v3 loop's split plans fold their partials in the tile's
+    last block (fenceless) or run the reduce kernel, against the default in the same run."""
+    from ops import gemm_fp8
+
+    return _with_flag(gemm_fp8, "READY_FOLD", not gemm_fp8.READY_FOLD)(case, i)
+
+
 def tilecraft_raster8(case, i):
     """The op with ops.gemm_fp8.RASTER = 8: blocks take their tiles in groups of 8 m tiles (the prefill
     read 656 MB from DRAM instead of 905 in session 26, at about the same speed), against the default's
@@ -410,6 +418,7 @@ SUITE = Suite(
                Provider("tilecraft-128", tilecraft_128wide, experimental=True),
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
+               Provider("tilecraft-readyfold", tilecraft_ready_fold, experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 / 8 warps an SM, with 1 / 3 steps of
