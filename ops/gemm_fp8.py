@@ -902,8 +902,11 @@ FOLD_IN_KERNEL = False
 # sm_90a, the v3 loop's split plans (dense, bf16 out): the tile's last split block adds the partials, without
 # fences (fp8_gemm_program fold=True with overlap=True; ops._ready: the partials' words say when they have landed),
 # instead of the reduce kernel, whose launch and pass a CUDA graph pays after the GEMM (the MXFP4 swapped kernels'
-# split plans: 1.5-2 us of reduce kernel and ~3 us more of graph time, bench/NOTES.md "Session 66")
-READY_FOLD = False
+# split plans: 1.5-2 us of reduce kernel and ~3 us more of graph time, bench/NOTES.md "Session 66"), where the GEMM has
+# at most READY_FOLD_ROWS rows (0: nowhere). Session 67, H100, CUDA graphs: slower at 64 and 128 rows, whose 64 x 64
+# x 4-split and 128 x 128 x 2-split tiles one block reads back (and empties) alone: 64x2112x7168 11.5 -> 13.1 us,
+# 128x7168x16384 55.0 -> 56.0
+READY_FOLD_ROWS = 0
 # CUDA split-K: a tile's split blocks form a cluster and fold the partials among themselves
 # (fp8_gemm_program cluster=True), where the GPU holds all the grid's clusters at once. Off: measured
 # slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
@@ -1204,8 +1207,9 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p.setdefault("raster", RASTER)
         out_dtype = OUT_DTYPES[out2.dtype]
         split = p["splits"] > 1 and not p.get("cluster")
-        if p.get("overlap"):        # the v3 loop: the fenceless fold (READY_FOLD)
-            p.setdefault("fold", READY_FOLD and split and target.name == "cuda:sm_90a" and out_dtype == "bfloat16")
+        if p.get("overlap"):        # the v3 loop: the fenceless fold (READY_FOLD_ROWS)
+            p.setdefault("fold", rows <= READY_FOLD_ROWS and split and target.name == "cuda:sm_90a"
+                         and out_dtype == "bfloat16")
         else:
             p.setdefault("fold", FOLD_IN_KERNEL and split and target.vendor == "cuda")
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
@@ -1216,7 +1220,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, READY_FOLD, SFA_RING,
+           CLUSTER_FOLD, FOLD_IN_KERNEL, READY_FOLD_ROWS, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, ready, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -317,10 +317,10 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
 
 
 def test_v3_split_k_ready_fold_has_no_fences_and_one_batch_of_loads(monkeypatch):
-    """fold=True in the v3 loop (READY_FOLD): a split block stores its partial as ready words (tc_ready_value), the
+    """fold=True in the v3 loop (READY_FOLD_ROWS): a split block stores its partial as ready words (tc_ready_value), the
     256 MMA threads arrive on the tile's counter with no fence, and the last block folds the tile with up to 16
     loads a thread in flight (tc_ready_fold4<splits, items>: one batch for 64 x 64 in 4 splits, two for 128 x 128 in
-    2); no spills, no serialized WGMMA. bf16 out on sm_90a only. READY_FOLD is in the launchers' key."""
+    2); no spills, no serialized WGMMA. bf16 out on sm_90a only. READY_FOLD_ROWS is in the launchers' key."""
     from ops import gemm_fp8
     from test_gemm_fp8 import _sass_and_ptxas_log
 
@@ -352,8 +352,8 @@ def test_v3_split_k_ready_fold_has_no_fences_and_one_batch_of_loads(monkeypatch)
     a, sfa = torch.zeros(64, 7168, dtype=torch.float8_e4m3fn), torch.ones(64, 56)
     b, sfb = torch.zeros(1, 2112, 7168, dtype=torch.float8_e4m3fn), torch.ones(1, 17, 56)
     aux = torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    for flag in (False, True):
-        monkeypatch.setattr(gemm_fp8, "READY_FOLD", flag)
+    for rows in (0, 64):
+        monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", rows)
         with pytest.raises(StopIteration):
             gemm_fp8._launch("dense", a, sfa, b, sfb, *aux, torch.empty(64, 2112, dtype=torch.bfloat16), 2112, 7168,
                              block_m=64)
@@ -706,7 +706,7 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
 @pytest.mark.parametrize("m,n,k,splits", [(64, 2112, 7168, 4), (128, 7168, 16384, 2), (77, 256, 2048, 3),
                                           (1, 2112, 2048, 2), (200, 512, 1536, 5)])
 def test_gpu_v3_ready_fold_matches_the_reduce_kernel(m, n, k, splits):
-    """The v3 loop's fenceless fold (fold=True, overlap=True; READY_FOLD) gives the reduce kernel's bits run after
+    """The v3 loop's fenceless fold (fold=True, overlap=True; READY_FOLD_ROWS) gives the reduce kernel's bits run after
     run, a NaN scale's row NaN and no other, every partials word READY_EMPTY and every counter 0 after the runs, and
     the same bits inside a CUDA graph; a split past the end of K (5 splits of 12 K blocks) adds zeros."""
     from ops import _workspace
@@ -742,7 +742,7 @@ def test_gpu_v3_ready_fold_matches_the_reduce_kernel(m, n, k, splits):
 
 @pytest.mark.gpu
 def test_gpu_v3_ready_fold_is_the_ops_plan_and_keeps_nan_rows(monkeypatch):
-    """READY_FOLD on: ops.fp8_gemm_nt at 64x2112x7168 (4 splits) gives the reduce kernel's bits; a NaN row scale
+    """READY_FOLD_ROWS 64: ops.fp8_gemm_nt at 64x2112x7168 (4 splits) gives the reduce kernel's bits; a NaN row scale
     makes that row NaN and no other (a NaN partial is stored as a ready value, never waited for)."""
     from ops import gemm_fp8
 
@@ -751,9 +751,9 @@ def test_gpu_v3_ready_fold_is_the_ops_plan_and_keeps_nan_rows(monkeypatch):
     *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
     sfa[5, 3] = float("nan")
     dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
-    monkeypatch.setattr(gemm_fp8, "READY_FOLD", False)
+    monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", 0)
     want = ops.fp8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_fp8, "READY_FOLD", True)
+    monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", 64)
     got = ops.fp8_gemm_nt(*dev)
     assert got[5].isnan().all() and not got[:5].isnan().any() and not got[6:].isnan().any()
     assert torch.equal(got[torch.arange(m) != 5], want[torch.arange(m) != 5])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 67: the FP8 v3 loop's split plans fold in the tile's last block without fences (READY_FOLD, off) instead
+# Session 67: the FP8 v3 loop's split plans fold in the tile's last block without fences (READY_FOLD_ROWS, 0) instead
 # of the reduce kernel. ~6 min with the start, any card:
 # 1. the new GPU tests (bits of the reduce kernel, NaN rows, partials emptied, CUDA graph) and the other split-K tests;
 # 2. the decode preset: the op against tilecraft-readyfold (its two split rows: 64x2112x7168 4 splits, 128x7168x16384

@@ -19,6 +19,8 @@ DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 20
 PRESETS = {
     "prefill": [dict(kind="dense", m=4096, n=7168, k=16384)],
     "decode": [dict(kind="dense", m=m, n=n, k=k) for m in (64, 128) for n, k in DECODE_NK],
+    # a few tokens (small-batch decode) on the split plans of the MLA down projections (q_a 1536, kv_a 576, fused 2112)
+    "decode-few": [dict(kind="dense", m=m, n=n, k=7168) for m in (1, 8, 16, 32) for n in (2112, 1536, 576)],
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
@@ -219,11 +221,11 @@ def tilecraft_multicast(case, i):
 
 
 def tilecraft_ready_fold(case, i):
-    """The op with ops.gemm_fp8.READY_FOLD flipped: the v3 loop's split plans fold their partials in the tile's
-    last block (fenceless) or run the reduce kernel, against the default in the same run."""
+    """The op with ops.gemm_fp8.READY_FOLD_ROWS unbounded: every split plan of the v3 loop folds its partials in
+    the tile's last block (fenceless) instead of the reduce kernel, against the default in the same run."""
     from ops import gemm_fp8
 
-    return _with_flag(gemm_fp8, "READY_FOLD", not gemm_fp8.READY_FOLD)(case, i)
+    return _with_flag(gemm_fp8, "READY_FOLD_ROWS", 1 << 30)(case, i)
 
 
 def tilecraft_raster8(case, i):
