@@ -741,19 +741,22 @@ def test_gpu_v3_ready_fold_matches_the_reduce_kernel(m, n, k, splits):
 
 
 @pytest.mark.gpu
-def test_gpu_v3_ready_fold_is_the_ops_plan_and_keeps_nan_rows(monkeypatch):
-    """READY_FOLD_ROWS 64: ops.fp8_gemm_nt at 64x2112x7168 (4 splits) gives the reduce kernel's bits; a NaN row scale
-    makes that row NaN and no other (a NaN partial is stored as a ready value, never waited for)."""
+@pytest.mark.parametrize("m,n,rows", [(64, 2112, 64), (8, 1536, None), (13, 576, None)])
+def test_gpu_v3_ready_fold_is_the_ops_plan_and_keeps_nan_rows(monkeypatch, m, n, rows):
+    """ops.fp8_gemm_nt (k = 7168: 4 splits) with READY_FOLD_ROWS `rows` (None: the default, 16) folds in the kernel
+    and gives the reduce kernel's bits (READY_FOLD_ROWS 0); a NaN row scale makes that row NaN and no other (a NaN
+    partial is stored as a ready value, never waited for)."""
     from ops import gemm_fp8
 
-    g = torch.Generator().manual_seed(21)
-    m, n, k = 64, 2112, 7168
+    assert gemm_fp8.READY_FOLD_ROWS == 16
+    g = torch.Generator().manual_seed(21 + m)
+    k = 7168
     *_, qa, sfa, qb, sfb = quantized(m, n, k, g)
     sfa[5, 3] = float("nan")
     dev = [t.cuda() for t in (qa, sfa, qb, sfb)]
     monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", 0)
     want = ops.fp8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", 64)
+    monkeypatch.setattr(gemm_fp8, "READY_FOLD_ROWS", 16 if rows is None else rows)
     got = ops.fp8_gemm_nt(*dev)
     assert got[5].isnan().all() and not got[:5].isnan().any() and not got[6:].isnan().any()
     assert torch.equal(got[torch.arange(m) != 5], want[torch.arange(m) != 5])

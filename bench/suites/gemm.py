@@ -228,6 +228,15 @@ def tilecraft_ready_fold(case, i):
     return _with_flag(gemm_fp8, "READY_FOLD_ROWS", 1 << 30)(case, i)
 
 
+def _with_flag_lazy(name, value):
+    """A provider: the op with ops.gemm_fp8's switch `name` set to value (imported when it runs)."""
+    def make(case, i):
+        from ops import gemm_fp8
+
+        return _with_flag(gemm_fp8, name, value)(case, i)
+    return make
+
+
 def tilecraft_raster8(case, i):
     """The op with ops.gemm_fp8.RASTER = 8: blocks take their tiles in groups of 8 m tiles (the prefill
     read 656 MB from DRAM instead of 905 in session 26, at about the same speed), against the default's
@@ -421,6 +430,7 @@ SUITE = Suite(
                Provider("tilecraft-multicast", tilecraft_multicast, experimental=True),
                Provider("tilecraft-raster8", tilecraft_raster8, experimental=True),
                Provider("tilecraft-readyfold", tilecraft_ready_fold, experimental=True),
+               Provider("tilecraft-nofold", _with_flag_lazy("READY_FOLD_ROWS", 0), experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 / 8 warps an SM, with 1 / 3 steps of
