@@ -27,7 +27,7 @@ import tilelang.language as T
 import torch
 
 from backends.cuda.device import max_active_clusters, sm_count
-from codegen import jit, targets, tile
+from codegen import jit, rules, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops import _validate as check
@@ -983,6 +983,8 @@ TILES_192 = True
 # sfa_ring; 12 KB instead of 64 KB at k = 16384: 4 stages instead of 3). 0: staged whole
 SFA_RING = 8
 SFA_RING_SLOTS = 3
+# (read while the program is traced: part of the kernel and launcher caches' key, codegen.rules.options)
+rules.options(__name__, "SFA_RING_SLOTS")
 # one tile a block, one split, not sorted, more tiles than SMs: blocks take their tiles in groups of
 # RASTER m tiles, down each group's m tiles first (fp8_gemm_program raster), instead of row-major
 # order, in which a wave reads every n tile of B. 1 (row-major): at 8, prefill read 656 MB from DRAM

@@ -18,7 +18,7 @@ UTCQMMA, ascend:950's block-scaled MAD): ops/gemm_mxfp4_native.py.
 import tilelang.language as T
 import torch
 
-from codegen import jit, targets, tile
+from codegen import jit, rules, targets, tile
 from codegen.program import tile_program
 from ops import _dispatch, _values
 from ops._ready import READY_EMPTY as READY_EMPTY  # (re-exported: ops.gemm_mxfp4.READY_EMPTY)
@@ -197,6 +197,8 @@ __device__ __forceinline__ void tc_e2m1_fragment_of(void* dst, const unsigned* w
   }
 }
 """
+# (bench.prof_mxfp4 --no-decode edits it: part of the kernel and launcher caches' key, codegen.rules.options)
+rules.options(__name__, "E2M1_FRAGMENT_SOURCE")
 BLOCK_K = 128     # K per step: 4 scale groups, i.e. one 32-bit word of E8M0 bytes per row and step
 DECODE_WORDS = (8, 4)   # 32-bit code words a thread decodes a step: 64 values at 256 MMA threads, 32 at 512
 

@@ -109,6 +109,31 @@ def test_key_covers_imported_helper_source(monkeypatch):
     assert ir_hash() != base
 
 
+def test_globals_read_while_tracing_are_in_the_in_memory_keys(monkeypatch):
+    """Module globals a program reads while it is traced, never passed as parameters (ops.gemm_fp8.SFA_RING_SLOTS,
+    ops.gemm_mxfp4.E2M1_FRAGMENT_SOURCE), are declared switches (codegen.rules.options): setting one changes
+    rules.state(), which keys both the compile cache in memory and the ops' launcher sets (jit.launchers)."""
+    from codegen import rules
+    from ops import gemm_fp8, gemm_mxfp4
+
+    base = rules.state()
+    monkeypatch.setattr(gemm_fp8, "SFA_RING_SLOTS", 4)
+    assert rules.state() != base
+    monkeypatch.setattr(gemm_fp8, "SFA_RING_SLOTS", 3)
+    assert rules.state() == base
+    monkeypatch.setattr(gemm_mxfp4, "E2M1_FRAGMENT_SOURCE", "#define TC_E2M1_NO_DECODE 1\n" +
+                        gemm_mxfp4.E2M1_FRAGMENT_SOURCE)
+    assert rules.state() != base
+    built = []
+    key = ("test_globals_read_while_tracing", 1)
+    for _ in range(2):
+        jit.launchers(key, lambda: built.append(1) or "launchers")
+    assert built == [1]                                 # the same state: built once
+    monkeypatch.undo()
+    jit.launchers(key, lambda: built.append(1) or "launchers")
+    assert built == [1, 1]                              # the switch flipped back: another entry
+
+
 def test_corrupt_entry_is_detected_and_rebuilt(fresh_cache, caplog):
     k = rmsnorm_program.compile("cpu", hidden=64, dtype="float32")
     lib = k.entry / "kernel.so"
