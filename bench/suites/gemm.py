@@ -344,7 +344,11 @@ def torch_scaled_mm(case, i):
     a, b, sfa, sfb = i["qa"], i["qb"][0], i["sfa"], i["sfb"][0]
     # cuBLAS (torch 2.11) takes scale_b as (k/128, n/128): b's block scales seen through b.t()
     sfa_mn = sfa.t().contiguous().t()
-    attempts = [(sa, sb) for sa in (sfa, sfa_mn) for sb in (sfb.t(), sfb.t().contiguous(), sfb)]
+    # MN-major with the row count padded to 4 (16-byte columns): cuBLAS refused m = 1 in both layouts above (session 67)
+    pad = -(-sfa.shape[0] // 4) * 4
+    sfa_pad = sfa.new_zeros(sfa.shape[1], pad)[:, :sfa.shape[0]].t()
+    sfa_pad.copy_(sfa)
+    attempts = [(sa, sb) for sa in (sfa, sfa_mn, sfa_pad) for sb in (sfb.t(), sfb.t().contiguous(), sfb)]
     last = None
     for sa, sb in attempts:  # cuBLAS wants particular scale layouts; take the first that runs
         try:
