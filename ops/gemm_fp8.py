@@ -905,9 +905,9 @@ FOLD_IN_KERNEL = False
 # split plans: 1.5-2 us of reduce kernel and ~3 us more of graph time, bench/NOTES.md "Session 66"), where the GEMM has
 # at most READY_FOLD_ROWS rows (0: nowhere). Session 67, H100, CUDA graphs: slower at 64 and 128 rows, whose 64 x 64
 # x 4-split and 128 x 128 x 2-split tiles one block reads back (and empties) alone: 64x2112x7168 11.5 -> 13.1 us,
-# 128x7168x16384 55.0 -> 56.0; faster at 1-16 rows, whose partials are a few rows (preset decode-few, n x 7168 for n =
-# 2112 / 1536 / 576, us): 1 row 9.9 -> 10.2 / 10.7 -> 8.7 / 7.9 -> 7.4, 8 rows 12.4 -> 11.6 / 10.8 -> 9.8 / 8.3 ->
-# 7.5, 16 rows 12.4 -> 12.1 / 11.8 -> 11.0 / 8.5 -> 8.4; even at 32 (bench provider tilecraft-nofold: 0)
+# 128x7168x16384 55.0 -> 56.0; faster at 1-16 rows, whose partials are a few rows (preset decode-few: 1-32 rows x
+# 2112 / 1536 / 576 x 7168, two runs): 0-19%, e.g. 8x1536x7168 10.9 -> 9.9 us (1x2112x7168 3% slower in one run, 11%
+# faster in the other); even at 32 (bench provider tilecraft-nofold: 0)
 READY_FOLD_ROWS = 16
 # CUDA split-K: a tile's split blocks form a cluster and fold the partials among themselves
 # (fp8_gemm_program cluster=True), where the GPU holds all the grid's clusters at once. Off: measured
