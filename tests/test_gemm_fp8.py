@@ -680,18 +680,26 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
     ref, launch = _split_k_runner(m, n, k, splits)
     run = lambda fold, out=None: launch(out, overlap=False, fold=fold)  # noqa: E731  (the v2 loop's fold)
 
+    reduced = _assert_folds_are_the_reduce_kernel(run, m, n)
+    assert not arrival_counters(torch.device("cuda"), 1).any()       # every tile's count is back to 0
+    assert calc_diff(reduced, ref) < 1e-3
+    assert_elementwise(reduced, ref)
+
+
+def _assert_folds_are_the_reduce_kernel(run, m, n):
+    """run(fold, out=None) -> an (m, n) bf16 result: run(False) (the reduce kernel) once, then run(True) three times,
+    each its bits; then run(True, out) captured in a CUDA graph on a stream of its own (a first run there compiles
+    and makes that stream's counters and partials), two replays into a NaN-filled out, its bits again. Returns the
+    reduce kernel's result (on the CPU)."""
     reduced = run(False).cpu()
     folded = [run(True).cpu() for _ in range(3)]
     for f in folded:
         assert torch.equal(f, reduced)
-    assert not arrival_counters(torch.device("cuda"), 1).any()       # every tile's count is back to 0
-    assert calc_diff(reduced, ref) < 1e-3
-    assert_elementwise(reduced, ref)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run(True, out)                                              # compiled, counters made for this stream
+        run(True, out)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             run(True, out)
@@ -700,6 +708,8 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
         out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(out.cpu(), reduced)
+    torch.cuda.synchronize()
+    return reduced
 
 
 @pytest.mark.gpu
@@ -707,37 +717,21 @@ def test_gpu_split_k_fold_matches_the_reduce_kernel(m, n, k, splits):
                                           (1, 2112, 2048, 2), (200, 512, 1536, 5)])
 def test_gpu_v3_ready_fold_matches_the_reduce_kernel(m, n, k, splits):
     """The v3 loop's fenceless fold (fold=True, overlap=True; READY_FOLD_ROWS) gives the reduce kernel's bits run after
-    run, a NaN scale's row NaN and no other, every partials word READY_EMPTY and every counter 0 after the runs, and
-    the same bits inside a CUDA graph; a split past the end of K (5 splits of 12 K blocks) adds zeros."""
+    run and inside a CUDA graph, with every counter 0 and every partials word READY_EMPTY after the runs (eager and
+    replayed); a split past the end of K (5 splits of 12 K blocks) adds zeros. (NaN rows: the op-level test.)"""
     from ops import _workspace
     from ops._ready import READY_EMPTY
 
     ref, launch = _split_k_runner(m, n, k, splits)
     run = lambda fold, out=None: launch(out, overlap=True, fold=fold)  # noqa: E731
 
-    reduced = run(False).cpu()
-    folded = [run(True).cpu() for _ in range(3)]
-    for f in folded:
-        assert torch.equal(f, reduced)
-    torch.cuda.synchronize()
-    assert not _workspace.arrival_counters(torch.device("cuda"), 1).any()
+    reduced = _assert_folds_are_the_reduce_kernel(run, m, n)
+    for counts in _workspace._COUNTERS.values():
+        assert not counts.any()
     for buf in _workspace._READY.values():
         assert (buf.view(torch.int32) == READY_EMPTY).all()
     assert calc_diff(reduced, ref) < 1e-3
     assert_elementwise(reduced, ref)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(True, out)                                  # compiled, counters and partials made for this stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run(True, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out.cpu(), reduced)
 
 
 @pytest.mark.gpu
