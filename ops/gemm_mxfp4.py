@@ -448,10 +448,11 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     stage_out=True (split plans): the fp32 partial goes through shared memory (token-major, rows padded
     to 132 words against bank conflicts) and out as 16-byte stores of whole token rows, instead of
     4-byte stores from the accumulator layout.
-    chains=2 (block_n 64; no fold, pair, stage_out or ahead): two MMA warpgroups take alternate K steps of the
+    chains=2 (block_n 64; no fold, stage_out or ahead): two MMA warpgroups take alternate K steps of the
     block's 64 rows, each into its own half of a (128, tokens) accumulator (tile.mma_register_decoded_loop(chains=2));
     the halves go through shared memory and are added, chain 0's plus chain 1's, as C (or a split's partial, for the
-    reduce kernel) is stored. Two decoding warpgroups an SM, as 128-row blocks have, on half the rows.
+    reduce kernel) is stored; with pair (2 splits), the sums of the other block's tokens go to its token-major recv
+    and each block stores its tokens' C. Two decoding warpgroups an SM, as 128-row blocks have, on half the rows.
 
     trace=True (bench.trace_mxfp4): the SM clock (32-bit) when block b's first MMA thread reaches
     each of SWAPPED_TRACE_EVENTS goes to Trace[b, event] (the global timer's ns for "entry ns" and
@@ -468,8 +469,8 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
     if stage_out and (splits == 1 or pair):
         raise ValueError(f"stage_out=True writes split-K partials: it needs splits > 1 and pair=False, got "
                          f"splits={splits}, pair={pair}")
-    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or fold or pair or stage_out or ahead)):
-        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64 and no fold, pair, stage_out or ahead, got "
+    if chains not in (1, 2) or (chains == 2 and (block_n != 64 or fold or stage_out or ahead)):
+        raise ValueError(f"chains must be 1 or 2; 2 takes block_n=64 and no fold, stage_out or ahead, got "
                          f"chains={chains!r}, block_n={block_n}, fold={fold}, pair={pair}, stage_out={stage_out}, "
                          f"ahead={ahead}")
     m, counts = T.dynamic("m, counts")
@@ -488,7 +489,7 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
-                recv = tile.stage((block_n, pair_recv_words(tokens)), "float32")
+                recv = tile.stage(pair_recv_shape(tokens, block_n, chains), "float32")
                 _touch(recv)      # a live range of its own (see ops.gemm_fp8: the peer stores during our loop)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             staged = None
@@ -511,7 +512,10 @@ def mxfp4_swapped_program(n: int, k: int, tokens: int = 64, block_n: int = 128, 
             else:
                 decoder = lambda raw_at, rows, place, blk, dst: _decode_fragment(  # noqa: E731
                     raw_at, rows, place, blk + w0 - s0, dst, sw, decode)
-            if chains > 1:
+            if chains > 1 and pair:
+                epilogue = lambda: _pair_fold_chains(acc, C, recv, staged, tn, ts, m, steps,  # noqa: E731
+                                                     block_n, tokens)
+            elif chains > 1:
                 epilogue = lambda: _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n,  # noqa: E731
                                                  tokens)
             else:
@@ -705,6 +709,20 @@ def pair_recv_words(tokens: int) -> int:
     return half + 8 if half % 16 == 0 else half
 
 
+def pair_recv_shape(tokens: int, block_n: int, chains: int = 1) -> tuple[int, int]:
+    """The pair fold's recv tile (fp32): (block_n, pair_recv_words(tokens)) weight-row-major, or with chains=2
+    token-major (tokens / 2, block_n + 4), the other block's sums of this block's tokens as whole rows."""
+    return (tokens // 2, block_n + 4) if chains > 1 else (block_n, pair_recv_words(tokens))
+
+
+def pair_recv_bytes(tokens: int, block_n: int, chains: int = 1) -> int:
+    """Shared memory of pair_recv_shape (chains=0: no pair, 0 bytes)."""
+    if not chains:
+        return 0
+    rows, words = pair_recv_shape(tokens, block_n, chains)
+    return rows * words * 4
+
+
 @T.macro
 def _pair_fold_swapped(acc, C, recv, tn, ts, m, steps, block_n, tokens, factor=None, mark=None, staged=None):
     # block ts of the pair owns tokens [ts * half, (ts + 1) * half) of the tile; a split past the end
@@ -801,6 +819,32 @@ def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, token
             else:
                 C[j, tn * block_n + i] = T.cast(_times(staged[j, i] + staged[j, block_n + i], factor, i, j),
                                                 "bfloat16")
+
+
+@T.macro
+def _pair_fold_chains(acc, C, recv, staged, tn, ts, m, steps, block_n, tokens, factor=None):
+    # chains=2 with pair (2 splits, a cluster of the tile's two blocks): the halves added as _store_chains adds them
+    # (times factor), then block ts keeps tokens [ts * half, (ts + 1) * half) and stores the other half's sums into the
+    # other block's recv (token-major, whole rows) through distributed shared memory; after one cluster barrier it adds
+    # the received split's sums to its own (P0 + P1 == P1 + P0 in fp32: the reduce kernel's bits) and stores C. A
+    # split past the end of K (steps == 0) contributes zeros
+    half = tokens // 2
+    out = tile.read_accumulator(acc)
+    for i, j in tile.parallel(2 * block_n, tokens):
+        staged[j, i] = out[i, j]
+    tile.barrier(threads=4 * block_n)
+    for j, i in tile.parallel(tokens, block_n):
+        if j < m and j // half != ts:
+            tile.cluster_store(recv[j % half, i], j // half, T.if_then_else(
+                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0))
+    tile.cluster_barrier()
+    # (every token again, the other half's predicated off: factor's parameters are the loop's own names, which the
+    # DSL tracks)
+    for j, i in tile.parallel(tokens, block_n):
+        if j < m and j // half == ts:
+            C[j, tn * block_n + i] = T.cast(T.if_then_else(
+                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0) + recv[j % half, i],
+                "bfloat16")
 
 
 def _times(x, factor, i, j):
@@ -1186,13 +1230,19 @@ SWAPPED_CHAINS = True
 # or folds)
 SWAPPED_CHAINS_WHERE = "any"
 SWAPPED_CHAINS_WHERES = ("unsplit", "split", "any")
+# chained plans of 2 splits (32-64 tokens at 4096x7168) fold in clusters of their two blocks (mxfp4_swapped_program
+# chains=2, pair=True: the halves' sums of the other block's tokens through distributed shared memory, one cluster
+# barrier) instead of writing fp32 partials for the reduce kernel; the reduce kernel's bits. Session 66's profile put
+# the reduce path (partials, reduce kernel, its dependent launch) at several us of a 2-split op in a CUDA graph.
+# False: the reduce kernel (bench provider tilecraft-chains-reduce)
+SWAPPED_CHAINS_PAIR = True
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
                  pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2,
-                 block_n: int = 128, chains: int = 1) -> dict:
+                 block_n: int = 128, chains: int = 1, chains_pair: bool | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -1213,7 +1263,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
     plan has no ahead, fold or pair (else the plan is the 64-row one without chains; split plans then write their
     partials for the reduce kernel); the halves' (tokens, 132) fp32 staging tile takes its room from the stages;
-    the plan names chains only when it is 2."""
+    the plan names chains only when it is 2. chains_pair (None: SWAPPED_CHAINS_PAIR): a chained plan of 2 splits folds
+    in clusters of its two blocks (pair=True; the received half, tokens / 2 x 68 fp32, takes its room from the stages)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1260,7 +1311,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     ahead = SWAPPED_AHEAD if ahead is None else ahead
     chains = chains if not ahead and not fold and not pair else 1
     if chains > 1:      # the halves' staging tile (token-major; split plans' partials leave from it too)
-        stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4) // stage)
+        pair = splits == 2 and (SWAPPED_CHAINS_PAIR if chains_pair is None else chains_pair)
+        stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4
+                              - pair_recv_bytes(tokens, block_n, chains if pair else 0)) // stage)
     if stage_out is None:
         stage_out = (tokens >= SWAPPED_STAGE_OUT_TOKENS and splits >= 4 if SWAPPED_STAGE_OUT is None
                      else SWAPPED_STAGE_OUT)
@@ -1282,7 +1335,8 @@ def swapped_block_n(m: int, n: int, k: int, sms: int = 132, chains: bool = False
     step limit, and `where` (one of SWAPPED_CHAINS_WHERES; None: SWAPPED_CHAINS_WHERE) widens where 64 rows go:
     "split" also where the 64-row plan splits, "any" (the default) wherever the 64-row plan takes the chains.
     override: the plan's other knobs, as the launcher plans with them. A 64-row answer never folds (no split, or the
-    chains' reduce kernel), so it never needs the split-K arrival counters (which are counted in 128-row tiles)."""
+    chains' pair fold or reduce kernel), so it never needs the split-K arrival counters (which are counted in 128-row
+    tiles)."""
     where = SWAPPED_CHAINS_WHERE if where is None else where
     if where not in SWAPPED_CHAINS_WHERES:
         raise ValueError(f"where must be one of {SWAPPED_CHAINS_WHERES} (or None: SWAPPED_CHAINS_WHERE), got {where!r}")
@@ -1306,7 +1360,8 @@ def _launch_swapped(a, b, sfb, out, **override):
     override = {"scale_tma": SWAPPED_SCALE_TMA, "decode": SWAPPED_DECODE, "fold": SWAPPED_FOLD,
                 "ahead": SWAPPED_AHEAD, "pair": SWAPPED_PAIR, "stage_out": SWAPPED_STAGE_OUT,
                 "block_n": SWAPPED_BLOCK_N, "chains": SWAPPED_CHAINS, "chains_where": SWAPPED_CHAINS_WHERE,
-                "block_n_steps": SWAPPED_BLOCK_N_STEPS, **override}     # every switch the plan reads: the launchers' key
+                "block_n_steps": SWAPPED_BLOCK_N_STEPS, "chains_pair": SWAPPED_CHAINS_PAIR,
+                **override}     # every switch the plan reads: the launchers' key
     _launch_planned("mxfp4_gemm_nt_swapped", _swapped_launchers, a, b, sfb, out, override, tail=(trace,),
                     scale_words=_tma_scale_words, counts=True)
 

@@ -36,9 +36,10 @@ from ops._ready import READY_SOURCE
 from ops._workspace import arrival_counters, bound_only, ready_partials
 from ops.gemm_fp8 import _touch
 from ops.gemm_mxfp4 import (BLOCK_K, MX, SMEM_BUDGET, SWAPPED_K_ALIGN, SWAPPED_STAGE_OUT_TOKENS,
-                            SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _stage_scale_rows, _store_chains, _store_masked_swapped,
-                            _swapped_grid, _tma_scale_words, _trace_stamp, pair_recv_words, pair_source,
-                            plan_masked_swapped, plan_swapped, swapped_epilogue, swapped_loads, swapped_scale_box)
+                            SWAPPED_TOKENS, SWAPPED_TRACE_WORDS, _pair_fold_chains, _stage_scale_rows, _store_chains,
+                            _store_masked_swapped, _swapped_grid, _tma_scale_words, _trace_stamp, pair_recv_bytes,
+                            pair_recv_shape, pair_source, plan_masked_swapped, plan_swapped, swapped_epilogue,
+                            swapped_loads, swapped_scale_box)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TABLE_LOW, TABLE_HIGH = -13, 6      # the table's block exponents d (relative to the row's largest, + 6)
@@ -163,10 +164,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, stages: int = 6
     stage_out=True (splits > 1): the split's fp32 partial, or the pair's half of C, goes out through shared memory
     as whole rows instead of from the accumulator's layout. burst: steps between the loop's WGMMA drains (0: the
     target's default).
-    chains=2 (block_n=64; no fold, pair or stage_out): two MMA warpgroups take alternate K steps of the block's 64
+    chains=2 (block_n=64; no fold or stage_out): two MMA warpgroups take alternate K steps of the block's 64
     rows, each promoting into its half of a (128, tokens) accumulator; the epilogue adds the halves through a
-    (tokens, 132) fp32 shared tile, multiplies by the scales and stores C or the split's partial (as
-    ops.gemm_mxfp4's swapped kernel with chains)."""
+    (tokens, 132) fp32 shared tile, multiplies by the scales and stores C or the split's partial, or with pair (2
+    splits) folds the pair's sums through distributed shared memory (as ops.gemm_mxfp4's swapped kernel with chains)."""
     assert k % BLOCK_K == 0 and k % SWAPPED_K_ALIGN == 0 and n % block_n == 0 and tokens in SWAPPED_TOKENS
     if fold and splits == 1:
         raise ValueError("fold=True adds split-K partials inside the kernel: it needs splits > 1")
@@ -176,8 +177,8 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, stages: int = 6
         raise ValueError(f"pair=True folds the partials of a cluster of 2 splits: it needs splits == 2 and "
                          f"fold=False, got splits={splits}, fold={fold}")
     if block_n not in (64, 128) or chains not in (1, 2) or (block_n == 64) != (chains == 2) or (
-            chains == 2 and (fold or pair or stage_out)):
-        raise ValueError(f"block_n and chains must be 128 and 1, or 64 and 2 with no fold, pair or stage_out; got "
+            chains == 2 and (fold or stage_out)):
+        raise ValueError(f"block_n and chains must be 128 and 1, or 64 and 2 with no fold or stage_out; got "
                          f"block_n={block_n}, chains={chains}, fold={fold}, pair={pair}, stage_out={stage_out}")
     m, counts = T.dynamic("m, counts")
     n_tiles, kb = n // block_n, k // BLOCK_K
@@ -198,7 +199,7 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, stages: int = 6
             tn, ts = tile.split_index(bid, (n_tiles, splits))    # pair: ts is the block's rank in its cluster
             recv = None
             if pair:   # the other split's partial of this block's half of the tokens
-                recv = tile.stage((block_n, pair_recv_words(tokens)), "float32")
+                recv = tile.stage(pair_recv_shape(tokens, block_n, chains), "float32")
                 _touch(recv)
                 tile.cluster_barrier()            # both blocks started before either stores into the other
             staged = None
@@ -225,7 +226,10 @@ def mxfp4_w4a8_swapped_program(n: int, k: int, tokens: int = 64, stages: int = 6
                 factor = lambda i, j: rs[i] * sas[j]  # noqa: E731
                 sa_region = SA[0:tokens]
             loads = swapped_loads(A, B, tn, w0, block_n, tokens, BLOCK_K)
-            if chains > 1:
+            if chains > 1 and pair:
+                epilogue = lambda: _pair_fold_chains(acc, C, recv, staged, tn, ts, m, steps,  # noqa: E731
+                                                     block_n, tokens, factor=factor)
+            elif chains > 1:
                 epilogue = lambda: _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits,  # noqa: E731
                                                  block_n, tokens, factor=factor)
             else:
@@ -681,7 +685,7 @@ def plan_w4a8(m: int, n: int, k: int, sms: int = 132, group_scales: bool = False
         narrow = plan_swapped(m, n, k, **knobs, block_n=64, chains=2)
         if narrow.get("chains"):
             p = narrow
-    chained = "chains" in p     # (then no pair and no staged partials: the halves' tile does that job)
+    chained = "chains" in p     # (then no staged partials: the halves' tile does that job; a pair of 2 splits)
     out = dict(tokens=p["tokens"], splits=p["splits"], stages=p["stages"], scale_tma=p["scale_tma"],
                fold=p["fold"], pair=p["pair"], **({"block_n": 64, "chains": 2} if chained else {}))
     if group_scales:
@@ -714,7 +718,7 @@ def w4a8_smem_bytes(n: int, k: int, tokens: int, splits: int, stages: int, scale
     per = -(-kb // splits)
     box = swapped_scale_box(per, kb) if scale_tma else per
     sa = tokens * _bank_spread(swapped_scale_box(per, kb)) * 4 if group_scales else tokens * 4
-    recv = block_n * pair_recv_words(tokens) * 4 if pair else 0
+    recv = pair_recv_bytes(tokens, block_n, chains if pair else 0)
     out = ((tokens // 2) * (block_n + 8) * 2 if pair else tokens * (block_n + 4) * 4) if stage_out else 0
     if chains > 1:      # the halves' staging tile
         out = tokens * (block_n * chains + 4) * 4
@@ -743,7 +747,7 @@ def _launch(a, sfa, codes, offsets, row_scale, out):
 
     # every switch the plan reads: the W4A8 ones, and the bf16 kernel's that plan_swapped falls back on where a
     # W4A8 switch is None (a provider flipping those must not get launchers planned before it)
-    mx = (_mxfp4.SWAPPED_FOLD, _mxfp4.SWAPPED_PAIR, _mxfp4.SWAPPED_SCALE_TMA)
+    mx = (_mxfp4.SWAPPED_FOLD, _mxfp4.SWAPPED_PAIR, _mxfp4.SWAPPED_SCALE_TMA, _mxfp4.SWAPPED_CHAINS_PAIR)
     splits, kernel, reduce = jit.launchers(("mxfp4_w4a8_gemm_nt", target.name, a.device.index, m, n, k, group,
                                             W4A8_FOLD, W4A8_SCALE_TMA, W4A8_PAIR_WIDE, W4A8_STAGE_OUT, W4A8_BURST_64,
                                             W4A8_CHAINS, W4A8_CHAINS_TOKENS, *mx), build)

@@ -1821,8 +1821,10 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert gemm_mxfp4.SWAPPED_CHAINS is True and "chains" not in plan_swapped(64, 7168, 2048, block_n=64)
     p = plan_swapped(64, 7168, 2048, block_n=64, chains=2)
     assert p["chains"] == 2 and p["splits"] == 1 and p["stages"] == 8
-    q = plan_swapped(64, 4096, 7168, block_n=64, chains=2)         # 2 splits: partials for the reduce kernel
-    assert q["chains"] == 2 and q["splits"] == 2 and not q["fold"] and not q["stage_out"]
+    q = plan_swapped(64, 4096, 7168, block_n=64, chains=2)         # 2 splits: a cluster pair (SWAPPED_CHAINS_PAIR)
+    assert q["chains"] == 2 and q["splits"] == 2 and not q["fold"] and not q["stage_out"] and q["pair"]
+    assert not plan_swapped(64, 4096, 7168, block_n=64, chains=2, chains_pair=False)["pair"]  # partials: the reduce
+    assert not plan_swapped(64, 2048, 7168, block_n=64, chains=2)["pair"]      # 4 splits: the reduce kernel
     assert "chains" not in plan_swapped(64, 7168, 2048, block_n=64, chains=2, ahead=True)
     assert "chains" not in plan_swapped(16, 4096, 7168, block_n=64, chains=2)      # a pair at 16 tokens
     assert "chains" not in plan_swapped(16, 2048, 7168, block_n=64, chains=2)      # a fold
@@ -1846,13 +1848,15 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "any")
     with pytest.raises(ValueError, match="where must be one of"):
         swapped_block_n(64, 4096, 7168, chains=True, where="split-k")
-    for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560), (64, 4096, 7168)):
+    for m, n, k in ((64, 7168, 2048), (32, 7168, 4096), (16, 7168, 2560), (64, 4096, 7168), (64, 2048, 7168)):
         q = plan_swapped(m, n, k, block_n=64, chains=2)
         src = mxfp4_swapped_program.source("sm_90a", n=n, k=k, **q)
         body = src.split('extern "C" __global__')[-1]
         assert body.count(".init(128);") == 2 * q["stages"] + 1, (m, n, k)    # full, empty, the preload's
         assert "(((int)threadIdx.x) >> 7)" in body and "tl::__sync_thread_partial(11, 256);" in body
-        assert ("*(float4*)(Part + " in body) == (q["splits"] > 1), (m, n, k)  # a split's partial (whole rows), else C
+        # a split's partial (whole rows), or C: from the pair (2 splits) through the other block's shared memory
+        assert ("*(float4*)(Part + " in body) == (q["splits"] > 2), (m, n, k)
+        assert body.count("tc_cluster_store_f32(") == (q["splits"] == 2), (m, n, k)
         chain_steps = k // 128 // q["splits"] // 2                            # a burst of 4, the tail it leaves
         assert body.count("tl::wgmma_rs<") >= 4 + chain_steps % 4, (m, n, k)
         sass, log = _sass_and_ptxas_log(src)
@@ -1862,7 +1866,7 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert "% 128) == 0)" in traced.split('extern "C" __global__')[-1]     # a step's stamps by its chain's thread 0
     with pytest.raises(ValueError, match="chains must be 1, or 2 with block_n=64"):
         plan_swapped(64, 7168, 2048, chains=2)
-    with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64 and no fold"):
+    with pytest.raises(ValueError, match="chains must be 1 or 2; 2 takes block_n=64 and no fold, stage_out"):
         mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2, "fold": True})
     with pytest.raises(ValueError, match="ahead=True"):
         mxfp4_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "ahead": True})
@@ -1873,6 +1877,7 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS", False)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
     assert launched[0]["chains"] is True and launched[1]["chains"] is False
+    assert launched[0]["chains_pair"] is True       # (SWAPPED_CHAINS_PAIR: in the key too)
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_WHERE", "unsplit")
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N_STEPS", 32)
     gemm_mxfp4._launch_swapped(torch.zeros(64, 2048), torch.zeros(7168, 1024), None, None)
@@ -2618,6 +2623,32 @@ def test_gpu_mxfp4_swapped_chains_wider(where, m, n, k, monkeypatch):
     assert torch.equal(ops.mxfp4_gemm_nt(*args).cpu(), runs[0])
     assert calc_diff(runs[0], ref) < 1e-5
     assert_elementwise(runs[0], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (33, 4096, 7168), (17, 4096, 7168), (40, 256, 1024),
+                                   (24, 512, 1024)])
+def test_gpu_mxfp4_swapped_chains_pair_is_the_reduce(m, n, k, monkeypatch):
+    """Chained 2-split plans folding in clusters of their two blocks (SWAPPED_CHAINS_PAIR): the bits of the same plan
+    with its partials summed by the reduce kernel, the same run to run and in a CUDA graph, exact against fp32 with
+    extreme scales; m tails where one of the second block's tokens is a row (17 of a 32-token tile) or some are
+    (33, 40 of 64, 24 of 32); scale rows by TMA (k = 7168) and loaded by the MMA threads (k = 1024)."""
+    from backends.cuda.device import sm_count
+    from ops import gemm_mxfp4
+
+    a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 7 + n)
+    args = (a.cuda(), packed.cuda(), scales.cuda())
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
+    p = gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=64, chains=2)
+    assert p.get("chains") == 2 and p["splits"] == 2 and p["pair"], p
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)
+    want = ops.mxfp4_gemm_nt(*args).cpu()
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", True)
+    runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
+    assert calc_diff(runs[0], ref) < 1e-5
+    assert_elementwise(runs[0], ref)
+    _assert_graph_replays(lambda: ops.mxfp4_gemm_nt(*args), want.cuda())
 
 
 @pytest.mark.gpu

@@ -583,7 +583,8 @@ def test_chains_plan_and_lower(monkeypatch):
                                    (64, 24576, 1536, 1, "any")):
         p = plan_w4a8(m, n, k, chains=where)
         assert (p["block_n"], p["chains"], p["splits"]) == (64, 2, splits), (m, n, k)
-        assert not p["fold"] and not p["pair"] and "stage_out" not in p
+        # 2 splits fold in a cluster pair (ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR), never in the last block
+        assert not p["fold"] and p["pair"] == (splits == 2) and "stage_out" not in p
         assert w4a8_smem_bytes(n, k, **p) <= SMEM_BUDGET
     assert "chains" not in plan_w4a8(64, 7168, 2048, chains=False)
     with pytest.raises(ValueError, match="chains must be one of"):
@@ -594,7 +595,9 @@ def test_chains_plan_and_lower(monkeypatch):
         body = src.split('extern "C" __global__')[-1]
         assert body.count(".init(128);") == 2 * p["stages"] + 1, (m, n, k)
         assert "tl::__sync_thread_partial(11, 256);" in body
-        assert ("*(float4*)(Part + " in body) == (p["splits"] > 1)
+        assert "*(float4*)(Part + " not in body         # one split, or the pair: no partials in global memory
+        assert body.count("tc_cluster_store_f32(") == (p["splits"] == 2)
+        assert body.count("__cluster_barrier_wait();") == 2 * (p["splits"] == 2)   # both started; the exchange
         if group:       # promote step 2s + chain: the factor's column moves by 2 a step, plus the chain
             assert "(((int)threadIdx.x) >> 7)) + 2)]" in body
         sass, log = _sass_and_ptxas_log(src)
@@ -603,7 +606,7 @@ def test_chains_plan_and_lower(monkeypatch):
     with pytest.raises(ValueError, match="block_n and chains must be"):
         mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "chains": 1})
     with pytest.raises(ValueError, match="block_n and chains must be"):
-        mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2, "fold": True})
+        mxfp4_w4a8_swapped_program.source("sm_90a", n=7168, k=2048, **{**p, "splits": 2, "fold": True, "pair": False})
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------------
@@ -696,6 +699,38 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
     monkeypatch.setattr(gemm_w4a8, "W4A8_PAIR_WIDE", True)
     assert plan_w4a8(m, n, k)["pair"]
     assert torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,group", [(64, 4096, 7168, False), (33, 4096, 7168, True), (17, 4096, 7168, False),
+                                         (40, 256, 1024, False), (24, 512, 1024, True)])
+def test_gpu_chains_pair_is_the_reduce_bitwise(monkeypatch, m, n, k, group):
+    """Chained 2-split plans folding in a cluster pair (ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR, the default): each block
+    scales its halves' sums as the split's partial is scaled and adds the other block's, as the reduce kernel adds
+    them: the same bits as the switch off (partials and the reduce kernel), per-token or per-group scales, m tails
+    (one row of the second block's tokens at 17, none past 64 at 64), against the fp32 product too."""
+    from ops import gemm_mxfp4
+
+    p = plan_w4a8(m, n, k, group_scales=group)
+    assert (p.get("chains"), p["splits"], p["pair"]) == (2, 2, True), p
+    g = torch.Generator().manual_seed(m * 13 + n)
+    packed, scales = weights(n, k, g)
+    if group:
+        a, sa = group_activations(m, k, g)
+        ref = ops.dequant_fp8_token_groups(a, sa) @ ops.dequant_mxfp4(packed, scales).T
+    else:
+        a, sa = activations(m, k, g)
+        ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)
+    assert not plan_w4a8(m, n, k, group_scales=group)["pair"]
+    want = ops.mxfp4_w4a8_gemm_nt(*dev)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", True)
+    out = ops.mxfp4_w4a8_gemm_nt(*dev)
+    assert torch.equal(out, want) and torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
+    out = out.float().cpu()
+    assert calc_diff(out, ref) < 1e-5
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3 * float(ref.abs().max()))
 
 
 def test_long_bursts_at_64_tokens_plan_and_build(monkeypatch):

@@ -152,6 +152,14 @@ def tilecraft_w4a8_with(flag, value=True):
     return make
 
 
+def tilecraft_w4a8_chains_reduce(case, i):
+    """tilecraft-w4a8 with ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR off: chained 2-split plans (32-64 tokens at 4096x7168)
+    write partials for the reduce kernel instead of folding in a cluster pair."""
+    from ops import gemm_mxfp4
+
+    return with_switch(tilecraft_w4a8, gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)(case, i)
+
+
 def _with_flag(module, name, value):
     """A provider: the op (tilecraft) with the module-level switch `name` of `module` set to value."""
     return with_switch(tilecraft, module, name, value)
@@ -473,6 +481,8 @@ SUITE = Suite(
                         experimental=True),
                Provider("tilecraft-w4a8-contig64", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILE", 64), experimental=True),
                Provider("tilecraft-w4a8-tails", tilecraft_w4a8_with("W4A8_WHOLE_BURSTS", False), experimental=True),
+               # W4A8's chained 2-split plans through the reduce kernel (ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR off)
+               Provider("tilecraft-w4a8-chains-reduce", tilecraft_w4a8_chains_reduce, experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
@@ -486,6 +496,8 @@ SUITE = Suite(
                                            # where the 128-row plan pairs or has one split)
                                            ("tilecraft-chains-unsplit", "SWAPPED_CHAINS_WHERE", "unsplit"),
                                            ("tilecraft-chains-split", "SWAPPED_CHAINS_WHERE", "split"),
+                                           # chained 2-split plans through the reduce kernel, not a cluster pair
+                                           ("tilecraft-chains-reduce", "SWAPPED_CHAINS_PAIR", False),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],
