@@ -1234,15 +1234,18 @@ SWAPPED_CHAINS_WHERES = ("unsplit", "split", "any")
 # chains=2, pair=True: the halves' sums of the other block's tokens through distributed shared memory, one cluster
 # barrier) instead of writing fp32 partials for the reduce kernel; the reduce kernel's bits. Session 66's profile put
 # the reduce path (partials, reduce kernel, its dependent launch) at several us of a 2-split op in a CUDA graph.
-# False: the reduce kernel (bench provider tilecraft-chains-reduce)
+# False: the reduce kernel (bench provider tilecraft-chains-reduce); "all": also where the 64-row plan without chains
+# would pair (tiles of <= SWAPPED_FOLD_TOKENS: 1-16 tokens at 4096x7168), which otherwise keeps the one-warpgroup pair
+# (bench providers tilecraft-chains-pair-all, tilecraft-w4a8-chains-pair-all)
 SWAPPED_CHAINS_PAIR = True
+SWAPPED_CHAINS_PAIRS = (False, True, "all")
 
 
 def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
                  stage_k: int | None = None, scale_tma: bool | None = None, ramp: int = 0,
                  decode: str | None = None, fold: bool | None = None, ahead: bool | None = None,
                  pair: bool | None = None, stage_out: bool | None = None, a_bytes: int = 2,
-                 block_n: int = 128, chains: int = 1, chains_pair: bool | None = None) -> dict:
+                 block_n: int = 128, chains: int = 1, chains_pair: bool | str | None = None) -> dict:
     """The swapped kernel's token tile (m rounded up to one of SWAPPED_TOKENS), blocks an SM (1;
     2 runs one fragment in 104 registers, for up to 32 tokens), the K depth of a pipeline stage
     (the first of SWAPPED_STAGE_K that divides k and fits), split-K (split while the blocks fit on
@@ -1263,8 +1266,9 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
     plan has no ahead, fold or pair (else the plan is the 64-row one without chains; split plans then write their
     partials for the reduce kernel); the halves' (tokens, 132) fp32 staging tile takes its room from the stages;
-    the plan names chains only when it is 2. chains_pair (None: SWAPPED_CHAINS_PAIR): a chained plan of 2 splits folds
-    in clusters of its two blocks (pair=True; the received half, tokens / 2 x 68 fp32, takes its room from the stages)."""
+    the plan names chains only when it is 2. chains_pair (one of SWAPPED_CHAINS_PAIRS; None: SWAPPED_CHAINS_PAIR): a
+    chained plan of 2 splits folds in clusters of its two blocks (pair=True; the received half, tokens / 2 x 68 fp32,
+    takes its room from the stages); "all": the chains also where the pair rule pairs the plan (else it drops them)."""
     from ops.gemm_fp8 import split_k_count
 
     if k % SWAPPED_K_ALIGN:
@@ -1309,9 +1313,13 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
         fold = tokens <= SWAPPED_FOLD_TOKENS if SWAPPED_FOLD is None else SWAPPED_FOLD
     fold = fold and splits > 1 and not pair
     ahead = SWAPPED_AHEAD if ahead is None else ahead
-    chains = chains if not ahead and not fold and not pair else 1
+    chains_pair = SWAPPED_CHAINS_PAIR if chains_pair is None else chains_pair
+    if chains_pair not in SWAPPED_CHAINS_PAIRS:
+        raise ValueError(f"chains_pair must be one of {SWAPPED_CHAINS_PAIRS} (or None: SWAPPED_CHAINS_PAIR), got "
+                         f"{chains_pair!r}")
+    chains = chains if not ahead and not fold and (not pair or chains_pair == "all") else 1
     if chains > 1:      # the halves' staging tile (token-major; split plans' partials leave from it too)
-        pair = splits == 2 and (SWAPPED_CHAINS_PAIR if chains_pair is None else chains_pair)
+        pair = splits == 2 and bool(chains_pair)
         stages = min(stages, (budget - scale_bytes(splits) - tokens * (2 * block_n + 4) * 4
                               - pair_recv_bytes(tokens, block_n, chains if pair else 0)) // stage)
     if stage_out is None:

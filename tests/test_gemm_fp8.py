@@ -1825,6 +1825,10 @@ def test_mxfp4_swapped_chains_plan_and_lower(monkeypatch):
     assert q["chains"] == 2 and q["splits"] == 2 and not q["fold"] and not q["stage_out"] and q["pair"]
     assert not plan_swapped(64, 4096, 7168, block_n=64, chains=2, chains_pair=False)["pair"]  # partials: the reduce
     assert not plan_swapped(64, 2048, 7168, block_n=64, chains=2)["pair"]      # 4 splits: the reduce kernel
+    r = plan_swapped(16, 4096, 7168, block_n=64, chains=2, chains_pair="all")  # "all": the chains where it pairs
+    assert r["chains"] == 2 and r["pair"] and r["splits"] == 2 and not r["fold"]
+    with pytest.raises(ValueError, match="chains_pair must be one of"):
+        plan_swapped(64, 4096, 7168, block_n=64, chains=2, chains_pair="yes")
     assert "chains" not in plan_swapped(64, 7168, 2048, block_n=64, chains=2, ahead=True)
     assert "chains" not in plan_swapped(16, 4096, 7168, block_n=64, chains=2)      # a pair at 16 tokens
     assert "chains" not in plan_swapped(16, 2048, 7168, block_n=64, chains=2)      # a fold
@@ -2626,24 +2630,31 @@ def test_gpu_mxfp4_swapped_chains_wider(where, m, n, k, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(64, 4096, 7168), (33, 4096, 7168), (17, 4096, 7168), (40, 256, 1024),
-                                   (24, 512, 1024)])
-def test_gpu_mxfp4_swapped_chains_pair_is_the_reduce(m, n, k, monkeypatch):
+@pytest.mark.parametrize("value,m,n,k", [(True, 64, 4096, 7168), (True, 33, 4096, 7168), (True, 17, 4096, 7168),
+                                         (True, 40, 256, 1024), (True, 24, 512, 1024), ("all", 16, 4096, 7168),
+                                         ("all", 5, 4096, 7168)])
+def test_gpu_mxfp4_swapped_chains_pair_is_the_reduce(value, m, n, k, monkeypatch):
     """Chained 2-split plans folding in clusters of their two blocks (SWAPPED_CHAINS_PAIR): the bits of the same plan
     with its partials summed by the reduce kernel, the same run to run and in a CUDA graph, exact against fp32 with
     extreme scales; m tails where one of the second block's tokens is a row (17 of a 32-token tile) or some are
-    (33, 40 of 64, 24 of 32); scale rows by TMA (k = 7168) and loaded by the MMA threads (k = 1024)."""
+    (33, 40 of 64, 24 of 32); scale rows by TMA (k = 7168) and loaded by the MMA threads (k = 1024). "all": the
+    chains' pair also at 5-16 tokens, where the 64-row plan pairs (the reference: the same chained plan with the
+    pair and fold rules off, through the reduce kernel)."""
     from backends.cuda.device import sm_count
     from ops import gemm_mxfp4
 
     a, packed, scales, ref = _extreme_mxfp4_case(m, n, k, m * 7 + n)
     args = (a.cuda(), packed.cuda(), scales.cuda())
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_BLOCK_N", 64)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", value)
     p = gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=64, chains=2)
     assert p.get("chains") == 2 and p["splits"] == 2 and p["pair"], p
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)
+    for name, off in (("SWAPPED_CHAINS_PAIR", False), ("SWAPPED_PAIR", False), ("SWAPPED_FOLD", False)):
+        monkeypatch.setattr(gemm_mxfp4, name, off)
+    assert gemm_mxfp4.plan_swapped(m, n, k, sms=sm_count(args[0]), block_n=64, chains=2).get("chains") == 2
     want = ops.mxfp4_gemm_nt(*args).cpu()
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", True)
+    for name, on in (("SWAPPED_CHAINS_PAIR", value), ("SWAPPED_PAIR", None), ("SWAPPED_FOLD", None)):
+        monkeypatch.setattr(gemm_mxfp4, name, on)
     runs = [ops.mxfp4_gemm_nt(*args).cpu() for _ in range(2)]
     assert torch.equal(runs[0], want) and torch.equal(runs[1], want)
     assert calc_diff(runs[0], ref) < 1e-5

@@ -702,15 +702,20 @@ def test_gpu_wide_pair_is_the_reduce_bitwise(monkeypatch, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,group", [(64, 4096, 7168, False), (33, 4096, 7168, True), (17, 4096, 7168, False),
-                                         (40, 256, 1024, False), (24, 512, 1024, True)])
-def test_gpu_chains_pair_is_the_reduce_bitwise(monkeypatch, m, n, k, group):
+@pytest.mark.parametrize("value,m,n,k,group", [(True, 64, 4096, 7168, False), (True, 33, 4096, 7168, True),
+                                               (True, 17, 4096, 7168, False), (True, 40, 256, 1024, False),
+                                               (True, 24, 512, 1024, True), ("all", 16, 4096, 7168, False),
+                                               ("all", 1, 4096, 7168, True)])
+def test_gpu_chains_pair_is_the_reduce_bitwise(monkeypatch, value, m, n, k, group):
     """Chained 2-split plans folding in a cluster pair (ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR, the default): each block
     scales its halves' sums as the split's partial is scaled and adds the other block's, as the reduce kernel adds
     them: the same bits as the switch off (partials and the reduce kernel), per-token or per-group scales, m tails
-    (one row of the second block's tokens at 17, none past 64 at 64), against the fp32 product too."""
+    (one row of the second block's tokens at 17, none past 64 at 64), against the fp32 product too. "all": the
+    chains' pair also at 1-16 tokens (the reference: the same chained plan with W4A8_FOLD off, which turns the
+    64-row plan's pair and fold rules off, through the reduce kernel)."""
     from ops import gemm_mxfp4
 
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", value)
     p = plan_w4a8(m, n, k, group_scales=group)
     assert (p.get("chains"), p["splits"], p["pair"]) == (2, 2, True), p
     g = torch.Generator().manual_seed(m * 13 + n)
@@ -723,9 +728,12 @@ def test_gpu_chains_pair_is_the_reduce_bitwise(monkeypatch, m, n, k, group):
         ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)
-    assert not plan_w4a8(m, n, k, group_scales=group)["pair"]
+    monkeypatch.setattr(gemm_w4a8, "W4A8_FOLD", False)
+    q = plan_w4a8(m, n, k, group_scales=group)
+    assert (q.get("chains"), q["splits"], q["pair"], q["fold"]) == (2, 2, False, False), q
     want = ops.mxfp4_w4a8_gemm_nt(*dev)
-    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", True)
+    monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", value)
+    monkeypatch.setattr(gemm_w4a8, "W4A8_FOLD", None)
     out = ops.mxfp4_w4a8_gemm_nt(*dev)
     assert torch.equal(out, want) and torch.equal(ops.mxfp4_w4a8_gemm_nt(*dev), want)
     out = out.float().cpu()

@@ -152,12 +152,15 @@ def tilecraft_w4a8_with(flag, value=True):
     return make
 
 
-def tilecraft_w4a8_chains_reduce(case, i):
-    """tilecraft-w4a8 with ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR off: chained 2-split plans (32-64 tokens at 4096x7168)
-    write partials for the reduce kernel instead of folding in a cluster pair."""
-    from ops import gemm_mxfp4
+def tilecraft_w4a8_chains_pair(value):
+    """tilecraft-w4a8 with ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR = value: False, chained 2-split plans (32-64 tokens at
+    4096x7168) write partials for the reduce kernel instead of folding in a cluster pair; "all", the chains' pair also
+    where the 64-row plan pairs (1-16 tokens at 4096x7168)."""
+    def make(case, i):
+        from ops import gemm_mxfp4
 
-    return with_switch(tilecraft_w4a8, gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)(case, i)
+        return with_switch(tilecraft_w4a8, gemm_mxfp4, "SWAPPED_CHAINS_PAIR", value)(case, i)
+    return make
 
 
 def _with_flag(module, name, value):
@@ -482,7 +485,8 @@ SUITE = Suite(
                Provider("tilecraft-w4a8-contig64", tilecraft_w4a8_with("W4A8_CONTIGUOUS_TILE", 64), experimental=True),
                Provider("tilecraft-w4a8-tails", tilecraft_w4a8_with("W4A8_WHOLE_BURSTS", False), experimental=True),
                # W4A8's chained 2-split plans through the reduce kernel (ops.gemm_mxfp4.SWAPPED_CHAINS_PAIR off)
-               Provider("tilecraft-w4a8-chains-reduce", tilecraft_w4a8_chains_reduce, experimental=True),
+               Provider("tilecraft-w4a8-chains-reduce", tilecraft_w4a8_chains_pair(False), experimental=True),
+               Provider("tilecraft-w4a8-chains-pair-all", tilecraft_w4a8_chains_pair("all"), experimental=True),
                *[Provider(name, tilecraft_mxfp4_with(flag, value), experimental=True)
                  for name, flag, value in (("tilecraft-masked-unstaged", "MASKED_STAGED", False),
                                            ("tilecraft-fold", "SWAPPED_FOLD", True),
@@ -498,6 +502,8 @@ SUITE = Suite(
                                            ("tilecraft-chains-split", "SWAPPED_CHAINS_WHERE", "split"),
                                            # chained 2-split plans through the reduce kernel, not a cluster pair
                                            ("tilecraft-chains-reduce", "SWAPPED_CHAINS_PAIR", False),
+                                           # ... and the chains' pair also where the 64-row plan pairs (<= 16 tokens)
+                                           ("tilecraft-chains-pair-all", "SWAPPED_CHAINS_PAIR", "all"),
                                            ("tilecraft-pair", "SWAPPED_PAIR", True),
                                            ("tilecraft-staged", "SWAPPED_STAGE_OUT", True),
                                            ("tilecraft-decode-pairs", "DECODE_ROW_WARPS", False))],
