@@ -839,11 +839,12 @@ def _pair_fold_chains(acc, C, recv, staged, tn, ts, m, steps, block_n, tokens, f
                 steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0))
     tile.cluster_barrier()
     # (every token again, the other half's predicated off: factor's parameters are the loop's own names, which the
-    # DSL tracks)
+    # DSL tracks). The sum as __fadd_rn: a plain + after factor's multiply is contracted into one FFMA (one rounding
+    # where the reduce kernel's path rounds the scaled partial first: other bits, seen on the GPU)
     for j, i in tile.parallel(tokens, block_n):
         if j < m and j // half == ts:
-            C[j, tn * block_n + i] = T.cast(T.if_then_else(
-                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0) + recv[j % half, i],
+            C[j, tn * block_n + i] = T.cast(T.call_extern("float32", "__fadd_rn", T.if_then_else(
+                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0), recv[j % half, i]),
                 "bfloat16")
 
 
