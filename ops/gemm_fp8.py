@@ -914,6 +914,12 @@ READY_FOLD_ROWS = 16
 # slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
 # not the 32-33 of the 4-split shapes; the 2-split fold took ~8300 cycles, latency-bound)
 CLUSTER_FOLD = False
+# CUDA, 2-split plans (128x7168x16384: 56 tiles x 2): the pair of a tile's split blocks exchanges the partials' halves
+# through distributed shared memory (fp8_gemm_program cluster=True, cluster_smem=True: no partials in global memory,
+# no reduce kernel; the received half takes a stage's room), where the GPU holds every pair at once. Off: session 16
+# measured it only on half-width tiles (slower loops); session 68 A/B (bench provider tilecraft-dsmem) on the plan's
+# own tiles
+CLUSTER_SMEM_FOLD = False
 # v3, one split, at least two waves of tiles: clusters of two n-neighbours load each A tile once, by
 # TMA multicast (fp8_gemm_program multicast=True). Off: bitwise the same results but measured slower
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
@@ -1051,6 +1057,11 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
         if room is not None and room >= tiles:
             p["cluster"] = True
+    if CLUSTER_SMEM_FOLD and splits == 2 and not p.get("cluster") and clusters is not None:
+        q = _fit_exchange({**p, "cluster": True, "cluster_smem": True}, k)
+        room = clusters(2, GRID_THREADS, fixed + block_m * block_n * 2 + q["stages"] * stage_bytes + 4096)
+        if room is not None and room >= tiles:
+            p = q
     return p
 
 
@@ -1188,6 +1199,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
                  thin=False if forced else None)
         if "cluster" not in override and forced:
             p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
+            p.pop("cluster_smem", None)
         p.update(override)
         if p.get("cluster_smem"):
             p = _fit_exchange(p, k)
@@ -1224,7 +1236,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, FOLD_IN_KERNEL, READY_FOLD_ROWS, SFA_RING,
+           CLUSTER_FOLD, CLUSTER_SMEM_FOLD, FOLD_IN_KERNEL, READY_FOLD_ROWS, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, ready, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import inspect
 import re
 
 import pytest
@@ -2964,6 +2965,40 @@ def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overl
     ref, launch = _split_k_runner(m, n, k, 2)
     _assert_fold_is_the_reduce(ref, m, n, lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n,
                                                                          cluster=smem, cluster_smem=smem))
+
+
+@pytest.mark.gpu
+def test_gpu_dsmem_plan_is_the_reduce_kernel(monkeypatch):
+    """CLUSTER_SMEM_FOLD: the op's 2-split plan at 128x7168x16384 (56 tiles x 2) folds in clusters of two through
+    distributed shared memory where the GPU holds the 56 pairs: the reduce kernel's bits, run to run."""
+    from ops import gemm_fp8
+
+    m, n, k = 128, 7168, 16384
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, torch.Generator().manual_seed(9))
+    args = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    want = ops.fp8_gemm_nt(*args)
+    monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", True)
+    assert gemm_fp8.plan("dense", m, n, k, 128, clusters=lambda c, t, smem: 66).get("cluster_smem")
+    out = ops.fp8_gemm_nt(*args)
+    assert torch.equal(out, want) and torch.equal(ops.fp8_gemm_nt(*args), want)
+
+
+def test_dsmem_plan_takes_2_splits_where_the_pairs_fit(monkeypatch):
+    """CLUSTER_SMEM_FOLD (off): 2-split plans take cluster_smem (one stage fewer, for the received half) only where
+    every pair fits at once; other splits and the default keep the reduce kernel; the switch is in the key."""
+    from ops import gemm_fp8
+    from ops.gemm_fp8 import plan
+
+    room = lambda c, t, smem: 66     # noqa: E731
+    assert gemm_fp8.CLUSTER_SMEM_FOLD is False and "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=room)
+    monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", True)
+    p = plan("dense", 128, 7168, 16384, 128, clusters=room)
+    assert p["splits"] == 2 and p["cluster"] and p["cluster_smem"] and p["stages"] == 4
+    assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=lambda c, t, smem: 55)
+    assert "cluster_smem" not in plan("dense", 64, 2112, 7168, 64, clusters=room)       # 4 splits
+    assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128)                   # room unknown
+    src = inspect.getsource(gemm_fp8._launch)
+    assert "CLUSTER_SMEM_FOLD" in src.split("key = (")[1].split(")")[0]
 
 
 @pytest.mark.gpu
