@@ -1,8 +1,8 @@
 """Quantizers and the block-scaled FP8 GEMM family (DeepGEMM layouts)."""
 
 import functools
-import math
 import inspect
+import math
 import re
 
 import pytest
