@@ -914,12 +914,13 @@ READY_FOLD_ROWS = 16
 # slower on every shape it could take (bench/NOTES.md "GEMM v5": the H200 holds 30 clusters of 4,
 # not the 32-33 of the 4-split shapes; the 2-split fold took ~8300 cycles, latency-bound)
 CLUSTER_FOLD = False
-# CUDA, 2-split plans (128x7168x16384: 56 tiles x 2): the pair of a tile's split blocks exchanges the partials' halves
-# through distributed shared memory (fp8_gemm_program cluster=True, cluster_smem=True: no partials in global memory,
-# no reduce kernel; the received half takes a stage's room), where the GPU holds every pair at once. Off: session 16
-# measured it only on half-width tiles (slower loops); session 68 A/B (bench provider tilecraft-dsmem) on the plan's
-# own tiles
-CLUSTER_SMEM_FOLD = False
+# CUDA, 2-split plans of more than READY_FOLD_ROWS rows (128x7168x16384: 56 tiles x 2): the pair of a tile's split
+# blocks exchanges the partials' halves through distributed shared memory (fp8_gemm_program cluster=True,
+# cluster_smem=True: no partials in global memory, no reduce kernel; the received half takes a stage's room: 5 -> 4),
+# where the GPU holds every pair at once. Session 16 measured it only on half-width tiles (slower loops). Session 68,
+# H100, CUDA graphs, same run (bench provider tilecraft-nodsmem: off): 128x7168x16384 52.7 -> 50.3 us; no other
+# decode row is a 2-split plan. False: the reduce kernel
+CLUSTER_SMEM_FOLD = True
 # v3, one split, at least two waves of tiles: clusters of two n-neighbours load each A tile once, by
 # TMA multicast (fp8_gemm_program multicast=True). Off: bitwise the same results but measured slower
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
@@ -1057,7 +1058,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         room = clusters(splits, GRID_THREADS, fixed + stages * stage_bytes + 4096)   # + barriers, small buffers
         if room is not None and room >= tiles:
             p["cluster"] = True
-    if CLUSTER_SMEM_FOLD and splits == 2 and not p.get("cluster") and clusters is not None:
+    if CLUSTER_SMEM_FOLD and splits == 2 and rows > READY_FOLD_ROWS and not p.get("cluster") and clusters is not None:
         q = _fit_exchange({**p, "cluster": True, "cluster_smem": True}, k)
         room = clusters(2, GRID_THREADS, fixed + block_m * block_n * 2 + q["stages"] * stage_bytes + 4096)
         if room is not None and room >= tiles:

@@ -2976,6 +2976,7 @@ def test_gpu_dsmem_plan_is_the_reduce_kernel(monkeypatch):
     m, n, k = 128, 7168, 16384
     *_, qa, sfa, qb, sfb = quantized(m, n, k, torch.Generator().manual_seed(9))
     args = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", False)
     want = ops.fp8_gemm_nt(*args)
     monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", True)
     assert gemm_fp8.plan("dense", m, n, k, 128, clusters=lambda c, t, smem: 66).get("cluster_smem")
@@ -2984,19 +2985,24 @@ def test_gpu_dsmem_plan_is_the_reduce_kernel(monkeypatch):
 
 
 def test_dsmem_plan_takes_2_splits_where_the_pairs_fit(monkeypatch):
-    """CLUSTER_SMEM_FOLD (off): 2-split plans take cluster_smem (one stage fewer, for the received half) only where
-    every pair fits at once; other splits and the default keep the reduce kernel; the switch is in the key."""
+    """CLUSTER_SMEM_FOLD (on): 2-split plans of more than READY_FOLD_ROWS rows take cluster_smem (one stage fewer,
+    for the received half) only where every pair fits at once; other splits, fewer rows (the in-kernel fold) and the
+    switch off keep their paths; the switch is in the key."""
     from ops import gemm_fp8
     from ops.gemm_fp8 import plan
 
     room = lambda c, t, smem: 66     # noqa: E731
-    assert gemm_fp8.CLUSTER_SMEM_FOLD is False and "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=room)
-    monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", True)
+    assert gemm_fp8.CLUSTER_SMEM_FOLD is True
+    assert plan("dense", 8, 2048, 4096, 64, clusters=room)["splits"] == 2
+    assert "cluster_smem" not in plan("dense", 8, 2048, 4096, 64, clusters=room)          # <= 16 rows: the fold
+    assert plan("dense", 64, 2048, 4096, 64, clusters=room)["cluster_smem"]
     p = plan("dense", 128, 7168, 16384, 128, clusters=room)
     assert p["splits"] == 2 and p["cluster"] and p["cluster_smem"] and p["stages"] == 4
     assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=lambda c, t, smem: 55)
     assert "cluster_smem" not in plan("dense", 64, 2112, 7168, 64, clusters=room)       # 4 splits
     assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128)                   # room unknown
+    monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", False)
+    assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=room)
     src = inspect.getsource(gemm_fp8._launch)
     assert "CLUSTER_SMEM_FOLD" in src.split("key = (")[1].split(")")[0]
 

@@ -440,9 +440,9 @@ SUITE = Suite(
                # (ops.gemm_fp8.READY_FOLD_ROWS), against the default (<= 16 rows) in the same run
                Provider("tilecraft-readyfold", _with_flag_lazy("READY_FOLD_ROWS", 1 << 30), experimental=True),
                Provider("tilecraft-nofold", _with_flag_lazy("READY_FOLD_ROWS", 0), experimental=True),
-               # 2-split plans folding in clusters of their two blocks through distributed shared memory
-               # (ops.gemm_fp8.CLUSTER_SMEM_FOLD) instead of the reduce kernel
-               Provider("tilecraft-dsmem", _with_flag_lazy("CLUSTER_SMEM_FOLD", True), experimental=True),
+               # 2-split plans through the reduce kernel instead of folding in clusters of their two blocks through
+               # distributed shared memory (ops.gemm_fp8.CLUSTER_SMEM_FOLD, on)
+               Provider("tilecraft-nodsmem", _with_flag_lazy("CLUSTER_SMEM_FOLD", False), experimental=True),
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 / 8 warps an SM, with 1 / 3 steps of
