@@ -2968,20 +2968,24 @@ def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overl
 
 
 @pytest.mark.gpu
-def test_gpu_dsmem_plan_is_the_reduce_kernel(monkeypatch):
-    """CLUSTER_SMEM_FOLD: the op's 2-split plan at 128x7168x16384 (56 tiles x 2) folds in clusters of two through
-    distributed shared memory where the GPU holds the 56 pairs: the reduce kernel's bits, run to run."""
+@pytest.mark.parametrize("m,n,k", [(128, 7168, 16384), (50, 2048, 4096), (17, 2048, 4096)])
+def test_gpu_dsmem_plan_is_the_reduce_kernel(monkeypatch, m, n, k):
+    """CLUSTER_SMEM_FOLD: the op's 2-split plans (128x7168x16384: 56 tiles x 2; 2048x4096 at 17-64 rows: 16 x 2,
+    m tails) fold in clusters of two through distributed shared memory where the GPU holds the pairs: the reduce
+    kernel's bits, run to run, and within the bounds of the exact reference."""
     from ops import gemm_fp8
 
-    m, n, k = 128, 7168, 16384
     *_, qa, sfa, qb, sfb = quantized(m, n, k, torch.Generator().manual_seed(9))
     args = [t.cuda() for t in (qa, sfa, qb, sfb)]
     monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", False)
     want = ops.fp8_gemm_nt(*args)
     monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", True)
-    assert gemm_fp8.plan("dense", m, n, k, 128, clusters=lambda c, t, smem: 66).get("cluster_smem")
+    assert gemm_fp8.plan("dense", m, n, k, 64 if m <= 64 else 128, clusters=lambda c, t, smem: 66).get("cluster_smem")
     out = ops.fp8_gemm_nt(*args)
     assert torch.equal(out, want) and torch.equal(ops.fp8_gemm_nt(*args), want)
+    ref = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    assert calc_diff(out.cpu(), ref) < 1e-3
+    assert_elementwise(out.cpu(), ref)
 
 
 def test_dsmem_plan_takes_2_splits_where_the_pairs_fit(monkeypatch):
