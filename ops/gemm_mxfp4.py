@@ -1265,8 +1265,8 @@ def plan_swapped(m: int, n: int, k: int, sms: int = 132, blocks_per_sm: int = 1,
     (2: bf16, 1: e4m3 for ops.gemm_w4a8); block_n: weight rows a block, 128 (two MMA warpgroups) or 64 (one: twice
     the blocks, so fewer splits). The returned plan names block_n only when it is 64, so 128-row plans compile as
     before; ops.gemm_w4a8 always plans 128. chains=2 (block_n 64): two MMA warpgroups on alternate K steps, where the
-    plan has no ahead, fold or pair (else the plan is the 64-row one without chains; split plans then write their
-    partials for the reduce kernel); the halves' (tokens, 132) fp32 staging tile takes its room from the stages;
+    plan has no ahead or fold, nor a pair from the pair rule unless chains_pair is "all" (else the plan is the 64-row
+    one without chains); the halves' (tokens, 132) fp32 staging tile takes its room from the stages;
     the plan names chains only when it is 2. chains_pair (one of SWAPPED_CHAINS_PAIRS; None: SWAPPED_CHAINS_PAIR): a
     chained plan of 2 splits folds in clusters of its two blocks (pair=True; the received half, tokens / 2 x 68 fp32,
     takes its room from the stages); "all": the chains also where the pair rule pairs the plan (else it drops them)."""
