@@ -2956,15 +2956,23 @@ def _assert_fold_is_the_reduce(ref, m, n, run):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,block_n,overlap", [(1, 2112, 2048, 64, False), (77, 256, 2048, 128, True),
-                                                   (128, 4096, 7168, 64, True), (128, 4096, 7168, 64, False),
-                                                   (200, 512, 1536, 128, True), (64, 7168, 16384, 128, True)])
-def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overlap):
+@pytest.mark.parametrize("m,n,k,block_n,overlap,threads", [(1, 2112, 2048, 64, False, 256),
+                                                           (77, 256, 2048, 128, True, 256),
+                                                           (128, 4096, 7168, 64, True, 256),
+                                                           (128, 4096, 7168, 64, False, 256),
+                                                           (200, 512, 1536, 128, True, 256),
+                                                           (64, 7168, 16384, 128, True, 256),
+                                                           (64, 2112, 7168, 32, True, 128),
+                                                           (37, 2112, 7168, 32, True, 128)])
+def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overlap, threads):
     """2 splits folded through distributed shared memory (cluster_smem=True): the reduce kernel's
-    bits, run after run and inside a CUDA graph; m tails and half-width tiles included."""
+    bits, run after run and inside a CUDA graph; m tails and half-width tiles included, and 64 x 32 tiles on one
+    MMA warpgroup (bench provider tilecraft-pair32: 64x2112x7168 as 66 pairs)."""
     ref, launch = _split_k_runner(m, n, k, 2)
     _assert_fold_is_the_reduce(ref, m, n, lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n,
-                                                                         cluster=smem, cluster_smem=smem))
+                                                                         cluster=smem, cluster_smem=smem,
+                                                                         **({} if threads == 256 else
+                                                                            {"threads": threads})))
 
 
 @pytest.mark.gpu
