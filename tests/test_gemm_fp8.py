@@ -665,7 +665,8 @@ def _split_k_runner(m, n, k, splits):
 
     def launch(out=None, **plan):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if out is None else out
-        _launch("dense", *dev, *aux, out, n, k, block_m=64 if m <= 64 else 128, splits=splits, **plan)
+        block_m = plan.pop("block_m", 64 if m <= 64 else 128)
+        _launch("dense", *dev, *aux, out, n, k, block_m=block_m, splits=splits, **plan)
         return out
     return ref, launch
 
@@ -2963,16 +2964,17 @@ def _assert_fold_is_the_reduce(ref, m, n, run):
                                                            (200, 512, 1536, 128, True, 256),
                                                            (64, 7168, 16384, 128, True, 256),
                                                            (64, 2112, 7168, 32, True, 128),
-                                                           (37, 2112, 7168, 32, True, 128)])
+                                                           (37, 2112, 7168, 32, True, 128),
+                                                           (128, 2112, 7168, 64, True, 128),
+                                                           (100, 4096, 7168, 128, True, 128)])
 def test_gpu_split_k_smem_fold_matches_the_reduce_kernel(m, n, k, block_n, overlap, threads):
     """2 splits folded through distributed shared memory (cluster_smem=True): the reduce kernel's
-    bits, run after run and inside a CUDA graph; m tails and half-width tiles included, and 64 x 32 tiles on one
-    MMA warpgroup (bench provider tilecraft-pair32: 64x2112x7168 as 66 pairs)."""
+    bits, run after run and inside a CUDA graph; m tails and half-width tiles included, and 64-row tiles 32, 64 or
+    128 wide on one MMA warpgroup (bench providers tilecraft-pair32/64/128: e.g. 64x2112x7168 as 66 pairs)."""
     ref, launch = _split_k_runner(m, n, k, 2)
+    one = {} if threads == 256 else {"threads": threads, "block_m": 64}
     _assert_fold_is_the_reduce(ref, m, n, lambda smem, out=None: launch(out, overlap=overlap, block_n=block_n,
-                                                                         cluster=smem, cluster_smem=smem,
-                                                                         **({} if threads == 256 else
-                                                                            {"threads": threads})))
+                                                                         cluster=smem, cluster_smem=smem, **one))
 
 
 @pytest.mark.gpu

@@ -17,10 +17,12 @@ for shape in mxfp4 mxfp4-chains; do
 done
 timeout 150 python3 -m bench.op gemm --shape decode --out "$out" --graph --flush read --jobs 8 \
   --providers tilecraft,tilecraft-nodsmem 2>&1 | grep -E "^dense|wrote" | cut -c1-110
-# 3. 64x2112x7168 (the furthest decode row from its target, 36% of copy) as 66 pairs of 64 x 32 tiles folding through
-#    distributed shared memory (provider tilecraft-pair32) against its 64 x 64 x 4-split plan and reduce kernel, and the
-#    DSMEM kernel's bit tests with the one-warpgroup 64 x 32 tiles first. Predicted (session 68, not measured): the
-#    loop +~1.3 us (28 K blocks a block instead of 14), the reduce kernel and its gap -2 to -4 us: 10.4 -> ~8.5-9.5 us.
-timeout 120 python3 -m pytest -q -m gpu -n 4 tests/test_gemm_fp8.py -k "smem_fold_matches and 2112-7168-32" 2>&1 | tail -3
-timeout 120 python3 -m bench.op gemm --shape decode --out "$out" --graph --flush read --jobs 8 \
-  --providers tilecraft,tilecraft-pair32 2>&1 | grep -E "^dense 64x|wrote" | cut -c1-110
+# 3. FP8 decode rows as 2-split pairs of 64-row one-warpgroup tiles folding through distributed shared memory
+#    (providers tilecraft-pair32/64/128, session 68, CPU-checked only), their kernel bit tests first. Predicted:
+#    64x2112x7168 (pair32: 66 pairs, 28 K blocks a block instead of 14, no reduce kernel) 10.4 -> ~8.5-9.5 us;
+#    128x2112x7168 (pair64: 132 blocks; A read 230 KB a block instead of 459) 10.6 -> ~9-10; 128x4096x7168 (pair128:
+#    128 blocks, 25% fewer L2 -> SM bytes than the thin 64 x 64 tiles) 14.7 -> ~13-15. Rows whose pairs make two
+#    waves: slower.
+timeout 150 python3 -m pytest -q -m gpu -n 4 tests/test_gemm_fp8.py -k "smem_fold_matches and True-128" 2>&1 | tail -3
+timeout 170 python3 -m bench.op gemm --shape decode --out "$out" --graph --flush read --jobs 8 \
+  --providers tilecraft,tilecraft-pair32,tilecraft-pair64,tilecraft-pair128 2>&1 | grep -E "^dense|wrote" | cut -c1-110

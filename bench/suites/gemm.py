@@ -231,24 +231,30 @@ def tilecraft_multicast(case, i):
     return _with_flag(gemm_fp8, "MULTICAST", True)(case, i)
 
 
-def tilecraft_pair32(case, i):
-    """The dense op forced onto 64 x 32 tiles on one MMA warpgroup in 2 splits, each tile's pair folding through
-    distributed shared memory (ops.gemm_fp8._launch overrides; 64 <= rows): 64x2112x7168 as 66 tiles x 2 = 132
-    blocks in 66 clusters of two, no reduce kernel, against its default 64 x 64 x 4-split plan and reduce kernel
-    (twice the K blocks a block, half the partial traffic). Other shapes get the same overrides (slower expected)."""
-    from ops.gemm_fp8 import _launch
+def tilecraft_pairs(block_n):
+    """The dense op (at most 128 rows) forced onto 64-row tiles block_n wide on one MMA warpgroup in 2 splits, each
+    tile's pair folding through distributed shared memory, up to 16 stages (ops.gemm_fp8._launch overrides): e.g.
+    64x2112x7168 at 32 wide (66 tiles x 2 = 132 blocks in 66 clusters of two), 128x2112x7168 at 64, 128x4096x7168 at
+    128, against their plans (4 splits and the reduce kernel; thin tiles reading A or B from L2 once a tile each).
+    Shapes whose pairs do not fit in one wave run slower (expected)."""
+    def make(case, i):
+        from ops.gemm_fp8 import _fit_exchange, _launch
 
-    m, n, k = case["m"], case["n"], case["k"]
-    if case["kind"] != "dense" or m > 64 or n % 32:
-        raise ValueError("tilecraft-pair32 times dense GEMMs of at most 64 rows with n a multiple of 32")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
-    args = (i["qa"], i["sfa"], i["qb"], i["sfb"], *aux, out, n, k)      # (b and sfb stacked: one group)
+        m, n, k = case["m"], case["n"], case["k"]
+        if case["kind"] != "dense" or m > 128 or n % block_n:
+            raise ValueError(f"tilecraft-pair{block_n} times dense GEMMs of at most 128 rows with n a multiple of "
+                             f"{block_n}")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        aux = torch.empty(m, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+        args = (i["qa"], i["sfa"], i["qb"], i["sfb"], *aux, out, n, k)      # (b and sfb stacked: one group)
+        stages = _fit_exchange(dict(block_m=64, block_n=block_n, splits=2, stages=16), k)["stages"]
 
-    def run():
-        _launch("dense", *args, block_m=64, block_n=32, splits=2, threads=128, cluster=True, cluster_smem=True)
-        return out
-    return run
+        def run():
+            _launch("dense", *args, block_m=64, block_n=block_n, splits=2, stages=stages, threads=128, cluster=True,
+                    cluster_smem=True)
+            return out
+        return run
+    return make
 
 
 def _with_flag_lazy(name, value):
@@ -463,7 +469,7 @@ SUITE = Suite(
                # 2-split plans through the reduce kernel instead of folding in clusters of their two blocks through
                # distributed shared memory (ops.gemm_fp8.CLUSTER_SMEM_FOLD, on)
                Provider("tilecraft-nodsmem", _with_flag_lazy("CLUSTER_SMEM_FOLD", False), experimental=True),
-               Provider("tilecraft-pair32", tilecraft_pair32, experimental=True),
+               *[Provider(f"tilecraft-pair{w}", tilecraft_pairs(w), experimental=True) for w in (32, 64, 128)],
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
                # m <= 16 on the warp kernel (ops.gemm_mxfp4.WARP_TOKENS), with 32 / 8 warps an SM, with 1 / 3 steps of
