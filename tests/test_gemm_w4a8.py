@@ -141,6 +141,14 @@ def group_activations(m, k, g):
     return ops.per_token_group_quant_fp8(torch.randn(m, k, generator=g) * 3)
 
 
+def activations_and_product(m, k, g, group, packed, scales):
+    """(a, sa, the fp32 product of the dequantized activations and weights): per-(token, 128) scales if group,
+    else per-token ones."""
+    a, sa = group_activations(m, k, g) if group else activations(m, k, g)
+    x = ops.dequant_fp8_token_groups(a, sa) if group else a.float() * sa[:, None]
+    return a, sa, x @ ops.dequant_mxfp4(packed, scales).T
+
+
 def test_cpu_op_with_per_group_activation_scales():
     """sfa (m, k/128): each 128-column block of a row has its own scale (DeepGEMM's layout); the CPU op is the fp32
     product of the dequantized activations; a per-token sfa given as (m, k/128) of one repeated value is the
@@ -650,12 +658,7 @@ def test_gpu_chains_match_the_fp32_product(m, n, k, group, monkeypatch):
     g = torch.Generator().manual_seed(m * 5 + n)
     packed, scales = weights(n, k, g)
     scales[0, :3] = torch.tensor([0, 1, 5], dtype=torch.uint8)
-    if group:
-        a, sa = group_activations(m, k, g)
-        ref = ops.dequant_fp8_token_groups(a, sa) @ ops.dequant_mxfp4(packed, scales).T
-    else:
-        a, sa = activations(m, k, g)
-        ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    a, sa, ref = activations_and_product(m, k, g, group, packed, scales)
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
     out = ops.mxfp4_w4a8_gemm_nt(*dev)
     assert torch.equal(out, ops.mxfp4_w4a8_gemm_nt(*dev))
@@ -720,12 +723,7 @@ def test_gpu_chains_pair_is_the_reduce_bitwise(monkeypatch, value, m, n, k, grou
     assert (p.get("chains"), p["splits"], p["pair"]) == (2, 2, True), p
     g = torch.Generator().manual_seed(m * 13 + n)
     packed, scales = weights(n, k, g)
-    if group:
-        a, sa = group_activations(m, k, g)
-        ref = ops.dequant_fp8_token_groups(a, sa) @ ops.dequant_mxfp4(packed, scales).T
-    else:
-        a, sa = activations(m, k, g)
-        ref = (a.float() * sa[:, None]) @ ops.dequant_mxfp4(packed, scales).T
+    a, sa, ref = activations_and_product(m, k, g, group, packed, scales)
     dev = [t.cuda() for t in (a, sa, *prepare_mxfp4_w4a8(packed, scales))]
     monkeypatch.setattr(gemm_mxfp4, "SWAPPED_CHAINS_PAIR", False)
     monkeypatch.setattr(gemm_w4a8, "W4A8_FOLD", False)
