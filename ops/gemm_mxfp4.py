@@ -814,11 +814,10 @@ def _store_chains(acc, C, Part, staged, tn, ts, m, steps, splits, block_n, token
     for j, i in tile.parallel(tokens, block_n):
         if j < m:
             if splits > 1:
-                Part[ts, j, tn * block_n + i] = T.if_then_else(
-                    steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0)
+                Part[ts, j, tn * block_n + i] = T.if_then_else(steps > 0, _chain_sum(staged, block_n, factor, i, j),
+                                                               0.0)
             else:
-                C[j, tn * block_n + i] = T.cast(_times(staged[j, i] + staged[j, block_n + i], factor, i, j),
-                                                "bfloat16")
+                C[j, tn * block_n + i] = T.cast(_chain_sum(staged, block_n, factor, i, j), "bfloat16")
 
 
 @T.macro
@@ -835,17 +834,22 @@ def _pair_fold_chains(acc, C, recv, staged, tn, ts, m, steps, block_n, tokens, f
     tile.barrier(threads=4 * block_n)
     for j, i in tile.parallel(tokens, block_n):
         if j < m and j // half != ts:
-            tile.cluster_store(recv[j % half, i], j // half, T.if_then_else(
-                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0))
+            tile.cluster_store(recv[j % half, i], j // half,
+                               T.if_then_else(steps > 0, _chain_sum(staged, block_n, factor, i, j), 0.0))
     tile.cluster_barrier()
     # (every token again, the other half's predicated off: factor's parameters are the loop's own names, which the
     # DSL tracks). The sum as __fadd_rn: a plain + after factor's multiply is contracted into one FFMA (one rounding
     # where the reduce kernel's path rounds the scaled partial first: other bits, seen on the GPU)
     for j, i in tile.parallel(tokens, block_n):
         if j < m and j // half == ts:
-            C[j, tn * block_n + i] = T.cast(T.call_extern("float32", "__fadd_rn", T.if_then_else(
-                steps > 0, _times(staged[j, i] + staged[j, block_n + i], factor, i, j), 0.0), recv[j % half, i]),
-                "bfloat16")
+            C[j, tn * block_n + i] = T.cast(T.call_extern(
+                "float32", "__fadd_rn", T.if_then_else(steps > 0, _chain_sum(staged, block_n, factor, i, j), 0.0),
+                recv[j % half, i]), "bfloat16")
+
+
+def _chain_sum(staged, block_n, factor, i, j):
+    # weight row i's sum for token j over both chains' steps (the halves' staging tile, token-major), times factor
+    return _times(staged[j, i] + staged[j, block_n + i], factor, i, j)
 
 
 def _times(x, factor, i, j):
