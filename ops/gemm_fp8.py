@@ -1060,7 +1060,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
             p["cluster"] = True
     if CLUSTER_SMEM_FOLD and splits == 2 and rows > READY_FOLD_ROWS and not p.get("cluster") and clusters is not None:
         q = _fit_exchange({**p, "cluster": True, "cluster_smem": True}, k)
-        room = clusters(2, GRID_THREADS, fixed + block_m * block_n * 2 + q["stages"] * stage_bytes + 4096)
+        room = clusters(2, GRID_THREADS, fixed + _exchange_bytes(block_m, block_n) + q["stages"] * stage_bytes + 4096)
         if room is not None and room >= tiles:
             p = q
     return p
@@ -1089,8 +1089,13 @@ def _fit_exchange(p: dict, k: int) -> dict:
     """A cluster_smem plan also holds the received half partial (block_m x block_n / 2 fp32) in shared
     memory: as many stages as still fit."""
     fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], k // GROUP, p["splits"])
-    fixed += p["block_m"] * p["block_n"] // 2 * 4
+    fixed += _exchange_bytes(p["block_m"], p["block_n"])
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
+
+
+def _exchange_bytes(block_m: int, block_n: int) -> int:
+    """A cluster_smem block's recv: the other split's half of the tile's partial (block_m x block_n / 2 fp32)."""
+    return block_m * block_n // 2 * 4
 
 
 def widened(p: dict, mode: str, rows: int, n: int, k: int, groups: int, sms: int, out_bytes: int) -> dict:
