@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import tilelang.language as T
 import torch
 
+from backends.cuda.device import max_active_clusters
 from codegen import targets, tile
 from codegen.program import ALL_TARGETS, tile_program
 from ops import _dispatch, _values
@@ -151,7 +152,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False):
+                       own_p: bool = False, share: int = 1):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -190,7 +191,13 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
 
     own_p=True (with seesaw): each warpgroup's P V of its own step reads P from its registers (wgmma
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
-    step's P V still reads it there. The same products in the same order."""
+    step's P V still reads it there. The same products in the same order.
+
+    share=2 (with seesaw, persistent or not; an even number of 64-row tiles): the two row tiles of a
+    sequence run as a cluster pair and get each kv part from one TMA multicast (rank 0 issues it into
+    both CTAs' shared memory; a slot reloads once both CTAs have released it), so each kv byte leaves L2
+    once per pair instead of once per CTA (bench/NOTES.md "Session 69"). The same products in the same
+    order: the bits of share=1."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -201,6 +208,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
+    if share not in (1, 2) or (share == 2 and not (seesaw and -(-(s_q * h_q) // BLOCK_M) % 2 == 0)):
+        raise ValueError(f"share={share}: share=2 (a sequence's row tiles in cluster pairs, each kv step multicast) "
+                         f"is built for seesaw=True and an even number of {BLOCK_M}-row tiles; got seesaw={seesaw}, "
+                         f"s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")
@@ -338,14 +349,14 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             max_splits: T.int32,
             scale_log2: T.float32,
         ):
-            with tile.grid((parts1 - 1) * m_tiles, threads + tile.producer_threads()) as bid:
+            with _grid((parts1 - 1) * m_tiles, threads + tile.producer_threads(), share) as bid:
                 mt = tile.scalar(bid % m_tiles)
                 begin = tile.scalar(PartStart[bid // m_tiles])
                 end = tile.scalar(PartStart[bid // m_tiles + 1])
                 q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
-                    stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p,
+                    stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
@@ -376,7 +387,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         max_splits: T.int32,
         scale_log2: T.float32,
     ):
-        with tile.grid(batch * max_splits * m_tiles, threads + tile.producer_threads()) as bid:
+        with _grid(batch * max_splits * m_tiles, threads + tile.producer_threads(), share) as bid:
             # per-CTA scalars: registers where the target's attention_loop wants them (tile.scalar)
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
@@ -405,7 +416,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
-                seesaw=seesaw, own_p=own_p,
+                seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
@@ -442,6 +453,11 @@ class _MlaUnit:
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
         self.query = lambda: query(self)
+
+
+def _grid(blocks, threads, share):
+    # share = 2: consecutive blocks (a sequence's row tiles mt = 2c, 2c + 1) as cluster pairs
+    return tile.cluster_grid(blocks, threads, share) if share > 1 else tile.grid(blocks, threads)
 
 
 @T.macro
@@ -859,6 +875,18 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _persistent_parts(q, m_tiles, share):
+    """Parts of persistent CTAs (m_tiles CTAs each) that run at once: one CTA an SM, and with share = 2
+    no more cluster pairs than the GPU holds at once (an SM left over in a GPC takes no pair)."""
+    parts = _sm_count(q.device) // m_tiles
+    if share > 1:
+        # (the kernel's ~218 KB of shared memory: one CTA an SM whatever the exact count)
+        room = max_active_clusters(q, share, 384, 200 * 1024)
+        if room:
+            parts = min(parts, room * share // m_tiles)
+    return parts
+
+
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
                      kv_format="bf16", combine_lanes=None):
     b, s_q, h_q, _ = q.shape
@@ -903,7 +931,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's two counters
         units = (arrival_counters(q.device, 2),)
     if tiling.get("persistent"):
-        units = sched.persistent_units(_sm_count(q.device) // (rows_pad // BLOCK_M))
+        units = sched.persistent_units(_persistent_parts(q, rows_pad // BLOCK_M, tiling.get("share", 1)))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))

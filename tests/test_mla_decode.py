@@ -989,6 +989,59 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
 
 
+def test_share_builds_and_says_what_it_needs():
+    """share=2 (a sequence's two row tiles as a cluster pair, each kv part one TMA multicast from rank 0)
+    lowers on sm_90a within the seesaw's registers (no spills), the persistent form too: the kv copies
+    are UTMALDG...MULTICAST in SASS, each release also arrives on the other CTA's barrier, and the pair
+    meets before its first and after its last barrier use. It names what it is built for elsewhere."""
+    from tests.test_gemm_fp8 import _sass_and_ptxas_log
+
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True, share=2)
+    assert src.count("tma_load_multicast(KV_desc") == 3                # one per kv part, issued by rank 0
+    assert src.count("arrive((tl::block_rank_in_cluster() ^ 1))") >= 8  # every release site tells the other CTA
+    assert src.count("__cluster_barrier_wait()") == 3                  # start, and the end of both MMA roles
+    sass, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+    assert "0 bytes spill stores" in log, log
+    assert re.search(r"UTMALDG\.\dD\.MULTICAST", sass)
+    for bad in (dict(seesaw=False), dict(h_q=64), dict(s_q=3, h_q=64), dict(share=3)):
+        with pytest.raises(ValueError, match="share"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, share=2), **bad})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,persistent,sms", [
+    (2, 1, 128, [1000, 64], 64, False, 0),        # a tail step; a sequence of one step
+    (2, 2, 128, [300, 2049], 64, False, 0),       # causal over 4 row tiles (two pairs); an odd number of steps
+    (2, 1, 128, [16384, 8000], 64, False, 0),     # splits + combine
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, True, 16),   # 2-3 units a part
+    (5, 1, 128, [129, 4096, 1, 777, 64], 128, True, 10),
+    (3, 2, 128, [300, 2049, 7], 256, True, 132),
+])
+def test_gpu_share_is_the_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, persistent, sms):
+    """share=2 (each kv part multicast to the cluster pair of a sequence's row tiles): exactly the bits of
+    the seesaw (persistent or not; the persistent part count forced low through the SM count), within the
+    reference's bounds, and the same from a CUDA graph."""
+    mla = importlib.import_module("ops.mla_decode")
+    if sms:
+        monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=persistent)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**tiling, "share": 2})
+    out, lse = run()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens", [(2, 1, 128, [1000, 64]), (3, 2, 128, [4096, 1, 0]), (2, 1, 64, [33, 97])])
 def test_gpu_fp8_two_converters(b, s_q, h_q, lens):

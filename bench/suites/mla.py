@@ -25,6 +25,8 @@ PRESETS = {
     "decode": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192), (64, 32, 1, 8192), (128, 64, 1, 4096),
                       (128, 128, 1, 4096), (128, 128, 2, 4096), (32, 128, 1, 16384)]),
     "sweep": _cases([(128, 128, 1, n) for n in (1024, 2048, 4096, 8192, 16384, 32768)]),
+    # the compute-bound rows of "decode" (h_q = 128: two 64-row tiles a sequence, both reading every kv byte)
+    "h128": _cases([(128, 128, 1, 4096), (128, 128, 2, 4096), (32, 128, 1, 16384)]),
     "small": _cases([(2, 16, 1, 1024), (2, 128, 2, 300)]),
     "fp8": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192)]),   # the rows of the FP8 cache's 1.6x target
     # the FP8 cache above 16 query rows (ops.mla_decode_fp8_rows64 against the op's kernel and the bf16 cache)
@@ -230,6 +232,9 @@ SUITE = Suite(
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
+        # a sequence's row tiles as cluster pairs, each kv part multicast to both (NOTES "Session 69")
+        Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
+        Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -797,8 +797,11 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False):
+                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1):
     threads = state()["threads"]
+    if share not in (1, 2) or (share > 1 and not seesaw):
+        raise ValueError(f"attention_loop(share={share}) (the CTA pair of a cluster sharing each kv step by TMA "
+                         "multicast) is built for share=1 or share=2 with seesaw=True")
     if own_p and not seesaw:
         raise ValueError("attention_loop(own_p=True) (each warpgroup's own P V with P from registers) is built for "
                          "seesaw=True")
@@ -827,7 +830,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, own_p)
+                units, own_p, share)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     # (swapped: alpha lives in the spare words of _swapped's S^T tile)
@@ -1014,6 +1017,7 @@ class _Seesaw:
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
     q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
+    share: int = 1      # CTAs of a cluster that get each kv step from one TMA multicast (rank 0 issues it)
 
 
 @dataclass(frozen=True)
@@ -1057,7 +1061,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, own_p=False):
+            units=None, own_p=False, share=1):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1075,11 +1079,15 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                      *(T.alloc_fragment((block_m,), "float32") for _ in range(6)),
                      T.alloc_fragment((block_m, block_n), kv[v[0]][2]) if own_p else None) for _ in range(2)]
     n = stages * len(kv)
+    # share = 2: a part's slot is written in both CTAs of the pair, so its empty barrier also counts the
+    # other CTA's releases (lane 0 of each of its 8 MMA warps, per release: _release)
+    empty = (T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * n) if share > 1 else T.alloc_barrier([2 * WG] * n))
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
-                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), T.alloc_barrier([2 * WG] * n),
+                 T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), empty,
                  T.alloc_barrier([PRODUCER]),
-                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)),
+                 share)
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1096,6 +1104,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
 def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
+    _pair_start(sw)
     tx = T.get_thread_binding()
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
@@ -1103,11 +1112,13 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
                     sw, stages, trace, f0.p)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
+        _pair_end(sw)
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
                     f1.row_sum, f1.l_i, sw, stages, trace, f1.p)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
+        _pair_end(sw)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
@@ -1146,12 +1157,15 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
     # trace: the stamps go by the CTA's pair (producer: step) count, across its units
     _timeline(trace, 0)
     T.sync_threads()                    # barrier initialization is visible to every role
+    _pair_start(sw)
     tx = T.get_thread_binding()
     if tx < WG:
         _seesaw_units_mma(0, units, u, unit, q, kv, v, scale, f0, sw, stages, 0, block_n, cnt, trace)
         _timeline(trace, 1)
+        _pair_end(sw)
     elif tx < 2 * WG:
         _seesaw_units_mma(1, units, u, unit, q, kv, v, scale, f1, sw, stages, col1, block_n, cnt, trace)
+        _pair_end(sw)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
@@ -1220,7 +1234,10 @@ def _issue_parts(loads, k, g, kv, stages, sw):
         bar = sw.full[_part(sw, g + k, stages, part)]
         emit(T.mbarrier_wait_parity(sw.empty[_part(sw, g + k, stages, part)], (((g + k) // stages) % 2) ^ 1))
         for src, p, row0, rows in loads(k):
-            if p == part:
+            if p == part and sw.share > 1:     # rank 0 issues it for the pair; each CTA expects its bytes
+                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar,
+                                cluster_mask=(1 << sw.share) - 1))
+            elif p == part:
                 emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar))
         emit(T.mbarrier_arrive(bar))
 
@@ -1258,10 +1275,38 @@ def _issue_pv_regs(p_r, v_w, k, stages, acc):
 
 
 def _release(sw, k, stages, parts, times=1):
-    # this warpgroup is done with kv parts `parts` of step k's slot
+    # this warpgroup is done with kv parts `parts` of step k's slot (share = 2: every call site follows
+    # the WGMMA wait of the reads it releases, so lane 0 of each warp also tells the other CTA, whose
+    # producer multicasts into this one's slot too)
     for p in parts:
         for _ in range(times):
             emit(T.mbarrier_arrive(sw.empty[_part(sw, k, stages, p)]))
+            if sw.share > 1:
+                _arrive_peer(sw.empty, _part(sw, k, stages, p))
+
+
+@T.macro
+def _arrive_peer(bars, i):
+    if T.get_thread_binding() % 32 == 0:
+        T.mbarrier_arrive(bars[i], cta_id=T.block_rank_in_cluster() ^ 1)
+
+
+@T.macro
+def _pair_start(sw):
+    # share = 2: both CTAs' barriers are initialized before either's producer multicasts into the other
+    # or a warp arrives on the other's empty barriers
+    if sw.share > 1:
+        T.call_extern("handle", "__cluster_barrier_arrive")
+        T.call_extern("handle", "__cluster_barrier_wait")
+
+
+@T.macro
+def _pair_end(sw):
+    # share = 2: neither CTA exits while the other's warps may still arrive on its barriers (the
+    # producers have exited: exited threads count as arrived)
+    if sw.share > 1:
+        T.call_extern("handle", "__cluster_barrier_arrive")
+        T.call_extern("handle", "__cluster_barrier_wait")
 
 
 @T.macro
