@@ -193,7 +193,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
     step's P V still reads it there. The same products in the same order.
 
-    share=2 (with seesaw, persistent or not; an even number of 64-row tiles): the two row tiles of a
+    share=2 (the bf16 cache, not swapped, an even number of 64-row tiles; seesaw, persistent or not, or the
+    default schedule): the two row tiles of a
     sequence run as a cluster pair and get each kv part from one TMA multicast (rank 0 issues it into
     both CTAs' shared memory; a slot reloads once both CTAs have released it), so each kv byte leaves L2
     once per pair instead of once per CTA (bench/NOTES.md "Session 69"). The same products in the same
@@ -208,10 +209,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
-    if share not in (1, 2) or (share == 2 and not (seesaw and -(-(s_q * h_q) // BLOCK_M) % 2 == 0)):
+    if share not in (1, 2) or (share == 2 and not (kv_format == "bf16" and not swapped
+                                                    and -(-(s_q * h_q) // BLOCK_M) % 2 == 0)):
         raise ValueError(f"share={share}: share=2 (a sequence's row tiles in cluster pairs, each kv step multicast) "
-                         f"is built for seesaw=True and an even number of {BLOCK_M}-row tiles; got seesaw={seesaw}, "
-                         f"s_q * h_q={s_q * h_q}")
+                         f"is built for the bf16 cache, swapped=False and an even number of {BLOCK_M}-row tiles; got "
+                         f"kv_format={kv_format!r}, swapped={swapped}, s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")

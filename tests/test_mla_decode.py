@@ -991,7 +991,7 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
 
 def test_share_builds_and_says_what_it_needs():
     """share=2 (a sequence's two row tiles as a cluster pair, each kv part one TMA multicast from rank 0)
-    lowers on sm_90a within the seesaw's registers (no spills), the persistent form too: the kv copies
+    lowers on sm_90a with no spills (seesaw, persistent seesaw, default schedule): the kv copies
     are UTMALDG...MULTICAST in SASS, each release also arrives on the other CTA's barrier, and the pair
     meets before its first and after its last barrier use. It names what it is built for elsewhere."""
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
@@ -1003,31 +1003,37 @@ def test_share_builds_and_says_what_it_needs():
     sass, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
     assert "0 bytes spill stores" in log, log
     assert re.search(r"UTMALDG\.\dD\.MULTICAST", sass)
-    for bad in (dict(seesaw=False), dict(h_q=64), dict(s_q=3, h_q=64), dict(share=3)):
+    default = mla_decode_program.source("sm_90a", h_q=128, s_q=1, share=2)       # the default schedule too
+    assert default.count("tma_load_multicast(KV_desc") == 3 and default.count("__cluster_barrier_wait()") == 3
+    for bad in (dict(kv_format="fp8", block_n=32), dict(h_q=64), dict(s_q=3, h_q=64), dict(share=3)):
         with pytest.raises(ValueError, match="share"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, share=2), **bad})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,persistent,sms", [
-    (2, 1, 128, [1000, 64], 64, False, 0),        # a tail step; a sequence of one step
-    (2, 2, 128, [300, 2049], 64, False, 0),       # causal over 4 row tiles (two pairs); an odd number of steps
-    (2, 1, 128, [16384, 8000], 64, False, 0),     # splits + combine
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, True, 16),   # 2-3 units a part
-    (5, 1, 128, [129, 4096, 1, 777, 64], 128, True, 10),
-    (3, 2, 128, [300, 2049, 7], 256, True, 132),
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,schedule,sms", [
+    (2, 1, 128, [1000, 64], 64, "seesaw", 0),       # a tail step; a sequence of one step
+    (2, 2, 128, [300, 2049], 64, "seesaw", 0),      # causal over 4 row tiles (two pairs); an odd number of steps
+    (2, 1, 128, [16384, 8000], 64, "seesaw", 0),    # splits + combine
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, "persistent", 16),   # 2-3 units a part
+    (5, 1, 128, [129, 4096, 1, 777, 64], 128, "persistent", 10),
+    (3, 2, 128, [300, 2049, 7], 256, "persistent", 132),
+    (2, 1, 128, [1000, 64], 64, "default", 0),
+    (3, 2, 128, [4096, 1, 0], 64, "default", 0),
+    (2, 1, 128, [16384, 8000], 128, "default", 0),
 ])
-def test_gpu_share_is_the_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, persistent, sms):
+def test_gpu_share_is_the_same_bits(monkeypatch, b, s_q, h_q, lens, page, schedule, sms):
     """share=2 (each kv part multicast to the cluster pair of a sequence's row tiles): exactly the bits of
-    the seesaw (persistent or not; the persistent part count forced low through the SM count), within the
-    reference's bounds, and the same from a CUDA graph."""
+    the same schedule with share=1 (the default, the seesaw, the persistent seesaw with its part count forced
+    low through the SM count), within the reference's bounds, and the same from a CUDA graph."""
     mla = importlib.import_module("ops.mla_decode")
     if sms:
         monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     scale = D ** -0.5
     sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=persistent)
+    tiling = dict(block_n=64, stages=2, **({} if schedule == "default" else
+                                           dict(seesaw=True, persistent=schedule == "persistent")))
     ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
     run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
                                        tiling={**tiling, "share": 2})

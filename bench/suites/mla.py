@@ -233,6 +233,8 @@ SUITE = Suite(
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
         # a sequence's row tiles as cluster pairs, each kv part multicast to both (NOTES "Session 69")
+        Provider("tilecraft-mc", lambda c, i: tilecraft_variant(
+            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), share=2)), experimental=True),
         Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
         Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,

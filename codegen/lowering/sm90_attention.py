@@ -165,10 +165,25 @@ def _stamp_ctas(trace, k, event, ctas):
 
 
 def _issue_loads(loads, k, dst, slot, bar):
-    # the copies that stage step k; every producer thread then arrives (TMA adds the bytes)
+    # the copies that stage step k; every producer thread then arrives (TMA adds the bytes). share = 2
+    # (plain staging): rank 0 multicasts them into both CTAs of the pair; each CTA expects the bytes
+    mask = {"cluster_mask": 3} if _share() > 1 else {}
     for src, part, row0, rows in loads(k):
-        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar))
+        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar, **mask))
     emit(T.mbarrier_arrive(bar))
+
+
+def _share():
+    # attention_loop(share=): CTAs of a cluster that get each kv step from one multicast
+    return state().get("share", 1)
+
+
+def _release_slot(empty, slot):
+    # an MMA warpgroup is done with the slot (after the WGMMA wait of its reads); share = 2: lane 0 of
+    # each warp also tells the other CTA, whose producer multicasts into this one's slot too
+    emit(T.mbarrier_arrive(empty[slot]))
+    if _share() > 1:
+        _arrive_peer(empty, slot)
 
 
 def _scores(q, kv, slot, acc_s):
@@ -608,7 +623,7 @@ def _softmax_and_hand_off(k, s, slot, v0, visible, scale, p_s, alpha_s, o0, m_i,
     _hand_off_p(k, s, visible, scale, p_s, alpha_s, m_i, m_prev, alpha, row_sum, l_i, p_ready, p_free, trace)
     _scale_rows(o0, alpha)
     _pv(p_s, v0, slot, o0)
-    T.mbarrier_arrive(empty[slot])
+    _release_slot(empty, slot)
     _stamp(trace, k, "wg0 PV+empty")
 
 
@@ -707,7 +722,7 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
             o1[i, j] *= alpha_s[i]
         _pv(p_s, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
-        T.mbarrier_arrive(empty[slot])
+        _release_slot(empty, slot)
         _stamp(trace, k, "wg1 PV+free")
     T.mbarrier_wait_parity(stats[0], 0)
     for i in T.Parallel(m1.shape[0]):
@@ -780,7 +795,7 @@ def _mma_wg1_t(steps, kv, v1, cols1, p1, alpha_s, l_s, m_s, o1, empty, p_ready, 
         _scale_cols_all(o1, alpha_s)
         _pv_t(p1, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
-        T.mbarrier_arrive(empty[slot])
+        _release_slot(empty, slot)
         _stamp(trace, k, "wg1 PV+free")
     T.mbarrier_wait_parity(stats[0], 0)
     _epilogues(epilogue, o1, cols1, l_s, m_s, False)
@@ -799,9 +814,11 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
                    direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1):
     threads = state()["threads"]
-    if share not in (1, 2) or (share > 1 and not seesaw):
+    if share not in (1, 2) or (share > 1 and (raw is not None or swapped)):
         raise ValueError(f"attention_loop(share={share}) (the CTA pair of a cluster sharing each kv step by TMA "
-                         "multicast) is built for share=1 or share=2 with seesaw=True")
+                         "multicast) is built for share=1, or share=2 with plain staging (no raw format) and "
+                         "swapped=False")
+    state()["share"] = share
     if own_p and not seesaw:
         raise ValueError("attention_loop(own_p=True) (each warpgroup's own P V with P from registers) is built for "
                          "seesaw=True")
@@ -869,7 +886,11 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
 
 def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
     """full, empty, tail, raw_full (None when plain), p_ready, p_free, stats (module docstring)."""
-    return (T.alloc_barrier([full_arrivals] * stages), T.alloc_barrier([2 * WG] * stages), T.alloc_barrier([PRODUCER]),
+    # share = 2: empty also counts the other CTA's releases (lane 0 of each of its 8 MMA warps)
+    full = T.alloc_barrier([full_arrivals] * stages)
+    empty = (T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * stages) if _share() > 1 else
+             T.alloc_barrier([2 * WG] * stages))
+    return (full, empty, T.alloc_barrier([PRODUCER]),
             None if plain else T.alloc_barrier([PRODUCER] * raw_stages), T.alloc_barrier([WG]), T.alloc_barrier([WG]),
             T.alloc_barrier([WG]))
 
@@ -880,16 +901,19 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
                 stages, raw_stages, plain, epilogue, trace, ck):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
+    _pair_start(_share())
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
                  m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
                  trace)
         _timeline(trace, 1)
+        _pair_end(_share())
     elif tx < 2 * WG:
         if ck is None:
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
                      p_free, stats, stages, epilogue, None, None, None, trace)
+            _pair_end(_share())
         else:
             vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
@@ -1104,7 +1128,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
 def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
-    _pair_start(sw)
+    _pair_start(sw.share)
     tx = T.get_thread_binding()
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
@@ -1112,13 +1136,13 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
                     sw, stages, trace, f0.p)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
-        _pair_end(sw)
+        _pair_end(sw.share)
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
                     f1.row_sum, f1.l_i, sw, stages, trace, f1.p)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
-        _pair_end(sw)
+        _pair_end(sw.share)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
@@ -1157,15 +1181,15 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
     # trace: the stamps go by the CTA's pair (producer: step) count, across its units
     _timeline(trace, 0)
     T.sync_threads()                    # barrier initialization is visible to every role
-    _pair_start(sw)
+    _pair_start(sw.share)
     tx = T.get_thread_binding()
     if tx < WG:
         _seesaw_units_mma(0, units, u, unit, q, kv, v, scale, f0, sw, stages, 0, block_n, cnt, trace)
         _timeline(trace, 1)
-        _pair_end(sw)
+        _pair_end(sw.share)
     elif tx < 2 * WG:
         _seesaw_units_mma(1, units, u, unit, q, kv, v, scale, f1, sw, stages, col1, block_n, cnt, trace)
-        _pair_end(sw)
+        _pair_end(sw.share)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
@@ -1292,19 +1316,19 @@ def _arrive_peer(bars, i):
 
 
 @T.macro
-def _pair_start(sw):
+def _pair_start(share):
     # share = 2: both CTAs' barriers are initialized before either's producer multicasts into the other
     # or a warp arrives on the other's empty barriers
-    if sw.share > 1:
+    if share > 1:
         T.call_extern("handle", "__cluster_barrier_arrive")
         T.call_extern("handle", "__cluster_barrier_wait")
 
 
 @T.macro
-def _pair_end(sw):
+def _pair_end(share):
     # share = 2: neither CTA exits while the other's warps may still arrive on its barriers (the
     # producers have exited: exited threads count as arrived)
-    if sw.share > 1:
+    if share > 1:
         T.call_extern("handle", "__cluster_barrier_arrive")
         T.call_extern("handle", "__cluster_barrier_wait")
 
