@@ -14,6 +14,8 @@ out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 timeout 200 python3 -m pytest -q -m gpu -n 4 tests/test_mla_decode.py -k "share_is_the_same_bits" 2>&1 | tail -4 \
   | tee "$out/tests-share.txt"
+# WAIT_FOR_FILE: a peer built beside us in the background (FlashMLA) writes it when importable or failed
+if [ -n "${WAIT_FOR_FILE:-}" ]; then for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done; fi
 timeout 300 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --jobs 8 --rounds 2 \
-  --providers tilecraft,tilecraft-mc,tilecraft-seesaw,tilecraft-seesaw-mc,tilecraft-persistent,tilecraft-persistent-mc 2>&1 \
+  --providers tilecraft,tilecraft-mc,tilecraft-seesaw,tilecraft-seesaw-mc,tilecraft-persistent,tilecraft-persistent-mc,flash_mla 2>&1 \
   | grep -vE "^\s*$" | tail -25
