@@ -921,13 +921,19 @@ CLUSTER_FOLD = False
 # H100, CUDA graphs, same run (bench provider tilecraft-nodsmem: off): 128x7168x16384 52.7 -> 50.3 us; no other
 # decode row is a 2-split plan. False: the reduce kernel
 CLUSTER_SMEM_FOLD = True
+# CUDA, 4-split plans of 64 x 64 tiles at READY_FOLD_ROWS+1..64 rows whose 64 x 32 tiles in 2 splits make one wave of
+# cluster pairs (2112x7168: 66 tiles x 2 = 132 blocks): those pairs instead, on one MMA warpgroup with up to
+# THIN_STAGES stages, each folding through distributed shared memory (no partials in global memory, no reduce
+# kernel; twice the K blocks a block). Session 69, H100, CUDA graphs, same run (provider tilecraft-pair32 then, off
+# now: tilecraft-no-pair-half): 64x2112x7168 11.5 -> 10.4 us. False: the 4-split plan and the reduce kernel
+PAIR_HALF_TILES = True
 # v3, one split, at least two waves of tiles: clusters of two n-neighbours load each A tile once, by
 # TMA multicast (fp8_gemm_program multicast=True). Off: bitwise the same results but measured slower
 # on the H200 (bench/NOTES.md "GEMM v6": prefill -6%, grouped contiguous -5%, masked -14%; L2 bytes
 # only -10%, and each block of a pair now waits for the slower one)
 MULTICAST = False
 # both K loops run 256 MMA threads + a TMA warpgroup (v2's added by TileLang); the thin plans run 128
-# MMA threads (THIN_THREADS) and never ask for cluster room, the one use of this count
+# MMA threads (THIN_THREADS; PAIR_HALF_TILES asks room for THIN_THREADS + 128), the one use of this count
 GRID_THREADS = 384
 # v3, dense, where the default plan would split K: thin tiles instead (block_m 64, block_n 32 or 64,
 # chosen so that the tiles fill one wave of SMs as fully as they can) with up to THIN_STAGES stages, no
@@ -1062,6 +1068,16 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
         q = _fit_exchange({**p, "cluster": True, "cluster_smem": True}, k)
         room = clusters(2, GRID_THREADS, fixed + _exchange_bytes(block_m, block_n) + q["stages"] * stage_bytes + 4096)
         if room is not None and room >= tiles:
+            p = q
+    if (PAIR_HALF_TILES and overlap and mode == "dense" and READY_FOLD_ROWS < rows <= 64 and splits == 4
+            and (block_m, block_n) == (64, 64) and not p.get("cluster") and clusters is not None
+            and sms // 2 < 2 * (n // 32) <= sms):
+        q = _fit_exchange(dict(block_m=64, block_n=32, splits=2, stages=THIN_STAGES, threads=THIN_THREADS,
+                               overlap=True, cluster=True, cluster_smem=True), k)
+        fixed, stage_bytes = _smem_layout(64, 32, kb, 2)
+        room = clusters(2, THIN_THREADS + 128,     # (+ the TMA warpgroup)
+                        fixed + _exchange_bytes(64, 32) + q["stages"] * stage_bytes + 4096)
+        if room is not None and room >= n // 32:
             p = q
     return p
 
@@ -1242,7 +1258,7 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
 
     key = ("fp8_gemm", mode, target.name, a2.device.index, rows, n, k, block_m, overlap, THIN_TILES, THIN_THREADS,
            STAGE_C, PERSISTENT, PERSISTENT_WAVES, WIDE_TILES, TILES_192, WIDE_PERSISTENT, RASTER, MULTICAST,
-           CLUSTER_FOLD, CLUSTER_SMEM_FOLD, FOLD_IN_KERNEL, READY_FOLD_ROWS, SFA_RING,
+           CLUSTER_FOLD, CLUSTER_SMEM_FOLD, PAIR_HALF_TILES, FOLD_IN_KERNEL, READY_FOLD_ROWS, SFA_RING,
            tuple(sorted(override.items())) if override else (), out2.dtype)
     splits, counters, ready, kernel, reduce = jit.launchers(key, build)
     count = arrival_counters(a2.device, counters) if counters else bound_only(a2.device)

@@ -3013,12 +3013,61 @@ def test_dsmem_plan_takes_2_splits_where_the_pairs_fit(monkeypatch):
     p = plan("dense", 128, 7168, 16384, 128, clusters=room)
     assert p["splits"] == 2 and p["cluster"] and p["cluster_smem"] and p["stages"] == 4
     assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=lambda c, t, smem: 55)
+    monkeypatch.setattr(gemm_fp8, "PAIR_HALF_TILES", False)
     assert "cluster_smem" not in plan("dense", 64, 2112, 7168, 64, clusters=room)       # 4 splits
+    monkeypatch.setattr(gemm_fp8, "PAIR_HALF_TILES", True)
     assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128)                   # room unknown
     monkeypatch.setattr(gemm_fp8, "CLUSTER_SMEM_FOLD", False)
     assert "cluster_smem" not in plan("dense", 128, 7168, 16384, 128, clusters=room)
     src = inspect.getsource(gemm_fp8._launch)
     assert "CLUSTER_SMEM_FOLD" in src.split("key = (")[1].split(")")[0]
+
+
+def test_pair_half_tiles_plan_where_the_pairs_make_one_wave(monkeypatch):
+    """PAIR_HALF_TILES (on): a 4-split plan of 64 x 64 tiles at 17-64 rows whose 64 x 32 tiles in 2 splits make one
+    wave of cluster pairs (2112x7168: 66 x 2 blocks) takes those, on one MMA warpgroup, folding through distributed
+    shared memory, where the GPU holds every pair; fewer rows (the in-kernel fold), other widths, too little room
+    and the switch off keep the 4-split plan; the switch is in the key."""
+    from ops import gemm_fp8
+    from ops.gemm_fp8 import plan
+
+    room = lambda c, t, smem: 66     # noqa: E731
+    assert gemm_fp8.PAIR_HALF_TILES is True
+    for rows in (17, 37, 64):
+        p = plan("dense", rows, 2112, 7168, 64, clusters=room)
+        assert (p["block_m"], p["block_n"], p["splits"], p["threads"]) == (64, 32, 2, 128), p
+        assert p["cluster"] and p["cluster_smem"] and p["stages"] > 6
+    assert plan("dense", 16, 2112, 7168, 64, clusters=room)["splits"] == 4             # the in-kernel fold
+    assert plan("dense", 64, 576, 7168, 64, clusters=room)["splits"] == 4              # 18 pairs: not a wave
+    assert plan("dense", 64, 2112, 7168, 64, clusters=lambda c, t, smem: 60)["splits"] == 4
+    assert plan("dense", 64, 2112, 7168, 64)["splits"] == 4                            # room unknown
+    monkeypatch.setattr(gemm_fp8, "PAIR_HALF_TILES", False)
+    assert plan("dense", 64, 2112, 7168, 64, clusters=room)["splits"] == 4
+    src = inspect.getsource(gemm_fp8._launch)
+    assert "PAIR_HALF_TILES" in src.split("key = (")[1].split(")")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 37, 17])
+def test_gpu_pair_half_tiles_plan_is_the_reduce_kernel(m):
+    """The op's PAIR_HALF_TILES plan at 17-64 x 2112 x 7168 (64 x 32 tiles, 2 splits folding in cluster pairs): the
+    bits of the same tiles through the reduce kernel, run to run, and within the bounds of the exact reference."""
+    from ops import gemm_fp8
+
+    n, k = 2112, 7168
+    *_, qa, sfa, qb, sfb = quantized(m, n, k, torch.Generator().manual_seed(11))
+    args = [t.cuda() for t in (qa, sfa, qb, sfb)]
+    assert gemm_fp8.plan("dense", m, n, k, 64, clusters=lambda c, t, smem: 66).get("cluster_smem")
+    out = ops.fp8_gemm_nt(*args)
+    ref, launch = _split_k_runner(m, n, k, 2)
+    want = launch(block_m=64, block_n=32, threads=128, overlap=True)        # the same tiles, the reduce kernel
+    g = torch.Generator().manual_seed(m + 2)
+    *_, qa2, sfa2, qb2, sfb2 = quantized(m, n, k, g)
+    same = [t.cuda() for t in (qa2, sfa2, qb2, sfb2)]
+    assert torch.equal(ops.fp8_gemm_nt(*same), want) and torch.equal(ops.fp8_gemm_nt(*same), want)
+    exact = ops.fp8_gemm_nt(qa, sfa, qb, sfb, out_dtype=torch.float32)
+    assert calc_diff(out.cpu(), exact) < 1e-3
+    assert_elementwise(out.cpu(), exact)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,8 @@ PRESETS = {
     "decode": [dict(kind="dense", m=m, n=n, k=k) for m in (64, 128) for n, k in DECODE_NK],
     # a few tokens (small-batch decode) on the split plans of the MLA down projections (q_a 1536, kv_a 576, fused 2112)
     "decode-few": [dict(kind="dense", m=m, n=n, k=7168) for m in (1, 8, 16, 32) for n in (2112, 1536, 576)],
+    # ops.gemm_fp8.PAIR_HALF_TILES' rows: 17-64 tokens on the fused MLA down projection (2112 = 1536 + 576)
+    "pair-half": [dict(kind="dense", m=m, n=2112, k=7168) for m in (17, 32, 48, 64)],
     "grouped": [dict(kind="contiguous", groups=4, m=8192, n=4096, k=7168),
                 dict(kind="masked", groups=1, m=1024, n=4096, k=7168)],
     "mxfp4": [dict(kind="mxfp4", m=m, n=n, k=k) for m in (1, 8, 16, 64) for n, k in ((7168, 2048), (4096, 7168))],
@@ -469,6 +471,8 @@ SUITE = Suite(
                # 2-split plans through the reduce kernel instead of folding in clusters of their two blocks through
                # distributed shared memory (ops.gemm_fp8.CLUSTER_SMEM_FOLD, on)
                Provider("tilecraft-nodsmem", _with_flag_lazy("CLUSTER_SMEM_FOLD", False), experimental=True),
+               # the 4-split plan and the reduce kernel at 17-64 x 2112 x 7168 (ops.gemm_fp8.PAIR_HALF_TILES off)
+               Provider("tilecraft-no-pair-half", _with_flag_lazy("PAIR_HALF_TILES", False), experimental=True),
                *[Provider(f"tilecraft-pair{w}", tilecraft_pairs(w), experimental=True) for w in (32, 64, 128)],
                Provider("tilecraft-wide-persistent", tilecraft_wide_persistent, experimental=True),
                Provider("tilecraft-tile", tilecraft_tile, experimental=True),
