@@ -1166,3 +1166,17 @@ def test_stage_raw_and_rope_direct_build_and_say_what_they_need():
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
+
+
+def test_ncu_mla_names_what_it_cannot_run():
+    """bench.ncu_mla (one provider's call in a profiler range, for ncu): an unknown provider or one that is not
+    importable here exits naming it, before any input is made."""
+    from bench import ncu_mla
+
+    with pytest.raises(SystemExit, match="no mla provider 'nope'.*tilecraft-persistent"):
+        ncu_mla.main(["nope", "1x1x1x1"])
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="flash_mla: flash_mla is not importable"):
+            ncu_mla.main(["flash_mla", "1x1x1x1"])
