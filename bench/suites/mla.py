@@ -236,6 +236,8 @@ SUITE = Suite(
         Provider("tilecraft-mc", lambda c, i: tilecraft_variant(
             c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), share=2)), experimental=True),
         Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
+        # the query's rope in each warpgroup's registers (wgmma RS): 8 KB a step less through shared memory
+        Provider("tilecraft-persistent-rope", lambda c, i: persistent(c, i, rope_regs=True), experimental=True),
         Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
