@@ -900,7 +900,7 @@ def _persistent_parts(q, m_tiles, share):
         # (the kernel's ~218 KB of shared memory: one CTA an SM whatever the exact count)
         room = max_active_clusters(q, share, 384, 200 * 1024)
         if room:
-            parts = min(parts, room * share // m_tiles)
+            parts = min(parts, max(1, room * share // m_tiles))
     return parts
 
 
