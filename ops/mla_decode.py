@@ -152,7 +152,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, share: int = 1, rope_regs: bool = False):
+                       own_p: bool = False, share: int = 1, rope_regs: bool = False, l2_ahead: int = 0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -203,7 +203,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     rope_regs=True (with persistent): each warpgroup copies the query's rope (64 columns) into its registers once a
     unit and scores it with wgmma RS, so the score MMAs read only K's rope from shared memory (8 KB a step less
     through the SM's shared-memory port, FlashMLA's choice). The same products: the bits of rope_regs=False.
-    Not with own_p: both together do not fit the registers (ptxas serializes the MMAs, C7512)."""
+    Not with own_p: both together do not fit the registers (ptxas serializes the MMAs, C7512).
+
+    l2_ahead=d (the bf16 cache, not swapped, 64-token steps, pages of 64+; any schedule): as the producer issues
+    step k's loads it also asks for step k + d's 73,728 cache bytes to be brought into L2 (one bulk prefetch, no
+    shared memory): a step's loads then come from L2 rather than from DRAM, if DRAM's loaded latency is what a step
+    waits for (bench/NOTES.md "Session 69"). The same loads and products: the bits of l2_ahead=0."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -219,6 +224,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         # copy: "(64, 64) and (64, 256)"; the persistent form loads the query by TMA)
         raise ValueError("rope_regs=True (the query's rope in each warpgroup's registers) is built for "
                          "persistent=True")
+    if l2_ahead and not (kv_format == "bf16" and not swapped and block_n == BLOCK_N and page >= BLOCK_N
+                         and l2_ahead > 0):
+        raise ValueError(f"l2_ahead={l2_ahead} (the cache bytes of a later step prefetched into L2) is built for the "
+                         f"bf16 cache, swapped=False, 64-token steps and pages of 64+ tokens; got "
+                         f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}")
     if rope_regs and own_p:
         raise ValueError("rope_regs=True with own_p=True does not fit the warpgroups' registers (ptxas serializes "
                          "their MMAs, C7512): choose one")
@@ -372,9 +382,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
-                    rope_regs=rope_regs,
+                    rope_regs=rope_regs, l2_ahead=(l2_ahead, None) if l2_ahead else None,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
+                        l2=(l2_ahead, lambda u, j: _step_bytes(KV, BlockTable, u.bi, u.first + j, page, num_pages))
+                        if l2_ahead else None,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
                                                         bf16_parts(KV), pidx=u.page_index),
                         prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
@@ -434,6 +446,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
                 **({"rope_regs": True} if rope_regs else {}),
+                **({"l2_ahead": (l2_ahead, lambda j: _step_bytes(KV, BlockTable, bi, first + j, page, num_pages))}
+                   if l2_ahead else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
@@ -454,7 +468,7 @@ class _MlaUnit:
     without persistent (64-token steps)."""
 
     def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, prefetch, limit, epilogue,
-                 query):
+                 query, l2=None):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
@@ -470,6 +484,16 @@ class _MlaUnit:
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
         self.query = lambda: query(self)
+        # l2_ahead: (d, at(j)) with step j's cache bytes (address, size) for the producer's L2 prefetch
+        self.l2 = None if l2 is None else (l2[0], lambda j: l2[1](self, j))
+
+
+def _step_bytes(KV, BlockTable, bi, blk, page, num_pages):
+    # (KV's data, byte offset, bytes) of 64-token block blk of sequence bi in a bf16 cache with pages of 64+
+    # tokens: its rows are contiguous (page-major cache), 64 x 576 bf16
+    pidx = _page_index(BlockTable, bi, blk, page, BLOCK_N, num_pages)
+    row = T.cast(pidx, "int64") * page + (blk * BLOCK_N) % page
+    return KV.data, row * (D_QK * 2), BLOCK_N * D_QK * 2
 
 
 def _grid(blocks, threads, share):

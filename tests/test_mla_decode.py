@@ -1029,6 +1029,50 @@ def test_rope_regs_builds_and_says_what_it_needs():
                                                            rope_regs=True), **bad})
 
 
+def test_l2_ahead_builds_and_says_what_it_needs():
+    """l2_ahead=d: the producer asks for step k + d's 73,728 cache bytes in L2 (one bulk prefetch by one thread) right
+    after step k's loads, only for steps the CTA has (no table read past them), in the default schedule and the
+    persistent seesaw, with no spills; the helper is in the source only when asked for. It names what it needs."""
+    from tests.test_gemm_fp8 import _sass_and_ptxas_log
+
+    for kw in (dict(), dict(seesaw=True, persistent=True)):
+        src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, l2_ahead=2, **kw)
+        assert src.count("tc_prefetch_l2(") == 2 and "cp.async.bulk.prefetch.L2.global" in src
+        call = src.index("tc_prefetch_l2(KV")
+        assert re.search(r"if \(\(k\w* \+ 2\) < steps\w*\)", src[call - 600:call]), src[call - 600:call]
+        assert "73728), 73728)" in src[call:call + 400]
+        _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+        assert "0 bytes spill stores" in log, log
+    assert "tc_prefetch_l2" not in mla_decode_program.source("sm_90a", h_q=128, s_q=1)
+    for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(page=32, block_n=32),
+                dict(l2_ahead=-1)):
+        with pytest.raises(ValueError, match="l2_ahead"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, l2_ahead=2), **bad})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,tiling", [
+    (3, 1, 128, [4096, 1, 0], 64, dict(l2_ahead=2)),                 # the default schedule; lengths 1 and 0
+    (2, 2, 64, [300, 2049], 128, dict(l2_ahead=4)),                  # causal, pages of 128, 4 steps ahead
+    (2, 1, 64, [16384, 8000], 64, dict(l2_ahead=2)),                 # splits + combine
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, dict(seesaw=True, persistent=True, l2_ahead=2)),
+    (2, 2, 128, [300, 2049], 256, dict(seesaw=True, l2_ahead=3)),
+])
+def test_gpu_l2_ahead_is_the_same_bits(b, s_q, h_q, lens, page, tiling):
+    """l2_ahead (a later step's cache bytes prefetched into L2): exactly the bits of the same schedule without it,
+    with NaN-poisoned unused pages and table slots (no prefetch address past a sequence's blocks is read), within
+    the reference's bounds."""
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    base = {"block_n": 64, "stages": 2, **{k: v for k, v in tiling.items() if k != "l2_ahead"}}
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
+    out, lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling={**base, **tiling})
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # 2-3 units a part, odd steps, tails
