@@ -1048,6 +1048,12 @@ def test_l2_ahead_builds_and_says_what_it_needs():
                 dict(l2_ahead=-1)):
         with pytest.raises(ValueError, match="l2_ahead"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, l2_ahead=2), **bad})
+    for target in ("sm_100a", "ascend"):          # the other targets' rules name what they do not lower
+        for opt in (dict(l2_ahead=2), dict(share=2, seesaw=False)):
+            # (share=2 on Ascend: no cluster_grid rule there, a codegen.rules.NoRuleError naming it)
+            with pytest.raises((ValueError, LookupError), match="l2_ahead=\\) is lowered on cuda:sm_90a only|"
+                                                                "cluster_grid"):
+                mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, **opt)
 
 
 @pytest.mark.gpu
