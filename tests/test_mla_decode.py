@@ -1041,8 +1041,9 @@ def test_l2_ahead_builds_and_says_what_it_needs():
         call = src.index("tc_prefetch_l2(KV")
         assert re.search(r"if \(\(k\w* \+ 2\) < steps\w*\)", src[call - 600:call]), src[call - 600:call]
         assert "73728), 73728)" in src[call:call + 400]
-        _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-        assert "0 bytes spill stores" in log, log
+        if kw:                                     # (ptxas once: the persistent seesaw, the tighter registers)
+            _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+            assert "0 bytes spill stores" in log, log
     assert "tc_prefetch_l2" not in mla_decode_program.source("sm_90a", h_q=128, s_q=1)
     for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(page=32, block_n=32),
                 dict(l2_ahead=-1)):
