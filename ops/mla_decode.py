@@ -193,12 +193,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
     step's P V still reads it there. The same products in the same order.
 
-    share=2 (the bf16 cache, not swapped, an even number of 64-row tiles; seesaw, persistent or not, or the
-    default schedule): the two row tiles of a
-    sequence run as a cluster pair and get each kv part from one TMA multicast (rank 0 issues it into
-    both CTAs' shared memory; a slot reloads once both CTAs have released it), so each kv byte leaves L2
-    once per pair instead of once per CTA (bench/NOTES.md "Session 69"). The same products in the same
-    order: the bits of share=1.
+    share=2 (the bf16 cache, not swapped, an even number of 64-row tiles; any schedule): the two row tiles of
+    a sequence run as a cluster pair and get each kv part from one TMA multicast (rank 0 issues it into both
+    CTAs' shared memory; a slot reloads once both CTAs have released it), so each kv byte leaves L2 once per
+    pair instead of once per CTA. Measured no faster (bench/NOTES.md "Session 69"). The same products in the
+    same order: the bits of share=1.
 
     rope_regs=True (with persistent): each warpgroup copies the query's rope (64 columns) into its registers once a
     unit and scores it with wgmma RS, so the score MMAs read only K's rope from shared memory (8 KB a step less
@@ -385,8 +384,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     rope_regs=rope_regs, l2_ahead=(l2_ahead, None) if l2_ahead else None,
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
-                        l2=(l2_ahead, lambda u, j: _step_bytes(KV, BlockTable, u.bi, u.first + j, page, num_pages))
-                        if l2_ahead else None,
+                        l2_at=lambda u, j: _step_bytes(KV, BlockTable, u.bi, u.first + j, page, num_pages),
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
                                                         bf16_parts(KV), pidx=u.page_index),
                         prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
@@ -468,7 +466,7 @@ class _MlaUnit:
     without persistent (64-token steps)."""
 
     def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, prefetch, limit, epilogue,
-                 query, l2=None):
+                 query, l2_at):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
@@ -484,8 +482,8 @@ class _MlaUnit:
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
         self.query = lambda: query(self)
-        # l2_ahead: (d, at(j)) with step j's cache bytes (address, size) for the producer's L2 prefetch
-        self.l2 = None if l2 is None else (l2[0], lambda j: l2[1](self, j))
+        # step j's cache bytes (data, byte offset, size) for the producer's L2 prefetch (l2_ahead)
+        self.l2_at = lambda j: l2_at(self, j)
 
 
 def _step_bytes(KV, BlockTable, bi, blk, page, num_pages):

@@ -67,6 +67,7 @@ import tilelang.language as T
 from codegen.lowering.common import online_softmax
 from codegen.lowering.sm90 import check_register_split
 from codegen.rules import register
+from codegen import tile
 from codegen.tile import emit, require_pass_configs, state
 
 WG = 128
@@ -176,18 +177,16 @@ def _stamp_ctas(trace, k, event, ctas):
 
 
 def _issue_loads(loads, k, dst, slot, bar):
-    # the copies that stage step k; every producer thread then arrives (TMA adds the bytes). share = 2
-    # (plain staging): rank 0 multicasts them into both CTAs of the pair; each CTA expects the bytes
-    mask = {"cluster_mask": 3} if _share() > 1 else {}
+    # the copies that stage step k; every producer thread then arrives (TMA adds the bytes)
     for src, part, row0, rows in loads(k):
-        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar, **mask))
+        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar, **_multicast()))
     emit(T.mbarrier_arrive(bar))
 
 
 def _prefetch_l2(l2_ahead, k, steps):
-    # l2_ahead = (d, at): step k + d's cache bytes into L2 as step k's loads go out (at(j) -> (buffer data, byte
-    # offset, bytes) of
-    # step j: read only inside the guard, so a step past the last reads no table entry), by one producer thread
+    # l2_ahead = (d, at): step k + d's cache bytes into L2 as step k's loads go out, by one producer thread;
+    # at(j) -> (buffer data, byte offset, bytes) of step j, called only inside the guard (no table entry past
+    # the last step is read)
     if l2_ahead is not None:
         _l2_step(l2_ahead[1], k + int(l2_ahead[0]), steps)
 
@@ -204,12 +203,40 @@ def _share():
     return state().get("share", 1)
 
 
+def _multicast():
+    # share = 2: tma_copy's multicast into both CTAs of the pair (rank 0 issues it; each CTA expects the bytes)
+    return {"cluster_mask": (1 << _share()) - 1} if _share() > 1 else {}
+
+
+def _empty_barriers(n):
+    # n empty barriers of 2 MMA warpgroups' arrivals; share = 2: a slot is written in both CTAs of the pair, so
+    # they also count the other CTA's releases (lane 0 of each of its 8 MMA warps, _arrive_peer)
+    if _share() > 1:
+        return T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * n)
+    return T.alloc_barrier([2 * WG] * n)
+
+
+def _pair_meet():
+    # share = 2: the pair waits for each other (tile.cluster_barrier): after the barriers' initialization, so that
+    # neither producer multicasts into nor a warp arrives on the other's barriers before they exist; after the MMA
+    # roles' last release, so that neither exits while the other may still arrive on its barriers (the producers
+    # have exited: exited threads count as arrived)
+    if _share() > 1:
+        tile.cluster_barrier()
+
+
 def _release_slot(empty, slot):
     # an MMA warpgroup is done with the slot (after the WGMMA wait of its reads); share = 2: lane 0 of
     # each warp also tells the other CTA, whose producer multicasts into this one's slot too
     emit(T.mbarrier_arrive(empty[slot]))
     if _share() > 1:
         _arrive_peer(empty, slot)
+
+
+@T.macro
+def _arrive_peer(bars, i):
+    if T.get_thread_binding() % 32 == 0:
+        T.mbarrier_arrive(bars[i], cta_id=T.block_rank_in_cluster() ^ 1)
 
 
 def _scores(q, kv, slot, acc_s):
@@ -864,6 +891,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     else:
         check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
+    # l2_ahead = (d, at): at(j) -> (buffer data, byte offset, bytes) of step j; with units, at is None and the
+    # binding's l2_at(j) gives them
     if l2_ahead is not None and (raw is not None or swapped or int(l2_ahead[0]) < 1):
         raise ValueError("attention_loop(l2_ahead=(d, at)) (step k + d's bytes prefetched into L2 with step k's "
                          f"loads) is built for plain staging, swapped=False and d >= 1, got d={l2_ahead[0]}")
@@ -883,7 +912,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, own_p, share, rope_regs)
+                units, own_p, rope_regs)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     # (swapped: alpha lives in the spare words of _swapped's S^T tile)
@@ -922,11 +951,8 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
 
 def _barriers(stages, raw_stages, plain, full_arrivals=PRODUCER):
     """full, empty, tail, raw_full (None when plain), p_ready, p_free, stats (module docstring)."""
-    # share = 2: empty also counts the other CTA's releases (lane 0 of each of its 8 MMA warps)
     full = T.alloc_barrier([full_arrivals] * stages)
-    empty = (T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * stages) if _share() > 1 else
-             T.alloc_barrier([2 * WG] * stages))
-    return (full, empty, T.alloc_barrier([PRODUCER]),
+    return (full, _empty_barriers(stages), T.alloc_barrier([PRODUCER]),
             None if plain else T.alloc_barrier([PRODUCER] * raw_stages), T.alloc_barrier([WG]), T.alloc_barrier([WG]),
             T.alloc_barrier([WG]))
 
@@ -937,19 +963,19 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
                 stages, raw_stages, plain, epilogue, trace, ck):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
-    _pair_start(_share())
+    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
                  m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
                  trace)
         _timeline(trace, 1)
-        _pair_end(_share())
+        _pair_meet()
     elif tx < 2 * WG:
         if ck is None:
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
                      p_free, stats, stages, epilogue, None, None, None, trace)
-            _pair_end(_share())
+            _pair_meet()
         else:
             vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
@@ -1077,7 +1103,6 @@ class _Seesaw:
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
     q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
-    share: int = 1      # CTAs of a cluster that get each kv step from one TMA multicast (rank 0 issues it)
 
 
 @dataclass(frozen=True)
@@ -1123,7 +1148,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, own_p=False, share=1, rope_regs=False):
+            units=None, own_p=False, rope_regs=False):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1142,15 +1167,12 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                      T.alloc_fragment((block_m, block_n), kv[v[0]][2]) if own_p else None,
                      T.alloc_fragment(tuple(q[-1].shape), q[-1].dtype) if rope_regs else None) for _ in range(2)]
     n = stages * len(kv)
-    # share = 2: a part's slot is written in both CTAs of the pair, so its empty barrier also counts the
-    # other CTA's releases (lane 0 of each of its 8 MMA warps, per release: _release)
-    empty = (T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * n) if share > 1 else T.alloc_barrier([2 * WG] * n))
+    empty = _empty_barriers(n)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
                  T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), empty,
                  T.alloc_barrier([PRODUCER]),
-                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)),
-                 share)
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue, None, state().get("l2_ahead"))
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1158,9 +1180,9 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     # one set of scalars serves every role (each thread runs one role's code on its own registers)
     u = units.bind()
     cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(5)))
-    l2 = getattr(u, "l2", None)
+    l2 = state().get("l2_ahead")               # (d, None): the binding's l2_at gives each step's bytes
     unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue,
-                 getattr(u, "prefetch", None), (l2[0], l2[1]) if l2 is not None else None)
+                 getattr(u, "prefetch", None), (l2[0], u.l2_at) if l2 is not None else None)
     _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt, trace)
 
 
@@ -1168,7 +1190,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
 def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
-    _pair_start(sw.share)
+    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
@@ -1176,13 +1198,13 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
                     sw, stages, trace, f0.p, f0.q_r)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
-        _pair_end(sw.share)
+        _pair_meet()
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
                     f1.row_sum, f1.l_i, sw, stages, trace, f1.p, f1.q_r)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
-        _pair_end(sw.share)
+        _pair_meet()
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
@@ -1221,15 +1243,15 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
     # trace: the stamps go by the CTA's pair (producer: step) count, across its units
     _timeline(trace, 0)
     T.sync_threads()                    # barrier initialization is visible to every role
-    _pair_start(sw.share)
+    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         _seesaw_units_mma(0, units, u, unit, q, kv, v, scale, f0, sw, stages, 0, block_n, cnt, trace)
         _timeline(trace, 1)
-        _pair_end(sw.share)
+        _pair_meet()
     elif tx < 2 * WG:
         _seesaw_units_mma(1, units, u, unit, q, kv, v, scale, f1, sw, stages, col1, block_n, cnt, trace)
-        _pair_end(sw.share)
+        _pair_meet()
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
@@ -1299,11 +1321,8 @@ def _issue_parts(loads, k, g, kv, stages, sw):
         bar = sw.full[_part(sw, g + k, stages, part)]
         emit(T.mbarrier_wait_parity(sw.empty[_part(sw, g + k, stages, part)], (((g + k) // stages) % 2) ^ 1))
         for src, p, row0, rows in loads(k):
-            if p == part and sw.share > 1:     # rank 0 issues it for the pair; each CTA expects its bytes
-                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar,
-                                cluster_mask=(1 << sw.share) - 1))
-            elif p == part:
-                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar))
+            if p == part:
+                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar, **_multicast()))
         emit(T.mbarrier_arrive(bar))
 
 
@@ -1350,38 +1369,11 @@ def _issue_pv_regs(p_r, v_w, k, stages, acc):
 
 
 def _release(sw, k, stages, parts, times=1):
-    # this warpgroup is done with kv parts `parts` of step k's slot (share = 2: every call site follows
-    # the WGMMA wait of the reads it releases, so lane 0 of each warp also tells the other CTA, whose
-    # producer multicasts into this one's slot too)
+    # this warpgroup is done with kv parts `parts` of step k's slot (every call site follows the WGMMA wait
+    # of the reads it releases, as _release_slot needs)
     for p in parts:
         for _ in range(times):
-            emit(T.mbarrier_arrive(sw.empty[_part(sw, k, stages, p)]))
-            if sw.share > 1:
-                _arrive_peer(sw.empty, _part(sw, k, stages, p))
-
-
-@T.macro
-def _arrive_peer(bars, i):
-    if T.get_thread_binding() % 32 == 0:
-        T.mbarrier_arrive(bars[i], cta_id=T.block_rank_in_cluster() ^ 1)
-
-
-@T.macro
-def _pair_start(share):
-    # share = 2: both CTAs' barriers are initialized before either's producer multicasts into the other
-    # or a warp arrives on the other's empty barriers
-    if share > 1:
-        T.call_extern("handle", "__cluster_barrier_arrive")
-        T.call_extern("handle", "__cluster_barrier_wait")
-
-
-@T.macro
-def _pair_end(share):
-    # share = 2: neither CTA exits while the other's warps may still arrive on its barriers (the
-    # producers have exited: exited threads count as arrived)
-    if share > 1:
-        T.call_extern("handle", "__cluster_barrier_arrive")
-        T.call_extern("handle", "__cluster_barrier_wait")
+            _release_slot(sw.empty, _part(sw, k, stages, p))
 
 
 @T.macro
