@@ -482,6 +482,28 @@ def assert_matches_reference(out, lse, q, kv, table, seqlens, scale, causal=True
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
 
 
+def assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, extra, graph=True):
+    """The tiling base + extra (an option that must not change a bit) against base alone on the same NaN-poisoned
+    inputs: equal outputs and lse, within the reference's bounds, and (graph) the same from a CUDA graph replay."""
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**base, **extra})
+    out, lse = run()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            g_out, g_lse = run()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens", [
     (2, 1, 16, [1000, 64]),
@@ -1069,15 +1091,8 @@ def test_gpu_l2_ahead_is_the_same_bits(b, s_q, h_q, lens, page, tiling):
     """l2_ahead (a later step's cache bytes prefetched into L2): exactly the bits of the same schedule without it,
     with NaN-poisoned unused pages and table slots (no prefetch address past a sequence's blocks is read), within
     the reference's bounds."""
-    mla = importlib.import_module("ops.mla_decode")
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
     base = {"block_n": 64, "stages": 2, **{k: v for k, v in tiling.items() if k != "l2_ahead"}}
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
-    out, lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling={**base, **tiling})
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, {"l2_ahead": tiling["l2_ahead"]}, graph=False)
 
 
 @pytest.mark.gpu
@@ -1089,24 +1104,9 @@ def test_gpu_l2_ahead_is_the_same_bits(b, s_q, h_q, lens, page, tiling):
 def test_gpu_rope_regs_is_the_persistent_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
     """rope_regs (the query's rope scored from registers): exactly the persistent seesaw's bits, within the
     reference's bounds, and the same from a CUDA graph."""
-    mla = importlib.import_module("ops.mla_decode")
-    monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True)
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**tiling, "rope_regs": True})
-    out, lse = run()
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "_sm_count", lambda device: sms)
+    assert_variant_is_bitwise(b, s_q, h_q, lens, page, dict(block_n=64, stages=2, seesaw=True, persistent=True),
+                              {"rope_regs": True})
 
 
 @pytest.mark.gpu
@@ -1125,26 +1125,11 @@ def test_gpu_share_is_the_same_bits(monkeypatch, b, s_q, h_q, lens, page, schedu
     """share=2 (each kv part multicast to the cluster pair of a sequence's row tiles): exactly the bits of
     the same schedule with share=1 (the default, the seesaw, the persistent seesaw with its part count forced
     low through the SM count), within the reference's bounds, and the same from a CUDA graph."""
-    mla = importlib.import_module("ops.mla_decode")
     if sms:
-        monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+        monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "_sm_count", lambda device: sms)
     tiling = dict(block_n=64, stages=2, **({} if schedule == "default" else
                                            dict(seesaw=True, persistent=schedule == "persistent")))
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**tiling, "share": 2})
-    out, lse = run()
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+    assert_variant_is_bitwise(b, s_q, h_q, lens, page, tiling, {"share": 2})
 
 
 @pytest.mark.gpu
