@@ -1066,7 +1066,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
             p["cluster"] = True
     if CLUSTER_SMEM_FOLD and splits == 2 and rows > READY_FOLD_ROWS and not p.get("cluster") and clusters is not None:
         q = _fit_exchange({**p, "cluster": True, "cluster_smem": True}, k)
-        room = clusters(2, GRID_THREADS, fixed + _exchange_bytes(block_m, block_n) + q["stages"] * stage_bytes + 4096)
+        room = clusters(2, GRID_THREADS, _exchange_smem(q, k))
         if room is not None and room >= tiles:
             p = q
     if (PAIR_HALF_TILES and overlap and mode == "dense" and READY_FOLD_ROWS < rows <= 64 and splits == 4
@@ -1074,9 +1074,7 @@ def plan(mode: str, rows: int, n: int, k: int, block_m: int, sms: int = 132, ove
             and sms // 2 < 2 * (n // 32) <= sms):
         q = _fit_exchange(dict(block_m=64, block_n=32, splits=2, stages=THIN_STAGES, threads=THIN_THREADS,
                                overlap=True, cluster=True, cluster_smem=True), k)
-        fixed, stage_bytes = _smem_layout(64, 32, kb, 2)
-        room = clusters(2, THIN_THREADS + 128,     # (+ the TMA warpgroup)
-                        fixed + _exchange_bytes(64, 32) + q["stages"] * stage_bytes + 4096)
+        room = clusters(2, THIN_THREADS + 128, _exchange_smem(q, k))     # (+ the TMA warpgroup)
         if room is not None and room >= n // 32:
             p = q
     return p
@@ -1107,6 +1105,13 @@ def _fit_exchange(p: dict, k: int) -> dict:
     fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], k // GROUP, p["splits"])
     fixed += _exchange_bytes(p["block_m"], p["block_n"])
     return {**p, "stages": max(2, min(p["stages"], (SMEM_BUDGET - fixed) // stage_bytes))}
+
+
+def _exchange_smem(p: dict, k: int) -> int:
+    """A cluster_smem plan's shared memory as cluster room asks for it: the scales, the received half, its stages and
+    4 KB for the barriers and small buffers."""
+    fixed, stage_bytes = _smem_layout(p["block_m"], p["block_n"], k // GROUP, p["splits"])
+    return fixed + _exchange_bytes(p["block_m"], p["block_n"]) + p["stages"] * stage_bytes + 4096
 
 
 def _exchange_bytes(block_m: int, block_n: int) -> int:
