@@ -6,9 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
-timeout 200 python3 -m pytest -q -m gpu -n 4 tests/test_mla_decode.py -k "l2_ahead or rope_regs" 2>&1 | tail -4 \
+timeout 170 python3 -m pytest -q -m gpu -n 4 tests/test_mla_decode.py -k "l2_ahead or rope_regs" 2>&1 | tail -4 \
   | tee "$out/tests-l2-rope.txt"
 if [ -n "${WAIT_FOR_FILE:-}" ]; then for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done; fi
-timeout 330 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --jobs 8 --rounds 2 \
-  --providers tilecraft,tilecraft-l2p2,tilecraft-l2p4,tilecraft-persistent,tilecraft-persistent-l2p2,tilecraft-persistent-rope,flash_mla \
+timeout 280 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --jobs 8 --rounds 2 \
+  --providers tilecraft,tilecraft-l2p2,tilecraft-persistent,tilecraft-persistent-l2p2,tilecraft-persistent-rope,flash_mla \
   2>&1 | grep -vE "^\s*$" | tail -30
