@@ -60,6 +60,14 @@ def shape(name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
 
 
+def some_groups(name: str, groups: int, rows: int) -> None:
+    """A contiguous grouped GEMM with rows to compute needs at least one group: its kernels clamp a row's group
+    index into [0, groups), and there is none to clamp into."""
+    if rows and not groups:
+        raise ValueError(f"{name} must have at least one group (its first dimension) when a has rows, got 0 groups "
+                         f"for {rows} rows")
+
+
 def number(name: str, v, *, lo=None, hi=None, integer=False):
     """v must be an int (integer=True) or a finite number (NaN and infinities pass no range check), within
     [lo, hi] where those are given."""

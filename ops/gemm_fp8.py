@@ -1363,6 +1363,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dt
     M = a.shape[0]
     if M % GROUP:
         raise ValueError(f"a's row count must be a multiple of {GROUP} (the segment alignment), got {M}")
+    check.some_groups("b", b.shape[0], M)
     if _values.enabled(m_indices) and M and bool(((m_indices < -1) | (m_indices >= b.shape[0])).any()):
         raise ValueError(f"m_indices must be in [-1, {b.shape[0]})")
     return _call("contiguous", a, sfa, b, sfb, m_indices, out, out_dtype, 128)

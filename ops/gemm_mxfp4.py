@@ -1064,6 +1064,7 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
     if a.shape[0] % 128:
         raise ValueError(f"a's row count must be a multiple of 128 (the segment alignment), got {a.shape[0]}")
     check.same_device(a=a, b=b, sfb=sfb, m_indices=m_indices)
+    check.some_groups("b", G, a.shape[0])
     if _values.enabled(m_indices) and a.shape[0] and bool(((m_indices < -1) | (m_indices >= G)).any()):
         raise ValueError(f"m_indices must be in [-1, {G})")
     if native:

@@ -183,8 +183,9 @@ def _mxfp4_native_impl(a, b, sfb, sfa):
 def _native_target(a, sfa):
     """The target whose block-scaled MMAs take this call (e4m3 a with OCP MX sfa on sm_100a or ascend:950), or None
     (the decoded-tile kernels: bf16 a, or a dequantized to bf16 first)."""
-    if not isinstance(a, torch.Tensor) or a.device.type == "cpu" or sfa is None or sfa.dtype != torch.uint8 or a.dtype != torch.float8_e4m3fn:
-        return None
+    if (not isinstance(a, torch.Tensor) or a.device.type == "cpu" or not isinstance(sfa, torch.Tensor)
+            or sfa.dtype != torch.uint8 or a.dtype != torch.float8_e4m3fn):
+        return None         # (anything else takes the named checks of the decoded-tile path)
     target = targets.resolve(a)
     return target if target.name in NATIVE_TARGETS else None
 

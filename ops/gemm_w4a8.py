@@ -496,15 +496,26 @@ def prepare_mxfp4_w4a8(b: torch.Tensor, sfb: torch.Tensor):
 
 def w4a8_exact(sfb: torch.Tensor) -> bool:
     """Whether prepare_mxfp4_w4a8 keeps every weight of these scales exactly (each block within 14 binades of its
-    row's largest)."""
+    row's largest): sfb (n, k/32) or grouped (g, n, k/32) uint8 E8M0, as prepare_mxfp4_w4a8 takes them."""
+    check.tensor("sfb", sfb, dtypes=(torch.uint8,), ndim=(2, 3))
     e = sfb.long()
-    return bool(((e - e.amax(1, keepdim=True) + 6) >= EXACT_LOW).all()) if e.numel() else True
+    return bool(((e - e.amax(-1, keepdim=True) + 6) >= EXACT_LOW).all()) if e.numel() else True
 
 
 def dequant_w4a8(codes: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """The prepared weights' values, (n, k) fp32: what the kernel multiplies (its table's e4m3 values x row_scale)."""
+    check.tensor("codes", codes, dtypes=(torch.uint8,), ndim=2)
+    check.tensor("offsets", offsets, dtypes=(torch.uint8,), ndim=2)
+    check.tensor("row_scale", row_scale, dtypes=(torch.float32,), ndim=1)
     n, half = codes.shape
     k = 2 * half
+    if k % BLOCK_K:
+        raise ValueError(f"codes must be (n, k/2) with k a multiple of {BLOCK_K} (as prepare_mxfp4_w4a8 writes them), "
+                         f"got shape {tuple(codes.shape)}")
+    check.shape("offsets", offsets, (n, k // MX), "(n, k/32) from prepare_mxfp4_w4a8")
+    check.shape("row_scale", row_scale, (n,), "(n,) from prepare_mxfp4_w4a8")
+    check.same_device(codes=codes, offsets=offsets, row_scale=row_scale)
+    _check_offsets(offsets)
     by = codes.cpu().long().view(n, k // 128, 4, 4, 4)            # [n, s, c, j, byte]
     word = sum(by[..., i] << (8 * i) for i in range(4))            # [n, s, c, j]
     mag = torch.zeros(n, k // 128, 4, 2, 4, 4, dtype=torch.long)    # [n, s, j, h, c, t]
@@ -967,6 +978,7 @@ def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, 
         check.shape("sfa", sfa, (M, k // BLOCK_K), "fp32 scales of a per (token, 128 columns)")
     check.shape("m_indices", m_indices, (M,), "(M,) one per row of a")
     check.same_device(a=a, sfa=sfa, codes=codes, offsets=offsets, row_scale=row_scale, m_indices=m_indices)
+    check.some_groups("codes", G, M)
     if ((a.device.type == "cpu" or _values.enabled(m_indices)) and M
             and bool(((m_indices < -1) | (m_indices >= G)).any())):
         raise ValueError(f"m_indices must be in [-1, {G})")

@@ -738,6 +738,7 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
         max_blocks = operator.index(max_blocks)
     except TypeError:
         raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}") from None
+    check.number("max_blocks", max_blocks, lo=0, integer=True)
     if num_sms is not None:
         check.number("num_sms", num_sms, lo=1, integer=True)
     for name, v in (("max_splits", max_splits), ("min_split_blocks", min_split_blocks)):

@@ -621,6 +621,8 @@ def _check_dispatch(x, ids, num_experts, x_scales, layout, align, max_m, values=
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check.number("align", align, lo=1, integer=True)
     if max_m is not None:
+        if layout != "masked":
+            raise ValueError(f"max_m is only for layout='masked' (the rows each expert gets there); layout is {layout!r}")
         check.number("max_m", max_m, lo=1, integer=True)
     if x.dtype == torch.float8_e4m3fn:
         if x_scales is None:
@@ -729,9 +731,9 @@ def moe_combine(y, mapping, weights):
     pos = mapping.positions if ep is None else ep.send_positions
     check.shape("weights", weights, tuple(pos.shape), "(T, k) like the routing")
     check.same_device(y=y, weights=weights, positions=pos)
-    if ep is None and _values.enabled(pos) and pos.numel() and bool((pos >= rows).any()):
-        raise ValueError(f"mapping.positions must be rows of y's dispatch layout (< {rows}), got "
-                         f"{int(pos.max())}: pass the mapping moe_dispatch returned with these rows")
+    if ep is None and _values.enabled(pos) and pos.numel() and bool(((pos < 0) | (pos >= rows)).any()):
+        raise ValueError(f"mapping.positions must be rows of y's dispatch layout (in [0, {rows})), got values "
+                         f"{int(pos.min())}..{int(pos.max())}: pass the mapping moe_dispatch returned with these rows")
     if y.device.type == "cuda":
         check.aligned("y", y, 16, "its rows are read 16 bytes a thread")
     if ep is not None:

@@ -196,6 +196,7 @@ def dequant_mx_fp8(x_fp8, scales):
     if k % 32:
         raise ValueError(f"x_fp8's last dimension must be a multiple of 32 (one E8M0 scale per 32), got {k}")
     check.shape("scales", scales, (*x_fp8.shape[:-1], k // 32), "(..., k/32) E8M0")
+    check.same_device(x_fp8=x_fp8, scales=scales)
     return x_fp8.float() * _e8m0_factor(scales).repeat_interleave(32, dim=-1)
 
 
@@ -205,7 +206,11 @@ def dequant_mxfp4(packed, scales):
     check.tensor("scales", scales, dtypes=(torch.uint8,), ndim=2)
     n, half = packed.shape
     k = half * 2
+    if k % 32:
+        raise ValueError(f"packed must have a multiple of 16 bytes a row (k = 2 x {half} values, a multiple of 32: "
+                         f"the MX block), got shape {tuple(packed.shape)}")
     check.shape("scales", scales, (n, k // 32), "(n, k/32)")
+    check.same_device(packed=packed, scales=scales)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, k).long()
     table = FP4_VALUES.to(packed.device)
     values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)

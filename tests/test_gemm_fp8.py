@@ -104,6 +104,21 @@ def test_quantizer_flags_and_dequant_inputs_are_checked():
     assert torch.equal(ops.dequant_fp8_token_groups(q, sf), q.float() * sf.repeat_interleave(128, 1))
 
 
+def test_mx_dequant_helpers_check_k_and_device():
+    """dequant_mxfp4 refuses a packed row that is not whole MX blocks (k = 2 x bytes a multiple of 32: a broadcast
+    error from torch before), and both MX dequant helpers refuse scales on another device than the values."""
+    packed, scales = ops.quant_mxfp4(torch.randn(4, 64))
+    for half in (8, 24):                               # k = 16, 48
+        with pytest.raises(ValueError, match=rf"packed must have a multiple of 16 bytes a row .*got shape \(4, {half}\)"):
+            ops.dequant_mxfp4(packed[:, :half].contiguous(), scales[:, :half // 16].contiguous())
+    with pytest.raises(ValueError, match="tensors must be on one device, got packed on cpu, scales on meta"):
+        ops.dequant_mxfp4(packed, scales.to("meta"))
+    x8 = torch.randn(4, 64).to(torch.float8_e4m3fn)
+    sx = torch.full((4, 2), 127, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="tensors must be on one device, got x_fp8 on cpu, scales on meta"):
+        ops.dequant_mx_fp8(x8, sx.to("meta"))
+
+
 # ---- GEMMs on CPU tensors: the exact-dequant reference ---------------------------------------------
 
 def quantized(m, n, k, g):
@@ -1383,6 +1398,34 @@ def test_mxfp4_takes_mx_fp8_activations():
         ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa[:, :4].contiguous())
     with pytest.raises((TypeError, ValueError), match="sfa"):
         ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa.to(torch.int32))
+
+
+def test_contiguous_grouped_ops_refuse_zero_groups_with_rows():
+    """The contiguous kernels clamp a row's group into [0, groups): with no groups there is nothing to clamp into
+    (it would read b[-1]), so rows with zero groups are refused on every device, even when every row is padding."""
+    a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    sfa = torch.ones(128, 2)
+    pad = torch.full((128,), -1, dtype=torch.int32)
+    b = torch.zeros(0, 128, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="b must have at least one group"):
+        ops.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, torch.ones(0, 1, 2), pad)
+    packed = torch.zeros(0, 128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="b must have at least one group"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a.to(torch.bfloat16), packed, torch.zeros(0, 128, 8, dtype=torch.uint8), pad)
+    # no rows, no groups: nothing to compute, an empty result
+    empty = ops.m_grouped_fp8_gemm_nt_contiguous(a[:0], sfa[:0], b, torch.ones(0, 1, 2), pad[:0])
+    assert empty.shape == (0, 128)
+
+
+def test_mxfp4_sfa_not_a_tensor_is_named_off_the_cpu():
+    """Off the CPU (here the meta device: no values, no kernel) the native-kernel routing read sfa.dtype before
+    any check: a list as sfa was an AttributeError; now the named TypeError of the decoded-tile path."""
+    a = torch.empty(4, 256, dtype=torch.float8_e4m3fn, device="meta")
+    b, sfb = ops.quant_mxfp4(torch.randn(128, 256))
+    with pytest.raises(TypeError, match="sfa must be a torch.Tensor, got list"):
+        ops.mxfp4_gemm_nt(a, b, sfb, sfa=[1.0])
+    with pytest.raises(TypeError, match="sfa must be a torch.Tensor, got list"):
+        ops.m_grouped_mxfp4_gemm_nt_contiguous(a, b[None], sfb[None], torch.zeros(4, dtype=torch.int32), sfa=[1.0])
 
 
 def test_mxfp4_takes_e4m3_activations_with_their_scales():

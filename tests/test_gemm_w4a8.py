@@ -231,6 +231,41 @@ def test_errors_name_the_argument():
         prepare_mxfp4_w4a8(packed.int(), scales)
 
 
+def test_dequant_w4a8_and_w4a8_exact_check_their_inputs():
+    """dequant_w4a8 names a wrong dtype, shape, k or table offset (raw view / index errors, or a floored offset,
+    before); w4a8_exact takes uint8 E8M0 scales (n, k/32) or grouped (g, n, k/32), a row being the last dimension
+    (grouped scales were taken row-wise along n)."""
+    g = torch.Generator().manual_seed(8)
+    packed, scales = weights(16, 256, g)
+    codes, offsets, row_scale = prepare_mxfp4_w4a8(packed, scales)
+    with pytest.raises(TypeError, match="codes must have dtype uint8, got fp32"):
+        dequant_w4a8(codes.float(), offsets, row_scale)
+    with pytest.raises(ValueError, match="codes must have 2 dimensions"):
+        dequant_w4a8(codes[None], offsets, row_scale)
+    with pytest.raises(ValueError, match=r"codes must be \(n, k/2\) with k a multiple of 128"):
+        dequant_w4a8(codes[:, :32].contiguous(), offsets[:, :2].contiguous(), row_scale)
+    with pytest.raises(ValueError, match=r"offsets must have shape \(16, 8\)"):
+        dequant_w4a8(codes, offsets[:, :4].contiguous(), row_scale)
+    with pytest.raises(ValueError, match=r"row_scale must have shape \(16,\)"):
+        dequant_w4a8(codes, offsets, row_scale[:3])
+    with pytest.raises(TypeError, match="row_scale must have dtype fp32"):
+        dequant_w4a8(codes, offsets, row_scale.double())
+    for bad in (255, 3):
+        with pytest.raises(ValueError, match=f"offsets must be prepare_mxfp4_w4a8's table offsets.*got {bad}"):
+            dequant_w4a8(codes, torch.full_like(offsets, bad), row_scale)
+    with pytest.raises(TypeError, match="sfb must have dtype uint8, got fp32"):
+        w4a8_exact(scales.float())
+    with pytest.raises(ValueError, match="sfb must have 2 or 3 dimensions"):
+        w4a8_exact(scales[0])
+    with pytest.raises(TypeError, match="sfb must be a torch.Tensor"):
+        w4a8_exact(None)
+    rows = torch.full((2, 3, 8), 127, dtype=torch.uint8)
+    rows[0, 0] = 160                                   # every row's blocks alike: exact, whatever the other rows hold
+    assert w4a8_exact(rows) and all(w4a8_exact(r) for r in rows)
+    rows[1, 2, 5] = 100                                # 27 binades below its row's largest
+    assert not w4a8_exact(rows) and w4a8_exact(rows[0]) and not w4a8_exact(rows[1])
+
+
 def test_offsets_outside_the_table_are_refused():
     """The kernels index their e4m3 table by the offsets' bytes: a value prepare_mxfp4_w4a8 never writes (past the
     table, or not a multiple of 8) is refused by name, dense and grouped, before it reaches a kernel."""

@@ -127,6 +127,8 @@ def test_schedule_and_scalars_are_checked():
         get_mla_schedule(lens, 1, -4, 4)
     with pytest.raises(TypeError, match="max_blocks must be an int, got float"):
         get_mla_schedule(lens, 1, 16, 2.7)
+    with pytest.raises(ValueError, match="max_blocks must be >= 0, got -5"):
+        get_mla_schedule(lens, 1, 16, -5)
     with pytest.raises(ValueError, match="num_sms must be >= 1, got 0"):
         get_mla_schedule(lens, 1, 16, 4, num_sms=0)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):

@@ -152,6 +152,25 @@ def test_invalid_inputs():
         ops.moe_combine(xd, bad, torch.ones(4, 2))
 
 
+def test_combine_refuses_negative_positions_and_dispatch_a_stray_max_m():
+    """moe_combine's value check covers positions below 0 too (the kernel clamps them to y's row 0: a silently
+    wrong sum before); moe_dispatch refuses max_m outside the masked layout (it was ignored)."""
+    x = torch.randn(4, 64)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    ids[:, 1] = 1
+    # (the mapping moe_dispatch(x, ids, 2, align=4) returns, by hand: both checks raise before any kernel runs)
+    m = ops.MoeMapping("contiguous", 2, 2, positions=torch.arange(8, dtype=torch.int32).view(2, 4).T.contiguous(),
+                       counts=torch.tensor([4, 4], dtype=torch.int32),
+                       m_indices=torch.arange(2, dtype=torch.int32).repeat_interleave(4), masked_m=None, max_m=None)
+    bad = dataclasses.replace(m, positions=m.positions - 1)           # token 0's first choice now points at -1
+    with pytest.raises(ValueError, match=r"mapping.positions must be rows of y's dispatch layout \(in \[0, 8\)\), "
+                                         r"got values -1\.\.6"):
+        ops.moe_combine(torch.zeros(8, 64), bad, torch.ones(4, 2))
+    for align in (128, 1):
+        with pytest.raises(ValueError, match="max_m is only for layout='masked'.*layout is 'contiguous'"):
+            ops.moe_dispatch(x, ids, 8, align=align, max_m=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_gpu_round_trip(layout):
