@@ -152,7 +152,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, share: int = 1, rope_regs: bool = False, l2_ahead: int = 0):
+                       own_p: bool = False, share: int = 1, rope_regs: bool = False, l2_ahead: int = 0,
+                       lazy: float = 0.0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -207,7 +208,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     l2_ahead=d (the bf16 cache, not swapped, 64-token steps, pages of 64+; any schedule): as the producer issues
     step k's loads it also asks for step k + d's 73,728 cache bytes to be brought into L2 (one bulk prefetch, no
     shared memory): a step's loads then come from L2 rather than from DRAM, if DRAM's loaded latency is what a step
-    waits for (bench/NOTES.md "Session 69"). The same loads and products: the bits of l2_ahead=0."""
+    waits for (bench/NOTES.md "Session 69"). The same loads and products: the bits of l2_ahead=0.
+
+    lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
+    row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
+    rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
+    products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70")."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -228,6 +234,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         raise ValueError(f"l2_ahead={l2_ahead} (the cache bytes of a later step prefetched into L2) is built for the "
                          f"bf16 cache, swapped=False, 64-token steps and pages of 64+ tokens; got "
                          f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}")
+    if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
+        raise ValueError(f"lazy={lazy} (the running max kept until a row's max grows by more than lazy) is built for "
+                         f"the bf16 cache, swapped=False and lazy > 0; got kv_format={kv_format!r}, swapped={swapped}")
     if rope_regs and own_p:
         raise ValueError("rope_regs=True with own_p=True does not fit the warpgroups' registers (ptxas serializes "
                          "their MMAs, C7512): choose one")
@@ -382,6 +391,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
                     rope_regs=rope_regs, l2_ahead=(l2_ahead, None) if l2_ahead else None,
+                    **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
                         l2_at=lambda u, j: _step_bytes(KV, BlockTable, u.bi, u.first + j, page, num_pages),
@@ -444,6 +454,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
                 **({"rope_regs": True} if rope_regs else {}),
+                **({"lazy": float(lazy)} if lazy > 0 else {}),
                 **({"l2_ahead": (l2_ahead, lambda j: _step_bytes(KV, BlockTable, bi, first + j, page, num_pages))}
                    if l2_ahead else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)

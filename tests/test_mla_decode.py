@@ -1081,6 +1081,68 @@ def test_l2_ahead_builds_and_says_what_it_needs():
                 mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, **opt)
 
 
+def test_lazy_builds_and_says_what_it_needs():
+    """lazy=t (the running max kept until a row's max grows by more than t): each O rescale of the default schedule
+    (WG0's, and WG1's through a row fragment) and of the seesaw (two a warpgroup) sits behind a warp vote that skips
+    it when none of the warp's rows has a factor other than 1; no spills, no serialized MMAs; lazy=0 gives the
+    program without it. It names what it is built for, and the other targets refuse it."""
+    from backends.cuda.sass import wgmma_serialized
+    from tests.test_gemm_fp8 import _sass_and_ptxas_log
+
+    for kw, sites in ((dict(), 2), (dict(seesaw=True, persistent=True), 4)):
+        src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, lazy=8.0, **kw)
+        assert src.count("if (tc_warp_any(") == sites and "__any_sync" in src
+        assert "if ((0x1p+3f/*8.000000e+00*/ < (" in src, "the threshold 8 in the max update"
+        _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+        assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
+    assert "tc_warp_any" not in mla_decode_program.source("sm_90a", h_q=128, s_q=1)
+    for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(lazy=-1.0)):
+        with pytest.raises(ValueError, match="lazy"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, lazy=8.0), **bad})
+    for target in ("sm_100a", "ascend"):
+        with pytest.raises(ValueError, match="lazy=\\) is lowered on cuda:sm_90a only"):
+            mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, lazy=8.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,tiling,gain", [
+    (3, 1, 128, [4096, 1, 0], 64, dict(), 1),                            # the default schedule; lengths 1 and 0
+    (2, 2, 128, [300, 2049], 64, dict(), 4),                             # causal over 4 row tiles, max jumps
+    (2, 1, 64, [16384, 8000], 64, dict(seesaw=True), 4),                 # splits + combine
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, dict(seesaw=True, persistent=True), 1),
+    (2, 2, 128, [300, 2049], 128, dict(seesaw=True, persistent=True), 4),
+])
+def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling, gain):
+    """lazy=8 (O rescaled only where a row's max grew by more than 2^8): within the reference's bounds on
+    NaN-poisoned inputs, the same bits run to run and from a CUDA graph, and lse within 1e-5 of lazy=0's. gain > 1
+    multiplies the cache rows of each sequence's last page (exact, a power of two), so that its scores jump past the
+    threshold late in the sequence and the rescale path runs as well as the skip."""
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    for bi, n in enumerate(lens):
+        if n and gain != 1:
+            kv[int(table[bi, (n - 1) // page])] *= gain
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    base = {"block_n": 64, "stages": 2, **tiling}
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**base, "lazy": 8.0})
+    out, lse = run()
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
+    finite = ref_lse.isfinite()
+    assert torch.equal(finite, lse.isfinite())
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-5
+    again_out, again_lse = run()
+    assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        g_out, g_lse = run()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,tiling", [
     (3, 1, 128, [4096, 1, 0], 64, dict(l2_ahead=2)),                 # the default schedule; lengths 1 and 0

@@ -245,6 +245,11 @@ SUITE = Suite(
         # the query's rope in each warpgroup's registers (wgmma RS): 8 KB a step less through shared memory
         Provider("tilecraft-persistent-rope", lambda c, i: persistent(c, i, rope_regs=True), experimental=True),
         Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
+        # the running max kept until a row's max grows by 2^8, O rescaled only where alpha != 1 (NOTES "Session 70")
+        Provider("tilecraft-lazy", lambda c, i: tilecraft_variant(
+            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), lazy=8.0)), experimental=True),
+        Provider("tilecraft-seesaw-lazy", lambda c, i: seesaw(c, i, lazy=8.0), experimental=True),
+        Provider("tilecraft-persistent-lazy", lambda c, i: persistent(c, i, lazy=8.0), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -367,12 +367,14 @@ def _pv_mmas(p_s, kv, v, outs, alpha, k):
 
 
 @T.macro
-def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=T.exp2, all_visible=None):
+def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=T.exp2, all_visible=None, lazy=0.0):
     """Scores s (rows, cols) of step k -> P in place, with the running row max m_i, the factor alpha
     that rescales what was accumulated before, and the running row sum l_i (log2 domain; scale > 0).
     Shared by every attention_loop rule; exp2: a target's own (e.g. sm_90a's one-instruction
     approximation); all_visible(k): a condition under which every score of step k is visible (no
-    mask at all: most steps of a decode)."""
+    mask at all: most steps of a decode); lazy > 0: the running max moves only when a row's max grows by more
+    than lazy (log2 units), so most steps keep it and their alpha is exactly 1 (the P of those steps are up to
+    2^lazy, the same products in another scale: FlashAttention-4's conditional rescaling)."""
     # the scale goes into the exponent's FMA (max(s) * scale is the max of the scaled scores), and a
     # step that all_visible says is whole skips the mask's compare and select: bench/NOTES.md "MLA v13"
     if all_visible is None:
@@ -383,12 +385,22 @@ def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=
     tile.row_reduce(s, row_sum, "max", dim=1)
     for i in tile.parallel(s.shape[0]):
         m_i[i] = T.max(m_prev[i], row_sum[i] * scale)
+    if lazy > 0:
+        # (-inf - -inf is NaN: a row with nothing visible yet keeps -inf)
+        for i in tile.parallel(s.shape[0]):
+            m_i[i] = T.if_then_else(m_i[i] - m_prev[i] > lazy, m_i[i], m_prev[i])
     # m_prev becomes the max to subtract: a row with no visible score yet (max -inf, every score -inf)
     # subtracts 0, so exp2 gives 0 without a select per score (on sm_90a that select was a branch
     # around every pair of MUFU.EX2, on WG0's critical path)
-    for i in tile.parallel(s.shape[0]):
-        alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, exp2(m_prev[i] - m_i[i]))
-        m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
+    if lazy > 0:
+        for i in tile.parallel(s.shape[0]):
+            alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0,
+                                      T.if_then_else(m_i[i] == m_prev[i], 1.0, exp2(m_prev[i] - m_i[i])))
+            m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
+    else:
+        for i in tile.parallel(s.shape[0]):
+            alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, exp2(m_prev[i] - m_i[i]))
+            m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
     for i, j in tile.parallel(s.shape[0], s.shape[1]):
         s[i, j] = exp2(s[i, j] * scale - m_prev[i])
     tile.row_reduce(s, row_sum, "sum", dim=1)
@@ -448,14 +460,14 @@ def _set_first(buf, value):
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
                    direct=None, all_visible=None, seesaw=False, own_p=False, units=None, share=1,
-                   rope_regs=False, l2_ahead=None):
+                   rope_regs=False, l2_ahead=None, lazy=0.0):
     # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step;
     # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline;
     # all_visible is a hint this loop does not need (it masks every step)
     if (swapped or raw_rows is not None or stage_raw or direct is not None or seesaw or own_p or units is not None
-            or share != 1 or rope_regs or l2_ahead is not None):
+            or share != 1 or rope_regs or l2_ahead is not None or lazy):
         raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True, own_p=True, units=, "
-                         "share=, rope_regs=, l2_ahead=) is lowered on cuda:sm_90a only")
+                         "share=, rope_regs=, l2_ahead=, lazy=) is lowered on cuda:sm_90a only")
     if getattr(value, "row_scales", None) is not None:
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "
                          "with swapped=True only")

@@ -122,7 +122,7 @@ class _Visible:
 
 def _softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
     online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=_exp2,
-                   all_visible=visible.whole if isinstance(visible, _Visible) else None)
+                   all_visible=visible.whole if isinstance(visible, _Visible) else None, lazy=state().get("lazy", 0.0))
 
 
 # tc_prefetch_l2(base, offset, bytes): a bulk prefetch of bytes [offset, offset + bytes) of a global buffer into
@@ -133,6 +133,12 @@ __device__ __forceinline__ void tc_prefetch_l2(const void* base, long long offse
   const char* p = static_cast<const char*>(base) + offset;
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
+"""
+
+
+# tc_warp_any(p): whether any lane of the warp has p != 0 (attention_loop(lazy=): the O rescale's branch)
+LAZY_SOURCE = r"""
+__device__ __forceinline__ int tc_warp_any(int p) { return __any_sync(0xffffffffu, p); }
 """
 
 
@@ -655,10 +661,41 @@ def _wait_step(k, kv, valid_rows, full, tail, stages, plain):
         T.mbarrier_wait_parity(full[k % stages], (k // stages) % 2)
 
 
-@T.macro
 def _scale_rows(acc, scale):
+    # acc *= scale per row; lazy (attention_loop(lazy=)) with the factors in a fragment (the rows this thread
+    # holds): skipped by a warp none of whose rows has a factor other than exactly 1 (a warp vote, so that the
+    # branch is the warp's and the multiplies are not issued; a per-element test would only predicate them)
+    if state().get("lazy", 0.0) and scale.scope() == "local.fragment":
+        _scale_changed_rows(acc, scale, T.alloc_local((1,), "int32"))
+    else:
+        _scale_all_rows(acc, scale)
+
+
+def _scale_rows_from(acc, scale_s, spare):
+    # acc *= the row factors WG0 left in shared memory; lazy: through `spare` (a row fragment free here) so that
+    # each thread holds its own rows' factors for the warp's skip test
+    if state().get("lazy", 0.0):
+        emit(T.copy(scale_s, spare))
+        _scale_rows(acc, spare)
+    else:
+        _scale_rows(acc, scale_s)
+
+
+@T.macro
+def _scale_all_rows(acc, scale):
     for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
         acc[i, j] *= scale[i]
+
+
+@T.macro
+def _scale_changed_rows(acc, scale, need):
+    need[0] = 0
+    for i in T.Parallel(scale.shape[0]):
+        if scale[i] != 1.0:
+            need[0] = 1
+    if T.call_extern("int32", "tc_warp_any", need[0]) != 0:
+        for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+            acc[i, j] *= scale[i]
 
 
 @T.macro
@@ -772,8 +809,7 @@ def _mma_wg1(steps, kv, v1, col1, p_s, alpha_s, stats_s, o1, m1, l1, empty, p_re
         _wg1_converts_next(k, steps, ck, kv, empty, stages, vals, stg, trace)
         T.mbarrier_wait_parity(p_ready[0], k % 2)
         _stamp(trace, k, "wg1 p_ready")
-        for i, j in T.Parallel(o1.shape[0], o1.shape[1]):
-            o1[i, j] *= alpha_s[i]
+        _scale_rows_from(o1, alpha_s, m1)
         _pv(p_s, v1, slot, o1)
         T.mbarrier_arrive(p_free[0])
         _release_slot(empty, slot)
@@ -867,8 +903,13 @@ def scalar(value, dtype="int32"):
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
                    direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1, rope_regs=False,
-                   l2_ahead=None):
+                   l2_ahead=None, lazy=0.0):
     threads = state()["threads"]
+    if lazy and (raw is not None or swapped or not lazy > 0):
+        raise ValueError(f"attention_loop(lazy={lazy}) (the running max kept until a row's max grows by more than "
+                         "lazy, O rescaled only in rows whose factor is not 1) is built for plain staging, "
+                         "swapped=False and lazy > 0")
+    state()["lazy"] = float(lazy)
     if share not in (1, 2) or (share > 1 and (raw is not None or swapped)):
         raise ValueError(f"attention_loop(share={share}) (the CTA pair of a cluster sharing each kv step by TMA "
                          "multicast) is built for share=1, or share=2 with plain staging (no raw format) and "
@@ -898,7 +939,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                          f"loads) is built for plain staging, swapped=False and d >= 1, got d={l2_ahead[0]}")
     if not state().get("exp2_source"):          # the helpers, once per program (TileLang takes one source)
         T.import_source(EXP2_SOURCE + (TIMELINE_SOURCE if trace is not None else "") +
-                        (L2_SOURCE if l2_ahead is not None else ""))
+                        (L2_SOURCE if l2_ahead is not None else "") + (LAZY_SOURCE if lazy else ""))
         state()["exp2_source"] = True
     state()["l2_ahead"] = l2_ahead
     if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
