@@ -152,8 +152,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, share: int = 1, rope_regs: bool = False, l2_ahead: int = 0,
-                       lazy: float = 0.0):
+                       own_p: bool = False, share: int = 1, rope_regs: bool = False, lazy: float = 0.0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -205,11 +204,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     through the SM's shared-memory port, FlashMLA's choice). The same products: the bits of rope_regs=False.
     Not with own_p: both together do not fit the registers (ptxas serializes the MMAs, C7512).
 
-    l2_ahead=d (the bf16 cache, not swapped, 64-token steps, pages of 64+; any schedule): as the producer issues
-    step k's loads it also asks for step k + d's 73,728 cache bytes to be brought into L2 (one bulk prefetch, no
-    shared memory): a step's loads then come from L2 rather than from DRAM, if DRAM's loaded latency is what a step
-    waits for (bench/NOTES.md "Session 69"). The same loads and products: the bits of l2_ahead=0.
-
     lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
     row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
@@ -229,11 +223,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         # copy: "(64, 64) and (64, 256)"; the persistent form loads the query by TMA)
         raise ValueError("rope_regs=True (the query's rope in each warpgroup's registers) is built for "
                          "persistent=True")
-    if l2_ahead and not (kv_format == "bf16" and not swapped and block_n == BLOCK_N and page >= BLOCK_N
-                         and l2_ahead > 0):
-        raise ValueError(f"l2_ahead={l2_ahead} (the cache bytes of a later step prefetched into L2) is built for the "
-                         f"bf16 cache, swapped=False, 64-token steps and pages of 64+ tokens; got "
-                         f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
         raise ValueError(f"lazy={lazy} (the running max kept until a row's max grows by more than lazy) is built for "
                          f"the bf16 cache, swapped=False and lazy > 0; got kv_format={kv_format!r}, swapped={swapped}")
@@ -390,11 +379,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
-                    rope_regs=rope_regs, l2_ahead=(l2_ahead, None) if l2_ahead else None,
+                    rope_regs=rope_regs,
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
-                        l2_at=lambda u, j: _step_bytes(KV, BlockTable, u.bi, u.first + j, page, num_pages),
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
                                                         bf16_parts(KV), pidx=u.page_index),
                         prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
@@ -455,8 +443,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
                 **({"rope_regs": True} if rope_regs else {}),
                 **({"lazy": float(lazy)} if lazy > 0 else {}),
-                **({"l2_ahead": (l2_ahead, lambda j: _step_bytes(KV, BlockTable, bi, first + j, page, num_pages))}
-                   if l2_ahead else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
                 # see common._zero_tail: TileLang 0.1.15 rejects the guarded zeroing when a CTA owns one
@@ -477,7 +463,7 @@ class _MlaUnit:
     without persistent (64-token steps)."""
 
     def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, prefetch, limit, epilogue,
-                 query, l2_at):
+                 query):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
@@ -493,16 +479,6 @@ class _MlaUnit:
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
         self.query = lambda: query(self)
-        # step j's cache bytes (data, byte offset, size) for the producer's L2 prefetch (l2_ahead)
-        self.l2_at = lambda j: l2_at(self, j)
-
-
-def _step_bytes(KV, BlockTable, bi, blk, page, num_pages):
-    # (KV's data, byte offset, bytes) of 64-token block blk of sequence bi in a bf16 cache with pages of 64+
-    # tokens: its rows are contiguous (page-major cache), 64 x 576 bf16
-    pidx = _page_index(BlockTable, bi, blk, page, BLOCK_N, num_pages)
-    row = T.cast(pidx, "int64") * page + (blk * BLOCK_N) % page
-    return KV.data, row * (D_QK * 2), BLOCK_N * D_QK * 2
 
 
 def _grid(blocks, threads, share):

@@ -1053,32 +1053,13 @@ def test_rope_regs_builds_and_says_what_it_needs():
                                                            rope_regs=True), **bad})
 
 
-def test_l2_ahead_builds_and_says_what_it_needs():
-    """l2_ahead=d: the producer asks for step k + d's 73,728 cache bytes in L2 (one bulk prefetch by one thread) right
-    after step k's loads, only for steps the CTA has (no table read past them), in the default schedule and the
-    persistent seesaw, with no spills; the helper is in the source only when asked for. It names what it needs."""
-    from tests.test_gemm_fp8 import _sass_and_ptxas_log
-
-    for kw in (dict(), dict(seesaw=True, persistent=True)):
-        src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, l2_ahead=2, **kw)
-        assert src.count("tc_prefetch_l2(") == 2 and "cp.async.bulk.prefetch.L2.global" in src
-        call = src.index("tc_prefetch_l2(KV")
-        assert re.search(r"if \(\(k\w* \+ 2\) < steps\w*\)", src[call - 600:call]), src[call - 600:call]
-        assert "73728), 73728)" in src[call:call + 400]
-        if kw:                                     # (ptxas once: the persistent seesaw, the tighter registers)
-            _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-            assert "0 bytes spill stores" in log, log
-    assert "tc_prefetch_l2" not in mla_decode_program.source("sm_90a", h_q=128, s_q=1)
-    for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(page=32, block_n=32),
-                dict(l2_ahead=-1)):
-        with pytest.raises(ValueError, match="l2_ahead"):
-            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, l2_ahead=2), **bad})
-    for target in ("sm_100a", "ascend"):          # the other targets' rules name what they do not lower
-        for opt in (dict(l2_ahead=2), dict(share=2, seesaw=False)):
-            # (share=2 on Ascend: no cluster_grid rule there, a codegen.rules.NoRuleError naming it)
-            with pytest.raises((ValueError, LookupError), match="l2_ahead=\\) is lowered on cuda:sm_90a only|"
-                                                                "cluster_grid"):
-                mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, **opt)
+def test_share_is_refused_by_the_other_targets():
+    """share=2 (cluster pairs with a kv multicast) is sm_90a's: the sm_100a rule names it, Ascend has no cluster_grid
+    rule (a codegen.rules.NoRuleError naming it)."""
+    for target in ("sm_100a", "ascend"):
+        with pytest.raises((ValueError, LookupError), match="share=, rope_regs=, lazy=\\) is lowered on cuda:sm_90a "
+                                                            "only|cluster_grid"):
+            mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, share=2, seesaw=False)
 
 
 def test_lazy_builds_and_says_what_it_needs():
@@ -1141,22 +1122,6 @@ def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,tiling", [
-    (3, 1, 128, [4096, 1, 0], 64, dict(l2_ahead=2)),                 # the default schedule; lengths 1 and 0
-    (2, 2, 64, [300, 2049], 128, dict(l2_ahead=4)),                  # causal, pages of 128, 4 steps ahead
-    (2, 1, 64, [16384, 8000], 64, dict(l2_ahead=2)),                 # splits + combine
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, dict(seesaw=True, persistent=True, l2_ahead=2)),
-    (2, 2, 128, [300, 2049], 256, dict(seesaw=True, l2_ahead=3)),
-])
-def test_gpu_l2_ahead_is_the_same_bits(b, s_q, h_q, lens, page, tiling):
-    """l2_ahead (a later step's cache bytes prefetched into L2): exactly the bits of the same schedule without it,
-    with NaN-poisoned unused pages and table slots (no prefetch address past a sequence's blocks is read), within
-    the reference's bounds."""
-    base = {"block_n": 64, "stages": 2, **{k: v for k, v in tiling.items() if k != "l2_ahead"}}
-    assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, {"l2_ahead": tiling["l2_ahead"]}, graph=False)
 
 
 @pytest.mark.gpu

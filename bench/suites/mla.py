@@ -236,12 +236,6 @@ SUITE = Suite(
         Provider("tilecraft-mc", lambda c, i: tilecraft_variant(
             c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), share=2)), experimental=True),
         Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
-        # step k + d's cache bytes prefetched into L2 with step k's loads (mla_decode_program(l2_ahead=d))
-        Provider("tilecraft-l2p2", lambda c, i: tilecraft_variant(
-            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), l2_ahead=2)), experimental=True),
-        Provider("tilecraft-l2p4", lambda c, i: tilecraft_variant(
-            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), l2_ahead=4)), experimental=True),
-        Provider("tilecraft-persistent-l2p2", lambda c, i: persistent(c, i, l2_ahead=2), experimental=True),
         # the query's rope in each warpgroup's registers (wgmma RS): 8 KB a step less through shared memory
         Provider("tilecraft-persistent-rope", lambda c, i: persistent(c, i, rope_regs=True), experimental=True),
         Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),

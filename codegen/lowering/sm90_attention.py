@@ -125,17 +125,6 @@ def _softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i):
                    all_visible=visible.whole if isinstance(visible, _Visible) else None, lazy=state().get("lazy", 0.0))
 
 
-# tc_prefetch_l2(base, offset, bytes): a bulk prefetch of bytes [offset, offset + bytes) of a global buffer into
-# L2 (no shared memory, no barrier; the address and bytes multiples of 16): attention_loop(l2_ahead=) asks for step
-# k + d's cache bytes as it issues step k's loads
-L2_SOURCE = r"""
-__device__ __forceinline__ void tc_prefetch_l2(const void* base, long long offset, unsigned bytes) {
-  const char* p = static_cast<const char*>(base) + offset;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-"""
-
-
 # tc_warp_any(p): whether any lane of the warp has p != 0 (attention_loop(lazy=): the O rescale's branch)
 LAZY_SOURCE = r"""
 __device__ __forceinline__ int tc_warp_any(int p) { return __any_sync(0xffffffffu, p); }
@@ -187,21 +176,6 @@ def _issue_loads(loads, k, dst, slot, bar):
     for src, part, row0, rows in loads(k):
         emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar, **_multicast()))
     emit(T.mbarrier_arrive(bar))
-
-
-def _prefetch_l2(l2_ahead, k, steps):
-    # l2_ahead = (d, at): step k + d's cache bytes into L2 as step k's loads go out, by one producer thread;
-    # at(j) -> (buffer data, byte offset, bytes) of step j, called only inside the guard (no table entry past
-    # the last step is read)
-    if l2_ahead is not None:
-        _l2_step(l2_ahead[1], k + int(l2_ahead[0]), steps)
-
-
-@T.macro
-def _l2_step(at, j, steps):
-    if j < steps:
-        if T.get_thread_binding() % PRODUCER == 0:
-            T.call_extern("handle", "tc_prefetch_l2", *at(j))
 
 
 def _share():
@@ -395,7 +369,6 @@ def _producer_plain(steps, loads, kv, v_parts, valid_rows, full, empty, tail, st
         T.mbarrier_wait_parity(empty[slot], ((k // stages) % 2) ^ 1)    # step k - stages is done
         _stamp(trace, k, "prod wait1")
         _issue_loads(loads, k, kv, slot, full[slot])
-        _prefetch_l2(state().get("l2_ahead"), k, steps)
         _stamp(trace, k, "prod wait2/issue")
         if _valid(valid_rows, k, kv) < kv[0].shape[1]:
             T.mbarrier_wait_parity(full[slot], (k // stages) % 2)
@@ -903,7 +876,7 @@ def scalar(value, dtype="int32"):
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
                    direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1, rope_regs=False,
-                   l2_ahead=None, lazy=0.0):
+                   lazy=0.0):
     threads = state()["threads"]
     if lazy and (raw is not None or swapped or not lazy > 0):
         raise ValueError(f"attention_loop(lazy={lazy}) (the running max kept until a row's max grows by more than "
@@ -932,16 +905,10 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     else:
         check_register_split(threads, [(WG, SCORE_REGS), (WG, OUT_REGS), (PRODUCER, PRODUCER_REGS)])
     require_pass_configs(PASS_CONFIGS)
-    # l2_ahead = (d, at): at(j) -> (buffer data, byte offset, bytes) of step j; with units, at is None and the
-    # binding's l2_at(j) gives them
-    if l2_ahead is not None and (raw is not None or swapped or int(l2_ahead[0]) < 1):
-        raise ValueError("attention_loop(l2_ahead=(d, at)) (step k + d's bytes prefetched into L2 with step k's "
-                         f"loads) is built for plain staging, swapped=False and d >= 1, got d={l2_ahead[0]}")
     if not state().get("exp2_source"):          # the helpers, once per program (TileLang takes one source)
         T.import_source(EXP2_SOURCE + (TIMELINE_SOURCE if trace is not None else "") +
-                        (L2_SOURCE if l2_ahead is not None else "") + (LAZY_SOURCE if lazy else ""))
+                        (LAZY_SOURCE if lazy else ""))
         state()["exp2_source"] = True
-    state()["l2_ahead"] = l2_ahead
     if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
                          f"parts (swapped: an even number, half for each), got {v}")
@@ -1185,7 +1152,6 @@ class _Unit:
     visible: Any
     epilogue: Any
     prefetch: Any = None    # prefetch(k): what step k's copies index by, into registers, before the waits
-    l2: Any = None          # l2_ahead: (d, at), step k + d's bytes into L2 with step k's loads (_prefetch_l2)
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
@@ -1215,15 +1181,14 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                  T.alloc_barrier([PRODUCER]),
                  *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
     if units is None:
-        unit = _Unit(steps, loads, valid_rows, visible, epilogue, None, state().get("l2_ahead"))
+        unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
         return
     # one set of scalars serves every role (each thread runs one role's code on its own registers)
     u = units.bind()
     cnt = _Counts(*(T.alloc_var("int32", init=0) for _ in range(5)))
-    l2 = state().get("l2_ahead")               # (d, None): the binding's l2_at gives each step's bytes
     unit = _Unit(u.steps, u.loads, u.valid_rows, _Visible(u.visible, u.all_visible), u.epilogue,
-                 getattr(u, "prefetch", None), (l2[0], u.l2_at) if l2 is not None else None)
+                 getattr(u, "prefetch", None))
     _seesaw_units(units, u, unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], block_n, cnt, trace)
 
 
@@ -1346,7 +1311,6 @@ def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
         if unit.prefetch is not None:
             unit.prefetch(k)
         _issue_parts(unit.loads, k, at.g, kv, stages, sw)
-        _prefetch_l2(unit.l2, k, unit.steps)
         _stamp(trace, at.g + k, "prod wait2/issue")
         if _valid(unit.valid_rows, k, kv) < kv[0].shape[1]:
             _wait_full(sw, at.g + k, stages, v)
