@@ -60,6 +60,17 @@ def shape(name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
 
 
+def offending(t: torch.Tensor, bad: torch.Tensor) -> str:
+    """', got <value> at index <i> (<n> such)': the first entry of t where the bool tensor bad holds, for a range
+    error's message."""
+    idx = bad.flatten().nonzero()
+    if not idx.numel():
+        return ""
+    first = int(idx[0])
+    where = tuple(int(x) for x in torch.unravel_index(torch.tensor(first), t.shape)) if t.dim() != 1 else first
+    return f", got {t.flatten()[first].item()} at index {where} ({idx.numel()} such)"
+
+
 def some_groups(name: str, groups: int, rows: int) -> None:
     """A contiguous grouped GEMM with rows to compute needs at least one group: its kernels clamp a row's group
     index into [0, groups), and there is none to clamp into."""

@@ -1365,7 +1365,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, m_indices, out=None, out_dt
         raise ValueError(f"a's row count must be a multiple of {GROUP} (the segment alignment), got {M}")
     check.some_groups("b", b.shape[0], M)
     if _values.enabled(m_indices) and M and bool(((m_indices < -1) | (m_indices >= b.shape[0])).any()):
-        raise ValueError(f"m_indices must be in [-1, {b.shape[0]})")
+        raise ValueError(f"m_indices must be in [-1, {b.shape[0]})"
+                         + check.offending(m_indices, (m_indices < -1) | (m_indices >= b.shape[0])))
     return _call("contiguous", a, sfa, b, sfb, m_indices, out, out_dtype, 128)
 
 
@@ -1383,7 +1384,8 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, expected_m=None, out=
     if expected_m is not None:
         check.number("expected_m", expected_m, lo=0, integer=True)
     if _values.enabled(masked_m) and bool(((masked_m < 0) | (masked_m > max_m)).any()):
-        raise ValueError(f"masked_m must be in [0, {max_m}]")
+        raise ValueError(f"masked_m must be in [0, {max_m}]"
+                         + check.offending(masked_m, (masked_m < 0) | (masked_m > max_m)))
     block_m = 64 if (expected_m or max_m) <= 64 else 128
     return _call("masked", a, sfa, b, sfb, masked_m, out, out_dtype, block_m)
 

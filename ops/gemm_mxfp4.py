@@ -1066,7 +1066,8 @@ def m_grouped_mxfp4_gemm_nt_contiguous(a, b, sfb, m_indices, sfa=None):
     check.same_device(a=a, b=b, sfb=sfb, m_indices=m_indices)
     check.some_groups("b", G, a.shape[0])
     if _values.enabled(m_indices) and a.shape[0] and bool(((m_indices < -1) | (m_indices >= G)).any()):
-        raise ValueError(f"m_indices must be in [-1, {G})")
+        raise ValueError(f"m_indices must be in [-1, {G})"
+                         + check.offending(m_indices, (m_indices < -1) | (m_indices >= G)))
     if native:
         return _grouped_native("contiguous", a, sfa, b, sfb, m_indices)
     return _dispatch.call(_mxfp4_grouped_op, _mxfp4_grouped_impl, "contiguous", a, b, sfb, m_indices, 128)
@@ -1094,7 +1095,8 @@ def m_grouped_mxfp4_gemm_nt_masked(a, b, sfb, masked_m, expected_m=None, sfa=Non
         check.number("expected_m", expected_m, lo=0, integer=True)
     max_m = a.shape[1]
     if _values.enabled(masked_m) and G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
-        raise ValueError(f"masked_m must be in [0, {max_m}]")
+        raise ValueError(f"masked_m must be in [0, {max_m}]"
+                         + check.offending(masked_m, (masked_m < 0) | (masked_m > max_m)))
     if native:
         return _grouped_native("masked", a, sfa, b, sfb, masked_m)
     hint = expected_m or max_m

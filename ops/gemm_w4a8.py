@@ -795,7 +795,8 @@ def m_grouped_mxfp4_w4a8_gemm_nt_masked(a: torch.Tensor, sfa: torch.Tensor, code
     if a.device.type == "cpu":
         targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         if G and bool(((masked_m < 0) | (masked_m > max_m)).any()):
-            raise ValueError(f"masked_m must be in [0, {max_m}]")
+            raise ValueError(f"masked_m must be in [0, {max_m}]"
+                             + check.offending(masked_m, (masked_m < 0) | (masked_m > max_m)))
         out = torch.zeros(G, max_m, n, dtype=torch.bfloat16)
         for gi in range(G):
             rows = int(masked_m[gi])
@@ -981,7 +982,8 @@ def m_grouped_mxfp4_w4a8_gemm_nt_contiguous(a: torch.Tensor, sfa: torch.Tensor, 
     check.some_groups("codes", G, M)
     if ((a.device.type == "cpu" or _values.enabled(m_indices)) and M
             and bool(((m_indices < -1) | (m_indices >= G)).any())):
-        raise ValueError(f"m_indices must be in [-1, {G})")
+        raise ValueError(f"m_indices must be in [-1, {G})"
+                         + check.offending(m_indices, (m_indices < -1) | (m_indices >= G)))
     if a.device.type == "cpu":
         targets.resolve(a)      # (TILECRAFT_TARGET naming another device is an error here too)
         out = torch.zeros(M, n, dtype=torch.bfloat16)

@@ -848,7 +848,8 @@ def _validate_values(kv_cache, block_table, cache_seqlens):
         raise ValueError(f"cache_seqlens must be in [0, {capacity}] (block_table's {block_table.shape[1]} blocks "
                          f"x page {page}), got values {cache_seqlens.min().item()}..{cache_seqlens.max().item()}")
     if bad_idx:
-        raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)")
+        raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)"
+                         + check.offending(block_table, used & ((block_table < 0) | (block_table >= num_blocks))))
 
 
 def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a", page: int = 64) -> dict:

@@ -473,7 +473,8 @@ def moe_hash_route(logits, input_ids, tid2eid, *, scoring="sqrtsoftplus", renorm
     E = logits.shape[1]
     if _values.enabled(logits) and input_ids.numel():
         if bool(((input_ids < 0) | (input_ids >= tid2eid.shape[0])).any()):
-            raise ValueError(f"input_ids must be in [0, {tid2eid.shape[0]}) (tid2eid's rows)")
+            raise ValueError(f"input_ids must be in [0, {tid2eid.shape[0]}) (tid2eid's rows)"
+                             + check.offending(input_ids, (input_ids < 0) | (input_ids >= tid2eid.shape[0])))
         if bool(((tid2eid < 0) | (tid2eid >= E)).any()):
             raise ValueError(f"tid2eid entries must be expert ids in [0, {E})")
         if not bool(torch.isfinite(logits).all()):

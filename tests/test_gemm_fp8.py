@@ -1400,6 +1400,21 @@ def test_mxfp4_takes_mx_fp8_activations():
         ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa.to(torch.int32))
 
 
+def test_range_errors_name_the_offending_value_and_where():
+    """A grouped GEMM's index out of range says which value, where, and how many such entries there are."""
+    a = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    sfa = torch.ones(256, 2)
+    b = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    sfb = torch.ones(2, 1, 2)
+    idx = torch.zeros(256, dtype=torch.int32)
+    idx[130], idx[200] = 5, -3
+    with pytest.raises(ValueError, match=r"m_indices must be in \[-1, 2\), got 5 at index 130 \(2 such\)"):
+        ops.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, idx)
+    masked = torch.tensor([3, 300], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"masked_m must be in \[0, 128\], got 300 at index 1 \(1 such\)"):
+        ops.m_grouped_fp8_gemm_nt_masked(a.view(2, 128, 256), sfa.view(2, 128, 2), b, sfb, masked)
+
+
 def test_contiguous_grouped_ops_refuse_zero_groups_with_rows():
     """The contiguous kernels clamp a row's group into [0, groups): with no groups there is nothing to clamp into
     (it would read b[-1]), so rows with zero groups are refused on every device, even when every row is padding."""
