@@ -366,6 +366,12 @@ def _pv_mmas(p_s, kv, v, outs, alpha, k):
         _emit_maybe(tile.mma_rescaled(p_s, kv[p], outs[idx], alpha, transpose_b=False, step=k))
 
 
+def _factor(m_old, m_new, exp2, lazy):
+    # what rescales the accumulated row when its max goes from m_old to m_new; lazy: exactly 1 when it stayed
+    e = exp2(m_old - m_new)
+    return T.if_then_else(m_new == m_old, 1.0, e) if lazy > 0 else e
+
+
 @T.macro
 def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=T.exp2, all_visible=None, lazy=0.0):
     """Scores s (rows, cols) of step k -> P in place, with the running row max m_i, the factor alpha
@@ -392,15 +398,9 @@ def online_softmax(k, s, visible, scale, m_i, m_prev, alpha, row_sum, l_i, exp2=
     # m_prev becomes the max to subtract: a row with no visible score yet (max -inf, every score -inf)
     # subtracts 0, so exp2 gives 0 without a select per score (on sm_90a that select was a branch
     # around every pair of MUFU.EX2, on WG0's critical path)
-    if lazy > 0:
-        for i in tile.parallel(s.shape[0]):
-            alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0,
-                                      T.if_then_else(m_i[i] == m_prev[i], 1.0, exp2(m_prev[i] - m_i[i])))
-            m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
-    else:
-        for i in tile.parallel(s.shape[0]):
-            alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, exp2(m_prev[i] - m_i[i]))
-            m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
+    for i in tile.parallel(s.shape[0]):
+        alpha[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, _factor(m_prev[i], m_i[i], exp2, lazy))
+        m_prev[i] = T.if_then_else(m_i[i] == -T.infinity("float32"), 0.0, m_i[i])
     for i, j in tile.parallel(s.shape[0], s.shape[1]):
         s[i, j] = exp2(s[i, j] * scale - m_prev[i])
     tile.row_reduce(s, row_sum, "sum", dim=1)
