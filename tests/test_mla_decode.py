@@ -498,12 +498,17 @@ def assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, extra, graph=True):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
     if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            g_out, g_lse = run()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+        assert_graph_replay_gives(run, ref_out, ref_lse)
+
+
+def assert_graph_replay_gives(run, out, lse):
+    """run() captured in a CUDA graph and replayed gives exactly (out, lse)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        g_out, g_lse = run()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
 @pytest.mark.gpu
@@ -1116,12 +1121,7 @@ def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-5
     again_out, again_lse = run()
     assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out, g_lse = run()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+    assert_graph_replay_gives(run, out, lse)
 
 
 @pytest.mark.gpu
