@@ -762,8 +762,57 @@ def get_mla_schedule(cache_seqlens: torch.Tensor, s_q: int, h_q: int, max_blocks
 
 # ---- reference ---------------------------------------------------------------------------------------
 
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _validate_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
+    """The op's checks less its kernel limits: q and kv_cache of any floating dtype (not necessarily the same)
+    and strides, any head_dim d with head_dim_v <= d, any page size, batch, s_q and h_q; block_table and
+    cache_seqlens int32 or int64. The values are always checked (the reference reads cache_seqlens on the host
+    anyway and, unlike the kernels, clamps no index): a negative block index would wrap around the cache."""
+    check.tensor("q", q, dtypes=_REFERENCE_DTYPES, ndim=4)
+    b, s_q, h_q, d = q.shape
+    if d < 1:
+        raise ValueError(f"q's last dimension (head_dim) must be at least 1, got shape {tuple(q.shape)}")
+    check.tensor("kv_cache", kv_cache, dtypes=_REFERENCE_DTYPES, ndim=4)
+    if kv_cache.shape[1] < 1 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != d:
+        raise ValueError(f"kv_cache must have shape (num_blocks, page_size >= 1, 1, {d}) (q's head_dim), "
+                         f"got {tuple(kv_cache.shape)}")
+    check.tensor("block_table", block_table, dtypes=_INDEX_DTYPES, ndim=2)
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table must have {b} rows (q's batch), got shape {tuple(block_table.shape)}")
+    check.tensor("cache_seqlens", cache_seqlens, dtypes=_INDEX_DTYPES, ndim=1)
+    check.shape("cache_seqlens", cache_seqlens, (b,), "(batch,)")
+    check.same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+    check.number("head_dim_v", head_dim_v, lo=1, hi=d, integer=True)
+    check.number("softmax_scale", softmax_scale)
+    if softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    check.flag("causal", causal)
+    if cache_seqlens.is_meta or block_table.is_meta:     # (shapes only: no values)
+        return
+    page, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    capacity = block_table.shape[1] * page
+    lens = cache_seqlens.long()
+    bad_len = (lens < 0) | (lens > capacity)
+    if bool(bad_len.any()):
+        raise ValueError(f"cache_seqlens must be in [0, {capacity}] (block_table's {block_table.shape[1]} blocks "
+                         f"x page {page})" + check.offending(cache_seqlens, bad_len))
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_idx = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad_idx.any()):
+        raise ValueError(f"block_table entries used by cache_seqlens must be in [0, {num_blocks}) (kv_cache's blocks)"
+                         + check.offending(block_table, bad_idx))
+
+
 def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v=D_V, *, softmax_scale, causal=True):
-    """fp32 torch reference (float64 where asked by passing float64 inputs). Returns (out, lse)."""
+    """fp32 torch reference (float64 where asked by passing float64 inputs). Returns (out, lse).
+
+    q (b, s_q, h_q, d) and kv_cache (num_blocks, page, 1, d) of any floating dtype, any d and page;
+    block_table (b, max_blocks) and cache_seqlens (b,) int32/int64, lengths in [0, max_blocks * page] and the
+    table entries they use in [0, num_blocks); head_dim_v in [1, d]; softmax_scale > 0; any device, any strides."""
+    _validate_reference(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
     b, s_q, h_q, d = q.shape
     page = kv_cache.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -352,9 +352,42 @@ def _scores_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.sqrt(torch.nn.functional.softplus(x))
 
 
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate_reference(logits, top_k, bias, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    """The op's checks less its kernel limits: logits and bias of any floating dtype and strides, any expert
+    count. Non-finite logits are refused as by the op (a value check, skipped where ops/_values.py skips them)."""
+    check.tensor("logits", logits, dtypes=_REFERENCE_DTYPES, ndim=2)
+    E = logits.shape[1]
+    if E < 1:
+        raise ValueError(f"logits must have at least 1 expert (column), got shape {tuple(logits.shape)}")
+    check.number("top_k", top_k, lo=1, hi=E, integer=True)
+    check.number("n_group", n_group, lo=1, hi=E, integer=True)
+    if E % n_group:
+        raise ValueError(f"the expert count {E} must be divisible by n_group={n_group}")
+    check.number("topk_group", topk_group, lo=1, hi=n_group, integer=True)
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the experts of the topk_group={topk_group} groups that stay eligible "
+                         f"({topk_group} x {E // n_group})")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    check.flag("renormalize", renormalize)
+    check.number("routed_scaling_factor", routed_scaling_factor)
+    if bias is not None:
+        check.tensor("bias", bias, dtypes=_REFERENCE_DTYPES, ndim=1)
+        check.shape("bias", bias, (E,), "(num_experts,)")
+        check.same_device(logits=logits, bias=bias)
+    if _values.enabled(logits) and logits.numel():
+        _check_finite(logits, torch.isfinite(logits).all())
+
+
 def moe_route_reference(logits, top_k, *, bias=None, scoring="sigmoid", n_group=1, topk_group=1, renormalize=True,
                         routed_scaling_factor=1.0):
-    """fp32 torch reference with the same tie rule (lower expert id, lower group id wins)."""
+    """fp32 torch reference with the same tie rule (lower expert id, lower group id wins).
+
+    logits (T, E) and bias (E,) or None of any floating dtype, any device, any strides; the scalars as the op's."""
+    _validate_reference(logits, top_k, bias, scoring, n_group, topk_group, renormalize, routed_scaling_factor)
     T_, E = logits.shape
     scores = _scores_reference(logits, scoring)                          # [T, E]
     choice = scores + (bias.float() if bias is not None else 0.0)

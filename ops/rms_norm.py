@@ -60,8 +60,25 @@ def rmsnorm_program(hidden: int, dtype: str = "bfloat16", eps: float = 1e-6, thr
     return rmsnorm
 
 
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate_reference(x, weight, eps):
+    """The reference's checks: the op's, less its kernel limits (any floating dtype, weight's may differ
+    from x's, any device, any strides, any hidden size)."""
+    check.tensor("x", x, dtypes=_REFERENCE_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dimension (..., hidden), got shape {tuple(x.shape)}")
+    check.tensor("weight", weight, dtypes=_REFERENCE_DTYPES, ndim=1)
+    check.shape("weight", weight, (x.shape[-1],), "(hidden,) matching x's last dimension")
+    check.same_device(x=x, weight=weight)
+    check.number("eps", eps, lo=0.0)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fp32 torch reference (rounded once to x's dtype)."""
+    """fp32 torch reference (rounded once to x's dtype). x (..., hidden) and weight (hidden,) of any floating
+    dtype (fp16, bf16, fp32, fp64), on one device, any strides; eps a number >= 0."""
+    _validate_reference(x, weight, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 

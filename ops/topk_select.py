@@ -370,8 +370,35 @@ def topk_select_v3_program(k: int, threads: int = 512, unroll: int = 6):
     return topk_select_v3
 
 
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate_reference(scores, k, lengths):
+    """The op's checks less its kernel limits: scores of any floating dtype and strides, any k >= 1, lengths
+    int32 or int64 of any strides. Lengths are clamped to [0, N] as the op clamps them (past N: the whole
+    row; negative: an empty row). NaN among the columns a row reads is refused, as by the op (no order to
+    pick them by; a value check, skipped where ops/_values.py skips them)."""
+    check.tensor("scores", scores, dtypes=_REFERENCE_DTYPES, ndim=2)
+    check.number("k", k, lo=1, integer=True)
+    if lengths is not None:
+        check.tensor("lengths", lengths, dtypes=(torch.int32, torch.int64), ndim=1)
+        check.shape("lengths", lengths, (scores.shape[0],), "(rows,)")
+        check.same_device(scores=scores, lengths=lengths)
+    if _values.enabled(scores, lengths) and scores.numel():
+        nan = torch.isnan(scores)
+        if lengths is not None:
+            nan &= torch.arange(scores.shape[1], device=scores.device)[None, :] < lengths[:, None]
+        if bool(nan.any()):
+            raise ValueError("scores must not contain NaN (there is no order to pick them by)"
+                             + check.offending(scores, nan))
+
+
 def topk_select_reference(scores, k, *, lengths=None):
-    """torch reference: same ordering and padding, ties toward the lower index (stable sort)."""
+    """torch reference: same ordering and padding, ties toward the lower index (stable sort).
+
+    scores (R, N) of any floating dtype (compared in fp32), k an int >= 1 (no kernel limit), lengths None or
+    (R,) int32/int64 clamped to [0, N] like the op's; any device, any strides."""
+    _validate_reference(scores, k, lengths)
     R, N = scores.shape
     out = torch.full((R, k), -1, dtype=torch.int32, device=scores.device)
     for r in range(R):

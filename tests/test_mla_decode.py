@@ -156,6 +156,88 @@ def test_out_of_range_values_are_caught():
         ops.mla_decode(q, kv, table, too_long, softmax_scale=0.1)
 
 
+def _small_reference_inputs(dtype=torch.float64):
+    """d = 40, head_dim_v 24, pages of 5 tokens: shapes no kernel takes, which the reference must."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 2, 3, 40, dtype=dtype, generator=g)
+    kv = torch.randn(6, 5, 1, 40, dtype=dtype, generator=g)
+    table = torch.tensor([[4, 1, 2], [0, 5, 5]], dtype=torch.int32)
+    lens = torch.tensor([12, 0], dtype=torch.int32)
+    return q, kv, table, lens
+
+
+def _bad_reference_args(name, value):
+    q, kv, table, lens = _small_reference_inputs()
+    args = dict(q=q, kv_cache=kv, block_table=table, cache_seqlens=lens, head_dim_v=24, softmax_scale=0.1, causal=True)
+    args[name] = value(args) if callable(value) else value
+    return args
+
+
+@pytest.mark.parametrize("name,value,exc,msg", [
+    ("q", lambda a: a["q"].numpy(), TypeError, "q must be a torch.Tensor, got ndarray"),
+    ("q", lambda a: a["q"].int(), TypeError, "q must have dtype fp16 or bf16 or fp32 or fp64, got int32"),
+    ("q", lambda a: a["q"][0], ValueError, r"q must have 4 dimensions, got shape \(2, 3, 40\)"),
+    ("q", lambda a: a["q"][..., :0], ValueError, "q's last dimension \\(head_dim\\) must be at least 1"),
+    ("kv_cache", lambda a: a["kv_cache"].to(torch.uint8), TypeError, "kv_cache must have dtype fp16 or bf16 or fp32 or fp64, got uint8"),
+    ("kv_cache", lambda a: a["kv_cache"][:, :, 0], ValueError, "kv_cache must have 4 dimensions"),
+    ("kv_cache", lambda a: a["kv_cache"][..., :32], ValueError,
+     r"kv_cache must have shape \(num_blocks, page_size >= 1, 1, 40\) \(q's head_dim\), got \(6, 5, 1, 32\)"),
+    ("kv_cache", lambda a: a["kv_cache"].expand(6, 5, 2, 40), ValueError, r"kv_cache must have shape .*, got \(6, 5, 2, 40\)"),
+    ("kv_cache", lambda a: a["kv_cache"][:, :0], ValueError, r"kv_cache must have shape .*, got \(6, 0, 1, 40\)"),
+    ("block_table", lambda a: a["block_table"].float(), TypeError, "block_table must have dtype int32 or int64, got fp32"),
+    ("block_table", lambda a: a["block_table"][0], ValueError, "block_table must have 2 dimensions"),
+    ("block_table", lambda a: a["block_table"][:1], ValueError, r"block_table must have 2 rows \(q's batch\)"),
+    ("cache_seqlens", [12, 0], TypeError, "cache_seqlens must be a torch.Tensor, got list"),
+    ("cache_seqlens", lambda a: a["cache_seqlens"].double(), TypeError, "cache_seqlens must have dtype int32 or int64, got fp64"),
+    ("cache_seqlens", lambda a: a["cache_seqlens"][:1], ValueError, r"cache_seqlens must have shape \(2,\) \(\(batch,\)\)"),
+    ("cache_seqlens", lambda a: a["cache_seqlens"].to("meta"), ValueError, "tensors must be on one device, got .*cache_seqlens on meta"),
+    ("head_dim_v", 41, ValueError, r"head_dim_v must be in \[1, 40\], got 41"),
+    ("head_dim_v", 0, ValueError, r"head_dim_v must be in \[1, 40\], got 0"),
+    ("head_dim_v", 24.0, TypeError, "head_dim_v must be an int, got float"),
+    ("softmax_scale", 0.0, ValueError, "softmax_scale must be > 0, got 0.0"),
+    ("softmax_scale", -0.1, ValueError, "softmax_scale must be > 0, got -0.1"),
+    ("softmax_scale", float("nan"), ValueError, "softmax_scale must be a finite number"),
+    ("softmax_scale", None, TypeError, "softmax_scale must be a number, got NoneType"),
+    ("causal", 1, TypeError, "causal must be a bool, got int"),
+    # values: a length past the table's capacity (3 blocks x 5), a negative one, used table entries out of [0, 6)
+    ("cache_seqlens", torch.tensor([16, 0], dtype=torch.int32), ValueError,
+     r"cache_seqlens must be in \[0, 15\] \(block_table's 3 blocks x page 5\), got 16 at index 0 \(1 such\)"),
+    ("cache_seqlens", torch.tensor([12, -1], dtype=torch.int32), ValueError, r"cache_seqlens must be in \[0, 15\].*got -1 at index 1"),
+    ("block_table", torch.tensor([[4, -1, 2], [0, 5, 5]], dtype=torch.int32), ValueError,
+     r"block_table entries used by cache_seqlens must be in \[0, 6\) \(kv_cache's blocks\), got -1 at index \(0, 1\)"),
+    ("block_table", torch.tensor([[4, 1, 6], [0, 5, 5]], dtype=torch.int64), ValueError,
+     r"block_table entries used by cache_seqlens must be in \[0, 6\).*got 6 at index \(0, 2\) \(1 such\)"),
+])
+def test_reference_refuses_bad_inputs(name, value, exc, msg):
+    with pytest.raises(exc, match=msg):
+        mla_decode_reference(**_bad_reference_args(name, value))
+
+
+def test_reference_takes_any_float_dtype_head_dim_page_and_strides():
+    """The oracle is more permissive than the op: fp64 (and mixed) dtypes, any d and head_dim_v <= d, any page
+    size, int64 table and lengths, strided views; table entries past a sequence's blocks are never read."""
+    q, kv, table, lens = _small_reference_inputs()
+    table[0, :] = torch.tensor([4, 1, 2])
+    table[1, :] = -7                                     # lens[1] = 0: no block used, any value
+    out, lse = mla_decode_reference(q, kv, table, lens, 24, softmax_scale=0.1, causal=False)
+    assert out.dtype == lse.dtype == torch.float64 and out.shape == (2, 2, 3, 24) and lse.shape == (2, 3, 2)
+    toks = torch.cat([kv[4, :, 0], kv[1, :, 0], kv[2, :2, 0]])              # sequence 0's 12 tokens
+    sc = q[0].reshape(6, 40) @ toks.T * 0.1
+    torch.testing.assert_close(out[0].reshape(6, 24), torch.softmax(sc, -1) @ toks[:, :24], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse[0], torch.logsumexp(sc, -1).reshape(2, 3).T, atol=1e-12, rtol=1e-12)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and (lse[1] == float("-inf")).all()
+    # strided views, int64 indices: the same result
+    qs = torch.cat([q, q], -1)[..., :40]
+    kvs = kv.transpose(0, 1).contiguous().transpose(0, 1)
+    tbl = torch.stack([table.long(), table.long()], -1)[..., 0]
+    out2, lse2 = mla_decode_reference(qs, kvs, tbl, lens.long()[:, None][:, 0], 24, softmax_scale=0.1, causal=False)
+    assert not qs.is_contiguous() and not kvs.is_contiguous() and not tbl.is_contiguous()
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    # a bf16 q with an fp32 cache (the op's CPU path over a dequantized FP8 cache): fp32 math
+    out3, _ = mla_decode_reference(q.bfloat16(), kv.float(), table, lens, 40, softmax_scale=0.1)
+    assert out3.dtype == torch.float32 and out3.shape == (2, 2, 3, 40)
+
+
 def test_schedule_shapes_and_batch_invariance():
     lens = torch.tensor([0, 64, 4096, 100000], dtype=torch.int32)
     s = get_mla_schedule(lens, 1, 16, max_blocks=2000, num_sms=132)

@@ -131,6 +131,56 @@ def test_flags_and_factors_are_checked():
         ops.moe_hash_route(x, ids, table, renormalize=1)
 
 
+_L = torch.randn(4, 64)
+_NONFINITE = _L.clone().index_put_((torch.tensor([2]), torch.tensor([7])), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("args,kw,exc,msg", [
+    ((_L.numpy(), 4), {}, TypeError, "logits must be a torch.Tensor, got ndarray"),
+    ((_L.long(), 4), {}, TypeError, "logits must have dtype fp16 or bf16 or fp32 or fp64, got int64"),
+    ((_L[0], 4), {}, ValueError, r"logits must have 2 dimensions, got shape \(64,\)"),
+    ((torch.empty(4, 0), 1), {}, ValueError, "logits must have at least 1 expert"),
+    ((_L, 0), {}, ValueError, r"top_k must be in \[1, 64\], got 0"),
+    ((_L, 65), {}, ValueError, r"top_k must be in \[1, 64\], got 65"),
+    ((_L, 4.0), {}, TypeError, "top_k must be an int, got float"),
+    ((_L, 4), dict(n_group=0), ValueError, r"n_group must be in \[1, 64\], got 0"),
+    ((_L, 4), dict(n_group=5), ValueError, "the expert count 64 must be divisible by n_group=5"),
+    ((_L, 4), dict(n_group=4, topk_group=0), ValueError, r"topk_group must be in \[1, 4\], got 0"),
+    ((_L, 4), dict(n_group=4, topk_group=5), ValueError, r"topk_group must be in \[1, 4\], got 5"),
+    ((_L, 20), dict(n_group=4, topk_group=1), ValueError, r"top_k=20 exceeds the experts .* \(1 x 16\)"),
+    ((_L, 4), dict(scoring="relu"), ValueError, "scoring must be one of .*, got 'relu'"),
+    ((_L, 4), dict(renormalize="no"), TypeError, "renormalize must be a bool, got str"),
+    ((_L, 4), dict(routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor must be a finite number"),
+    ((_L, 4), dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor must be a number, got str"),
+    ((_L, 4), dict(bias=[0.0] * 64), TypeError, "bias must be a torch.Tensor, got list"),
+    ((_L, 4), dict(bias=torch.zeros(64, dtype=torch.int32)), TypeError, "bias must have dtype fp16 or bf16 or fp32 or fp64, got int32"),
+    ((_L, 4), dict(bias=torch.zeros(1, 64)), ValueError, "bias must have 1 dimensions"),
+    ((_L, 4), dict(bias=torch.zeros(1)), ValueError, r"bias must have shape \(64,\) \(\(num_experts,\)\), got \(1,\)"),
+    ((_L, 4), dict(bias=torch.zeros(64, device="meta")), ValueError, "tensors must be on one device, got logits on cpu, bias on meta"),
+    ((_NONFINITE, 4), {}, ValueError, r"logits must be finite; found nan at \[2, 7\]"),
+    ((_NONFINITE.nan_to_num(nan=float("-inf")), 4), {}, ValueError, r"logits must be finite; found -inf at \[2, 7\]"),
+])
+def test_reference_refuses_bad_inputs(args, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        moe_route_reference(*args, **kw)
+
+
+def test_reference_takes_any_float_dtype_and_strides():
+    """The oracle is more permissive than the op: fp64 / fp16 logits and bias, strided views, E past MAX_EXPERTS."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 9, dtype=torch.float64, generator=g).t()     # (9, 64), strided
+    bias = (torch.randn(128, dtype=torch.float64, generator=g) * 0.05)[::2]
+    kw = dict(top_k=6, n_group=4, topk_group=2, scoring="sqrtsoftplus", routed_scaling_factor=2)
+    w, ids = moe_route_reference(logits, bias=bias, **kw)
+    rw, rids = moe_route_reference(logits.float().contiguous(), bias=bias.float().contiguous(), **kw)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == ids.shape == (9, 6)
+    assert torch.equal(ids, rids) and torch.equal(w, rw)
+    wh, idh = moe_route_reference(logits.half(), 2, bias=bias.half(), scoring="softmax")
+    assert wh.shape == idh.shape == (9, 2)
+    wide = torch.randn(3, 2048, generator=g)                              # over the kernels' 1024 experts
+    assert moe_route_reference(wide, 8, n_group=8, topk_group=4)[1].shape == (3, 8)
+
+
 def test_hash_route():
     logits = torch.randn(5, 16)
     tid2eid = torch.randint(0, 16, (100, 3), dtype=torch.int32)

@@ -108,6 +108,41 @@ def test_non_finite_eps_is_refused():
             ops.rms_norm(x, w, eps=bad)
 
 
+_X, _W = torch.randn(2, 64), torch.randn(64)
+
+
+@pytest.mark.parametrize("args,kw,exc,msg", [
+    ((_X.numpy(), _W), {}, TypeError, "x must be a torch.Tensor, got ndarray"),
+    ((_X.int(), _W), {}, TypeError, "x must have dtype fp16 or bf16 or fp32 or fp64, got int32"),
+    ((torch.tensor(1.0), torch.randn(1)), {}, ValueError, "x must have at least 1 dimension"),
+    ((_X, [1.0] * 64), {}, TypeError, "weight must be a torch.Tensor, got list"),
+    ((_X, _W.long()), {}, TypeError, "weight must have dtype fp16 or bf16 or fp32 or fp64, got int64"),
+    ((_X, torch.randn(1, 64)), {}, ValueError, "weight must have 1 dimensions"),
+    ((_X, torch.randn(1)), {}, ValueError, r"weight must have shape \(64,\) \(\(hidden,\) matching x's last dimension\), got \(1,\)"),
+    ((_X, torch.randn(65)), {}, ValueError, r"weight must have shape \(64,\)"),
+    ((_X, _W.to("meta")), {}, ValueError, "tensors must be on one device, got x on cpu, weight on meta"),
+    ((_X, _W), dict(eps=-1.0), ValueError, "eps must be >= 0.0, got -1.0"),
+    ((_X, _W), dict(eps=float("nan")), ValueError, "eps must be a finite number"),
+    ((_X, _W), dict(eps="1e-6"), TypeError, "eps must be a number, got str"),
+])
+def test_reference_refuses_bad_inputs(args, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        rms_norm_reference(*args, **kw)
+
+
+def test_reference_takes_any_float_dtype_and_strides():
+    """The oracle is more permissive than the kernel: fp64, mixed dtypes, non-contiguous views, eps = 0."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 6, dtype=torch.float64, generator=g).t()          # (6, 64), strided
+    w = torch.randn(128, dtype=torch.float64, generator=g)[::2]           # (64,), strided
+    y = rms_norm_reference(x, w)
+    assert y.dtype == torch.float64 and y.shape == (6, 64)
+    torch.testing.assert_close(y, reference64(x, w), atol=1e-5, rtol=1e-5)
+    yb = rms_norm_reference(x.bfloat16(), w.float(), eps=0)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.double(), reference64(x.bfloat16(), w.float(), 0), **TOL[torch.bfloat16])
+
+
 def test_custom_op_contract():
     x, w = torch.randn(3, 64), torch.randn(64)
     torch.library.opcheck(_rms_norm_op, (x, w, 1e-6))

@@ -112,6 +112,54 @@ def test_invalid_inputs():
         ops.topk_select(x, 4)
 
 
+_S = torch.randn(2, 100)
+_NAN = torch.randn(2, 100).index_put_((torch.tensor([1]), torch.tensor([5])), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("args,kw,exc,msg", [
+    ((_S.numpy(), 4), {}, TypeError, "scores must be a torch.Tensor, got ndarray"),
+    ((_S.int(), 4), {}, TypeError, "scores must have dtype fp16 or bf16 or fp32 or fp64, got int32"),
+    ((_S[0], 4), {}, ValueError, r"scores must have 2 dimensions, got shape \(100,\)"),
+    ((_S, 0), {}, ValueError, "k must be >= 1, got 0"),
+    ((_S, 4.0), {}, TypeError, "k must be an int, got float"),
+    ((_S, True), {}, TypeError, "k must be an int, got bool"),
+    ((_S, 4), dict(lengths=[100, 100]), TypeError, "lengths must be a torch.Tensor, got list"),
+    ((_S, 4), dict(lengths=torch.full((2,), 100.0)), TypeError, "lengths must have dtype int32 or int64, got fp32"),
+    ((_S, 4), dict(lengths=torch.ones(2, 1, dtype=torch.int32)), ValueError, "lengths must have 1 dimensions"),
+    ((_S, 4), dict(lengths=torch.ones(3, dtype=torch.int32)), ValueError, r"lengths must have shape \(2,\) \(\(rows,\)\)"),
+    ((_S, 4), dict(lengths=torch.ones(2, dtype=torch.int32, device="meta")), ValueError,
+     "tensors must be on one device, got scores on cpu, lengths on meta"),
+    ((_NAN, 4), {}, ValueError, r"scores must not contain NaN .*, got nan at index \(1, 5\) \(1 such\)"),
+    ((_NAN, 4), dict(lengths=torch.tensor([100, 6])), ValueError, "scores must not contain NaN"),
+])
+def test_reference_refuses_bad_inputs(args, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        topk_select_reference(*args, **kw)
+
+
+def test_reference_takes_any_float_dtype_strides_and_the_ops_length_clamping():
+    """The oracle is more permissive than the op (fp64, strided scores, int64 lengths, k past N or MAX_K) and
+    clamps lengths to [0, N] as the op does; NaN past a row's length is never read, so it is not refused."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 3, dtype=torch.float64, generator=g).t()          # (3, 40), strided
+    want = torch.topk(x, 5).indices.sort(-1).values.to(torch.int32)
+    assert torch.equal(topk_select_reference(x, 5), want)
+    assert torch.equal(topk_select_reference(x.contiguous(), 5), want)
+    lengths = torch.tensor([[-3, 99, 7]]).t()[:, 0]                        # int64, strided
+    out = topk_select_reference(x, 5, lengths=lengths)
+    assert out[0].tolist() == [-1] * 5                                     # negative: an empty row
+    assert torch.equal(out[1], want[1])                                    # past N: the whole row
+    assert torch.equal(out[2], torch.topk(x[2, :7], 5).indices.sort().values.to(torch.int32))
+    assert torch.equal(out, topk_select_reference(x.float(), 5, lengths=lengths.clamp(0, 40).int()))
+    wide = topk_select_reference(x, 5000)                                  # k > N and > MAX_K: -1 padding
+    assert wide.shape == (3, 5000) and torch.equal(wide[:, :40], torch.arange(40, dtype=torch.int32).expand(3, 40))
+    assert (wide[:, 40:] == -1).all()
+    y = x.clone()
+    y[2, 7:] = float("nan")                                                # only past row 2's length
+    assert torch.equal(topk_select_reference(y, 5, lengths=lengths), out)
+    assert topk_select_reference(torch.empty(0, 0), 3).shape == (0, 3)
+
+
 def test_lowers_for_gpu_targets():
     # (the one-block-per-row v2 program, which CUDA runs only when asked for: sm_90a only, ~25 s of CI a
     # target; the kernels CUDA runs build for both targets below)
