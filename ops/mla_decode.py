@@ -152,7 +152,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, share: int = 1, rope_regs: bool = False, lazy: float = 0.0):
+                       own_p: bool = False, share: int = 1, lazy: float = 0.0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -199,11 +199,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     pair instead of once per CTA. Measured no faster (bench/NOTES.md "Session 69"). The same products in the
     same order: the bits of share=1.
 
-    rope_regs=True (with persistent): each warpgroup copies the query's rope (64 columns) into its registers once a
-    unit and scores it with wgmma RS, so the score MMAs read only K's rope from shared memory (8 KB a step less
-    through the SM's shared-memory port, FlashMLA's choice). The same products: the bits of rope_regs=False.
-    Not with own_p: both together do not fit the registers (ptxas serializes the MMAs, C7512).
-
     lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
     row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
@@ -218,17 +213,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
-    if rope_regs and not persistent:
-        # (with the query tiles written by the threads, TileLang 0.1.15's layout inference fails on the register
-        # copy: "(64, 64) and (64, 256)"; the persistent form loads the query by TMA)
-        raise ValueError("rope_regs=True (the query's rope in each warpgroup's registers) is built for "
-                         "persistent=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
         raise ValueError(f"lazy={lazy} (the running max kept until a row's max grows by more than lazy) is built for "
                          f"the bf16 cache, swapped=False and lazy > 0; got kv_format={kv_format!r}, swapped={swapped}")
-    if rope_regs and own_p:
-        raise ValueError("rope_regs=True with own_p=True does not fit the warpgroups' registers (ptxas serializes "
-                         "their MMAs, C7512): choose one")
     if share not in (1, 2) or (share == 2 and not (kv_format == "bf16" and not swapped
                                                     and -(-(s_q * h_q) // BLOCK_M) % 2 == 0)):
         raise ValueError(f"share={share}: share=2 (a sequence's row tiles in cluster pairs, each kv step multicast) "
@@ -379,7 +366,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
-                    rope_regs=rope_regs,
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
@@ -441,7 +427,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
                 seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
-                **({"rope_regs": True} if rope_regs else {}),
                 **({"lazy": float(lazy)} if lazy > 0 else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,

@@ -1121,30 +1121,11 @@ def test_share_builds_and_says_what_it_needs():
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, share=2), **bad})
 
 
-def test_rope_regs_builds_and_says_what_it_needs():
-    """rope_regs=True (the persistent seesaw with the query's rope in each warpgroup's registers) lowers on sm_90a
-    with no spills and no serialized MMAs: each warpgroup's 4 rope score MMAs take A from registers
-    (HGMMA.64x64x16 with a register operand), one wait a loop as without it. It names what it is built for."""
-    from backends.cuda.sass import wgmma_serialized
-    from tests.test_gemm_fp8 import _sass_and_ptxas_log
-
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True, rope_regs=True)
-    assert src.count("wgmma_rs") == 2                                  # one rope MMA site a warpgroup
-    sass, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-    assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)) == 8
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= 6
-    for bad, says in ((dict(persistent=False), "built for persistent=True"), (dict(own_p=True), "choose one")):
-        with pytest.raises(ValueError, match=says):
-            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
-                                                           rope_regs=True), **bad})
-
-
 def test_share_is_refused_by_the_other_targets():
     """share=2 (cluster pairs with a kv multicast) is sm_90a's: the sm_100a rule names it, Ascend has no cluster_grid
     rule (a codegen.rules.NoRuleError naming it)."""
     for target in ("sm_100a", "ascend"):
-        with pytest.raises((ValueError, LookupError), match="share=, rope_regs=, lazy=\\) is lowered on cuda:sm_90a "
+        with pytest.raises((ValueError, LookupError), match="share=, lazy=\\) is lowered on cuda:sm_90a "
                                                             "only|cluster_grid"):
             mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, share=2, seesaw=False)
 
@@ -1204,20 +1185,6 @@ def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     again_out, again_lse = run()
     assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
     assert_graph_replay_gives(run, out, lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # 2-3 units a part, odd steps, tails
-    (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
-    (2, 1, 64, [16384, 8000], 128, 132),        # splits + combine
-])
-def test_gpu_rope_regs_is_the_persistent_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
-    """rope_regs (the query's rope scored from registers): exactly the persistent seesaw's bits, within the
-    reference's bounds, and the same from a CUDA graph."""
-    monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "_sm_count", lambda device: sms)
-    assert_variant_is_bitwise(b, s_q, h_q, lens, page, dict(block_n=64, stages=2, seesaw=True, persistent=True),
-                              {"rope_regs": True})
 
 
 @pytest.mark.gpu

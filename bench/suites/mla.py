@@ -237,7 +237,6 @@ SUITE = Suite(
             c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), share=2)), experimental=True),
         Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
         # the query's rope in each warpgroup's registers (wgmma RS): 8 KB a step less through shared memory
-        Provider("tilecraft-persistent-rope", lambda c, i: persistent(c, i, rope_regs=True), experimental=True),
         Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
         # the running max kept until a row's max grows by 2^8, O rescaled only where alpha != 1 (NOTES "Session 70")
         Provider("tilecraft-lazy", lambda c, i: tilecraft_variant(

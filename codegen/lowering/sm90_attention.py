@@ -875,8 +875,7 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1, rope_regs=False,
-                   lazy=0.0):
+                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1, lazy=0.0):
     threads = state()["threads"]
     if lazy and (raw is not None or swapped or not lazy > 0):
         raise ValueError(f"attention_loop(lazy={lazy}) (the running max kept until a row's max grows by more than "
@@ -891,9 +890,6 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     if own_p and not seesaw:
         raise ValueError("attention_loop(own_p=True) (each warpgroup's own P V with P from registers) is built for "
                          "seesaw=True")
-    if rope_regs and not seesaw:
-        raise ValueError("attention_loop(rope_regs=True) (the query's last part in each warpgroup's registers) is "
-                         "built for seesaw=True")
     if units is not None and not seesaw:
         raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
     visible = _Visible(visible, all_visible)
@@ -920,7 +916,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, own_p, rope_regs)
+                units, own_p)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     # (swapped: alpha lives in the spare words of _swapped's S^T tile)
@@ -1126,7 +1122,6 @@ class _SeesawRegs:
     row_sum: Any
     l_i: Any            # its own running row sum
     p: Any = None       # own_p: its step's P in the MMA dtype, the A operand of its own P V (wgmma RS)
-    q_r: Any = None     # rope_regs: the query's last part (the rope) in registers, the A operand of its scores
 
 
 @dataclass(frozen=True)
@@ -1155,7 +1150,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, own_p=False, rope_regs=False):
+            units=None, own_p=False):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1171,8 +1166,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     f = [_SeesawRegs(T.alloc_fragment((block_m, block_n), "float32"),
                      T.alloc_fragment((block_m, kv[v[0]][1]), "float32"),
                      *(T.alloc_fragment((block_m,), "float32") for _ in range(6)),
-                     T.alloc_fragment((block_m, block_n), kv[v[0]][2]) if own_p else None,
-                     T.alloc_fragment(tuple(q[-1].shape), q[-1].dtype) if rope_regs else None) for _ in range(2)]
+                     T.alloc_fragment((block_m, block_n), kv[v[0]][2]) if own_p else None) for _ in range(2)]
     n = stages * len(kv)
     empty = _empty_barriers(n)
     sw = _Seesaw(p_part, len(kv), T.alloc_shared((2, block_m), "float32"), T.alloc_shared((2, block_m), "float32"),
@@ -1201,14 +1195,14 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg0(unit, _At(), q, kv, v, scale, f0.acc_s, f0.o, f0.m_i, f0.m_prev, f0.alpha, f0.row_sum, f0.l_i,
-                    sw, stages, trace, f0.p, f0.q_r)
+                    sw, stages, trace, f0.p)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
         _pair_meet()
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
-                    f1.row_sum, f1.l_i, sw, stages, trace, f1.p, f1.q_r)
+                    f1.row_sum, f1.l_i, sw, stages, trace, f1.p)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
         _pair_meet()
     else:
@@ -1277,10 +1271,10 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
         if n == 0:
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
-                        f.l_i, sw, stages, trace, f.p, f.q_r)
+                        f.l_i, sw, stages, trace, f.p)
         else:
             _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
-                        f.row_sum, f.l_i, sw, stages, trace, f.p, f.q_r)
+                        f.row_sum, f.l_i, sw, stages, trace, f.p)
         T.mbarrier_arrive(sw.q_empty[0])
         _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
         _advance(unit, block_n, cnt)
@@ -1341,25 +1335,15 @@ def _wait_full(sw, k, stages, parts):
         emit(T.mbarrier_wait_parity(sw.full[_part(sw, k, stages, p)], (k // stages) % 2))
 
 
-def _seesaw_scores(q, kv, k, stages, sw, acc_s, landed=None, q_r=None):
+def _seesaw_scores(q, kv, k, stages, sw, acc_s, landed=None):
     # S = sum_p Q_p K_p^T of step k, each part's MMAs issued once its bytes landed; one wait;
-    # landed: (trace, index, event) stamped once the last part has landed; q_r (rope_regs): the last
-    # part's Q from this warpgroup's registers (wgmma RS)
-    if q_r is not None:
-        q = list(q[:-1]) + [q_r]
+    # landed: (trace, index, event) stamped once the last part has landed
     for p, (qt, kt) in enumerate(zip(q, kv)):
         _wait_full(sw, k, stages, [p])
         if landed is not None and p == len(q) - 1:
             _stamp(*landed)
         emit(T.wgmma_gemm(qt, kt[k % stages, :, :], acc_s, transpose_B=True, clear_accum=(p == 0), policy=FULL_ROW))
     emit(T.wait_wgmma(0))
-
-
-def _load_rope(q, q_r):
-    # rope_regs: this warpgroup's copy of the query's last part (the rope), read once a unit, so that its
-    # score MMAs read only K's rope from shared memory
-    if q_r is not None:
-        emit(T.copy(q[-1], q_r))
 
 
 def _issue_pv(kv, sw, v_w, k, stages, acc):
@@ -1404,8 +1388,7 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 
 
 @T.macro
-def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None,
-                q_r=None):
+def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
     # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
     # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers (the
@@ -1413,10 +1396,9 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
-    _load_rope(q, q_r)
     for j in T.serial(T.ceildiv(unit.steps, 2)):
         _stamp(trace, at.J + j, "wg0 ready")
-        _seesaw_scores(q, kv, at.g + 2 * j, stages, sw, acc_s, q_r=q_r)
+        _seesaw_scores(q, kv, at.g + 2 * j, stages, sw, acc_s)
         T.mbarrier_arrive(sw.scored[0])
         _release(sw, at.g + 2 * j, stages, [v[1]])                  # WG0's read of V_1 of e0 (its scores)
         _stamp(trace, at.J + j, "wg0 S")
@@ -1458,17 +1440,16 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
 
 @T.macro
 def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace,
-                p_r=None, q_r=None):
+                p_r=None):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
     # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
-    _load_rope(q, q_r)
     for j in T.serial(T.ceildiv(unit.steps, 2)):
         if 2 * j + 1 < unit.steps:
             T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
-            _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"), q_r)
+            _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"))
             _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
             _stamp(trace, at.J + j, "wg1 raw")
         T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
