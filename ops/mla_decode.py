@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import tilelang.language as T
 import torch
 
-from backends.cuda.device import max_active_clusters
 from codegen import targets, tile
 from codegen.program import ALL_TARGETS, tile_program
 from ops import _dispatch, _values
@@ -152,7 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, share: int = 1, lazy: float = 0.0):
+                       own_p: bool = False, lazy: float = 0.0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -193,12 +192,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
     step's P V still reads it there. The same products in the same order.
 
-    share=2 (the bf16 cache, not swapped, an even number of 64-row tiles; any schedule): the two row tiles of
-    a sequence run as a cluster pair and get each kv part from one TMA multicast (rank 0 issues it into both
-    CTAs' shared memory; a slot reloads once both CTAs have released it), so each kv byte leaves L2 once per
-    pair instead of once per CTA. Measured no faster (bench/NOTES.md "Session 69"). The same products in the
-    same order: the bits of share=1.
-
     lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
     row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
@@ -216,11 +209,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
         raise ValueError(f"lazy={lazy} (the running max kept until a row's max grows by more than lazy) is built for "
                          f"the bf16 cache, swapped=False and lazy > 0; got kv_format={kv_format!r}, swapped={swapped}")
-    if share not in (1, 2) or (share == 2 and not (kv_format == "bf16" and not swapped
-                                                    and -(-(s_q * h_q) // BLOCK_M) % 2 == 0)):
-        raise ValueError(f"share={share}: share=2 (a sequence's row tiles in cluster pairs, each kv step multicast) "
-                         f"is built for the bf16 cache, swapped=False and an even number of {BLOCK_M}-row tiles; got "
-                         f"kv_format={kv_format!r}, swapped={swapped}, s_q * h_q={s_q * h_q}")
     if fold_scales and not (swapped and kv_format == "fp8" and not stage_raw):
         raise ValueError("fold_scales=True (the FP8 scales folded into the MMAs) is built for swapped=True with "
                          "kv_format='fp8' and stage_raw=False")
@@ -358,14 +346,14 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             max_splits: T.int32,
             scale_log2: T.float32,
         ):
-            with _grid((parts1 - 1) * m_tiles, threads + tile.producer_threads(), share) as bid:
+            with tile.grid((parts1 - 1) * m_tiles, threads + tile.producer_threads()) as bid:
                 mt = tile.scalar(bid % m_tiles)
                 begin = tile.scalar(PartStart[bid // m_tiles])
                 end = tile.scalar(PartStart[bid // m_tiles + 1])
                 q_tiles = [tile.operand((block_m, w), dt) for _, w, dt in q_parts]
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
-                    stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p, share=share,
+                    stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p,
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
@@ -397,7 +385,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         max_splits: T.int32,
         scale_log2: T.float32,
     ):
-        with _grid(batch * max_splits * m_tiles, threads + tile.producer_threads(), share) as bid:
+        with tile.grid(batch * max_splits * m_tiles, threads + tile.producer_threads()) as bid:
             # per-CTA scalars: registers where the target's attention_loop wants them (tile.scalar)
             mt = tile.scalar(bid % m_tiles)
             si = tile.scalar((bid // m_tiles) % max_splits)
@@ -426,7 +414,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
-                seesaw=seesaw, own_p=own_p, **({"share": share} if share > 1 else {}),
+                seesaw=seesaw, own_p=own_p,
                 **({"lazy": float(lazy)} if lazy > 0 else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,
@@ -464,11 +452,6 @@ class _MlaUnit:
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
         self.epilogue = lambda o, col0, l, m, stats: epilogue(self, o, col0, l, m, stats)
         self.query = lambda: query(self)
-
-
-def _grid(blocks, threads, share):
-    # share = 2: consecutive blocks (a sequence's row tiles mt = 2c, 2c + 1) as cluster pairs
-    return tile.cluster_grid(blocks, threads, share) if share > 1 else tile.grid(blocks, threads)
 
 
 @T.macro
@@ -937,16 +920,9 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _persistent_parts(q, m_tiles, share):
-    """Parts of persistent CTAs (m_tiles CTAs each) that run at once: one CTA an SM, and with share = 2
-    no more cluster pairs than the GPU holds at once (an SM left over in a GPC takes no pair)."""
-    parts = _sm_count(q.device) // m_tiles
-    if share > 1:
-        # (the kernel's ~218 KB of shared memory: one CTA an SM whatever the exact count)
-        room = max_active_clusters(q, share, 384, 200 * 1024)
-        if room:
-            parts = min(parts, max(1, room * share // m_tiles))
-    return parts
+def _persistent_parts(q, m_tiles):
+    """Parts of persistent CTAs (m_tiles CTAs each) that run at once: one CTA an SM."""
+    return _sm_count(q.device) // m_tiles
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, sched, tiling=None,
@@ -993,7 +969,7 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's two counters
         units = (arrival_counters(q.device, 2),)
     if tiling.get("persistent"):
-        units = sched.persistent_units(_persistent_parts(q, rows_pad // BLOCK_M, tiling.get("share", 1)))
+        units = sched.persistent_units(_persistent_parts(q, rows_pad // BLOCK_M))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))

@@ -1100,36 +1100,6 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
 
 
-def test_share_builds_and_says_what_it_needs():
-    """share=2 (a sequence's two row tiles as a cluster pair, each kv part one TMA multicast from rank 0)
-    lowers on sm_90a with no spills (seesaw, persistent seesaw, default schedule): the kv copies
-    are UTMALDG...MULTICAST in SASS, each release also arrives on the other CTA's barrier, and the pair
-    meets before its first and after its last barrier use. It names what it is built for elsewhere."""
-    from tests.test_gemm_fp8 import _sass_and_ptxas_log
-
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True, share=2)
-    assert src.count("tma_load_multicast(KV_desc") == 3                # one per kv part, issued by rank 0
-    assert src.count("arrive((tl::block_rank_in_cluster() ^ 1))") >= 8  # every release site tells the other CTA
-    assert src.count("__cluster_barrier_wait()") == 3                  # start, and the end of both MMA roles
-    sass, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-    assert "0 bytes spill stores" in log, log
-    assert re.search(r"UTMALDG\.\dD\.MULTICAST", sass)
-    default = mla_decode_program.source("sm_90a", h_q=128, s_q=1, share=2)       # the default schedule too
-    assert default.count("tma_load_multicast(KV_desc") == 3 and default.count("__cluster_barrier_wait()") == 3
-    for bad in (dict(kv_format="fp8", block_n=32), dict(h_q=64), dict(s_q=3, h_q=64), dict(share=3)):
-        with pytest.raises(ValueError, match="share"):
-            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, share=2), **bad})
-
-
-def test_share_is_refused_by_the_other_targets():
-    """share=2 (cluster pairs with a kv multicast) is sm_90a's: the sm_100a rule names it, Ascend has no cluster_grid
-    rule (a codegen.rules.NoRuleError naming it)."""
-    for target in ("sm_100a", "ascend"):
-        with pytest.raises((ValueError, LookupError), match="share=, lazy=\\) is lowered on cuda:sm_90a "
-                                                            "only|cluster_grid"):
-            mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, share=2, seesaw=False)
-
-
 def test_lazy_builds_and_says_what_it_needs():
     """lazy=t (the running max kept until a row's max grows by more than t): each O rescale of the default schedule
     (WG0's, and WG1's through a row fragment) and of the seesaw (two a warpgroup) sits behind a warp vote that skips
@@ -1185,29 +1155,6 @@ def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     again_out, again_lse = run()
     assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
     assert_graph_replay_gives(run, out, lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,schedule,sms", [
-    (2, 1, 128, [1000, 64], 64, "seesaw", 0),       # a tail step; a sequence of one step
-    (2, 2, 128, [300, 2049], 64, "seesaw", 0),      # causal over 4 row tiles (two pairs); an odd number of steps
-    (2, 1, 128, [16384, 8000], 64, "seesaw", 0),    # splits + combine
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, "persistent", 16),   # 2-3 units a part
-    (5, 1, 128, [129, 4096, 1, 777, 64], 128, "persistent", 10),
-    (3, 2, 128, [300, 2049, 7], 256, "persistent", 132),
-    (2, 1, 128, [1000, 64], 64, "default", 0),
-    (3, 2, 128, [4096, 1, 0], 64, "default", 0),
-    (2, 1, 128, [16384, 8000], 128, "default", 0),
-])
-def test_gpu_share_is_the_same_bits(monkeypatch, b, s_q, h_q, lens, page, schedule, sms):
-    """share=2 (each kv part multicast to the cluster pair of a sequence's row tiles): exactly the bits of
-    the same schedule with share=1 (the default, the seesaw, the persistent seesaw with its part count forced
-    low through the SM count), within the reference's bounds, and the same from a CUDA graph."""
-    if sms:
-        monkeypatch.setattr(importlib.import_module("ops.mla_decode"), "_sm_count", lambda device: sms)
-    tiling = dict(block_n=64, stages=2, **({} if schedule == "default" else
-                                           dict(seesaw=True, persistent=schedule == "persistent")))
-    assert_variant_is_bitwise(b, s_q, h_q, lens, page, tiling, {"share": 2})
 
 
 @pytest.mark.gpu

@@ -232,12 +232,6 @@ SUITE = Suite(
         Provider("tilecraft-persistent", persistent, experimental=True),
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
-        # a sequence's row tiles as cluster pairs, each kv part multicast to both (NOTES "Session 69")
-        Provider("tilecraft-mc", lambda c, i: tilecraft_variant(
-            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), share=2)), experimental=True),
-        Provider("tilecraft-seesaw-mc", lambda c, i: seesaw(c, i, share=2), experimental=True),
-        # the query's rope in each warpgroup's registers (wgmma RS): 8 KB a step less through shared memory
-        Provider("tilecraft-persistent-mc", lambda c, i: persistent(c, i, share=2), experimental=True),
         # the running max kept until a row's max grows by 2^8, O rescaled only where alpha != 1 (NOTES "Session 70")
         Provider("tilecraft-lazy", lambda c, i: tilecraft_variant(
             c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), lazy=8.0)), experimental=True),

@@ -67,7 +67,6 @@ import tilelang.language as T
 from codegen.lowering.common import online_softmax
 from codegen.lowering.sm90 import check_register_split
 from codegen.rules import register
-from codegen import tile
 from codegen.tile import emit, require_pass_configs, state
 
 WG = 128
@@ -174,49 +173,18 @@ def _stamp_ctas(trace, k, event, ctas):
 def _issue_loads(loads, k, dst, slot, bar):
     # the copies that stage step k; every producer thread then arrives (TMA adds the bytes)
     for src, part, row0, rows in loads(k):
-        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar, **_multicast()))
+        emit(T.tma_copy(src, dst[part][slot, row0:row0 + rows, :], barrier=bar))
     emit(T.mbarrier_arrive(bar))
 
 
-def _share():
-    # attention_loop(share=): CTAs of a cluster that get each kv step from one multicast
-    return state().get("share", 1)
-
-
-def _multicast():
-    # share = 2: tma_copy's multicast into both CTAs of the pair (rank 0 issues it; each CTA expects the bytes)
-    return {"cluster_mask": (1 << _share()) - 1} if _share() > 1 else {}
-
-
 def _empty_barriers(n):
-    # n empty barriers of 2 MMA warpgroups' arrivals; share = 2: a slot is written in both CTAs of the pair, so
-    # they also count the other CTA's releases (lane 0 of each of its 8 MMA warps, _arrive_peer)
-    if _share() > 1:
-        return T.alloc_cluster_barrier([2 * WG + 2 * WG // 32] * n)
+    # n empty barriers, each of both MMA warpgroups' arrivals
     return T.alloc_barrier([2 * WG] * n)
 
 
-def _pair_meet():
-    # share = 2: the pair waits for each other (tile.cluster_barrier): after the barriers' initialization, so that
-    # neither producer multicasts into nor a warp arrives on the other's barriers before they exist; after the MMA
-    # roles' last release, so that neither exits while the other may still arrive on its barriers (the producers
-    # have exited: exited threads count as arrived)
-    if _share() > 1:
-        tile.cluster_barrier()
-
-
 def _release_slot(empty, slot):
-    # an MMA warpgroup is done with the slot (after the WGMMA wait of its reads); share = 2: lane 0 of
-    # each warp also tells the other CTA, whose producer multicasts into this one's slot too
+    # an MMA warpgroup is done with the slot (after the WGMMA wait of its reads)
     emit(T.mbarrier_arrive(empty[slot]))
-    if _share() > 1:
-        _arrive_peer(empty, slot)
-
-
-@T.macro
-def _arrive_peer(bars, i):
-    if T.get_thread_binding() % 32 == 0:
-        T.mbarrier_arrive(bars[i], cta_id=T.block_rank_in_cluster() ^ 1)
 
 
 def _scores(q, kv, slot, acc_s):
@@ -875,18 +843,13 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, share=1, lazy=0.0):
+                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, lazy=0.0):
     threads = state()["threads"]
     if lazy and (raw is not None or swapped or not lazy > 0):
         raise ValueError(f"attention_loop(lazy={lazy}) (the running max kept until a row's max grows by more than "
                          "lazy, O rescaled only in rows whose factor is not 1) is built for plain staging, "
                          "swapped=False and lazy > 0")
     state()["lazy"] = float(lazy)
-    if share not in (1, 2) or (share > 1 and (raw is not None or swapped)):
-        raise ValueError(f"attention_loop(share={share}) (the CTA pair of a cluster sharing each kv step by TMA "
-                         "multicast) is built for share=1, or share=2 with plain staging (no raw format) and "
-                         "swapped=False")
-    state()["share"] = share
     if own_p and not seesaw:
         raise ValueError("attention_loop(own_p=True) (each warpgroup's own P V with P from registers) is built for "
                          "seesaw=True")
@@ -967,19 +930,16 @@ def _warpgroups(steps, loads, q, kv_s, raw_s, value, v, valid_rows, visible, sca
                 stages, raw_stages, plain, epilogue, trace, ck):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
-    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         _mma_wg0(steps, q, kv_s, kv_s[v[0]], valid_rows, visible, scale, acc_s, p_s, alpha_s, stats_s, o0, m_i,
                  m_prev, alpha, row_sum, l_i, full, tail, empty, p_ready, p_free, stats, stages, plain, epilogue,
                  trace)
         _timeline(trace, 1)
-        _pair_meet()
     elif tx < 2 * WG:
         if ck is None:
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
                      p_free, stats, stages, epilogue, None, None, None, trace)
-            _pair_meet()
         else:
             vals1 = T.alloc_local((_share_values(kv_s, ck),), kv_s[0].dtype)
             _mma_wg1(steps, kv_s, kv_s[v[1]], kv_s[v[0]].shape[2], p_s, alpha_s, stats_s, o1, m1, l1, empty, p_ready,
@@ -1190,7 +1150,6 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
 def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
     _timeline(trace, 0)
     T.sync_threads()                    # the program's own shared-memory writes (the query tiles) are done
-    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         T.set_max_nreg(SEESAW_REGS, 1)
@@ -1198,13 +1157,11 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
                     sw, stages, trace, f0.p)
         _seesaw_finish(0, f0.o, 0, f0.l_i, f0.m_i, sw, unit.epilogue, 0)
         _timeline(trace, 1)
-        _pair_meet()
     elif tx < 2 * WG:
         T.set_max_nreg(SEESAW_REGS, 1)
         _seesaw_wg1(unit, _At(), q, kv, v, scale, f1.acc_s, f1.o, f1.m_i, f1.m_prev, f1.alpha, f1.alpha0,
                     f1.row_sum, f1.l_i, sw, stages, trace, f1.p)
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
-        _pair_meet()
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
@@ -1243,15 +1200,12 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
     # trace: the stamps go by the CTA's pair (producer: step) count, across its units
     _timeline(trace, 0)
     T.sync_threads()                    # barrier initialization is visible to every role
-    _pair_meet()
     tx = T.get_thread_binding()
     if tx < WG:
         _seesaw_units_mma(0, units, u, unit, q, kv, v, scale, f0, sw, stages, 0, block_n, cnt, trace)
         _timeline(trace, 1)
-        _pair_meet()
     elif tx < 2 * WG:
         _seesaw_units_mma(1, units, u, unit, q, kv, v, scale, f1, sw, stages, col1, block_n, cnt, trace)
-        _pair_meet()
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
@@ -1321,7 +1275,7 @@ def _issue_parts(loads, k, g, kv, stages, sw):
         emit(T.mbarrier_wait_parity(sw.empty[_part(sw, g + k, stages, part)], (((g + k) // stages) % 2) ^ 1))
         for src, p, row0, rows in loads(k):
             if p == part:
-                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar, **_multicast()))
+                emit(T.tma_copy(src, kv[p][(g + k) % stages, row0:row0 + rows, :], barrier=bar))
         emit(T.mbarrier_arrive(bar))
 
 
