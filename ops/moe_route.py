@@ -355,13 +355,8 @@ def _scores_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 _REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _validate_reference(logits, top_k, bias, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
-    """The op's checks less its kernel limits: logits and bias of any floating dtype and strides, any expert
-    count. Non-finite logits are refused as by the op (a value check, skipped where ops/_values.py skips them)."""
-    check.tensor("logits", logits, dtypes=_REFERENCE_DTYPES, ndim=2)
-    E = logits.shape[1]
-    if E < 1:
-        raise ValueError(f"logits must have at least 1 expert (column), got shape {tuple(logits.shape)}")
+def _check_choice(E, top_k, n_group, topk_group, scoring):
+    """The routing choice's arguments against E experts (the op's and the reference's common checks)."""
     check.number("top_k", top_k, lo=1, hi=E, integer=True)
     check.number("n_group", n_group, lo=1, hi=E, integer=True)
     if E % n_group:
@@ -372,6 +367,16 @@ def _validate_reference(logits, top_k, bias, scoring, n_group, topk_group, renor
                          f"({topk_group} x {E // n_group})")
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+
+
+def _validate_reference(logits, top_k, bias, scoring, n_group, topk_group, renormalize, routed_scaling_factor):
+    """The op's checks less its kernel limits: logits and bias of any floating dtype and strides, any expert
+    count. Non-finite logits are refused as by the op (a value check, skipped where ops/_values.py skips them)."""
+    check.tensor("logits", logits, dtypes=_REFERENCE_DTYPES, ndim=2)
+    E = logits.shape[1]
+    if E < 1:
+        raise ValueError(f"logits must have at least 1 expert (column), got shape {tuple(logits.shape)}")
+    _check_choice(E, top_k, n_group, topk_group, scoring)
     check.flag("renormalize", renormalize)
     check.number("routed_scaling_factor", routed_scaling_factor)
     if bias is not None:
@@ -412,16 +417,7 @@ def _validate(logits, top_k, bias, scoring, n_group, topk_group, routed_scaling_
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"logits must have 1 to {MAX_EXPERTS} experts (columns), got {E}")
-    check.number("top_k", top_k, lo=1, hi=E, integer=True)
-    check.number("n_group", n_group, lo=1, hi=E, integer=True)
-    if E % n_group:
-        raise ValueError(f"the expert count {E} must be divisible by n_group={n_group}")
-    check.number("topk_group", topk_group, lo=1, hi=n_group, integer=True)
-    if top_k > topk_group * (E // n_group):
-        raise ValueError(f"top_k={top_k} exceeds the experts of the topk_group={topk_group} groups that stay eligible "
-                         f"({topk_group} x {E // n_group})")
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    _check_choice(E, top_k, n_group, topk_group, scoring)
     check.number("routed_scaling_factor", routed_scaling_factor)
     if bias is not None:
         check.tensor("bias", bias, dtypes=(torch.float32, torch.bfloat16), ndim=1, contiguous=True)
