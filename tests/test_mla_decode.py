@@ -583,6 +583,30 @@ def assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, extra, graph=True):
         assert_graph_replay_gives(run, ref_out, ref_lse)
 
 
+def assert_option_within_bounds(b, s_q, h_q, lens, page, base, extra, gain=1):
+    """The tiling base + extra (an option that may change the rounding, not the result) on NaN-poisoned inputs:
+    within the reference's bounds, lse within 1e-5 of base's alone, the same bits run to run and from a CUDA graph.
+    gain > 1 multiplies each sequence's last page (exact for a power of two), so that its max jumps late."""
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    for bi, n in enumerate(lens):
+        if n and gain != 1:
+            kv[int(table[bi, (n - 1) // page])] *= gain
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**base, **extra})
+    out, lse = run()
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
+    finite = ref_lse.isfinite()
+    assert torch.equal(finite, lse.isfinite())
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-5
+    again_out, again_lse = run()
+    assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
+    assert_graph_replay_gives(run, out, lse)
+
+
 def assert_graph_replay_gives(run, out, lse):
     """run() captured in a CUDA graph and replayed gives exactly (out, lse)."""
     g = torch.cuda.CUDAGraph()
@@ -1160,25 +1184,8 @@ def test_gpu_rescale_once_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     """rescale_once (the seesaw's WG1 rescales O once a pair, WG0 writes e0's P again at the pair's max): within the
     reference's bounds on NaN-poisoned inputs, the same bits run to run and from a CUDA graph, and lse within 1e-5 of
     the seesaw's without it. gain > 1 multiplies each sequence's last page (exact), so that the max jumps late."""
-    mla = importlib.import_module("ops.mla_decode")
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    for bi, n in enumerate(lens):
-        if n and gain != 1:
-            kv[int(table[bi, (n - 1) // page])] *= gain
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    base = {"block_n": 64, "stages": 2, "seesaw": True, **tiling}
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**base, "rescale_once": True})
-    out, lse = run()
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
-    finite = ref_lse.isfinite()
-    assert torch.equal(finite, lse.isfinite())
-    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-5
-    again_out, again_lse = run()
-    assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
-    assert_graph_replay_gives(run, out, lse)
+    assert_option_within_bounds(b, s_q, h_q, lens, page, {"block_n": 64, "stages": 2, "seesaw": True, **tiling},
+                                {"rescale_once": True}, gain)
 
 
 @pytest.mark.gpu
@@ -1194,25 +1201,7 @@ def test_gpu_lazy_rescale_matches_the_reference(b, s_q, h_q, lens, page, tiling,
     NaN-poisoned inputs, the same bits run to run and from a CUDA graph, and lse within 1e-5 of lazy=0's. gain > 1
     multiplies the cache rows of each sequence's last page (exact, a power of two), so that its scores jump past the
     threshold late in the sequence and the rescale path runs as well as the skip."""
-    mla = importlib.import_module("ops.mla_decode")
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    for bi, n in enumerate(lens):
-        if n and gain != 1:
-            kv[int(table[bi, (n - 1) // page])] *= gain
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    base = {"block_n": 64, "stages": 2, **tiling}
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**base, "lazy": 8.0})
-    out, lse = run()
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
-    finite = ref_lse.isfinite()
-    assert torch.equal(finite, lse.isfinite())
-    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-5
-    again_out, again_lse = run()
-    assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
-    assert_graph_replay_gives(run, out, lse)
+    assert_option_within_bounds(b, s_q, h_q, lens, page, {"block_n": 64, "stages": 2, **tiling}, {"lazy": 8.0}, gain)
 
 
 @pytest.mark.gpu
