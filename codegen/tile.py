@@ -252,6 +252,22 @@ def split_index(index, extents: tuple[int, ...]):
     return tuple(reversed(out))
 
 
+def steps_if(cond, steps):
+    """A K loop's trip count: `steps` where `cond` holds, else 0; pure arithmetic (cast(cond) * steps).
+
+    Not T.if_then_else(cond, steps, 0): TileLang's simplifier keeps that call opaque, so it cannot prove
+    that the count is a multiple of a loop's burst (sm90.in_bursts), and every tail burst (up to
+    size - 1 more unrolled copies of the step) is emitted and laid out although it never runs. The
+    product keeps steps' divisibility (56 K blocks: 4 | cast(live) * 56): the dead tails go, and
+    LayoutInference over the smaller program is 5-10x faster (the grouped MXFP4 kernel: 52 -> 7 s of
+    lowering; bench/NOTES.md "Session 72"). The K loop itself is the same.
+    Not for a count that is itself clamped split arithmetic (fp8_gemm_nt's splits: max(min(per, kb - k0), 0)):
+    TileLang 0.1.15's interval analysis then fails ("Cannot match type int32 vs handle", LegalizeNegativeIndex)."""
+    import tilelang.language as T
+
+    return T.cast(cond, "int32") * steps
+
+
 def __getattr__(name: str):
     # Words registered by kernel authors after import: tile.<word>(...) dispatches like the rest.
     if name.startswith("_"):

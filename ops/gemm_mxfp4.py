@@ -564,7 +564,7 @@ def mxfp4_masked_swapped_program(n: int, k: int, tokens: int = 64, block_n: int 
             sw = tile.stage((block_n, kb), "int32")       # E8M0 bytes of (row, step)
             acc = tile.accumulator((block_n, tokens))     # C^T of the group: weight rows x tokens
             rows = MaskedM[g]
-            steps = T.if_then_else(rows > 0, kb, 0)
+            steps = tile.steps_if(rows > 0, kb)
             T.import_source(E2M1_SOURCE + E2M1_FRAGMENT_SOURCE)
             loads = masked_swapped_loads(A, B, g, tn, block_n, tokens)
             staged = tile.stage((tokens, block_n + 8), "bfloat16") if staged_out else None    # 8: no bank conflicts
@@ -908,7 +908,7 @@ def mxfp4_grouped_program(n: int, k: int, mode: str, block_m: int = 128, block_n
             # a segment's padding rows come after its live ones: a tile whose first row is padding
             # is all padding, and only zeros are stored for it
             live = row0 < limit if masked else row0 < limit and MIdx[T.min(row0, rows - 1)] >= 0
-            steps = T.if_then_else(live, kb, 0)
+            steps = tile.steps_if(live, kb)
             tile.import_cuda_helpers(E2M1_SOURCE)
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731

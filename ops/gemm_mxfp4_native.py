@@ -106,7 +106,7 @@ def mxfp4_grouped_native_program(n: int, k: int, mode: str = "contiguous", block
             row0 = tm * block_m
             g = gm if masked else T.min(T.max(MIdx[row0], 0), G - 1)
             live = row0 < MaskedM[gm] if masked else MIdx[row0] >= 0
-            steps = T.if_then_else(live, kb, 0)
+            steps = tile.steps_if(live, kb)
             acc = tile.accumulator((block_m, block_n))
             # (lambda parameters are named apart from every loop variable: the DSL tracks names)
             loads = lambda blk: (  # noqa: E731

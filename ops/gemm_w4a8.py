@@ -323,7 +323,7 @@ def mxfp4_w4a8_masked_program(n: int, k: int, tokens: int = 64, block_n: int = 1
                 e = g
                 rows = MaskedM[g]
                 id_region, live = [], None
-            steps = T.if_then_else(rows > 0, tiles * kb, 0)   # step s: tile s // kb, K block s % kb
+            steps = tile.steps_if(rows > 0, tiles * kb)   # step s: tile s // kb, K block s % kb
             T.import_source(_source())
             # rows past max_m and words past kb (the row's padding): 0 (TMA)
             if group_scales:
