@@ -1157,7 +1157,9 @@ def test_rescale_once_builds_and_says_what_it_needs():
 
     for kw in (dict(), dict(persistent=True, lazy=8.0)):
         src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, rescale_once=True, **kw)
-        assert src != mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, **kw)
+        traced = [mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1, seesaw=True, **kw, **once))[0].script()
+                  for once in (dict(rescale_once=True), dict())]     # (traced only: no second lowering)
+        assert traced[0] != traced[1]
         if kw:                          # (the definition, then the 5 calls)
             assert src.count("tc_warp_any(") == 1 + 5
         _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
