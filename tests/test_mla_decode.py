@@ -1138,7 +1138,7 @@ def test_lazy_builds_and_says_what_it_needs():
         assert "if ((0x1p+3f/*8.000000e+00*/ < (" in src, "the threshold 8 in the max update"
         _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
         assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
-    assert "tc_warp_any" not in mla_decode_program.source("sm_90a", h_q=128, s_q=1)
+    assert "tc_warp_any" not in mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1))[0].script()   # (no lowering)
     for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(lazy=-1.0)):
         with pytest.raises(ValueError, match="lazy"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, lazy=8.0), **bad})
