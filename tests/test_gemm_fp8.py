@@ -3418,6 +3418,10 @@ def test_grouped_mxfp4_lowers_to_bf16_tensor_cores(target, instr, mode):
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     assert hist.get(instr, 0) > 0
+    if target == "sm_90a":
+        # 56 K steps a live tile (tile.steps_if): one burst of 4 steps, no dead tail bursts (with them: 10 MMA batches
+        # and ~55 s of TileLang's layout inference)
+        assert src.count("tl::wgmma_ss<") == 4 and "* 56)" in src
 
 
 @pytest.mark.gpu
