@@ -284,7 +284,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     g = 0
                     limit = rows
                 k0 = ts * per
-                steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
+                if per * splits == kb:      # every split has per steps: a count the simplifier can divide
+                    steps = tile.steps_if(row0 < limit, per)
+                else:                       # the last split has fewer (an uneven split of kb)
+                    steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
                 if trace:
                     _stamp(Count, bid, "entry", stride)
                 # Staged before the first loads, the scales held every thread, the TMA thread too, for
@@ -407,7 +410,7 @@ def _tile_work(mode, out_dtype, block_m, block_n, kb, n_tiles, threads, per_grou
         tm, tn = t // n_tiles, t % n_tiles
         g, row0, limit = _locate(mode, tm, per_group, block_m, MIdx, MaskedM, rows, groups)
         where = (C, Part, MIdx, row0, first, limit, height, g, tn, 0)
-        return {"steps": T.if_then_else(row0 < limit, kb, 0),
+        return {"steps": tile.steps_if(row0 < limit, kb),
                 "loads": lambda blk: (
                     A[g, row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP] if masked
                     else A[row0:row0 + block_m, blk * GROUP:(blk + 1) * GROUP],
