@@ -151,8 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, lazy: float = 0.0,
-                       rescale_once: bool = False):
+                       own_p: bool = False, lazy: float = 0.0):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -196,12 +195,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
     row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
-    products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70").
-
-    rescale_once=True (with seesaw, not own_p): the second MMA warpgroup rescales its half of O once a pair of steps
-    (by both steps' factors) and issues its two P V batches back to back; the first brings the pair's first P to
-    the pair's max and writes it again for it (FlashMLA's seesaw; bench/NOTES.md "Session 71"). Not the bits of
-    rescale_once=False (P rounded at another scale), within the reference's bounds."""
+    products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70")."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -212,9 +206,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
-    if rescale_once and not (seesaw and not own_p):
-        raise ValueError("rescale_once=True (the second warpgroup's O rescaled once a pair of steps) is built for "
-                         f"seesaw=True with own_p=False; got seesaw={seesaw}, own_p={own_p}")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
         raise ValueError(f"lazy={lazy} (the running max kept until a row's max grows by more than lazy) is built for "
                          f"the bf16 cache, swapped=False and lazy > 0; got kv_format={kv_format!r}, swapped={swapped}")
@@ -363,7 +354,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 tile.attention_loop(
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p,
-                    **({"rescale_once": True} if rescale_once else {}),
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaUnit(
                         UnitList, Splits, SeqLens, max_splits, s_q, causal,
@@ -424,7 +414,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,
-                seesaw=seesaw, own_p=own_p, **({"rescale_once": True} if rescale_once else {}),
+                seesaw=seesaw, own_p=own_p,
                 **({"lazy": float(lazy)} if lazy > 0 else {}),
                 # no mask on a step whose last token every row sees (limit() >= causal_base)
                 all_visible=lambda k: (first + k + 1) * block_n <= causal_base,

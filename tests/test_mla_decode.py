@@ -1143,51 +1143,8 @@ def test_lazy_builds_and_says_what_it_needs():
         with pytest.raises(ValueError, match="lazy"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, lazy=8.0), **bad})
     for target in ("sm_100a", "ascend"):
-        with pytest.raises(ValueError, match="lazy=, rescale_once=\\) is lowered on cuda:sm_90a only"):
+        with pytest.raises(ValueError, match="lazy=\\) is lowered on cuda:sm_90a only"):
             mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, lazy=8.0)
-
-
-def test_rescale_once_builds_and_says_what_it_needs():
-    """rescale_once=True (the seesaw's WG1 rescales O once a pair, WG0 writes e0's P again at the pair's max): the
-    seesaw and the persistent seesaw lower with no spills and no serialized MMAs; with lazy, WG0's rewrite of P sits
-    behind a warp vote too (5 vote sites: WG0's two O rescales and its P rewrite, WG1's one O rescale a pair and the
-    lone last step's). It names what it is built for, and the other targets refuse it."""
-    from backends.cuda.sass import wgmma_serialized
-    from tests.test_gemm_fp8 import _sass_and_ptxas_log
-
-    for kw in (dict(), dict(persistent=True, lazy=8.0)):
-        src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, rescale_once=True, **kw)
-        traced = [mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1, seesaw=True, **kw, **once))[0].script()
-                  for once in (dict(rescale_once=True), dict())]     # (traced only: no second lowering)
-        assert traced[0] != traced[1]
-        if kw:                          # (the definition, then the 5 calls)
-            assert src.count("tc_warp_any(") == 1 + 5
-        _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-        assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
-    for bad in (dict(seesaw=False), dict(own_p=True)):
-        with pytest.raises(ValueError, match="rescale_once"):
-            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, rescale_once=True), **bad})
-    for target in ("sm_100a", "ascend"):
-        with pytest.raises(ValueError, match="rescale_once=\\) is lowered on cuda:sm_90a only"):
-            mla_decode_program.source(target, h_q=128, s_q=1, block_n=64, stages=1, threads=128, seesaw=True,
-                                      rescale_once=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,tiling,gain", [
-    (2, 1, 128, [1000, 64], 64, dict(), 1),                                  # a tail step; a lone last step
-    (2, 2, 128, [300, 2049], 64, dict(), 4),                                 # causal over 4 row tiles, max jumps
-    (2, 1, 64, [16384, 8000], 64, dict(), 4),                                # splits + combine
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, dict(persistent=True), 1),
-    (2, 2, 128, [300, 2049], 128, dict(persistent=True, lazy=8.0), 4),       # with lazy: the P rewrite's vote
-    (3, 1, 128, [4096, 1, 0], 64, dict(persistent=True, lazy=8.0), 1),
-])
-def test_gpu_rescale_once_matches_the_reference(b, s_q, h_q, lens, page, tiling, gain):
-    """rescale_once (the seesaw's WG1 rescales O once a pair, WG0 writes e0's P again at the pair's max): within the
-    reference's bounds on NaN-poisoned inputs, the same bits run to run and from a CUDA graph, and lse within 1e-5 of
-    the seesaw's without it. gain > 1 multiplies each sequence's last page (exact), so that the max jumps late."""
-    assert_option_within_bounds(b, s_q, h_q, lens, page, {"block_n": 64, "stages": 2, "seesaw": True, **tiling},
-                                {"rescale_once": True}, gain)
 
 
 @pytest.mark.gpu

@@ -237,11 +237,6 @@ SUITE = Suite(
             c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), lazy=8.0)), experimental=True),
         Provider("tilecraft-seesaw-lazy", lambda c, i: seesaw(c, i, lazy=8.0), experimental=True),
         Provider("tilecraft-persistent-lazy", lambda c, i: persistent(c, i, lazy=8.0), experimental=True),
-        # the seesaw's WG1 rescales O once a pair, WG0 writes e0's P again at the pair's max (NOTES "Session 71")
-        Provider("tilecraft-seesaw-once", lambda c, i: seesaw(c, i, rescale_once=True), experimental=True),
-        Provider("tilecraft-persistent-once", lambda c, i: persistent(c, i, rescale_once=True), experimental=True),
-        Provider("tilecraft-persistent-once-lazy", lambda c, i: persistent(c, i, rescale_once=True, lazy=8.0),
-                 experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -30,12 +30,11 @@ from codegen.tile import emit, state
 @register("attention_loop", "ascend")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, all_visible=None, seesaw=False, own_p=False, units=None, lazy=0.0,
-                   rescale_once=False):
+                   direct=None, all_visible=None, seesaw=False, own_p=False, units=None, lazy=0.0):
     if (swapped or raw_rows is not None or stage_raw or direct is not None or seesaw or own_p or trace is not None
-            or units is not None or lazy or rescale_once):
+            or units is not None or lazy):
         raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True, own_p=True, "
-                         "trace=, units=, lazy=, rescale_once=) is lowered on cuda:sm_90a only, not on "
+                         "trace=, units=, lazy=) is lowered on cuda:sm_90a only, not on "
                          "ascend:950")
     if getattr(value, "row_scales", None) is not None:
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "

@@ -459,15 +459,14 @@ def _set_first(buf, value):
 @register("attention_loop", "*")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, all_visible=None, seesaw=False, own_p=False, units=None, lazy=0.0,
-                   rescale_once=False):
+                   direct=None, all_visible=None, seesaw=False, own_p=False, units=None, lazy=0.0):
     # the compiler's pipelined loop: copies (and any conversion) then S, softmax, O += P V per step;
     # `trace` (per-step clock stamps) is recorded only by the hand-written sm_90a pipeline;
     # all_visible is a hint this loop does not need (it masks every step)
     if (swapped or raw_rows is not None or stage_raw or direct is not None or seesaw or own_p or units is not None
-            or lazy or rescale_once):
+            or lazy):
         raise ValueError("attention_loop(swapped=True, raw_rows=, stage_raw=, direct=, seesaw=True, own_p=True, units=, "
-                         "lazy=, rescale_once=) is lowered on cuda:sm_90a only")
+                         "lazy=) is lowered on cuda:sm_90a only")
     if getattr(value, "row_scales", None) is not None:
         raise ValueError("attention_loop: a value with row_scales (folded into the MMAs) is lowered on cuda:sm_90a "
                          "with swapped=True only")

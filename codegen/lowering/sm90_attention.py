@@ -843,8 +843,7 @@ def scalar(value, dtype="int32"):
 @register("attention_loop", "cuda:sm_90a")
 def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_rows, raw=None, value=None, stages=2,
                    raw_stages=2, zero_every_step=False, trace=None, swapped=False, raw_rows=None, stage_raw=False,
-                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, lazy=0.0,
-                   rescale_once=False):
+                   direct=None, seesaw=False, all_visible=None, units=None, own_p=False, lazy=0.0):
     threads = state()["threads"]
     if lazy and (raw is not None or swapped or not lazy > 0):
         raise ValueError(f"attention_loop(lazy={lazy}) (the running max kept until a row's max grows by more than "
@@ -856,9 +855,6 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
                          "seesaw=True")
     if units is not None and not seesaw:
         raise ValueError("attention_loop(units=...) (a persistent CTA's work list) is built for seesaw=True")
-    if rescale_once and not (seesaw and not own_p):
-        raise ValueError("attention_loop(rescale_once=True) (WG1 rescales its half of O once a pair of steps) is built "
-                         "for seesaw=True without own_p")
     visible = _Visible(visible, all_visible)
     if threads != 2 * WG + PRODUCER:
         raise ValueError(f"attention_loop on sm_90a needs a grid of {2 * WG} + producer_threads() threads, "
@@ -883,7 +879,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     raw_s = None if plain else [T.alloc_shared((raw_stages, *shape), dt) for shape, dt in raw]
     if seesaw:                          # P over the step's last kv part: no P or alpha tile of its own
         _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-                units, own_p, rescale_once)
+                units, own_p)
         return
     p_s = None if fold else T.alloc_shared((block_m, block_n), kv[v[0]][2])   # fold: one P per value part
     # (swapped: alpha lives in the spare words of _swapped's S^T tile)
@@ -1071,7 +1067,6 @@ class _Seesaw:
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
     q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
-    p0: Any = None      # rescale_once: e0's P, rescaled by WG0 to the pair's max, is written again (WG0 -> WG1)
 
 
 @dataclass(frozen=True)
@@ -1115,7 +1110,7 @@ class _Unit:
 
 
 def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stages, swapped, epilogue, trace,
-            units=None, own_p=False, rescale_once=False):
+            units=None, own_p=False):
     block_m, block_n = q[0].shape[0], kv[0][0]
     rest = [p for p in range(len(kv)) if p not in v]
     if swapped or raw is not None or len(v) != 2 or not rest or stages % 2:
@@ -1138,8 +1133,7 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                  T.alloc_shared((4, block_m), "float32"), (T.alloc_barrier([WG]), T.alloc_barrier([WG])),
                  T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), empty,
                  T.alloc_barrier([PRODUCER]),
-                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)),
-                 **({"p0": T.alloc_barrier([WG])} if rescale_once else {}))
+                 *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1352,8 +1346,7 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
     # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
     # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers (the
-    # shared-memory copy is WG1's only). rescale_once (sw.p0): once e1's max is known, e0's P is brought to
-    # it and written again for WG1 (FlashMLA's first warpgroup), so that WG1 rescales O once a pair
+    # shared-memory copy is WG1's only)
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
@@ -1383,8 +1376,7 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
         # WG1's softmax, and the next pair's scores start on it (trace: they waited for the bytes)
         T.wait_wgmma(0)
         _release(sw, at.g + 2 * j, stages, [v[0]], 2)               # V_0 of e0: WG0 is its only reader
-        if sw.p0 is None:
-            _release(sw, at.g + 2 * j, stages, [sw.p_part])
+        _release(sw, at.g + 2 * j, stages, [sw.p_part])
         _stamp(trace, at.J + j, "wg0 PV+empty")
         if 2 * j + 1 < unit.steps:
             T.mbarrier_wait_parity(sw.ready[1][0], (at.F + j) % 2)
@@ -1393,47 +1385,11 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
                 alpha[i] = sw.alpha[1, i]
                 m_i[i] = sw.m[1, i]
                 l_i[i] *= sw.alpha[1, i]
-            if sw.p0 is not None:
-                _republish_p0(at.g + 2 * j, acc_s, kv, sw, stages, alpha)
             _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
             _scale_rows(o, alpha)
             _issue_pv(kv, sw, kv[v[0]], at.g + 2 * j + 1, stages, o)
             T.wait_wgmma(0)
             _release(sw, at.g + 2 * j + 1, stages, [v[0], sw.p_part])
-        if sw.p0 is not None:
-            _release(sw, at.g + 2 * j, stages, [sw.p_part])         # (after its rewrite, if any)
-
-
-def _republish_p0(k, acc_s, kv, sw, stages, alpha):
-    # rescale_once: e0's P (still in acc_s, at e0's max) times alpha of e1, written again over step k's P part
-    # (WG0's own P V of it is done), then p0; lazy: a warp none of whose rows changed leaves its rows as written
-    if state().get("lazy", 0.0):
-        _rescale_p_changed(k, acc_s, kv, sw, stages, alpha, T.alloc_local((1,), "int32"))
-    else:
-        _rescale_p_all(k, acc_s, kv, sw, stages, alpha)
-
-
-@T.macro
-def _rescale_p_all(k, acc_s, kv, sw, stages, alpha):
-    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-        acc_s[i, j] *= alpha[i]
-    T.copy(acc_s, kv[sw.p_part][k % stages, :, :])
-    T.fence_proxy_async()
-    T.mbarrier_arrive(sw.p0[0])
-
-
-@T.macro
-def _rescale_p_changed(k, acc_s, kv, sw, stages, alpha, need):
-    need[0] = 0
-    for i in T.Parallel(alpha.shape[0]):
-        if alpha[i] != 1.0:
-            need[0] = 1
-    if T.call_extern("int32", "tc_warp_any", need[0]) != 0:
-        for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-            acc_s[i, j] *= alpha[i]
-        T.copy(acc_s, kv[sw.p_part][k % stages, :, :])
-        T.fence_proxy_async()
-    T.mbarrier_arrive(sw.p0[0])
 
 
 @T.macro
@@ -1456,49 +1412,9 @@ def _wg1_score_and_take_e0(j, unit, at, q, kv, v, acc_s, alpha0, m_i, l_i, sw, s
         l_i[i] *= sw.alpha[0, i]
 
 
+@T.macro
 def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace,
                 p_r=None):
-    body = _seesaw_wg1_twice if sw.p0 is None else _seesaw_wg1_once
-    body(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace, p_r)
-
-
-@T.macro
-def _seesaw_wg1_once(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages,
-                     trace, p_r=None):
-    # rescale_once, pair j: score e1 (under WG0's softmax of e0), its softmax from WG0's max of e0, hand e1 over;
-    # O_1 rescaled once (alpha of e0 times alpha of e1), O_1 += P V_1 of e1, then, once WG0 has written e0's P
-    # again at the pair's max (p0), O_1 += P V_1 of e0: both batches back to back, one wait (FlashMLA's
-    # second warpgroup). A lone last step as without it.
-    T.fill(m_i, NEG_INF)
-    T.fill(l_i, 0.0)
-    T.fill(o, 0.0)
-    for j in T.serial(T.ceildiv(unit.steps, 2)):
-        _wg1_score_and_take_e0(j, unit, at, q, kv, v, acc_s, alpha0, m_i, l_i, sw, stages, trace)
-        if 2 * j + 1 < unit.steps:
-            _softmax(2 * j + 1, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
-            _publish(at.g + 2 * j + 1, acc_s, kv, sw, stages, alpha, m_i, 1, WG1_BAR)
-            _stamp(trace, at.J + j, "wg1 convert")
-            for i in T.Parallel(alpha0.shape[0]):
-                alpha0[i] *= alpha[i]
-            _scale_rows(o, alpha0)
-            _wait_tail(2 * j + 1, kv, unit.valid_rows, sw, at.tp)
-            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j + 1, stages, o)
-            T.mbarrier_wait_parity(sw.p0[0], (at.F + j) % 2)
-            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
-            T.wait_wgmma(0)
-            _release(sw, at.g + 2 * j + 1, stages, [v[1]], 2)       # V_1 of e1: WG1 is its only reader
-            _release(sw, at.g + 2 * j + 1, stages, [sw.p_part])
-        else:
-            _scale_rows(o, alpha0)
-            _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
-            T.wait_wgmma(0)
-        _release(sw, at.g + 2 * j, stages, [v[1], sw.p_part])
-        _stamp(trace, at.J + j, "wg1 PV+free")
-
-
-@T.macro
-def _seesaw_wg1_twice(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages,
-                      trace, p_r=None):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
     # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
     T.fill(m_i, NEG_INF)
