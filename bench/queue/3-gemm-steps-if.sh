@@ -13,7 +13,7 @@ timeout 240 python3 -m pytest -q -m gpu -n 4 tests/test_gemm_w4a8.py tests/test_
   2>&1 | tail -4 | tee "$out/tests-steps-if.txt"
 # the tree before the change: this one with the patch reversed
 rm -rf /tmp/before && mkdir -p /tmp/before && cp -r codegen ops backends bench tilecraft runtime model /tmp/before/ &&
-  (cd /tmp/before && patch -s -R -p1 < "$here/bench/queue/4-steps-if.patch") || exit 1
+  (cd /tmp/before && patch -s -R -p1 < "$here/bench/queue/3-steps-if.patch") || exit 1
 for tree in /tmp/before "$here"; do
   name=$([ "$tree" = /tmp/before ] && echo before || echo after)
   (cd "$tree" && for shape in mxfp4-grouped mxfp4-moe-decode; do

@@ -7,7 +7,7 @@
 # statements are the same up to index math the simplifier now proves int32 and `q & 1` -> `q` where q < 2.
 # Written before the run: every fp8 GPU test passes (bitwise ones included), and the prefill, decode and grouped
 # presets give the times of the tree before the change (patch reversed, run beside it on this card) within +-2%.
-# ~6 min. If a test fails: revert the two call sites (5-fp8-steps-if.patch) before anything else.
+# ~6 min. If a test fails: revert the two call sites (2-fp8-steps-if.patch) before anything else.
 # Session 73 ran part of it on an H100: the decode and prefill presets (same times: -5.3% to +2.6%, NOTES "Session
 # 73") and ~180 of the GPU tests (one failure, the ready-fold test's reference plan, fixed since; it failed on the
 # tree before too). Left: every fp8 GPU test (the ready-fold one included) and the grouped preset.
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/g
 timeout 400 python3 -m pytest -q -m gpu -n 8 -rf tests/test_gemm_fp8.py -k "not mxfp4" 2>&1 | tail -6 \
   | tee "$out/tests-fp8-steps-if.txt"
 rm -rf /tmp/before5 && mkdir -p /tmp/before5 && cp -r codegen ops backends bench tilecraft runtime model /tmp/before5/ &&
-  (cd /tmp/before5 && patch -s -R -p1 < "$here/bench/queue/5-fp8-steps-if.patch") || exit 1
+  (cd /tmp/before5 && patch -s -R -p1 < "$here/bench/queue/2-fp8-steps-if.patch") || exit 1
 for tree in /tmp/before5 "$here"; do
   name=$([ "$tree" = /tmp/before5 ] && echo before || echo after)
   (cd "$tree" && for shape in grouped; do
