@@ -566,23 +566,6 @@ def assert_matches_reference(out, lse, q, kv, table, seqlens, scale, causal=True
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
 
 
-def assert_variant_is_bitwise(b, s_q, h_q, lens, page, base, extra, graph=True):
-    """The tiling base + extra (an option that must not change a bit) against base alone on the same NaN-poisoned
-    inputs: equal outputs and lse, within the reference's bounds, and (graph) the same from a CUDA graph replay."""
-    mla = importlib.import_module("ops.mla_decode")
-    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
-    scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=base)
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**base, **extra})
-    out, lse = run()
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    if graph:
-        assert_graph_replay_gives(run, ref_out, ref_lse)
-
-
 def assert_option_within_bounds(b, s_q, h_q, lens, page, base, extra, gain=1):
     """The tiling base + extra (an option that may change the rounding, not the result) on NaN-poisoned inputs:
     within the reference's bounds, lse within 1e-5 of base's alone, the same bits run to run and from a CUDA graph.
