@@ -296,7 +296,9 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     from backends.cuda.sass import disassemble, histogram, wgmma_serialized
     from test_gemm_fp8 import _build_with_ptxas_log
 
-    tiling = FP8_FOLD if fmt == "fp8" else pick_tiling(h_q * s_q, fmt, "sm_90a")    # (fp8 at 16 rows: ops.mla_decode_fp8_rs)
+    # (fp8 at 16 rows: ops.mla_decode_fp8_rs; 256 rows: the default schedule's tiling, not the seesaw's)
+    tiling = FP8_FOLD if fmt == "fp8" else pick_tiling(h_q * s_q, fmt, "sm_90a") if h_q * s_q <= 32 else \
+        dict(block_n=64, stages=2)
     src = mla_decode_program.source("sm_90a", h_q=h_q, s_q=s_q, **tiling)
     assert "__launch_bounds__(384, 1)" in src
     assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
@@ -319,7 +321,7 @@ def test_trace_stamps_every_event(fmt):
 
     # the default operand order: no conversion event without a raw format, no WG1 conversion, no
     # seesaw-only "wg1 landed"
-    src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, **pick_tiling(128, fmt, "sm_90a"))
+    src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, **pick_tiling(64, fmt, "sm_90a"))
     assert src.count("clock()") == len(EVENTS) - 3 - (fmt == "bf16")
     # swapped: the FP8 producer has one raw wait a step; WG1's conversion events appear twice (the
     # first step's conversion before the loop)
