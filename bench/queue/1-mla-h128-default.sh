@@ -9,7 +9,9 @@
 # the patch; against the torch fp32 reference (provider torch) lazy's rel err is within 1.5x of the default's (P is
 # rounded to bf16 at another scale: independent rounding, not a larger one); the h128 rows 2-7% faster than the
 # default. (The rel err column is against the first provider, tilecraft: torch's row in the before run is the
-# default's distance from fp32, in the after run lazy's.) If all three hold: commit the patch (and fix the CPU tests that pin pick_tiling), record the rows.
+# default's distance from fp32, in the after run lazy's.) If all three hold: apply the patch and commit it (pick_tiling, its CPU test, and the bench's plain_tiling: the
+# seesaw / persistent / lazy providers name their schedule, tilecraft-plain is the two-warpgroup one; the CPU
+# suite passes with it, session 73), then record the rows.
 # ~9 min: the tests, then h128 (both trees, with torch and FlashMLA) and decode (patched tree).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
