@@ -1393,26 +1393,6 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
 
 
 @T.macro
-def _wg1_score_and_take_e0(j, unit, at, q, kv, v, acc_s, alpha0, m_i, l_i, sw, stages, trace):
-    # WG1's start of pair j: score e1 (if the pair has it) once WG0's scores of e0 are done, then take e0's
-    # alpha and running max from WG0's hand-off
-    if 2 * j + 1 < unit.steps:
-        T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
-        _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"))
-        _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
-        _stamp(trace, at.J + j, "wg1 raw")
-    T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
-    # (already complete: orders e0's TMA bytes before this warpgroup's own reads)
-    _wait_full(sw, at.g + 2 * j, stages, [v[1]])
-    _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
-    _stamp(trace, at.J + j, "wg1 p_ready")
-    for i in T.Parallel(alpha0.shape[0]):
-        alpha0[i] = sw.alpha[0, i]
-        m_i[i] = sw.m[0, i]
-        l_i[i] *= sw.alpha[0, i]
-
-
-@T.macro
 def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace,
                 p_r=None):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
@@ -1421,7 +1401,20 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
     for j in T.serial(T.ceildiv(unit.steps, 2)):
-        _wg1_score_and_take_e0(j, unit, at, q, kv, v, acc_s, alpha0, m_i, l_i, sw, stages, trace)
+        if 2 * j + 1 < unit.steps:
+            T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
+            _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"))
+            _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
+            _stamp(trace, at.J + j, "wg1 raw")
+        T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
+        # (already complete: orders e0's TMA bytes before this warpgroup's own reads)
+        _wait_full(sw, at.g + 2 * j, stages, [v[1]])
+        _wait_tail(2 * j, kv, unit.valid_rows, sw, at.tp)
+        _stamp(trace, at.J + j, "wg1 p_ready")
+        for i in T.Parallel(alpha0.shape[0]):
+            alpha0[i] = sw.alpha[0, i]
+            m_i[i] = sw.m[0, i]
+            l_i[i] *= sw.alpha[0, i]
         _scale_rows(o, alpha0)
         _issue_pv(kv, sw, kv[v[1]], at.g + 2 * j, stages, o)
         if 2 * j + 1 < unit.steps:
