@@ -284,7 +284,10 @@ def fp8_gemm_program(n: int, k: int, mode: str = "dense", out_dtype: str = "bflo
                     g = 0
                     limit = rows
                 k0 = ts * per
-                if per * splits == kb:      # every split has per steps: a count the simplifier can divide
+                if per * splits == kb and not (mode == "masked" and block_n > 128):
+                    # every split has per steps: a count the simplifier can divide. (Not the masked 256-wide
+                    # tile: there nvcc keeps the narrowed index math in registers and spills 19/38 words a
+                    # thread, 51.8 -> 67.8 us at 1 x 1024 x 4096 x 7168 on an H100, bench/NOTES.md "Session 74".)
                     steps = tile.steps_if(row0 < limit, per)
                 else:                       # the last split has fewer (an uneven split of kb)
                     steps = T.if_then_else(row0 < limit, T.max(T.min(per, kb - k0), 0), 0)
@@ -1231,6 +1234,8 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
             p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
             p.pop("cluster_smem", None)
         p.update(override)
+        if not (p.get("cluster") and p["splits"] == 2) and "cluster_smem" not in override:
+            p.pop("cluster_smem", None)     # (the plan's pair exchange, gone with a caller's cluster=False or splits)
         if p.get("cluster_smem"):
             p = _fit_exchange(p, k)
         groups = a2.shape[0] if mode == "masked" else 1
