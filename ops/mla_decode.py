@@ -884,8 +884,11 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     rows to ops.mla_decode_fp8_rows64 (ROWS64_FP8: its 32-row tile, 1.02-1.16x the swapped kernel that converts
     to bf16 operand tiles, "Session 56"). Otherwise fp8: the raw bytes and the bf16 operand tiles must both
     fit in shared memory: on sm_90a 32-token steps, 2 converted + 3 raw (the producer warpgroup converts); on
-    sm_100a 64-token steps one stage deep, 128 threads. On ascend:950 (codegen/lowering/ascend_attention.py)
-    64-token steps, 32 with the FP8 cache (the vector cores' UB)."""
+    sm_100a 64-token steps one stage deep, 128 threads. The bf16 cache at 128+ rows (a multiple of 64) on sm_90a
+    with pages of 64+ tokens: the persistent seesaw with lazy rescaling (H100: 0.92-0.96x FlashMLA where the
+    two-warpgroup schedule was 0.86-0.95x, bench/NOTES.md "Session 73" and "Session 74").
+    On ascend:950 (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector
+    cores' UB)."""
     if targets.get(target).vendor == "ascend":
         # ascend:950 (generated Ascend C, never run): 64-token steps for the bf16 cache; the FP8 cache's raw
         # step, its converted K halves and V^T halves fit the vector cores' UB at 32 tokens (64 need 227 KB of
@@ -904,6 +907,11 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
             # the generic loop with 256 threads needs 233,472 bytes of shared memory on sm_100a (the
             # row reductions' workspaces included), over its 227 KB (codegen.jit.check_shared_memory)
             return dict(block_n=BLOCK_N, stages=2, threads=128)
+        if sm90 and page >= BLOCK_N and rows >= 2 * BLOCK_M and rows % BLOCK_M == 0:
+            # 128+ rows (h_q = 128: compute-bound): the persistent seesaw with lazy rescaling (bench/NOTES.md
+            # "Session 73" / "Session 74", H100: 0.93-0.96x FlashMLA where the two-warpgroup schedule was 0.87-0.95x;
+            # the same distance from an fp64 reference within 0.4%)
+            return dict(block_n=BLOCK_N, stages=2, seesaw=True, persistent=True, lazy=8.0)
         return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {}))
     if swapped:   # the fold where it fits (16 rows), else e4m3 -> bf16 in the converters (32 rows)
         fold = rows <= SWAPPED_TILES["fp8-fold"][-1]

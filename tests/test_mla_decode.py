@@ -238,6 +238,19 @@ def test_reference_takes_any_float_dtype_head_dim_page_and_strides():
     assert out3.dtype == torch.float32 and out3.shape == (2, 2, 3, 40)
 
 
+def test_pick_tiling_takes_the_persistent_seesaw_with_lazy_at_128_rows():
+    """The bf16 cache at 128+ query rows (a multiple of 64) on sm_90a with pages of 64+ tokens: the persistent seesaw
+    with lazy rescaling (bench/NOTES.md "Session 73"); fewer rows, other row counts, smaller pages, the FP8 cache and
+    the other targets keep their tilings. The program takes it (traced: no lowering)."""
+    full = dict(block_n=64, stages=2, seesaw=True, persistent=True, lazy=8.0)
+    assert pick_tiling(128, "bf16", "sm_90a", 64) == full and pick_tiling(512, "bf16", "sm_90a", 256) == full
+    for rows, page in ((64, 64), (160, 64), (128, 32)):
+        assert pick_tiling(rows, "bf16", "sm_90a", page) == dict(block_n=min(64, page), stages=2), (rows, page)
+    assert "persistent" not in pick_tiling(128, "fp8", "sm_90a", 64)
+    assert "persistent" not in pick_tiling(128, "bf16", "sm_100a", 64)
+    mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1, **full))
+
+
 def test_schedule_shapes_and_batch_invariance():
     lens = torch.tensor([0, 64, 4096, 100000], dtype=torch.int32)
     s = get_mla_schedule(lens, 1, 16, max_blocks=2000, num_sms=132)

@@ -164,11 +164,18 @@ def fp8_swapped_with(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
+def plain_tiling(case):
+    """pick_tiling's bf16 tiling without its schedule (seesaw, persistent, lazy: the op's choice at 128+ rows), so
+    that the providers below name each schedule themselves."""
+    t = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
+    return {k: v for k, v in t.items() if k not in ("seesaw", "persistent", "lazy")}
+
+
 def seesaw(case, i, **options):
     """The bf16 cache through the seesaw schedule (bench/NOTES.md "MLA v13"): the two MMA warpgroups
     score alternate steps; s_q * h_q above the swapped kernel's rows. options: own_p=True (each
     warpgroup's own P V from registers)."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, **options)
+    tiling = dict(plain_tiling(case), seesaw=True, **options)
     if tiling.get("swapped"):
         raise ValueError(f"seesaw is built for the default operand order, not for {case['s_q'] * case['h_q']} rows "
                          "(swapped)")
@@ -178,8 +185,7 @@ def seesaw(case, i, **options):
 def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
     units back to back, the next unit's query and first steps loading under the last one's output."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), seesaw=True, persistent=True,
-                  **options)
+    tiling = dict(plain_tiling(case), seesaw=True, persistent=True, **options)
     return tilecraft_variant(case, i, tiling)   # (the program says which shapes it is built for)
 
 
@@ -233,8 +239,10 @@ SUITE = Suite(
         Provider("tilecraft-seesaw-own-p", lambda c, i: seesaw(c, i, own_p=True), experimental=True),
         Provider("tilecraft-persistent-own-p", lambda c, i: persistent(c, i, own_p=True), experimental=True),
         # the running max kept until a row's max grows by 2^8, O rescaled only where alpha != 1 (NOTES "Session 70")
-        Provider("tilecraft-lazy", lambda c, i: tilecraft_variant(
-            c, i, dict(pick_tiling(c["s_q"] * c["h_q"], "bf16", "sm_90a", PAGE), lazy=8.0)), experimental=True),
+        Provider("tilecraft-lazy", lambda c, i: tilecraft_variant(c, i, dict(plain_tiling(c), lazy=8.0)),
+                 experimental=True),
+        # the two-warpgroup schedule (one scores, one multiplies by V), the op's default below 128 rows
+        Provider("tilecraft-plain", lambda c, i: tilecraft_variant(c, i, plain_tiling(c)), experimental=True),
         Provider("tilecraft-seesaw-lazy", lambda c, i: seesaw(c, i, lazy=8.0), experimental=True),
         Provider("tilecraft-persistent-lazy", lambda c, i: persistent(c, i, lazy=8.0), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
@@ -274,7 +282,7 @@ SUITE = Suite(
         Provider("tilecraft-fp8-two-converters", lambda c, i: tilecraft_variant(c, i, FP8_TWO_CONVERTERS),
                  experimental=True, nbytes=nbytes_fp8),
         Provider("flash_mla", flash_mla, available=_flash_mla_missing, peer=True),
-        Provider("torch", torch_reference),
+        Provider("torch", torch_reference, graphable=False),   # (a host sync a sequence: int(cache_seqlens[i]))
     ],
     kernels=lambda c, t: [(mla_decode_program, dict(h_q=c["h_q"], s_q=c["s_q"], page=PAGE,
                                                      **pick_tiling(c["h_q"] * c["s_q"], "bf16", t, PAGE))),
