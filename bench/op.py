@@ -194,6 +194,10 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 print(f"  {p.name} on {row['case']}: {row['error']}", file=sys.stderr)
                 rows.append(row)
                 continue
+            if args.graph and not p.graphable:      # (a capture of its host sync would fail, and poison the stream)
+                row["timing"] = "eager"
+                print(f"  {p.name} on {row['case']}: timed eagerly (it syncs with the host: no CUDA graph)",
+                      file=sys.stderr)
             made.append((p, row, fn, nbytes, floor, bound))
         timed = {p.name: [] for p, *_ in made}
         for order in rotations(len(made), args.rounds):
@@ -204,7 +208,7 @@ def run_gpu(suite, cases, providers, args) -> list[dict]:
                 try:
                     # the first call checked the values; the hot path does not sync
                     with values_unchecked(), SmClock(torch.cuda.current_device()) as clock:
-                        t = (bench_graph(fn, flush_mode=args.flush) if args.graph else
+                        t = (bench_graph(fn, flush_mode=args.flush) if args.graph and p.graphable else
                              bench_cuda(fn, flush_mode=args.flush))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -374,6 +374,58 @@ def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
     assert len(flagged) == 1 and flagged[0].strip().startswith("b on ") and "--graph" in flagged[0], err
 
 
+def test_bench_times_a_provider_that_syncs_with_the_host_eagerly_under_graph(monkeypatch, capsys):
+    """--graph captures each provider's call in a CUDA graph, except a provider marked graphable=False (the MLA
+    suite's torch reference reads each sequence's length on the host): that one is timed eagerly, its row says so,
+    and the run says it on stderr (session 74: its capture failed and the h128 run printed no rows)."""
+    import argparse
+
+    import torch
+
+    import bench.op as op
+    import bench.timing as timing
+    from bench.suites import Provider, Suite
+    from bench.suites.mla import SUITE as MLA
+
+    used = []
+
+    def fake(kind):
+        def bench(fn, **kw):
+            used.append((fn(), kind))
+            return {"median_ms": 1.0, "min_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10}
+        return bench
+
+    class Clock:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        median, median_watts = (lambda self: 1500), (lambda self: 700)
+
+    monkeypatch.setattr(timing, "bench_cuda", fake("eager"))
+    monkeypatch.setattr(timing, "bench_graph", fake("graph"))
+    monkeypatch.setattr(op, "SmClock", Clock)
+    monkeypatch.setattr(op, "warm_and_say", lambda *a: None)
+    monkeypatch.setattr(op, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    suite = Suite(name="fake", presets={"x": [dict(n=1)]}, make_inputs=lambda c, d: {}, nbytes=lambda c: 1e6,
+                  flops=lambda c: 1e9, providers=[], kernels=lambda c, t: [], reference="a")
+    provs = [Provider("a", lambda c, i: (lambda: "a")), Provider("ref", lambda c, i: (lambda: "ref"), graphable=False)]
+    args = argparse.Namespace(shape="x", jobs=1, measure_ceilings=False, graph=True, flush="write", rounds=1)
+    rows, _ = op.run_gpu(suite, suite.presets["x"], provs, args)
+    assert sorted(used) == [("a", "graph"), ("ref", "eager")]
+    by = {r["provider"]: r for r in rows}
+    assert by["ref"]["timing"] == "eager" and "timing" not in by["a"]
+    assert "ref on n=1: timed eagerly" in capsys.readouterr().err
+    assert next(p for p in MLA.providers if p.name == "torch").graphable is False
+
+
 def test_bench_notes_eager_rows_whose_median_is_far_from_their_min():
     from bench.op import spread_notes
 

@@ -20,6 +20,8 @@ class Provider:
     calls: int = 1                                      # op calls per timed thunk (times are divided by it)
     experimental: bool = False                          # a kernel variant the op does not choose: run only when named
     nbytes: Callable[[dict], float] | None = None       # bytes it moves when not the suite's (e.g. an FP8 cache)
+    graphable: bool = True                              # False: the call syncs with the host (a Python loop over
+                                                        # a tensor's values), so --graph times it eagerly
 
 
 @dataclass
