@@ -3,7 +3,8 @@
 # FlashMLA does 2x the work of s_q 1 in 1.75x the time, we in 1.93x. Written before the run: if our 4 row tiles of a
 # sequence fetch its kv from DRAM more than once at s_q 2, dram__bytes_read is above s_q 1's 2 x 646 MB for us and
 # not for FlashMLA (then: the CTA order); if equal, the loss is on the SM side like s_q 1's. Metrics only (~3 min).
-# Session 71: with the lazy variants too (their instruction counts against the eager ones; ~5 min).
+# Session 71: with the lazy variants too (their instruction counts against the eager ones; ~5 min). Session 74:
+# tilecraft is the persistent seesaw with lazy rescaling at 128 rows now; tilecraft-plain the two-warpgroup schedule.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
@@ -11,7 +12,7 @@ nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/g
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
 m=$m,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg
-for p in tilecraft tilecraft-persistent tilecraft-lazy tilecraft-persistent-lazy flash_mla; do
+for p in tilecraft-plain tilecraft-lazy tilecraft-persistent tilecraft flash_mla; do
   [ $p = flash_mla ] && [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
   for c in 128x128x2x4096 128x128x1x4096; do
     timeout 100 ncu --profile-from-start off --clock-control none --metrics "$m" -o "$out/m-$p-$c" \
