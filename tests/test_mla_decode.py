@@ -726,6 +726,15 @@ def test_gpu_batch_invariant_mode(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_batch_invariant_mode_at_128_rows(monkeypatch):
+    """The same at h_q = 128, where the op runs the persistent seesaw with lazy rescaling (session 74): a CTA runs
+    several units back to back, and what it carries from one unit to the next must not change a unit's bits."""
+    assert pick_tiling(128, "bf16", "cuda:sm_90a", 64).get("persistent")
+    monkeypatch.setenv("TILECRAFT_BATCH_INVARIANT", "1")
+    assert_batch_invariant(128, lens=(5000, 300, 9000, 64, 1100))
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_with_schedule():
     q, kv, table, lens = make_inputs(4, 1, 16, [5000, 300, 9000, 64], device="cuda")
     sched = get_mla_schedule(lens, 1, 16, max_blocks=table.shape[1])
