@@ -865,17 +865,23 @@ def test_own_p_is_for_the_seesaw():
 
 
 def test_persistent_builds_and_says_what_it_needs():
-    """persistent=True lowers on sm_90a within the seesaw's registers (no spills): one wave of CTAs each
-    running its units back to back, the query by TMA (no query stores by the threads); its trace build
-    stamps across units; it names what it is built for everywhere else."""
+    """persistent=True lowers on sm_90a within the seesaw's registers (no spills, no serialized MMAs): one wave of
+    CTAs each running its units back to back, the query by TMA (no query stores by the threads); its trace build
+    stamps across units; it names what it is built for everywhere else. Built as the op runs it at 128 rows
+    (pick_tiling: with lazy=8, whose four O rescales each sit behind a warp vote; without lazy it is the same
+    program less those votes, built by the GPU tests)."""
+    from backends.cuda.sass import wgmma_serialized
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
 
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True)
+    tiling = pick_tiling(128, "bf16", "sm_90a", 64)
+    assert tiling["persistent"] and tiling["lazy"] == 8.0
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, **tiling)
     assert "Q_desc" in src and "PartStart" in src and "UnitList" in src
     body = src[src.index("mla_decode_persistent_kernel("):]
     assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
+    assert src.count("if (tc_warp_any(") == 4 and "if ((0x1p+3f/*8.000000e+00*/ < (" in src
     _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-    assert "0 bytes spill stores" in log, log
+    assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
     traced = mla_decode_program.source("sm_90a", h_q=128, s_q=1, seesaw=True, persistent=True, trace=True)
     assert "tc_timeline" in traced and traced.count("clock()") > 8       # bench.trace_mla's persistent case
     for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(page=32)):
@@ -1135,16 +1141,16 @@ def test_lazy_builds_and_says_what_it_needs():
     """lazy=t (the running max kept until a row's max grows by more than t): each O rescale of the default schedule
     (WG0's, and WG1's through a row fragment) and of the seesaw (two a warpgroup) sits behind a warp vote that skips
     it when none of the warp's rows has a factor other than 1; no spills, no serialized MMAs; lazy=0 gives the
-    program without it. It names what it is built for, and the other targets refuse it."""
+    program without it. It names what it is built for, and the other targets refuse it. (The persistent seesaw's
+    four votes: test_persistent_builds_and_says_what_it_needs, which builds the op's lazy persistent program.)"""
     from backends.cuda.sass import wgmma_serialized
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
 
-    for kw, sites in ((dict(), 2), (dict(seesaw=True, persistent=True), 4)):
-        src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, lazy=8.0, **kw)
-        assert src.count("if (tc_warp_any(") == sites and "__any_sync" in src
-        assert "if ((0x1p+3f/*8.000000e+00*/ < (" in src, "the threshold 8 in the max update"
-        _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
-        assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, block_n=64, stages=2, lazy=8.0)
+    assert src.count("if (tc_warp_any(") == 2 and "__any_sync" in src
+    assert "if ((0x1p+3f/*8.000000e+00*/ < (" in src, "the threshold 8 in the max update"
+    _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
+    assert "0 bytes spill stores" in log and not wgmma_serialized(log), log
     assert "tc_warp_any" not in mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1))[0].script()   # (no lowering)
     for bad in (dict(kv_format="fp8", block_n=32), dict(swapped=True, h_q=16), dict(lazy=-1.0)):
         with pytest.raises(ValueError, match="lazy"):
