@@ -50,10 +50,11 @@ def _configs(t, p):
 # and the staged copies are guarded per-thread loads (codegen/lowering/ascend.py). Generated Ascend
 # C only, no device has run it.
 @tile_program("topk_select", targets=("cuda:sm_90a", "cuda:sm_100a", "ascend:950", "cpu"),
-              examples={"indexer-2048": dict(k=2048), "sampling-512": dict(k=512)}, pass_configs=_configs)
-def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
-    """Exact top-k per row: 12-bit histogram, candidate gather, 12 + 8-bit digits, ordered write."""
-    rows, cols = T.dynamic("rows, cols")
+              examples={"any-k": dict()}, pass_configs=_configs)
+def topk_select_program(lanes: int = 256, stages: int = 2):
+    """Exact top-k per row: 12-bit histogram, candidate gather, 12 + 8-bit digits, ordered write. k is Out's
+    second dimension, read at launch: one build serves every k (a build is ~10 s on the cpu target)."""
+    rows, cols, k = T.dynamic("rows, cols, k")
     SEG = 32                    # contiguous columns per lane in the ordered write (one bit mask)
     chunk = lanes * SEG         # columns staged per step
 
@@ -185,9 +186,10 @@ def topk_select_program(k: int, lanes: int = 256, stages: int = 2):
                                 eqc[t] = eqc[t] + 1
                     gt_base = gt_base + (scan[lanes - 1] & 65535)
                     eq_base = eq_base + (scan[lanes - 1] >> 16)
-                for i in tile.parallel(k):
-                    if i >= T.min(k, n):
-                        Out[r, i] = -1
+                for c in T.serial(T.ceildiv(k, lanes)):      # -1 past a short row
+                    for t in tile.parallel(lanes):
+                        if c * lanes + t < k and c * lanes + t >= n:
+                            Out[r, c * lanes + t] = -1
 
     return topk_select
 
@@ -491,7 +493,7 @@ def _impl(scores, k, lengths, kernel="auto", **params):
     if target.name in topk_select_v3_program.targets and kernel == "v3":
         topk_select_v3_program.compile(target, k=k, **params).launcher()(scores.view(R, -1, 4), lengths, cand, out)
     else:
-        topk_select_program.compile(target, k=k).launcher()(scores, lengths, cand, out)
+        topk_select_program.compile(target).launcher()(scores, lengths, cand, out)
     return out
 
 

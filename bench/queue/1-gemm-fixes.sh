@@ -6,6 +6,8 @@
 # 2. The fixed tests: test_gpu_dense_overlap (one forced split plan for v2 and v3), the cluster-fold tests (_launch
 #    drops the plan's pair exchange when a caller's cluster / splits leave no 2-split cluster). Expected: all pass.
 # 3. The 15 of session 72's 83 MXFP4 / W4A8 count tests that session 74's 240 s did not reach (68 passed).
+# 4. topk_select's v2 program with k read from Out's shape (one build for every k; CPU-tested): its CUDA variant
+#    (kernel="v2") in the topk GPU tests. Expected: all pass.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
@@ -18,3 +20,6 @@ grep -E "FAILED|passed|failed|^E " "$out/tests-fp8-fixed.txt" | cut -c1-300 | ta
 timeout 330 python3 -m pytest -q -m gpu -n 8 -rf --tb=line -p no:cacheprovider tests/test_gemm_w4a8.py \
   tests/test_gemm_fp8.py -k "w4a8 or grouped or masked" > "$out/tests-steps-if.txt" 2>&1
 grep -E "FAILED|passed|failed|^E " "$out/tests-steps-if.txt" | cut -c1-300 | tail -8
+timeout 150 python3 -m pytest -q -m gpu -n 4 -rf --tb=line -p no:cacheprovider tests/test_topk_select.py \
+  > "$out/tests-topk.txt" 2>&1
+grep -E "FAILED|passed|failed|^E " "$out/tests-topk.txt" | cut -c1-300 | tail -8
