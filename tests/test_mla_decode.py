@@ -677,12 +677,15 @@ def test_gpu_wide_combine_at_the_default_splits(b, s_q, h_q, lens, lanes):
 @pytest.mark.parametrize("page", [16, 32, 128, 256])
 def test_gpu_page_sizes(page):
     run_gpu_case(3, 1, 16, [page * 3 + 5, 1, 700], page=page)
+    run_gpu_case(3, 1, 128, [page * 3 + 5, 1, 700], page=page)    # (128+: the persistent-lazy default)
 
 
 @pytest.mark.gpu
 def test_gpu_fp16_and_non_causal():
     run_gpu_case(2, 2, 16, [300, 77], dtype=torch.float16)
     run_gpu_case(2, 2, 16, [300, 77], causal=False)
+    run_gpu_case(2, 2, 128, [300, 77], dtype=torch.float16)       # the persistent-lazy default (session 74)
+    run_gpu_case(2, 2, 128, [300, 77], causal=False)
 
 
 @pytest.mark.gpu
