@@ -1214,6 +1214,54 @@ def launch_split_k(kernel, reduce, args, out, splits: int, count=None, part=None
         reduce(part, out)
 
 
+def op_plan(mode: str, rows: int, n: int, k: int, block_m: int, groups: int, out_dtype: str, target, sms: int,
+            clusters=None, overlap: bool | None = None, **override) -> dict:
+    """The parameters _launch compiles fp8_gemm_program with for one call (all but n, k, mode and out_dtype): plan()'s
+    tiles and split, a caller's overrides, then sm_90a's widening, staged C, persistent tiles, raster and the fold.
+    rows: a's rows (masked: rows a group); groups: masked groups, else 1; out_dtype "bfloat16" or "float32"; target a
+    codegen target; sms the SM count; clusters(cluster, threads, smem) -> clusters that fit at once, or None.
+    A pure function of its arguments: bench.op's static stats (no GPU) build the op's own plan through it."""
+    overlap = OVERLAP if overlap is None else overlap
+    out_bytes = 2 if out_dtype == "bfloat16" else 4
+    # a caller that sets the tiles or the split gets them on the split-K plan (its block_m and
+    # stages), not on the thin one-wave plan
+    forced = {"splits", "block_n", "stages"} & override.keys()
+    p = plan(mode, rows, n, k, block_m, sms=sms, overlap=overlap, clusters=clusters,
+             thin=False if forced else None)
+    if "cluster" not in override and forced:
+        p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
+        p.pop("cluster_smem", None)
+    p.update(override)
+    if not (p.get("cluster") and p["splits"] == 2) and "cluster_smem" not in override:
+        p.pop("cluster_smem", None)     # (the plan's pair exchange, gone with a caller's cluster=False or splits)
+    if p.get("cluster_smem"):
+        p = _fit_exchange(p, k)
+    if not forced and target.name == "cuda:sm_90a":
+        p = widened(p, mode, rows, n, k, groups, sms, out_bytes)
+    p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
+                 and not p.get("cluster"))
+    # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
+    tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
+    waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
+    p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
+                 and not p.get("multicast") and mode != "sorted")
+    if p["persistent"]:
+        p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
+        p.setdefault("sms", sms)
+        p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out_bytes))
+        p = _fit_persistent(p, k, out_bytes)
+    if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
+            and -(-rows // p["block_m"]) * groups > RASTER):
+        p.setdefault("raster", RASTER)
+    split = p["splits"] > 1 and not p.get("cluster")
+    if p.get("overlap"):        # the v3 loop: the fenceless fold (READY_FOLD_ROWS)
+        p.setdefault("fold", rows <= READY_FOLD_ROWS and split and target.name == "cuda:sm_90a"
+                     and out_dtype == "bfloat16")
+    else:
+        p.setdefault("fold", FOLD_IN_KERNEL and split and target.vendor == "cuda")
+    return p
+
+
 def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, overlap=None, **override):
     target = targets.resolve(a2)
     rows = a2.shape[0] if mode != "masked" else a2.shape[1]
@@ -1224,45 +1272,9 @@ def _launch(mode, a2, sfa2, b3, sfb3, m_idx, masked_m, out2, n, k, block_m=128, 
     # what a decode-sized GEMM waits on (bench/NOTES.md "eager host cost")
     def build():
         room = (lambda c, t, smem: max_active_clusters(a2, c, t, smem)) if target.vendor == "cuda" else None
-        # a caller that sets the tiles or the split gets them on the split-K plan (its block_m and
-        # stages), not on the thin one-wave plan
-        forced = {"splits", "block_n", "stages"} & override.keys()
-        sms = sm_count(a2)
-        p = plan(mode, rows, n, k, block_m, sms=sms, overlap=overlap, clusters=room,
-                 thin=False if forced else None)
-        if "cluster" not in override and forced:
-            p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
-            p.pop("cluster_smem", None)
-        p.update(override)
-        if not (p.get("cluster") and p["splits"] == 2) and "cluster_smem" not in override:
-            p.pop("cluster_smem", None)     # (the plan's pair exchange, gone with a caller's cluster=False or splits)
-        if p.get("cluster_smem"):
-            p = _fit_exchange(p, k)
-        groups = a2.shape[0] if mode == "masked" else 1
-        if not forced and target.name == "cuda:sm_90a":
-            p = widened(p, mode, rows, n, k, groups, sms, out2.element_size())
-        p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
-                     and not p.get("cluster"))
-        # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
-        tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
-        waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
-        p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
-                     and not p.get("multicast") and mode != "sorted")
-        if p["persistent"]:
-            p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
-            p.setdefault("sms", sms)
-            p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out2.element_size()))
-            p = _fit_persistent(p, k, out2.element_size())
-        if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
-                and -(-rows // p["block_m"]) * groups > RASTER):
-            p.setdefault("raster", RASTER)
         out_dtype = OUT_DTYPES[out2.dtype]
-        split = p["splits"] > 1 and not p.get("cluster")
-        if p.get("overlap"):        # the v3 loop: the fenceless fold (READY_FOLD_ROWS)
-            p.setdefault("fold", rows <= READY_FOLD_ROWS and split and target.name == "cuda:sm_90a"
-                         and out_dtype == "bfloat16")
-        else:
-            p.setdefault("fold", FOLD_IN_KERNEL and split and target.vendor == "cuda")
+        p = op_plan(mode, rows, n, k, block_m, a2.shape[0] if mode == "masked" else 1, out_dtype, target,
+                    sm_count(a2), room, overlap, **override)
         kernel = fp8_gemm_program.compile(target, n=n, k=k, mode=mode, out_dtype=out_dtype, **p)
         counters = -(-rows // p["block_m"]) * (n // p["block_n"]) if p["fold"] else 0
         folded = p["fold"] or p.get("cluster", False)

@@ -335,6 +335,40 @@ def test_split_k_fold_is_one_kernel_that_counts_arrivals():
     assert split_k_launchers(Kernel(), "sm_90a", 4096, 4, "bfloat16", fold=True) == ("kernel", None)
 
 
+@pytest.mark.parametrize("preset", ["grouped", "decode", "prefill"])
+def test_bench_static_stats_build_the_ops_plan(monkeypatch, preset):
+    """bench.op without a GPU builds, for each FP8 case, the program _launch compiles for it (ops.gemm_fp8.op_plan on
+    132 SMs): the parameters are the ones _launch passes to fp8_gemm_program.compile, captured here without a GPU.
+    (Session 73's masked 128 x 256 tile spilled; the static stats of the grouped preset now show that tile.)"""
+    from bench.suites import gemm as suite
+    from codegen import targets
+    from ops import gemm_fp8
+
+    class Compiled(Exception):
+        pass
+
+    def capture(target, **params):
+        raise Compiled(params)
+
+    sm90 = targets.get("cuda:sm_90a")
+    monkeypatch.setattr(gemm_fp8.fp8_gemm_program, "compile", capture)
+    monkeypatch.setattr(gemm_fp8, "sm_count", lambda a: suite.STATIC_SMS)
+    monkeypatch.setattr(gemm_fp8, "max_active_clusters", lambda a, cluster, threads, smem: suite.STATIC_SMS // cluster)
+    monkeypatch.setattr(gemm_fp8.targets, "resolve", lambda *a, **kw: sm90)
+    for c in suite.PRESETS[preset]:
+        G, m, n, k = c.get("groups", 1), c["m"], c["n"], c["k"]
+        a2 = torch.empty(G, m, k) if c["kind"] == "masked" else torch.empty(G * m, k)
+        out2 = torch.empty(*a2.shape[:-1], n, dtype=torch.bfloat16)
+        block_m = 128 if c["kind"] == "contiguous" else 64 if m <= 64 else 128
+        with pytest.raises(Compiled) as e:
+            gemm_fp8._launch(c["kind"], a2, None, None, None, None, None, out2, n, k, block_m=block_m)
+        (prog, params), = suite._kernels(c, "cuda:sm_90a")
+        assert prog is fp8_gemm_program and params == e.value.args[0], c
+    if preset == "grouped":
+        masked = next(c for c in suite.PRESETS[preset] if c["kind"] == "masked")
+        assert suite._kernels(masked)[0][1]["block_n"] == 256
+
+
 def test_masked_wide_tile_builds_without_spills():
     """The masked layout's 128 x 256 one-split tile (the op's plan at 1 x 1024 x 4096 x 7168) keeps its K loop in
     registers. With tile.steps_if's count there nvcc spilled 19 / 38 words a thread (session 74: 51.8 -> 67.8 us on an

@@ -421,6 +421,9 @@ def deep_gemm(case, i):
     return lambda: (dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), out, i["masked_m"], case["m"]), out)[1]
 
 
+STATIC_SMS = 132    # the SM count bench.op's static stats plan for (H100 SXM, H200)
+
+
 def _kernels(c, t="cuda:sm_90a"):
     """The tile programs a case runs, with their parameters (static stats without a GPU)."""
     from ops import gemm_mxfp4
@@ -443,8 +446,20 @@ def _kernels(c, t="cuda:sm_90a"):
         mode = c["kind"].split("-")[1]
         return [(mxfp4_grouped_program, dict(n=c["n"], k=c["k"], mode=mode,
                                              block_m=64 if mode == "masked" and c["m"] <= 64 else 128))]
-    return [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=c["kind"], block_m=64 if c["m"] <= 64 else 128,
-                                    block_n=128 if c["n"] % 128 == 0 else 64))]
+    # the FP8 op's own plan (ops.gemm_fp8.op_plan, as _launch resolves it) on a 132-SM card, a cluster of c CTAs
+    # counted as fitting on every c SMs (the device's occupancy query needs a GPU); its split-K reduce kernel, where
+    # the plan has one, is not listed
+    from codegen import targets
+    from ops.gemm_fp8 import SORTED_BLOCK_M, op_plan
+
+    kind, groups = c["kind"], c.get("groups", 1)
+    rows = c["m"] * groups if kind == "contiguous" else c["m"]
+    block_m = {"contiguous": 128, "sorted": SORTED_BLOCK_M}.get(kind, 64 if c["m"] <= 64 else 128)
+    target = targets.get(t)
+    room = (lambda cluster, threads, smem: STATIC_SMS // cluster) if target.vendor == "cuda" else None
+    p = op_plan(kind, rows, c["n"], c["k"], block_m, groups if kind == "masked" else 1, "bfloat16", target,
+                STATIC_SMS, room)
+    return [(fp8_gemm_program, dict(n=c["n"], k=c["k"], mode=kind, out_dtype="bfloat16", **p))]
 
 
 SUITE = Suite(
