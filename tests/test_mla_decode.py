@@ -299,25 +299,21 @@ def test_schedule_split_knobs():
         get_mla_schedule(one, 1, 32, 256, batch_invariant=True, max_splits=64)
 
 
-@pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("bf16", 128, 2), ("fp8", 16, 1)])
+@pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("fp8", 16, 1)])
 def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     """tile.attention_loop on sm_90a: one TMA producer warpgroup (registers 80) and two MMA warpgroups
     (240 / 168), only the rule's own named barriers (the thread-sync pass is off), the per-CTA
     indices in registers (no int64 divisions by the split count in the TMA issue), no spills and
-    no WGMMA serialization (ptxas's C75xx warnings)."""
+    no WGMMA serialization (ptxas's C75xx warnings). (The two-warpgroup schedule at 64+ rows:
+    test_lazy_builds_and_says_what_it_needs checks the same structure on its 256-row build.)"""
     from backends import ToolchainError
     from backends.cuda.sass import disassemble, histogram, wgmma_serialized
     from test_gemm_fp8 import _build_with_ptxas_log
 
-    # (fp8 at 16 rows: ops.mla_decode_fp8_rs; 256 rows: the default schedule's tiling, not the seesaw's)
-    tiling = FP8_FOLD if fmt == "fp8" else pick_tiling(h_q * s_q, fmt, "sm_90a") if h_q * s_q <= 32 else \
-        dict(block_n=64, stages=2)
+    # (fp8 at 16 rows: ops.mla_decode_fp8_rs)
+    tiling = FP8_FOLD if fmt == "fp8" else pick_tiling(h_q * s_q, fmt, "sm_90a")
     src = mla_decode_program.source("sm_90a", h_q=h_q, s_q=s_q, **tiling)
-    assert "__launch_bounds__(384, 1)" in src
-    assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
-    partial = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src))
-    assert partial <= {("13", "128"), ("14", "128"), ("15", "128")}, partial  # 13: WG1 converting (swapped FP8)
-    assert "% ((int64_t)max_splits)" not in src and "/ ((int64_t)max_splits)" not in src
+    assert_sm90_roles(src)
     try:
         cubin, log = _build_with_ptxas_log(src)
         hist = histogram(disassemble(cubin))
@@ -326,6 +322,16 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) == 0
     assert wgmma_serialized(log) == [], wgmma_serialized(log)
     assert hist.get("STL", 0) == 0 and "0 bytes spill stores" in log
+
+
+def assert_sm90_roles(src):
+    """The warp-specialized roles of an sm_90a MLA source: 384 threads, registers 240 / 168 / 80 by warpgroup, only
+    the rule's own named barriers, no int64 division by the split count in the TMA issue."""
+    assert "__launch_bounds__(384, 1)" in src
+    assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
+    partial = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src))
+    assert partial <= {("13", "128"), ("14", "128"), ("15", "128")}, partial  # 13: WG1 converting (swapped FP8)
+    assert "% ((int64_t)max_splits)" not in src and "/ ((int64_t)max_splits)" not in src
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -1149,7 +1155,8 @@ def test_lazy_builds_and_says_what_it_needs():
     from backends.cuda.sass import wgmma_serialized
     from tests.test_gemm_fp8 import _sass_and_ptxas_log
 
-    src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, block_n=64, stages=2, lazy=8.0)
+    src = mla_decode_program.source("sm_90a", h_q=128, s_q=2, block_n=64, stages=2, lazy=8.0)   # (causal, 4 row tiles)
+    assert_sm90_roles(src)
     assert src.count("if (tc_warp_any(") == 2 and "__any_sync" in src
     assert "if ((0x1p+3f/*8.000000e+00*/ < (" in src, "the threshold 8 in the max update"
     _, log = _sass_and_ptxas_log(src.split("\n", 1)[1] if src.startswith("//") else src)
