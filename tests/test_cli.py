@@ -306,29 +306,13 @@ def test_bench_rounds_rotate_the_provider_order_and_combine_by_median():
     assert main(["gemm", "--shape", "decode", "--rounds", "0"]) == 2
 
 
-def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
-    """run_gpu's loop on fakes (no GPU): every provider called once for its output, then timed in each
-    round's rotated order; a provider that cannot make the case reports its error and is not timed; a
-    provider whose timing fails reports that; the others' rows combine their rounds."""
-    import argparse
-
+def _fake_gpu_run(monkeypatch):
+    """bench.op.run_gpu's surroundings faked for a CPU test (the SM clock, the warm-up, a known GPU name, torch.cuda's
+    device calls); returns a one-case suite (preset "x", reference provider "a") to run providers on."""
     import torch
 
     import bench.op as op
-    import bench.timing as timing
-    from bench.suites import Provider, Suite
-
-    order = []
-
-    def fake_bench(fn, **kw):
-        name = fn()
-        order.append(name)
-        if name == "bad-timing":
-            raise RuntimeError("boom")
-        ms = {"a": 1.0, "b": 2.0}[name] * (1 + 0.1 * len(order))
-        host = {"a": 0.5, "b": 3.0}[name] * ms          # b's host is slower than its GPU: host-bound
-        return {"median_ms": ms, "min_ms": ms, "p20_ms": ms, "p80_ms": ms, "reps": 10, "host_ms": host,
-                "gpu_rep_ms": ms, "host_bound": timing.host_bound(host, ms)}
+    from bench.suites import Suite
 
     class Clock:
         def __init__(self, *a):
@@ -342,12 +326,39 @@ def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
 
         median, median_watts = (lambda self: 1500), (lambda self: 700)
 
-    monkeypatch.setattr(timing, "bench_cuda", fake_bench)
     monkeypatch.setattr(op, "SmClock", Clock)
     monkeypatch.setattr(op, "warm_and_say", lambda *a: None)
     monkeypatch.setattr(op, "gpu_name", lambda: "NVIDIA H200")        # (a known GPU: no copy measured)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return Suite(name="fake", presets={"x": [dict(n=1)]}, make_inputs=lambda c, d: {}, nbytes=lambda c: 1e6,
+                 flops=lambda c: 1e9, providers=[], kernels=lambda c, t: [], reference="a")
+
+
+def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
+    """run_gpu's loop on fakes (no GPU): every provider called once for its output, then timed in each
+    round's rotated order; a provider that cannot make the case reports its error and is not timed; a
+    provider whose timing fails reports that; the others' rows combine their rounds."""
+    import argparse
+
+    import bench.op as op
+    import bench.timing as timing
+    from bench.suites import Provider
+
+    order = []
+
+    def fake_bench(fn, **kw):
+        name = fn()
+        order.append(name)
+        if name == "bad-timing":
+            raise RuntimeError("boom")
+        ms = {"a": 1.0, "b": 2.0}[name] * (1 + 0.1 * len(order))
+        host = {"a": 0.5, "b": 3.0}[name] * ms          # b's host is slower than its GPU: host-bound
+        return {"median_ms": ms, "min_ms": ms, "p20_ms": ms, "p80_ms": ms, "reps": 10, "host_ms": host,
+                "gpu_rep_ms": ms, "host_bound": timing.host_bound(host, ms)}
+
+    monkeypatch.setattr(timing, "bench_cuda", fake_bench)
+    suite = _fake_gpu_run(monkeypatch)
 
     def provider(name):
         def make(case, inputs):
@@ -356,8 +367,6 @@ def test_bench_gpu_loop_with_rounds(monkeypatch, capsys):
             return lambda: name
         return Provider(name, make)
 
-    suite = Suite(name="fake", presets={"x": [dict(n=1)]}, make_inputs=lambda c, d: {}, nbytes=lambda c: 1e6,
-                  flops=lambda c: 1e9, providers=[], kernels=lambda c, t: [], reference="a")
     provs = [provider(n) for n in ("a", "cannot", "b", "bad-timing")]
     args = argparse.Namespace(shape="x", jobs=1, measure_ceilings=False, graph=False, flush="write", rounds=3)
     rows, meta = op.run_gpu(suite, suite.presets["x"], provs, args)
@@ -380,11 +389,9 @@ def test_bench_times_a_provider_that_syncs_with_the_host_eagerly_under_graph(mon
     and the run says it on stderr (session 74: its capture failed and the h128 run printed no rows)."""
     import argparse
 
-    import torch
-
     import bench.op as op
     import bench.timing as timing
-    from bench.suites import Provider, Suite
+    from bench.suites import Provider
     from bench.suites.mla import SUITE as MLA
 
     used = []
@@ -395,27 +402,9 @@ def test_bench_times_a_provider_that_syncs_with_the_host_eagerly_under_graph(mon
             return {"median_ms": 1.0, "min_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10}
         return bench
 
-    class Clock:
-        def __init__(self, *a):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        median, median_watts = (lambda self: 1500), (lambda self: 700)
-
     monkeypatch.setattr(timing, "bench_cuda", fake("eager"))
     monkeypatch.setattr(timing, "bench_graph", fake("graph"))
-    monkeypatch.setattr(op, "SmClock", Clock)
-    monkeypatch.setattr(op, "warm_and_say", lambda *a: None)
-    monkeypatch.setattr(op, "gpu_name", lambda: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    suite = Suite(name="fake", presets={"x": [dict(n=1)]}, make_inputs=lambda c, d: {}, nbytes=lambda c: 1e6,
-                  flops=lambda c: 1e9, providers=[], kernels=lambda c, t: [], reference="a")
+    suite = _fake_gpu_run(monkeypatch)
     provs = [Provider("a", lambda c, i: (lambda: "a")), Provider("ref", lambda c, i: (lambda: "ref"), graphable=False)]
     args = argparse.Namespace(shape="x", jobs=1, measure_ceilings=False, graph=True, flush="write", rounds=1)
     rows, _ = op.run_gpu(suite, suite.presets["x"], provs, args)
