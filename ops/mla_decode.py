@@ -908,9 +908,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
             # row reductions' workspaces included), over its 227 KB (codegen.jit.check_shared_memory)
             return dict(block_n=BLOCK_N, stages=2, threads=128)
         if sm90 and page >= BLOCK_N and rows >= 2 * BLOCK_M and rows % BLOCK_M == 0:
-            # 128+ rows (h_q = 128: compute-bound): the persistent seesaw with lazy rescaling (bench/NOTES.md
-            # "Session 73" / "Session 74", H100: 0.93-0.96x FlashMLA where the two-warpgroup schedule was 0.87-0.95x;
-            # the same distance from an fp64 reference within 0.4%)
+            # 128+ rows (h_q = 128: compute-bound): the persistent seesaw with lazy rescaling (the docstring's
+            # numbers; the same distance from an fp64 reference within 0.4%, bench/NOTES.md "Session 74")
             return dict(block_n=BLOCK_N, stages=2, seesaw=True, persistent=True, lazy=8.0)
         return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {}))
     if swapped:   # the fold where it fits (16 rows), else e4m3 -> bf16 in the converters (32 rows)
