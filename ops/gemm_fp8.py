@@ -1214,19 +1214,20 @@ def launch_split_k(kernel, reduce, args, out, splits: int, count=None, part=None
         reduce(part, out)
 
 
-def op_plan(mode: str, rows: int, n: int, k: int, block_m: int, groups: int, out_dtype: str, target, sms: int,
+def op_plan(mode: str, rows: int, n: int, k: int, block_m: int, groups: int, out_dtype: str, target, device_sms: int,
             clusters=None, overlap: bool | None = None, **override) -> dict:
     """The parameters _launch compiles fp8_gemm_program with for one call (all but n, k, mode and out_dtype): plan()'s
     tiles and split, a caller's overrides, then sm_90a's widening, staged C, persistent tiles, raster and the fold.
     rows: a's rows (masked: rows a group); groups: masked groups, else 1; out_dtype "bfloat16" or "float32"; target a
-    codegen target; sms the SM count; clusters(cluster, threads, smem) -> clusters that fit at once, or None.
+    codegen target; device_sms the device's SM count (an override's sms sets the persistent grid instead);
+    clusters(cluster, threads, smem) -> clusters that fit at once, or None.
     A pure function of its arguments: bench.op's static stats (no GPU) build the op's own plan through it."""
     overlap = OVERLAP if overlap is None else overlap
     out_bytes = 2 if out_dtype == "bfloat16" else 4
     # a caller that sets the tiles or the split gets them on the split-K plan (its block_m and
     # stages), not on the thin one-wave plan
     forced = {"splits", "block_n", "stages"} & override.keys()
-    p = plan(mode, rows, n, k, block_m, sms=sms, overlap=overlap, clusters=clusters,
+    p = plan(mode, rows, n, k, block_m, sms=device_sms, overlap=overlap, clusters=clusters,
              thin=False if forced else None)
     if "cluster" not in override and forced:
         p.pop("cluster", None)          # chosen for the plan's own grid: not carried to another
@@ -1237,20 +1238,20 @@ def op_plan(mode: str, rows: int, n: int, k: int, block_m: int, groups: int, out
     if p.get("cluster_smem"):
         p = _fit_exchange(p, k)
     if not forced and target.name == "cuda:sm_90a":
-        p = widened(p, mode, rows, n, k, groups, sms, out_bytes)
+        p = widened(p, mode, rows, n, k, groups, device_sms, out_bytes)
     p.setdefault("stage_c", STAGE_C and target.vendor == "cuda" and bool(p.get("overlap")) and p["splits"] == 1
                  and not p.get("cluster"))
     # one to two waves of tiles (sm_90a, staged C): persistent CTAs, each running its tiles back to back
     tiles = -(-rows // p["block_m"]) * (n // p["block_n"]) * groups
-    waves = sms < tiles <= PERSISTENT_WAVES * sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
+    waves = device_sms < tiles <= PERSISTENT_WAVES * device_sms or (p["block_n"] > GROUP and WIDE_PERSISTENT)
     p.setdefault("persistent", PERSISTENT and target.name == "cuda:sm_90a" and p["stage_c"] and waves
                  and not p.get("multicast") and mode != "sorted")
     if p["persistent"]:
         p.pop("sfa_ring", None)         # (one tile a CTA only; _fit_persistent sets the stages)
-        p.setdefault("sms", sms)
+        p.setdefault("sms", device_sms)
         p.setdefault("early", early_scales(p["block_m"], p["block_n"], k // GROUP, out_bytes))
         p = _fit_persistent(p, k, out_bytes)
-    if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > sms
+    if (RASTER > 1 and not p["persistent"] and p["splits"] == 1 and mode != "sorted" and tiles > device_sms
             and -(-rows // p["block_m"]) * groups > RASTER):
         p.setdefault("raster", RASTER)
     split = p["splits"] > 1 and not p.get("cluster")

@@ -369,6 +369,19 @@ def test_bench_static_stats_build_the_ops_plan(monkeypatch, preset):
         assert suite._kernels(masked)[0][1]["block_n"] == 256
 
 
+def test_op_plan_keeps_a_callers_grid_and_tiles():
+    """A caller's sms (the persistent grid) and forced tiles reach the plan: op_plan's own SM count is device_sms, so
+    an sms override neither collides with it (session 75: "got multiple values for argument 'sms'") nor replaces it."""
+    from codegen import targets
+    from ops.gemm_fp8 import op_plan
+
+    sm90 = targets.get("cuda:sm_90a")
+    p = op_plan("masked", 64, 4096, 7168, 64, 4, "float32", sm90, 132, None, True, persistent=True, sms=4)
+    assert p["persistent"] and p["sms"] == 4
+    p = op_plan("dense", 64, 2112, 7168, 64, 1, "bfloat16", sm90, 132, None, True, splits=4, block_n=64, stages=4)
+    assert (p["splits"], p["block_n"], p["stages"]) == (4, 64, 4)
+
+
 def test_masked_wide_tile_builds_without_spills():
     """The masked layout's 128 x 256 one-split tile (the op's plan at 1 x 1024 x 4096 x 7168) keeps its K loop in
     registers. With tile.steps_if's count there nvcc spilled 19 / 38 words a thread (session 74: 51.8 -> 67.8 us on an
@@ -1013,7 +1026,8 @@ def test_overlap_falls_back_to_the_plain_loop_elsewhere(target):
 def test_gpu_dense_overlap(m, nk):
     """v3 K loop: same bounds as v2, and bitwise the v2 result (same products, same fold order). Both loops run
     one forced split-K plan: the op's own plans for v2 and v3 differ at some shapes (v3's PAIR_HALF_TILES 2-split
-    pairs at 17-64 rows, its one-split thin tiles at 129 x 2112), and another split count adds in another order."""
+    pairs at 17-64 rows, its one-split thin tiles at 129 x 2112), and another split count adds in another order.
+    The stages are forced too: 64-row plans carry up to 16, which 64-wide tiles' stages do not fit in."""
     from ops.gemm_fp8 import _launch
 
     n, k = nk
@@ -1026,7 +1040,7 @@ def test_gpu_dense_overlap(m, nk):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         _launch("dense", *dev, torch.empty(m, dtype=torch.int32, device="cuda"),
                 torch.empty(1, dtype=torch.int32, device="cuda"), out, n, k,
-                block_m=64 if m <= 64 else 128, overlap=overlap, splits=min(4, k // 128), block_n=64)
+                block_m=64 if m <= 64 else 128, overlap=overlap, splits=min(4, k // 128), block_n=64, stages=4)
         outs.append(out.cpu())
     if m:
         assert calc_diff(outs[1], ref) < 1e-3
