@@ -9,14 +9,19 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
+# session 75: the three fp8 tests session 75's first call failed on test bugs (op_plan's sms argument; the forced
+# plan's 16 stages), expected to pass now
+timeout 120 python3 -m pytest -q -m gpu -n 8 -rf --tb=line -p no:cacheprovider tests/test_gemm_fp8.py \
+  -k "dense_overlap or persistent_matches_one_tile or wide_tiles_match_128_wide" > "$out/tests-fp8-rerun.txt" 2>&1
+grep -E "FAILED|passed|failed|^E " "$out/tests-fp8-rerun.txt" | cut -c1-300 | tail -8
 # session 74: batch-invariant mode, fp16, non-causal and pages 16-256 at h_q = 128 on the new default
 # (persistent-lazy; its lowering is CPU-checked for each); expected to pass (~2 min)
-timeout 200 python3 -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_mla_decode.py -k "batch_invariant or page_sizes or fp16_and_non_causal" 2>&1 \
-  | grep -E "passed|failed|FAILED" | tee "$out/tests-mla-invariant.txt"
+timeout 200 python3 -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_mla_decode.py --tb=line -k "batch_invariant or page_sizes or fp16_and_non_causal" > "$out/tests-mla-invariant.txt" 2>&1
+grep -E "FAILED|passed|failed|^E " "$out/tests-mla-invariant.txt" | cut -c1-300 | tail -8
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
 m=$m,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg
-for p in tilecraft-plain tilecraft-lazy tilecraft-persistent tilecraft flash_mla; do
+for p in tilecraft-plain tilecraft flash_mla; do
   [ $p = flash_mla ] && [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
   for c in 128x128x2x4096 128x128x1x4096; do
     timeout 100 ncu --profile-from-start off --clock-control none --metrics "$m" -o "$out/m-$p-$c" \
