@@ -18,6 +18,12 @@ grep -E "FAILED|passed|failed|^E " "$out/tests-fp8-rerun.txt" | cut -c1-300 | ta
 # (persistent-lazy; its lowering is CPU-checked for each); expected to pass (~2 min)
 timeout 200 python3 -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_mla_decode.py --tb=line -k "batch_invariant or page_sizes or fp16_and_non_causal" > "$out/tests-mla-invariant.txt" 2>&1
 grep -E "FAILED|passed|failed|^E " "$out/tests-mla-invariant.txt" | cut -c1-300 | tail -8
+# session 75: is whole-unit balancing the h_q = 128 gap? Written before the run: if so, our b = 132 row takes about
+# b = 128's time (both: parts of two whole sequences) while FlashMLA's grows ~3%, and our ratio at b = 132 and 66 is
+# ~3% above b = 128's and 64's
+[ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
+timeout 150 python3 -m bench.op mla --shape balance --out "$out" --graph --flush read --jobs 4 \
+  --providers tilecraft,tilecraft-plain,flash_mla 2>&1 | grep -E "^[0-9]|wrote" | cut -c1-110
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
 m=$m,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg
