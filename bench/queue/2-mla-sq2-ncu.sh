@@ -23,7 +23,7 @@ grep -E "FAILED|passed|failed|^E " "$out/tests-mla-invariant.txt" | cut -c1-300 
 # ~3% above b = 128's and 64's
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
 timeout 150 python3 -m bench.op mla --shape balance --out "$out" --graph --flush read --jobs 4 \
-  --providers tilecraft,tilecraft-plain,flash_mla 2>&1 | grep -E "^[0-9]|wrote" | cut -c1-110
+  --providers tilecraft,tilecraft-plain,flash_mla > "$out/balance.txt" 2>&1; tail -16 "$out/balance.txt" | cut -c1-120
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
 m=$m,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg
