@@ -36,7 +36,7 @@ for p in tilecraft-plain tilecraft flash_mla; do
     timeout 100 ncu --profile-from-start off --clock-control none --metrics "$m" -o "$out/m-$p-$c" \
       python3 -m bench.ncu_mla $p $c > "$out/m-$p-$c.log" 2>&1 || tail -3 "$out/m-$p-$c.log"
     echo "== $p $c"
-    ncu -i "$out/m-$p-$c.ncu-rep" --page details --csv 2>/dev/null | grep -v combine | cut -d, -f13-15 | tail -n +2
+    ncu -i "$out/m-$p-$c.ncu-rep" --page details --csv 2>/dev/null | cut -d, -f5,13-15 | tail -n +2 | cut -c1-150
     rm -f "$out/m-$p-$c.ncu-rep"
   done
 done
