@@ -9,24 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
-# session 75: the three fp8 tests session 75's first call failed on test bugs (op_plan's sms argument; the forced
-# plan's 16 stages), expected to pass now
-timeout 120 python3 -m pytest -q -m gpu -n 8 -rf --tb=line -p no:cacheprovider tests/test_gemm_fp8.py \
-  -k "dense_overlap or persistent_matches_one_tile or wide_tiles_match_128_wide" > "$out/tests-fp8-rerun.txt" 2>&1
-grep -E "FAILED|passed|failed|^E " "$out/tests-fp8-rerun.txt" | cut -c1-300 | tail -8
-# session 74: batch-invariant mode, fp16, non-causal and pages 16-256 at h_q = 128 on the new default
-# (persistent-lazy; its lowering is CPU-checked for each); expected to pass (~2 min)
-timeout 200 python3 -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_mla_decode.py --tb=line -k "batch_invariant or page_sizes or fp16_and_non_causal" > "$out/tests-mla-invariant.txt" 2>&1
-grep -E "FAILED|passed|failed|^E " "$out/tests-mla-invariant.txt" | cut -c1-300 | tail -8
-# session 75: is whole-unit balancing the h_q = 128 gap? Written before the run: if so, our b = 132 row takes about
-# b = 128's time (both: parts of two whole sequences) while FlashMLA's grows ~3%, and our ratio at b = 132 and 66 is
-# ~3% above b = 128's and 64's
-[ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
-timeout 150 python3 -m bench.op mla --shape balance --out "$out" --graph --flush read --jobs 4 \
-  --providers tilecraft,tilecraft-plain,flash_mla > "$out/balance.txt" 2>&1; tail -16 "$out/balance.txt" | cut -c1-120
-# the issue rows with the session-74 default (no H200 number yet)
-timeout 120 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --rounds 2 --jobs 4 \
-  --providers tilecraft,tilecraft-plain,flash_mla > "$out/h128.txt" 2>&1; tail -12 "$out/h128.txt" | cut -c1-120
+# (session 75 ran this script's tests, balance and h128 runs: bench/NOTES.md "Session 75"; its ncu summary cut the
+# csv at the commas inside kernel names and printed nothing: parsed as csv now)
 m=gpu__time_duration.sum,dram__bytes_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
 m=$m,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg
@@ -36,7 +20,9 @@ for p in tilecraft-plain tilecraft flash_mla; do
     timeout 100 ncu --profile-from-start off --clock-control none --metrics "$m" -o "$out/m-$p-$c" \
       python3 -m bench.ncu_mla $p $c > "$out/m-$p-$c.log" 2>&1 || tail -3 "$out/m-$p-$c.log"
     echo "== $p $c"
-    ncu -i "$out/m-$p-$c.ncu-rep" --page details --csv 2>/dev/null | cut -d, -f5,13-15 | tail -n +2 | cut -c1-150
+    # (the csv's kernel names hold commas: parsed as csv, kernel name cut to 40 characters)
+    ncu -i "$out/m-$p-$c.ncu-rep" --page details --csv 2>/dev/null | python3 -c 'import csv, sys
+for r in csv.DictReader(sys.stdin): print(r["Kernel Name"][:40], r["Metric Name"], r["Metric Unit"], r["Metric Value"])'
     rm -f "$out/m-$p-$c.ncu-rep"
   done
 done
