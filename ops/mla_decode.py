@@ -669,20 +669,18 @@ def _persistent_units(splits, max_splits, seqlens, parts):
     # step[c, i]: where cap c's run that starts at unit i ends (the first unit past its cap; n stays n)
     step = torch.searchsorted(end, start[None, :] + caps[:, None], right=True)         # (C, n)
     step = torch.cat([step, step.new_full((PART_CAPS, 1), n)], 1)                      # (C, n + 1)
-    # step^(2^t) for the bits of `parts`; parts runs from unit 0 reach n where the cap's deal fits
-    powers, reach = [step], torch.zeros(PART_CAPS, 1, dtype=torch.long, device=dev)
-    for t in range(parts.bit_length()):
-        if t:
-            powers.append(torch.gather(powers[-1], 1, powers[-1]))
-        if parts >> t & 1:
-            reach = torch.gather(powers[t], 1, reach)
-    fits = reach[:, 0] >= n                                    # the largest cap always fits
-    pick = torch.argmax(fits.int())                            # the least cap that fits
-    # part p's first unit: step^p(0) under the picked cap, for every p at once
+    # at[c, p]: the first unit of run p under cap c, step^p(0), by the bits of p (step^(2^t) by doubling)
+    bits = parts.bit_length()
     p = torch.arange(parts + 1, device=dev)
-    at = torch.zeros(parts + 1, dtype=torch.long, device=dev)
-    for t, power in enumerate(powers):
-        at = torch.where((p >> t & 1).bool(), power[pick][at], at)
+    on = ((p[None, :] >> torch.arange(bits, device=dev)[:, None]) & 1).bool()          # (bits, parts + 1)
+    at = torch.zeros(PART_CAPS, parts + 1, dtype=torch.long, device=dev)
+    power = step
+    for t in range(bits):
+        if t:
+            power = torch.gather(power, 1, power)
+        at = torch.where(on[t], torch.gather(power, 1, at), at)
+    # the least cap whose parts runs reach the end (the largest always does)
+    at = at[torch.argmax((at[:, parts] >= n).int())]
     part_start = torch.minimum(at, valid.sum()).to(torch.int32)
     return unit_list.contiguous(), part_start.contiguous()
 
