@@ -625,8 +625,8 @@ class MlaSchedule:
         """(unit_list (b * max_splits,) int32, part_start (parts + 1,) int32) for persistent CTAs, made once
         per schedule and part count: unit ids (bi * max_splits + si, the splits that exist, in order) dealt
         to `parts` contiguous runs, a unit costing its 64-token blocks + UNIT_COST (FlashMLA's cost model: a
-        unit's fixed work is worth ~5 blocks), so that the costliest run is within 1/PART_CAPS of a unit of
-        the least possible (_persistent_units). Part p runs unit_list[part_start[p]:part_start[p + 1]]. On
+        unit's fixed work is worth ~5 blocks), so that the costliest run is within 1/(PART_CAPS - 1) of a unit
+        of the least possible (_persistent_units). Part p runs unit_list[part_start[p]:part_start[p + 1]]. On
         the device, no host sync (CUDA graphs)."""
         if parts not in self._units:
             if self.cache_seqlens is None:
@@ -679,7 +679,7 @@ def _persistent_units(splits, max_splits, seqlens, parts):
         if t:
             power = torch.gather(power, 1, power)
         at = torch.where(on[t], torch.gather(power, 1, at), at)
-    # the least cap whose parts runs reach the end (the largest always does)
+    # the least cap whose `parts` runs reach the end (the largest cap always does)
     at = at[torch.argmax((at[:, parts] >= n).int())]
     part_start = torch.minimum(at, valid.sum()).to(torch.int32)
     return unit_list.contiguous(), part_start.contiguous()

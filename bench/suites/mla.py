@@ -28,7 +28,7 @@ PRESETS = {
     # the compute-bound rows of "decode" (h_q = 128: two 64-row tiles a sequence, both reading every kv byte)
     "h128": _cases([(128, 128, 1, 4096), (128, 128, 2, 4096), (32, 128, 1, 16384)]),
     # h_q = 128 where the persistent parts (66 on 132 SMs, two 64-row CTAs each) hold whole sequences evenly (132 and
-    # 66 sequences) or not (128: 62 parts run two, 4 run one; 64: 2 parts idle): the cost of whole-unit balancing
+    # 66 sequences) or not (128: 64 parts run two, 2 idle; 64: 2 parts idle): the cost of whole-unit balancing
     "balance": _cases([(128, 128, 1, 4096), (132, 128, 1, 4096), (64, 128, 1, 8192), (66, 128, 1, 8192)]),
     "small": _cases([(2, 16, 1, 1024), (2, 128, 2, 300)]),
     "fp8": _cases([(128, 16, 1, 4096), (128, 16, 1, 8192)]),   # the rows of the FP8 cache's 1.6x target
