@@ -79,9 +79,14 @@ def main() -> int:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         m_tiles = -(-rows // 64)
         units, ctas = (), b * m_tiles
-        if tiling.get("persistent"):        # one wave: sms // m_tiles parts of m_tiles CTAs
-            units = sched.persistent_units(sms // m_tiles)
-            ctas = (units[1].shape[0] - 1) * m_tiles
+        if tiling.get("persistent"):
+            # each sequence a whole piece (no partials: OPart[0] holds the stamps), two a part (b even)
+            nblk = (i["lens"].long() + 63) // 64
+            ar = torch.arange(b, device="cuda")
+            pieces = torch.stack([ar, ar * 0, nblk, ar, ar * 0 + 1], 1).to(torch.int32).contiguous()
+            part_start = torch.arange(0, b + 1, 2, device="cuda", dtype=torch.int32)
+            units = (pieces, part_start, torch.zeros(2 * b * m_tiles, dtype=torch.int32, device="cuda"))
+            ctas = b // 2 * m_tiles
         for _ in range(3):
             kernel.launcher()(i["q"].view(b, rows, D_QK), kvv, kvv.view(torch.float32), kvv.view(torch.bfloat16),
                               i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part,

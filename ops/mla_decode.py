@@ -325,8 +325,35 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     for i in tile.parallel(block_m):
                         LsePart[slot, i] = T.if_then_else(l_s[i] > 0.0, m_s[i] + T.log2(l_s[i]), neg_inf)
 
+    @T.macro
+    def epilogue_piece(o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt):
+        # persistent: this CTA's rows of piece u.slot, a run of sequence u.out_bi's 64-token blocks (u.pieces of
+        # them, list entries u.idx0 ..). A whole sequence writes its output; a piece writes its partial (O / l,
+        # lse in base 2) and counts itself on the sequence's counter of this warpgroup's columns, and the last
+        # of the pieces to arrive merges all of them, in piece order (the bits do not depend on which is last),
+        # and writes the output. l and m are the unit's row statistics, free once the partial is written.
+        group = col0 // half                        # the warpgroup (its columns) counts on its own counter
+        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+            o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
+        if u.pieces == 1:
+            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
+            if stats:
+                for i in tile.parallel(BLOCK_M):
+                    r = mt * BLOCK_M + i
+                    Lse[u.out_bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2, neg_inf)
+        else:
+            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                OPart[u.slot, mt * BLOCK_M + i, col0 + j] = o[i, j]
+            # (both warpgroups write the lse, the same bits: each merges after its own group's arrivals)
+            for i in tile.parallel(BLOCK_M):
+                LsePart[u.slot, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
+            if tile.last_arrival(Counters, (u.out_bi * m_tiles + mt) * 2 + group, u.pieces, threads=WG_THREADS,
+                                 group=group):
+                _merge_pieces(Out, Lse, OPart, LsePart, u, mt * BLOCK_M, col0, half, h_q, sdt, stats)
+
     if persistent:
-        parts1, unit_slots = T.dynamic("parts1, unit_slots")
+        parts1, unit_slots, counters = T.dynamic("parts1, unit_slots, counters")
 
         @T.prim_func
         def mla_decode_persistent(
@@ -341,8 +368,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             Lse: T.Tensor((batch, h_q, s_q), "float32"),
             OPart: T.Tensor((slots, rows_pad, D_V), "float32"),
             LsePart: T.Tensor((slots, rows_pad), "float32"),
-            UnitList: T.Tensor((unit_slots,), "int32"),
+            Pieces: T.Tensor((unit_slots, PIECE_FIELDS), "int32"),
             PartStart: T.Tensor((parts1,), "int32"),
+            Counters: T.Tensor((counters,), "int32"),
             max_splits: T.int32,
             scale_log2: T.float32,
         ):
@@ -355,15 +383,15 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     None, q_tiles, kv_parts, list(range(n_lat)), None, None, scale_log2, None, valid_rows=None,
                     stages=stages, seesaw=True, trace=OPart if trace else None, own_p=own_p,
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
-                    units=tile.Units(begin, end, lambda: _MlaUnit(
-                        UnitList, Splits, SeqLens, max_splits, s_q, causal,
+                    units=tile.Units(begin, end, lambda: _MlaPiece(
+                        Pieces, SeqLens, s_q, causal,
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
                                                         bf16_parts(KV), pidx=u.page_index),
                         prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
                                                          u.page_var),
                         limit=lambda base, i: limit(base, mt, i),
-                        epilogue=lambda u, o, col0, l, m, stats: epilogue(
-                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, u.bi, mt, u.si, u.splits, max_splits),
+                        epilogue=lambda u, o, col0, l, m, stats: epilogue_piece(
+                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt),
                         query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
                                          for n, (c0, w, _) in enumerate(q_parts)])))
 
@@ -429,24 +457,31 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     return mla_decode
 
 
-class _MlaUnit:
-    """A persistent CTA's binding of its current unit (tile.Units.bind): the (sequence, split) scalars
-    of one unit, and its attention loop's copies, mask, epilogue and query copies from the program's
-    own closures (each taking the binding first), as the CTA of that (sequence, split) computes them
-    without persistent (64-token steps)."""
+PIECE_FIELDS = 5    # a persistent piece: (sequence, first 64-token block, blocks, its sequence's first piece, pieces)
+WG_THREADS = 128    # an MMA warpgroup of the seesaw (the piece epilogue's arrival group)
 
-    def __init__(self, UnitList, Splits, SeqLens, max_splits, s_q, causal, *, loads, prefetch, limit, epilogue,
-                 query):
-        vars_ = [T.alloc_var("int32", init=0) for _ in range(6)]
+
+class _MlaPiece:
+    """A persistent CTA's binding of its current piece (tile.Units.bind): a run of one sequence's 64-token
+    blocks (MlaSchedule.persistent_pieces), its attention loop's copies, mask, epilogue and query copies from
+    the program's own closures (each taking the binding first)."""
+
+    def __init__(self, Pieces, SeqLens, s_q, causal, *, loads, prefetch, limit, epilogue, query):
+        vars_ = [T.alloc_var("int32", init=0) for _ in range(5)]
         # the scalars as expressions (reads of the variables that load() sets)
-        self.bi, self.si, self.splits, self.seqlen, self.first, self.steps = (v[0] for v in vars_)
+        self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
+        # what only the epilogue reads, read there from the piece's row (fewer registers live through the loop)
+        self.out_bi, self.idx0, self.pieces = (Pieces[self.slot, f] for f in (0, 3, 4))
+        # the merge's: a row's lse maximum, weight sum, lse and a piece's weight; four columns' sums
+        self.merge_vars = [T.alloc_var("float32") for _ in range(4)]
+        self.acc = T.alloc_local((4,), "float32")
         # the current step's page index, set by prefetch(k) before the step's copies read it
         self.page_var = T.alloc_var("int32", init=0)
         self.page_index = self.page_var[0]
         self.prefetch = lambda k: prefetch(self, k)
         self.valid_rows = self.seqlen - self.first * BLOCK_N
         base = self.seqlen - s_q + 1 if causal else self.seqlen
-        self.load = lambda u: _load_unit(UnitList, Splits, SeqLens, max_splits, u, *vars_)
+        self.load = lambda u: _load_piece(Pieces, SeqLens, u, *vars_)
         self.loads = lambda k: loads(self, k)
         self.visible = lambda k, i, j: (self.first + k) * BLOCK_N + j < limit(base, i)
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
@@ -455,15 +490,47 @@ class _MlaUnit:
 
 
 @T.macro
-def _load_unit(UnitList, Splits, SeqLens, max_splits, u, bi, si, splits, seqlen, first, steps):
-    # unit u of the list = (sequence bi, split si); its first 64-token block and its step count
-    bi = UnitList[u] // max_splits
-    si = UnitList[u] % max_splits
-    splits = Splits[bi]
+def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats):
+    """The last piece's warpgroup (its threads g * 128 ..): rows row0 .. row0 + 63, columns col0 .. col0 + cols - 1
+    of sequence u.out_bi's output = the sum over its pieces s, in order, of exp2(lse_s - lse) O_s, lse = log2 of the sum
+    of exp2(lse_s) (-inf, and 0 out, where every piece's is). A warp a row at a time, four columns a lane (128 a
+    trip: the partials' rows are read whole), so that nothing but the four sums is held (the O tile's registers are
+    not: 0 spills within the seesaw's 216)."""
+    neg_inf = -T.infinity("float32")
+    mx, tot, lse, w = u.merge_vars
+    acc = u.acc
+    tid = T.get_thread_binding() % WG_THREADS
+    lane = tid % 32
+    for rr in T.serial(BLOCK_M // 4):
+        r = row0 + (tid // 32) * (BLOCK_M // 4) + rr
+        mx = neg_inf
+        for s in T.serial(u.pieces):
+            mx = T.max(mx, LsePart[u.idx0 + s, r])
+        tot = 0.0
+        for s in T.serial(u.pieces):
+            tot = tot + T.if_then_else(mx == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r] - mx))
+        lse = T.if_then_else(tot > 0.0, mx + T.log2(tot), neg_inf)
+        for c in T.serial(cols // 128):
+            for v in T.vectorized(4):
+                acc[v] = 0.0
+            for s in T.serial(u.pieces):
+                w = T.if_then_else(lse == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r] - lse))
+                for v in T.vectorized(4):
+                    acc[v] = acc[v] + w * OPart[u.idx0 + s, r, col0 + c * 128 + lane * 4 + v]
+            for v in T.vectorized(4):
+                Out[u.out_bi, r, col0 + c * 128 + lane * 4 + v] = T.cast(acc[v], sdt)
+        if stats:
+            if lane == 0:
+                Lse[u.out_bi, r % h_q, r // h_q] = lse * LN2
+
+
+@T.macro
+def _load_piece(Pieces, SeqLens, u, bi, first, steps, seqlen, slot):
+    bi = Pieces[u, 0]
+    first = Pieces[u, 1]
+    steps = Pieces[u, 2]
     seqlen = SeqLens[bi]
-    steps = T.ceildiv(T.ceildiv(seqlen, BLOCK_N), T.max(splits, 1))        # the split's blocks (chunk)
-    first = si * steps
-    steps = T.if_then_else(si < splits, T.max(T.min(T.ceildiv(seqlen, BLOCK_N), first + steps) - first, 0), 0)
+    slot = u
 
 
 @tile_program(
@@ -622,17 +689,94 @@ class MlaSchedule:
                              f"but this call has batch ({b},) and {rows} rows (s_q * h_q)")
 
     def persistent_units(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unit_list (b * max_splits,) int32, part_start (parts + 1,) int32) for persistent CTAs, made once
-        per schedule and part count: unit ids (bi * max_splits + si, the splits that exist, in order) dealt
-        to `parts` contiguous runs, a unit costing its 64-token blocks + UNIT_COST (FlashMLA's cost model: a
-        unit's fixed work is worth ~5 blocks), so that the costliest run is within 1/(PART_CAPS - 1) of a unit
-        of the least possible (_persistent_units). Part p runs unit_list[part_start[p]:part_start[p + 1]]. On
-        the device, no host sync (CUDA graphs)."""
-        if parts not in self._units:
+        """(unit_list (b * max_splits,) int32, part_start (parts + 1,) int32): the schedule's splits (units,
+        ids bi * max_splits + si, the splits that exist, in order) dealt whole to `parts` contiguous runs, a unit
+        costing its 64-token blocks + UNIT_COST (FlashMLA's cost model: a unit's fixed work is worth ~5 blocks),
+        so that the costliest run is within 1/(PART_CAPS - 1) of a unit of the least possible
+        (_persistent_units). Part p runs unit_list[part_start[p]:part_start[p + 1]]. On the device, no host
+        sync (CUDA graphs)."""
+        key = ("units", parts)
+        if key not in self._units:
             if self.cache_seqlens is None:
                 raise ValueError("this MlaSchedule has no cache_seqlens (make it with get_mla_schedule)")
-            self._units[parts] = _persistent_units(self.splits, self.max_splits, self.cache_seqlens, parts)
-        return self._units[parts]
+            self._units[key] = _persistent_units(self.splits, self.max_splits, self.cache_seqlens, parts)
+        return self._units[key]
+
+    def persistent_pieces(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pieces (n, PIECE_FIELDS) int32, part_start (parts + 1,) int32) for the persistent kernel, made once
+        per schedule and part count: part p runs pieces[part_start[p]:part_start[p + 1]], each a row (sequence,
+        first 64-token block, blocks, the list index of its sequence's first piece, the sequence's pieces); a
+        sequence's pieces are consecutive entries, and the kernel merges them (the last to finish). By default
+        the sequences are cut where the parts' equal shares of the cost end (_cut_pieces: FlashMLA's deal);
+        in batch-invariant mode the pieces are the schedule's fixed splits, dealt whole (persistent_units), so
+        that a sequence's bits never depend on the batch. On the device, no host sync (CUDA graphs)."""
+        key = ("pieces", parts)
+        if key not in self._units:
+            if self.cache_seqlens is None:
+                raise ValueError("this MlaSchedule has no cache_seqlens (make it with get_mla_schedule)")
+            if self.batch_invariant:
+                unit_list, part_start = self.persistent_units(parts)
+                self._units[key] = (_split_pieces(unit_list, self.splits, self.max_splits, self.cache_seqlens),
+                                    part_start)
+            else:
+                self._units[key] = _cut_pieces(self.cache_seqlens, parts)
+        return self._units[key]
+
+
+PIECE_COST = 2  # a piece's fixed cost in 64-token blocks for the cut deal (query, pipeline fill, epilogue, merge:
+                # ~1.9 blocks measured on the persistent kernel, bench/NOTES.md "Session 75")
+
+
+def _cut_pieces(seqlens, parts, fixed=PIECE_COST):
+    """The sequences, each costing its 64-token blocks + `fixed`, laid end to end and cut into `parts` runs of
+    equal cost ceil(total / parts) (a cut that falls in a sequence's fixed cost moves to its start): (pieces
+    (b + parts, PIECE_FIELDS) int32, part_start (parts + 1,) int32), as MlaSchedule.persistent_pieces. A part's
+    work is its share plus one piece's fixed cost at most. Rows past part_start[parts] are -1."""
+    dev, b = seqlens.device, seqlens.shape[0]
+    nblk = (seqlens.long() + BLOCK_N - 1) // BLOCK_N                                   # (b,)
+    end = torch.cumsum(nblk + fixed, 0)
+    start = end - nblk - fixed
+    cap = (end[-1] + parts - 1) // parts
+    x = cap * torch.arange(parts + 1, device=dev)                                       # the parts' cost bounds
+    # bound p = (sequence, block): the sequence whose cost span holds x (b past the end), the block it cuts at
+    seq = torch.searchsorted(end, x, right=True)
+    blk = torch.where(seq < b, x - start[seq.clamp(max=b - 1)] - fixed, 0).clamp(min=0)
+    # part p: sequences seq[p] .. seq[p + 1] (the last only where bound p + 1 cuts into it)
+    last = torch.where(blk[1:] > 0, seq[1:], seq[1:] - 1)
+    count = (last - seq[:-1] + 1).clamp(min=0)
+    part_start = torch.cat([count.new_zeros(1), torch.cumsum(count, 0)])
+    n = b + parts
+    k = torch.arange(n, device=dev)
+    valid = k < part_start[-1]
+    p = torch.searchsorted(part_start[1:], k, right=True).clamp(max=parts - 1)          # each entry's part
+    sk = torch.where(valid, seq[p] + k - part_start[p], b)                              # its sequence (b: none)
+    skc = sk.clamp(max=b - 1)
+    first = torch.where(sk == seq[p], blk[p], 0)
+    stop = torch.where(sk == seq[p + 1], blk[p + 1], nblk[skc])
+    idx0 = torch.searchsorted(sk, sk)                                                   # sk is non-decreasing
+    pieces = torch.searchsorted(sk, sk, right=True) - idx0
+    table = torch.stack([sk, first, stop - first, idx0, pieces], 1)
+    table = torch.where(valid[:, None], table, -1)
+    return table.to(torch.int32).contiguous(), part_start.to(torch.int32).contiguous()
+
+
+def _split_pieces(unit_list, splits, max_splits, seqlens):
+    """The pieces table (MlaSchedule.persistent_pieces) of a whole-split deal (persistent_units' unit list):
+    piece = the schedule's split, its sequence's first piece the entry si places before it. Rows of no unit
+    (-1 in unit_list) are -1."""
+    u = unit_list.long()
+    valid = u >= 0
+    bi = torch.where(valid, u // max_splits, 0)
+    si = torch.where(valid, u % max_splits, 0)
+    nblk = (seqlens.long()[bi] + BLOCK_N - 1) // BLOCK_N
+    sp = splits.long()[bi].clamp(min=1)
+    chunk = (nblk + sp - 1) // sp
+    first = si * chunk
+    steps = (torch.minimum(nblk, first + chunk) - first).clamp(min=0)
+    k = torch.arange(u.shape[0], device=u.device)
+    table = torch.stack([bi, first, steps, k - si, sp], 1)
+    table = torch.where(valid[:, None], table, -1)
+    return table.to(torch.int32).contiguous()
 
 
 UNIT_COST = 5   # a unit's fixed cost in 64-token blocks (query, pipeline fill, epilogue), as FlashMLA counts it
@@ -969,11 +1113,12 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
                                  kv_format=kv_format)
     sched.check(b, rows)
     rows_pad = -(-rows // BLOCK_M) * BLOCK_M
-    slots = b * sched.max_splits if sched.max_splits > 1 else 1
-    o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     dtype = DTYPES[q.dtype]
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
+    # the splits' partials (the persistent kernel's pieces have their own, below)
+    slots = b * sched.max_splits if sched.max_splits > 1 and not tiling.get("persistent") else 1
+    o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     if tiling.get("register_fp8"):   # sm_90a, FP8 cache, <= 16 rows: ops.mla_decode_fp8_rs
         from ops.mla_decode_fp8_rs import mla_decode_fp8_rs2_program, mla_decode_fp8_rs_program
 
@@ -997,12 +1142,16 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     units = ()
     if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's two counters
         units = (arrival_counters(q.device, 2),)
-    if tiling.get("persistent"):
-        units = sched.persistent_units(_persistent_parts(q, rows_pad // BLOCK_M))
+    if tiling.get("persistent"):    # the pieces (merged in the kernel: no combine), each piece a partial slot
+        m_tiles = rows_pad // BLOCK_M
+        pieces, part_start = sched.persistent_pieces(_persistent_parts(q, m_tiles))
+        o_part = torch.empty(pieces.shape[0], rows_pad, D_V, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(pieces.shape[0], rows_pad, dtype=torch.float32, device=q.device)
+        units = (pieces, part_start, arrival_counters(q.device, b * m_tiles * 2))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))
-    if sched.max_splits > 1:
+    if sched.max_splits > 1 and not tiling.get("persistent"):
         if combine_lanes is None:
             wide = COMBINE_WIDE and sched.max_splits > COMBINE_AHEAD and not sched.batch_invariant
             combine_lanes = combine_lanes_for(sched.max_splits) if wide else 0

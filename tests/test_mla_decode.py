@@ -888,6 +888,63 @@ def test_persistent_units_cover_every_split_once_in_balanced_runs(lens, s_q, h_q
     assert sched.persistent_units(7)[0] is sched.persistent_units(7)[0]      # made once per part count
 
 
+@pytest.mark.parametrize("lens,s_q,h_q,invariant", [
+    ([4096] * 128, 1, 128, False),                   # ~1.94 sequences a part: about every other one cut
+    ([4096] * 66, 1, 128, False),                    # one a part exactly: no cuts
+    ([4096 + 2 * i for i in range(132)], 1, 128, False),
+    ([16384] * 32, 1, 128, False),                   # each sequence over ~2 parts
+    ([4096] * 128, 2, 128, False),
+    ([0, 1, 65, 4097, 300, 64, 0, 9000, 2049], 1, 64, False),
+    ([0], 1, 128, False),
+    ([0, 1, 65, 4097, 300, 64, 0, 9000, 2049], 1, 128, True),   # batch-invariant: the 16-block splits, whole
+])
+def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant):
+    """MlaSchedule.persistent_pieces: every sequence's 64-token blocks exactly once, in order, by consecutive
+    entries that name the sequence's first entry and count (what the kernel's merge reads), each non-empty unless
+    the sequence is. The cut deal takes a sequence at most once a part and keeps every part within its equal share of the
+    cost plus one piece's fixed cost; b = 66 equal sequences on 66 parts are not cut at all. Batch-invariant mode
+    deals the schedule's splits whole, as persistent_units does."""
+    from ops.mla_decode import PIECE_COST, PIECE_FIELDS, get_mla_schedule
+
+    t = torch.tensor(lens, dtype=torch.int32)
+    sched = get_mla_schedule(t, s_q, h_q, max(1, -(-max(lens) // 64)), num_sms=132, batch_invariant=invariant)
+    nblk = [-(-n // 64) for n in lens]
+    for parts in (132 // -(-(s_q * h_q) // 64), 7, 1, 64):
+        pieces, start = sched.persistent_pieces(parts)
+        assert pieces.dtype == start.dtype == torch.int32 and start.shape == (parts + 1,)
+        assert pieces.shape[1] == PIECE_FIELDS and start[0] == 0 and bool((start[1:] >= start[:-1]).all())
+        n = int(start[-1])
+        assert bool((pieces[n:] == -1).all())
+        rows = pieces[:n].tolist()
+        by_seq = {}
+        for k, (bi, first, steps, idx0, count) in enumerate(rows):
+            by_seq.setdefault(bi, []).append((k, first, steps, idx0, count))
+        assert sorted(by_seq) == list(range(len(lens)))
+        for bi, entries in by_seq.items():
+            ks = [e[0] for e in entries]
+            assert ks == list(range(ks[0], ks[0] + len(ks))), (bi, ks)
+            assert all(e[3] == ks[0] and e[4] == len(ks) for e in entries), (bi, entries)
+            pos = 0
+            for _, first, steps, _, _ in entries:
+                assert first == pos and (steps > 0 or len(entries) == 1), (bi, entries)
+                pos += steps
+            assert pos == nblk[bi], (bi, entries)
+        for p in range(parts):
+            seqs = [rows[k][0] for k in range(int(start[p]), int(start[p + 1]))]
+            if not invariant:       # (the invariant deal may give a part several splits of a sequence)
+                assert len(set(seqs)) == len(seqs)
+                share = -(-(sum(nblk) + PIECE_COST * len(lens)) // parts)
+                work = sum(rows[k][2] + PIECE_COST for k in range(int(start[p]), int(start[p + 1])))
+                assert work <= share + PIECE_COST, (p, work, share)
+        if invariant:
+            unit_list, ustart = sched.persistent_units(parts)
+            assert torch.equal(ustart, start)
+            assert [r[0] * sched.max_splits + (k - r[3]) for k, r in enumerate(rows)] == unit_list[:n].tolist()
+        if len(lens) == 66 and parts == 66:
+            assert n == 66 and all(r[4] == 1 for r in rows)
+    assert sched.persistent_pieces(7)[0] is sched.persistent_pieces(7)[0]      # made once per part count
+
+
 def test_own_p_is_for_the_seesaw():
     with pytest.raises(ValueError, match="own_p=True .* is built for seesaw=True"):
         mla_decode_program.source("sm_90a", h_q=64, s_q=1, block_n=64, stages=2, own_p=True)
@@ -905,7 +962,9 @@ def test_persistent_builds_and_says_what_it_needs():
     tiling = pick_tiling(128, "bf16", "sm_90a", 64)
     assert tiling["persistent"] and tiling["lazy"] == 8.0
     src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, **tiling)
-    assert "Q_desc" in src and "PartStart" in src and "UnitList" in src
+    assert "Q_desc" in src and "PartStart" in src and "Pieces" in src
+    # a cut sequence's pieces: each MMA warpgroup counts on its own counter (thread 0 / 128, named barrier 11 / 10)
+    assert src.count("AtomicAddRet(") == 2 and "threadIdx.x) == 128)" in src and "__sync_thread_partial(10, 128)" in src
     body = src[src.index("mla_decode_persistent_kernel("):]
     assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
     assert src.count("if (tc_warp_any(") == 4 and "if ((0x1p+3f/*8.000000e+00*/ < (" in src
@@ -1134,36 +1193,48 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
-    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
-    (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
-    (2, 1, 64, [16384, 8000], 64, 132),         # splits + combine
-    (5, 1, 128, [129, 4096, 1, 777, 64], 128, 10),
-    (4, 1, 64, [1000, 300, 5000, 63], 256, 6),
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,sms,invariant", [
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16, False),   # 8 parts: cuts, 3+ pieces
+    (3, 2, 64, [300, 2049, 7], 64, 4, False),   # causal, two row tiles, 2 parts
+    (2, 1, 64, [16384, 8000], 64, 132, False),  # 66 parts: ~45 pieces a sequence
+    (5, 1, 128, [129, 4096, 1, 777, 64], 128, 10, False),
+    (4, 1, 64, [1000, 300, 5000, 63], 256, 6, False),
+    (128, 1, 128, [4096] * 128, 64, 132, False),   # the issue row's deal (every other sequence cut in two)
+    (5, 1, 128, [5000, 300, 9000, 64, 1100], 64, 132, True),   # batch-invariant: the 16-block splits merged
 ])
-def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
-    """The persistent seesaw gives each unit exactly the bits of the seesaw CTA of that (sequence,
-    split), however its units are dealt to parts (the part count forced low through the SM count, so a
-    CTA runs several units back to back), within the reference's bounds, and the same from a CUDA graph."""
+def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, lens, page, sms, invariant):
+    """The persistent seesaw over the cut deal (pieces of sequences merged in the kernel by the last to finish),
+    the part count forced through the SM count: within the reference's bounds on NaN-poisoned inputs, the same
+    bits run to run and from a CUDA graph, every arrival counter back at 0 after the launch. A sequence dealt as
+    one piece has the bits of the seesaw CTA that runs it unsplit (the same products and epilogue)."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
+    from ops._workspace import arrival_counters
+
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     scale = D ** -0.5
-    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
-    tiling = dict(block_n=64, stages=2, seesaw=True)
-    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
-    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**tiling, "persistent": True})
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, batch_invariant=invariant)
+    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)  # noqa: E731
     out, lse = run()
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
-    run()                                          # warm (no compile inside the capture)
+    m_tiles = -(-s_q * h_q // 64)
+    assert not arrival_counters(q.device, 2 * b * m_tiles)[:2 * b * m_tiles].any()
+    again = run()
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    pieces, start = sched.persistent_pieces(sms // m_tiles)
+    whole = [int(r[0]) for r in pieces[:int(start[-1])].cpu() if int(r[4]) == 1]
+    if whole and not invariant:
+        unsplit = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, max_splits=1)
+        ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, unsplit,
+                                                tiling=dict(block_n=64, stages=2, seesaw=True))
+        assert torch.equal(out[whole], ref_out[whole]) and torch.equal(lse[whole], ref_lse[whole])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = run()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
 def test_lazy_builds_and_says_what_it_needs():

@@ -58,8 +58,9 @@ def lane_ballot(pred):
 
 
 # named barrier of the block's first `threads`: barrier(threads=), last_arrival(threads=) (TileLang
-# reserves 0-2; the sm90 loops use 12-15)
+# reserves 0-2; the sm90 loops use 12-15); last_arrival(group=g) takes FIRST_THREADS_BAR - g (g = 0 or 1)
 FIRST_THREADS_BAR = 11
+ARRIVAL_GROUPS = 2
 
 
 @register("barrier", "cuda")
@@ -76,9 +77,9 @@ def _check_threads(word, threads):
 
 
 @T.macro
-def _arrive(count, index, arrivals, last, threads, ordered):
-    _arrive_barrier(threads)                            # every thread's global stores are issued
-    if T.get_thread_binding() == 0:
+def _arrive(count, index, arrivals, last, threads, ordered, group):
+    _arrive_barrier(threads, group)                     # every thread's global stores are issued
+    if T.get_thread_binding() == group * threads:
         if ordered:
             # release: the fence is cumulative, so it orders the whole block's stores (seen by thread 0
             # through the barrier) before the arrival
@@ -89,24 +90,28 @@ def _arrive(count, index, arrivals, last, threads, ordered):
             count[index] = 0                            # the next launch counts from zero again
             if ordered:
                 T.evaluate(T.call_extern("handle", "__threadfence"))   # acquire: the others' stores
-    _arrive_barrier(threads)
+    _arrive_barrier(threads, group)
 
 
-def _arrive_barrier(threads):
+def _arrive_barrier(threads, group=0):
     # the whole block, or its first `threads` (a warp-specialized kernel's MMA threads, once its
-    # producer warps have exited: they would never reach a block-wide barrier)
-    emit(T.sync_threads(FIRST_THREADS_BAR, threads) if threads else T.sync_threads())
+    # producer warps have exited: they would never reach a block-wide barrier), or group g of
+    # `threads` (threads g * threads .. : one MMA warpgroup of several, its own named barrier)
+    emit(T.sync_threads(FIRST_THREADS_BAR - group, threads) if threads else T.sync_threads())
 
 
 @register("last_arrival", "cuda")
-def last_arrival(count, index, arrivals, threads=None, ordered=True):
+def last_arrival(count, index, arrivals, threads=None, ordered=True, group=0):
     # the pattern of CUDA's threadFenceReduction sample and CUTLASS's split-K semaphore; ordered=False
     # drops both fences (the last block learns it is last, not that the others' stores have landed: its
     # reads must wait for each word themselves, e.g. ops.gemm_mxfp4's ready partials)
     if threads is not None:
         _check_threads("last_arrival", threads)
+    if group not in range(ARRIVAL_GROUPS) or (group and threads is None):
+        raise ValueError(f"last_arrival: group must be 0 .. {ARRIVAL_GROUPS - 1} (with threads= for group > 0: "
+                         f"threads group * threads .. take part), got group={group!r}, threads={threads!r}")
     last = T.alloc_shared((1,), "int32")
-    _arrive(count, index, arrivals, last, threads or 0, ordered)
+    _arrive(count, index, arrivals, last, threads or 0, ordered, group)
     return last[0]
 
 
