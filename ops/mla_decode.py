@@ -472,9 +472,9 @@ class _MlaPiece:
         self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
         # what only the epilogue reads, read there from the piece's row (fewer registers live through the loop)
         self.out_bi, self.idx0, self.pieces = (Pieces[self.slot, f] for f in (0, 3, 4))
-        # the merge's: a row's lse maximum, weight sum, lse and a piece's weight; four columns' sums
-        self.merge_vars = [T.alloc_var("float32") for _ in range(4)]
-        self.acc = T.alloc_local((4,), "float32")
+        # the merge's (_merge_pieces): a lane's sums (8 rows x 4 columns), the 8 rows' lse, maxima, weight sums
+        self.merge = (T.alloc_local((MERGE_ROWS // 2, 4), "float32"),
+                      *(T.alloc_local((MERGE_ROWS // 2,), "float32") for _ in range(3)))
         # the current step's page index, set by prefetch(k) before the step's copies read it
         self.page_var = T.alloc_var("int32", init=0)
         self.page_index = self.page_var[0]
@@ -489,39 +489,52 @@ class _MlaPiece:
         self.query = lambda: query(self)
 
 
+MERGE_ROWS = BLOCK_M // 4  # the merge: the rows of a warp (four warps a warpgroup)
+
+
 @T.macro
 def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats):
     """The last piece's warpgroup (its threads g * 128 ..): rows row0 .. row0 + 63, columns col0 .. col0 + cols - 1
     of sequence u.out_bi's output = the sum over its pieces s, in order, of exp2(lse_s - lse) O_s, lse = log2 of the sum
-    of exp2(lse_s) (-inf, and 0 out, where every piece's is). A warp a row at a time, four columns a lane (128 a
-    trip: the partials' rows are read whole), so that nothing but the four sums is held (the O tile's registers are
-    not: 0 spills within the seesaw's 216)."""
+    of exp2(lse_s) (-inf, and 0 out, where every piece's is). A warp takes 16 rows, 8 rows and a 128-column chunk at a
+    time, four columns a lane (a row of a partial read whole): a pass over the pieces for the 8 rows' lse (every lane
+    computes them: broadcast loads), then one for their sums. All rows or chunks at once spilled within the seesaw's
+    216 registers (16 x 8 sums a lane; and 16 rows' lse arrays went to local memory).
+    NOTE: each pass is a trip to memory a piece (the loop over pieces is not unrolled): 16 trips for two pieces."""
     neg_inf = -T.infinity("float32")
-    mx, tot, lse, w = u.merge_vars
-    acc = u.acc
+    acc, lse, mx, tot = u.merge
+    half = MERGE_ROWS // 2
     tid = T.get_thread_binding() % WG_THREADS
     lane = tid % 32
-    for rr in T.serial(BLOCK_M // 4):
-        r = row0 + (tid // 32) * (BLOCK_M // 4) + rr
-        mx = neg_inf
+    for c, h in T.grid(cols // 128, 2):     # 128 columns and 8 rows at a time
+        r0 = row0 + (tid // 32) * MERGE_ROWS + h * half
+        for rr in T.unroll(half):
+            mx[rr] = neg_inf
+            tot[rr] = 0.0
         for s in T.serial(u.pieces):
-            mx = T.max(mx, LsePart[u.idx0 + s, r])
-        tot = 0.0
-        for s in T.serial(u.pieces):
-            tot = tot + T.if_then_else(mx == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r] - mx))
-        lse = T.if_then_else(tot > 0.0, mx + T.log2(tot), neg_inf)
-        for c in T.serial(cols // 128):
+            for rr in T.unroll(half):
+                x = LsePart[u.idx0 + s, r0 + rr]
+                m_new = T.max(mx[rr], x)
+                tot[rr] = T.if_then_else(mx[rr] == neg_inf, 0.0, tot[rr] * T.exp2(mx[rr] - m_new)) + \
+                    T.if_then_else(x == neg_inf, 0.0, T.exp2(x - m_new))
+                mx[rr] = m_new
+        for rr in T.unroll(half):
+            lse[rr] = T.if_then_else(tot[rr] > 0.0, mx[rr] + T.log2(tot[rr]), neg_inf)
             for v in T.vectorized(4):
-                acc[v] = 0.0
-            for s in T.serial(u.pieces):
-                w = T.if_then_else(lse == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r] - lse))
+                acc[rr, v] = 0.0
+        for s in T.serial(u.pieces):
+            for rr in T.unroll(half):
+                w = T.if_then_else(lse[rr] == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r0 + rr] - lse[rr]))
                 for v in T.vectorized(4):
-                    acc[v] = acc[v] + w * OPart[u.idx0 + s, r, col0 + c * 128 + lane * 4 + v]
+                    acc[rr, v] = acc[rr, v] + w * OPart[u.idx0 + s, r0 + rr, col0 + c * 128 + lane * 4 + v]
+        for rr in T.unroll(half):
             for v in T.vectorized(4):
-                Out[u.out_bi, r, col0 + c * 128 + lane * 4 + v] = T.cast(acc[v], sdt)
+                Out[u.out_bi, r0 + rr, col0 + c * 128 + lane * 4 + v] = T.cast(acc[rr, v], sdt)
         if stats:
-            if lane == 0:
-                Lse[u.out_bi, r % h_q, r // h_q] = lse * LN2
+            if c == 0:
+                if lane == 0:
+                    for rr in T.unroll(half):
+                        Lse[u.out_bi, (r0 + rr) % h_q, (r0 + rr) // h_q] = lse[rr] * LN2
 
 
 @T.macro
