@@ -496,45 +496,57 @@ MERGE_ROWS = BLOCK_M // 4  # the merge: the rows of a warp (four warps a warpgro
 def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats):
     """The last piece's warpgroup (its threads g * 128 ..): rows row0 .. row0 + 63, columns col0 .. col0 + cols - 1
     of sequence u.out_bi's output = the sum over its pieces s, in order, of exp2(lse_s - lse) O_s, lse = log2 of the sum
-    of exp2(lse_s) (-inf, and 0 out, where every piece's is). A warp takes 16 rows, 8 rows and a 128-column chunk at a
-    time, four columns a lane (a row of a partial read whole): a pass over the pieces for the 8 rows' lse (every lane
-    computes them: broadcast loads), then one for their sums. All rows or chunks at once spilled within the seesaw's
-    216 registers (16 x 8 sums a lane; and 16 rows' lse arrays went to local memory).
-    NOTE: each pass is a trip to memory a piece (the loop over pieces is not unrolled): 16 trips for two pieces."""
+    of exp2(lse_s) (-inf, and 0 out, where every piece's is). A warp takes 16 rows, 8 at a time: a pass over the
+    pieces for their lse (every lane computes them: broadcast loads), then one for each 128-column chunk's sums, four
+    columns a lane (a row of a partial read whole). Each pass takes two pieces a trip to memory (the second's index
+    clamped, weight 0 past the last: no branch between the loads), in order: at two pieces, 6 trips a warp. All rows
+    or chunks at once spilled within the seesaw's 216 registers (16 x 8 sums a lane; 16 rows' arrays went to local
+    memory)."""
     neg_inf = -T.infinity("float32")
     acc, lse, mx, tot = u.merge
     half = MERGE_ROWS // 2
     tid = T.get_thread_binding() % WG_THREADS
     lane = tid % 32
-    for c, h in T.grid(cols // 128, 2):     # 128 columns and 8 rows at a time
+    for h in T.serial(2):
         r0 = row0 + (tid // 32) * MERGE_ROWS + h * half
         for rr in T.unroll(half):
             mx[rr] = neg_inf
             tot[rr] = 0.0
-        for s in T.serial(u.pieces):
+        for s2 in T.serial(T.ceildiv(u.pieces, 2)):         # pieces 2 s2 and 2 s2 + 1: their loads at once
             for rr in T.unroll(half):
-                x = LsePart[u.idx0 + s, r0 + rr]
-                m_new = T.max(mx[rr], x)
-                tot[rr] = T.if_then_else(mx[rr] == neg_inf, 0.0, tot[rr] * T.exp2(mx[rr] - m_new)) + \
-                    T.if_then_else(x == neg_inf, 0.0, T.exp2(x - m_new))
-                mx[rr] = m_new
+                xa = LsePart[u.idx0 + 2 * s2, r0 + rr]
+                xb = T.Select(2 * s2 + 1 < u.pieces, LsePart[u.idx0 + T.min(2 * s2 + 1, u.pieces - 1), r0 + rr],
+                              neg_inf)
+                ma = T.max(mx[rr], xa)
+                ta = T.if_then_else(mx[rr] == neg_inf, 0.0, tot[rr] * T.exp2(mx[rr] - ma)) + \
+                    T.if_then_else(xa == neg_inf, 0.0, T.exp2(xa - ma))
+                mb = T.max(ma, xb)
+                tot[rr] = T.if_then_else(ma == neg_inf, 0.0, ta * T.exp2(ma - mb)) + \
+                    T.if_then_else(xb == neg_inf, 0.0, T.exp2(xb - mb))
+                mx[rr] = mb
         for rr in T.unroll(half):
             lse[rr] = T.if_then_else(tot[rr] > 0.0, mx[rr] + T.log2(tot[rr]), neg_inf)
-            for v in T.vectorized(4):
-                acc[rr, v] = 0.0
-        for s in T.serial(u.pieces):
+        for c in T.serial(cols // 128):
             for rr in T.unroll(half):
-                w = T.if_then_else(lse[rr] == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + s, r0 + rr] - lse[rr]))
                 for v in T.vectorized(4):
-                    acc[rr, v] = acc[rr, v] + w * OPart[u.idx0 + s, r0 + rr, col0 + c * 128 + lane * 4 + v]
-        for rr in T.unroll(half):
-            for v in T.vectorized(4):
-                Out[u.out_bi, r0 + rr, col0 + c * 128 + lane * 4 + v] = T.cast(acc[rr, v], sdt)
+                    acc[rr, v] = 0.0
+            for s2 in T.serial(T.ceildiv(u.pieces, 2)):
+                for rr in T.unroll(half):
+                    sb = u.idx0 + T.min(2 * s2 + 1, u.pieces - 1)
+                    wa = T.if_then_else(lse[rr] == neg_inf, 0.0, T.exp2(LsePart[u.idx0 + 2 * s2, r0 + rr] - lse[rr]))
+                    wb = T.Select(T.And(2 * s2 + 1 < u.pieces, lse[rr] != neg_inf),
+                                  T.exp2(LsePart[sb, r0 + rr] - lse[rr]), 0.0)
+                    for v in T.vectorized(4):
+                        acc[rr, v] = acc[rr, v] + wa * OPart[u.idx0 + 2 * s2, r0 + rr, col0 + c * 128 + lane * 4 + v]
+                    for v in T.vectorized(4):
+                        acc[rr, v] = acc[rr, v] + wb * OPart[sb, r0 + rr, col0 + c * 128 + lane * 4 + v]
+            for rr in T.unroll(half):
+                for v in T.vectorized(4):
+                    Out[u.out_bi, r0 + rr, col0 + c * 128 + lane * 4 + v] = T.cast(acc[rr, v], sdt)
         if stats:
-            if c == 0:
-                if lane == 0:
-                    for rr in T.unroll(half):
-                        Lse[u.out_bi, (r0 + rr) % h_q, (r0 + rr) // h_q] = lse[rr] * LN2
+            if lane == 0:
+                for rr in T.unroll(half):
+                    Lse[u.out_bi, (r0 + rr) % h_q, (r0 + rr) // h_q] = lse[rr] * LN2
 
 
 @T.macro
