@@ -333,6 +333,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         # of the pieces to arrive merges all of them, in piece order (the bits do not depend on which is last),
         # and writes the output. l and m are the unit's row statistics, free once the partial is written.
         group = col0 // half                        # the warpgroup (its columns) counts on its own counter
+        u.load_epilogue()
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
         if u.pieces == 1:
@@ -470,8 +471,12 @@ class _MlaPiece:
         vars_ = [T.alloc_var("int32", init=0) for _ in range(5)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
-        # what only the epilogue reads, read there from the piece's row (fewer registers live through the loop)
-        self.out_bi, self.idx0, self.pieces = (Pieces[self.slot, f] for f in (0, 3, 4))
+        # what only the epilogue reads, read there from the piece's row into registers (load_epilogue(); not live
+        # through the loop, and one load each: as expressions, every use reloaded it behind bounds checks, 800 loads
+        # and 2.3x the kernel's code)
+        epi = [T.alloc_var("int32") for _ in range(3)]
+        self.out_bi, self.idx0, self.pieces = (v[0] for v in epi)
+        self.load_epilogue = lambda: _load_epilogue(Pieces, self.slot, *epi)
         # the merge's (_merge_pieces): a lane's sums (8 rows x 4 columns), the 8 rows' lse, maxima, weight sums
         self.merge = (T.alloc_local((MERGE_ROWS // 2, 4), "float32"),
                       *(T.alloc_local((MERGE_ROWS // 2,), "float32") for _ in range(3)))
@@ -547,6 +552,13 @@ def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats
             if lane == 0:
                 for rr in T.unroll(half):
                     Lse[u.out_bi, (r0 + rr) % h_q, (r0 + rr) // h_q] = lse[rr] * LN2
+
+
+@T.macro
+def _load_epilogue(Pieces, slot, out_bi, idx0, pieces):
+    out_bi = Pieces[slot, 0]
+    idx0 = Pieces[slot, 3]
+    pieces = Pieces[slot, 4]
 
 
 @T.macro
