@@ -10,11 +10,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
-timeout 200 python3 -m pytest -q -m gpu -n 8 -rf --tb=short -p no:cacheprovider -W ignore tests/test_mla_decode.py \
+timeout 150 python3 -m pytest -q -m gpu -n 8 -rf --tb=short -p no:cacheprovider -W ignore tests/test_mla_decode.py \
   -k "persistent_pieces or invariant_mode_at_128" > "$out/tests.txt" 2>&1
 grep -E "FAILED|passed|failed|^E " "$out/tests.txt" | cut -c1-300 | tail -12; tail -c 300 "$out/tests.txt"
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
 for shape in h128 balance; do
-  timeout 130 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 4 \
+  timeout 120 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 4 \
     --providers tilecraft,tilecraft-plain,flash_mla > "$out/$shape.txt" 2>&1; tail -8 "$out/$shape.txt" | cut -c1-120
 done
