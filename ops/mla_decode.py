@@ -151,7 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, lazy: float = 0.0):
+                       own_p: bool = False, lazy: float = 0.0, merge: bool = True):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -195,7 +195,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     lazy=t (the bf16 cache, not swapped; any schedule): the online softmax keeps a row's running max until the
     row's max grows by more than t (log2 units; 8.0: P up to 256), so most steps' alpha is exactly 1 and the O
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
-    products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70")."""
+    products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70").
+
+    merge=False (persistent, a measurement only): the program without the cut pieces' epilogue (partials, arrivals,
+    the merge); right only where no sequence is cut (bench/NOTES.md "Session 76": what that code costs)."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -336,14 +339,14 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         u.load_epilogue()
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
-        if u.pieces == 1:
+        if u.pieces == 1 or not merge:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
             if stats:
                 for i in tile.parallel(BLOCK_M):
                     r = mt * BLOCK_M + i
                     Lse[u.out_bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2, neg_inf)
-        else:
+        elif merge:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 OPart[u.slot, mt * BLOCK_M + i, col0 + j] = o[i, j]
             # (both warpgroups write the lse, the same bits: each merges after its own group's arrivals)
