@@ -83,7 +83,7 @@ def main() -> int:
             # each sequence a whole piece (no partials: OPart[0] holds the stamps), two a part (b even)
             nblk = (i["lens"].long() + 63) // 64
             ar = torch.arange(b, device="cuda")
-            pieces = torch.stack([ar, ar * 0, nblk, ar, ar * 0 + 1], 1).to(torch.int32).contiguous()
+            pieces = torch.stack([ar, ar * 0, nblk, ar, ar * 0 + 1, ar], 1).to(torch.int32).contiguous()
             part_start = torch.arange(0, b + 1, 2, device="cuda", dtype=torch.int32)
             units = (pieces, part_start, torch.zeros(2 * b * m_tiles, dtype=torch.int32, device="cuda"))
             ctas = b // 2 * m_tiles

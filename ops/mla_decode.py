@@ -197,8 +197,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     rescale skips those rows (FlashAttention-4's conditional rescaling). Not the bits of lazy=0: the same
     products scaled by another power of the exponent, within the reference's bounds (bench/NOTES.md "Session 70").
 
-    merge=False (persistent, a measurement only): the program without the cut pieces' epilogue (partials, arrivals,
-    the merge); right only where no sequence is cut (bench/NOTES.md "Session 76": what that code costs)."""
+    merge=True (persistent): the pieces of a split or cut sequence count their arrivals and the last merges them
+    in the kernel (MlaSchedule.persistent_pieces(cut=True); no combine kernel); merge=False: each piece leaves its
+    partial for the combine kernel (the schedule's splits dealt whole: the op's default, bench/NOTES.md "Session 76":
+    on an H100 the cut deal's merges and extra pieces cost more than its balance gains)."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -331,30 +333,32 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     @T.macro
     def epilogue_piece(o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt):
         # persistent: this CTA's rows of piece u.slot, a run of sequence u.out_bi's 64-token blocks (u.pieces of
-        # them, list entries u.idx0 ..). A whole sequence writes its output; a piece writes its partial (O / l,
-        # lse in base 2) and counts itself on the sequence's counter of this warpgroup's columns, and the last
-        # of the pieces to arrive merges all of them, in piece order (the bits do not depend on which is last),
-        # and writes the output. l and m are the unit's row statistics, free once the partial is written.
+        # them, partial slots u.idx0 ..). A whole sequence writes its output; a piece writes its partial (O / l,
+        # lse in base 2) to slot u.own, and with merge counts itself on the sequence's counter of this
+        # warpgroup's columns, and the last of the pieces to arrive merges all of them, in piece order (the bits
+        # do not depend on which is last), and writes the output (without merge the combine kernel does). l and
+        # m are the unit's row statistics, free once the partial is written.
         group = col0 // half                        # the warpgroup (its columns) counts on its own counter
         u.load_epilogue()
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
-        if u.pieces == 1 or not merge:
+        if u.pieces == 1:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
             if stats:
                 for i in tile.parallel(BLOCK_M):
                     r = mt * BLOCK_M + i
                     Lse[u.out_bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2, neg_inf)
-        elif merge:
+        else:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                OPart[u.slot, mt * BLOCK_M + i, col0 + j] = o[i, j]
+                OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
             # (both warpgroups write the lse, the same bits: each merges after its own group's arrivals)
             for i in tile.parallel(BLOCK_M):
-                LsePart[u.slot, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
-            if tile.last_arrival(Counters, (u.out_bi * m_tiles + mt) * 2 + group, u.pieces, threads=WG_THREADS,
-                                 group=group):
-                _merge_pieces(Out, Lse, OPart, LsePart, u, mt * BLOCK_M, col0, half, h_q, sdt, stats)
+                LsePart[u.own, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
+            if merge:
+                if tile.last_arrival(Counters, (u.out_bi * m_tiles + mt) * 2 + group, u.pieces, threads=WG_THREADS,
+                                     group=group):
+                    _merge_pieces(Out, Lse, OPart, LsePart, u, mt * BLOCK_M, col0, half, h_q, sdt, stats)
 
     if persistent:
         parts1, unit_slots, counters = T.dynamic("parts1, unit_slots, counters")
@@ -461,7 +465,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     return mla_decode
 
 
-PIECE_FIELDS = 5    # a persistent piece: (sequence, first 64-token block, blocks, its sequence's first piece, pieces)
+# a persistent piece: (sequence, first 64-token block, blocks, its sequence's first partial slot, pieces, its own
+# partial slot); a sequence's pieces have consecutive slots
+PIECE_FIELDS = 6
 WG_THREADS = 128    # an MMA warpgroup of the seesaw (the piece epilogue's arrival group)
 
 
@@ -477,8 +483,8 @@ class _MlaPiece:
         # what only the epilogue reads, read there from the piece's row into registers (load_epilogue(); not live
         # through the loop, and one load each: as expressions, every use reloaded it behind bounds checks, 800 loads
         # and 2.3x the kernel's code)
-        epi = [T.alloc_var("int32") for _ in range(3)]
-        self.out_bi, self.idx0, self.pieces = (v[0] for v in epi)
+        epi = [T.alloc_var("int32") for _ in range(4)]
+        self.out_bi, self.idx0, self.pieces, self.own = (v[0] for v in epi)
         self.load_epilogue = lambda: _load_epilogue(Pieces, self.slot, *epi)
         # the merge's (_merge_pieces): a lane's sums (8 rows x 4 columns), the 8 rows' lse, maxima, weight sums
         self.merge = (T.alloc_local((MERGE_ROWS // 2, 4), "float32"),
@@ -558,10 +564,11 @@ def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats
 
 
 @T.macro
-def _load_epilogue(Pieces, slot, out_bi, idx0, pieces):
+def _load_epilogue(Pieces, slot, out_bi, idx0, pieces, own):
     out_bi = Pieces[slot, 0]
     idx0 = Pieces[slot, 3]
     pieces = Pieces[slot, 4]
+    own = Pieces[slot, 5]
 
 
 @T.macro
@@ -742,19 +749,20 @@ class MlaSchedule:
             self._units[key] = _persistent_units(self.splits, self.max_splits, self.cache_seqlens, parts)
         return self._units[key]
 
-    def persistent_pieces(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def persistent_pieces(self, parts: int, cut: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(pieces (n, PIECE_FIELDS) int32, part_start (parts + 1,) int32) for the persistent kernel, made once
-        per schedule and part count: part p runs pieces[part_start[p]:part_start[p + 1]], each a row (sequence,
-        first 64-token block, blocks, the list index of its sequence's first piece, the sequence's pieces); a
-        sequence's pieces are consecutive entries, and the kernel merges them (the last to finish). By default
-        the sequences are cut where the parts' equal shares of the cost end (_cut_pieces: FlashMLA's deal);
-        in batch-invariant mode the pieces are the schedule's fixed splits, dealt whole (persistent_units), so
-        that a sequence's bits never depend on the batch. On the device, no host sync (CUDA graphs)."""
-        key = ("pieces", parts)
+        per schedule, part count and deal: part p runs pieces[part_start[p]:part_start[p + 1]], each a row
+        (sequence, first 64-token block, blocks, its sequence's first partial slot, the sequence's pieces, its own
+        partial slot); a sequence's pieces have consecutive slots. By default the schedule's splits, dealt whole
+        (persistent_units), their partials where the combine kernel reads them. cut=True (the kernel's in-kernel
+        merge, mla_decode_program(merge=True)): the sequences cut where the parts' equal shares of the cost end
+        (_cut_pieces: FlashMLA's deal), except in batch-invariant mode, where a sequence's bits must not depend on
+        the batch (the splits, dealt whole). On the device, no host sync (CUDA graphs)."""
+        key = ("pieces", parts, bool(cut))
         if key not in self._units:
             if self.cache_seqlens is None:
                 raise ValueError("this MlaSchedule has no cache_seqlens (make it with get_mla_schedule)")
-            if self.batch_invariant:
+            if self.batch_invariant or not cut:
                 unit_list, part_start = self.persistent_units(parts)
                 self._units[key] = (_split_pieces(unit_list, self.splits, self.max_splits, self.cache_seqlens),
                                     part_start)
@@ -795,15 +803,15 @@ def _cut_pieces(seqlens, parts, fixed=PIECE_COST):
     stop = torch.where(sk == seq[p + 1], blk[p + 1], nblk[skc])
     idx0 = torch.searchsorted(sk, sk)                                                   # sk is non-decreasing
     pieces = torch.searchsorted(sk, sk, right=True) - idx0
-    table = torch.stack([sk, first, stop - first, idx0, pieces], 1)
+    table = torch.stack([sk, first, stop - first, idx0, pieces, k], 1)
     table = torch.where(valid[:, None], table, -1)
     return table.to(torch.int32).contiguous(), part_start.to(torch.int32).contiguous()
 
 
 def _split_pieces(unit_list, splits, max_splits, seqlens):
     """The pieces table (MlaSchedule.persistent_pieces) of a whole-split deal (persistent_units' unit list):
-    piece = the schedule's split, its sequence's first piece the entry si places before it. Rows of no unit
-    (-1 in unit_list) are -1."""
+    piece = the schedule's split si, its partial slot bi * max_splits + si (where the combine kernel reads it).
+    Rows of no unit (-1 in unit_list) are -1."""
     u = unit_list.long()
     valid = u >= 0
     bi = torch.where(valid, u // max_splits, 0)
@@ -813,8 +821,7 @@ def _split_pieces(unit_list, splits, max_splits, seqlens):
     chunk = (nblk + sp - 1) // sp
     first = si * chunk
     steps = (torch.minimum(nblk, first + chunk) - first).clamp(min=0)
-    k = torch.arange(u.shape[0], device=u.device)
-    table = torch.stack([bi, first, steps, k - si, sp], 1)
+    table = torch.stack([bi, first, steps, bi * max_splits, sp, bi * max_splits + si], 1)
     table = torch.where(valid[:, None], table, -1)
     return table.to(torch.int32).contiguous()
 
@@ -1116,7 +1123,7 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
         if sm90 and page >= BLOCK_N and rows >= 2 * BLOCK_M and rows % BLOCK_M == 0:
             # 128+ rows (h_q = 128: compute-bound): the persistent seesaw with lazy rescaling (the docstring's
             # numbers; the same distance from an fp64 reference within 0.4%, bench/NOTES.md "Session 74")
-            return dict(block_n=BLOCK_N, stages=2, seesaw=True, persistent=True, lazy=8.0)
+            return dict(block_n=BLOCK_N, stages=2, seesaw=True, persistent=True, lazy=8.0, merge=False)
         return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {}))
     if swapped:   # the fold where it fits (16 rows), else e4m3 -> bf16 in the converters (32 rows)
         fold = rows <= SWAPPED_TILES["fp8-fold"][-1]
@@ -1155,8 +1162,9 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     rows_pad = -(-rows // BLOCK_M) * BLOCK_M
     dtype = DTYPES[q.dtype]
     tiling = tiling or pick_tiling(rows, kv_format, target, page)
-    # the splits' partials (the persistent kernel's pieces have their own, below)
-    slots = b * sched.max_splits if sched.max_splits > 1 and not tiling.get("persistent") else 1
+    # the splits' partials (the persistent kernel's merged pieces have their own, below)
+    merged = bool(tiling.get("persistent") and tiling.get("merge", True))
+    slots = b * sched.max_splits if sched.max_splits > 1 and not merged else 1
     o_part = torch.empty(slots, rows_pad, D_V, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(slots, rows_pad, dtype=torch.float32, device=q.device)
     if tiling.get("register_fp8"):   # sm_90a, FP8 cache, <= 16 rows: ops.mla_decode_fp8_rs
@@ -1182,16 +1190,18 @@ def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     units = ()
     if tiling.get("register_fp8") and tiling.get("chains", 1) == 2:     # the pace's two counters
         units = (arrival_counters(q.device, 2),)
-    if tiling.get("persistent"):    # the pieces (merged in the kernel: no combine), each piece a partial slot
+    if tiling.get("persistent"):
         m_tiles = rows_pad // BLOCK_M
-        pieces, part_start = sched.persistent_pieces(_persistent_parts(q, m_tiles))
-        o_part = torch.empty(pieces.shape[0], rows_pad, D_V, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(pieces.shape[0], rows_pad, dtype=torch.float32, device=q.device)
+        pieces, part_start = sched.persistent_pieces(_persistent_parts(q, m_tiles), cut=merged)
+        if merged:    # merged in the kernel (no combine): the cut deal's slots are its list entries
+            n = max(pieces.shape[0], b * sched.max_splits)
+            o_part = torch.empty(n, rows_pad, D_V, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(n, rows_pad, dtype=torch.float32, device=q.device)
         units = (pieces, part_start, arrival_counters(q.device, b * m_tiles * 2))
     main.launcher()(q.view(b, rows, D_QK), kv, kv_f32, kv_16, block_table, cache_seqlens,
                     sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part, *units, sched.max_splits,
                     float(softmax_scale * LOG2E))
-    if sched.max_splits > 1 and not tiling.get("persistent"):
+    if sched.max_splits > 1 and not merged:
         if combine_lanes is None:
             wide = COMBINE_WIDE and sched.max_splits > COMBINE_AHEAD and not sched.batch_invariant
             combine_lanes = combine_lanes_for(sched.max_splits) if wide else 0

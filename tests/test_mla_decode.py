@@ -241,8 +241,9 @@ def test_reference_takes_any_float_dtype_head_dim_page_and_strides():
 def test_pick_tiling_takes_the_persistent_seesaw_with_lazy_at_128_rows():
     """The bf16 cache at 128+ query rows (a multiple of 64) on sm_90a with pages of 64+ tokens: the persistent seesaw
     with lazy rescaling (bench/NOTES.md "Session 73"); fewer rows, other row counts, smaller pages, the FP8 cache and
-    the other targets keep their tilings. The program takes it (traced: no lowering)."""
-    full = dict(block_n=64, stages=2, seesaw=True, persistent=True, lazy=8.0)
+    the other targets keep their tilings; the schedule's splits dealt whole, merged by the combine kernel (merge=False:
+    the in-kernel merge of cut sequences lost on an H100, "Session 76"). The program takes it (traced: no lowering)."""
+    full = dict(block_n=64, stages=2, seesaw=True, persistent=True, lazy=8.0, merge=False)
     assert pick_tiling(128, "bf16", "sm_90a", 64) == full and pick_tiling(512, "bf16", "sm_90a", 256) == full
     for rows, page in ((64, 64), (160, 64), (128, 32)):
         assert pick_tiling(rows, "bf16", "sm_90a", page) == dict(block_n=min(64, page), stages=2), (rows, page)
@@ -898,51 +899,59 @@ def test_persistent_units_cover_every_split_once_in_balanced_runs(lens, s_q, h_q
     ([0], 1, 128, False),
     ([0, 1, 65, 4097, 300, 64, 0, 9000, 2049], 1, 128, True),   # batch-invariant: the 16-block splits, whole
 ])
-def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant):
+@pytest.mark.parametrize("cut", [True, False])
+def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant, cut):
     """MlaSchedule.persistent_pieces: every sequence's 64-token blocks exactly once, in order, by consecutive
-    entries that name the sequence's first entry and count (what the kernel's merge reads), each non-empty unless
-    the sequence is. The cut deal takes a sequence at most once a part and keeps every part within its equal share of the
-    cost plus one piece's fixed cost; b = 66 equal sequences on 66 parts are not cut at all. Batch-invariant mode
-    deals the schedule's splits whole, as persistent_units does."""
+    entries that name the sequence's first partial slot and piece count (what the kernel's merge reads) and their
+    own slots, consecutive from it. The cut deal's pieces are non-empty unless the sequence is; the cut deal (cut=True, not
+    batch-invariant) takes a sequence at most once a part, its slots are its list entries, and it keeps every part
+    within its equal share of the cost plus one piece's fixed cost; b = 66 equal sequences on 66 parts are not cut
+    at all. Otherwise the schedule's splits dealt whole, as persistent_units does, each at slot bi * max_splits + si
+    (where the combine kernel reads it)."""
     from ops.mla_decode import PIECE_COST, PIECE_FIELDS, get_mla_schedule
 
     t = torch.tensor(lens, dtype=torch.int32)
     sched = get_mla_schedule(t, s_q, h_q, max(1, -(-max(lens) // 64)), num_sms=132, batch_invariant=invariant)
     nblk = [-(-n // 64) for n in lens]
+    cutting = cut and not invariant
     for parts in (132 // -(-(s_q * h_q) // 64), 7, 1, 64):
-        pieces, start = sched.persistent_pieces(parts)
+        pieces, start = sched.persistent_pieces(parts, cut=cut)
         assert pieces.dtype == start.dtype == torch.int32 and start.shape == (parts + 1,)
         assert pieces.shape[1] == PIECE_FIELDS and start[0] == 0 and bool((start[1:] >= start[:-1]).all())
         n = int(start[-1])
         assert bool((pieces[n:] == -1).all())
         rows = pieces[:n].tolist()
         by_seq = {}
-        for k, (bi, first, steps, idx0, count) in enumerate(rows):
-            by_seq.setdefault(bi, []).append((k, first, steps, idx0, count))
+        for k, (bi, first, steps, slot0, count, own) in enumerate(rows):
+            by_seq.setdefault(bi, []).append((k, first, steps, slot0, count, own))
         assert sorted(by_seq) == list(range(len(lens)))
         for bi, entries in by_seq.items():
             ks = [e[0] for e in entries]
             assert ks == list(range(ks[0], ks[0] + len(ks))), (bi, ks)
-            assert all(e[3] == ks[0] and e[4] == len(ks) for e in entries), (bi, entries)
+            slot0 = ks[0] if cutting else bi * sched.max_splits
+            assert all(e[3] == slot0 and e[4] == len(ks) for e in entries), (bi, entries)
+            assert [e[5] for e in entries] == list(range(slot0, slot0 + len(ks))), (bi, entries)
             pos = 0
-            for _, first, steps, _, _ in entries:
+            for _, first, steps, _, _, _ in entries:
+                if steps == 0 and not cutting:      # (the schedule's splits may end in empty ones past the blocks)
+                    continue
                 assert first == pos and (steps > 0 or len(entries) == 1), (bi, entries)
                 pos += steps
             assert pos == nblk[bi], (bi, entries)
         for p in range(parts):
             seqs = [rows[k][0] for k in range(int(start[p]), int(start[p + 1]))]
-            if not invariant:       # (the invariant deal may give a part several splits of a sequence)
+            if cutting:       # (a whole-split deal may give a part several splits of a sequence)
                 assert len(set(seqs)) == len(seqs)
                 share = -(-(sum(nblk) + PIECE_COST * len(lens)) // parts)
                 work = sum(rows[k][2] + PIECE_COST for k in range(int(start[p]), int(start[p + 1])))
                 assert work <= share + PIECE_COST, (p, work, share)
-        if invariant:
+        if not cutting:
             unit_list, ustart = sched.persistent_units(parts)
             assert torch.equal(ustart, start)
-            assert [r[0] * sched.max_splits + (k - r[3]) for k, r in enumerate(rows)] == unit_list[:n].tolist()
-        if len(lens) == 66 and parts == 66:
+            assert [r[5] for r in rows] == unit_list[:n].tolist()
+        if len(lens) == 66 and parts == 66 and cutting:
             assert n == 66 and all(r[4] == 1 for r in rows)
-    assert sched.persistent_pieces(7)[0] is sched.persistent_pieces(7)[0]      # made once per part count
+    assert sched.persistent_pieces(7, cut=cut)[0] is sched.persistent_pieces(7, cut=cut)[0]   # made once
 
 
 def test_own_p_is_for_the_seesaw():
@@ -963,8 +972,7 @@ def test_persistent_builds_and_says_what_it_needs():
     assert tiling["persistent"] and tiling["lazy"] == 8.0
     src = mla_decode_program.source("sm_90a", h_q=128, s_q=1, **tiling)
     assert "Q_desc" in src and "PartStart" in src and "Pieces" in src
-    # a cut sequence's pieces: each MMA warpgroup counts on its own counter (thread 0 / 128, named barrier 11 / 10)
-    assert src.count("AtomicAddRet(") == 2 and "threadIdx.x) == 128)" in src and "__sync_thread_partial(10, 128)" in src
+    assert "AtomicAddRet(" not in src          # merge=False: the split pieces' partials go to the combine kernel
     body = src[src.index("mla_decode_persistent_kernel("):]
     assert body.count("__syncthreads()") == 2          # barrier init, then the roles: none inside a unit loop
     assert src.count("if (tc_warp_any(") == 4 and "if ((0x1p+3f/*8.000000e+00*/ < (" in src
@@ -1190,6 +1198,39 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
     assert src.count("wgmma_rs") == 2                       # one own P V a warpgroup
     sass = disassemble(build_cubin(src.split("\n", 1)[1] if src.startswith("//") else src, "sm_90a"))
     assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
+    (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
+    (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
+    (2, 1, 64, [16384, 8000], 64, 132),         # splits + combine
+    (5, 1, 128, [129, 4096, 1, 777, 64], 128, 10),
+    (4, 1, 64, [1000, 300, 5000, 63], 256, 6),
+])
+def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms):
+    """The persistent seesaw without the in-kernel merge (the op's default: merge=False, the splits dealt whole)
+    gives each unit exactly the bits of the seesaw CTA of that (sequence, split), however its units are dealt to parts (the part count forced low through the SM count, so a
+    CTA runs several units back to back), within the reference's bounds, and the same from a CUDA graph."""
+    mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
+    monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
+    scale = D ** -0.5
+    sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64)
+    tiling = dict(block_n=64, stages=2, seesaw=True)
+    ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
+    run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
+                                       tiling={**tiling, "persistent": True, "merge": False})
+    out, lse = run()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
+    run()                                          # warm (no compile inside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
 
 
 @pytest.mark.gpu
