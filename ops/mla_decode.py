@@ -183,10 +183,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     runs under the other's MMAs (FlashMLA's schedule); P goes over the step's rope tile.
 
     persistent=True (with seesaw, the bf16 cache, s_q * h_q a multiple of 64; bench/NOTES.md "MLA
-    persistent seesaw"): one wave of CTAs, m_tiles per part; each runs its part's units (a sequence's
-    split, listed by MlaSchedule.persistent_units) back to back, the query by TMA, so that the next
-    unit's query and first steps load while the last unit's output is written. Each unit computes
-    exactly what the CTA of that (sequence, split) computes without persistent.
+    persistent seesaw"): one wave of CTAs, m_tiles per part; each runs its part's pieces (runs of a
+    sequence's 64-token blocks, a table made by MlaSchedule.persistent_pieces) back to back, the query by
+    TMA, so that the next piece's query and first steps load while the last one's output is written. With
+    the schedule's splits as pieces, each computes exactly what the CTA of that (sequence, split) computes
+    without persistent.
 
     own_p=True (with seesaw): each warpgroup's P V of its own step reads P from its registers (wgmma
     RS), as FlashMLA does; the copy of P in shared memory is the other warpgroup's only, and its
@@ -771,8 +772,8 @@ class MlaSchedule:
         return self._units[key]
 
 
-PIECE_COST = 2  # a piece's fixed cost in 64-token blocks for the cut deal (query, pipeline fill, epilogue, merge:
-                # ~1.9 blocks measured on the persistent kernel, bench/NOTES.md "Session 75")
+PIECE_COST = 2  # a piece's fixed cost in 64-token blocks for the cut deal (~1.9 fit for whole units in session 75;
+                # a cut sequence's second piece measured ~6 and its merge ~8 more on an H100, "Session 76")
 
 
 def _cut_pieces(seqlens, parts, fixed=PIECE_COST):

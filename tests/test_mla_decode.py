@@ -1255,7 +1255,7 @@ def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, len
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     scale = D ** -0.5
     sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, batch_invariant=invariant)
-    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True)
+    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True, merge=True)
     run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)  # noqa: E731
     out, lse = run()
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
@@ -1263,7 +1263,7 @@ def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, len
     assert not arrival_counters(q.device, 2 * b * m_tiles)[:2 * b * m_tiles].any()
     again = run()
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    pieces, start = sched.persistent_pieces(sms // m_tiles)
+    pieces, start = sched.persistent_pieces(sms // m_tiles, cut=True)
     whole = [int(r[0]) for r in pieces[:int(start[-1])].cpu() if int(r[4]) == 1]
     if whole and not invariant:
         unsplit = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, max_splits=1)
