@@ -903,7 +903,8 @@ def test_persistent_units_cover_every_split_once_in_balanced_runs(lens, s_q, h_q
 def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant, cut):
     """MlaSchedule.persistent_pieces: every sequence's 64-token blocks exactly once, in order, by consecutive
     entries that name the sequence's first partial slot and piece count (what the kernel's merge reads) and their
-    own slots, consecutive from it. The cut deal's pieces are non-empty unless the sequence is; the cut deal (cut=True, not
+    own slots, consecutive from it in block order. The cut deal's pieces are non-empty unless the sequence is; it
+    runs a part's head piece of a cut sequence first (the merge early, its partials in L2); the cut deal (cut=True, not
     batch-invariant) takes a sequence at most once a part, its slots are its list entries, and it keeps every part
     within its equal share of the cost plus one piece's fixed cost; b = 66 equal sequences on 66 parts are not cut
     at all. Otherwise the schedule's splits dealt whole, as persistent_units does, each at slot bi * max_splits + si
@@ -925,12 +926,16 @@ def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant, cut
         for k, (bi, first, steps, slot0, count, own) in enumerate(rows):
             by_seq.setdefault(bi, []).append((k, first, steps, slot0, count, own))
         assert sorted(by_seq) == list(range(len(lens)))
+        if cutting:         # the slots: the entries in sequence order (before a part's cut head moved to its front)
+            assert sorted(r[5] for r in rows) == list(range(n))
         for bi, entries in by_seq.items():
-            ks = [e[0] for e in entries]
-            assert ks == list(range(ks[0], ks[0] + len(ks))), (bi, ks)
-            slot0 = ks[0] if cutting else bi * sched.max_splits
-            assert all(e[3] == slot0 and e[4] == len(ks) for e in entries), (bi, entries)
-            assert [e[5] for e in entries] == list(range(slot0, slot0 + len(ks))), (bi, entries)
+            entries.sort(key=lambda e: e[5])
+            slot0 = entries[0][5] if cutting else bi * sched.max_splits
+            assert all(e[3] == slot0 and e[4] == len(entries) for e in entries), (bi, entries)
+            assert [e[5] for e in entries] == list(range(slot0, slot0 + len(entries))), (bi, entries)
+            if not cutting:     # the whole deal keeps a sequence's splits in order, consecutive entries
+                ks = [e[0] for e in entries]
+                assert ks == list(range(ks[0], ks[0] + len(ks))), (bi, ks)
             pos = 0
             for _, first, steps, _, _, _ in entries:
                 if steps == 0 and not cutting:      # (the schedule's splits may end in empty ones past the blocks)
@@ -942,6 +947,14 @@ def test_persistent_pieces_cover_every_block_once(lens, s_q, h_q, invariant, cut
             seqs = [rows[k][0] for k in range(int(start[p]), int(start[p + 1]))]
             if cutting:       # (a whole-split deal may give a part several splits of a sequence)
                 assert len(set(seqs)) == len(seqs)
+                # no part ends with the head of a cut sequence where it has other work to do first
+                last = rows[int(start[p + 1]) - 1] if seqs else None
+                assert not (len(seqs) > 1 and last[4] > 1 and last[1] == 0), (p, seqs)
+                # each part's pieces in their sequences' order but for a cut head moved to the front
+                body = [rows[k] for k in range(int(start[p]), int(start[p + 1]))]
+                if len(body) > 1 and body[0][4] > 1 and body[0][1] == 0:
+                    body = body[1:] + body[:1]
+                assert [r[5] for r in body] == sorted(r[5] for r in body), (p, body)
                 share = -(-(sum(nblk) + PIECE_COST * len(lens)) // parts)
                 work = sum(rows[k][2] + PIECE_COST for k in range(int(start[p]), int(start[p + 1])))
                 assert work <= share + PIECE_COST, (p, work, share)

@@ -187,8 +187,10 @@ def seesaw(case, i, **options):
 
 def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
-    units back to back, the next unit's query and first steps loading under the last one's output."""
-    tiling = dict(plain_tiling(case), seesaw=True, persistent=True, **options)
+    units back to back, the next unit's query and first steps loading under the last one's output; the
+    schedule's splits dealt whole and merged by the combine kernel unless merge=True (the cut deal, merged in
+    the kernel: bench/NOTES.md "Session 76")."""
+    tiling = dict(plain_tiling(case), seesaw=True, persistent=True, **{"merge": False, **options})
     return tilecraft_variant(case, i, tiling)   # (the program says which shapes it is built for)
 
 
@@ -248,6 +250,9 @@ SUITE = Suite(
         Provider("tilecraft-plain", lambda c, i: tilecraft_variant(c, i, plain_tiling(c)), experimental=True),
         Provider("tilecraft-seesaw-lazy", lambda c, i: seesaw(c, i, lazy=8.0), experimental=True),
         Provider("tilecraft-persistent-lazy", lambda c, i: persistent(c, i, lazy=8.0), experimental=True),
+        # the sequences cut at the parts' shares, the pieces merged in the kernel (NOTES "Session 76")
+        Provider("tilecraft-persistent-merge", lambda c, i: persistent(c, i, lazy=8.0, merge=True),
+                 experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
