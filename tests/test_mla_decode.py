@@ -1283,12 +1283,7 @@ def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, len
         ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, unsplit,
                                                 tiling=dict(block_n=64, stages=2, seesaw=True))
         assert torch.equal(out[whole], ref_out[whole]) and torch.equal(lse[whole], ref_lse[whole])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+    assert_graph_replay_gives(run, out, lse)
 
 
 def test_lazy_builds_and_says_what_it_needs():
