@@ -38,8 +38,11 @@ def main() -> int:
              "bf16-128": (4, "bf16", None), "fp8-128-two": (4, "fp8", FP8_TWO_CONVERTERS),
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
              "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True)),
-             # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2)
-             "bf16-128-persistent": (4, "bf16", dict(block_n=64, stages=2, seesaw=True, persistent=True))}
+             # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2);
+             # the op's build at 128 rows (lazy rescaling, splits dealt whole: no merge)
+             "bf16-128-persistent": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64)),
+             # ... with the next unit's query loaded once the last scores are done (early_q)
+             "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True))}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)
@@ -98,6 +101,10 @@ def main() -> int:
               [int(x) for x in (base[1:33] - base[:32])])
         if units:
             print("  persistent, pairs 28-63 (the second unit from 32):", [int(x) for x in (base[29:64] - base[28:63])])
+            for e, name in enumerate(EVENTS):     # the hand-over: each event of pairs 29-34 against pair 29's start
+                if st[28:36, e].any():
+                    print(f"  {name:18s} pairs 29-34 rel. to pair 29's wg0 ready: "
+                          f"{[int(st[k, e] - base[29]) for k in range(29, 35)]}")
         for e, name in enumerate(EVENTS):
             if not st[20:28, e].any():
                 continue  # an event this pipeline does not have

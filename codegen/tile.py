@@ -135,6 +135,8 @@ class Units:
     begin: Any
     end: Any
     bind: Any
+    early_query: bool = False   # the next unit's query loads once the last scores that read the query are done,
+                                # not after the unit's last P V (a target may ignore it: the same results)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, lazy: float = 0.0, merge: bool = True):
+                       own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -201,7 +201,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     merge=True (persistent): the pieces of a split or cut sequence count their arrivals and the last merges them
     in the kernel (MlaSchedule.persistent_pieces(cut=True); no combine kernel); merge=False: each piece leaves its
     partial for the combine kernel (the schedule's splits dealt whole: the op's default, bench/NOTES.md "Session 76":
-    on an H100 the cut deal's merges and extra pieces cost more than its balance gains)."""
+    on an H100 the cut deal's merges and extra pieces cost more than its balance gains).
+
+    early_q=True (persistent): the next piece's query loads as soon as both MMA warpgroups have done the piece's
+    last scores (tile.Units.early_query), not after its last P V. The same products in the same order."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -210,6 +213,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"pages of 64+ tokens and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
                          f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, "
                          f"s_q * h_q={s_q * h_q}")
+    if early_q and not persistent:
+        raise ValueError("early_q=True (the next piece's query loaded under the last P V) is built for persistent=True")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
@@ -402,7 +407,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                         epilogue=lambda u, o, col0, l, m, stats: epilogue_piece(
                             o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt),
                         query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
-                                         for n, (c0, w, _) in enumerate(q_parts)])))
+                                         for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q))
 
         return mla_decode_persistent
 

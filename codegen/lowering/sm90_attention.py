@@ -1066,7 +1066,8 @@ class _Seesaw:
     empty: Any          # empty[slot * parts + part]: its readers are done
     tail: Any           # the last step's rows past the valid ones are zeroed (in the value parts)
     q_full: Any         # units: the unit's query tiles landed (producer arrivals + TMA bytes)
-    q_empty: Any        # units: both MMA warpgroups have issued the unit's last scores
+    q_empty: Any        # units: both MMA warpgroups are done with the unit's query (after its last P V; with
+                        # Units.early_query right after each one's last scores)
 
 
 @dataclass(frozen=True)
@@ -1171,9 +1172,10 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
 #
 # Every step-indexed barrier takes the CTA's global step g + k (slot (g + k) % stages, its parity), the
 # pair barriers the CTA's pair count, the tail barrier the count of earlier units with a partial last
-# step: so the producer runs on into the next unit's query and first steps while the MMA warpgroups
-# finish the last one's P V and write its output. The query comes by TMA (q_full), issued once both
-# MMA warpgroups have done the last unit's scores (q_empty).
+# step. The query comes by TMA (q_full), issued once both MMA warpgroups are done with the last unit's
+# (q_empty): by default after its last P V, so the next unit's query and first steps load under the
+# last one's epilogue; with Units.early_query right after each warpgroup's last scores, so the query
+# loads under the last P V too and the next unit's steps follow as their slots are released.
 
 @dataclass(frozen=True)
 class _Counts:
@@ -1210,7 +1212,7 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
             u.load(units.begin + x)
-            T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's scores are issued
+            T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's query is read
             _issue_query(u.query(), q, sw.q_full[0])
             _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace)
             _advance(unit, block_n, cnt)
@@ -1218,18 +1220,22 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
 
 @T.macro
 def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, block_n, cnt, trace):
-    # MMA warpgroup n's units: each once its query has landed; q_empty once its last scores are issued
+    # MMA warpgroup n's units: each once its query has landed; q_empty once the unit is done
+    # (units.early_query: each warpgroup arrives on q_empty right after its last scores, inside its loop, so the
+    # producer loads the next unit's query under the last P V and the epilogue)
     T.set_max_nreg(SEESAW_REGS, 1)
+    early = sw.q_empty if units.early_query else None
     for x in T.serial(units.end - units.begin):
         u.load(units.begin + x)
         T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
         if n == 0:
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
-                        f.l_i, sw, stages, trace, f.p)
+                        f.l_i, sw, stages, trace, f.p, early)
         else:
             _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
-                        f.row_sum, f.l_i, sw, stages, trace, f.p)
-        T.mbarrier_arrive(sw.q_empty[0])
+                        f.row_sum, f.l_i, sw, stages, trace, f.p, early)
+        if early is None:
+            T.mbarrier_arrive(sw.q_empty[0])
         _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
         _advance(unit, block_n, cnt)
 
@@ -1342,18 +1348,25 @@ def _publish(k, acc_s, kv, sw, stages, alpha, m_i, n, bar):
 
 
 @T.macro
-def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None):
+def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum, l_i, sw, stages, trace, p_r=None,
+                q_done=None):
     # pair j = steps (e0, e1) = (2j, 2j + 1): score e0 and take its softmax from WG1's last max, hand
     # P over, O_0 += P V_0 of e0, then, once WG1 has handed e1 over, of e1 (steps local to the unit;
     # slots and barrier phases from `at`). p_r (own_p): e0's P V reads P from registers (the
-    # shared-memory copy is WG1's only)
+    # shared-memory copy is WG1's only). q_done: a barrier to arrive on once the query's last read is done
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
+    if q_done is not None:
+        if unit.steps == 0:
+            T.mbarrier_arrive(q_done[0])
     for j in T.serial(T.ceildiv(unit.steps, 2)):
         _stamp(trace, at.J + j, "wg0 ready")
         _seesaw_scores(q, kv, at.g + 2 * j, stages, sw, acc_s)
         T.mbarrier_arrive(sw.scored[0])
+        if q_done is not None:
+            if 2 * j + 2 >= unit.steps:                             # WG0's last scores of the unit
+                T.mbarrier_arrive(q_done[0])
         _release(sw, at.g + 2 * j, stages, [v[1]])                  # WG0's read of V_1 of e0 (its scores)
         _stamp(trace, at.J + j, "wg0 S")
         _softmax(2 * j, acc_s, unit.visible, scale, m_i, m_prev, alpha, row_sum, l_i)
@@ -1394,16 +1407,22 @@ def _seesaw_wg0(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, row_sum
 
 @T.macro
 def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0, row_sum, l_i, sw, stages, trace,
-                p_r=None):
+                p_r=None, q_done=None):
     # pair j: score e1 (under WG0's softmax of e0); once WG0 hands e0 over, O_1 += P V_1 of e0 in
     # flight under the softmax of e1 (from WG0's max), hand e1 over, then O_1 += P V_1 of e1
     T.fill(m_i, NEG_INF)
     T.fill(l_i, 0.0)
     T.fill(o, 0.0)
+    if q_done is not None:
+        if unit.steps < 2:                                          # no scores of its own in this unit
+            T.mbarrier_arrive(q_done[0])
     for j in T.serial(T.ceildiv(unit.steps, 2)):
         if 2 * j + 1 < unit.steps:
             T.mbarrier_wait_parity(sw.scored[0], (at.J + j) % 2)
             _seesaw_scores(q, kv, at.g + 2 * j + 1, stages, sw, acc_s, (trace, at.J + j, "wg1 landed"))
+            if q_done is not None:
+                if 2 * j + 3 >= unit.steps:                         # WG1's last scores of the unit
+                    T.mbarrier_arrive(q_done[0])
             _release(sw, at.g + 2 * j + 1, stages, [v[0]])          # WG1's read of V_0 of e1 (its scores)
             _stamp(trace, at.J + j, "wg1 raw")
         T.mbarrier_wait_parity(sw.ready[0][0], (at.J + j) % 2)
