@@ -42,20 +42,25 @@ def main() -> int:
              # the op's build at 128 rows (lazy rescaling, splits dealt whole: no merge)
              "bf16-128-persistent": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64)),
              # ... with the next unit's query loaded once the last scores are done (early_q)
-             "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True))}
+             "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True)),
+             # ... with 32 sequences (16 parts of 2 CTAs): is the hand-over the DRAM burst of every CTA switching units
+             # at once (each loads a query and two steps, ~221 KB), or the CTA's own latency?
+             "bf16-128-persistent-b32": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64), 32)}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)
     if unknown:
         print(f"bench.trace_mla: unknown cases {sorted(unknown)}; known: {sorted(cases)}", file=sys.stderr)
         return 2
-    for ci, fmt, tiling in [cases[n] for n in (names or cases)]:
-        case = PRESETS["decode"][ci]
+    for ci, fmt, tiling, *batch in [cases[n] for n in (names or cases)]:
+        case = dict(PRESETS["decode"][ci], **({"b": batch[0]} if batch else {}))
         i = make_inputs(case, "cuda")
         b, s_q, h_q = case["b"], case["s_q"], case["h_q"]
         rows = s_q * h_q
         sched = get_mla_schedule(i["lens"], s_q, h_q, i["table"].shape[1])
-        assert sched.max_splits == 1  # the stamps live in the partials buffer: only an unsplit run leaves it alone
+        # the stamps live in the partials buffer: only an unsplit run leaves it alone (the persistent case deals whole
+        # sequences of its own below, whatever the schedule's splits)
+        assert sched.max_splits == 1 or (tiling or {}).get("persistent")
         kv = ops.quantize_mla_kv_fp8(i["kv"]) if fmt == "fp8" else i["kv"]
         page = kv.shape[1]
         tiling = tiling or pick_tiling(rows, fmt, "sm_90a", page)
@@ -95,7 +100,7 @@ def main() -> int:
                               i["table"], i["lens"], sched.splits, out.view(b, rows, D_V), lse, o_part, lse_part,
                               *units, 1, float(i["scale"] * LOG2E))
         torch.cuda.synchronize()
-        st = o_part[0, :64, :16].contiguous().view(torch.int32).long().cpu()
+        st = o_part[0, :64, :TIMELINE_COL].contiguous().view(torch.int32).long().cpu()
         base = st[:, 0]
         print(f"== {case} {fmt} {tiling}: step period (wg0 ready k+1 - k), cycles:",
               [int(x) for x in (base[1:33] - base[:32])])

@@ -87,9 +87,12 @@ FULL_ROW = T.GemmWarpPolicy.FullRow
 # issued / empty), and the conversion done.
 # Swapped with chunked raw staging: WG1 converts too ("wg1 raw": its first raw wait of the step done,
 # "wg1 convert": its half converted); the producer's "prod wait1" is then its first raw wait.
+# Persistent units (the hand-over from a unit to the next): "wg0 sums" (both warpgroups' last P V done) and "wg0
+# stored" (its epilogue issued) at the unit's last pair; "wg0 q_full" (the next query landed) and "prod q issue"
+# (the producer issued it) at the next unit's first pair.
 EVENTS = ("wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
           "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert", "wg1 raw", "wg1 convert",
-          "wg1 landed")
+          "wg1 landed", "wg0 sums", "wg0 stored", "wg0 q_full", "prod q issue")
 
 
 # tc_exp2(x): 2^x in one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, results below 2^-126 flushed to 0). CUDA's
@@ -144,7 +147,7 @@ __device__ __forceinline__ void tc_timeline(float* dst) {
 # trace= also records every CTA's timeline: event 0 when its warpgroups start (its query tile
 # loaded), event 1 when WG0's epilogue is done; 8 words an event from column TIMELINE_COL of
 # trace[0], TIMELINE_PER_ROW events a row (bench/trace_mla.py reads them)
-TIMELINE_COL, TIMELINE_PER_ROW = 16, 60
+TIMELINE_COL, TIMELINE_PER_ROW = 20, 60   # (the step stamps: columns 0 .. len(EVENTS) - 1)
 
 
 @T.macro
@@ -1214,6 +1217,7 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
             u.load(units.begin + x)
             T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's query is read
             _issue_query(u.query(), q, sw.q_full[0])
+            _stamp(trace, cnt.J[0], "prod q issue")
             _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace)
             _advance(unit, block_n, cnt)
 
@@ -1229,6 +1233,7 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         u.load(units.begin + x)
         T.mbarrier_wait_parity(sw.q_full[0], cnt.done[0] % 2)
         if n == 0:
+            _stamp(trace, cnt.J[0], "wg0 q_full")
             _seesaw_wg0(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.row_sum,
                         f.l_i, sw, stages, trace, f.p, early)
         else:
@@ -1236,7 +1241,12 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
                         f.row_sum, f.l_i, sw, stages, trace, f.p, early)
         if early is None:
             T.mbarrier_arrive(sw.q_empty[0])
-        _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
+        if n == 0:   # (the trace's hand-over stamps at the unit's last pair)
+            _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2, trace,
+                           cnt.J[0] + T.ceildiv(unit.steps, 2) - 1)
+            _stamp(trace, cnt.J[0] + T.ceildiv(unit.steps, 2) - 1, "wg0 stored")
+        else:
+            _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
         _advance(unit, block_n, cnt)
 
 
@@ -1460,12 +1470,13 @@ def _seesaw_wg1(unit, at, q, kv, v, scale, acc_s, o, m_i, m_prev, alpha, alpha0,
 
 
 @T.macro
-def _seesaw_finish(n, o, col, l_i, m_i, sw, epilogue, b):
+def _seesaw_finish(n, o, col, l_i, m_i, sw, epilogue, b, trace=None, pair=0):
     # both warpgroups end on the same running max; the row sum is the sum of their two (rows of
-    # parity b: a warpgroup a unit ahead writes the other pair of rows)
+    # parity b: a warpgroup a unit ahead writes the other pair of rows); trace: "wg0 sums" at `pair`
     for i in T.Parallel(l_i.shape[0]):
         sw.l[2 * b + n, i] = l_i[i]
     T.sync_threads(SEESAW_BAR, 2 * WG)
+    _stamp(trace, pair, "wg0 sums")
     for i in T.Parallel(l_i.shape[0]):
         l_i[i] = sw.l[2 * b, i] + sw.l[2 * b + 1, i]
     epilogue(o, col, l_i, m_i, n == 0)
