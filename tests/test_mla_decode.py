@@ -1214,7 +1214,7 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early_q", [False, True])
+@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"warm": 4}])
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
@@ -1222,12 +1222,13 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
     (5, 1, 128, [129, 4096, 1, 777, 64], 128, 10),
     (4, 1, 64, [1000, 300, 5000, 63], 256, 6),
 ])
-def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms, early_q):
+def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, page, sms, variant):
     """The persistent seesaw without the in-kernel merge (the op's default: merge=False, the splits dealt whole)
     gives each unit exactly the bits of the seesaw CTA of that (sequence, split), however its units are dealt to
     parts (the part count forced low through the SM count, so a CTA runs several units back to back), within the
-    reference's bounds, and the same from a CUDA graph; so does early_q (the next unit's query loaded once the last
-    scores are done: zero-length and one-step units arrive before their loops)."""
+    reference's bounds, and the same from a CUDA graph; so do early_q (the next unit's query loaded once the last
+    scores are done: zero-length and one-step units arrive before their loops) and warm (the next unit's query and
+    first steps prefetched into L2; pages of 64-256 tokens)."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
@@ -1236,7 +1237,7 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     tiling = dict(block_n=64, stages=2, seesaw=True)
     ref_out, ref_lse = mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)
     run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched,  # noqa: E731
-                                       tiling={**tiling, "persistent": True, "merge": False, "early_q": early_q})
+                                       tiling={**tiling, "persistent": True, "merge": False, **variant})
     out, lse = run()
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
