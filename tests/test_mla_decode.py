@@ -337,12 +337,12 @@ def assert_sm90_roles(src):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_trace_stamps_every_event(fmt):
-    from codegen.lowering.sm90_attention import EVENTS
+    from codegen.lowering.sm90_attention import EVENTS, UNIT_EVENTS
 
     # the default operand order: no conversion event without a raw format, no WG1 conversion, no
-    # seesaw-only "wg1 landed"
+    # seesaw-only "wg1 landed", no persistent hand-over events
     src = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, **pick_tiling(64, fmt, "sm_90a"))
-    assert src.count("clock()") == len(EVENTS) - 3 - (fmt == "bf16")
+    assert src.count("clock()") == len(EVENTS) - len(UNIT_EVENTS) - 3 - (fmt == "bf16")
     # swapped: the FP8 producer has one raw wait a step; WG1's conversion events appear twice (the
     # first step's conversion before the loop)
     swapped = mla_decode_program.source("sm_90a", h_q=16, s_q=1, trace=True, swapped=True, block_n=64,

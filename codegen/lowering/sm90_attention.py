@@ -93,6 +93,7 @@ FULL_ROW = T.GemmWarpPolicy.FullRow
 EVENTS = ("wg0 ready", "wg0 S", "wg0 softmax", "wg0 p_free", "wg0 p_ready", "wg0 PV+empty",
           "wg1 p_ready", "wg1 PV+free", "prod wait1", "prod wait2/issue", "prod convert", "wg1 raw", "wg1 convert",
           "wg1 landed", "wg0 sums", "wg0 stored", "wg0 q_full", "prod q issue")
+UNIT_EVENTS = EVENTS[-4:]   # the persistent hand-over's (units=) only
 
 
 # tc_exp2(x): 2^x in one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, results below 2^-126 flushed to 0). CUDA's
