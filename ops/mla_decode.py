@@ -293,7 +293,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         mine, first = tile.split_rows(BLOCK_M)
         with tile.vector():
             for i, j in tile.parallel(mine, o.shape[1]):
-                o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
+                o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * tile.reciprocal(l[i]), 0.0)
             if si < splits:
                 if splits == 1:
                     for i, j in tile.parallel(mine, o.shape[1]):
@@ -354,21 +354,28 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         # m are the unit's row statistics, free once the partial is written.
         group = col0 // half                        # the warpgroup (its columns) counts on its own counter
         u.load_epilogue()
-        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-            o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] / l[i], 0.0)
+        # the row statistics first (they read l); then l holds 1 / l, computed once a row (as o * (1 / l) per
+        # element, each a reciprocal with its slow-path call, the epilogue took ~11K cycles a unit on an H200:
+        # bench/NOTES.md "Session 77"), and scales o: the bits of epilogue()'s o * reciprocal(l)
         if u.pieces == 1:
-            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
             if stats:
                 for i in tile.parallel(BLOCK_M):
                     r = mt * BLOCK_M + i
                     Lse[u.out_bi, r % h_q, r // h_q] = T.if_then_else(l[i] > 0.0, (m[i] + T.log2(l[i])) * LN2, neg_inf)
         else:
-            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
             # (both warpgroups write the lse, the same bits: each merges after its own group's arrivals)
             for i in tile.parallel(BLOCK_M):
                 LsePart[u.own, mt * BLOCK_M + i] = T.if_then_else(l[i] > 0.0, m[i] + T.log2(l[i]), neg_inf)
+        for i in tile.parallel(BLOCK_M):
+            l[i] = T.if_then_else(l[i] > 0.0, tile.reciprocal(l[i]), 0.0)
+        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+            o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * l[i], 0.0)
+        if u.pieces == 1:
+            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
+        else:
+            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
             if merge:
                 if tile.last_arrival(Counters, (u.out_bi * m_tiles + mt) * 2 + group, u.pieces, threads=WG_THREADS,
                                      group=group):

@@ -99,6 +99,11 @@ def mma_promoted(a, b, part, acc, scale, transpose_b=True, step=0):
     _promote(acc, part, scale)
 
 
+@register("reciprocal", "*")
+def reciprocal(x):
+    return 1.0 / x
+
+
 @register("scalar", "*")
 def scalar(value, dtype="int32"):
     # the compiler's automatic warp specialization needs no variable here (a local defined before

@@ -41,6 +41,13 @@ def lane_shuffle(value, src, xor=False):
     return T.shfl_xor(value, src) if xor else T.shfl_sync(value, src)
 
 
+@register("reciprocal", "cuda")
+def reciprocal(x):
+    # (1.0f / x expands to a division sequence with a slow-path call that nvcc does not merge across the unrolled
+    # elements of a row: 128 reciprocals a thread in the MLA epilogue, where __frcp_rn gives the same bits once a row)
+    return T.call_extern("float32", "__frcp_rn", x)
+
+
 @register("lane_first", "cuda")
 def lane_first(pred):
     votes = T.cast(T.ballot_sync(pred), "int32")  # CUDA's 32-lane ballot, zero-extended by TileLang
