@@ -45,9 +45,7 @@ def main() -> int:
              "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True)),
              # ... with 32 sequences (16 parts of 2 CTAs): is the hand-over the DRAM burst of every CTA switching units
              # at once (each loads a query and two steps, ~221 KB), or the CTA's own latency?
-             "bf16-128-persistent-b32": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64), 32),
-             # ... with the next unit's query and first steps prefetched into L2 4 steps ahead (warm)
-             "bf16-128-persistent-warm4": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), warm=4))}
+             "bf16-128-persistent-b32": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64), 32)}
     ncu = "--ncu" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a != "--ncu"]
     unknown = set(names) - set(cases)

@@ -138,9 +138,6 @@ class Units:
     bind: Any
     early_query: bool = False   # the next unit's query loads once the last scores that read the query are done,
                                 # not after the unit's last P V (a target may ignore it: the same results)
-    warm_steps: int = 0         # > 0: the binding has warm(u) (prefetches what unit u's query and first steps read
-                                # into L2, no shared memory); a target calls it for the next unit this many steps
-                                # before the current one's last (a hint: the same results)
 
 
 @dataclass(frozen=True)

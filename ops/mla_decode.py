@@ -151,8 +151,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False,
-                       warm: int = 0):
+                       own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -205,11 +204,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     on an H100 the cut deal's merges and extra pieces cost more than its balance gains).
 
     early_q=True (persistent): the next piece's query loads as soon as both MMA warpgroups have done the piece's
-    last scores (tile.Units.early_query), not after its last P V. The same products in the same order.
-
-    warm=n (persistent): n steps before a piece's last, the producer prefetches the next piece's query rows and first
-    two steps into L2 (tile.Units.warm_steps; cp.async.bulk.prefetch), so that the hand-over, where every CTA of a
-    uniform batch loads a query and two steps at once, reads L2, not DRAM. The same results."""
+    last scores (tile.Units.early_query), not after its last P V. The same products in the same order."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -218,11 +213,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"pages of 64+ tokens and s_q * h_q a multiple of {BLOCK_M}; got seesaw={seesaw}, "
                          f"kv_format={kv_format!r}, swapped={swapped}, block_n={block_n}, page={page}, "
                          f"s_q * h_q={s_q * h_q}")
-    if (early_q or warm) and not persistent:
-        raise ValueError(f"early_q=True and warm > 0 (the next piece's query loaded under the last P V, or warmed in L2) "
-                         f"are built for persistent=True; got early_q={early_q}, warm={warm}")
-    if warm < 0:
-        raise ValueError(f"warm (steps ahead of a piece's last) must be >= 0, got {warm}")
+    if early_q and not persistent:
+        raise ValueError("early_q=True (the next piece's query loaded under the last P V) is built for persistent=True")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
@@ -414,7 +406,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                     **({"lazy": float(lazy)} if lazy > 0 else {}),
                     units=tile.Units(begin, end, lambda: _MlaPiece(
                         Pieces, SeqLens, s_q, causal,
-                        warm=lambda w, x: _warm_piece(Pieces, BlockTable, Q, KV, x, mt, page, num_pages, *w),
                         loads=lambda u, k: _page_copies(BlockTable, u.bi, u.first + k, page, BLOCK_N, num_pages,
                                                         bf16_parts(KV), pidx=u.page_index),
                         prefetch=lambda u, k: _load_page(BlockTable, u.bi, u.first + k, page, num_pages,
@@ -423,8 +414,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                         epilogue=lambda u, o, col0, l, m, stats: epilogue_piece(
                             o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt),
                         query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
-                                         for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q,
-                                     warm_steps=warm))
+                                         for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q))
 
         return mla_decode_persistent
 
@@ -499,11 +489,8 @@ class _MlaPiece:
     blocks (MlaSchedule.persistent_pieces), its attention loop's copies, mask, epilogue and query copies from
     the program's own closures (each taking the binding first)."""
 
-    def __init__(self, Pieces, SeqLens, s_q, causal, *, loads, prefetch, limit, epilogue, query, warm):
+    def __init__(self, Pieces, SeqLens, s_q, causal, *, loads, prefetch, limit, epilogue, query):
         vars_ = [T.alloc_var("int32", init=0) for _ in range(5)]
-        # warm(u): the producer's L2 prefetch of piece u's query and first steps (its own three scalars)
-        w = [T.alloc_var("int32", init=0) for _ in range(3)]
-        self.warm = lambda x: warm(w, x)
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
         # what only the epilogue reads, read there from the piece's row into registers (load_epilogue(); not live
@@ -587,25 +574,6 @@ def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats
             if lane == 0:
                 for rr in T.unroll(half):
                     Lse[u.out_bi, (r0 + rr) % h_q, (r0 + rr) // h_q] = lse[rr] * LN2
-
-
-@T.macro
-def _warm_piece(Pieces, BlockTable, Q, KV, x, mt, page, num_pages, bi, first, steps):
-    # piece x's query rows (BLOCK_M x 576, contiguous) and its first two 64-token steps (a page's rows, contiguous)
-    # into L2: mla_decode_program(warm=)
-    bi = Pieces[x, 0]
-    first = Pieces[x, 1]
-    steps = Pieces[x, 2]
-    T.evaluate(T.call_extern("handle", "tc_prefetch_l2", T.access_ptr(Q[bi, mt * BLOCK_M, 0], "r", BLOCK_M * D_QK),
-                             BLOCK_M * D_QK * 2))
-    if steps > 0:
-        T.evaluate(T.call_extern("handle", "tc_prefetch_l2", T.access_ptr(
-            KV[_page_index(BlockTable, bi, first, page, BLOCK_N, num_pages), (first * BLOCK_N) % page, 0], "r",
-            BLOCK_N * D_QK), BLOCK_N * D_QK * 2))
-    if steps > 1:
-        T.evaluate(T.call_extern("handle", "tc_prefetch_l2", T.access_ptr(
-            KV[_page_index(BlockTable, bi, first + 1, page, BLOCK_N, num_pages), ((first + 1) * BLOCK_N) % page, 0],
-            "r", BLOCK_N * D_QK), BLOCK_N * D_QK * 2))
 
 
 @T.macro

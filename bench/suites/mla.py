@@ -256,10 +256,6 @@ SUITE = Suite(
         # the next piece's query loaded once the last scores are done, not after the last P V (NOTES "Session 77")
         Provider("tilecraft-persistent-earlyq", lambda c, i: persistent(c, i, lazy=8.0, early_q=True),
                  experimental=True),
-        # the next piece's query and first two steps prefetched into L2 4 / 8 steps before a piece's last (NOTES
-        # "Session 77": every CTA of a uniform batch hands over at once, a DRAM burst)
-        Provider("tilecraft-persistent-warm4", lambda c, i: persistent(c, i, lazy=8.0, warm=4), experimental=True),
-        Provider("tilecraft-persistent-warm8", lambda c, i: persistent(c, i, lazy=8.0, warm=8), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

@@ -134,15 +134,6 @@ __device__ __forceinline__ int tc_warp_any(int p) { return __any_sync(0xffffffff
 """
 
 
-# tc_prefetch_l2(p, bytes): a bulk prefetch of [p, p + bytes) into L2 (16-byte aligned, a multiple of 16 bytes;
-# no shared memory, no barrier: tile.Units.warm_steps)
-WARM_SOURCE = r"""
-__device__ __forceinline__ void tc_prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-"""
-
-
 # tc_timeline(dst): the global timer (ns), the SM clock and the SM id, as 32-bit words at dst[0..4]
 TIMELINE_SOURCE = r"""
 __device__ __forceinline__ void tc_timeline(float* dst) {
@@ -879,7 +870,7 @@ def attention_loop(steps, q, kv, v, loads, visible, scale, epilogue, *, valid_ro
     require_pass_configs(PASS_CONFIGS)
     if not state().get("exp2_source"):          # the helpers, once per program (TileLang takes one source)
         T.import_source(EXP2_SOURCE + (TIMELINE_SOURCE if trace is not None else "") +
-                        (LAZY_SOURCE if lazy else "") + (WARM_SOURCE if units is not None and units.warm_steps else ""))
+                        (LAZY_SOURCE if lazy else ""))
         state()["exp2_source"] = True
     if len(v) != 2 and not (swapped and len(v) % 2 == 0 and v):
         raise ValueError(f"attention_loop on sm_90a splits the output over two warpgroups: v must name two "
@@ -1228,9 +1219,7 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
             T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's query is read
             _issue_query(u.query(), q, sw.q_full[0])
             _stamp(trace, cnt.J[0], "prod q issue")
-            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace,
-                             (lambda: _warm_next(u, units.begin + x + 1, units.end)) if units.warm_steps else None,
-                             units.warm_steps)
+            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace)
             _advance(unit, block_n, cnt)
 
 
@@ -1281,25 +1270,13 @@ def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done):
 
 
 @T.macro
-def _warm_next(u, nxt, end):
-    # tile.Units.warm_steps: the next unit's query and first steps into L2, by one producer thread
-    if nxt < end:
-        if T.get_thread_binding() == 2 * WG:
-            u.warm(nxt)
-
-
-@T.macro
-def _seesaw_producer(unit, at, kv, v, sw, stages, trace, warm=None, warm_steps=0):
-    # part by part, in order, each as soon as its readers have released it; warm(): after the loads of the
-    # unit's step steps - warm_steps (its first, if it has fewer), once
+def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
+    # part by part, in order, each as soon as its readers have released it
     for k in T.serial(unit.steps):
         if unit.prefetch is not None:
             unit.prefetch(k)
         _issue_parts(unit.loads, k, at.g, kv, stages, sw)
         _stamp(trace, at.g + k, "prod wait2/issue")
-        if warm is not None:
-            if k == T.max(unit.steps - warm_steps, 0):
-                warm()
         if _valid(unit.valid_rows, k, kv) < kv[0].shape[1]:
             _wait_full(sw, at.g + k, stages, v)
             _zero_rows(kv, v, (at.g + k) % stages, _valid(unit.valid_rows, k, kv))
