@@ -39,7 +39,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | cumsum(src, dst, dim) | T.cumsum | T.cumsum | Hillis-Steele scan in the vector region (1-D) | serial loop (1-D) |
 | storage_dtype(dtype) | dtype | dtype | dtype | bf16 stored as uint16 |
 | to_f32(x, dtype) / from_f32(x, dtype) | T.cast | T.cast | T.cast | bf16 by bit arithmetic |
-| reciprocal(x) | __frcp_rn (1 / x correctly rounded; a pure intrinsic, so nvcc computes it once per distinct x in an unrolled loop) | same | 1 / x | 1 / x |
+| reciprocal(x) | __frcp_rn (1 / x correctly rounded) | same | 1 / x | 1 / x |
 | lane_shuffle(value, src, xor=) | __shfl_sync / __shfl_xor_sync | same | not lowered | not lowered |
 | lane_first(pred) | __ffs(__ballot_sync) - 1 | same | not lowered | not lowered |
 | lane_shuffle_up(value, delta) | __shfl_up_sync | same | not lowered | not lowered |
@@ -211,7 +211,7 @@ storage_dtype = _word("storage_dtype", "The dtype a tensor of `dtype` has inside
 to_f32 = _word("to_f32", "Load-side conversion of a storage value of `dtype` to float32.")
 from_f32 = _word("from_f32", "Store-side conversion of a float32 value to storage of `dtype` (round to nearest even).")
 lane_shuffle = _word("lane_shuffle", "`value` as held by lane `src` of this warp (lane ^ src with xor=True); all lanes take part.")
-reciprocal = _word("reciprocal", "1 / x (float32, correctly rounded), as an expression a target may compute once per distinct x: a row factor used across a tile's columns.")
+reciprocal = _word("reciprocal", "1 / x (float32, correctly rounded). A row factor used across a tile's columns is worth computing once a row into a fragment and multiplying: per element, CUDA compilers expand every occurrence (sm_90a: a reciprocal sequence with a slow-path call each).")
 lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` holds, -1 if none; all lanes take part.")
 lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of this warp (its own below delta); all lanes take part.")
 lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")

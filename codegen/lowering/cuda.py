@@ -43,8 +43,9 @@ def lane_shuffle(value, src, xor=False):
 
 @register("reciprocal", "cuda")
 def reciprocal(x):
-    # (1.0f / x expands to a division sequence with a slow-path call that nvcc does not merge across the unrolled
-    # elements of a row: 128 reciprocals a thread in the MLA epilogue, where __frcp_rn gives the same bits once a row)
+    # (the same bits as 1.0f / x; nvcc expands either into a reciprocal sequence with a slow-path call at every
+    # occurrence and merges none across a row's unrolled elements, so a caller computes it once a row:
+    # ops/mla_decode.py's persistent epilogue, bench/NOTES.md "Session 77")
     return T.call_extern("float32", "__frcp_rn", x)
 
 
