@@ -1241,12 +1241,7 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
     run()                                          # warm (no compile inside the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, ref_out) and torch.equal(g_lse, ref_lse)
+    assert_graph_replay_gives(run, ref_out, ref_lse)
 
 
 @pytest.mark.gpu
