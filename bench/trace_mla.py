@@ -43,6 +43,8 @@ def main() -> int:
              "bf16-128-persistent": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64)),
              # ... with the next unit's query loaded once the last scores are done (early_q)
              "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True)),
+             # ... with the output staged in the query tiles (stage_out): the epilogue's stores 16 bytes a thread
+             "bf16-128-persistent-stageout": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), stage_out=True)),
              # ... with 32 sequences (16 parts of 2 CTAs): is the hand-over the DRAM burst of every CTA switching units
              # at once (each loads a query and two steps, ~221 KB), or the CTA's own latency?
              "bf16-128-persistent-b32": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64), 32)}

@@ -44,7 +44,7 @@ codegen/lowering/). `tile.<name>` also reaches any word a kernel author register
 | lane_first(pred) | __ffs(__ballot_sync) - 1 | same | not lowered | not lowered |
 | lane_shuffle_up(value, delta) | __shfl_up_sync | same | not lowered | not lowered |
 | lane_ballot(pred) | __ballot_sync (uint32) | same | not lowered | not lowered |
-| barrier(threads=None) | __syncthreads (threads: bar.sync of the first threads) | same | not lowered | nothing (one thread) |
+| barrier(threads=None, group=0) | __syncthreads (threads: bar.sync of the first threads, or of group g of them) | same | not lowered | nothing (one thread) |
 | last_arrival(count, index, arrivals, threads=None, ordered=True, group=0) | __syncthreads (threads: bar.sync of the first threads; group g: of threads g * threads .., barrier 11 - g); the group's thread 0: __threadfence (ordered), atomicAdd, reset by the last; the same barrier | same | not lowered | not lowered |
 | cluster_barrier() | barrier.cluster arrive (release) + wait (acquire), CUDA's builtins (a compiler barrier too) | same | not lowered | not lowered |
 | cluster_store(dst, rank, value) | a store through __cluster_map_shared_rank (distributed shared memory) | same | not lowered | not lowered |
@@ -138,6 +138,8 @@ class Units:
     bind: Any
     early_query: bool = False   # the next unit's query loads once the last scores that read the query are done,
                                 # not after the unit's last P V (a target may ignore it: the same results)
+    query_staging: bool = False  # the epilogue may write the unit's query tiles (staging for its output, after
+                                 # tile.barrier of its threads): the next unit's query loads after the epilogue
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ reciprocal = _word("reciprocal", "1 / x (float32, correctly rounded). A row fact
 lane_first = _word("lane_first", "The lowest lane of this warp whose `pred` holds, -1 if none; all lanes take part.")
 lane_shuffle_up = _word("lane_shuffle_up", "`value` as held by lane - delta of this warp (its own below delta); all lanes take part.")
 lane_ballot = _word("lane_ballot", "uint32 mask of this warp's lanes whose `pred` holds; all lanes take part.")
-barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off; threads=: only the block's first `threads` (whole warps) take part.")
+barrier = _word("barrier", "A block-wide barrier, for programs built with TileLang's thread-sync pass off; threads=: only the block's first `threads` (whole warps) take part; with group=g (0 or 1) threads g * threads .. g * threads + threads - 1 (one MMA warpgroup of two, on a barrier of its own).")
 last_arrival = _word("last_arrival", "1 in the last of `arrivals` blocks to arrive on int32 count[index] (each arrives once, after its global stores; the last sees every earlier arriver's stores and sets the count back to 0), else 0; every thread of the block takes part, or its first `threads` (whole warps: a named barrier, for warp-specialized kernels whose producer warps have exited), or with group=g (0 or 1) threads g * threads .. g * threads + threads - 1 (one MMA warpgroup: each group counts on its own counters). ordered=False: no fences, the last block knows it is last but not that the others' stores have landed (its reads must wait for each word).")
 cluster_barrier = _word("cluster_barrier", "Every thread of the block's cluster (cluster_grid) waits here; memory written before it is visible to the whole cluster after it.")
 cluster_store = _word("cluster_store", "Store fp32 `value` into element `dst` of block `rank`'s copy of a shared buffer (its cluster's distributed shared memory); it sees the value after the next cluster_barrier. Every block of the cluster must have passed a cluster_barrier before any stores into it.")

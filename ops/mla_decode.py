@@ -151,7 +151,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        kv_format: str = "bf16", raw_stages: int = 2, trace: bool = False, swapped: bool = False,
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
-                       own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False):
+                       own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False,
+                       stage_out: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -204,7 +205,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     on an H100 the cut deal's merges and extra pieces cost more than its balance gains).
 
     early_q=True (persistent): the next piece's query loads as soon as both MMA warpgroups have done the piece's
-    last scores (tile.Units.early_query), not after its last P V. The same products in the same order."""
+    last scores (tile.Units.early_query), not after its last P V. The same products in the same order.
+
+    stage_out=True (persistent, not with early_q): a whole sequence's output goes through shared memory, each
+    warpgroup's half written into its own latent query tile (free after its last scores; tile.Units.query_staging)
+    and copied out a row's 16-byte pieces at a time, where the accumulator's layout stores 4 bytes of 8 rows a
+    warp instruction; the next piece's query loads after it. The same bits."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -215,6 +221,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if early_q and not persistent:
         raise ValueError("early_q=True (the next piece's query loaded under the last P V) is built for persistent=True")
+    if stage_out and not (persistent and not early_q):
+        raise ValueError("stage_out=True (the output staged in the query tiles) is built for persistent=True without "
+                         f"early_q (which loads the next query into them during the epilogue); got "
+                         f"persistent={persistent}, early_q={early_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
@@ -337,7 +347,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                         LsePart[slot, i] = T.if_then_else(l_s[i] > 0.0, m_s[i] + T.log2(l_s[i]), neg_inf)
 
     @T.macro
-    def epilogue_piece(o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt):
+    def epilogue_piece(o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt, q_tiles):
         # persistent: this CTA's rows of piece u.slot, a run of sequence u.out_bi's 64-token blocks (u.pieces of
         # them, partial slots u.idx0 ..). A whole sequence writes its output; a piece writes its partial (O / l,
         # lse in base 2) to slot u.own, and with merge counts itself on the sequence's counter of this
@@ -363,8 +373,18 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * l[i], 0.0)
         if u.pieces == 1:
-            for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
+            if stage_out:
+                # (o's layout stores 4 bytes of 8 rows a warp instruction: 64 of them a thread, ~10K cycles of a
+                # hand-over at 128 rows, bench/NOTES.md "Session 78"; from shared memory 16 bytes a thread)
+                staging = q_tiles[group]            # this warpgroup's latent query columns, as wide as o
+                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                    staging[i, j] = T.cast(o[i, j], sdt)
+                tile.barrier(threads=WG_THREADS, group=group)
+                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                    Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = staging[i, j]
+            else:
+                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+                    Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
         else:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
@@ -412,9 +432,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                          u.page_var),
                         limit=lambda base, i: limit(base, mt, i),
                         epilogue=lambda u, o, col0, l, m, stats: epilogue_piece(
-                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt),
+                            o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt, q_tiles),
                         query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
-                                         for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q))
+                                         for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q,
+                        query_staging=stage_out))
 
         return mla_decode_persistent
 

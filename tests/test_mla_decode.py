@@ -1214,7 +1214,7 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, {"early_q": True}])
+@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}])
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
@@ -1227,7 +1227,8 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     gives each unit exactly the bits of the seesaw CTA of that (sequence, split), however its units are dealt to
     parts (the part count forced low through the SM count, so a CTA runs several units back to back), within the
     reference's bounds, and the same from a CUDA graph; so does early_q (the next unit's query loaded once the last
-    scores are done: zero-length and one-step units arrive before their loops)."""
+    scores are done: zero-length and one-step units arrive before their loops), and stage_out (a whole sequence's
+    output through the query tiles, the next query loaded after it)."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")

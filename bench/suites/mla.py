@@ -256,6 +256,9 @@ SUITE = Suite(
         # the next piece's query loaded once the last scores are done, not after the last P V (NOTES "Session 77")
         Provider("tilecraft-persistent-earlyq", lambda c, i: persistent(c, i, lazy=8.0, early_q=True),
                  experimental=True),
+        # a whole sequence's output staged in the query tiles, copied out 16 bytes a thread (NOTES "Session 78")
+        Provider("tilecraft-persistent-stageout", lambda c, i: persistent(c, i, lazy=8.0, stage_out=True),
+                 experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

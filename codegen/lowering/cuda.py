@@ -72,11 +72,14 @@ ARRIVAL_GROUPS = 2
 
 
 @register("barrier", "cuda")
-def barrier(threads=None):
+def barrier(threads=None, group=0):
+    if group not in range(ARRIVAL_GROUPS) or (group and threads is None):
+        raise ValueError(f"barrier: group must be 0 .. {ARRIVAL_GROUPS - 1} (with threads= for group > 0: threads "
+                         f"group * threads .. take part), got group={group!r}, threads={threads!r}")
     if threads is None:
         return T.sync_threads()
     _check_threads("barrier", threads)
-    return T.sync_threads(FIRST_THREADS_BAR, threads)
+    return T.sync_threads(FIRST_THREADS_BAR - group, threads)
 
 
 def _check_threads(word, threads):

@@ -1139,6 +1139,9 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
                  T.alloc_barrier([WG]), T.alloc_barrier([PRODUCER] * n), empty,
                  T.alloc_barrier([PRODUCER]),
                  *((T.alloc_barrier([PRODUCER]), T.alloc_barrier([2 * WG])) if units is not None else (None, None)))
+    if units is not None and units.early_query and units.query_staging:
+        raise ValueError("attention_loop(units=...): early_query (the next query loaded under the last P V) and "
+                         "query_staging (the epilogue writes the query tiles) exclude each other")
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1179,7 +1182,8 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
 # step. The query comes by TMA (q_full), issued once both MMA warpgroups are done with the last unit's
 # (q_empty): by default after its last P V, so the next unit's query and first steps load under the
 # last one's epilogue; with Units.early_query right after each warpgroup's last scores, so the query
-# loads under the last P V too and the next unit's steps follow as their slots are released.
+# loads under the last P V too and the next unit's steps follow as their slots are released; with
+# Units.query_staging after the epilogue, which used the query tiles to stage its output.
 
 @dataclass(frozen=True)
 class _Counts:
@@ -1240,7 +1244,7 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         else:
             _seesaw_wg1(unit, _unit_at(cnt), q, kv, v, scale, f.acc_s, f.o, f.m_i, f.m_prev, f.alpha, f.alpha0,
                         f.row_sum, f.l_i, sw, stages, trace, f.p, early)
-        if early is None:
+        if early is None and not units.query_staging:
             T.mbarrier_arrive(sw.q_empty[0])
         if n == 0:   # (the trace's hand-over stamps at the unit's last pair)
             _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2, trace,
@@ -1248,6 +1252,8 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
             _stamp(trace, cnt.J[0] + T.ceildiv(unit.steps, 2) - 1, "wg0 stored")
         else:
             _seesaw_finish(n, f.o, col, f.l_i, f.m_i, sw, unit.epilogue, cnt.done[0] % 2)
+        if units.query_staging:     # the epilogue's reads of its staging (the query tiles) are done
+            T.mbarrier_arrive(sw.q_empty[0])
         _advance(unit, block_n, cnt)
 
 
