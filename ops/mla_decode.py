@@ -385,9 +385,21 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             else:
                 for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                     Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
+        elif stage_out:
+            # the fp32 partial through the same 32 KB in two passes of 64 x 128 (the view keeps the tile's swizzle)
+            cols = o.shape[1] // 2
+            staging = T.view(q_tiles[group], (BLOCK_M, cols), "float32")
+            for h in T.unroll(2):
+                for i, j in tile.parallel(BLOCK_M, cols):
+                    staging[i, j] = o[i, h * cols + j]
+                tile.barrier(threads=WG_THREADS, group=group)
+                for i, j in tile.parallel(BLOCK_M, cols):
+                    OPart[u.own, mt * BLOCK_M + i, col0 + h * cols + j] = staging[i, j]
+                tile.barrier(threads=WG_THREADS, group=group)     # (the next pass writes over it)
         else:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
+        if u.pieces != 1:
             if merge:
                 if tile.last_arrival(Counters, (u.out_bi * m_tiles + mt) * 2 + group, u.pieces, threads=WG_THREADS,
                                      group=group):

@@ -3,11 +3,12 @@
 # ("wg0 sums" -> "wg0 stored") went 11-12K -> 10.5K cycles, not the ~8K expected; what is left is the stores: the
 # accumulator's layout writes 4 bytes of each of 8 rows a warp instruction (64 STG a thread, 512 for the CTA's two
 # warpgroups, 8 lines each). stage_out writes the bf16 output into the warpgroup's own latent query tile (STS, 128B
-# swizzle), then copies it out a row a warp instruction (16 STG.128 a thread), the next query loading after it.
+# swizzle), then copies it out a row a warp instruction (16 STG.128 a thread), the next query loading after it; a
+# split piece's fp32 partial the same way in two passes of 64 x 128 (float2 STS, float4 LDS + STG).
 # Written before the run: the epilogue 10.5K -> ~2-3K cycles, the next query's wait ~2-4K after it (it no longer
 # loads under the epilogue): the hand-over ~13K -> ~6K extra; 128x128x1x4096 (two whole units a CTA, each CTA's
-# last epilogue too) ~-2.5% (288.6 -> ~281 us on call 1's H100); 32x16384 and s_q 2 (mostly split pieces, fp32
-# partials: not staged) unchanged; balance 132x4096 / 66x8192 (whole units) ~-2%.
+# last epilogue too) ~-2.5% (288.6 -> ~281 us on call 1's H100); 32x16384 and s_q 2 (split pieces) ~-2%; balance
+# rows ~-2%.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
