@@ -996,6 +996,10 @@ def test_persistent_builds_and_says_what_it_needs():
     for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(page=32)):
         with pytest.raises(ValueError, match="persistent=True is built for"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
+    for bad in (dict(persistent=False), dict(early_q=True)):      # the output staged in the query tiles
+        with pytest.raises(ValueError, match="stage_out=True .* is built for persistent=True without early_q"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
+                                                          stage_out=True), **bad})
 
 
 @pytest.mark.gpu
