@@ -14,8 +14,9 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
 (timeout 200 python3 -m bench.trace_mla bf16-128-persistent bf16-128-persistent-stageout > "$out/trace.txt" 2>&1) &
-timeout 200 python3 -m pytest -q -m gpu -n 8 -rf --tb=short -p no:cacheprovider -W ignore tests/test_mla_decode.py \
-  -k "persistent_matches_seesaw" > "$out/tests.txt" 2>&1
+timeout 240 python3 -m pytest -q -m gpu -n 8 -rf --tb=short -p no:cacheprovider -W ignore tests/test_mla_decode.py tests/test_gemm_fp8.py \
+  -k "persistent_matches_seesaw or dense_overlap or persistent_matches_one_tile or wide_tiles_match_128_wide" \
+  > "$out/tests.txt" 2>&1
 grep -E "FAILED|passed|failed|^E " "$out/tests.txt" | cut -c1-300 | tail -12
 wait
 grep -E "^==|persistent, pairs|wg0 (ready|sums|stored|q_full) .*pairs 29|timeline" "$out/trace.txt" | cut -c1-250
