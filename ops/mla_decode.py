@@ -355,7 +355,6 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         # do not depend on which is last), and writes the output (without merge the combine kernel does). l and
         # m are the unit's row statistics, free once the partial is written.
         group = col0 // half                        # the warpgroup (its columns) counts on its own counter
-        u.load_epilogue()
         # the row statistics first (they read l); then l holds 1 / l, computed once a row (as o * (1 / l) per
         # element, each a reciprocal with its slow-path call, the epilogue took ~11K cycles a unit on an H200:
         # bench/NOTES.md "Session 77"), and scales o: the bits of epilogue()'s o * reciprocal(l)
@@ -526,12 +525,11 @@ class _MlaPiece:
         vars_ = [T.alloc_var("int32", init=0) for _ in range(5)]
         # the scalars as expressions (reads of the variables that load() sets)
         self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
-        # what only the epilogue reads, read there from the piece's row into registers (load_epilogue(); not live
-        # through the loop, and one load each: as expressions, every use reloaded it behind bounds checks, 800 loads
-        # and 2.3x the kernel's code)
+        # what only the epilogue reads, into registers with the rest (one load each: as expressions, every use
+        # reloaded it behind bounds checks, 800 loads and 2.3x the kernel's code); loaded in the epilogue, its
+        # first branch waited ~an L2 round trip for them
         epi = [T.alloc_var("int32") for _ in range(4)]
         self.out_bi, self.idx0, self.pieces, self.own = (v[0] for v in epi)
-        self.load_epilogue = lambda: _load_epilogue(Pieces, self.slot, *epi)
         # the merge's (_merge_pieces): a lane's sums (8 rows x 4 columns), the 8 rows' lse, maxima, weight sums
         self.merge = (T.alloc_local((MERGE_ROWS // 2, 4), "float32"),
                       *(T.alloc_local((MERGE_ROWS // 2,), "float32") for _ in range(3)))
@@ -541,7 +539,7 @@ class _MlaPiece:
         self.prefetch = lambda k: prefetch(self, k)
         self.valid_rows = self.seqlen - self.first * BLOCK_N
         base = self.seqlen - s_q + 1 if causal else self.seqlen
-        self.load = lambda u: _load_piece(Pieces, SeqLens, u, *vars_)
+        self.load = lambda u: _load_piece(Pieces, SeqLens, u, *vars_, *epi)
         self.loads = lambda k: loads(self, k)
         self.visible = lambda k, i, j: (self.first + k) * BLOCK_N + j < limit(base, i)
         self.all_visible = lambda k: (self.first + k + 1) * BLOCK_N <= base
@@ -610,20 +608,16 @@ def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats
 
 
 @T.macro
-def _load_epilogue(Pieces, slot, out_bi, idx0, pieces, own):
-    out_bi = Pieces[slot, 0]
-    idx0 = Pieces[slot, 3]
-    pieces = Pieces[slot, 4]
-    own = Pieces[slot, 5]
-
-
-@T.macro
-def _load_piece(Pieces, SeqLens, u, bi, first, steps, seqlen, slot):
+def _load_piece(Pieces, SeqLens, u, bi, first, steps, seqlen, slot, out_bi, idx0, pieces, own):
     bi = Pieces[u, 0]
     first = Pieces[u, 1]
     steps = Pieces[u, 2]
     seqlen = SeqLens[bi]
     slot = u
+    out_bi = bi
+    idx0 = Pieces[u, 3]
+    pieces = Pieces[u, 4]
+    own = Pieces[u, 5]
 
 
 @tile_program(
