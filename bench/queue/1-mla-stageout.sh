@@ -5,6 +5,8 @@
 # warpgroups, 8 lines each). stage_out writes the bf16 output into the warpgroup's own latent query tile (STS, 128B
 # swizzle), then copies it out a row a warp instruction (16 STG.128 a thread), the next query loading after it; a
 # split piece's fp32 partial the same way in two passes of 64 x 128 (float2 STS, float4 LDS + STG).
+# Every build (the default too) now loads a piece's epilogue fields at the unit's start (the epilogue's first branch
+# waited on them: ~an L2 round trip, ~1K cycles, a unit).
 # Written before the run: the epilogue 10.5K -> ~2-3K cycles, the next query's wait ~2-4K after it (it no longer
 # loads under the epilogue): the hand-over ~13K -> ~6K extra; 128x128x1x4096 (two whole units a CTA, each CTA's
 # last epilogue too) ~-2.5% (288.6 -> ~281 us on call 1's H100); 32x16384 and s_q 2 (split pieces) ~-2%; balance
