@@ -109,3 +109,18 @@ def test_author_added_word_is_used():
 def test_split_index_is_row_major():
     assert tile.split_index(7, (2, 3, 4)) == (0, 1, 3)
     assert tile.split_index(23, (2, 3, 4)) == (1, 2, 3)
+
+
+def test_cuda_barrier_takes_a_group_of_its_own():
+    """tile.barrier(threads=, group=g) on CUDA: a named barrier of threads g * threads .. (one MMA warpgroup of two,
+    as the persistent MLA epilogue stages its output), on an id of its own per group; a group without threads=, a
+    group past the two, or threads that are not whole warps name what they need."""
+    barrier = rules.lookup("barrier", "sm_90a").fn
+    ids = {g: str(barrier(threads=128, group=g)) for g in (0, 1)}
+    assert all(", 128)" in text for text in ids.values()) and ids[0] != ids[1]
+    assert str(barrier(threads=128)) == ids[0] and "128" not in str(barrier())
+    for bad, match in ((dict(group=1), "group must be 0 .. 1 .*got group=1, threads=None"),
+                       (dict(threads=128, group=2), "group must be 0 .. 1"),
+                       (dict(threads=100), "threads must be whole warps")):
+        with pytest.raises(ValueError, match=match):
+            barrier(**bad)
