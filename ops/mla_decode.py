@@ -131,6 +131,41 @@ def _as(x, dt):
     return x if x.dtype == dt else T.cast(x, dt)
 
 
+# stage_out: a warpgroup's output tile (BLOCK_M x w, fp32, normalized) goes to Dst[d, r0 + i, c0 + j] through
+# `staging`, its own latent query tile (BLOCK_M x w, the storage dtype; nothing reads the query any more): the
+# accumulator's layout stores 4 (bf16) or 8 (fp32) bytes of 8 rows a warp instruction, from shared memory a warp
+# writes 512 bytes of one row an instruction (bench/NOTES.md "Session 78"). fp32 goes in two passes of w / 2
+# columns through a float32 view (the tile's swizzle kept: its float2 stores are two wavefronts a warp). rows: write
+# rows r0 + i < rows only (None: all). The threads are warpgroup `group`'s (tile.barrier(group=)).
+@T.macro
+def _stage_store(o, staging, group, Dst, d, r0, c0, rows):
+    if Dst.dtype == "float32":
+        cols = o.shape[1] // 2
+        wide = T.view(staging, (BLOCK_M, cols), "float32")
+        for h in T.unroll(2):
+            for i, j in tile.parallel(BLOCK_M, cols):
+                wide[i, j] = o[i, h * cols + j]
+            tile.barrier(threads=WG_THREADS, group=group)
+            _copy_rows(wide, Dst, d, r0, c0 + h * cols, rows)
+            tile.barrier(threads=WG_THREADS, group=group)     # (the next pass writes over it)
+    else:
+        for i, j in tile.parallel(BLOCK_M, o.shape[1]):
+            staging[i, j] = T.cast(o[i, j], Dst.dtype)
+        tile.barrier(threads=WG_THREADS, group=group)
+        _copy_rows(staging, Dst, d, r0, c0, rows)
+
+
+@T.macro
+def _copy_rows(src, Dst, d, r0, c0, rows):
+    if rows is None:
+        for i, j in tile.parallel(BLOCK_M, src.shape[1]):
+            Dst[d, r0 + i, c0 + j] = src[i, j]
+    else:
+        for i, j in tile.parallel(BLOCK_M, src.shape[1]):
+            if r0 + i < rows:
+                Dst[d, r0 + i, c0 + j] = src[i, j]
+
+
 QV = 8  # query values a thread loads at once (16 bytes of bf16; TileLang may split it in two 8-byte loads)
 
 
@@ -207,10 +242,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     early_q=True (persistent): the next piece's query loads as soon as both MMA warpgroups have done the piece's
     last scores (tile.Units.early_query), not after its last P V. The same products in the same order.
 
-    stage_out=True (persistent, not with early_q): a whole sequence's output goes through shared memory, each
-    warpgroup's half written into its own latent query tile (free after its last scores; tile.Units.query_staging)
-    and copied out a row's 16-byte pieces at a time, where the accumulator's layout stores 4 bytes of 8 rows a
-    warp instruction; the next piece's query loads after it. The same bits."""
+    stage_out=True (CUDA's two MMA warpgroups, not swapped, not with early_q): the output (or a split's fp32
+    partial) goes through shared memory, each warpgroup's half written into its own latent query tile (read by
+    nobody once the epilogue runs) and copied out 16 bytes a thread, a warp a 512-byte row an instruction, where the
+    accumulator's layout stores 4 (8) bytes of 8 rows a warp instruction (_stage_store); persistent, the next
+    piece's query loads after it (tile.Units.query_staging). Without seesaw the fp32 partials are stored as before
+    (its 168 registers a thread spilled 304 bytes with their two passes). The same bits."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -221,10 +258,13 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"s_q * h_q={s_q * h_q}")
     if early_q and not persistent:
         raise ValueError("early_q=True (the next piece's query loaded under the last P V) is built for persistent=True")
-    if stage_out and not (persistent and not early_q):
-        raise ValueError("stage_out=True (the output staged in the query tiles) is built for persistent=True without "
-                         f"early_q (which loads the next query into them during the epilogue); got "
-                         f"persistent={persistent}, early_q={early_q}")
+    if stage_out and (early_q or swapped or threads != 256 or not warp_specialized
+                      or targets.current().vendor != "cuda"):
+        raise ValueError("stage_out=True (the output staged in the query tiles) is built for CUDA's two MMA "
+                         "warpgroups (threads=256, warp_specialized), swapped=False and without early_q (which loads "
+                         f"the next query into them during the epilogue); got target {targets.current().name}, "
+                         f"threads={threads}, warp_specialized={warp_specialized}, swapped={swapped}, "
+                         f"early_q={early_q}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
@@ -247,6 +287,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     rows = s_q * h_q
     m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
     rows_pad = m_tiles * BLOCK_M
+    whole_rows = None if rows % BLOCK_M == 0 else rows      # stage_out: a tile's padding rows stay unwritten
     sdt = tile.storage_dtype(dtype)
     # the cache three ways (the same bytes): as stored, as 32-bit floats (FP8 scales), as 16-bit (FP8 rope)
     kv_dt, width = ("float8_e4m3fn", FP8_TOKEN_BYTES) if fp8 else (sdt, D_QK)
@@ -289,19 +330,23 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         return causal_base + (mt * BLOCK_M + i) // h_q if causal else causal_base
 
     @T.macro
-    def epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si, splits, max_splits):
+    def epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si, splits, max_splits, q_tiles):
         # o: columns col0.. of the output tile (unnormalized); l, m: row sums and maxima (log2 domain), of
         # the rows this core's vector code holds (tile.split_rows: all 64, or a half on Ascend)
         mine, first = tile.split_rows(BLOCK_M)
+        group = col0 // half                        # stage_out: the warpgroup of these columns (sm_90a)
         with tile.vector():
             for i, j in tile.parallel(mine, o.shape[1]):
                 o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * tile.reciprocal(l[i]), 0.0)
             if si < splits:
                 if splits == 1:
-                    for i, j in tile.parallel(mine, o.shape[1]):
-                        r = mt * BLOCK_M + first + i
-                        if r < rows:
-                            Out[bi, r, col0 + j] = T.cast(o[i, j], sdt)
+                    if stage_out:
+                        _stage_store(o, q_tiles[group], group, Out, bi, mt * BLOCK_M, col0, whole_rows)
+                    else:
+                        for i, j in tile.parallel(mine, o.shape[1]):
+                            r = mt * BLOCK_M + first + i
+                            if r < rows:
+                                Out[bi, r, col0 + j] = T.cast(o[i, j], sdt)
                     if stats:
                         for i in tile.parallel(mine):
                             r = mt * BLOCK_M + first + i
@@ -310,7 +355,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                                             neg_inf)
                 else:
                     slot = bi * max_splits + si
-                    if rows % BLOCK_M == 0:
+                    if stage_out and seesaw:   # (the plain schedule's 168 registers a thread: its passes spilled)
+                        _stage_store(o, q_tiles[group], group, OPart, slot, mt * BLOCK_M, col0, whole_rows)
+                    elif rows % BLOCK_M == 0:
                         for i, j in tile.parallel(mine, o.shape[1]):
                             OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
                     else:   # a tile's padding rows stay unwritten (no combine reads them): 16 of 64 at s_q * h_q = 48
@@ -372,29 +419,13 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * l[i], 0.0)
         if u.pieces == 1:
-            if stage_out:
-                # (o's layout stores 4 bytes of 8 rows a warp instruction: 64 of them a thread, ~10K cycles of a
-                # hand-over at 128 rows, bench/NOTES.md "Session 78"; from shared memory 16 bytes a thread)
-                staging = q_tiles[group]            # this warpgroup's latent query columns, as wide as o
-                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                    staging[i, j] = T.cast(o[i, j], sdt)
-                tile.barrier(threads=WG_THREADS, group=group)
-                for i, j in tile.parallel(BLOCK_M, o.shape[1]):
-                    Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = staging[i, j]
+            if stage_out:       # (through this warpgroup's latent query columns, as wide as o: _stage_store)
+                _stage_store(o, q_tiles[group], group, Out, u.out_bi, mt * BLOCK_M, col0, None)
             else:
                 for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                     Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
         elif stage_out:
-            # the fp32 partial through the same 32 KB in two passes of 64 x 128 (the view keeps the tile's swizzle)
-            cols = o.shape[1] // 2
-            staging = T.view(q_tiles[group], (BLOCK_M, cols), "float32")
-            for h in T.unroll(2):
-                for i, j in tile.parallel(BLOCK_M, cols):
-                    staging[i, j] = o[i, h * cols + j]
-                tile.barrier(threads=WG_THREADS, group=group)
-                for i, j in tile.parallel(BLOCK_M, cols):
-                    OPart[u.own, mt * BLOCK_M + i, col0 + h * cols + j] = staging[i, j]
-                tile.barrier(threads=WG_THREADS, group=group)     # (the next pass writes over it)
+            _stage_store(o, q_tiles[group], group, OPart, u.own, mt * BLOCK_M, col0, None)
         else:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]
@@ -491,7 +522,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 (lambda o, col0, l, m, stats: epilogue_t(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, si,
                                                          splits, max_splits)) if swapped else
                 (lambda o, col0, l, m, stats: epilogue(o, col0, l, m, stats, Out, Lse, OPart, LsePart, bi, mt, si,
-                                                       splits, max_splits)),
+                                                       splits, max_splits, q_tiles)),
                 valid_rows=seqlen - first * block_n, raw=raw_parts,
                 value=(fp8_folded if fold_scales else fp8_value) if fp8 else None,
                 stages=stages, raw_stages=raw_stages, trace=OPart if trace else None,

@@ -996,10 +996,12 @@ def test_persistent_builds_and_says_what_it_needs():
     for bad in (dict(seesaw=False), dict(kv_format="fp8", block_n=32), dict(h_q=16), dict(page=32)):
         with pytest.raises(ValueError, match="persistent=True is built for"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True), **bad})
-    for bad in (dict(persistent=False), dict(early_q=True)):      # the output staged in the query tiles
-        with pytest.raises(ValueError, match="stage_out=True .* is built for persistent=True without early_q"):
-            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
-                                                          stage_out=True), **bad})
+    for target, bad in (("sm_90a", dict(early_q=True)), ("sm_90a", dict(persistent=False, seesaw=False, h_q=16,
+                                                                         swapped=True)),
+                        ("ascend", dict(persistent=False, seesaw=False))):   # the output staged in the query tiles
+        with pytest.raises(ValueError, match="stage_out=True .* is built for CUDA's two MMA warpgroups"):
+            mla_decode_program.source(target, **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
+                                                        stage_out=True), **bad})
 
 
 @pytest.mark.gpu
@@ -1247,6 +1249,30 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
     run()                                          # warm (no compile inside the capture)
     assert_graph_replay_gives(run, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s_q,h_q,lens,tiling", [
+    (3, 1, 64, [4096, 1, 700], dict(block_n=64, stages=2)),             # the plain schedule, whole sequences
+    (2, 1, 64, [16384, 8000], dict(block_n=64, stages=2)),              # ... split: fp32 partials stored as before
+    (3, 3, 16, [300, 2049, 7], dict(block_n=64, stages=2)),             # 48 rows: a tile's padding rows unwritten
+    (2, 1, 128, [16384, 65], dict(block_n=64, stages=2, seesaw=True)),  # seesaw: fp32 partials staged in two passes
+    (3, 1, 64, [4096, 1, 700], dict(block_n=32, stages=2, raw_stages=3, kv_format="fp8")),   # the FP8 cache
+])
+def test_gpu_stage_out_is_the_direct_stores_bitwise(b, s_q, h_q, lens, tiling):
+    """stage_out (each warpgroup's output through its latent query tile, 16 bytes a thread) writes the bits the direct
+    stores write, outputs and partials, in the non-persistent kernels (the persistent one: its bitwise test)."""
+    mla = importlib.import_module("ops.mla_decode")
+    q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, device="cuda")
+    fmt = tiling.get("kv_format", "bf16")
+    if fmt == "fp8":
+        kv = ops.quantize_mla_kv_fp8(kv)
+    run = lambda **o: mla._mla_decode_impl(q, kv, table, seqlens, D ** -0.5, True, None,  # noqa: E731
+                                           tiling={**tiling, **o}, kv_format=fmt)
+    ref_out, ref_lse = run()
+    out, lse = run(stage_out=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert not out.isnan().any()
 
 
 @pytest.mark.gpu

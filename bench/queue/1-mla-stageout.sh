@@ -10,21 +10,25 @@
 # Written before the run: the epilogue 10.5K -> ~2-3K cycles, the next query's wait ~2-4K after it (it no longer
 # loads under the epilogue): the hand-over ~13K -> ~6K extra; 128x128x1x4096 (two whole units a CTA, each CTA's
 # last epilogue too) ~-2.5% (288.6 -> ~281 us on call 1's H100); 32x16384 and s_q 2 (split pieces) ~-2%; balance
-# rows ~-2%.
+# rows ~-2%. The non-persistent kernels stage the same way (stage_out: the plain schedule at 64 rows, bf16 output
+# only; the swapped kernel at <= 32 rows does not take it): 128x64x1x4096 (one sequence a CTA, its epilogue at the
+# kernel's end, ~5 us of ~165 if it is as long as at 128 rows) ~-2%.
+# $OUT comes back with at most 8 files: the three presets' CSV + JSON and the tests' log; the other logs stay in
+# /tmp/q (what matters of them is printed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${OUT:-/tmp/tilecraft-out}; mkdir -p "$out"
-nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader | tee "$out/gpu.txt"
-(timeout 200 python3 -m bench.trace_mla bf16-128-persistent bf16-128-persistent-stageout > "$out/trace.txt" 2>&1) &
+out=${OUT:-/tmp/tilecraft-out}; log=/tmp/q; mkdir -p "$out" $log
+nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader
+(timeout 200 python3 -m bench.trace_mla bf16-128-persistent bf16-128-persistent-stageout > $log/trace.txt 2>&1) &
 timeout 240 python3 -m pytest -q -m gpu -n 8 -rf --tb=short -p no:cacheprovider -W ignore tests/test_mla_decode.py tests/test_gemm_fp8.py \
-  -k "persistent_matches_seesaw or dense_overlap or persistent_matches_one_tile or wide_tiles_match_128_wide" \
+  -k "persistent_matches_seesaw or stage_out_is_the_direct or dense_overlap or persistent_matches_one_tile or wide_tiles_match_128_wide" \
   > "$out/tests.txt" 2>&1
 grep -E "FAILED|passed|failed|^E " "$out/tests.txt" | cut -c1-300 | tail -12
 wait
-grep -E "^==|persistent, pairs|wg0 (ready|sums|stored|q_full) .*pairs 29|timeline" "$out/trace.txt" | cut -c1-250
+grep -E "^==|persistent, pairs|wg0 (ready|sums|stored|q_full) .*pairs 29|timeline" $log/trace.txt | cut -c1-250
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
-for shape in h128 balance; do
+for shape in h128 balance decode; do
   timeout 150 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 4 \
-    --providers tilecraft,tilecraft-persistent-earlyq,tilecraft-persistent-stageout,flash_mla > "$out/$shape.txt" 2>&1
-  grep -E "^b=" "$out/$shape.txt" | cut -c1-150
+    --providers tilecraft,tilecraft-persistent-earlyq,tilecraft-stageout,flash_mla > $log/$shape.txt 2>&1
+  grep -E "^b=" $log/$shape.txt | cut -c1-150
 done

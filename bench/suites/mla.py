@@ -185,6 +185,16 @@ def seesaw(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
+def staged(case, i):
+    """The op's own bf16 tiling with stage_out=True (bench/NOTES.md "Session 78"): each warpgroup's output through its
+    latent query tile, 16 bytes a thread; not for the swapped kernel (<= 32 rows)."""
+    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), stage_out=True)
+    if tiling.get("swapped"):
+        raise ValueError(f"stage_out is built for the default operand order, not for {case['s_q'] * case['h_q']} "
+                         "rows (swapped)")
+    return tilecraft_variant(case, i, tiling)
+
+
 def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
     units back to back, the next unit's query and first steps loading under the last one's output; the
@@ -256,9 +266,8 @@ SUITE = Suite(
         # the next piece's query loaded once the last scores are done, not after the last P V (NOTES "Session 77")
         Provider("tilecraft-persistent-earlyq", lambda c, i: persistent(c, i, lazy=8.0, early_q=True),
                  experimental=True),
-        # a whole sequence's output staged in the query tiles, copied out 16 bytes a thread (NOTES "Session 78")
-        Provider("tilecraft-persistent-stageout", lambda c, i: persistent(c, i, lazy=8.0, stage_out=True),
-                 experimental=True),
+        # the op's tiling with the output staged in the query tiles, copied out 16 bytes a thread (NOTES "Session 78")
+        Provider("tilecraft-stageout", staged, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
