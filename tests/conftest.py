@@ -5,6 +5,48 @@ import pytest
 
 # Every test session gets its own kernel cache, so runs never depend on ~/.cache state.
 os.environ.setdefault("TILECRAFT_CACHE_DIR", tempfile.mkdtemp(prefix="tilecraft-test-cache-"))
+# nvcc's output for a source, kept for this session (both xdist workers: they share the directory above).
+# Several tests build the same generated source (a kernel one test checks in SASS and another in its ptxas log),
+# and each nvcc run is 3-10 s of CI, most of it parsing TileLang's headers. Fixed here, at session start: a test
+# that points TILECRAFT_CACHE_DIR elsewhere (fresh_cache) still shares the builds.
+_CUBINS = os.path.join(os.environ["TILECRAFT_CACHE_DIR"], "test-cubins")
+
+
+def pytest_configure(config):
+    from backends.cuda import sass
+
+    build = sass.compile_cubin
+    if getattr(build, "memo", False):
+        return
+
+    def compile_cubin(source, arch, flags=None):
+        """sass.compile_cubin, once per (nvcc, source, arch, flags) a session: the same bytes and log."""
+        import hashlib
+
+        from backends.cuda.toolchain import find_toolchain
+
+        # the nvcc path in the key: a test that points TILECRAFT_NVCC at another compiler builds anew
+        # (a missing toolchain raises here, as the real call would; failures are never kept)
+        key = hashlib.sha256(repr((str(find_toolchain().nvcc), source, arch, flags)).encode()).hexdigest()
+        path = os.path.join(_CUBINS, key)
+        try:
+            with open(path + ".cubin", "rb") as f:
+                cubin = f.read()
+            with open(path + ".log") as f:
+                return cubin, f.read()
+        except OSError:
+            pass
+        cubin, log = build(source, arch, flags)
+        os.makedirs(_CUBINS, exist_ok=True)
+        for ext, data, mode in ((".log", log, "w"), (".cubin", cubin, "wb")):   # the cubin last: it marks the pair
+            tmp = f"{path}{ext}.{os.getpid()}"
+            with open(tmp, mode) as f:
+                f.write(data)
+            os.replace(tmp, path + ext)
+        return cubin, log
+
+    compile_cubin.memo = True
+    sass.compile_cubin = compile_cubin
 
 
 def _gpu_missing_reason():
