@@ -1532,8 +1532,10 @@ def test_mxfp4_takes_e4m3_activations_with_their_scales():
         ops.mxfp4_gemm_nt(qa, packed, scales, sfa=sfa[:, :2].contiguous())
 
 
-@pytest.mark.parametrize("target,instr,splits", [("sm_90a", "HGMMA", 1), ("sm_90a", "HGMMA", 2),
-                                                  ("sm_100a", "UTCHMMA", 1), ("sm_100a", "UTCHMMA", 2)])
+# (sm_90a's HGMMA, with K split and without: test_mxfp4_decoded_loop_on_sm90a_overlaps_the_decode_with_the_mma
+# builds the same program at splits=4 and 1 and finds HGMMA in its K loop, a split's tail steps included; building it
+# here too was ~25 s of CI)
+@pytest.mark.parametrize("target,instr,splits", [("sm_100a", "UTCHMMA", 1), ("sm_100a", "UTCHMMA", 2)])
 def test_mxfp4_lowers_to_bf16_tensor_cores(target, instr, splits):
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
@@ -3472,9 +3474,9 @@ def test_grouped_mxfp4_invalid_inputs():
 
 
 # sm_90a builds one mode (~25-40 s of CI each; the modes differ in their row index math only, and
-# masked groups of <= 64 rows take the swapped kernel: test_mxfp4_masked_swapped_lowers_to_register_wgmma)
-@pytest.mark.parametrize("target,instr,mode", [("sm_90a", "HGMMA", "contiguous"), ("sm_100a", "UTCHMMA", "contiguous"),
-                                               ("sm_100a", "UTCHMMA", "masked")])
+# masked groups of <= 64 rows take the swapped kernel: test_mxfp4_masked_swapped_lowers_to_register_wgmma);
+# sm_100a the other (its contiguous build was ~6 s of CI): each mode lowers, each target's MMA is checked
+@pytest.mark.parametrize("target,instr,mode", [("sm_90a", "HGMMA", "contiguous"), ("sm_100a", "UTCHMMA", "masked")])
 def test_grouped_mxfp4_lowers_to_bf16_tensor_cores(target, instr, mode):
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
