@@ -195,9 +195,10 @@ def test_hash_route():
         ops.moe_hash_route(logits, input_ids, tid2eid + 16)
 
 
-@pytest.mark.parametrize("target,marker", [("sm_90a", "__global__"), ("ascend", "__simt_vf__")])
-def test_lowers_for_gpu_targets(target, marker):
-    assert marker in moe_route_program.source(target, num_experts=64, top_k=6, n_group=8, topk_group=4)
+# (the block program on sm_90a: test_padded_tile_lowers_for_sm_90a lowers it and finds its __global__ kernel, at a
+# padded shape; a second sm_90a lowering here was ~14 s of CI)
+def test_lowers_for_ascend():
+    assert "__simt_vf__" in moe_route_program.source("ascend", num_experts=64, top_k=6, n_group=8, topk_group=4)
 
 
 # counts that are not powers of two: the block program pads its (groups, experts a group) tile
