@@ -558,9 +558,10 @@ class _MlaPiece:
         self.bi, self.first, self.steps, self.seqlen, self.slot = (v[0] for v in vars_)
         # what only the epilogue reads, into registers with the rest (one load each: as expressions, every use
         # reloaded it behind bounds checks, 800 loads and 2.3x the kernel's code); loaded in the epilogue, its
-        # first branch waited ~an L2 round trip for them
-        epi = [T.alloc_var("int32") for _ in range(4)]
-        self.out_bi, self.idx0, self.pieces, self.own = (v[0] for v in epi)
+        # first branch waited ~an L2 round trip for them. out_bi: the output's sequence (the piece's)
+        epi = [T.alloc_var("int32") for _ in range(3)]
+        self.idx0, self.pieces, self.own = (v[0] for v in epi)
+        self.out_bi = self.bi
         # the merge's (_merge_pieces): a lane's sums (8 rows x 4 columns), the 8 rows' lse, maxima, weight sums
         self.merge = (T.alloc_local((MERGE_ROWS // 2, 4), "float32"),
                       *(T.alloc_local((MERGE_ROWS // 2,), "float32") for _ in range(3)))
@@ -639,13 +640,12 @@ def _merge_pieces(Out, Lse, OPart, LsePart, u, row0, col0, cols, h_q, sdt, stats
 
 
 @T.macro
-def _load_piece(Pieces, SeqLens, u, bi, first, steps, seqlen, slot, out_bi, idx0, pieces, own):
+def _load_piece(Pieces, SeqLens, u, bi, first, steps, seqlen, slot, idx0, pieces, own):
     bi = Pieces[u, 0]
     first = Pieces[u, 1]
     steps = Pieces[u, 2]
     seqlen = SeqLens[bi]
     slot = u
-    out_bi = bi
     idx0 = Pieces[u, 3]
     pieces = Pieces[u, 4]
     own = Pieces[u, 5]
