@@ -28,6 +28,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.trace_mla needs a CUDA GPU (sm_90a): none found", file=sys.stderr)
         return 2
+    direct128 = {k: v for k, v in pick_tiling(128, "bf16", "sm_90a", 64).items() if k != "stage_out"}
     swapped_fp8 = FP8_FOLD          # (the op's FP8 kernel at 16 rows is ops.mla_decode_fp8_rs: bench.trace_mla_rs)
     # decode rows: b=128 h_q=16 8192 (the op's tilings; the swapped FP8 kernel with stage_raw, without
     # rope_direct, without fold_scales), b=128 h_q=128 4096
@@ -39,12 +40,14 @@ def main() -> int:
              # seesaw: a stamp per pair of steps (WG0 scores the first, WG1 the second)
              "bf16-128-seesaw": (4, "bf16", dict(block_n=64, stages=2, seesaw=True)),
              # persistent: CTA 0's two units back to back, a stamp per pair across both (pairs 32+: unit 2);
-             # the op's build at 128 rows (lazy rescaling, splits dealt whole: no merge)
+             # the op's build at 128 rows (lazy rescaling, splits dealt whole: no merge; the output staged in the
+             # query tiles, the next unit's query loaded after the epilogue)
              "bf16-128-persistent": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64)),
-             # ... with the next unit's query loaded once the last scores are done (early_q)
-             "bf16-128-persistent-earlyq": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), early_q=True)),
-             # ... with the output staged in the query tiles (stage_out): the epilogue's stores 16 bytes a thread
-             "bf16-128-persistent-stageout": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), stage_out=True)),
+             # ... with the accumulator stored directly (4 bytes of 8 rows a warp instruction), the next query
+             # loaded under the epilogue (the op before session 79)
+             "bf16-128-persistent-direct": (4, "bf16", direct128),
+             # ... and that query loaded once the last scores are done (early_q)
+             "bf16-128-persistent-earlyq": (4, "bf16", dict(direct128, early_q=True)),
              # ... with 32 sequences (16 parts of 2 CTAs): is the hand-over the DRAM burst of every CTA switching units
              # at once (each loads a query and two steps, ~221 KB), or the CTA's own latency?
              "bf16-128-persistent-b32": (4, "bf16", pick_tiling(128, "bf16", "sm_90a", 64), 32)}

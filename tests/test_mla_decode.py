@@ -242,13 +242,18 @@ def test_pick_tiling_takes_the_persistent_seesaw_with_lazy_at_128_rows():
     """The bf16 cache at 128+ query rows (a multiple of 64) on sm_90a with pages of 64+ tokens: the persistent seesaw
     with lazy rescaling (bench/NOTES.md "Session 73"); fewer rows, other row counts, smaller pages, the FP8 cache and
     the other targets keep their tilings; the schedule's splits dealt whole, merged by the combine kernel (merge=False:
-    the in-kernel merge of cut sequences lost on an H100, "Session 76"). The program takes it (traced: no lowering)."""
-    full = dict(block_n=64, stages=2, seesaw=True, persistent=True, lazy=8.0, merge=False)
+    the in-kernel merge of cut sequences lost on an H100, "Session 76"). The bf16 cache in the default operand order
+    on sm_90a stages its output through the query tiles ("Session 79"); swapped (<= 32 rows), the FP8 cache and the
+    other targets do not. The program takes it (traced: no lowering)."""
+    full = dict(block_n=64, stages=2, seesaw=True, persistent=True, lazy=8.0, merge=False, stage_out=True)
     assert pick_tiling(128, "bf16", "sm_90a", 64) == full and pick_tiling(512, "bf16", "sm_90a", 256) == full
-    for rows, page in ((64, 64), (160, 64), (128, 32)):
-        assert pick_tiling(rows, "bf16", "sm_90a", page) == dict(block_n=min(64, page), stages=2), (rows, page)
-    assert "persistent" not in pick_tiling(128, "fp8", "sm_90a", 64)
-    assert "persistent" not in pick_tiling(128, "bf16", "sm_100a", 64)
+    for rows, page in ((64, 64), (160, 64), (128, 32), (48, 64), (32, 16)):
+        assert pick_tiling(rows, "bf16", "sm_90a", page) == dict(block_n=min(64, page), stages=2, stage_out=True), \
+            (rows, page)
+    assert pick_tiling(32, "bf16", "sm_90a", 64) == dict(block_n=64, stages=2, swapped=True)
+    for fmt, target in (("fp8", "sm_90a"), ("bf16", "sm_100a"), ("bf16", "ascend:950")):
+        t = pick_tiling(128, fmt, target, 64)
+        assert "persistent" not in t and "stage_out" not in t, (fmt, target, t)
     mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1, **full))
 
 
@@ -300,7 +305,7 @@ def test_schedule_split_knobs():
         get_mla_schedule(one, 1, 32, 256, batch_invariant=True, max_splits=64)
 
 
-@pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("fp8", 16, 1)])
+@pytest.mark.parametrize("fmt,h_q,s_q", [("bf16", 16, 1), ("fp8", 16, 1), ("bf16", 64, 1)])
 def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     """tile.attention_loop on sm_90a: one TMA producer warpgroup (registers 80) and two MMA warpgroups
     (240 / 168), only the rule's own named barriers (the thread-sync pass is off), the per-CTA
@@ -317,21 +322,26 @@ def test_sm_90a_pipeline_structure(fmt, h_q, s_q):
     assert_sm90_roles(src)
     try:
         cubin, log = _build_with_ptxas_log(src)
-        hist = histogram(disassemble(cubin))
+        sass = disassemble(cubin)
+        hist = histogram(sass)
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
     assert hist.get("HGMMA", 0) > 0 and hist.get("UTMALDG", 0) > 0 and hist.get("HMMA", 0) == 0
     assert wgmma_serialized(log) == [], wgmma_serialized(log)
     assert hist.get("STL", 0) == 0 and "0 bytes spill stores" in log
+    # stage_out (the default operand order, bf16): the output leaves through shared memory, 16 bytes a thread
+    assert ("STG.E.128" in sass) == bool(tiling.get("stage_out")), tiling
 
 
 def assert_sm90_roles(src):
     """The warp-specialized roles of an sm_90a MLA source: 384 threads, registers 240 / 168 / 80 by warpgroup, only
-    the rule's own named barriers, no int64 division by the split count in the TMA issue."""
+    the rule's own named barriers (and stage_out's tile.barrier of each MMA warpgroup, 11 and 10), no int64 division
+    by the split count in the TMA issue."""
     assert "__launch_bounds__(384, 1)" in src
     assert all(f"warpgroup_reg_{k}<{n}>" in src for k, n in (("alloc", 240), ("alloc", 168), ("dealloc", 80)))
     partial = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src))
-    assert partial <= {("13", "128"), ("14", "128"), ("15", "128")}, partial  # 13: WG1 converting (swapped FP8)
+    own = {("13", "128"), ("14", "128"), ("15", "128")}     # 13: WG1 converting (swapped FP8)
+    assert partial <= own | {("10", "128"), ("11", "128")}, partial
     assert "% ((int64_t)max_splits)" not in src and "/ ((int64_t)max_splits)" not in src
 
 

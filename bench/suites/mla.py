@@ -168,10 +168,11 @@ def fp8_swapped_with(case, i, **options):
 
 
 def plain_tiling(case):
-    """pick_tiling's bf16 tiling without its schedule (seesaw, persistent, lazy: the op's choice at 128+ rows), so
-    that the providers below name each schedule themselves."""
+    """pick_tiling's bf16 tiling without its schedule (seesaw, persistent, lazy: the op's choice at 128+ rows) and
+    without stage_out (the output through the query tiles, the op's choice in the default operand order since
+    session 79), so that the providers below name each choice themselves."""
     t = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
-    return {k: v for k, v in t.items() if k not in ("seesaw", "persistent", "lazy")}
+    return {k: v for k, v in t.items() if k not in ("seesaw", "persistent", "lazy", "stage_out")}
 
 
 def seesaw(case, i, **options):
@@ -185,14 +186,13 @@ def seesaw(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
-def staged(case, i):
-    """The op's own bf16 tiling with stage_out=True (bench/NOTES.md "Session 78"): each warpgroup's output through its
-    latent query tile, 16 bytes a thread; not for the swapped kernel (<= 32 rows)."""
-    tiling = dict(pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE), stage_out=True)
-    if tiling.get("swapped"):
-        raise ValueError(f"stage_out is built for the default operand order, not for {case['s_q'] * case['h_q']} "
-                         "rows (swapped)")
-    return tilecraft_variant(case, i, tiling)
+def direct(case, i):
+    """The op's own bf16 tiling without stage_out (the op before session 79: each thread stores its accumulator's
+    values, 4 bytes of 8 rows a warp instruction); not for the swapped kernel (<= 32 rows), which never stages."""
+    tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
+    if not tiling.get("stage_out"):
+        raise ValueError(f"the op does not stage its output at {case['s_q'] * case['h_q']} rows (swapped operands)")
+    return tilecraft_variant(case, i, {k: v for k, v in tiling.items() if k != "stage_out"})
 
 
 def persistent(case, i, **options):
@@ -266,8 +266,8 @@ SUITE = Suite(
         # the next piece's query loaded once the last scores are done, not after the last P V (NOTES "Session 77")
         Provider("tilecraft-persistent-earlyq", lambda c, i: persistent(c, i, lazy=8.0, early_q=True),
                  experimental=True),
-        # the op's tiling with the output staged in the query tiles, copied out 16 bytes a thread (NOTES "Session 78")
-        Provider("tilecraft-stageout", staged, experimental=True),
+        # the op's tiling with the accumulator stored directly, not staged in the query tiles (NOTES "Session 79")
+        Provider("tilecraft-direct", direct, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
