@@ -1180,7 +1180,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     sm_100a 64-token steps one stage deep, 128 threads. The bf16 cache at 128+ rows (a multiple of 64) on sm_90a
     with pages of 64+ tokens: the persistent seesaw with lazy rescaling (H100: 0.92-0.96x FlashMLA where the
     two-warpgroup schedule was 0.86-0.95x, bench/NOTES.md "Session 73" and "Session 74"). The bf16 cache in the
-    default operand order on sm_90a stages its output through the query tiles (stage_out; H100, session 79: at
+    default operand order on sm_90a with pages of 64+ tokens stages its output through the query tiles (stage_out;
+    H100, session 79: at
     h_q 128 0.995 / 0.944 / 0.971x FlashMLA where the direct stores were 0.968 / 0.918 / 0.946x, 1.3% at h_q 64).
     On ascend:950 (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector
     cores' UB)."""
@@ -1207,9 +1208,10 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
             # numbers; the same distance from an fp64 reference within 0.4%, bench/NOTES.md "Session 74")
             return dict(block_n=BLOCK_N, stages=2, seesaw=True, persistent=True, lazy=8.0, merge=False,
                         stage_out=True)
-        # the output through the query tiles (stage_out) where the operands are not swapped: bench/NOTES.md
-        # "Session 79", 1.3% at h_q 64 on an H100
-        return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else {"stage_out": True}))
+        # the output through the query tiles (stage_out) where the operands are not swapped, with pages of 64+
+        # tokens (measured there: bench/NOTES.md "Session 79", 1.3% at h_q 64 on an H100)
+        staged = {"stage_out": True} if page >= BLOCK_N and not swapped else {}
+        return dict(block_n=min(BLOCK_N, page), stages=2, **({"swapped": True} if swapped else staged))
     if swapped:   # the fold where it fits (16 rows), else e4m3 -> bf16 in the converters (32 rows)
         fold = rows <= SWAPPED_TILES["fp8-fold"][-1]
         return dict(block_n=BLOCK_N, stages=2, raw_stages=2, kv_format="fp8", swapped=True, rope_direct=True,
