@@ -140,6 +140,8 @@ class Units:
                                 # not after the unit's last P V (a target may ignore it: the same results)
     query_staging: bool = False  # the epilogue may write the unit's query tiles (staging for its output, after
                                  # tile.barrier of its threads): the next unit's query loads after the epilogue
+    steps_first: bool = False   # with query_staging: the next unit's first steps load before its query (under the
+                                # last unit's epilogue), the query once the epilogue is done
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
                        own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False,
-                       stage_out: bool = False):
+                       stage_out: bool = False, kv_first: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -247,7 +247,10 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     nobody once the epilogue runs) and copied out 16 bytes a thread, a warp a 512-byte row an instruction, where the
     accumulator's layout stores 4 (8) bytes of 8 rows a warp instruction (_stage_store); persistent, the next
     piece's query loads after it (tile.Units.query_staging). Without seesaw the fp32 partials are stored as before
-    (its 168 registers a thread spilled 304 bytes with their two passes). The same bits."""
+    (its 168 registers a thread spilled 304 bytes with their two passes). The same bits.
+
+    kv_first=True (persistent with stage_out): the next piece's first steps load before its query, under the
+    epilogue (tile.Units.steps_first), the query once the epilogue has read its staging. The same bits."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -265,6 +268,9 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"the next query into them during the epilogue); got target {targets.current().name}, "
                          f"threads={threads}, warp_specialized={warp_specialized}, swapped={swapped}, "
                          f"early_q={early_q}")
+    if kv_first and not (persistent and stage_out):
+        raise ValueError("kv_first=True (the next piece's first steps before its query) is built for persistent=True "
+                         f"with stage_out=True, got persistent={persistent}, stage_out={stage_out}")
     if own_p and not seesaw:
         raise ValueError("own_p=True (each warpgroup's own P V from registers) is built for seesaw=True")
     if lazy and not (kv_format == "bf16" and not swapped and lazy > 0):
@@ -477,7 +483,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                             o, col0, l, m, stats, Out, Lse, OPart, LsePart, Counters, u, mt, q_tiles),
                         query=lambda u: [(Q[u.bi, mt * BLOCK_M:(mt + 1) * BLOCK_M, c0:c0 + w], n)
                                          for n, (c0, w, _) in enumerate(q_parts)]), early_query=early_q,
-                        query_staging=stage_out))
+                        query_staging=stage_out, steps_first=kv_first))
 
         return mla_decode_persistent
 

@@ -1013,6 +1013,10 @@ def test_persistent_builds_and_says_what_it_needs():
         with pytest.raises(ValueError, match="stage_out=True .* is built for CUDA's two MMA warpgroups"):
             mla_decode_program.source(target, **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
                                                         stage_out=True), **bad})
+    for bad in (dict(stage_out=False), dict(persistent=False)):     # the next steps before the query
+        with pytest.raises(ValueError, match="kv_first=True .* is built for persistent=True with stage_out=True"):
+            mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
+                                                          stage_out=True, kv_first=True), **bad})
 
 
 @pytest.mark.gpu
@@ -1231,7 +1235,7 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}])
+@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}, {"stage_out": True, "kv_first": True}])
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
@@ -1245,7 +1249,8 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     parts (the part count forced low through the SM count, so a CTA runs several units back to back), within the
     reference's bounds, and the same from a CUDA graph; so does early_q (the next unit's query loaded once the last
     scores are done: zero-length and one-step units arrive before their loops), and stage_out (a whole sequence's
-    output through the query tiles, the next query loaded after it)."""
+    output through the query tiles, the next query loaded after it; with kv_first the next unit's first steps issued
+    before that query)."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")

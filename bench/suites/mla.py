@@ -195,6 +195,15 @@ def direct(case, i):
     return tilecraft_variant(case, i, {k: v for k, v in tiling.items() if k != "stage_out"})
 
 
+def kv_first(case, i):
+    """The op's tiling with kv_first=True (persistent at 128+ rows: the next piece's first steps load under the
+    epilogue, its query after it; bench/NOTES.md "Session 79")."""
+    tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
+    if not tiling.get("persistent"):
+        raise ValueError(f"kv_first is built for the persistent kernel (128+ rows), not {case['s_q'] * case['h_q']}")
+    return tilecraft_variant(case, i, dict(tiling, kv_first=True))
+
+
 def persistent(case, i, **options):
     """The seesaw in one wave of persistent CTAs (bench/NOTES.md "MLA persistent seesaw"): each part's
     units back to back, the next unit's query and first steps loading under the last one's output; the
@@ -268,6 +277,8 @@ SUITE = Suite(
                  experimental=True),
         # the op's tiling with the accumulator stored directly, not staged in the query tiles (NOTES "Session 79")
         Provider("tilecraft-direct", direct, experimental=True),
+        # ... and the next piece's first steps issued before its query, under the epilogue (NOTES "Session 79")
+        Provider("tilecraft-kvfirst", kv_first, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,

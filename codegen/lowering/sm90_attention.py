@@ -1142,6 +1142,9 @@ def _seesaw(steps, loads, q, kv, kv_s, raw, v, valid_rows, visible, scale, stage
     if units is not None and units.early_query and units.query_staging:
         raise ValueError("attention_loop(units=...): early_query (the next query loaded under the last P V) and "
                          "query_staging (the epilogue writes the query tiles) exclude each other")
+    if units is not None and units.steps_first and not units.query_staging:
+        raise ValueError("attention_loop(units=...): steps_first (the next unit's first steps before its query) is "
+                         "built for query_staging (the query waits for the epilogue)")
     if units is None:
         unit = _Unit(steps, loads, valid_rows, visible, epilogue)
         _seesaw_warpgroups(unit, q, kv_s, v, scale, f[0], f[1], sw, stages, kv[v[0]][1], trace)
@@ -1172,7 +1175,7 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
         _seesaw_finish(1, f1.o, col1, f1.l_i, f1.m_i, sw, unit.epilogue, 0)
     else:
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
-        _seesaw_producer(unit, _At(), kv, v, sw, stages, trace)
+        _seesaw_producer(unit, _At(), kv, v, sw, stages, trace, 0, unit.steps)
 
 
 # ---- units (tile.Units): a persistent CTA runs the seesaw over a list of units back to back ----------
@@ -1183,7 +1186,8 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
 # (q_empty): by default after its last P V, so the next unit's query and first steps load under the
 # last one's epilogue; with Units.early_query right after each warpgroup's last scores, so the query
 # loads under the last P V too and the next unit's steps follow as their slots are released; with
-# Units.query_staging after the epilogue, which used the query tiles to stage its output.
+# Units.query_staging after the epilogue, which used the query tiles to stage its output (with steps_first the
+# next unit's first `stages` steps are issued before it, loading under the epilogue).
 
 @dataclass(frozen=True)
 class _Counts:
@@ -1220,10 +1224,20 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
             u.load(units.begin + x)
-            T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's query is read
-            _issue_query(u.query(), q, sw.q_full[0])
-            _stamp(trace, cnt.J[0], "prod q issue")
-            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace)
+            if units.steps_first:
+                # the query tiles are free only after the last unit's epilogue: its first steps go first, loading
+                # under the epilogue (their slots are released by the last P V), then the query
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, T.min(unit.steps, stages))
+                T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)
+                _issue_query(u.query(), q, sw.q_full[0])
+                _stamp(trace, cnt.J[0], "prod q issue")
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, T.min(unit.steps, stages),
+                                 unit.steps)
+            else:
+                T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)      # the last unit's query is read
+                _issue_query(u.query(), q, sw.q_full[0])
+                _stamp(trace, cnt.J[0], "prod q issue")
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, unit.steps)
             _advance(unit, block_n, cnt)
 
 
@@ -1276,9 +1290,10 @@ def _advance_counts(steps, valid_rows, block_n, g, J, F, tp, done):
 
 
 @T.macro
-def _seesaw_producer(unit, at, kv, v, sw, stages, trace):
-    # part by part, in order, each as soon as its readers have released it
-    for k in T.serial(unit.steps):
+def _seesaw_producer(unit, at, kv, v, sw, stages, trace, k0, k1):
+    # steps k0 .. k1 - 1 of the unit, part by part, in order, each as soon as its readers have released it
+    for kk in T.serial(k1 - k0):
+        k = k0 + kk
         if unit.prefetch is not None:
             unit.prefetch(k)
         _issue_parts(unit.loads, k, at.g, kv, stages, sw)
