@@ -48,6 +48,8 @@ def main() -> int:
              "bf16-128-persistent-direct": (4, "bf16", direct128),
              # ... the op's, with the next unit's first steps issued before its query (kv_first)
              "bf16-128-persistent-kvfirst": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), kv_first=True)),
+             # ... the op's, with the staged output out by TMA stores (out_tma)
+             "bf16-128-persistent-outtma": (4, "bf16", dict(pick_tiling(128, "bf16", "sm_90a", 64), out_tma=True)),
              # ... and that query loaded once the last scores are done (early_q)
              "bf16-128-persistent-earlyq": (4, "bf16", dict(direct128, early_q=True)),
              # ... with 32 sequences (16 parts of 2 CTAs): is the hand-over the DRAM burst of every CTA switching units

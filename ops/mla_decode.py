@@ -136,23 +136,37 @@ def _as(x, dt):
 # accumulator's layout stores 4 (bf16) or 8 (fp32) bytes of 8 rows a warp instruction, from shared memory a warp
 # writes 512 bytes of one row an instruction (bench/NOTES.md "Session 78"). fp32 goes in two passes of w / 2
 # columns through a float32 view (the tile's swizzle kept: its float2 stores are two wavefronts a warp). rows: write
-# rows r0 + i < rows only (None: all). The threads are warpgroup `group`'s (tile.barrier(group=)).
+# rows r0 + i < rows only (None: all). The threads are warpgroup `group`'s (tile.barrier(group=)). tma: whole tiles
+# leave by TMA stores (out_tma; not for partials that the same kernel merges: the issuing thread waits only until
+# the stores have read shared memory, not until other CTAs can see them).
 @T.macro
-def _stage_store(o, staging, group, Dst, d, r0, c0, rows):
+def _stage_store(o, staging, group, Dst, d, r0, c0, rows, tma):
     if Dst.dtype == "float32":
         cols = o.shape[1] // 2
         wide = T.view(staging, (BLOCK_M, cols), "float32")
         for h in T.unroll(2):
             for i, j in tile.parallel(BLOCK_M, cols):
                 wide[i, j] = o[i, h * cols + j]
-            tile.barrier(threads=WG_THREADS, group=group)
-            _copy_rows(wide, Dst, d, r0, c0 + h * cols, rows)
+            _staged(wide, group, Dst, d, r0, c0 + h * cols, rows, tma)
             tile.barrier(threads=WG_THREADS, group=group)     # (the next pass writes over it)
     else:
         for i, j in tile.parallel(BLOCK_M, o.shape[1]):
             staging[i, j] = T.cast(o[i, j], Dst.dtype)
+        _staged(staging, group, Dst, d, r0, c0, rows, tma)
+
+
+# the staged tile out, once the warpgroup's writes are done: by its threads 16 bytes each, or (tma, whole tiles) as
+# TMA stores of the tile's 128-byte-swizzled boxes, issued by one thread, which waits until they have read it (T.copy
+# shared -> global on sm_90a: tma_store + wait_group.read); every writer fences its generic-proxy stores first
+@T.macro
+def _staged(src, group, Dst, d, r0, c0, rows, tma):
+    if tma and rows is None:
+        T.fence_proxy_async()
         tile.barrier(threads=WG_THREADS, group=group)
-        _copy_rows(staging, Dst, d, r0, c0, rows)
+        tile.copy(src, Dst[d, r0:r0 + BLOCK_M, c0:c0 + src.shape[1]])
+    else:
+        tile.barrier(threads=WG_THREADS, group=group)
+        _copy_rows(src, Dst, d, r0, c0, rows)
 
 
 @T.macro
@@ -187,7 +201,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                        raw_rows: int | None = None, stage_raw: bool = False, rope_direct: bool = False,
                        fold_scales: bool = False, seesaw: bool = False, persistent: bool = False,
                        own_p: bool = False, lazy: float = 0.0, merge: bool = True, early_q: bool = False,
-                       stage_out: bool = False, kv_first: bool = False):
+                       stage_out: bool = False, kv_first: bool = False, out_tma: bool = False):
     """Split-KV MLA decode: partial (O, lse) per split, or the final output when unsplit.
 
     Each CTA walks its split of 64-token schedule blocks in steps of `block_n` tokens with
@@ -250,7 +264,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
     (its 168 registers a thread spilled 304 bytes with their two passes). The same bits.
 
     kv_first=True (persistent with stage_out): the next piece's first steps load before its query, under the
-    epilogue (tile.Units.steps_first), the query once the epilogue has read its staging. The same bits."""
+    epilogue (tile.Units.steps_first), the query once the epilogue has read its staging. The same bits.
+
+    out_tma=True (with stage_out): a whole staged tile leaves by TMA stores (tile.copy shared -> global: its
+    128-byte-swizzled boxes, one thread issuing them and waiting until they have read the tile) instead of 16 bytes
+    a thread; tiles with padding rows (rows not a multiple of 64) keep the threads' stores. The same bits."""
     assert BLOCK_N % block_n == 0 and block_n % 16 == 0
     if persistent and not (seesaw and kv_format == "bf16" and not swapped and (s_q * h_q) % BLOCK_M == 0
                            and block_n == BLOCK_N and page >= BLOCK_N):
@@ -268,6 +286,8 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                          f"the next query into them during the epilogue); got target {targets.current().name}, "
                          f"threads={threads}, warp_specialized={warp_specialized}, swapped={swapped}, "
                          f"early_q={early_q}")
+    if out_tma and not stage_out:
+        raise ValueError("out_tma=True (the staged output out by TMA stores) is built for stage_out=True")
     if kv_first and not (persistent and stage_out):
         raise ValueError("kv_first=True (the next piece's first steps before its query) is built for persistent=True "
                          f"with stage_out=True, got persistent={persistent}, stage_out={stage_out}")
@@ -347,7 +367,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             if si < splits:
                 if splits == 1:
                     if stage_out:
-                        _stage_store(o, q_tiles[group], group, Out, bi, mt * BLOCK_M, col0, whole_rows)
+                        _stage_store(o, q_tiles[group], group, Out, bi, mt * BLOCK_M, col0, whole_rows, out_tma)
                     else:
                         for i, j in tile.parallel(mine, o.shape[1]):
                             r = mt * BLOCK_M + first + i
@@ -362,7 +382,7 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                 else:
                     slot = bi * max_splits + si
                     if stage_out and seesaw:   # (the plain schedule's 168 registers a thread: its passes spilled)
-                        _stage_store(o, q_tiles[group], group, OPart, slot, mt * BLOCK_M, col0, whole_rows)
+                        _stage_store(o, q_tiles[group], group, OPart, slot, mt * BLOCK_M, col0, whole_rows, out_tma)
                     elif rows % BLOCK_M == 0:
                         for i, j in tile.parallel(mine, o.shape[1]):
                             OPart[slot, mt * BLOCK_M + first + i, col0 + j] = o[i, j]
@@ -426,12 +446,12 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
             o[i, j] = T.if_then_else(l[i] > 0.0, o[i, j] * l[i], 0.0)
         if u.pieces == 1:
             if stage_out:       # (through this warpgroup's latent query columns, as wide as o: _stage_store)
-                _stage_store(o, q_tiles[group], group, Out, u.out_bi, mt * BLOCK_M, col0, None)
+                _stage_store(o, q_tiles[group], group, Out, u.out_bi, mt * BLOCK_M, col0, None, out_tma)
             else:
                 for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                     Out[u.out_bi, mt * BLOCK_M + i, col0 + j] = T.cast(o[i, j], sdt)
         elif stage_out:
-            _stage_store(o, q_tiles[group], group, OPart, u.own, mt * BLOCK_M, col0, None)
+            _stage_store(o, q_tiles[group], group, OPart, u.own, mt * BLOCK_M, col0, None, out_tma and not merge)
         else:
             for i, j in tile.parallel(BLOCK_M, o.shape[1]):
                 OPart[u.own, mt * BLOCK_M + i, col0 + j] = o[i, j]

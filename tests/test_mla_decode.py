@@ -1013,6 +1013,8 @@ def test_persistent_builds_and_says_what_it_needs():
         with pytest.raises(ValueError, match="stage_out=True .* is built for CUDA's two MMA warpgroups"):
             mla_decode_program.source(target, **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
                                                         stage_out=True), **bad})
+    with pytest.raises(ValueError, match="out_tma=True .* is built for stage_out=True"):
+        mla_decode_program.source("sm_90a", h_q=64, s_q=1, out_tma=True)
     for bad in (dict(stage_out=False), dict(persistent=False)):     # the next steps before the query
         with pytest.raises(ValueError, match="kv_first=True .* is built for persistent=True with stage_out=True"):
             mla_decode_program.source("sm_90a", **{**dict(h_q=128, s_q=1, seesaw=True, persistent=True,
@@ -1235,7 +1237,8 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}, {"stage_out": True, "kv_first": True}])
+@pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}, {"stage_out": True, "kv_first": True},
+                                     {"stage_out": True, "out_tma": True}])
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
@@ -1250,7 +1253,7 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     reference's bounds, and the same from a CUDA graph; so does early_q (the next unit's query loaded once the last
     scores are done: zero-length and one-step units arrive before their loops), and stage_out (a whole sequence's
     output through the query tiles, the next query loaded after it; with kv_first the next unit's first steps issued
-    before that query)."""
+    before that query; with out_tma the staged tiles out by TMA stores)."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     monkeypatch.setattr(mla, "_sm_count", lambda device: sms)
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
@@ -1265,6 +1268,18 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)
     run()                                          # warm (no compile inside the capture)
     assert_graph_replay_gives(run, ref_out, ref_lse)
+
+
+def test_out_tma_stores_whole_tiles_by_tma():
+    """out_tma: a whole staged tile leaves by TMA stores of the query tile's boxes, one elected thread issuing them and
+    waiting until they have read it, after every writer's proxy fence and the warpgroup's barrier; a tile with padding
+    rows (48 rows) keeps the threads' stores; the persistent kernel's partials too where it merges them itself."""
+    src = mla_decode_program.source("sm_90a", h_q=64, s_q=1, **dict(pick_tiling(64, "bf16", "sm_90a", 64), out_tma=True))
+    assert src.count("tl::tma_store(Out_desc") == 2 and src.count("tl::tma_store_wait<0, true>()") == 2
+    assert re.search(r"fence_proxy_async\(\);\s+tl::__sync_thread_partial\(1[01], 128\);\s+if \(tl::tl_shuffle_elect<128>",
+                     src), "the writers' fence, the warpgroup's barrier, then one thread's stores"
+    padded = mla_decode_program.source("sm_90a", h_q=16, s_q=3, block_n=64, stages=2, stage_out=True, out_tma=True)
+    assert "tma_store" not in padded and "uint4" in padded
 
 
 @pytest.mark.gpu
@@ -1289,6 +1304,8 @@ def test_gpu_stage_out_is_the_direct_stores_bitwise(b, s_q, h_q, lens, tiling):
     out, lse = run(stage_out=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert not out.isnan().any()
+    out, lse = run(stage_out=True, out_tma=True)     # whole tiles out by TMA stores (48 rows: the threads' stores)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.gpu

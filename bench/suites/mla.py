@@ -195,6 +195,15 @@ def direct(case, i):
     return tilecraft_variant(case, i, {k: v for k, v in tiling.items() if k != "stage_out"})
 
 
+def out_tma(case, i):
+    """The op's bf16 tiling with out_tma=True where it stages its output (the staged tiles out by TMA stores, one
+    thread issuing them; bench/NOTES.md "Session 79")."""
+    tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
+    if not tiling.get("stage_out"):
+        raise ValueError(f"the op does not stage its output at {case['s_q'] * case['h_q']} rows (swapped operands)")
+    return tilecraft_variant(case, i, dict(tiling, out_tma=True))
+
+
 def kv_first(case, i):
     """The op's tiling with kv_first=True (persistent at 128+ rows: the next piece's first steps load under the
     epilogue, its query after it; bench/NOTES.md "Session 79")."""
@@ -279,6 +288,8 @@ SUITE = Suite(
         Provider("tilecraft-direct", direct, experimental=True),
         # ... and the next piece's first steps issued before its query, under the epilogue (NOTES "Session 79")
         Provider("tilecraft-kvfirst", kv_first, experimental=True),
+        # ... or the staged output out by TMA stores (NOTES "Session 79")
+        Provider("tilecraft-outtma", out_tma, experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
