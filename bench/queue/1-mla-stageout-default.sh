@@ -26,6 +26,6 @@ timeout 150 python3 -m bench.trace_mla bf16-128-persistent bf16-128-persistent-k
   > $log/trace.txt 2>&1
 grep -E "^==|persistent, pairs|wg0 (ready|sums|stored|q_full) .*pairs 29|timeline" $log/trace.txt | cut -c1-250
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
-timeout 150 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --jobs 5 \
-  --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,flash_mla > $log/h128.txt 2>&1
+timeout 150 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush read --jobs 6 \
+  --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,tilecraft-kvfirst-outtma,flash_mla > $log/h128.txt 2>&1
 grep -E "^b=" $log/h128.txt | cut -c1-150

@@ -9,7 +9,7 @@ out=${OUT:-/tmp/tilecraft-out}; log=/tmp/q; mkdir -p "$out" $log
 nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
 for shape in decode balance h128; do
-  timeout 170 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 5 \
-    --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,flash_mla > $log/$shape.txt 2>&1
+  timeout 170 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 6 \
+    --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,tilecraft-kvfirst-outtma,flash_mla > $log/$shape.txt 2>&1
   grep -E "^b=" $log/$shape.txt | cut -c1-150
 done
