@@ -1238,7 +1238,8 @@ def test_gpu_seesaw_own_p_is_the_seesaw_bitwise(b, s_q, h_q, lens, page, persist
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, {"early_q": True}, {"stage_out": True}, {"stage_out": True, "kv_first": True},
-                                     {"stage_out": True, "out_tma": True}])
+                                     {"stage_out": True, "out_tma": True}],
+                         ids=["direct", "early_q", "stage_out", "kv_first", "out_tma"])
 @pytest.mark.parametrize("b,s_q,h_q,lens,page,sms", [
     (9, 1, 128, [1000, 64, 0, 1, 4097, 65, 128, 3000, 2049], 64, 16),   # ~2-3 units a part, odd steps, tails
     (3, 2, 64, [300, 2049, 7], 64, 4),          # causal, two row tiles, every unit on one part
@@ -1316,11 +1317,13 @@ def test_gpu_stage_out_is_the_direct_stores_bitwise(b, s_q, h_q, lens, tiling):
     (128, 1, 128, [4096] * 128, 64, 132, False),   # the issue row's deal (every other sequence cut in two)
     (5, 1, 128, [5000, 300, 9000, 64, 1100], 64, 132, True),   # batch-invariant: the 16-block splits merged
 ])
-def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, lens, page, sms, invariant):
+@pytest.mark.parametrize("variant", [{}, {"stage_out": True, "out_tma": True}], ids=["direct", "out_tma"])
+def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, lens, page, sms, invariant, variant):
     """The persistent seesaw over the cut deal (pieces of sequences merged in the kernel by the last to finish),
     the part count forced through the SM count: within the reference's bounds on NaN-poisoned inputs, the same
     bits run to run and from a CUDA graph, every arrival counter back at 0 after the launch. A sequence dealt as
-    one piece has the bits of the seesaw CTA that runs it unsplit (the same products and epilogue)."""
+    one piece has the bits of the seesaw CTA that runs it unsplit (the same products and epilogue). The same with
+    the output staged (stage_out; out_tma: whole pieces out by TMA stores, the merged partials by the threads')."""
     mla = importlib.import_module("ops.mla_decode")     # (ops.mla_decode is also the op's name)
     from ops._workspace import arrival_counters
 
@@ -1328,7 +1331,7 @@ def test_gpu_persistent_pieces_match_the_reference(monkeypatch, b, s_q, h_q, len
     q, kv, table, seqlens = make_inputs(b, s_q, h_q, lens, page=page, device="cuda")
     scale = D ** -0.5
     sched = mla.get_mla_schedule(seqlens, s_q, h_q, table.shape[1] * page // 64, batch_invariant=invariant)
-    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True, merge=True)
+    tiling = dict(block_n=64, stages=2, seesaw=True, persistent=True, merge=True, **variant)
     run = lambda: mla._mla_decode_impl(q, kv, table, seqlens, scale, True, sched, tiling=tiling)  # noqa: E731
     out, lse = run()
     assert_matches_reference(out, lse, q, kv, table, seqlens, scale)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 79, call 4 (FlashMLA build prefix; ~6 min; after 1-mla-stageout-default.sh): the decode and balance presets
-# with the op (stage_out), the direct stores, kv_first, out_tma and FlashMLA (call 1 of session 79, H100: decode h_q 64
+# with the op (stage_out), the direct stores, kv_first, out_tma, both, the cut deal merged in the kernel (tilecraft-merge,
+# with stage_out; lost 7-10% in session 76) and FlashMLA (call 1 of session 79, H100: decode h_q 64
 # stage_out 220.5 vs the direct 223.3 vs FlashMLA 233.2 us; balance 1.062 / 0.973 / 1.069x FlashMLA). Ask for an H200:
 # the issue's rows there (the top table holds session 77's H200 numbers).
 set -uo pipefail
@@ -10,6 +11,6 @@ nvidia-smi --query-gpu=name,uuid,power.limit --format=csv,noheader
 [ -n "${WAIT_FOR_FILE:-}" ] && for _ in $(seq 200); do [ -e "$WAIT_FOR_FILE" ] && break; sleep 1; done
 for shape in decode balance h128; do
   timeout 170 python3 -m bench.op mla --shape $shape --out "$out" --graph --flush read --jobs 6 \
-    --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,tilecraft-kvfirst-outtma,flash_mla > $log/$shape.txt 2>&1
+    --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,tilecraft-kvfirst-outtma,tilecraft-merge,flash_mla > $log/$shape.txt 2>&1
   grep -E "^b=" $log/$shape.txt | cut -c1-150
 done

@@ -204,13 +204,13 @@ def out_tma(case, i):
     return tilecraft_variant(case, i, dict(tiling, out_tma=True))
 
 
-def kv_first(case, i, **options):
-    """The op's tiling with kv_first=True (persistent at 128+ rows: the next piece's first steps load under the
-    epilogue, its query after it; bench/NOTES.md "Session 79"); options: out_tma=True too."""
+def persistent_op(case, i, **options):
+    """The op's tiling (the persistent kernel at 128+ rows) with options: kv_first=True (the next piece's first steps
+    load under the epilogue, its query after it; bench/NOTES.md "Session 79"), out_tma, merge (the cut deal)."""
     tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
     if not tiling.get("persistent"):
-        raise ValueError(f"kv_first is built for the persistent kernel (128+ rows), not {case['s_q'] * case['h_q']}")
-    return tilecraft_variant(case, i, dict(tiling, kv_first=True, **options))
+        raise ValueError(f"{options} is built for the persistent kernel (128+ rows), not {case['s_q'] * case['h_q']}")
+    return tilecraft_variant(case, i, dict(tiling, **options))
 
 
 def persistent(case, i, **options):
@@ -287,10 +287,13 @@ SUITE = Suite(
         # the op's tiling with the accumulator stored directly, not staged in the query tiles (NOTES "Session 79")
         Provider("tilecraft-direct", direct, experimental=True),
         # ... and the next piece's first steps issued before its query, under the epilogue (NOTES "Session 79")
-        Provider("tilecraft-kvfirst", kv_first, experimental=True),
+        Provider("tilecraft-kvfirst", lambda c, i: persistent_op(c, i, kv_first=True), experimental=True),
         # ... or the staged output out by TMA stores (NOTES "Session 79")
         Provider("tilecraft-outtma", out_tma, experimental=True),
-        Provider("tilecraft-kvfirst-outtma", lambda c, i: kv_first(c, i, out_tma=True), experimental=True),
+        Provider("tilecraft-kvfirst-outtma", lambda c, i: persistent_op(c, i, kv_first=True, out_tma=True),
+                 experimental=True),
+        # the op's tiling over the cut deal, merged in the kernel (NOTES "Session 76"; re-measured with stage_out)
+        Provider("tilecraft-merge", lambda c, i: persistent_op(c, i, merge=True), experimental=True),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
