@@ -1207,8 +1207,8 @@ def pick_tiling(rows: int, kv_format: str = "bf16", target: str = "cuda:sm_90a",
     with pages of 64+ tokens: the persistent seesaw with lazy rescaling (H100: 0.92-0.96x FlashMLA where the
     two-warpgroup schedule was 0.86-0.95x, bench/NOTES.md "Session 73" and "Session 74"). The bf16 cache in the
     default operand order on sm_90a with pages of 64+ tokens stages its output through the query tiles (stage_out;
-    H100, session 79: at
-    h_q 128 0.995 / 0.944 / 0.971x FlashMLA where the direct stores were 0.968 / 0.918 / 0.946x, 1.3% at h_q 64).
+    H100, session 79: at h_q 128 0.995 / 0.944 / 0.971x FlashMLA where the direct stores were 0.968 / 0.918 /
+    0.946x, 1.3% faster at h_q 64).
     On ascend:950 (codegen/lowering/ascend_attention.py) 64-token steps, 32 with the FP8 cache (the vector
     cores' UB)."""
     if targets.get(target).vendor == "ascend":
