@@ -1271,6 +1271,19 @@ def test_gpu_persistent_matches_seesaw_bitwise(monkeypatch, b, s_q, h_q, lens, p
     assert_graph_replay_gives(run, ref_out, ref_lse)
 
 
+def test_kv_first_issues_the_next_steps_before_the_query():
+    """kv_first (tile.Units.steps_first): the producer issues a unit's first steps, then waits for the last unit's
+    epilogue (q_empty) and issues the query, then the rest; without it the query goes first (traced, no lowering)."""
+    def producer_order(**extra):
+        prim, _ = mla_decode_program.traced("sm_90a", dict(h_q=128, s_q=1, **pick_tiling(128, "bf16", "sm_90a", 64),
+                                                           **extra))
+        ir = prim.script()
+        return [m.group(1) for m in re.finditer(r"T\.tma_copy\(T\.region\((KV|Q)\[", ir)]
+
+    assert producer_order() == ["Q"] * 3 + ["KV"] * 3
+    assert producer_order(kv_first=True) == ["KV"] * 3 + ["Q"] * 3 + ["KV"] * 3
+
+
 def test_out_tma_stores_whole_tiles_by_tma():
     """out_tma: a whole staged tile leaves by TMA stores of the query tile's boxes, one elected thread issuing them and
     waiting until they have read it, after every writer's proxy fence and the warpgroup's barrier (a tile with padding
