@@ -1225,13 +1225,15 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
         for x in T.serial(units.end - units.begin):
             u.load(units.begin + x)
             if units.steps_first:
-                # the query tiles are free only after the last unit's epilogue: its first steps go first, loading
-                # under the epilogue (their slots are released by the last P V), then the query
-                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, T.min(unit.steps, stages))
+                # the query tiles are free only after the last unit's epilogue: its first whole steps go first,
+                # loading under the epilogue (their slots are released by the last P V), then the query, then the
+                # rest. Not a tail step: its arrival on the one tail barrier could complete the phase after the one
+                # that the last unit's tail step has not yet been waited on (q_empty comes after that wait)
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, _whole_ahead(unit, stages, block_n))
                 T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)
                 _issue_query(u.query(), q, sw.q_full[0])
                 _stamp(trace, cnt.J[0], "prod q issue")
-                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, T.min(unit.steps, stages),
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, _whole_ahead(unit, stages, block_n),
                                  unit.steps)
             else:
                 T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)      # the last unit's query is read
@@ -1269,6 +1271,11 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         if units.query_staging:     # the epilogue's reads of its staging (the query tiles) are done
             T.mbarrier_arrive(sw.q_empty[0])
         _advance(unit, block_n, cnt)
+
+
+def _whole_ahead(unit, stages, block_n):
+    # steps_first: how many of the unit's first steps load before its query (at most `stages`, none a tail step)
+    return T.max(T.min(T.min(unit.steps, stages), unit.valid_rows // block_n), 0)
 
 
 def _issue_query(copies, q, bar):
