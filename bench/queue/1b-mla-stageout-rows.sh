@@ -14,3 +14,7 @@ for shape in decode balance h128; do
     --providers tilecraft,tilecraft-direct,tilecraft-kvfirst,tilecraft-outtma,tilecraft-kvfirst-outtma,tilecraft-merge,flash_mla > $log/$shape.txt 2>&1
   grep -E "^b=" $log/$shape.txt | cut -c1-150
 done
+# the FP8 cache at 64 / 128 heads (the default operand order) with stage_out (its GPU test passed in session 79)
+timeout 150 python3 -m bench.op mla --shape decode --out "$out" --graph --flush read --jobs 4 \
+  --providers tilecraft-fp8,tilecraft-fp8-stageout > $log/fp8.txt 2>&1
+grep -E "^b=.*h_q=(64|128)" $log/fp8.txt | cut -c1-150

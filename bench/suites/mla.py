@@ -106,6 +106,22 @@ def tilecraft_fp8(case, i, combine=None, **knobs):
                                     combine_lanes=combine_lanes(combine, sched.max_splits))
 
 
+def fp8_staged(case, i):
+    """The FP8 cache through the op's tiling with stage_out=True (the output through the query tiles, 16 bytes a thread;
+    bench/NOTES.md "Session 79"), where that tiling is the default operand order (> 32 rows: h_q 64 and 128), with the
+    op's FP8 schedule; its GPU test passed at 64 rows, never benched."""
+    tiling = pick_tiling(case["s_q"] * case["h_q"], "fp8", "sm_90a", PAGE)
+    if tiling.get("swapped") or tiling.get("rows64") or tiling.get("register_fp8"):
+        raise ValueError(f"the FP8 cache at {case['s_q'] * case['h_q']} rows is not in the default operand order")
+    if "kv8" not in i:
+        i["kv8"] = ops.quantize_mla_kv_fp8(i["kv"])
+    sched = get_mla_schedule(i["lens"], case["s_q"], case["h_q"], i["table"].shape[1], kv_format="fp8")
+    run = lambda: _mla_decode_impl(i["q"], i["kv8"], i["table"], i["lens"], i["scale"], True, sched,  # noqa: E731
+                                   tiling=dict(tiling, stage_out=True), kv_format="fp8")
+    run()                                        # compiles (or says why this shape cannot take it)
+    return run
+
+
 def tilecraft_variant(case, i, tiling):
     """A kernel variant the op does not choose yet (bench/NOTES.md "MLA v9"), forced by its tiling;
     the FP8 cache when tiling says kv_format="fp8"."""
@@ -294,6 +310,7 @@ SUITE = Suite(
                  experimental=True),
         # the op's tiling over the cut deal, merged in the kernel (NOTES "Session 76"; re-measured with stage_out)
         Provider("tilecraft-merge", lambda c, i: persistent_op(c, i, merge=True), experimental=True),
+        Provider("tilecraft-fp8-stageout", fp8_staged, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-raw-rope", lambda c, i: fp8_swapped_with(c, i, rope_direct=False), experimental=True,
