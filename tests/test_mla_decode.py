@@ -1166,12 +1166,12 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", fp8)) < 220 * 1024
     with pytest.raises(ValueError, match="sm_90a only"):
         mla_decode_program.source("sm_100a", h_q=16, s_q=1, swapped=True)
-    # (the 16-row build is the op's: test_sm_90a_pipeline_structure[bf16-16-1] checks its SASS)
-    assert src == mla_decode_program.source("sm_90a", h_q=16, s_q=1, **pick_tiling(16, "bf16", "sm_90a"))
     try:
-        st8 = sass_stats(build_cubin(fp8, "sm_90a"), "sm_90a")
+        st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
+    assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
+    st8 = sass_stats(build_cubin(fp8, "sm_90a"), "sm_90a")
     assert st8.histogram.get("HGMMA", 0) > 0 and st8.spill_stores == 0
     st32 = sass_stats(build_cubin(src32, "sm_90a"), "sm_90a")
     assert st32.histogram.get("HGMMA", 0) > 0 and st32.spill_stores == 0
