@@ -202,31 +202,16 @@ def seesaw(case, i, **options):
     return tilecraft_variant(case, i, tiling)
 
 
-def direct(case, i):
-    """The op's own bf16 tiling without stage_out (the op before session 79: each thread stores its accumulator's
-    values, 4 bytes of 8 rows a warp instruction); not for the swapped kernel (<= 32 rows), which never stages."""
+def op_variant(case, i, needs, without=(), **options):
+    """The op's own bf16 tiling where it holds `needs` ("stage_out": the default operand order, > 32 rows;
+    "persistent": 128+ rows), less the keys `without`, plus `options` (bench/NOTES.md "Session 79"): without
+    stage_out, the op before session 79 (each thread stores its accumulator's values); out_tma (the staged tiles out
+    by TMA stores); kv_first (the next piece's first steps load under the epilogue, its query after it); merge (the
+    cut deal, merged in the kernel)."""
     tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
-    if not tiling.get("stage_out"):
-        raise ValueError(f"the op does not stage its output at {case['s_q'] * case['h_q']} rows (swapped operands)")
-    return tilecraft_variant(case, i, {k: v for k, v in tiling.items() if k != "stage_out"})
-
-
-def out_tma(case, i):
-    """The op's bf16 tiling with out_tma=True where it stages its output (the staged tiles out by TMA stores, one
-    thread issuing them; bench/NOTES.md "Session 79")."""
-    tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
-    if not tiling.get("stage_out"):
-        raise ValueError(f"the op does not stage its output at {case['s_q'] * case['h_q']} rows (swapped operands)")
-    return tilecraft_variant(case, i, dict(tiling, out_tma=True))
-
-
-def persistent_op(case, i, **options):
-    """The op's tiling (the persistent kernel at 128+ rows) with options: kv_first=True (the next piece's first steps
-    load under the epilogue, its query after it; bench/NOTES.md "Session 79"), out_tma, merge (the cut deal)."""
-    tiling = pick_tiling(case["s_q"] * case["h_q"], "bf16", "sm_90a", PAGE)
-    if not tiling.get("persistent"):
-        raise ValueError(f"{options} is built for the persistent kernel (128+ rows), not {case['s_q'] * case['h_q']}")
-    return tilecraft_variant(case, i, dict(tiling, **options))
+    if not tiling.get(needs):
+        raise ValueError(f"the op's tiling at {case['s_q'] * case['h_q']} rows has no {needs} ({tiling})")
+    return tilecraft_variant(case, i, {**{k: v for k, v in tiling.items() if k not in without}, **options})
 
 
 def persistent(case, i, **options):
@@ -301,15 +286,16 @@ SUITE = Suite(
         Provider("tilecraft-persistent-earlyq", lambda c, i: persistent(c, i, lazy=8.0, early_q=True),
                  experimental=True),
         # the op's tiling with the accumulator stored directly, not staged in the query tiles (NOTES "Session 79")
-        Provider("tilecraft-direct", direct, experimental=True),
+        Provider("tilecraft-direct", lambda c, i: op_variant(c, i, "stage_out", without=("stage_out",)),
+                 experimental=True),
         # ... and the next piece's first steps issued before its query, under the epilogue (NOTES "Session 79")
-        Provider("tilecraft-kvfirst", lambda c, i: persistent_op(c, i, kv_first=True), experimental=True),
+        Provider("tilecraft-kvfirst", lambda c, i: op_variant(c, i, "persistent", kv_first=True), experimental=True),
         # ... or the staged output out by TMA stores (NOTES "Session 79")
-        Provider("tilecraft-outtma", out_tma, experimental=True),
-        Provider("tilecraft-kvfirst-outtma", lambda c, i: persistent_op(c, i, kv_first=True, out_tma=True),
+        Provider("tilecraft-outtma", lambda c, i: op_variant(c, i, "stage_out", out_tma=True), experimental=True),
+        Provider("tilecraft-kvfirst-outtma", lambda c, i: op_variant(c, i, "persistent", kv_first=True, out_tma=True),
                  experimental=True),
         # the op's tiling over the cut deal, merged in the kernel (NOTES "Session 76"; re-measured with stage_out)
-        Provider("tilecraft-merge", lambda c, i: persistent_op(c, i, merge=True), experimental=True),
+        Provider("tilecraft-merge", lambda c, i: op_variant(c, i, "persistent", merge=True), experimental=True),
         Provider("tilecraft-fp8-stageout", fp8_staged, experimental=True, nbytes=nbytes_fp8),
         Provider("tilecraft-fp8-staged", lambda c, i: fp8_swapped_with(c, i, stage_raw=True), experimental=True,
                  nbytes=nbytes_fp8),

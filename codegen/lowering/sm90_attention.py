@@ -1224,22 +1224,13 @@ def _seesaw_units(units, u, unit, q, kv, v, scale, f0, f1, sw, stages, col1, blo
         T.set_max_nreg(SEESAW_PRODUCER_REGS, 0)
         for x in T.serial(units.end - units.begin):
             u.load(units.begin + x)
-            if units.steps_first:
-                # the query tiles are free only after the last unit's epilogue: its first whole steps go first,
-                # loading under the epilogue (their slots are released by the last P V), then the query, then the
-                # rest. Not a tail step: its arrival on the one tail barrier could complete the phase after the one
-                # that the last unit's tail step has not yet been waited on (q_empty comes after that wait)
-                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, _whole_ahead(unit, stages, block_n))
-                T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)
-                _issue_query(u.query(), q, sw.q_full[0])
-                _stamp(trace, cnt.J[0], "prod q issue")
-                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, _whole_ahead(unit, stages, block_n),
-                                 unit.steps)
-            else:
-                T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)      # the last unit's query is read
-                _issue_query(u.query(), q, sw.q_full[0])
-                _stamp(trace, cnt.J[0], "prod q issue")
-                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, unit.steps)
+            if units.steps_first:       # (the steps before the query: _ahead)
+                _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, 0, _ahead(units, unit, stages, block_n))
+            T.mbarrier_wait_parity(sw.q_empty[0], (cnt.done[0] % 2) ^ 1)          # the last unit's query is read
+            _issue_query(u.query(), q, sw.q_full[0])
+            _stamp(trace, cnt.J[0], "prod q issue")
+            _seesaw_producer(unit, _unit_at(cnt), kv, v, sw, stages, trace, _ahead(units, unit, stages, block_n),
+                             unit.steps)
             _advance(unit, block_n, cnt)
 
 
@@ -1273,9 +1264,13 @@ def _seesaw_units_mma(n, units, u, unit, q, kv, v, scale, f, sw, stages, col, bl
         _advance(unit, block_n, cnt)
 
 
-def _whole_ahead(unit, stages, block_n):
-    # steps_first: how many of the unit's first steps load before its query (at most `stages`, none a tail step)
-    return T.max(T.min(T.min(unit.steps, stages), unit.valid_rows // block_n), 0)
+def _ahead(units, unit, stages, block_n):
+    # how many of the unit's first steps the producer issues before its query: none, or with Units.steps_first (the
+    # query tiles are free only after the last unit's epilogue) its first whole steps, at most `stages`, loading under
+    # that epilogue (their slots are released by the last P V). Not a tail step: its arrival on the one tail barrier
+    # could complete the phase after the one that the last unit's tail step has not been waited on yet (q_empty
+    # comes after that wait)
+    return T.max(T.min(T.min(unit.steps, stages), unit.valid_rows // block_n), 0) if units.steps_first else 0
 
 
 def _issue_query(copies, q, bar):
