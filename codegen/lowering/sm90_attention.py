@@ -1187,7 +1187,7 @@ def _seesaw_warpgroups(unit, q, kv, v, scale, f0, f1, sw, stages, col1, trace):
 # last one's epilogue; with Units.early_query right after each warpgroup's last scores, so the query
 # loads under the last P V too and the next unit's steps follow as their slots are released; with
 # Units.query_staging after the epilogue, which used the query tiles to stage its output (with steps_first the
-# next unit's first `stages` steps are issued before it, loading under the epilogue).
+# next unit's first whole steps, at most `stages`, are issued before it, loading under the epilogue: _ahead).
 
 @dataclass(frozen=True)
 class _Counts:
