@@ -65,6 +65,7 @@ from typing import Any
 import tilelang.language as T
 
 from codegen.lowering.common import online_softmax
+from codegen.lowering.cuda import reciprocal
 from codegen.lowering.sm90 import check_register_split
 from codegen.rules import register
 from codegen.tile import emit, require_pass_configs, state
@@ -790,7 +791,14 @@ def _mma_wg0_t(steps, q, kv, v0, valid_rows, visible, scale, acc_st, st_s, sc, p
         T.mbarrier_arrive(empty[slot])
         _stamp(trace, k, "wg0 PV+empty")
     T.copy(m_i, dst(m_s))
-    T.copy(l_i, dst(l_s))
+    T.copy(l_i, dst(l_s[0]))
+    T.sync_threads(WG0_BAR, WG)
+    # 1 / l once a row for both warpgroups' epilogues (0 where a row saw no token), a thread a row: per
+    # element, each division or reciprocal is a sequence with its own slow-path call (64 a thread at 16 rows;
+    # bench/NOTES.md "Session 80")
+    l_sum, l_inv = l_s                                                # (windows of st_s)
+    for i in T.Parallel(l_sum.n):
+        st_s[l_inv.off + i] = T.if_then_else(l_sum[i] > 0.0, reciprocal(l_sum[i]), 0.0)
     T.sync_threads(WG0_BAR, WG)
     T.mbarrier_arrive(stats[0])
     _epilogues(epilogue, o0, cols0, l_s, m_s, True)
@@ -972,10 +980,12 @@ def _swapped(steps, loads, q, kv, kv_s, raw_s, value, v, valid_rows, visible, sc
     # in words the KB rounding leaves spare at 16 and 32 rows: tiles of their own would take a KB each
     # (TileLang 0.1.15 starts every buffer on one), and the FP8 cache's kernel at 32 rows would not fit
     # (bench/NOTES.md "Session 34"; attention_loop allocates no alpha tile for this kernel)
+    # (and 1 / l: 4 x block_m words, the same KB count at 16 and 32 rows)
     hand = block_n * (block_m + 1)
-    st_s = T.alloc_shared((-(-(hand + 3 * block_m) // 256) * 256,), "float32")
+    st_s = T.alloc_shared((-(-(hand + 4 * block_m) // 256) * 256,), "float32")
     sc = T.alloc_fragment((block_m, block_n), "float32")             # S (rows x tokens) for the softmax
-    alpha_s, l_s, m_s = (_Window(st_s, hand + n * block_m, block_m) for n in range(3))
+    alpha_s, l_sum, m_s, l_inv = (_Window(st_s, hand + n * block_m, block_m) for n in range(4))
+    l_s = (l_sum, l_inv)                                             # l and 1 / l, both read by the epilogues
     # the value parts: the first half WG0's, the second WG1's; O^T of each
     halves = (v[:len(v) // 2], v[len(v) // 2:])
     o0, o1 = ([T.alloc_fragment((kv[p][1], block_m), "float32") for p in h] for h in halves)
