@@ -37,11 +37,11 @@ timeout 150 python3 -m bench.op mla --shape h128 --out "$out" --graph --flush re
   > $log/h128.txt 2>&1
 grep -E "^b=" $log/h128.txt | cut -c1-150
 echo "h128 done at $((SECONDS - t0)) s"
-timeout 120 python3 -m bench.op mla --shape decode --out "$out" --graph --flush read --jobs 8 \
+[ $((SECONDS - t0)) -lt $((${BUDGET:-575} - 100)) ] && timeout 120 python3 -m bench.op mla --shape decode --out "$out" --graph --flush read --jobs 8 \
   --providers tilecraft,tilecraft-direct,flash_mla > $log/decode.txt 2>&1
 grep -E "^b=" $log/decode.txt | cut -c1-150
 echo "decode done at $((SECONDS - t0)) s"
-left=$((575 - (SECONDS - t0)))
+left=$((${BUDGET:-575} - (SECONDS - t0)))
 [ $left -gt 40 ] && timeout $left python3 -m bench.trace_mla bf16-128-persistent bf16-128-persistent-kvfirst \
   bf16-128-persistent-outtma > $log/trace.txt 2>&1
 grep -E "^==|persistent, pairs|wg0 (ready|sums|stored|q_full) .*pairs 29|timeline" $log/trace.txt | cut -c1-250
