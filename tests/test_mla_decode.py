@@ -1142,7 +1142,8 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
     and O^T on WGMMA m64n16 (the PV with an MN-major A) or m64n32 for 17-32 rows, no spills; more
     rows than fit in shared memory (32 with a bf16 cache; 16 with an FP8 one, 32 with its rope direct),
     or a target without
-    the swapped rule, is a clear error."""
+    the swapped rule, is a clear error. The epilogue takes 1 / l once a row (one reciprocal in the source,
+    no IEEE division's FCHK in the SASS: it divided each element before session 80)."""
     from backends import ToolchainError
     from backends.cuda.sass import build_cubin, sass_stats
 
@@ -1170,11 +1171,11 @@ def test_swapped_mla_program_lowers_on_sm90a_only():
         st = sass_stats(build_cubin(src, "sm_90a"), "sm_90a")
     except ToolchainError as e:
         pytest.skip(f"CUDA 13 tools missing: {e}")
-    assert st.histogram.get("HGMMA", 0) > 0 and st.spill_stores == 0
     st8 = sass_stats(build_cubin(fp8, "sm_90a"), "sm_90a")
-    assert st8.histogram.get("HGMMA", 0) > 0 and st8.spill_stores == 0
     st32 = sass_stats(build_cubin(src32, "sm_90a"), "sm_90a")
-    assert st32.histogram.get("HGMMA", 0) > 0 and st32.spill_stores == 0
+    for text, stats in ((src, st), (fp8, st8), (src32, st32)):
+        assert stats.histogram.get("HGMMA", 0) > 0 and stats.spill_stores == 0
+        assert text.count("__frcp_rn(") == 1 and stats.histogram.get("FCHK", 0) == 0, stats.histogram
 
 
 @pytest.mark.gpu
