@@ -396,11 +396,11 @@ def mla_decode_program(h_q: int, s_q: int, page: int = 64, dtype: str = "bfloat1
                                                                                      neg_inf)  # base 2
 
     @T.macro
-    def epilogue_t(o_t, col0, l_s, m_s, stats, Out, Lse, OPart, LsePart, bi, si, splits, max_splits):
-        # swapped: o_t (columns col0.., query rows) unnormalized; l_s the row sums and their reciprocals (0
+    def epilogue_t(o_t, col0, l_pair, m_s, stats, Out, Lse, OPart, LsePart, bi, si, splits, max_splits):
+        # swapped: o_t (columns col0.., query rows) unnormalized; l_pair the row sums and their reciprocals (0
         # where a row saw no token), m_s the maxima, in shared memory (log2 domain); one tile of block_m rows
         # (mt = 0). o * (1 / l): the bits of epilogue()'s
-        l_s, inv_s = l_s
+        l_s, inv_s = l_pair
         for j, i in tile.parallel(o_t.shape[0], block_m):
             o_t[j, i] = T.if_then_else(l_s[i] > 0.0, o_t[j, i] * inv_s[i], 0.0)
         if si < splits:
